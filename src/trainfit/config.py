@@ -1,0 +1,506 @@
+"""One typed schema for a trainfit run: loaded from TOML, overridden by `--section.field=value`.
+
+Pure Python (no torch import) so that `trainfit estimate` and the planner stay instant.
+Every field carries an attribute docstring; `trainfit train --help` shows them. Every invalid
+value raises `ConfigError` naming the field, the value and the fix, before any work starts.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+PrecisionMode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure", "fp8-mixed"]
+OptimizerName = Literal["adamw", "adam", "sgd", "adamw-8bit"]
+LRSchedule = Literal["cosine", "linear", "constant"]
+ACPolicy = Literal["none", "selective", "full"]
+Device = Literal["auto", "cpu", "cuda"]
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names field, value and fix."""
+
+
+def _fail(field_name: str, value: Any, fix: str) -> None:
+    raise ConfigError(f"{field_name}={value!r}: {fix}")
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    """Named size (see `trainfit.models.presets`), a path to an HF config.json, or "" to give every
+    dimension explicitly. Fields set explicitly below override the preset's values."""
+    family: Literal["llama", "gpt2"] | None = None
+    """Block family: llama (RMSNorm, RoPE, GQA, SwiGLU; MoE when num_experts > 0) or gpt2."""
+    dim: int | None = None
+    """Hidden size (d_model)."""
+    num_layers: int | None = None
+    """Number of transformer blocks."""
+    num_heads: int | None = None
+    """Attention (query) heads; must divide dim."""
+    num_kv_heads: int | None = None
+    """Key/value heads (GQA); must divide num_heads. Defaults to num_heads."""
+    ffn_dim: int | None = None
+    """Hidden size of the dense MLP."""
+    vocab_size: int | None = None
+    """Embedding rows; must be >= the tokenizer's vocabulary."""
+    max_seq_len: int | None = None
+    """Longest sequence the model supports (RoPE table / GPT-2 position embeddings)."""
+    norm_eps: float | None = None
+    """Epsilon of RMSNorm / LayerNorm."""
+    rope_theta: float | None = None
+    """RoPE base frequency (llama family)."""
+    tie_embeddings: bool | None = None
+    """Share the token embedding with the output projection."""
+    qkv_bias: bool | None = None
+    """Bias on the query/key/value projections (Qwen2 family); GPT-2 has biases everywhere."""
+    num_experts: int | None = None
+    """Routed experts per MoE layer; 0 means a dense model."""
+    experts_per_token: int | None = None
+    """Routed experts each token is sent to (top-k)."""
+    num_shared_experts: int | None = None
+    """Experts every token passes through, beside the routed ones."""
+    expert_ffn_dim: int | None = None
+    """Hidden size of each expert's MLP; defaults to ffn_dim."""
+    router_aux_loss_coef: float | None = None
+    """Weight of the load-balancing auxiliary loss added to the training loss (MoE only)."""
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 300
+    """Optimizer steps to run."""
+    seq_len: int = 128
+    """Tokens per training sequence; must be <= model.max_seq_len."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward pass on one rank."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step across all ranks; gradient accumulation =
+    global_batch_size / (micro_batch_size x data-parallel degree)."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after warmup."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine/linear schedule."""
+    warmup_steps: int = 30
+    """Steps of linear warmup from 0 to lr."""
+    lr_schedule: LRSchedule = "cosine"
+    """Decay after warmup: cosine, linear or constant."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay; never applied to norms, biases or embeddings of size 1 dims."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 1337
+    """Seed of the weights, the data order and every random stream."""
+    eval_interval: int = 50
+    """Compute the validation loss every this many steps (and at the end); 0 disables it."""
+    eval_steps: int = 10
+    """Validation batches averaged per evaluation."""
+    device: Device = "auto"
+    """Where to train: auto picks cuda when available, else cpu."""
+
+
+@dataclass
+class PrecisionConfig:
+    mode: PrecisionMode = "fp32"
+    """fp32 | bf16-mixed (fp32 master weights, bf16 autocast) | fp16-mixed (plus dynamic loss
+    scaling, inf/nan steps skipped) | bf16-pure (bf16 weights and optimizer) | fp8-mixed."""
+
+
+@dataclass
+class OptimizerConfig:
+    name: OptimizerName = "adamw"
+    """adamw | adam | sgd (with momentum) | adamw-8bit."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam's beta1, beta2 (on the command line: --optimizer.betas=0.9,0.95)."""
+    eps: float = 1e-8
+    """Adam's epsilon."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    fused: bool = False
+    """Use the fused optimizer kernel where the device has one (CUDA)."""
+    foreach: bool = True
+    """Use the multi-tensor (foreach) implementation."""
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP / the replicate axis of HSDP)."""
+    dp_shard: int = 1
+    """Data-parallel shards (FSDP axis); -1 derives it from hardware.num_gpus."""
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """0 replicated (DDP), 1 optimizer states sharded, 2 + gradients, 3 + parameters (FSDP)."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    sequence_parallel: bool = False
+    """Shard norms and dropout along the sequence under tensor parallelism."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
+    """Pipeline schedule."""
+    num_microbatches: int = 0
+    """Pipeline micro-batches per step; 0 derives it from the gradient accumulation."""
+    cp: int = 1
+    """Context-parallel degree (the sequence split across ranks)."""
+    ep: int = 1
+    """Expert-parallel degree for MoE (carved out of the data-parallel ranks)."""
+
+
+@dataclass
+class MemoryConfig:
+    activation_checkpointing: ACPolicy = "none"
+    """none | selective (keep matmul outputs, recompute the rest) | full (recompute whole blocks)."""
+    ac_every_n_layers: int = 1
+    """Apply the checkpointing policy to every n-th block only (1 = all blocks)."""
+    offload: Literal["none", "optimizer", "optimizer+params"] = "none"
+    """Keep optimizer states (and parameters) in host memory."""
+    chunked_loss: bool = False
+    """Compute logits and cross-entropy in sequence chunks so full logits never exist at once."""
+
+
+@dataclass
+class HardwareConfig:
+    gpu: str = "cpu"
+    """Device model from the catalog (trainfit.hardware), used for MFU and estimates."""
+    num_gpus: int = 1
+    """Devices in the job."""
+    gpus_per_node: int = 8
+    """Devices per node (decides which collectives cross the inter-node link)."""
+    peak_tflops: float = 0.0
+    """Override the catalog's dense peak TFLOP/s for the run's precision (0 = use the catalog)."""
+    memory_gib: float = 0.0
+    """Override the catalog's device memory in GiB (0 = use the catalog)."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """A text file, a folder of .txt/.jsonl files, or a folder of prepared token shards;
+    "" uses the Shakespeare slice packaged with trainfit."""
+    tokenizer: str = "bytes"
+    """bytes (256 symbols) | a tokenizer.json path | train (fit a BPE on the corpus)."""
+    bpe_vocab_size: int = 4096
+    """Vocabulary of the BPE trained when tokenizer=train."""
+    val_fraction: float = 0.05
+    """Fraction of the tokens held out for validation (the tail of the corpus)."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "runs/default/checkpoints"
+    """Where checkpoints are written (one step_XXXXXXXX folder each)."""
+    interval: int = 100
+    """Save every this many steps (and at the end); 0 saves only at the end."""
+    keep_last: int = 2
+    """Checkpoints kept on disk; older ones are deleted after a successful save."""
+    resume: str = "auto"
+    """auto (latest checkpoint in dir, if any) | never | a checkpoint folder path."""
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = "runs/default"
+    """Where metrics.jsonl (and TensorBoard events) are written."""
+    interval: int = 10
+    """Log metrics every this many steps."""
+    tensorboard: bool = False
+    """Also write TensorBoard events (needs the tensorboard package)."""
+    memory_interval: int = 0
+    """Measure peak memory per operator every this many steps (0 = on the first logged step only)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def dp_degree(self) -> int:
+        return self.parallel.dp_replicate * self.parallel.dp_shard
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.training.global_batch_size // (self.training.micro_batch_size * self.dp_degree)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+# ---------------------------------------------------------------- loading and overrides
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (or the defaults), apply `section.field=value` overrides, resolve, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist: pass an existing .toml path")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: not valid TOML ({err})") from err
+    for item in overrides or []:
+        key, value = _split_override(item)
+        section, name = key.split(".", 1)
+        raw.setdefault(section, {})[name] = _parse_cli_value(key, value)
+    cfg = config_from_dict(raw)
+    resolve_and_validate(cfg)
+    return cfg
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Build a Config from nested dicts, rejecting unknown keys and wrong types."""
+    sections = {}
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            _fail(section, "<section>", f"unknown section; {_suggest(section, SECTIONS)}")
+        if not isinstance(values, dict):
+            _fail(section, values, "must be a table of fields, e.g. [training] steps = 10")
+        sections[section] = _build_section(section, SECTIONS[section], values)
+    return Config(**sections)
+
+
+def _section_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
+    hints = _section_hints(cls)
+    kwargs = {}
+    for name, value in values.items():
+        if name not in hints:
+            _fail(f"{section}.{name}", value, f"unknown field; {_suggest(name, hints)}")
+        kwargs[name] = _coerce(f"{section}.{name}", value, hints[name])
+    return cls(**kwargs)
+
+
+def _suggest(name: str, known: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    if close:
+        return f"did you mean {close[0]!r}?"
+    return "valid names: " + ", ".join(sorted(known))
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check a TOML/CLI value against a field's type hint; ints are accepted for floats."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0])
+    if origin is Literal:
+        if value not in args:
+            _fail(key, value, "choose one of " + " | ".join(str(a) for a in args))
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            _fail(key, value, f"give {len(args)} values, e.g. [0.9, 0.95]")
+        return tuple(_coerce(key, v, a) for v, a in zip(value, args))
+    if hint is bool:
+        if not isinstance(value, bool):
+            _fail(key, value, "must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(key, value, "must be an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(key, value, "must be a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            _fail(key, value, "must be a string")
+        return value
+    raise AssertionError(f"unhandled type {hint} for {key}")
+
+
+def _split_override(item: str) -> tuple[str, str]:
+    text = item[2:] if item.startswith("--") else item
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"override {item!r}: write it as --section.field=value, e.g. --training.steps=30")
+    key, value = text.split("=", 1)
+    section, name = key.split(".", 1)
+    if section not in SECTIONS:
+        _fail(section, "<section>", f"unknown section; {_suggest(section, SECTIONS)}")
+    hints = _section_hints(SECTIONS[section])
+    if name not in hints:
+        _fail(key, value, f"unknown field; {_suggest(name, hints)}")
+    return key, value
+
+
+def _parse_cli_value(key: str, text: str) -> Any:
+    """Turn command-line text into the field's Python type."""
+    section, name = key.split(".", 1)
+    hint = _section_hints(SECTIONS[section])[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
+    if typing.get_origin(base) is Literal:
+        literal_types = {type(a) for a in typing.get_args(base)}
+        return int(text) if literal_types == {int} and text.lstrip("-").isdigit() else text
+    if typing.get_origin(base) is tuple:
+        return [_parse_scalar(key, part, float) for part in text.split(",")]
+    return _parse_scalar(key, text, base)
+
+
+def _parse_scalar(key: str, text: str, kind: Any) -> Any:
+    if text.lower() in ("none", "null") and kind is not str:
+        return None
+    try:
+        if kind is bool:
+            if text.lower() in ("true", "1", "yes", "on"):
+                return True
+            if text.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+    except ValueError:
+        _fail(key, text, f"must be a{'n integer' if kind is int else ' number' if kind is float else ' bool'}")
+    return text
+
+
+# ---------------------------------------------------------------- resolution and validation
+
+
+def resolve_and_validate(cfg: Config) -> None:
+    """Fill the model from its preset, then check every field and every combination."""
+    from trainfit.models.presets import resolve_model_config  # torch-free
+
+    resolve_model_config(cfg.model)
+    _validate_model(cfg.model)
+    _validate_training(cfg)
+    _validate_rest(cfg)
+
+
+def _validate_model(m: ModelConfig) -> None:
+    for name in ("dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+        value = getattr(m, name)
+        if value is None or value < 1:
+            _fail(f"model.{name}", value, "must be a positive integer (set it, or pick a model.preset)")
+    if m.dim % m.num_heads:
+        _fail("model.num_heads", m.num_heads, f"must divide model.dim={m.dim}")
+    if m.num_heads % m.num_kv_heads:
+        _fail("model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads={m.num_heads}")
+    if (m.dim // m.num_heads) % 2 and m.family == "llama":
+        _fail("model.num_heads", m.num_heads, "dim / num_heads must be even for RoPE")
+    if m.num_experts:
+        if m.family != "llama":
+            _fail("model.num_experts", m.num_experts, "MoE is supported for family=llama only")
+        if not 1 <= m.experts_per_token <= m.num_experts:
+            _fail("model.experts_per_token", m.experts_per_token,
+                  f"must be between 1 and model.num_experts={m.num_experts}")
+    if m.norm_eps <= 0:
+        _fail("model.norm_eps", m.norm_eps, "must be > 0")
+
+
+def _validate_training(cfg: Config) -> None:
+    t = cfg.training
+    for name in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "eval_steps"):
+        if getattr(t, name) < 1:
+            _fail(f"training.{name}", getattr(t, name), "must be >= 1")
+    for name in ("warmup_steps", "eval_interval"):
+        if getattr(t, name) < 0:
+            _fail(f"training.{name}", getattr(t, name), "must be >= 0")
+    if t.seq_len > cfg.model.max_seq_len:
+        _fail("training.seq_len", t.seq_len, f"must be <= model.max_seq_len={cfg.model.max_seq_len}")
+    per_step = t.micro_batch_size * cfg.dp_degree
+    if t.global_batch_size % per_step:
+        _fail("training.global_batch_size", t.global_batch_size,
+              f"must be a multiple of micro_batch_size x data-parallel degree = {per_step}")
+    if t.lr <= 0:
+        _fail("training.lr", t.lr, "must be > 0")
+    if not 0 <= t.min_lr <= t.lr:
+        _fail("training.min_lr", t.min_lr, f"must be between 0 and training.lr={t.lr}")
+    if t.weight_decay < 0:
+        _fail("training.weight_decay", t.weight_decay, "must be >= 0")
+    if t.grad_clip < 0:
+        _fail("training.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
+
+
+def _validate_rest(cfg: Config) -> None:
+    o = cfg.optimizer
+    if not all(0 <= b < 1 for b in o.betas):
+        _fail("optimizer.betas", o.betas, "each beta must be in [0, 1)")
+    if o.eps <= 0:
+        _fail("optimizer.eps", o.eps, "must be > 0")
+    if not 0 <= o.momentum < 1:
+        _fail("optimizer.momentum", o.momentum, "must be in [0, 1)")
+    p = cfg.parallel
+    for name in ("dp_replicate", "tp", "pp", "cp", "ep"):
+        if getattr(p, name) < 1:
+            _fail(f"parallel.{name}", getattr(p, name), "must be >= 1")
+    if p.dp_shard < 1 and p.dp_shard != -1:
+        _fail("parallel.dp_shard", p.dp_shard, "must be >= 1, or -1 to derive it from hardware.num_gpus")
+    if cfg.model.num_heads % p.tp:
+        _fail("parallel.tp", p.tp, f"must divide model.num_heads={cfg.model.num_heads}")
+    if cfg.model.num_kv_heads % p.tp:
+        _fail("parallel.tp", p.tp, f"must divide model.num_kv_heads={cfg.model.num_kv_heads}")
+    if cfg.model.num_layers % p.pp:
+        _fail("parallel.pp", p.pp, f"must divide model.num_layers={cfg.model.num_layers}")
+    if cfg.memory.ac_every_n_layers < 1:
+        _fail("memory.ac_every_n_layers", cfg.memory.ac_every_n_layers, "must be >= 1")
+    if not 0 < cfg.data.val_fraction < 1:
+        _fail("data.val_fraction", cfg.data.val_fraction, "must be between 0 and 1 (exclusive)")
+    if cfg.data.bpe_vocab_size < 257:
+        _fail("data.bpe_vocab_size", cfg.data.bpe_vocab_size, "must be > 256 (the byte alphabet)")
+    if cfg.checkpoint.interval < 0:
+        _fail("checkpoint.interval", cfg.checkpoint.interval, "must be >= 0 (0 saves only at the end)")
+    if cfg.checkpoint.keep_last < 1:
+        _fail("checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
+    if cfg.logging.interval < 1:
+        _fail("logging.interval", cfg.logging.interval, "must be >= 1")
+    if cfg.hardware.num_gpus < 1:
+        _fail("hardware.num_gpus", cfg.hardware.num_gpus, "must be >= 1")
+
+
+# ---------------------------------------------------------------- introspection
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a config dataclass (the string literal under each field)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def iter_fields() -> typing.Iterator[tuple[str, str, Any, str]]:
+    """(section, field, default, doc) for every field of every section, for --help."""
+    defaults = Config()
+    for section, cls in SECTIONS.items():
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            yield section, f.name, getattr(getattr(defaults, section), f.name), docs.get(f.name, "")
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain nested dict (tuples as lists), e.g. to store beside a checkpoint."""
+    return dataclasses.asdict(cfg)
