@@ -316,7 +316,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             _fail(key, value, f"give {len(args)} values, e.g. [0.9, 0.95]")
-        return tuple(_coerce(key, v, a) for v, a in zip(value, args))
+        return tuple(_coerce(key, v, a) for v, a in zip(value, args, strict=True))
     if hint is bool:
         if not isinstance(value, bool):
             _fail(key, value, "must be true or false")
@@ -379,7 +379,8 @@ def _parse_scalar(key: str, text: str, kind: Any) -> Any:
         if kind is float:
             return float(text)
     except ValueError:
-        _fail(key, text, f"must be a{'n integer' if kind is int else ' number' if kind is float else ' bool'}")
+        wanted = {int: "an integer", float: "a number"}.get(kind, "true or false")
+        _fail(key, text, f"must be {wanted}")
     return text
 
 
@@ -485,7 +486,7 @@ def field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
-    for node, nxt in zip(body, body[1:]):
+    for node, nxt in zip(body, body[1:], strict=False):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
             docs[node.target.id] = " ".join(str(nxt.value.value).split())

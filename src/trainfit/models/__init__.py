@@ -1,1 +1,42 @@
-"""models"""
+"""Model families and the one entry point that builds them.
+
+torch is imported inside the functions: `trainfit.config` imports `trainfit.models.presets`, and
+the config path and the analytic estimator must stay torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from trainfit.config import ConfigError, ModelConfig
+from trainfit.models.presets import resolve_model_config
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["build_model", "count_params"]
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """The model for `cfg` on the meta device (no memory). Materialize it with
+    `model.to_empty(device=...)` then `model.init_weights()` (or load weights after that)."""
+    import torch
+
+    cfg = resolve_model_config(dataclasses.replace(cfg))
+    with torch.device("meta"):
+        if cfg.family == "llama":
+            from trainfit.models.llama import Transformer
+
+            return Transformer(cfg)
+        if cfg.family == "gpt2":
+            from trainfit.models.gpt2 import GPT2
+
+            return GPT2(cfg)
+    raise ConfigError(f"model.family={cfg.family!r}: choose llama or gpt2")
+
+
+def count_params(model: nn.Module) -> int:
+    """Parameters counted once each (a tied embedding/output pair counts once); works on meta."""
+    unique = {id(p): p.numel() for _, p in model.named_parameters(remove_duplicate=False)}
+    return sum(unique.values())

@@ -21,6 +21,12 @@ DEFAULTS: dict[str, Any] = {
     "router_aux_loss_coef": 0.01,
 }
 
+
+def _gpt2(dim: int, num_layers: int, num_heads: int) -> dict[str, Any]:
+    return dict(family="gpt2", dim=dim, num_layers=num_layers, num_heads=num_heads, ffn_dim=4 * dim,
+                vocab_size=50257, max_seq_len=1024, tie_embeddings=True)
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Defaults of `trainfit train`: a char-level Llama of ~3M parameters that learns
     # Shakespeare on 2 CPU cores in about two minutes.
@@ -34,6 +40,58 @@ PRESETS: dict[str, dict[str, Any]] = {
                       num_shared_experts=1, expert_ffn_dim=64),
     "debug-gpt2": dict(family="gpt2", dim=64, num_layers=2, num_heads=4, ffn_dim=256,
                        vocab_size=256, max_seq_len=128, tie_embeddings=True),
+    # Official sizes, from each model's config.json on the HF hub.
+    # openai-community/gpt2{,-medium,-large,-xl}.
+    "gpt2": _gpt2(dim=768, num_layers=12, num_heads=12),
+    "gpt2-medium": _gpt2(dim=1024, num_layers=24, num_heads=16),
+    "gpt2-large": _gpt2(dim=1280, num_layers=36, num_heads=20),
+    "gpt2-xl": _gpt2(dim=1600, num_layers=48, num_heads=25),
+    # meta-llama/Llama-2-{7b,13b,70b}-hf.
+    "llama2-7b": dict(dim=4096, num_layers=32, num_heads=32, num_kv_heads=32, ffn_dim=11008,
+                      vocab_size=32000, max_seq_len=4096),
+    "llama2-13b": dict(dim=5120, num_layers=40, num_heads=40, num_kv_heads=40, ffn_dim=13824,
+                       vocab_size=32000, max_seq_len=4096),
+    "llama2-70b": dict(dim=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_dim=28672,
+                       vocab_size=32000, max_seq_len=4096),
+    # meta-llama/Meta-Llama-3-{8B,70B}.
+    "llama3-8b": dict(dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=14336,
+                      vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
+    "llama3-70b": dict(dim=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_dim=28672,
+                       vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
+    # meta-llama/Llama-3.1-405B. Its rope_scaling (type llama3, factor 8) is not modelled: the
+    # dimensions (and so memory and FLOPs) are exact, long-context numerics are not.
+    "llama3-405b": dict(dim=16384, num_layers=126, num_heads=128, num_kv_heads=8, ffn_dim=53248,
+                        vocab_size=128256, max_seq_len=131072, rope_theta=500000.0),
+    # mistralai/Mistral-7B-v0.1. Its 4096-token sliding window is ignored (full causal attention):
+    # identical for sequences up to 4096 tokens.
+    "mistral-7b": dict(dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=14336,
+                       vocab_size=32000, max_seq_len=32768),
+    # mistralai/Mixtral-8x7B-v0.1 (every layer is MoE; ffn_dim is unused).
+    "mixtral-8x7b": dict(dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=14336,
+                         vocab_size=32000, max_seq_len=32768, rope_theta=1e6, num_experts=8,
+                         experts_per_token=2, expert_ffn_dim=14336, router_aux_loss_coef=0.02),
+    # Qwen/Qwen2.5-7B.
+    "qwen2.5-7b": dict(dim=3584, num_layers=28, num_heads=28, num_kv_heads=4, ffn_dim=18944,
+                       vocab_size=152064, max_seq_len=131072, rope_theta=1e6, norm_eps=1e-6,
+                       qkv_bias=True),
+}
+
+# Parameter counts as published (HF hub safetensors metadata / transformers `num_parameters()`,
+# tied weights counted once). Our models must match them (tests allow 0.5%).
+PUBLISHED_NUM_PARAMS: dict[str, int] = {
+    "gpt2": 124_439_808,  # openai-community/gpt2, GPT2LMHeadModel.num_parameters()
+    "gpt2-medium": 354_823_168,  # openai-community/gpt2-medium
+    "gpt2-large": 774_030_080,  # openai-community/gpt2-large
+    "gpt2-xl": 1_557_611_200,  # openai-community/gpt2-xl
+    "llama2-7b": 6_738_415_616,  # meta-llama/Llama-2-7b-hf safetensors metadata
+    "llama2-13b": 13_015_864_320,  # meta-llama/Llama-2-13b-hf
+    "llama2-70b": 68_976_648_192,  # meta-llama/Llama-2-70b-hf
+    "llama3-8b": 8_030_261_248,  # meta-llama/Meta-Llama-3-8B
+    "llama3-70b": 70_553_706_496,  # meta-llama/Meta-Llama-3-70B
+    "llama3-405b": 405_853_388_800,  # meta-llama/Llama-3.1-405B
+    "mistral-7b": 7_241_732_096,  # mistralai/Mistral-7B-v0.1
+    "mixtral-8x7b": 46_702_792_704,  # mistralai/Mixtral-8x7B-v0.1
+    "qwen2.5-7b": 7_615_616_512,  # Qwen/Qwen2.5-7B ("7.61B" on the model card)
 }
 
 

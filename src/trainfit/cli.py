@@ -1,0 +1,133 @@
+"""Command line: each subcommand parses, calls one library function, prints. No logic here.
+
+Heavy imports (torch) happen inside the subcommands, so `trainfit --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from collections.abc import Callable
+
+from trainfit.config import Config, ConfigError, iter_fields, load_config
+
+
+def _fields_help() -> str:
+    lines = ["config fields (set in the TOML file or as --section.field=value):"]
+    section = None
+    for name, field_name, default, doc in iter_fields():
+        if name != section:
+            section = name
+            lines.append(f"\n  [{section}]")
+        shown = "(from preset)" if default is None else repr(default)
+        lines.append(f"  --{section}.{field_name}  default {shown}")
+        lines.extend(textwrap.wrap(doc, width=96, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    return "\n".join(lines)
+
+
+def _config_parser(sub: argparse._SubParsersAction, name: str, help_text: str) -> argparse.ArgumentParser:
+    parser = sub.add_parser(name, help=help_text, description=help_text, epilog=_fields_help(),
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", nargs="?", help="TOML config (default: the built-in tiny run)")
+    return parser
+
+
+def _load(args: argparse.Namespace, overrides: list[str]) -> Config:
+    return load_config(args.config, overrides)
+
+
+def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from trainfit.train.report import print_summary
+    from trainfit.train.trainer import Trainer, TrainingDiverged
+
+    cfg = _load(args, overrides)
+    trainer = Trainer(cfg)
+    try:
+        result = trainer.train()
+    except TrainingDiverged as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print_summary(cfg, result)
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace, overrides: list[str]) -> int:
+    from trainfit.train.sample import sample_from_checkpoint
+
+    _reject_overrides(overrides)
+    text = sample_from_checkpoint(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
+                                  temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    print(text)
+    return 0
+
+
+def cmd_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
+    from trainfit.train.data import prepare_data
+
+    _reject_overrides(overrides)
+    manifest = prepare_data(args.input, args.out, tokenizer=args.tokenizer,
+                            bpe_vocab_size=args.bpe_vocab_size, val_fraction=args.val_fraction)
+    counts = ", ".join(f"{k}: {v:,}" for k, v in manifest["num_tokens"].items())
+    print(f"wrote {args.out} ({manifest['tokenizer']['name']}, vocab {manifest['vocab_size']:,}, "
+          f"{manifest['dtype']}; tokens {counts})")
+    return 0
+
+
+def _reject_overrides(overrides: list[str]) -> None:
+    if overrides:
+        raise ConfigError(f"unexpected arguments {overrides}: this command takes no config overrides")
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
+    "train": cmd_train,
+    "sample": cmd_sample,
+    "prepare-data": cmd_prepare_data,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainfit", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _config_parser(sub, "train", "train a model from a config (default: tiny Llama on Shakespeare, CPU)")
+
+    sample = sub.add_parser("sample", help="generate text from a trained checkpoint")
+    sample.add_argument("--checkpoint", required=True, help="a checkpoint folder or a checkpoint.dir")
+    sample.add_argument("--prompt", default="\n", help="text to continue")
+    sample.add_argument("--max-new-tokens", type=int, default=200)
+    sample.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    sample.add_argument("--top-k", type=int, default=50)
+    sample.add_argument("--seed", type=int, default=0)
+
+    prep = sub.add_parser("prepare-data", help="tokenize text into memmap token shards with a manifest")
+    prep.add_argument("input", help="a text file or a folder of .txt/.jsonl files ('' = packaged corpus)")
+    prep.add_argument("--out", required=True, help="output folder")
+    prep.add_argument("--tokenizer", default="bytes", help="bytes | a tokenizer.json path | train")
+    prep.add_argument("--bpe-vocab-size", type=int, default=4096)
+    prep.add_argument("--val-fraction", type=float, default=0.05)
+    return parser
+
+
+def _join_spaced_overrides(items: list[str]) -> list[str]:
+    """Accept `--training.steps 30` as well as `--training.steps=30`."""
+    joined: list[str] = []
+    for item in items:
+        if joined and joined[-1].startswith("--") and "=" not in joined[-1] and not item.startswith("--"):
+            joined[-1] = f"{joined[-1]}={item}"
+        else:
+            joined.append(item)
+    return joined
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    rest = _join_spaced_overrides(rest)
+    unknown = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0])]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    try:
+        return COMMANDS[args.command](args, rest)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,126 @@
+"""Ground-truth memory of a real training step, measured at the allocator.
+
+On CUDA the caching allocator keeps exact statistics (`max_memory_allocated`). On CPU there is no
+such counter, so we ask glibc: `mallinfo2()` reports the bytes the C allocator has handed out
+(`uordblks`, heap chunks in use, plus `hblkhd`, large mmapped blocks; PyTorch's CPU tensors come
+from `posix_memalign`, so both kinds are counted), and a TorchDispatchMode samples it after every
+aten operator of the forward, the backward (the autograd engine runs CPU backward on the calling
+thread and carries the dispatch-mode stack with it) and the optimizer step.
+
+What the CPU figure does not see: temporaries an operator frees before it returns (kernel
+workspaces), and allocations from other threads are counted only when a sample happens to land on
+them. The figure is process-wide, so anything else allocating during the step is included.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@dataclass
+class PeakMemory:
+    """Filled in by `measure_peak`; `peak_bytes` is final once the context has exited."""
+
+    baseline_bytes: int = 0
+    """Bytes in use when the context was entered."""
+    peak_bytes: int = 0
+    """Largest in-use bytes seen inside the context, minus `baseline_bytes`."""
+    num_samples: int = 0
+    """Operators sampled (CPU); 0 on CUDA, where the allocator tracks the peak itself."""
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+        "keepcost")]
+
+
+class _MallInfo(ctypes.Structure):
+    # The pre-2.33 glibc struct: same fields as C ints, which wrap above 2 GiB.
+    _fields_ = [(name, ctypes.c_int) for name, _ in _MallInfo2._fields_]
+
+
+@functools.cache
+def _mallinfo() -> Any:
+    """The libc `mallinfo2` (or legacy `mallinfo`) function, resolved once."""
+    try:
+        libc = ctypes.CDLL(None)  # the process's own symbols: whichever malloc is really in use
+    except (OSError, TypeError):  # Windows has no global symbol namespace
+        libc = None
+    for name, struct in (("mallinfo2", _MallInfo2), ("mallinfo", _MallInfo)):
+        fn = getattr(libc, name, None)
+        if fn is not None:
+            fn.restype = struct
+            fn.argtypes = []
+            return fn
+    raise RuntimeError(
+        "CPU memory measurement needs glibc's mallinfo2() or mallinfo(), and this C library has "
+        "neither (musl, macOS, Windows?); measure on Linux with glibc, or on a CUDA device")
+
+
+def _cpu_in_use_bytes() -> int:
+    info = _mallinfo()()
+    return info.uordblks + info.hblkhd
+
+
+def current_allocated_bytes(device: torch.device | str = "cpu") -> int:
+    """Bytes currently allocated for `device`: CUDA tensors, or the whole process's C heap on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        return _cpu_in_use_bytes()
+    raise ValueError(f"device={str(device)!r}: memory measurement supports cpu and cuda only")
+
+
+class _AllocatorSampler(TorchDispatchMode):
+    """Samples the C heap after each aten operator and keeps the maximum."""
+
+    def __init__(self, result: PeakMemory) -> None:
+        super().__init__()
+        self.result = result
+        self.max_in_use = result.baseline_bytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        # Inputs are still referenced here, so this is the high-water mark around the operator.
+        self.max_in_use = max(self.max_in_use, _cpu_in_use_bytes())
+        self.result.num_samples += 1
+        return out
+
+
+@contextmanager
+def measure_peak(device: torch.device | str) -> Iterator[PeakMemory]:
+    """Measure the peak bytes allocated above the entry baseline while the block runs.
+
+    Run the whole step (forward, backward, optimizer step) inside the block. On CUDA this resets
+    the device's peak statistics, so measurements must not be nested there.
+    """
+    device = torch.device(device)
+    result = PeakMemory()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result.baseline_bytes = torch.cuda.memory_allocated(device)
+        try:
+            yield result
+        finally:
+            torch.cuda.synchronize(device)
+            result.peak_bytes = torch.cuda.max_memory_allocated(device) - result.baseline_bytes
+        return
+    result.baseline_bytes = current_allocated_bytes(device)
+    sampler = _AllocatorSampler(result)
+    try:
+        with sampler:
+            yield result
+    finally:
+        sampler.max_in_use = max(sampler.max_in_use, _cpu_in_use_bytes())
+        result.peak_bytes = sampler.max_in_use - result.baseline_bytes

@@ -1,0 +1,104 @@
+"""GPT-2: learned positions, LayerNorm with bias, GELU (tanh) MLP, biases everywhere, tied output.
+
+Names mirror llama.py so one tensor-parallel plan and one checkpointing policy fit both families:
+`tok_embeddings` (HF wte), `pos_embeddings` (wpe), `layers.{i}.attention_norm` (ln_1),
+`layers.{i}.attention.{wq,wk,wv}` (HF's fused c_attn, split), `layers.{i}.attention.wo` (attn.c_proj),
+`layers.{i}.ffn_norm` (ln_2), `layers.{i}.feed_forward.{w1,w2}` (mlp.c_fc, mlp.c_proj), `norm` (ln_f),
+`output` (lm_head, the same Parameter as tok_embeddings.weight when tied). No dropout.
+
+Shape suffixes: B batch, T sequence, D model dim, H heads, K head dim, F feed-forward hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainfit.config import ModelConfig
+from trainfit.models.llama import init_params
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention through SDPA; heads read from shapes (tensor-parallel friendly)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.dim // cfg.num_heads
+        self.wq = nn.Linear(cfg.dim, cfg.dim)
+        self.wk = nn.Linear(cfg.dim, cfg.dim)
+        self.wv = nn.Linear(cfg.dim, cfg.dim)
+        self.wo = nn.Linear(cfg.dim, cfg.dim)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q_BHTK, k_BHTK, v_BHTK = (
+            proj(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.wq, self.wk, self.wv)
+        )
+        o_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK, is_causal=True)
+        return self.wo(o_BHTK.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim)
+        self.w2 = nn.Linear(hidden_dim, dim)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x_BTD), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-norm block, callable as block(x_BTD) (positional tensors only, checkpoint-friendly)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = MLP(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD))
+        return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
+
+
+class GPT2(nn.Module):
+    """forward(tokens_BT) -> logits_BTV; `aux_loss` is always a 0-dim zero (no MoE in this family).
+
+    As in llama.Transformer, a pipeline split may set `tok_embeddings`/`pos_embeddings` or
+    `norm`/`output` to None: the stage then takes or returns hidden states.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_embeddings: nn.Embedding | None = nn.Embedding(cfg.max_seq_len, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm: nn.LayerNorm | None = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            pos_T = torch.arange(tokens_BT.shape[1], device=tokens_BT.device)
+            h_BTD = self.tok_embeddings(tokens_BT) + self.pos_embeddings(pos_T)
+        else:
+            h_BTD = tokens_BT
+        for block in self.layers:
+            h_BTD = block(h_BTD)
+        self.aux_loss = torch.zeros((), device=h_BTD.device)
+        if self.norm is not None:
+            h_BTD = self.norm(h_BTD)
+        return self.output(h_BTD) if self.output is not None else h_BTD
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Fill every parameter from torch's default RNG (seed it first); see llama.init_params."""
+        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight  # to_empty() unties shared parameters
+        init_params(self, self.cfg.num_layers)

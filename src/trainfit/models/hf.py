@@ -1,0 +1,332 @@
+"""Hugging Face interop: config.json -> ModelConfig fields (torch-free), safetensors weights in and out.
+
+Supported `model_type`s: llama, mistral, mixtral, qwen2 (family llama) and gpt2. Weight names are
+mapped by explicit groups (ours <-> theirs, with a conversion each way), so loading checks that
+every tensor of the checkpoint is used and every parameter of ours is filled with the right shape.
+torch and safetensors are imported inside the weight functions only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainfit.config import ConfigError, ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+LLAMA_TYPES = ("llama", "mistral", "mixtral", "qwen2")
+SUPPORTED_TYPES = (*LLAMA_TYPES, "gpt2")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+# transformers' defaults for keys that real config.json files may omit.
+_DEFAULT_EPS = {"llama": 1e-6, "mistral": 1e-6, "mixtral": 1e-5, "qwen2": 1e-6}
+_DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "mixtral": 1e6, "qwen2": 10000.0}
+_REQUIRED = object()
+# Checkpoint entries that are buffers, not weights (old GPT-2 masks, old Llama inv_freq).
+_IGNORED = re.compile(r"(\.attn\.(masked_)?bias|rotary_emb\.inv_freq)$")
+
+
+# ---------------------------------------------------------------- config.json
+
+
+def _read_json(path: str | Path) -> tuple[dict[str, Any], Path]:
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    if not file.is_file():
+        raise ConfigError(f"model.preset={str(path)!r}: no config.json there; give an HF config.json "
+                          "or a folder holding one")
+    try:
+        return json.loads(file.read_text()), file
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{file}: not valid JSON ({err})") from err
+
+
+def _get(hf: dict[str, Any], key: str, file: Path, default: Any = _REQUIRED) -> Any:
+    if key in hf and hf[key] is not None:
+        return hf[key]
+    if default is _REQUIRED:
+        raise ConfigError(f"{file}: key {key!r} is missing; add it (model_type={hf.get('model_type')!r} "
+                          "needs it) or use a complete config.json")
+    return default
+
+
+def _unsupported(file: Path, key: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"{file}: {key}={value!r}: {why}")
+
+
+def model_fields_from_hf_config(path: str | Path) -> dict[str, Any]:
+    """ModelConfig field values for an HF config.json (or a folder containing one)."""
+    hf, file = _read_json(path)
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_TYPES:
+        raise _unsupported(file, "model_type", model_type, f"not supported; supported: "
+                           f"{', '.join(SUPPORTED_TYPES)} (or set model.preset='' and give the dimensions)")
+    return _gpt2_fields(hf, file) if model_type == "gpt2" else _llama_fields(hf, file, model_type)
+
+
+def _llama_fields(hf: dict[str, Any], file: Path, model_type: str) -> dict[str, Any]:
+    dim, num_heads = _get(hf, "hidden_size", file), _get(hf, "num_attention_heads", file)
+    head_dim = hf.get("head_dim")
+    if head_dim not in (None, dim // num_heads):
+        raise _unsupported(file, "head_dim", head_dim,
+                           f"only hidden_size/num_attention_heads={dim // num_heads} is supported")
+    if _get(hf, "hidden_act", file, "silu") != "silu":
+        raise _unsupported(file, "hidden_act", hf["hidden_act"], "only silu (SwiGLU) is supported")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise _unsupported(file, key, hf[key], "biases on o_proj/MLP are not supported (Qwen2-style "
+                               "q/k/v biases are: model_type qwen2)")
+    _check_sliding_window(hf, file, model_type)
+    fields: dict[str, Any] = dict(
+        family="llama", dim=dim, num_layers=_get(hf, "num_hidden_layers", file), num_heads=num_heads,
+        num_kv_heads=_get(hf, "num_key_value_heads", file, num_heads),
+        ffn_dim=_get(hf, "intermediate_size", file), vocab_size=_get(hf, "vocab_size", file),
+        max_seq_len=_get(hf, "max_position_embeddings", file),
+        norm_eps=float(_get(hf, "rms_norm_eps", file, _DEFAULT_EPS[model_type])),
+        rope_theta=_rope_theta(hf, file, _DEFAULT_THETA[model_type]),
+        tie_embeddings=bool(_get(hf, "tie_word_embeddings", file, False)),
+        qkv_bias=model_type == "qwen2", num_experts=0, num_shared_experts=0,
+    )
+    if model_type == "mixtral":
+        fields.update(num_experts=_get(hf, "num_local_experts", file),
+                      experts_per_token=_get(hf, "num_experts_per_tok", file),
+                      expert_ffn_dim=fields["ffn_dim"],
+                      router_aux_loss_coef=float(_get(hf, "router_aux_loss_coef", file, 0.001)))
+    return fields
+
+
+def _rope_theta(hf: dict[str, Any], file: Path, default: float) -> float:
+    if hf.get("rope_scaling") is not None:
+        raise _unsupported(file, "rope_scaling", hf["rope_scaling"], "RoPE scaling is not supported yet; "
+                           "only plain RoPE (rope_scaling: null)")
+    params = hf.get("rope_parameters") or {}  # transformers >= 5 writes RoPE settings here
+    if params.get("rope_type", "default") != "default":
+        raise _unsupported(file, "rope_parameters.rope_type", params["rope_type"],
+                           "RoPE scaling is not supported yet; only rope_type 'default'")
+    return float(hf.get("rope_theta") or params.get("rope_theta") or default)
+
+
+def _check_sliding_window(hf: dict[str, Any], file: Path, model_type: str) -> None:
+    window = hf.get("sliding_window")
+    if model_type == "qwen2" and not hf.get("use_sliding_window"):
+        window = None
+    if window is not None and window < _get(hf, "max_position_embeddings", file):
+        warnings.warn(f"{file}: sliding_window={window} is ignored (full causal attention); logits "
+                      f"differ from the original model beyond {window} tokens", stacklevel=3)
+
+
+def _gpt2_fields(hf: dict[str, Any], file: Path) -> dict[str, Any]:
+    if _get(hf, "activation_function", file, "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise _unsupported(file, "activation_function", hf["activation_function"],
+                           "only gelu_new is supported")
+    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if hf.get(key):
+            raise _unsupported(file, key, hf[key], "not supported; set it to false")
+    dim = _get(hf, "n_embd", file)
+    return dict(family="gpt2", dim=dim, num_layers=_get(hf, "n_layer", file),
+                num_heads=_get(hf, "n_head", file), ffn_dim=_get(hf, "n_inner", file, 4 * dim),
+                vocab_size=_get(hf, "vocab_size", file), max_seq_len=_get(hf, "n_positions", file),
+                norm_eps=float(_get(hf, "layer_norm_epsilon", file, 1e-5)),
+                tie_embeddings=bool(_get(hf, "tie_word_embeddings", file, True)), num_experts=0)
+
+
+def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+    """A config.json that transformers loads for `cfg` (llama, qwen2 when qkv_bias, mixtral, gpt2)."""
+    if cfg.family == "gpt2":
+        return dict(architectures=[_ARCHITECTURES["gpt2"]], model_type="gpt2", n_embd=cfg.dim,
+                    n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.ffn_dim,
+                    vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, layer_norm_epsilon=cfg.norm_eps,
+                    activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                    tie_word_embeddings=cfg.tie_embeddings, torch_dtype=dtype)
+    model_type = _llama_model_type(cfg)
+    out = dict(architectures=[_ARCHITECTURES[model_type]], model_type=model_type, hidden_size=cfg.dim,
+               intermediate_size=cfg.expert_ffn_dim if cfg.num_experts else cfg.ffn_dim,
+               num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+               num_key_value_heads=cfg.num_kv_heads, vocab_size=cfg.vocab_size,
+               max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+               rope_theta=cfg.rope_theta, rope_scaling=None, hidden_act="silu",
+               tie_word_embeddings=cfg.tie_embeddings, torch_dtype=dtype)
+    if model_type == "mixtral":
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                   router_aux_loss_coef=cfg.router_aux_loss_coef, sliding_window=None)
+    if model_type == "qwen2":
+        out.update(use_sliding_window=False)
+    return out
+
+
+def _llama_model_type(cfg: ModelConfig) -> str:
+    if cfg.num_shared_experts or (cfg.num_experts and cfg.qkv_bias):
+        raise ValueError("shared experts and MoE with q/k/v biases have no equivalent among the supported HF "
+                         f"families ({', '.join(SUPPORTED_TYPES)})")
+    return "mixtral" if cfg.num_experts else "qwen2" if cfg.qkv_bias else "llama"
+
+
+# ---------------------------------------------------------------- weight name groups
+
+
+def _same(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return tensors
+
+
+def _transposed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """HF GPT-2 Conv1D stores [in, out]; our Linear stores [out, in]."""
+    return [t.t().contiguous() for t in tensors]
+
+
+@dataclass
+class _Group:
+    """Our parameters `ours` <-> checkpoint tensors `theirs`, converted by to_ours / to_theirs."""
+
+    ours: list[str]
+    theirs: list[str]
+    to_ours: Callable[[list[torch.Tensor]], list[torch.Tensor]] = _same
+    to_theirs: Callable[[list[torch.Tensor]], list[torch.Tensor]] = _same
+
+
+def _pairs(ours: str, theirs: str, mapping: dict[str, str]) -> list[_Group]:
+    return [_Group([ours + a], [theirs + b]) for a, b in mapping.items()]
+
+
+def _groups(cfg: ModelConfig) -> list[_Group]:
+    return _gpt2_groups(cfg) if cfg.family == "gpt2" else _llama_groups(cfg)
+
+
+def _llama_groups(cfg: ModelConfig) -> list[_Group]:
+    import torch
+
+    model_type = _llama_model_type(cfg)
+    top = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    if not cfg.tie_embeddings:
+        top["output.weight"] = "lm_head.weight"
+    groups = _pairs("", "", top)
+    proj = ("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj")
+    for i in range(cfg.num_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        layer = {"attention_norm.weight": "input_layernorm.weight",
+                 "attention.wo.weight": "self_attn.o_proj.weight",
+                 "ffn_norm.weight": "post_attention_layernorm.weight"}
+        layer.update({f"attention.{a}.weight": f"self_attn.{b}.weight" for a, b in proj})
+        if cfg.qkv_bias:
+            layer.update({f"attention.{a}.bias": f"self_attn.{b}.bias" for a, b in proj})
+        if model_type == "mixtral":
+            layer["feed_forward.router.weight"] = "block_sparse_moe.gate.weight"
+            groups += [
+                _Group([f"{ours}feed_forward.experts.{w}"],
+                       [f"{theirs}block_sparse_moe.experts.{e}.{w}.weight" for e in range(cfg.num_experts)],
+                       to_ours=lambda ts: [torch.stack(ts)],
+                       to_theirs=lambda ts: [t.clone() for t in ts[0].unbind(0)])  # unshared storage
+                for w in ("w1", "w2", "w3")
+            ]
+        else:
+            layer.update({"feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w2.weight":
+                          "mlp.down_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight"})
+        groups += _pairs(ours, theirs, layer)
+    return groups
+
+
+def _gpt2_groups(cfg: ModelConfig) -> list[_Group]:
+    """Names without the "transformer." prefix (hub files omit it; save_pretrained writes it)."""
+    import torch
+
+    top = {"tok_embeddings.weight": "wte.weight", "pos_embeddings.weight": "wpe.weight",
+           "norm.weight": "ln_f.weight", "norm.bias": "ln_f.bias"}
+    groups = _pairs("", "", top)
+    if not cfg.tie_embeddings:
+        groups.append(_Group(["output.weight"], ["lm_head.weight"]))
+    for i in range(cfg.num_layers):
+        ours, theirs = f"layers.{i}.", f"h.{i}."
+        groups += _pairs(ours, theirs, {
+            "attention_norm.weight": "ln_1.weight", "attention_norm.bias": "ln_1.bias",
+            "ffn_norm.weight": "ln_2.weight", "ffn_norm.bias": "ln_2.bias",
+            "attention.wo.bias": "attn.c_proj.bias", "feed_forward.w1.bias": "mlp.c_fc.bias",
+            "feed_forward.w2.bias": "mlp.c_proj.bias",
+        })
+        for a, b in (("attention.wo", "attn.c_proj"), ("feed_forward.w1", "mlp.c_fc"),
+                     ("feed_forward.w2", "mlp.c_proj")):
+            groups.append(_Group([f"{ours}{a}.weight"], [f"{theirs}{b}.weight"], _transposed, _transposed))
+        qkv = [f"{ours}attention.{w}" for w in ("wq", "wk", "wv")]
+        groups.append(_Group([f"{n}.weight" for n in qkv], [f"{theirs}attn.c_attn.weight"],
+                             to_ours=lambda ts: list(ts[0].t().chunk(3, dim=0)),
+                             to_theirs=lambda ts: [torch.cat(ts, dim=0).t().contiguous()]))
+        groups.append(_Group([f"{n}.bias" for n in qkv], [f"{theirs}attn.c_attn.bias"],
+                             to_ours=lambda ts: list(ts[0].chunk(3, dim=0)),
+                             to_theirs=lambda ts: [torch.cat(ts, dim=0)]))
+    return groups
+
+
+# ---------------------------------------------------------------- safetensors in and out
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no .safetensors file; give a .safetensors file or a folder holding them")
+    return files
+
+
+def load_hf_weights(model: nn.Module, cfg: ModelConfig, path: str | Path) -> None:
+    """Copy an HF safetensors checkpoint (a file, a folder, or a sharded index) into a materialized model."""
+    import torch
+    from safetensors.torch import load_file
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if any(p.is_meta for p in params.values()):
+        raise ValueError("load_hf_weights needs a materialized model: call model.to_empty(device=...) "
+                         "and model.init_weights() first")
+    theirs: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(Path(path)):
+        theirs.update(load_file(file))
+    if cfg.family == "gpt2":
+        theirs = {name.removeprefix("transformer."): t for name, t in theirs.items()}
+    groups = _groups(cfg)
+    tied_output = {"output.weight"} if cfg.tie_embeddings else set()
+    assert {n for g in groups for n in g.ours} | tied_output == set(params)
+    used = {n for g in groups for n in g.theirs}
+    missing = sorted(used - set(theirs))
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} tensors our {cfg.family} model needs are missing, e.g. "
+                         f"{missing[:3]}; does the config match this checkpoint?")
+    tied_head = {"lm_head.weight"} if cfg.tie_embeddings else set()  # redundant copy of the embedding
+    unused = sorted(n for n in theirs if n not in used | tied_head and not _IGNORED.search(n))
+    if unused:
+        raise ValueError(f"{path}: {len(unused)} checkpoint tensors have no place in our {cfg.family} model, "
+                         f"e.g. {unused[:3]}; does the config match this checkpoint?")
+    with torch.no_grad():
+        for group in groups:
+            for name, value in zip(group.ours, group.to_ours([theirs[n] for n in group.theirs]), strict=True):
+                if params[name].shape != value.shape:
+                    raise ValueError(f"{path}: {group.theirs[0]} gives {name} the shape "
+                                     f"{tuple(value.shape)}, the model has {tuple(params[name].shape)}; "
+                                     "does the config match?")
+                params[name].copy_(value)
+
+
+def save_hf_weights(model: nn.Module, cfg: ModelConfig, out_dir: str | Path) -> None:
+    """Write model.safetensors and config.json so transformers' from_pretrained(out_dir) loads the model."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    prefix = "transformer." if cfg.family == "gpt2" else ""
+    tensors = {}
+    for group in _groups(cfg):
+        values = group.to_theirs([params[n].detach() for n in group.ours])
+        tensors.update({prefix + n: t.contiguous() for n, t in zip(group.theirs, values, strict=True)})
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    dtype = str(params["tok_embeddings.weight"].dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype), indent=2) + "\n")

@@ -1,0 +1,185 @@
+"""Llama-style decoder (Llama 2/3, Mistral, Mixtral, Qwen2): RMSNorm, RoPE, GQA, SwiGLU.
+
+Module names follow torchtitan so tensor-parallel plans and HF conversion can address them:
+`tok_embeddings`, `layers.{i}.attention_norm`, `layers.{i}.attention.{wq,wk,wv,wo}`,
+`layers.{i}.ffn_norm`, `layers.{i}.feed_forward.{w1,w2,w3}` (or the MoE of moe.py), `norm`, `output`.
+RoPE uses the HF "rotate_half" layout, so HF q/k weights load without a permutation.
+
+Shape suffixes: B batch, T sequence, D model dim, H query heads, G key/value heads,
+K head dim, F feed-forward hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainfit.config import ModelConfig
+
+INIT_STD = 0.02
+# Residual-branch output projections; their init std is scaled by 1/sqrt(2 * num_layers) (GPT-2 paper).
+RESIDUAL_SUFFIXES = ("wo.weight", "w2.weight", "experts.w2")
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32 and cast back before the gain, as HF Llama does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        x_f32 = x_BTD.float()
+        normed = x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x_BTD.dtype)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_seq_len, head_dim] in fp32, frequencies repeated twice (rotate_half layout)."""
+    inv_freq_K2 = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    pos_T = torch.arange(max_seq_len, dtype=torch.float32, device=device)
+    angles_TK = torch.outer(pos_T, inv_freq_K2).repeat(1, 2)
+    return angles_TK.cos(), angles_TK.sin()
+
+
+def apply_rope(x_BHTK: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
+    half = x_BHTK.shape[-1] // 2
+    rotated = torch.cat((-x_BHTK[..., half:], x_BHTK[..., :half]), dim=-1)
+    return x_BHTK * cos_TK.to(x_BHTK.dtype) + rotated * sin_TK.to(x_BHTK.dtype)
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention through SDPA.
+
+    Head counts are read from the projection shapes at run time, so a tensor-parallel plan that
+    shards wq/wk/wv column-wise (fewer local heads) needs no change here.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.dim // cfg.num_heads
+        self.wq = nn.Linear(cfg.dim, cfg.num_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.num_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q_BHTK = self.wq(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k_BGTK = self.wk(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v_BGTK = self.wv(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q_BHTK, k_BGTK = apply_rope(q_BHTK, cos_TK, sin_TK), apply_rope(k_BGTK, cos_TK, sin_TK)
+        o_BHTK = F.scaled_dot_product_attention(
+            q_BHTK, k_BGTK, v_BGTK, is_causal=True, enable_gqa=q_BHTK.shape[1] != k_BGTK.shape[1]
+        )
+        return self.wo(o_BHTK.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x); w1 is the gate, w3 the up projection, w2 the down one."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x_BTD)) * self.w3(x_BTD))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block; called as block(x_BTD, cos_TK, sin_TK) with positional tensors only, so
+    torch.utils.checkpoint and torch.compile can wrap it as is."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        if cfg.num_experts:
+            from trainfit.models.moe import MoE
+
+            self.feed_forward: nn.Module = MoE(cfg)
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
+        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TK, sin_TK)
+        return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
+
+
+class Transformer(nn.Module):
+    """The decoder. forward(tokens_BT) -> logits_BTV; after each forward `aux_loss` holds the sum of
+    the MoE load-balancing losses over layers (a 0-dim zero for dense models).
+
+    `tok_embeddings`, `norm` and `output` may be set to None by a pipeline split: a stage without
+    embeddings takes hidden states as input, a stage without output returns hidden states.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos_TK, sin_TK = rope_tables(cfg.dim // cfg.num_heads, cfg.max_seq_len, cfg.rope_theta)
+        # Non-persistent: derived from the config, never saved, recomputed by init_weights().
+        self.register_buffer("rope_cos", cos_TK, persistent=False)
+        self.register_buffer("rope_sin", sin_TK, persistent=False)
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        h_BTD = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
+        T = h_BTD.shape[1]
+        cos_TK, sin_TK = self.rope_cos[:T], self.rope_sin[:T]
+        for block in self.layers:
+            h_BTD = block(h_BTD, cos_TK, sin_TK)
+        self.aux_loss = collect_aux_loss(self.layers, h_BTD.device)
+        if self.norm is not None:
+            h_BTD = self.norm(h_BTD)
+        return self.output(h_BTD) if self.output is not None else h_BTD
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Fill every parameter from torch's default RNG (seed it first) and rebuild the RoPE tables."""
+        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight  # to_empty() unties shared parameters
+        init_params(self, self.cfg.num_layers)
+        cos_TK, sin_TK = rope_tables(self.cfg.dim // self.cfg.num_heads, self.cfg.max_seq_len,
+                                     self.cfg.rope_theta, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos_TK)
+        self.rope_sin.copy_(sin_TK)
+
+
+def collect_aux_loss(layers: nn.ModuleList, device: torch.device) -> torch.Tensor:
+    """Sum of the per-layer MoE auxiliary losses of the last forward (zero when there is none)."""
+    total = torch.zeros((), device=device)
+    for block in layers:
+        layer_aux = getattr(block.feed_forward, "aux_loss", None)
+        if layer_aux is not None:
+            total = total + layer_aux
+    return total
+
+
+def init_params(model: nn.Module, num_layers: int) -> None:
+    """normal(0, 0.02) for weights, scaled by 1/sqrt(2 * num_layers) on residual output projections;
+    ones for norm gains, zeros for biases. Named-parameter order makes it deterministic per seed."""
+    residual_std = INIT_STD / math.sqrt(2 * num_layers)
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):
+            nn.init.zeros_(param)
+        elif name.rsplit(".", 2)[-2].endswith("norm"):
+            nn.init.ones_(param)
+        elif name.endswith(RESIDUAL_SUFFIXES):
+            nn.init.normal_(param, mean=0.0, std=residual_std)
+        else:
+            nn.init.normal_(param, mean=0.0, std=INIT_STD)

@@ -1,0 +1,88 @@
+"""Activation checkpointing: trade recomputation in backward for activation memory.
+
+Policies (config: `memory.activation_checkpointing`, applied to every n-th transformer block):
+
+- "none": every intermediate a block computes is kept for backward.
+- "full": a block keeps only its inputs; backward reruns its whole forward first (about one extra
+  forward of the block, i.e. +1/3 of the step's matmul FLOPs).
+- "selective": op-level selective checkpointing (SAC). Outputs of matmuls and of the fused
+  attention kernel are saved; everything else (norms, activations, RoPE, residual adds, dropout)
+  is recomputed. Matmuls hold nearly all of a block's FLOPs but only a few of its tensors, while the
+  elementwise ops are nearly free to rerun yet each one keeps a full activation alive, so this keeps
+  most of the memory saving at almost no FLOP cost.
+
+Blocks are wrapped with PyTorch's own `checkpoint_wrapper` (what torchtitan uses): its forward is
+`torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False, ...)`, and it strips its
+`_checkpoint_wrapped_module.` prefix from state_dict keys and parameter names, a prefix that
+torch.distributed (FSDP2, DCP's get_state_dict) also knows to skip. So a wrapped model has exactly
+the keys of the plain one and checkpoints move freely between policies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from trainfit.config import ConfigError
+
+_aten = torch.ops.aten
+
+# Ops whose outputs selective checkpointing keeps. All are dispatch-level (post-autograd) aten
+# ops: `F.linear` never appears itself, it reaches the dispatcher as mm/addmm (plus views).
+_SAVE_OPS = frozenset({
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten.baddbmm.default,
+    _aten._scaled_mm.default,  # fp8 matmuls (torchao float8)
+    _aten._scaled_mm_v2.default,
+    # Fused SDPA kernels (F.scaled_dot_product_attention picks one per device and inputs); their
+    # outputs include the logsumexp the backward needs, so nothing inside attention is recomputed.
+    # The math fallback decomposes into bmm (saved) and softmax (recomputed).
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_fused_attention_overrideable.default,
+    # Recomputing a collective would communicate again (tensor-parallel blocks).
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+})
+
+POLICIES = ("none", "selective", "full")
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def apply_activation_checkpointing(model: nn.Module, policy: str, every_n_layers: int = 1) -> int:
+    """Wrap blocks of `model.layers` in place; returns how many were wrapped.
+
+    With `every_n_layers=n` the blocks i with i % n == 0 are wrapped (n=1: all; n=2: the 1st, 3rd,
+    ...). Starting from the first block leaves the last one unwrapped when n > 1: backward begins
+    there, at the step's memory peak, and an unwrapped block needs no recompute, so the peak does
+    not grow by a recomputed block's activations.
+    """
+    if policy not in POLICIES:
+        raise ConfigError(f"memory.activation_checkpointing={policy!r}: choose one of "
+                          + " | ".join(POLICIES))
+    if every_n_layers < 1:
+        raise ConfigError(f"memory.ac_every_n_layers={every_n_layers!r}: must be >= 1")
+    if policy == "none":
+        return 0
+    # Non-reentrant checkpoint: supports kwargs, autograd.grad and inputs that need no grad.
+    options: dict[str, Any] = {"context_fn": _selective_contexts} if policy == "selective" else {}
+    wrapped = 0
+    for i, block in enumerate(model.layers):
+        if i % every_n_layers == 0:
+            model.layers[i] = checkpoint_wrapper(block, **options)
+            wrapped += 1
+    return wrapped

@@ -1,0 +1,98 @@
+"""The command line, run as a user would: `python -m trainfit ...` in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _runs import run_overrides
+
+from trainfit.train import checkpoint as ckpt
+from trainfit.train.metrics import read_metrics
+
+
+def trainfit(*args: str, cwd: Path | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "trainfit", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    run_dir = tmp_path_factory.mktemp("cli_run")
+    proc = trainfit("train", *run_overrides(run_dir, "--training.steps=12", "--training.eval_interval=6"))
+    return run_dir, proc
+
+
+def test_train_prints_a_summary_and_saves(trained_run: tuple[Path, subprocess.CompletedProcess]) -> None:
+    run_dir, proc = trained_run
+    assert "run complete" in proc.stdout
+    assert "val loss" in proc.stdout and "tokens/s" in proc.stdout
+    assert ckpt.latest_checkpoint(run_dir / "ckpt").name == "step_00000012"
+    assert [r["step"] for r in read_metrics(run_dir / "logs") if "val_loss" in r] == [0, 6, 12]
+
+
+def test_sample_continues_the_prompt(trained_run: tuple[Path, subprocess.CompletedProcess]) -> None:
+    run_dir, _ = trained_run
+    proc = trainfit("sample", "--checkpoint", str(run_dir / "ckpt"), "--prompt", "ROMEO:",
+                    "--max-new-tokens", "40", "--temperature", "0")
+    assert proc.stdout.startswith("ROMEO:")
+    assert len(proc.stdout.rstrip("\n")) > len("ROMEO:") + 10
+    again = trainfit("sample", "--checkpoint", str(run_dir / "ckpt"), "--prompt", "ROMEO:",
+                     "--max-new-tokens", "40", "--temperature", "0")
+    assert again.stdout == proc.stdout  # greedy decoding is deterministic
+
+
+def test_help_lists_every_field_with_its_doc() -> None:
+    out = trainfit("train", "--help").stdout
+    assert "--training.global_batch_size" in out and "gradient accumulation" in out
+    assert "--memory.activation_checkpointing" in out and "--precision.mode" in out
+
+
+def test_bad_config_fails_before_any_work(tmp_path: Path) -> None:
+    proc = trainfit("train", "--training.micro_batch_size=0", f"--logging.dir={tmp_path}", check=False)
+    assert proc.returncode == 2
+    assert "training.micro_batch_size=0: must be >= 1" in proc.stderr
+    assert not any(tmp_path.iterdir())
+    proc = trainfit("train", "--parallel.tp=2", check=False)
+    assert proc.returncode == 2 and "parallel.tp=2" in proc.stderr
+    proc = trainfit("train", "not-a-file.toml", check=False)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_prepare_data_then_train_on_the_shards(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("To be, or not to be, that is the question.\n" * 400)
+    out = tmp_path / "shards"
+    proc = trainfit("prepare-data", str(corpus), "--out", str(out))
+    assert "wrote" in proc.stdout and (out / "manifest.json").is_file()
+    trainfit("train", *run_overrides(tmp_path, "--training.steps=3", f"--data.path={out}"))
+    assert ckpt.latest_checkpoint(tmp_path / "ckpt").name == "step_00000003"
+
+
+def test_sigterm_saves_and_the_same_command_resumes(tmp_path: Path) -> None:
+    args = ["train", *run_overrides(tmp_path, "--training.steps=400", "--logging.interval=1",
+                                    "--checkpoint.interval=0")]
+    proc = subprocess.Popen([sys.executable, "-m", "trainfit", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(read_metrics(tmp_path / "logs")) < 3:
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "stopped by signal" in out
+    stopped_at = max(r["step"] for r in read_metrics(tmp_path / "logs"))
+    assert 3 <= stopped_at < 400
+    saved = ckpt.latest_checkpoint(tmp_path / "ckpt")
+    assert saved.name == ckpt.step_dir_name(stopped_at)
+    state = torch.load(saved / ckpt.TRAINER_STATE, weights_only=False)
+    assert state["step"] == stopped_at and state["sampler"]["position"] == stopped_at

@@ -1,0 +1,158 @@
+"""HF interop: config mapping, parameter counts and logits parity with transformers, both directions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainfit.config import ConfigError, ModelConfig
+from trainfit.models import build_model, count_params
+from trainfit.models.hf import load_hf_weights, model_fields_from_hf_config, save_hf_weights
+
+transformers = pytest.importorskip("transformers")
+
+_LLAMA_DIMS = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+_GPT2_DIMS = dict(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                  bos_token_id=0, eos_token_id=0)
+# One small random config per supported model_type (plus tied/untied variants).
+HF_CONFIGS = {
+    "llama": ("LlamaConfig", dict(_LLAMA_DIMS, rope_theta=500000.0, rms_norm_eps=1e-5)),
+    "llama-tied": ("LlamaConfig", dict(_LLAMA_DIMS, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(_LLAMA_DIMS, sliding_window=None)),
+    "mixtral": ("MixtralConfig", dict(_LLAMA_DIMS, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2": ("Qwen2Config", dict(_LLAMA_DIMS, tie_word_embeddings=True, rope_theta=1e6)),
+    "gpt2": ("GPT2Config", _GPT2_DIMS),
+    "gpt2-untied": ("GPT2Config", dict(_GPT2_DIMS, n_inner=96, tie_word_embeddings=False)),
+}
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Large random weights (gains near 1, biases nonzero) so that every piece of the network,
+    attention included, visibly moves the logits; a small init leaves them dominated by embeddings."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        p.copy_(1 + 0.1 * noise if "norm" in name and name.endswith("weight") else 0.3 * noise)
+    return model
+
+
+def hf_model(name: str, seed: int = 0) -> torch.nn.Module:
+    cls_name, kwargs = HF_CONFIGS[name]
+    config = getattr(transformers, cls_name)(**kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return randomize_(model, seed).eval()
+
+
+def our_model(path: Path, seed: int = 1) -> tuple[torch.nn.Module, ModelConfig]:
+    model = build_model(ModelConfig(preset=str(path)))
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return randomize_(model, seed), model.cfg
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+def test_param_count_matches_transformers(name: str, tmp_path: Path) -> None:
+    theirs = hf_model(name)
+    theirs.config.save_pretrained(tmp_path)
+    ours = build_model(ModelConfig(preset=str(tmp_path)))
+    assert count_params(ours) == theirs.num_parameters()
+
+
+@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+def test_load_transformers_checkpoint_gives_same_logits(name: str, tmp_path: Path) -> None:
+    theirs = hf_model(name)
+    theirs.save_pretrained(tmp_path)
+    ours, cfg = our_model(tmp_path)
+    load_hf_weights(ours, cfg, tmp_path)
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+def test_saved_checkpoint_loads_in_transformers_with_same_logits(name: str, tmp_path: Path) -> None:
+    reference = hf_model(name)
+    reference.config.save_pretrained(tmp_path / "src")
+    ours, cfg = our_model(tmp_path / "src", seed=3)
+    save_hf_weights(ours, cfg, tmp_path / "out")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    # Mistral without a sliding window is a Llama with GQA; it is written as one.
+    expected = "LlamaForCausalLM" if name == "mistral" else type(reference).__name__
+    assert type(theirs).__name__ == expected
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs.eval()(x).logits, ours(x), atol=1e-4, rtol=1e-4)
+    # and back: our loader reads what our saver wrote
+    again, _ = our_model(tmp_path / "src", seed=4)
+    load_hf_weights(again, cfg, tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), ours.parameters(), strict=True))
+
+
+def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
+    theirs = hf_model("llama")
+    theirs.save_pretrained(tmp_path, max_shard_size="50KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    ours, cfg = our_model(tmp_path)
+    load_hf_weights(ours, cfg, tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens()), theirs(tokens()).logits, atol=1e-4, rtol=1e-4)
+
+
+def write_config(tmp_path: Path, **changes: object) -> Path:
+    base = dict(model_type="llama", **_LLAMA_DIMS)
+    base.update(changes)
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in base.items() if v != "<drop>"}))
+    return tmp_path / "config.json"
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        (dict(model_type="bert"), "model_type='bert': not supported"),
+        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling="),
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_parameters.rope_type='yarn'"),
+        (dict(hidden_size="<drop>"), "key 'hidden_size' is missing"),
+        (dict(head_dim=32), "head_dim=32"),
+        (dict(attention_bias=True), "attention_bias=True"),
+    ],
+)
+def test_config_errors_name_the_key(tmp_path: Path, changes: dict, expected: str) -> None:
+    with pytest.raises(ConfigError, match="config.json: " + expected.replace("[", r"\[")) as err:
+        model_fields_from_hf_config(write_config(tmp_path, **changes))
+    assert "supported" in str(err.value) or "missing" in str(err.value)
+
+
+def test_config_maps_fields_and_warns_on_sliding_window(tmp_path: Path) -> None:
+    path = write_config(tmp_path, model_type="mistral", sliding_window=16, rms_norm_eps=1e-5)
+    with pytest.warns(UserWarning, match="sliding_window=16 is ignored"):
+        fields = model_fields_from_hf_config(tmp_path)
+    assert fields == dict(family="llama", dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=96,
+                          vocab_size=300, max_seq_len=64, norm_eps=1e-5, rope_theta=10000.0,
+                          tie_embeddings=False, qkv_bias=False, num_experts=0, num_shared_experts=0)
+    assert path.is_file()
+
+
+def test_load_errors_on_mismatched_checkpoint(tmp_path: Path) -> None:
+    theirs = hf_model("llama")
+    theirs.save_pretrained(tmp_path / "ckpt")
+    ours, cfg = our_model(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="materialized"):
+        load_hf_weights(build_model(cfg), cfg, tmp_path / "ckpt")
+    wrong, wrong_cfg = our_model(write_config(tmp_path, intermediate_size=80))
+    with pytest.raises(ValueError, match=r"mlp\.gate_proj\.weight gives layers\.0\.feed_forward\.w1\.weight"):
+        load_hf_weights(wrong, wrong_cfg, tmp_path / "ckpt")
+    shallow, shallow_cfg = our_model(write_config(tmp_path, num_hidden_layers=1))
+    with pytest.raises(ValueError, match=r"have no place .*model\.layers\.1\."):
+        load_hf_weights(shallow, shallow_cfg, tmp_path / "ckpt")
+    deep, deep_cfg = our_model(write_config(tmp_path, num_hidden_layers=3))
+    with pytest.raises(ValueError, match=r"missing, e\.g\. \['model\.layers\.2\."):
+        load_hf_weights(deep, deep_cfg, tmp_path / "ckpt")

@@ -1,0 +1,53 @@
+"""Presets: official sizes match the published parameter counts; the config path stays torch-free."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from trainfit.config import ModelConfig, load_config
+from trainfit.models import build_model, count_params
+from trainfit.models.presets import PRESETS, PUBLISHED_NUM_PARAMS
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_NUM_PARAMS))
+def test_preset_matches_published_param_count(name: str) -> None:
+    model = build_model(ModelConfig(preset=name))
+    assert next(model.parameters()).is_meta
+    n = count_params(model)
+    assert abs(n - PUBLISHED_NUM_PARAMS[name]) <= 0.005 * PUBLISHED_NUM_PARAMS[name], (name, n)
+
+
+def test_every_official_preset_has_a_published_count() -> None:
+    official = {name for name in PRESETS if not name.startswith(("tiny", "debug"))}
+    assert official == set(PUBLISHED_NUM_PARAMS)
+    assert {"tiny", "debug", "debug-moe", "debug-gpt2"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_validates(name: str) -> None:
+    cfg = load_config(overrides=[f"--model.preset={name}", "--training.seq_len=64"])
+    assert cfg.model.dim == PRESETS[name]["dim"]
+
+
+def test_count_params_counts_tied_weights_once() -> None:
+    tied = build_model(ModelConfig(preset="debug", tie_embeddings=True))
+    untied = build_model(ModelConfig(preset="debug", tie_embeddings=False))
+    assert tied.output.weight is tied.tok_embeddings.weight
+    assert count_params(untied) - count_params(tied) == 256 * 64
+
+
+def test_config_and_hf_config_path_do_not_import_torch(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,'
+        ' "intermediate_size": 128, "vocab_size": 300, "max_position_embeddings": 128}'
+    )
+    code = (
+        "import sys, trainfit, trainfit.models, trainfit.models.presets, trainfit.models.hf\n"
+        f"cfg = trainfit.load_config(overrides=['--model.preset={tmp_path}', '--training.seq_len=64'])\n"
+        "assert cfg.model.vocab_size == 300, cfg.model\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,155 @@
+"""The training loop: learning, exact resume after SIGTERM, divergence, fp16 skips, accumulation."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from _runs import run_overrides
+
+from trainfit.config import load_config
+from trainfit.train import checkpoint as ckpt
+from trainfit.train.metrics import read_metrics
+from trainfit.train.trainer import Trainer, TrainingDiverged
+
+STEPS = 20
+
+
+def _trainer(run_dir: Path, *extra: str) -> Trainer:
+    return Trainer(load_config(None, run_overrides(run_dir, f"--training.steps={STEPS}", "--logging.interval=1",
+                                                   *extra)))
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "logs") if "loss" in r}
+
+
+def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    trainer = _trainer(run_dir)  # resume=auto loads the final checkpoint
+    assert trainer.step == STEPS
+    return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_loss_falls_and_metrics_are_written(tmp_path: Path) -> None:
+    result = _trainer(tmp_path, "--training.eval_interval=10").train()
+    records = [r for r in read_metrics(tmp_path / "logs") if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_bytes"} <= set(records[0])
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+    assert result.val_losses[STEPS] < result.val_losses[0]
+    assert records[1]["peak_memory_bytes"] > 0  # step 2 is measured at the allocator
+    assert records[-1]["lr"] == pytest.approx(3e-4, rel=0.05)  # cosine ends at min_lr
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    _trainer(run_dir, "--checkpoint.interval=0").train()
+    return _losses(run_dir), _final_params(run_dir)
+
+
+@pytest.mark.parametrize("stop_after", [1, 8, 19])
+def test_sigterm_then_resume_is_bitwise_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop_after: int,
+    uninterrupted: tuple[dict[int, float], dict[str, torch.Tensor]],
+) -> None:
+    original = Trainer.train_step
+
+    def step_then_signal(self: Trainer):  # a real SIGTERM delivered right after step `stop_after`
+        stats = original(self)
+        if self.step == stop_after:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return stats
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_signal)
+    first = _trainer(tmp_path, "--checkpoint.interval=0").train()
+    assert first.stopped_by_signal and first.steps_done == stop_after
+    assert ckpt.latest_checkpoint(tmp_path / "ckpt").name == ckpt.step_dir_name(stop_after)
+    monkeypatch.setattr(Trainer, "train_step", original)
+
+    second = _trainer(tmp_path, "--checkpoint.interval=0")
+    assert second.step == stop_after
+    second.train()
+    losses, params = uninterrupted
+    assert _losses(tmp_path) == losses  # bitwise: float equality on every step
+    resumed = _final_params(tmp_path)
+    assert all(torch.equal(resumed[k], params[k]) for k in params)
+
+
+def test_nan_loss_stops_without_saving(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = Trainer._loss
+
+    def poisoned(self: Trainer, inputs: torch.Tensor, targets: torch.Tensor):
+        loss, lm_loss = original(self, inputs, targets)
+        if self.step == 4:  # computing step 5
+            loss, lm_loss = loss * float("nan"), lm_loss * float("nan")
+        return loss, lm_loss
+
+    monkeypatch.setattr(Trainer, "_loss", poisoned)
+    trainer = _trainer(tmp_path, "--checkpoint.interval=2")
+    with pytest.raises(TrainingDiverged, match="step 5: the loss is nan"):
+        trainer.train()
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "ckpt")] == ["step_00000002", "step_00000004"]
+
+
+def test_fp16_skips_steps_with_inf_gradients(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = Trainer._loss
+
+    def overflowing(self: Trainer, inputs: torch.Tensor, targets: torch.Tensor):
+        loss, lm_loss = original(self, inputs, targets)
+        if self.step == 2:
+            loss = loss * float("inf")
+        return loss, lm_loss
+
+    monkeypatch.setattr(Trainer, "_loss", overflowing)
+    trainer = _trainer(tmp_path, "--precision.mode=fp16-mixed", "--training.steps=5")
+    before = {}
+    original_step = Trainer.train_step
+
+    def snapshot(self: Trainer):
+        before[self.step] = [p.detach().clone() for p in self.model.parameters()]
+        return original_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", snapshot)
+    result = trainer.train()
+    assert result.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before[2], before[3], strict=True))  # step 3 skipped
+    assert not all(torch.equal(a, b) for a, b in zip(before[3], before[4], strict=True))
+    record = [r for r in read_metrics(tmp_path / "logs") if r.get("step") == 5 and "loss" in r][0]
+    assert record["skipped_steps"] == 1 and record["loss_scale"] < 65536.0
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
+    big = _trainer(tmp_path / "big", "--training.micro_batch_size=8", "--training.global_batch_size=8",
+                   "--training.steps=3")
+    accumulated = _trainer(tmp_path / "acc", "--training.micro_batch_size=2", "--training.global_batch_size=8",
+                           "--training.steps=3")
+    assert accumulated.cfg.grad_accum_steps == 4
+    a, b = big.train(), accumulated.train()
+    assert a.losses == pytest.approx(b.losses, rel=1e-5)
+    for p, q in zip(big.model.parameters(), accumulated.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["bf16-mixed", "bf16-pure", "fp16-mixed"])
+def test_low_precision_modes_train(tmp_path: Path, mode: str) -> None:
+    trainer = _trainer(tmp_path, f"--precision.mode={mode}", "--training.steps=8", "--training.lr=1e-2")
+    result = trainer.train()
+    expected_dtype = torch.bfloat16 if mode == "bf16-pure" else torch.float32
+    assert all(p.dtype == expected_dtype for p in trainer.model.parameters())
+    assert result.losses[8] < result.losses[1]
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_checkpointing_policies_train_like_none(tmp_path: Path, policy: str) -> None:
+    plain = _trainer(tmp_path / "none", "--training.steps=3").train()
+    ac = _trainer(tmp_path / policy, "--training.steps=3", f"--memory.activation_checkpointing={policy}").train()
+    assert ac.losses == pytest.approx(plain.losses, rel=1e-5)
+
+
+def test_moe_trains_with_aux_loss(tmp_path: Path) -> None:
+    result = _trainer(tmp_path, "--model.preset=debug-moe", "--training.steps=8", "--training.lr=1e-2").train()
+    assert result.losses[8] < result.losses[1]
