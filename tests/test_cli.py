@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _runs import run_overrides
 
+from _runs import run_overrides
 from trainfit.train import checkpoint as ckpt
 from trainfit.train.metrics import read_metrics
 

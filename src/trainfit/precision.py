@@ -16,15 +16,16 @@ module is the single-device / DDP form.
 from __future__ import annotations
 
 import contextlib
+import typing
 import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from trainfit.config import ConfigError
+from trainfit.config import ConfigError, PrecisionMode
 
-MODES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure", "fp8-mixed")
+MODES: tuple[str, ...] = typing.get_args(PrecisionMode)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trainfit.config import ConfigError, config_from_dict, field_docs, iter_fields, load_config, SECTIONS
+from trainfit.config import SECTIONS, ConfigError, config_from_dict, field_docs, iter_fields, load_config
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 

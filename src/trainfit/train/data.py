@@ -341,27 +341,31 @@ def _warn_ignored(cfg: DataConfig, manifest: dict[str, Any]) -> None:
 
 
 class BatchSampler:
-    """Random windows of seq_len + 1 tokens. Batch k is drawn from default_rng([seed, k]), so
-    {"seed", "position"} is the whole resumable state; all ranks draw the same global batch of
-    world_size * batch_size rows and each keeps its own slice."""
+    """Random windows of seq_len + 1 tokens. The global batch of optimizer step k (all ranks, all
+    accumulation micro-batches) is drawn from default_rng([seed, k]), and each (micro-batch, rank)
+    takes its own rows; so the data of a step does not depend on micro_batch_size, accumulation or
+    world size, and {"seed", "position"} is the whole resumable state."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, grad_accum_steps: int = 1) -> None:
         _check_length(tokens, seq_len, "train")
         if seed < 0:
             raise ConfigError(f"training.seed={seed}: must be >= 0 (it seeds the data order)")
-        assert 0 <= rank < world_size and batch_size >= 1
+        assert 0 <= rank < world_size and batch_size >= 1 and grad_accum_steps >= 1
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.position = 0  # micro-batches drawn so far
+        self.grad_accum_steps = grad_accum_steps
+        self.position = 0  # micro-batches drawn so far by this rank
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), both int64 of shape (batch_size, seq_len); targets are inputs shifted by one."""
-        rng = np.random.default_rng([self.seed, self.position])
-        starts = rng.integers(0, len(self.tokens) - self.seq_len, size=self.world_size * self.batch_size)
+        step, micro = divmod(self.position, self.grad_accum_steps)
+        global_rows = self.grad_accum_steps * self.world_size * self.batch_size
+        starts = np.random.default_rng([self.seed, step]).integers(0, len(self.tokens) - self.seq_len,
+                                                                     size=global_rows)
+        first = (micro * self.world_size + self.rank) * self.batch_size
         self.position += 1
-        return _gather(self.tokens, starts[self.rank * self.batch_size:(self.rank + 1) * self.batch_size],
-                       self.seq_len)
+        return _gather(self.tokens, starts[first:first + self.batch_size], self.seq_len)
 
     def state_dict(self) -> dict[str, int]:
         return {"position": self.position, "seed": self.seed}

@@ -21,7 +21,7 @@ from trainfit.hardware import peak_flops
 from trainfit.memory.measure import current_allocated_bytes, measure_peak
 from trainfit.models import build_model, count_params
 from trainfit.perf.flops import mfu, training_flops_per_token
-from trainfit.precision import precision_policy
+from trainfit.precision import precision_policy, step_optimizer
 from trainfit.recompute import apply_activation_checkpointing
 from trainfit.train import checkpoint as ckpt
 from trainfit.train.data import BatchSampler, eval_batches, resolve_data
@@ -115,7 +115,8 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.scaler = self.policy.make_grad_scaler()
         t = cfg.training
-        self.sampler = BatchSampler(self.data.train, t.seq_len, t.micro_batch_size, t.seed)
+        self.sampler = BatchSampler(self.data.train, t.seq_len, t.micro_batch_size, t.seed,
+                                    grad_accum_steps=cfg.grad_accum_steps)
         self.flops_per_token = training_flops_per_token(cfg.model, t.seq_len)
         self.peak_flops = peak_flops(cfg.hardware, cfg.precision.mode)
         self.step = 0
@@ -185,10 +186,7 @@ class Trainer:
                 f"step {self.step + 1}: the loss is {loss_value}; stopping without saving "
                 f"(the last good checkpoint in {self.cfg.checkpoint.dir!r} is kept). Lower training.lr, "
                 "enable training.grad_clip, or use bf16-mixed instead of a pure low-precision mode")
-        scale_before = self.scaler.get_scale() if uses_scaling else 1.0
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        skipped = uses_scaling and self.scaler.get_scale() < scale_before
+        skipped = not step_optimizer(self.optimizer, self.scaler)
         self.skipped_steps += int(skipped)
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]

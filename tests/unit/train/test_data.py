@@ -263,6 +263,19 @@ def test_sampler_ranks_split_the_global_batch() -> None:
         assert torch.equal(torch.cat([p[1] for p in parts]), targets)
 
 
+def test_sampler_step_data_is_independent_of_accumulation_and_ranks() -> None:
+    """A step's global batch is the same rows whether drawn as 1x8, 4 micro-batches of 2, or 2 ranks x 2 x 2."""
+    tokens = np.arange(10_000, dtype=np.uint32)
+    whole = BatchSampler(tokens, 8, 8, seed=5)
+    accumulated = BatchSampler(tokens, 8, 2, seed=5, grad_accum_steps=4)
+    ranks = [BatchSampler(tokens, 8, 2, seed=5, rank=r, world_size=2, grad_accum_steps=2) for r in range(2)]
+    for _ in range(3):
+        expected = whole.next_batch()[0]
+        assert torch.equal(torch.cat([accumulated.next_batch()[0] for _ in range(4)]), expected)
+        per_micro = [[r.next_batch()[0] for r in ranks] for _ in range(2)]
+        assert torch.equal(torch.cat([t for micro in per_micro for t in micro]), expected)
+
+
 def test_sampler_and_eval_reject_short_splits() -> None:
     tokens = np.arange(10, dtype=np.uint16)
     with pytest.raises(ConfigError, match="training.seq_len=10.*train split has only 10"):

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _runs import run_overrides
 
+from _runs import run_overrides
 from trainfit.config import load_config
 from trainfit.train import checkpoint as ckpt
 from trainfit.train.metrics import read_metrics
+from trainfit.train.optim import lr_at
 from trainfit.train.trainer import Trainer, TrainingDiverged
 
 STEPS = 20
@@ -41,7 +42,8 @@ def test_loss_falls_and_metrics_are_written(tmp_path: Path) -> None:
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
     assert result.val_losses[STEPS] < result.val_losses[0]
     assert records[1]["peak_memory_bytes"] > 0  # step 2 is measured at the allocator
-    assert records[-1]["lr"] == pytest.approx(3e-4, rel=0.05)  # cosine ends at min_lr
+    cfg = load_config(None, run_overrides(tmp_path, f"--training.steps={STEPS}"))
+    assert [r["lr"] for r in records] == pytest.approx([lr_at(s - 1, cfg.training) for s in range(1, STEPS + 1)])
 
 
 @pytest.fixture(scope="module")
