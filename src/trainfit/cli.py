@@ -62,6 +62,15 @@ def cmd_sample(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
+    from trainfit.train.sample import export_to_hf
+
+    _reject_overrides(overrides)
+    out = export_to_hf(args.checkpoint, args.out)
+    print(f"wrote {out}/model.safetensors and config.json (transformers: AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
 def cmd_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.train.data import prepare_data
 
@@ -83,6 +92,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "train": cmd_train,
     "sample": cmd_sample,
     "prepare-data": cmd_prepare_data,
+    "export": cmd_export,
 }
 
 
@@ -98,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     sample.add_argument("--top-k", type=int, default=50)
     sample.add_argument("--seed", type=int, default=0)
+
+    export = sub.add_parser("export", help="write a checkpoint's weights as HF safetensors + config.json")
+    export.add_argument("--checkpoint", required=True, help="a checkpoint folder or a checkpoint.dir")
+    export.add_argument("--out", required=True, help="output folder")
 
     prep = sub.add_parser("prepare-data", help="tokenize text into memmap token shards with a manifest")
     prep.add_argument("input", help="a text file or a folder of .txt/.jsonl files ('' = packaged corpus)")

@@ -1,30 +1,47 @@
-"""`trainfit sample`: text from a trained checkpoint, on the CPU (or CUDA when present)."""
+"""Using a trained checkpoint: load its model, sample text from it, export it to HF format."""
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
 
-from trainfit.config import config_from_dict, resolve_and_validate
+import torch
+from torch import nn
+
+from trainfit.config import Config, config_from_dict, resolve_and_validate
 from trainfit.models import build_model
 from trainfit.models.generate import generate
+from trainfit.models.hf import save_hf_weights
 from trainfit.train import checkpoint as ckpt
-from trainfit.train.tokenizer import load_tokenizer_from_dir
+from trainfit.train.tokenizer import Tokenizer, load_tokenizer_from_dir
 
 
-def sample_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, temperature: float,
-                           top_k: int | None, seed: int) -> str:
+def load_trained_model(path: str | Path, device: torch.device) -> tuple[nn.Module, Config, Tokenizer]:
+    """The model (eval mode), config and tokenizer of a checkpoint folder or checkpoint.dir."""
     folder = ckpt.resolve_checkpoint(path)
     cfg = config_from_dict(ckpt.load_checkpoint_config(folder))
     resolve_and_validate(cfg)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(cfg.model)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights()  # also fills the non-persistent buffers (RoPE tables)
     ckpt.load_checkpoint(folder, model, optimizer=None)
-    model.eval()
-    tokenizer = load_tokenizer_from_dir(folder)
+    return model.eval(), cfg, load_tokenizer_from_dir(folder)
+
+
+def sample_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, temperature: float,
+                           top_k: int | None, seed: int) -> str:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, _, tokenizer = load_trained_model(path, device)
     generator = torch.Generator(device=device).manual_seed(seed)
     tokens = generate(model, tokenizer.encode(prompt), max_new_tokens, temperature=temperature,
                       top_k=top_k or None, generator=generator)
     return tokenizer.decode(tokens)
+
+
+def export_to_hf(path: str, out_dir: str) -> Path:
+    """Write model.safetensors + config.json (loadable by transformers) and the tokenizer files."""
+    model, cfg, tokenizer = load_trained_model(path, torch.device("cpu"))
+    out = Path(out_dir)
+    save_hf_weights(model, cfg.model, out)
+    tokenizer.save(out)
+    return out
