@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trainfit.config import load_config
-from trainfit.models import build_model
+from trainfit.models import build_model, materialize
 from trainfit.precision import precision_policy
 from trainfit.train.data import BatchSampler, resolve_data
 from trainfit.train.optim import build_optimizer, build_scheduler
@@ -64,10 +64,7 @@ def hand_loop_tokens_per_s(args: argparse.Namespace) -> float:
     policy = precision_policy(cfg.precision.mode, "cpu")
     data = resolve_data(cfg.data, str(data_cache_dir()))
     torch.manual_seed(t.seed)
-    model = build_model(cfg.model)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights()
+    model = materialize(build_model(cfg.model), "cpu")
     policy.prepare_model(model)
     optimizer = build_optimizer(model, cfg.optimizer, t, "cpu")
     scheduler = build_scheduler(optimizer, t)

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from trainfit.config import ModelConfig
+from trainfit.models import build_model, materialize
+
 
 def run_overrides(run_dir: Path, *extra: str) -> list[str]:
     """Overrides for a fast debug-model run writing only under run_dir."""
@@ -13,3 +18,9 @@ def run_overrides(run_dir: Path, *extra: str) -> list[str]:
         f"--checkpoint.dir={run_dir / 'ckpt'}", f"--logging.dir={run_dir / 'logs'}",
         "--logging.progress=false", *extra,
     ]
+
+
+def seeded_model(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
+    """A materialized model whose weights depend on `seed` only."""
+    torch.manual_seed(seed)
+    return materialize(build_model(cfg), "cpu")

@@ -86,7 +86,7 @@ def test_export_loads_in_transformers_with_the_same_logits(
     from trainfit.train.sample import load_trained_model
 
     run_dir, _ = trained_run
-    trainfit("export", "--checkpoint", str(run_dir / "ckpt"), "--out", str(tmp_path / "hf"))
+    trainfit("export", str(run_dir / "ckpt"), "--out", str(tmp_path / "hf"))
     ours, _, _ = load_trained_model(run_dir / "ckpt", torch.device("cpu"))
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int, default=0)
 
     export = sub.add_parser("export", help="write a checkpoint's weights as HF safetensors + config.json")
-    export.add_argument("--checkpoint", required=True, help="a checkpoint folder or a checkpoint.dir")
+    export.add_argument("checkpoint", help="a checkpoint folder or a checkpoint.dir")
     export.add_argument("--out", required=True, help="output folder")
 
     prep = sub.add_parser("prepare-data", help="tokenize text into memmap token shards with a manifest")

@@ -7,12 +7,11 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from _toy import Net
 from trainfit.config import ConfigError
 from trainfit.memory.measure import current_allocated_bytes
 from trainfit.recompute import apply_activation_checkpointing
@@ -21,39 +20,9 @@ aten = torch.ops.aten
 NUM_LAYERS, DIM, HEADS, BATCH, SEQ = 4, 64, 4, 16, 64
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: LayerNorm, SDPA attention, LayerNorm, Linear-GELU-Linear."""
-
-    def __init__(self, dim: int, num_heads: int) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        qkv = self.qkv(self.norm1(x)).view(b, t, 3, self.num_heads, d // self.num_heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
-
-
-class Net(nn.Module):
-    def __init__(self, num_layers: int = NUM_LAYERS) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(Block(DIM, HEADS) for _ in range(num_layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def make(policy: str, every_n_layers: int = 1) -> Net:
     torch.manual_seed(0)
-    model = Net()
+    model = Net(DIM, NUM_LAYERS, HEADS)
     apply_activation_checkpointing(model, policy, every_n_layers)
     return model
 
@@ -74,16 +43,16 @@ class OpCounter(TorchDispatchMode):
 
 def test_unknown_policy_and_bad_frequency_raise():
     with pytest.raises(ConfigError, match="memory.activation_checkpointing='partial'"):
-        apply_activation_checkpointing(Net(), "partial")
+        apply_activation_checkpointing(Net(DIM, NUM_LAYERS, HEADS), "partial")
     with pytest.raises(ConfigError, match="memory.ac_every_n_layers"):
-        apply_activation_checkpointing(Net(), "full", every_n_layers=0)
+        apply_activation_checkpointing(Net(DIM, NUM_LAYERS, HEADS), "full", every_n_layers=0)
 
 
 @pytest.mark.parametrize(("policy", "n", "wrapped_ids"), [
     ("none", 1, []), ("full", 1, [0, 1, 2, 3]), ("selective", 2, [0, 2]), ("full", 3, [0, 3]),
 ])
 def test_which_blocks_are_wrapped(policy, n, wrapped_ids):
-    model = Net()
+    model = Net(DIM, NUM_LAYERS, HEADS)
     assert apply_activation_checkpointing(model, policy, n) == len(wrapped_ids)
     assert [i for i, b in enumerate(model.layers) if isinstance(b, CheckpointWrapper)] == wrapped_ids
 

@@ -13,14 +13,15 @@ from trainfit.config import ConfigError, ModelConfig
 from trainfit.models.presets import resolve_model_config
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
-__all__ = ["build_model", "count_params"]
+__all__ = ["build_model", "count_params", "materialize"]
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
     """The model for `cfg` on the meta device (no memory). Materialize it with
-    `model.to_empty(device=...)` then `model.init_weights()` (or load weights after that)."""
+    `materialize(model, device)` (or load weights after that)."""
     import torch
 
     cfg = resolve_model_config(dataclasses.replace(cfg))
@@ -40,3 +41,15 @@ def count_params(model: nn.Module) -> int:
     """Parameters counted once each (a tied embedding/output pair counts once); works on meta."""
     unique = {id(p): p.numel() for _, p in model.named_parameters(remove_duplicate=False)}
     return sum(unique.values())
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocate a meta-device model on `device` and fill it by its own init (torch's default RNG:
+    seed it first). Also rebuilds non-persistent buffers (RoPE tables), so call it before loading
+    weights too."""
+    import torch
+
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights()
+    return model

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainfit.config import ModelConfig
-from trainfit.models.llama import init_params
+from trainfit.models.llama import init_params, output_head
 
 
 class Attention(nn.Module):
@@ -92,13 +92,9 @@ class GPT2(nn.Module):
         for block in self.layers:
             h_BTD = block(h_BTD)
         self.aux_loss = torch.zeros((), device=h_BTD.device)
-        if self.norm is not None:
-            h_BTD = self.norm(h_BTD)
-        return self.output(h_BTD) if self.output is not None else h_BTD
+        return output_head(self, h_BTD)
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """Fill every parameter from torch's default RNG (seed it first); see llama.init_params."""
-        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
-            self.output.weight = self.tok_embeddings.weight  # to_empty() unties shared parameters
         init_params(self, self.cfg.num_layers)

@@ -144,15 +144,11 @@ class Transformer(nn.Module):
         for block in self.layers:
             h_BTD = block(h_BTD, cos_TK, sin_TK)
         self.aux_loss = collect_aux_loss(self.layers, h_BTD.device)
-        if self.norm is not None:
-            h_BTD = self.norm(h_BTD)
-        return self.output(h_BTD) if self.output is not None else h_BTD
+        return output_head(self, h_BTD)
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """Fill every parameter from torch's default RNG (seed it first) and rebuild the RoPE tables."""
-        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
-            self.output.weight = self.tok_embeddings.weight  # to_empty() unties shared parameters
         init_params(self, self.cfg.num_layers)
         cos_TK, sin_TK = rope_tables(self.cfg.dim // self.cfg.num_heads, self.cfg.max_seq_len,
                                      self.cfg.rope_theta, device=self.rope_cos.device)
@@ -170,9 +166,19 @@ def collect_aux_loss(layers: nn.ModuleList, device: torch.device) -> torch.Tenso
     return total
 
 
+def output_head(model: nn.Module, h_BTD: torch.Tensor) -> torch.Tensor:
+    """Final norm and output projection, each skipped when a pipeline stage has none."""
+    if model.norm is not None:
+        h_BTD = model.norm(h_BTD)
+    return model.output(h_BTD) if model.output is not None else h_BTD
+
+
 def init_params(model: nn.Module, num_layers: int) -> None:
-    """normal(0, 0.02) for weights, scaled by 1/sqrt(2 * num_layers) on residual output projections;
-    ones for norm gains, zeros for biases. Named-parameter order makes it deterministic per seed."""
+    """Re-tie shared embeddings (to_empty() unties them), then normal(0, 0.02) for weights, scaled by
+    1/sqrt(2 * num_layers) on residual output projections; ones for norm gains, zeros for biases.
+    Named-parameter order makes it deterministic per seed."""
+    if model.cfg.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
+        model.output.weight = model.tok_embeddings.weight
     residual_std = INIT_STD / math.sqrt(2 * num_layers)
     for name, param in model.named_parameters():
         if name.endswith("bias"):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from trainfit.config import Config, config_from_dict, resolve_and_validate
-from trainfit.models import build_model
+from trainfit.models import build_model, materialize
 from trainfit.models.generate import generate
 from trainfit.models.hf import save_hf_weights
 from trainfit.train import checkpoint as ckpt
@@ -20,10 +20,7 @@ def load_trained_model(path: str | Path, device: torch.device) -> tuple[nn.Modul
     folder = ckpt.resolve_checkpoint(path)
     cfg = config_from_dict(ckpt.load_checkpoint_config(folder))
     resolve_and_validate(cfg)
-    model = build_model(cfg.model)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights()  # also fills the non-persistent buffers (RoPE tables)
+    model = materialize(build_model(cfg.model), device)
     ckpt.load_checkpoint(folder, model, optimizer=None)
     return model.eval(), cfg, load_tokenizer_from_dir(folder)
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from trainfit.config import Config, ConfigError, config_to_dict
 from trainfit.hardware import peak_flops
 from trainfit.memory.measure import current_allocated_bytes, measure_peak
-from trainfit.models import build_model, count_params
+from trainfit.models import build_model, count_params, materialize
 from trainfit.perf.flops import mfu, training_flops_per_token
 from trainfit.precision import precision_policy, step_optimizer
 from trainfit.recompute import apply_activation_checkpointing
@@ -107,9 +107,7 @@ class Trainer:
         self.num_params = count_params(self.model)
         apply_activation_checkpointing(self.model, cfg.memory.activation_checkpointing,
                                        cfg.memory.ac_every_n_layers)
-        self.model.to_empty(device=self.device)
-        with torch.no_grad():
-            self.model.init_weights()
+        materialize(self.model, self.device)
         self.policy.prepare_model(self.model)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.training, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, cfg.training)

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from _toy import Net
 from trainfit.memory import measure
 from trainfit.memory.measure import current_allocated_bytes, measure_peak
 from trainfit.recompute import apply_activation_checkpointing
@@ -138,36 +138,9 @@ def test_backward_and_optimizer_operators_are_sampled():
     assert current_allocated_bytes() - step.baseline_bytes < 2.1 * param_bytes
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int, num_heads: int = 4) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
-
-
-class Net(nn.Module):
-    def __init__(self, dim: int = 64, num_layers: int = 8) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(Block(dim) for _ in range(num_layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def step_peak(policy: str) -> tuple[int, torch.Tensor]:
     torch.manual_seed(0)
-    model = Net()
+    model = Net(dim=64, num_layers=8)
     apply_activation_checkpointing(model, policy)
     optimizer = torch.optim.AdamW(model.parameters())
     x = torch.randn(16, 128, 64, generator=torch.Generator().manual_seed(1))

@@ -6,16 +6,14 @@ import pytest
 import torch
 
 from trainfit.config import ModelConfig
-from trainfit.models import build_model
+from trainfit.models import build_model, materialize
 from trainfit.models.generate import generate
 
 
 @pytest.fixture(params=["debug", "debug-gpt2"])
 def model(request: pytest.FixtureRequest) -> torch.nn.Module:
     torch.manual_seed(0)
-    m = build_model(ModelConfig(preset=request.param, max_seq_len=32))
-    m.to_empty(device="cpu")
-    m.init_weights()
+    m = materialize(build_model(ModelConfig(preset=request.param, max_seq_len=32)), "cpu")
     with torch.no_grad():  # sharper distributions than the 0.02 init, so tokens differ between steps
         m.output.weight.mul_(50)
     return m

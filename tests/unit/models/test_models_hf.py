@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainfit.config import ConfigError, ModelConfig
-from trainfit.models import build_model, count_params
+from trainfit.models import build_model, count_params, materialize
 from trainfit.models.hf import load_hf_weights, model_fields_from_hf_config, save_hf_weights
 
 transformers = pytest.importorskip("transformers")
@@ -49,9 +49,7 @@ def hf_model(name: str, seed: int = 0) -> torch.nn.Module:
 
 
 def our_model(path: Path, seed: int = 1) -> tuple[torch.nn.Module, ModelConfig]:
-    model = build_model(ModelConfig(preset=str(path)))
-    model.to_empty(device="cpu")
-    model.init_weights()
+    model = materialize(build_model(ModelConfig(preset=str(path))), "cpu")
     return randomize_(model, seed), model.cfg
 
 

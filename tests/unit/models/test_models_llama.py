@@ -8,19 +8,12 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from _runs import seeded_model
 from trainfit.config import ModelConfig
 from trainfit.models import build_model
 from trainfit.models.llama import Transformer
 
 PRESETS = ["debug", "debug-moe", "debug-gpt2"]
-
-
-def materialize(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = build_model(cfg)
-    model.to_empty(device="cpu")
-    model.init_weights()
-    return model
 
 
 def tokens(batch: int = 2, seq: int = 16, seed: int = 1) -> torch.Tensor:
@@ -40,7 +33,7 @@ def test_build_model_is_on_meta_and_dispatches_on_family() -> None:
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_forward_shape_dtype_and_aux_loss(preset: str) -> None:
-    model = materialize(ModelConfig(preset=preset))
+    model = seeded_model(ModelConfig(preset=preset))
     logits = model(tokens())
     assert logits.shape == (2, 16, 256) and logits.dtype == torch.float32
     assert model.aux_loss.shape == () and torch.isfinite(model.aux_loss)
@@ -49,7 +42,7 @@ def test_forward_shape_dtype_and_aux_loss(preset: str) -> None:
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_causal_future_tokens_do_not_change_earlier_logits(preset: str) -> None:
-    model = materialize(ModelConfig(preset=preset))
+    model = seeded_model(ModelConfig(preset=preset))
     x = tokens()
     y = x.clone()
     y[:, 10] = (y[:, 10] + 1) % 256
@@ -60,7 +53,7 @@ def test_causal_future_tokens_do_not_change_earlier_logits(preset: str) -> None:
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_init_is_deterministic_per_seed(preset: str) -> None:
-    a, b, c = (materialize(ModelConfig(preset=preset), seed) for seed in (3, 3, 4))
+    a, b, c = (seeded_model(ModelConfig(preset=preset), seed) for seed in (3, 3, 4))
     triples = zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values(), strict=True)
     for (name, pa), pb, pc in triples:
         assert torch.equal(pa, pb), name
@@ -69,7 +62,7 @@ def test_init_is_deterministic_per_seed(preset: str) -> None:
 
 
 def test_init_values_norms_biases_and_residual_scaling() -> None:
-    model = materialize(ModelConfig(preset="debug-gpt2", dim=256, ffn_dim=1024, num_layers=8))
+    model = seeded_model(ModelConfig(preset="debug-gpt2", dim=256, ffn_dim=1024, num_layers=8))
     params = dict(model.named_parameters())
     assert torch.equal(params["layers.0.attention_norm.weight"], torch.ones(256))
     assert torch.equal(params["layers.0.attention.wq.bias"], torch.zeros(256))
@@ -81,12 +74,12 @@ def test_init_values_norms_biases_and_residual_scaling() -> None:
 
 @pytest.mark.parametrize("preset", ["debug", "debug-gpt2"])
 def test_tied_embeddings_survive_materialization(preset: str) -> None:
-    model = materialize(ModelConfig(preset=preset, tie_embeddings=True))
+    model = seeded_model(ModelConfig(preset=preset, tie_embeddings=True))
     assert model.output.weight is model.tok_embeddings.weight
 
 
 def test_rope_tables_are_recomputed_and_not_saved() -> None:
-    model = materialize(ModelConfig(preset="debug"))
+    model = seeded_model(ModelConfig(preset="debug"))
     assert not any("rope" in k for k in model.state_dict())
     assert torch.equal(model.rope_cos[0], torch.ones(16))
     # position 1, first frequency pair: angle 1 rad
@@ -96,7 +89,7 @@ def test_rope_tables_are_recomputed_and_not_saved() -> None:
 @pytest.mark.parametrize("preset", ["debug", "debug-moe"])
 def test_blocks_work_under_activation_checkpointing(preset: str) -> None:
     """recompute.py wraps model.layers[i]; gradients (aux loss included) must be unchanged."""
-    model = materialize(ModelConfig(preset=preset))
+    model = seeded_model(ModelConfig(preset=preset))
     x = tokens()
     (model(x).square().mean() + model.aux_loss).backward()
     reference = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -5,18 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _runs import seeded_model
 from trainfit.config import ModelConfig
-from trainfit.models import build_model
 from trainfit.models.moe import MoE, load_balancing_loss
 from trainfit.models.presets import resolve_model_config
-
-
-def materialize(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = build_model(cfg)
-    model.to_empty(device="cpu")
-    model.init_weights()
-    return model
 
 
 def tokens(seed: int = 1) -> torch.Tensor:
@@ -24,7 +16,7 @@ def tokens(seed: int = 1) -> torch.Tensor:
 
 
 def test_aux_loss_positive_finite_and_trains_the_router() -> None:
-    model = materialize(ModelConfig(preset="debug-moe"))
+    model = seeded_model(ModelConfig(preset="debug-moe"))
     model(tokens())
     assert model.aux_loss.shape == () and torch.isfinite(model.aux_loss) and model.aux_loss > 0
     model.aux_loss.backward()
@@ -48,7 +40,7 @@ def test_aux_loss_of_a_uniform_router_is_top_k() -> None:
 
 
 def test_forward_is_deterministic() -> None:
-    model = materialize(ModelConfig(preset="debug-moe"))
+    model = seeded_model(ModelConfig(preset="debug-moe"))
     x = tokens()
     a, b = model(x), model(x)
     assert torch.equal(a, b)
