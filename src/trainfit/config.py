@@ -134,8 +134,8 @@ class OptimizerConfig:
 class ParallelConfig:
     dp_replicate: int = 1
     """Data-parallel replicas (DDP / the replicate axis of HSDP)."""
-    dp_shard: int = 1
-    """Data-parallel shards (FSDP axis); -1 derives it from hardware.num_gpus."""
+    dp_shard: int = -1
+    """Data-parallel shards (FSDP/ZeRO axis); -1 derives it: num_gpus / (tp x pp x cp x dp_replicate)."""
     zero_stage: Literal[0, 1, 2, 3] = 0
     """0 replicated (DDP), 1 optimizer states sharded, 2 + gradients, 3 + parameters (FSDP)."""
     tp: int = 1
@@ -146,6 +146,8 @@ class ParallelConfig:
     """Pipeline-parallel degree."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
     """Pipeline schedule."""
+    pp_virtual_stages: int = 1
+    """Stages per pipeline rank (interleaved-1f1b only): more stages, a smaller bubble."""
     num_microbatches: int = 0
     """Pipeline micro-batches per step; 0 derives it from the gradient accumulation."""
     cp: int = 1
@@ -391,10 +393,14 @@ def resolve_and_validate(cfg: Config) -> None:
     """Fill the model from its preset, then check every field and every combination."""
     from trainfit.models.presets import resolve_model_config  # torch-free
 
+    from trainfit.parallel.dims import resolve_parallel_dims  # torch-free
+
     resolve_model_config(cfg.model)
     _validate_model(cfg.model)
-    _validate_training(cfg)
     _validate_rest(cfg)
+    dims = resolve_parallel_dims(cfg)
+    cfg.parallel.dp_shard = dims.dp_shard
+    _validate_training(cfg)
 
 
 def _validate_model(m: ModelConfig) -> None:
@@ -451,17 +457,13 @@ def _validate_rest(cfg: Config) -> None:
     if not 0 <= o.momentum < 1:
         _fail("optimizer.momentum", o.momentum, "must be in [0, 1)")
     p = cfg.parallel
-    for name in ("dp_replicate", "tp", "pp", "cp", "ep"):
+    for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_virtual_stages"):
         if getattr(p, name) < 1:
             _fail(f"parallel.{name}", getattr(p, name), "must be >= 1")
     if p.dp_shard < 1 and p.dp_shard != -1:
         _fail("parallel.dp_shard", p.dp_shard, "must be >= 1, or -1 to derive it from hardware.num_gpus")
-    if cfg.model.num_heads % p.tp:
-        _fail("parallel.tp", p.tp, f"must divide model.num_heads={cfg.model.num_heads}")
-    if cfg.model.num_kv_heads % p.tp:
-        _fail("parallel.tp", p.tp, f"must divide model.num_kv_heads={cfg.model.num_kv_heads}")
-    if cfg.model.num_layers % p.pp:
-        _fail("parallel.pp", p.pp, f"must divide model.num_layers={cfg.model.num_layers}")
+    if p.num_microbatches < 0:
+        _fail("parallel.num_microbatches", p.num_microbatches, "must be >= 0 (0 derives it)")
     if cfg.memory.ac_every_n_layers < 1:
         _fail("memory.ac_every_n_layers", cfg.memory.ac_every_n_layers, "must be >= 1")
     if not 0 < cfg.data.val_fraction < 1:

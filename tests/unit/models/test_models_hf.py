@@ -11,6 +11,7 @@ import torch
 from trainfit.config import ConfigError, ModelConfig
 from trainfit.models import build_model, count_params, materialize
 from trainfit.models.hf import load_hf_weights, model_fields_from_hf_config, save_hf_weights
+from trainfit.models.params import param_counts
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,6 +64,7 @@ def test_param_count_matches_transformers(name: str, tmp_path: Path) -> None:
     theirs.config.save_pretrained(tmp_path)
     ours = build_model(ModelConfig(preset=str(tmp_path)))
     assert count_params(ours) == theirs.num_parameters()
+    assert param_counts(ours.cfg).total == count_params(ours)  # the closed form the estimator uses
 
 
 @pytest.mark.parametrize("name", sorted(HF_CONFIGS))

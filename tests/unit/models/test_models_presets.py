@@ -9,6 +9,7 @@ import pytest
 
 from trainfit.config import ModelConfig, load_config
 from trainfit.models import build_model, count_params
+from trainfit.models.params import param_counts
 from trainfit.models.presets import PRESETS, PUBLISHED_NUM_PARAMS
 
 
@@ -51,3 +52,22 @@ def test_config_and_hf_config_path_do_not_import_torch(tmp_path) -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_closed_form_counts_equal_the_built_model(name: str) -> None:
+    """The torch-free counts the estimator uses equal the real module tree, per component."""
+    cfg = load_config(None, [f"--model.preset={name}"]).model
+    model = build_model(cfg)
+    counts = param_counts(cfg)
+    assert counts.total == count_params(model)
+    block = model.layers[0]
+    assert counts.per_layer == sum(p.numel() for p in block.parameters())
+    assert counts.attention == sum(p.numel() for p in block.attention.parameters())
+    assert counts.mlp == sum(p.numel() for p in block.feed_forward.parameters())
+    if cfg.num_experts:
+        assert counts.routed_experts == sum(p.numel() for p in block.feed_forward.experts.parameters())
+        expert = counts.routed_experts // cfg.num_experts
+        assert counts.active == counts.total - cfg.num_layers * (cfg.num_experts - cfg.experts_per_token) * expert
+    else:
+        assert counts.active == counts.total

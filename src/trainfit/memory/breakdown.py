@@ -1,0 +1,56 @@
+"""The one vocabulary of per-rank training memory, shared by the analytic estimator, the traced
+estimator and measurement, so any two can be compared component by component. Torch-free.
+
+Components (bytes, ints):
+- params: compute copies of the parameters held by the rank (sharded ones counted as their shard)
+- master_params: fp32 copies kept beside low-precision compute params (0 when params are the master)
+- grads: gradients held at the peak
+- optimizer: optimizer states
+- activations: tensors saved for backward at the peak moment
+- logits: logits, loss and their gradients
+- buffers: communication and temporary buffers (all-gather / reduce-scatter / buckets / prefetch /
+  recompute / optimizer-step temporaries)
+- peak: the largest sum over the step's phases (forward, backward, optimizer step)
+- reserved_margin: allocator fragmentation and runtime context, shown apart, never inside another figure
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+COMPONENTS = ("params", "master_params", "grads", "optimizer", "activations", "logits", "buffers")
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    params: int = 0
+    master_params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    logits: int = 0
+    buffers: int = 0
+    peak: int = 0
+    """Bytes in use at the step's peak; the components above are their values at that moment."""
+    peak_phase: str = ""
+    """forward | backward | optimizer: where the peak lands."""
+    reserved_margin: int = 0
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+    """The largest in-use bytes of each phase (forward, backward, optimizer)."""
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.master_params + self.grads + self.optimizer
+
+    def components(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in COMPONENTS}
+
+    def largest(self, n: int = 3) -> list[tuple[str, int]]:
+        """The n largest components, largest first."""
+        return sorted(self.components().items(), key=lambda kv: kv[1], reverse=True)[:n]
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
