@@ -37,6 +37,23 @@ def _load(args: argparse.Namespace, overrides: list[str]) -> Config:
     return load_config(args.config, overrides)
 
 
+def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    from trainfit.estimate import as_json, estimate
+    from trainfit.memory.report import plot_breakdown, print_estimate
+
+    est = estimate(_load(args, overrides))
+    if args.json:
+        print(json.dumps(as_json(est), indent=2))
+    else:
+        print_estimate(est)
+    if args.plot:
+        path = plot_breakdown(est, args.plot)
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.train.report import print_summary
     from trainfit.train.trainer import Trainer, TrainingDiverged
@@ -89,6 +106,7 @@ def _reject_overrides(overrides: list[str]) -> None:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
+    "estimate": cmd_estimate,
     "train": cmd_train,
     "sample": cmd_sample,
     "prepare-data": cmd_prepare_data,
@@ -99,6 +117,9 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainfit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    estimate = _config_parser(sub, "estimate", "predict per-GPU memory, FLOPs, step time and MFU (no torch, instant)")
+    estimate.add_argument("--json", action="store_true", help="print the estimate as one JSON object")
+    estimate.add_argument("--plot", metavar="FILE.png", help="draw the memory breakdown as a stacked bar")
     _config_parser(sub, "train", "train a model from a config (default: tiny Llama on Shakespeare, CPU)")
 
     sample = sub.add_parser("sample", help="generate text from a trained checkpoint")

@@ -180,6 +180,37 @@ class HardwareConfig:
     """Override the catalog's dense peak TFLOP/s for the run's precision (0 = use the catalog)."""
     memory_gib: float = 0.0
     """Override the catalog's device memory in GiB (0 = use the catalog)."""
+    hbm_tbps: float = 0.0
+    """Override the catalog's device-memory bandwidth in TB/s (0 = use the catalog)."""
+    intra_node_link: str = ""
+    """Link between the GPUs of a node, from trainfit.hardware.LINKS: nvlink4 | nvlink3 | infinity-fabric |
+    pcie5 | pcie4 | loopback; "" = the GPU's usual one (H100/H200 SXM nvlink4, A100 nvlink3, MI300X
+    infinity-fabric, H100 PCIe pcie5, L40S and RTX 4090 pcie4, cpu loopback)."""
+    inter_node_link: str = "ib-ndr"
+    """Network between nodes, per NIC: ib-ndr (400 Gb/s) | ib-hdr (200 Gb/s) | roce-400 | roce-200 | roce-100."""
+    nics_per_node: int = 0
+    """Network adapters (NICs) per node: a GPU's share of the network is the NIC bandwidth x nics_per_node /
+    gpus_per_node (0 = one NIC per GPU, as on DGX/HGX H100 and A100 nodes)."""
+    intra_node_gbps: float = 0.0
+    """Override the intra-node bandwidth, GB/s per direction per GPU (0 = the link's figure)."""
+    inter_node_gbps: float = 0.0
+    """Override the inter-node bandwidth, GB/s per direction per GPU with the NIC share applied (0 = from the
+    link and nics_per_node)."""
+    intra_node_latency_us: float = 0.0
+    """Override the intra-node latency of one collective step, in microseconds (0 = the link's figure)."""
+    inter_node_latency_us: float = 0.0
+    """Override the inter-node latency of one collective step, in microseconds (0 = the link's figure)."""
+    compute_efficiency: float = 0.0
+    """Fraction of the dense peak FLOP/s the step's compute reaches (0 = trainfit.hardware.COMPUTE_EFFICIENCY,
+    0.5; tuned large-model runs measure 0.4-0.55 MFU end to end)."""
+    comm_efficiency: float = 0.0
+    """Fraction of a link's bandwidth that collectives reach (NCCL bus bandwidth / link bandwidth;
+    0 = trainfit.hardware.COMM_EFFICIENCY, 0.8)."""
+
+    def __post_init__(self) -> None:
+        from trainfit.hardware import validate_hardware  # torch-free; imported late (it imports this module)
+
+        validate_hardware(self)
 
 
 @dataclass
@@ -392,7 +423,6 @@ def _parse_scalar(key: str, text: str, kind: Any) -> Any:
 def resolve_and_validate(cfg: Config) -> None:
     """Fill the model from its preset, then check every field and every combination."""
     from trainfit.models.presets import resolve_model_config  # torch-free
-
     from trainfit.parallel.dims import resolve_parallel_dims  # torch-free
 
     resolve_model_config(cfg.model)

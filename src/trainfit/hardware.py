@@ -1,8 +1,26 @@
-"""Device catalog: memory, dense peak FLOP/s per dtype, HBM bandwidth. Torch-free.
+"""Device and link catalog: memory, dense peak FLOP/s per dtype, memory bandwidth, interconnects. Torch-free.
 
-Figures are the vendors' dense (no sparsity) tensor-core peaks from their datasheets:
-NVIDIA H100 datasheet (SXM5 / PCIe), H200 product brief, A100 datasheet, L40S datasheet,
-Ada (RTX 4090) whitepaper appendix, AMD Instinct MI300X datasheet.
+Compute figures are the vendors' dense (no sparsity) peaks; where a datasheet quotes "with
+sparsity" numbers (NVIDIA's tensor-core rows, marked *), the dense figure is half of them.
+Sources, checked for each entry:
+- H100 SXM / PCIe: NVIDIA H100 Tensor Core GPU datasheet (SXM: FP32 67, TF32 989*, BF16/FP16 1,979*,
+  FP8 3,958* TFLOPS, 3.35 TB/s; PCIe: FP32 51, TF32 756*, BF16 1,513*, FP8 3,026*, 2 TB/s).
+- H200: NVIDIA H200 product page / datasheet (same Hopper compute as H100 SXM; 141 GB HBM3e, 4.8 TB/s).
+- A100: NVIDIA A100 datasheet (FP32 19.5, TF32 156, BF16 312 dense; 80 GB SXM 2,039 GB/s, 40 GB 1,555 GB/s).
+- L40S: NVIDIA L40S datasheet (FP32 91.6, TF32 183 / 366*, BF16 362.05 / 733*, FP8 733 / 1,466*; 864 GB/s).
+- RTX 4090: NVIDIA Ada architecture whitepaper, appendix (FP32 82.6; tensor FP16/BF16 with FP32 accumulate,
+  what training uses, 165.2 dense -- GeForce parts run FP32 accumulation at half rate; FP8 330.3; 1,008 GB/s).
+- MI300X: AMD Instinct MI300X datasheet (FP32 163.4, TF32 653.7, FP16/BF16 1,307.4, FP8 2,614.9 TFLOPS;
+  5.3 TB/s; 7 Infinity Fabric links of 128 GB/s bidirectional each).
+
+Memory: vendors' "80GB" is binary capacity (HBM stacks are 16 GiB each); `memory_bytes` is what the
+driver reports as the device total (nvidia-smi memory.total: H100 80GB 81559 MiB, H200 143771 MiB,
+A100 80GB 81920 MiB, A100 40GB 40960 MiB, L40S 46068 MiB, RTX 4090 24564 MiB; rocm-smi for MI300X:
+205,822,885,888 B). The CUDA context and allocator slack come out of it as `reserved_margin`.
+
+Links are per direction and per GPU. Latencies are per ring step of NCCL's Simple protocol, the one
+large messages use (NCCL src/graph/tuning.cc, hwLat Ring/Simple: NVLink 3.4 us, PCIe 5.7 us, network
+9.6 us, plus a base of 8.4 us per collective).
 """
 
 from __future__ import annotations
@@ -14,38 +32,56 @@ from trainfit.config import ConfigError, HardwareConfig
 
 TERA = 1e12
 GIB = 1024**3
+MIB = 1024**2
 GB = 1e9
+
+# Fraction of the dense peak that a training step's compute reaches. Large bf16 GEMMs run at 60-80%
+# of peak on H100/A100; norms, softmax, the optimizer step and launch gaps bring a whole step's compute
+# near one half. Measured end-to-end MFU of tuned runs, which also pay for communication and pipeline
+# bubbles, brackets it: Llama 3 405B 38-43% on 16k H100 (Dubey et al. 2024, Table 4), PaLM 540B 46.2%
+# (Chowdhery et al. 2022), MegaScale 175B 55.2% on 12k A100 (Jiang et al. 2024).
+COMPUTE_EFFICIENCY = 0.5
+
+# Fraction of a link's nominal bandwidth that NCCL collectives reach (bus bandwidth). nccl-tests
+# all_reduce on 8 x A100 SXM NVLink gives 230-250 GB/s of 300; 400 Gb/s InfiniBand NICs give ~45 of 50
+# GB/s; PCIe peer traffic often less. 0.8 is the round middle; override with hardware.comm_efficiency.
+COMM_EFFICIENCY = 0.8
+
+# NCCL's fixed cost of launching one collective (tuning.cc baseLat, Ring/Simple), in seconds.
+COLLECTIVE_BASE_LATENCY_S = 8.4e-6
 
 
 @dataclass(frozen=True)
 class DeviceSpec:
     name: str
     memory_bytes: int
-    """Device memory as the vendor states it (GB = 1e9 bytes)."""
+    """Device memory the driver reports (binary units; see the module docstring)."""
     peak_flops: dict[str, float]
     """Dense peak FLOP/s by compute dtype: fp32 (non-tensor), tf32, bf16, fp16, fp8."""
     hbm_bytes_per_s: float
+    default_link: str
+    """The intra-node link such devices usually sit on (a key of LINKS)."""
 
 
-def _gpu(name: str, mem_gb: float, fp32: float, tf32: float, bf16: float, fp8: float | None,
-         hbm_tb_s: float) -> DeviceSpec:
+def _gpu(name: str, mem_mib: int, fp32: float, tf32: float, bf16: float, fp8: float | None,
+         hbm_tb_s: float, link: str) -> DeviceSpec:
     flops = {"fp32": fp32 * TERA, "tf32": tf32 * TERA, "bf16": bf16 * TERA, "fp16": bf16 * TERA}
     if fp8 is not None:
         flops["fp8"] = fp8 * TERA
-    return DeviceSpec(name, int(mem_gb * GB), flops, hbm_tb_s * 1e12)
+    return DeviceSpec(name, mem_mib * MIB, flops, hbm_tb_s * 1e12, link)
 
 
 GPUS: dict[str, DeviceSpec] = {
     s.name: s
     for s in (
-        _gpu("H100-SXM-80GB", 80, 67.0, 494.7, 989.4, 1978.9, 3.35),
-        _gpu("H100-PCIe-80GB", 80, 51.2, 378.0, 756.0, 1513.0, 2.0),
-        _gpu("H200-141GB", 141, 67.0, 494.7, 989.4, 1978.9, 4.8),
-        _gpu("A100-SXM-80GB", 80, 19.5, 156.0, 312.0, None, 2.039),
-        _gpu("A100-40GB", 40, 19.5, 156.0, 312.0, None, 1.555),
-        _gpu("L40S", 48, 91.6, 183.0, 362.05, 733.0, 0.864),
-        _gpu("RTX-4090", 24, 82.6, 82.6, 165.2, 330.3, 1.008),
-        _gpu("MI300X", 192, 163.4, 653.7, 1307.4, 2614.9, 5.3),
+        _gpu("H100-SXM-80GB", 81559, 67.0, 494.7, 989.4, 1978.9, 3.35, "nvlink4"),
+        _gpu("H100-PCIe-80GB", 81559, 51.0, 378.0, 756.0, 1513.0, 2.0, "pcie5"),
+        _gpu("H200-141GB", 143771, 67.0, 494.7, 989.4, 1978.9, 4.8, "nvlink4"),
+        _gpu("A100-SXM-80GB", 81920, 19.5, 156.0, 312.0, None, 2.039, "nvlink3"),
+        _gpu("A100-40GB", 40960, 19.5, 156.0, 312.0, None, 1.555, "nvlink3"),
+        _gpu("L40S", 46068, 91.6, 183.0, 362.05, 733.0, 0.864, "pcie4"),
+        _gpu("RTX-4090", 24564, 82.6, 82.6, 165.2, 330.3, 1.008, "pcie4"),
+        _gpu("MI300X", 205_822_885_888 // MIB, 163.4, 653.7, 1307.4, 2614.9, 5.3, "infinity-fabric"),
     )
 }
 
@@ -57,25 +93,112 @@ CPU_FLOPS_PER_CORE = 96e9
 def cpu_spec() -> DeviceSpec:
     cores = os.cpu_count() or 1
     peak = cores * CPU_FLOPS_PER_CORE
-    return DeviceSpec("cpu", 0, {k: peak for k in ("fp32", "tf32", "bf16", "fp16")}, 20e9)
+    return DeviceSpec("cpu", 0, {k: peak for k in ("fp32", "tf32", "bf16", "fp16")}, 20e9, "loopback")
+
+
+# ---------------------------------------------------------------- links
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    name: str
+    bytes_per_s: float
+    """Nominal bandwidth per direction: per GPU for intra-node links, per NIC for network links."""
+    latency_s: float
+    """Latency of one ring step (one hop) of a collective."""
+    per_nic: bool
+    """A network link: a GPU gets bytes_per_s x nics_per_node / gpus_per_node of it."""
+    source: str
+
+
+_NVLINK_HOP_S, _PCIE_HOP_S, _NET_HOP_S = 3.4e-6, 5.7e-6, 9.6e-6  # NCCL tuning.cc hwLat Ring/Simple
+
+LINKS: dict[str, LinkSpec] = {
+    s.name: s
+    for s in (
+        LinkSpec("nvlink4", 450 * GB, _NVLINK_HOP_S, False,
+                 "H100/H200 SXM: 18 NVLink 4 links x 25 GB/s per direction (900 GB/s bidirectional)"),
+        LinkSpec("nvlink3", 300 * GB, _NVLINK_HOP_S, False,
+                 "A100 SXM: 12 NVLink 3 links x 25 GB/s per direction (600 GB/s bidirectional)"),
+        LinkSpec("infinity-fabric", 448 * GB, _NVLINK_HOP_S, False,
+                 "MI300X: 7 Infinity Fabric links x 64 GB/s per direction to the 7 peers (896 GB/s "
+                 "bidirectional); NVLink-class hop latency assumed"),
+        LinkSpec("pcie5", 63 * GB, _PCIE_HOP_S, False, "PCIe 5.0 x16: 32 GT/s x 16 lanes, 128b/130b"),
+        LinkSpec("pcie4", 31.5 * GB, _PCIE_HOP_S, False, "PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b"),
+        LinkSpec("ib-ndr", 50 * GB, _NET_HOP_S, True, "InfiniBand NDR: 400 Gb/s per NIC"),
+        LinkSpec("ib-hdr", 25 * GB, _NET_HOP_S, True, "InfiniBand HDR: 200 Gb/s per NIC"),
+        LinkSpec("roce-400", 50 * GB, _NET_HOP_S, True, "RoCE v2 over 400 GbE, per NIC"),
+        LinkSpec("roce-200", 25 * GB, _NET_HOP_S, True, "RoCE v2 over 200 GbE, per NIC"),
+        LinkSpec("roce-100", 12.5 * GB, _NET_HOP_S, True, "RoCE v2 over 100 GbE, per NIC"),
+        # Not a datasheet figure: gloo between processes of one host; a placeholder to override.
+        LinkSpec("loopback", 5 * GB, 20e-6, False, "gloo through host memory (nominal, CPU runs)"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link as one GPU sees it, overrides and efficiency applied: what the cost models use."""
+
+    name: str
+    bytes_per_s: float
+    """Achievable bandwidth per direction for this GPU (nominal x comm efficiency)."""
+    latency_s: float
+
+
+# ---------------------------------------------------------------- resolution and validation
+
+
+def _fail(field: str, value: object, fix: str) -> ConfigError:
+    return ConfigError(f"hardware.{field}={value!r}: {fix}")
+
+
+def _catalog_spec(gpu: str) -> DeviceSpec:
+    if gpu == "cpu":
+        return cpu_spec()
+    if gpu in GPUS:
+        return GPUS[gpu]
+    raise _fail("gpu", gpu, f"unknown device; choose one of cpu, {', '.join(GPUS)} "
+                            "(or pick the closest and set hardware.peak_tflops / hardware.memory_gib)")
+
+
+def _link_preset(field: str, name: str) -> LinkSpec:
+    if name not in LINKS:
+        raise _fail(field, name, "unknown link; choose one of " + ", ".join(LINKS)
+                    + f" (the closest, then set hardware.{field.replace('link', 'gbps')} to your bandwidth)")
+    return LINKS[name]
+
+
+def validate_hardware(hw: HardwareConfig) -> None:
+    """Every hardware.* value, checked when the config is built (ConfigError names field, value, fix)."""
+    _catalog_spec(hw.gpu)
+    if hw.intra_node_link:
+        _link_preset("intra_node_link", hw.intra_node_link)
+    _link_preset("inter_node_link", hw.inter_node_link)
+    if hw.num_gpus < 1:
+        raise _fail("num_gpus", hw.num_gpus, "must be >= 1")
+    if hw.gpus_per_node < 1:
+        raise _fail("gpus_per_node", hw.gpus_per_node, "must be >= 1")
+    if hw.nics_per_node < 0:
+        raise _fail("nics_per_node", hw.nics_per_node, "must be >= 0 (0 = one NIC per GPU)")
+    for name in ("peak_tflops", "memory_gib", "hbm_tbps", "intra_node_gbps", "inter_node_gbps",
+                 "intra_node_latency_us", "inter_node_latency_us"):
+        if getattr(hw, name) < 0:
+            raise _fail(name, getattr(hw, name), "must be >= 0 (0 = use the catalog)")
+    for name in ("compute_efficiency", "comm_efficiency"):
+        if not 0 <= getattr(hw, name) <= 1:
+            raise _fail(name, getattr(hw, name), "must be a fraction in (0, 1] (0 = the default)")
 
 
 def device_spec(hw: HardwareConfig) -> DeviceSpec:
     """The catalog entry named by hardware.gpu, with hardware.* overrides applied."""
-    if hw.gpu == "cpu":
-        spec = cpu_spec()
-    elif hw.gpu in GPUS:
-        spec = GPUS[hw.gpu]
-    else:
-        raise ConfigError(
-            f"hardware.gpu={hw.gpu!r}: unknown device; choose one of cpu, {', '.join(GPUS)} "
-            "(or pick the closest and set hardware.peak_tflops / hardware.memory_gib)"
-        )
+    spec = _catalog_spec(hw.gpu)
     flops = dict(spec.peak_flops)
     if hw.peak_tflops:
         flops = {k: hw.peak_tflops * TERA for k in flops}
     memory = int(hw.memory_gib * GIB) if hw.memory_gib else spec.memory_bytes
-    return DeviceSpec(spec.name, memory, flops, spec.hbm_bytes_per_s)
+    hbm = hw.hbm_tbps * 1e12 if hw.hbm_tbps else spec.hbm_bytes_per_s
+    return DeviceSpec(spec.name, memory, flops, hbm, spec.default_link)
 
 
 def compute_dtype_of(precision_mode: str) -> str:
@@ -91,3 +214,28 @@ def peak_flops(hw: HardwareConfig, precision_mode: str) -> float:
         raise ConfigError(f"precision.mode={precision_mode!r}: {spec.name} has no {dtype} tensor cores; "
                           "use bf16-mixed")
     return spec.peak_flops[dtype]
+
+
+def compute_efficiency(hw: HardwareConfig) -> float:
+    return hw.compute_efficiency or COMPUTE_EFFICIENCY
+
+
+def intra_node_link(hw: HardwareConfig) -> Link:
+    """The link between two GPUs of one node, as one GPU sees it."""
+    name = hw.intra_node_link or _catalog_spec(hw.gpu).default_link
+    preset = _link_preset("intra_node_link", name)
+    bandwidth = hw.intra_node_gbps * GB if hw.intra_node_gbps else preset.bytes_per_s
+    latency = hw.intra_node_latency_us * 1e-6 if hw.intra_node_latency_us else preset.latency_s
+    return Link(name, bandwidth * (hw.comm_efficiency or COMM_EFFICIENCY), latency)
+
+
+def inter_node_link(hw: HardwareConfig) -> Link:
+    """One GPU's share of the network between nodes: NIC bandwidth x NICs per node / GPUs per node."""
+    preset = _link_preset("inter_node_link", hw.inter_node_link)
+    if hw.inter_node_gbps:
+        bandwidth = hw.inter_node_gbps * GB
+    else:
+        nics = hw.nics_per_node or hw.gpus_per_node
+        bandwidth = preset.bytes_per_s * nics / hw.gpus_per_node if preset.per_nic else preset.bytes_per_s
+    latency = hw.inter_node_latency_us * 1e-6 if hw.inter_node_latency_us else preset.latency_s
+    return Link(hw.inter_node_link, bandwidth * (hw.comm_efficiency or COMM_EFFICIENCY), latency)

@@ -1,9 +1,26 @@
-"""Training FLOPs per token and MFU, in closed form from the model config. Torch-free.
+"""Training FLOPs per token, model and hardware, and MFU, in closed form from the model config. Torch-free.
 
 Model FLOPs follow Kaplan et al. 2020 / PaLM (Chowdhery et al. 2022, appendix B): a matmul with
 N weights costs 2N FLOPs per token forward and 4N backward, so 6N per token; attention adds
 QK^T and AV, 2 x 2*s*d per token per layer forward (here halved: causal masking skips the upper
-triangle, as flash attention does). Embedding lookups are not matmuls and cost nothing.
+triangle, as flash attention does), and twice that backward. Embedding lookups are not matmuls and
+cost nothing; the output projection is a matmul even when tied to the embedding. MoE blocks count
+what a token passes through: router, shared experts and its top-k routed experts. MFU divides model
+FLOPs only (PaLM's convention), so that recomputation never looks like progress.
+
+Hardware FLOPs are what the GPUs execute: model FLOPs plus
+- the fused attention kernel's backward: FlashAttention recomputes the score matrix QK^T in
+  backward, 5 matmuls against the forward's 2, i.e. 2.5x the forward instead of the 2x of model
+  FLOPs (Dao 2023, FlashAttention-2, section 3.1; torch.utils.flop_counter counts the fused
+  kernels' backward the same way);
+- activation-checkpointing recomputation, per policy of trainfit.recompute:
+  none: 0. selective: 0 -- matmul and fused-attention outputs are saved, only elementwise ops
+  (norms, activations, RoPE; ~0 matmul FLOPs) rerun. full: each wrapped block reruns its forward --
+  matmuls and attention -- except its last matmul: non-reentrant checkpoint stops once every tensor
+  backward needs is back, and nothing saves the MLP down projection's output. In a MoE block the
+  load-balancing loss is computed after the experts from saved router outputs, so recomputation runs
+  to the end of the block and nothing is skipped. Every-n-layers wraps ceil(L / n) blocks.
+Checked against torch.utils.flop_counter.FlopCounterMode on our models (tests/estimator/test_flops.py).
 """
 
 from __future__ import annotations
@@ -11,10 +28,12 @@ from __future__ import annotations
 from trainfit.config import ModelConfig
 
 FWD_BWD_FACTOR = 3  # backward = 2x forward (grad wrt inputs + grad wrt weights)
+# Matmuls in a flash-attention backward per matmul of its forward: 5 / 2 (see the module docstring).
+FLASH_ATTENTION_BWD_FACTOR = 2.5
 
 
-def matmul_params_per_token(m: ModelConfig) -> int:
-    """Weights each token multiplies through (MoE: router + shared + top-k routed experts only)."""
+def block_matmul_params(m: ModelConfig) -> int:
+    """Weights one token multiplies through in one block (MoE: router + shared + its top-k experts)."""
     head_dim = m.dim // m.num_heads
     q_and_o = 2 * m.dim * m.num_heads * head_dim
     k_and_v = 2 * m.dim * m.num_kv_heads * head_dim
@@ -25,19 +44,69 @@ def matmul_params_per_token(m: ModelConfig) -> int:
         mlp = m.dim * m.num_experts + (m.experts_per_token + m.num_shared_experts) * expert
     else:
         mlp = 3 * m.dim * m.ffn_dim
-    return m.num_layers * (q_and_o + k_and_v + mlp) + m.dim * m.vocab_size
+    return q_and_o + k_and_v + mlp
 
 
-def attention_flops_per_token(m: ModelConfig, seq_len: int) -> int:
-    """Forward FLOPs of QK^T and AV per token, causal (average context seq_len / 2)."""
+def head_matmul_params(m: ModelConfig) -> int:
+    """The output projection (a matmul even when its weight is tied to the embedding)."""
+    return m.dim * m.vocab_size
+
+
+def matmul_params_per_token(m: ModelConfig) -> int:
+    """Weights each token multiplies through (MoE: router + shared + top-k routed experts only)."""
+    return m.num_layers * block_matmul_params(m) + head_matmul_params(m)
+
+
+def block_attention_flops(m: ModelConfig, seq_len: int, *, causal: bool = True) -> int:
+    """Forward FLOPs of QK^T and AV per token in one block; causal halves the average context."""
     head_dim = m.dim // m.num_heads
-    return m.num_layers * 2 * 2 * m.num_heads * head_dim * seq_len // 2
+    full = 2 * 2 * m.num_heads * head_dim * seq_len
+    return full // 2 if causal else full
+
+
+def attention_flops_per_token(m: ModelConfig, seq_len: int, *, causal: bool = True) -> int:
+    """Forward FLOPs of QK^T and AV per token, all blocks (causal: average context seq_len / 2)."""
+    return m.num_layers * block_attention_flops(m, seq_len, causal=causal)
 
 
 def training_flops_per_token(m: ModelConfig, seq_len: int) -> int:
     """Model FLOPs of forward + backward per token (no recomputation counted: that is MFU's convention)."""
     forward = 2 * matmul_params_per_token(m) + attention_flops_per_token(m, seq_len)
     return FWD_BWD_FACTOR * forward
+
+
+def skipped_recompute_params(m: ModelConfig) -> int:
+    """Weights of the block's last matmul, which full checkpointing never reruns (0 for MoE blocks)."""
+    return 0 if m.num_experts else m.dim * m.ffn_dim
+
+
+def num_checkpointed_blocks(num_layers: int, every_n_layers: int) -> int:
+    """Blocks i with i % n == 0 are wrapped (trainfit.recompute.apply_activation_checkpointing)."""
+    return (num_layers + every_n_layers - 1) // every_n_layers
+
+
+def block_recompute_flops(m: ModelConfig, seq_len: int, policy: str) -> tuple[int, int]:
+    """(matmul, attention) FLOPs per token that one wrapped block reruns in backward."""
+    if policy != "full":
+        return 0, 0
+    return 2 * (block_matmul_params(m) - skipped_recompute_params(m)), block_attention_flops(m, seq_len)
+
+
+def recompute_flops_per_token(m: ModelConfig, seq_len: int, policy: str, every_n_layers: int = 1) -> int:
+    """Extra forward FLOPs per token that activation checkpointing reruns during backward."""
+    matmul, attention = block_recompute_flops(m, seq_len, policy)
+    return num_checkpointed_blocks(m.num_layers, every_n_layers) * (matmul + attention)
+
+
+def flash_backward_extra_flops_per_token(m: ModelConfig, seq_len: int) -> int:
+    """What the fused attention backward executes beyond the 2x-forward of model FLOPs."""
+    return int((FLASH_ATTENTION_BWD_FACTOR - 2) * attention_flops_per_token(m, seq_len))
+
+
+def hardware_flops_per_token(m: ModelConfig, seq_len: int, policy: str = "none", every_n_layers: int = 1) -> int:
+    """FLOPs the devices execute per token: model FLOPs + fused-attention backward + recomputation."""
+    return (training_flops_per_token(m, seq_len) + flash_backward_extra_flops_per_token(m, seq_len)
+            + recompute_flops_per_token(m, seq_len, policy, every_n_layers))
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:

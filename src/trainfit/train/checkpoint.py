@@ -4,6 +4,18 @@ trainer's state (schedule, loss scaler, data position, RNG streams) beside them.
 Layout: `<dir>/step_XXXXXXXX/{dcp/, trainer_state.pt, config.json, tokenizer files}`. A save is
 written to a hidden temp folder, fsynced and renamed into place; the newest `step_*` folder is
 the latest checkpoint, so a crash at any moment leaves the last good checkpoint untouched.
+
+With several ranks: rank 0 creates the temp folder and names it to all; every rank writes its
+shards into it (dcp.save); rank 0 adds the trainer state, config and tokenizer; after a barrier
+(every rank's files are complete) rank 0 fsyncs and renames; a second barrier keeps any rank from
+running ahead of the rename. A rank killed at any point leaves only a temp folder, which the
+next successful save removes.
+
+Model and optimizer are saved as DCP state dicts keyed by parameter name (the optimizer
+flattened per parameter: `state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`), sharded tensors as
+DTensors: nothing in the files depends on the layout, so a checkpoint resumes on another world
+size or layout (DDP, ZeRO-1's per-rank optimizer, FSDP/HSDP shards, one plain process), and
+`trainfit export` loads it into one process.
 """
 
 from __future__ import annotations
@@ -22,14 +34,17 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from trainfit.config import ConfigError
+from trainfit.parallel.data_parallel import local_optimizer
+from trainfit.train.distributed import World
 
 STEP_PREFIX = "step_"
 TRAINER_STATE = "trainer_state.pt"
 CONFIG_FILE = "config.json"
 DCP_DIR = "dcp"
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def step_dir_name(step: int) -> str:
@@ -73,24 +88,37 @@ def _dcp_quiet() -> Iterator[None]:
 
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     trainer_state: dict[str, Any], config: dict[str, Any],
-                    write_extras: Callable[[Path], None] | None = None, keep_last: int = 2) -> Path:
-    """Write the checkpoint of `step` atomically and prune old ones; returns its folder."""
+                    write_extras: Callable[[Path], None] | None = None, keep_last: int = 2,
+                    world: World | None = None) -> Path:
+    """Write the checkpoint of `step` atomically and prune old ones; returns its folder.
+
+    Collective when `world` has several ranks: every rank calls it; rank 0 writes the files other
+    than the shards (trainer_state, config, extras)."""
+    world = world or World()
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    tmp = None
+    if world.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".tmp-{final.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    tmp = Path(world.broadcast_object(str(tmp)))
+    model_sd, optim_sd = get_state_dict(model, local_optimizer(optimizer), options=STATE_DICT_OPTIONS)
     with _dcp_quiet():
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
-    torch.save(trainer_state, tmp / TRAINER_STATE)
-    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-    if write_extras is not None:
-        write_extras(tmp)
-    _fsync_tree(tmp)
-    _publish(tmp, final)
-    _prune(root, keep_last)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / DCP_DIR),
+                 no_dist=world.size == 1)
+    if world.is_main:
+        torch.save(trainer_state, tmp / TRAINER_STATE)
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+        if write_extras is not None:
+            write_extras(tmp)
+    world.barrier()  # every rank's shards are written (DCP's writer fsyncs each file it writes)
+    if world.is_main:
+        _fsync_tree(tmp)
+        _publish(tmp, final)
+        _prune(root, keep_last)
+    world.barrier()
     return final
 
 
@@ -139,20 +167,23 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Load model (and optimizer) state in place; returns the trainer state."""
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    world: World | None = None) -> dict[str, Any]:
+    """Load model (and optimizer) state in place, resharded to this layout; returns the trainer
+    state. Collective when `world` has several ranks."""
+    world = world or World()
     if optimizer is None:
-        model_sd = model.state_dict()
-        state = {"model": model_sd}
+        state = {"model": model.state_dict()}
     else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, local_optimizer(optimizer), options=STATE_DICT_OPTIONS)
         state = {"model": model_sd, "optimizer": optim_sd}
     with _dcp_quiet():
-        dcp.load(state, checkpoint_id=str(path / DCP_DIR))
+        dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=world.size == 1)
     if optimizer is None:
         model.load_state_dict(state["model"])
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(model, local_optimizer(optimizer), model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=STATE_DICT_OPTIONS)
     return torch.load(path / TRAINER_STATE, weights_only=False)
 
 

@@ -1,4 +1,5 @@
-"""The progress bar of `trainfit train`: step, loss, tokens/s and ETA (rich)."""
+"""The progress bar of `trainfit train`: step, loss, tokens/s and ETA (rich). Ranks other than 0
+are quiet: one bar and one copy of every message per run."""
 
 from __future__ import annotations
 
@@ -7,14 +8,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class TrainProgress:
-    def __init__(self, total_steps: int, start_step: int, enabled: bool, console: Console | None = None) -> None:
+    def __init__(self, total_steps: int, start_step: int, enabled: bool, console: Console | None = None, *,
+                 quiet: bool = False) -> None:
+        """enabled: show the bar (and notes); quiet: print nothing at all, not even announcements."""
         self.console = console or Console(stderr=True)
-        self.enabled = enabled
+        self.enabled = enabled and not quiet
+        self.quiet = quiet
         self._progress = Progress(
             TextColumn("step"), MofNCompleteColumn(), BarColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
             TextColumn("ETA"), TimeRemainingColumn(),
-            console=self.console, disable=not enabled, transient=False,
+            console=self.console, disable=not self.enabled, transient=False,
         )
         self._task = self._progress.add_task("train", total=total_steps, completed=start_step,
                                              loss="-", tps="-")
@@ -32,4 +36,9 @@ class TrainProgress:
     def note(self, message: str) -> None:
         """A line printed above the bar (validation losses, signals)."""
         if self.enabled:
+            self._progress.console.print(message)
+
+    def announce(self, message: str) -> None:
+        """A line printed even without the bar: what changes the run (resume, schedule, signals)."""
+        if not self.quiet:
             self._progress.console.print(message)

@@ -1,4 +1,4 @@
-"""The summary printed at the end of `trainfit train`."""
+"""The summary printed at the end of `trainfit train` (by rank 0 only)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
         ("model", f"{cfg.model.preset or 'custom'} ({cfg.model.family}), {result.num_params / 1e6:.2f}M params"),
         ("steps", f"{result.steps_done} / {cfg.training.steps}"),
         ("precision", f"{cfg.precision.mode}, activation checkpointing {cfg.memory.activation_checkpointing}"),
+        ("parallel", layout_description(cfg, result.world_size)),
     ]
     if result.losses:
         last_step = max(result.losses)
@@ -28,7 +29,11 @@ def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
     rows.append(("throughput", f"{result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.1%} "
                                f"(peak from hardware.gpu={cfg.hardware.gpu!r})"))
     if result.peak_memory_bytes is not None:
-        rows.append(("peak memory", f"{result.peak_memory_bytes / MIB:,.1f} MiB (measured at the allocator)"))
+        per_rank = ", rank 0" if result.world_size > 1 else ""
+        rows.append(("peak memory", f"{result.peak_memory_bytes / MIB:,.1f} MiB (measured at the allocator{per_rank})"))
+    if result.state_bytes is not None:
+        states = ", ".join(f"{name} {n / MIB:,.1f}" for name, n in result.state_bytes.items())
+        rows.append(("model states", f"{states} MiB (this rank's tensors)"))
     if cfg.precision.mode == "fp16-mixed":
         rows.append(("skipped steps", f"{result.skipped_steps} (inf/nan gradients under loss scaling)"))
     if result.checkpoint is not None:
@@ -37,7 +42,25 @@ def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
     return rows
 
 
+def layout_description(cfg: Config, world_size: int) -> str:
+    """E.g. "2 processes: ZeRO-3 (FSDP2) over dp_shard=2, offload optimizer"."""
+    p = cfg.parallel
+    if world_size == 1 and cfg.memory.offload == "none":
+        return "1 process"
+    stage = {0: "DDP", 1: "ZeRO-1 (DDP + sharded optimizer)", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[p.zero_stage]
+    if p.dp_replicate > 1:
+        axes = f"dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard}"
+    else:
+        axes = f"dp_shard={p.dp_shard}" if p.zero_stage else f"dp={cfg.dp_degree}"
+    if p.zero_stage >= 1 and p.dp_replicate > 1:
+        stage = f"HSDP, {stage}"
+    offload = f", offload {cfg.memory.offload}" if cfg.memory.offload != "none" else ""
+    return f"{world_size} process{'es' if world_size > 1 else ''}: {stage} over {axes}{offload}"
+
+
 def print_summary(cfg: Config, result: TrainResult, console: Console | None = None) -> None:
+    if result.rank != 0:
+        return
     console = console or Console()
     title = "trainfit: stopped by signal (rerun the same command to resume)" if result.stopped_by_signal \
         else "trainfit: run complete"

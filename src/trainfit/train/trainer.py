@@ -1,30 +1,45 @@
-"""The training loop: build (meta device) -> checkpointing policy -> materialize -> resume -> steps.
+"""The training loop: build (meta device) -> parallelize -> materialize -> resume -> steps.
 
-Single process for now; every piece (data sampler ranks, DCP checkpoints) is already shaped for
-the data-parallel ranks that parallel/apply.py will add.
+One process, or one per rank under torchrun (train/distributed.py); every rank runs this same loop
+on its own rows of each global batch. Rank 0 alone prints, writes metrics and publishes
+checkpoints; the ranks stay in step through collectives (the loss and the stop flag are
+all-reduced every step, every rank writes its shards of each checkpoint).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from trainfit.config import Config, ConfigError, config_to_dict
 from trainfit.hardware import peak_flops
 from trainfit.memory.measure import current_allocated_bytes, measure_peak
 from trainfit.models import build_model, count_params, materialize
+from trainfit.parallel.apply import check_layout, parallelize, parallelize_optimizer
+from trainfit.parallel.data_parallel import (
+    clip_grad_norm_,
+    grad_scaler,
+    is_fully_sharded,
+    local_state_bytes,
+    set_gradient_sync,
+)
+from trainfit.parallel.dims import resolve_parallel_dims
 from trainfit.perf.flops import mfu, training_flops_per_token
 from trainfit.precision import precision_policy, step_optimizer
-from trainfit.recompute import apply_activation_checkpointing
 from trainfit.train import checkpoint as ckpt
-from trainfit.train.data import BatchSampler, eval_batches, resolve_data
+from trainfit.train.data import BatchSampler, TokenData, eval_batches, resolve_data
+from trainfit.train.distributed import World, init_world
 from trainfit.train.metrics import MetricsWriter
 from trainfit.train.optim import build_optimizer, build_scheduler
 from trainfit.train.progress import TrainProgress
@@ -43,6 +58,8 @@ class StepStats:
     seconds: float
     lr: float
     peak_memory_bytes: int | None = None
+    state_bytes: dict[str, int] | None = None
+    """This rank's model-state bytes (params, grads, optimizer), on measured steps."""
 
 
 @dataclass
@@ -57,32 +74,10 @@ class TrainResult:
     stopped_by_signal: bool = False
     checkpoint: Path | None = None
     num_params: int = 0
-
-
-def check_single_process(cfg: Config) -> None:
-    """Fail fast on options that multi-process training (parallel/) will bring, not this loop."""
-    p = cfg.parallel
-    degrees = {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp, "pp": p.pp,
-               "cp": p.cp, "ep": p.ep}
-    for name, degree in degrees.items():
-        if degree != 1:
-            raise ConfigError(f"parallel.{name}={degree}: `trainfit train` runs one process for now; "
-                              f"set parallel.{name}=1 (multi-process parallelism is not built yet)")
-    if p.zero_stage:
-        raise ConfigError(f"parallel.zero_stage={p.zero_stage}: needs several data-parallel ranks; set it to 0")
-    if cfg.memory.offload != "none":
-        raise ConfigError(f"memory.offload={cfg.memory.offload!r}: not yet supported by `trainfit train`; "
-                          "set it to none")
-    if cfg.memory.chunked_loss:
-        raise ConfigError("memory.chunked_loss=true: not yet supported by `trainfit train`; set it to false")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("training.device='cuda': no CUDA device is available; use auto or cpu")
-    return torch.device(name)
+    world_size: int = 1
+    rank: int = 0
+    state_bytes: dict[str, int] | None = None
+    """Rank `rank`'s model-state bytes (params, grads, optimizer) on its last measured step."""
 
 
 def data_cache_dir() -> Path:
@@ -90,36 +85,95 @@ def data_cache_dir() -> Path:
     return Path(base) / "trainfit" / "data"
 
 
+class _NoMetrics:
+    """What ranks other than 0 write metrics to."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Trainer:
-    def __init__(self, cfg: Config) -> None:
-        check_single_process(cfg)
+    def __init__(self, cfg: Config, world: World | None = None) -> None:
+        """`world`: None joins the launcher's world (init_world); World() forces one process."""
+        self.world = world if world is not None else init_world(cfg)
+        self.dims = resolve_parallel_dims(cfg)
+        if world is not None:
+            check_layout(cfg, self.dims)
+        if self.dims.num_gpus != self.world.size:
+            raise ConfigError(f"hardware.num_gpus={cfg.hardware.num_gpus}: the world has {self.world.size} ranks")
         self.cfg = cfg
-        self.device = resolve_device(cfg.training.device)
+        self.device = self.world.device
         self.policy = precision_policy(cfg.precision.mode, self.device.type)
-        self.data = resolve_data(cfg.data, str(data_cache_dir()))
+        self.data = self._load_data()
         if self.data.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
                 f"model.vocab_size={cfg.model.vocab_size}: smaller than the tokenizer's vocabulary "
                 f"({self.data.tokenizer.vocab_size}); raise model.vocab_size or use a smaller tokenizer")
         self.memory_floor = current_allocated_bytes(self.device)
-        torch.manual_seed(cfg.training.seed)
-        self.model = build_model(cfg.model)
-        self.num_params = count_params(self.model)
-        apply_activation_checkpointing(self.model, cfg.memory.activation_checkpointing,
-                                       cfg.memory.ac_every_n_layers)
-        materialize(self.model, self.device)
-        self.policy.prepare_model(self.model)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.training, self.device.type)
+        self.model, self.num_params = self._build_model()
+        self.sharded = is_fully_sharded(self.model)
+        # FSDP2 computes in its MixedPrecisionPolicy's dtype; autocast is the non-sharded form.
+        self.autocast = contextlib.nullcontext if self.sharded else self.policy.autocast
+        optimizer = build_optimizer(self.model, cfg.optimizer, cfg.training, self.device.type)
+        self.optimizer = parallelize_optimizer(optimizer, cfg, self.dims, self.world.mesh)
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
-        self.scaler = self.policy.make_grad_scaler()
+        self.scaler = grad_scaler(self.policy, sharded=self.sharded)
         t = cfg.training
-        self.sampler = BatchSampler(self.data.train, t.seq_len, t.micro_batch_size, t.seed,
-                                    grad_accum_steps=cfg.grad_accum_steps)
+        self.sampler = BatchSampler(self.data.train, t.seq_len, t.micro_batch_size, t.seed, rank=self.world.dp_rank,
+                                    world_size=self.world.dp_size, grad_accum_steps=cfg.grad_accum_steps)
         self.flops_per_token = training_flops_per_token(cfg.model, t.seq_len)
-        self.peak_flops = peak_flops(cfg.hardware, cfg.precision.mode)
+        self.peak_flops = peak_flops(cfg.hardware, cfg.precision.mode) * self.world.size
         self.step = 0
         self.skipped_steps = 0
+        self.notes: list[str] = []
+        """Messages for the log, printed when training starts (resume, schedule changes)."""
+        self._capture_state_bytes = False
         self.resumed_from = self._maybe_resume()
+
+    # ------------------------------------------------------------ build
+
+    def _load_data(self) -> TokenData:
+        """Node-local rank 0 tokenizes into the cache (once); the other ranks wait, then load it."""
+        data, error = None, None
+        if self.world.local_rank == 0:
+            try:
+                data = resolve_data(self.cfg.data, str(data_cache_dir()))
+            except Exception as err:  # the other ranks must not wait for it forever
+                error = err
+        if self.world.any(error is not None):
+            raise error or RuntimeError("preparing the data failed on another rank (see its error)")
+        return data if data is not None else resolve_data(self.cfg.data, str(data_cache_dir()))
+
+    def _build_model(self) -> tuple[nn.Module, int]:
+        cfg = self.cfg
+        torch.manual_seed(cfg.training.seed)
+        model = build_model(cfg.model)
+        num_params = count_params(model)
+        self.policy.prepare_model(model)
+        parallelize(model, cfg, self.dims, self.world.mesh, self.policy)
+        if is_fully_sharded(model):
+            self._materialize_sharded(model)
+        else:
+            materialize(model, self.device)
+        torch.manual_seed(cfg.training.seed)  # training-time random streams do not depend on the init
+        return model, num_params
+
+    def _materialize_sharded(self, model: nn.Module) -> None:
+        """Allocate the local shards and fill them with the weights one process would initialize:
+        rank 0 builds them whole on the host and broadcasts them (DTensor's own random init is not
+        layout-independent on CPU, and runs on different layouts must start equal)."""
+        with warnings.catch_warnings():  # the random values drawn here are overwritten below
+            warnings.filterwarnings("ignore", message="DTensor random operators")
+            materialize(model, self.device)  # shards allocated, buffers (RoPE) rebuilt, ties restored
+        whole: dict[str, torch.Tensor] = {}
+        if self.world.is_main:
+            torch.manual_seed(self.cfg.training.seed)
+            single = self.policy.prepare_model(build_model(self.cfg.model))
+            whole = materialize(single, "cpu").state_dict()
+        set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
     # ------------------------------------------------------------ state
 
@@ -127,36 +181,62 @@ class Trainer:
         spec = self.cfg.checkpoint.resume
         if spec == "never":
             return None
-        path = ckpt.latest_checkpoint(self.cfg.checkpoint.dir) if spec == "auto" else ckpt.resolve_checkpoint(spec)
+        found = ckpt.latest_checkpoint(self.cfg.checkpoint.dir) if spec == "auto" else ckpt.resolve_checkpoint(spec)
+        path = self.world.broadcast_object(found)  # rank 0 decides: every rank loads the same one
         if path is None:
             return None
-        state = ckpt.load_checkpoint(path, self.model, self.optimizer)
+        state = ckpt.load_checkpoint(path, self.model, self.optimizer, world=self.world)
         self.step = state["step"]
         self.skipped_steps = state["skipped_steps"]
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        self.sampler.load_state_dict(state["sampler"])
-        ckpt.set_rng_state(state["rng"])
+        # Checkpoints are taken between steps, so the data position is the step; stored as a
+        # count of this rank's micro-batches, it is converted to this layout's accumulation.
+        self.sampler.load_state_dict({**state["sampler"], "position": self.step * self.cfg.grad_accum_steps})
+        rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
+        ckpt.set_rng_state(rngs[self.world.rank] if len(rngs) == self.world.size else rngs[0])
+        self._restart_schedule()
+        saved_world, planned = state.get("world_size", 1), state.get("steps", self.cfg.training.steps)
+        self.notes.append(f"resumed from {path} at step {self.step}"
+                          + (f" (saved by {saved_world} ranks, resharded to {self.world.size})"
+                             if saved_world != self.world.size else ""))
+        if planned != self.cfg.training.steps:
+            self.notes.append(f"the run was planned for {planned} steps; the learning-rate schedule is recomputed "
+                              f"for training.steps={self.cfg.training.steps} from step {self.step} on")
         return path
 
+    def _restart_schedule(self) -> None:
+        """Set the learning rate of the next step from the schedule of the *current* config (optim.lr_at).
+        The optimizer holds the saved run's value, which differs once training.steps has changed."""
+        s = self.scheduler
+        for group, base_lr, lr_lambda in zip(self.optimizer.param_groups, s.base_lrs, s.lr_lambdas, strict=True):
+            group["lr"] = base_lr * lr_lambda(s.last_epoch)
+
     def save(self) -> Path:
+        """Write a checkpoint of the current step (collective: every rank calls it)."""
         state = {
             "step": self.step,
             "skipped_steps": self.skipped_steps,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "sampler": self.sampler.state_dict(),
-            "rng": ckpt.rng_state(),
+            "rng": self.world.gather_objects(ckpt.rng_state()),
+            "steps": self.cfg.training.steps,
+            "world_size": self.world.size,
         }
         return ckpt.save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, state,
                                     config_to_dict(self.cfg), write_extras=self.data.tokenizer.save,
-                                    keep_last=self.cfg.checkpoint.keep_last)
+                                    keep_last=self.cfg.checkpoint.keep_last, world=self.world)
+
+    def close(self) -> None:
+        """Release the process group if this trainer created it (the end of `trainfit train`)."""
+        self.world.close()
 
     # ------------------------------------------------------------ step
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss to backpropagate, language-model loss to report)."""
-        with self.policy.autocast():
+        with self.autocast():
             logits = self.model(inputs)
         lm_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         aux = getattr(self.model, "aux_loss", None)
@@ -165,49 +245,67 @@ class Trainer:
         return lm_loss, lm_loss
 
     def train_step(self) -> StepStats:
-        """One optimizer step over `grad_accum_steps` micro-batches."""
+        """One optimizer step over `grad_accum_steps` micro-batches of this rank's rows."""
         start = time.perf_counter()
         accum = self.cfg.grad_accum_steps
         total = torch.zeros((), device=self.device)
-        for _ in range(accum):
+        for i in range(accum):
+            set_gradient_sync(self.model, i == accum - 1)
             inputs, targets = (t.to(self.device, non_blocking=True) for t in self.sampler.next_batch())
             loss, lm_loss = self._loss(inputs, targets)
             self.scaler.scale(loss / accum).backward()
             total += lm_loss.detach()
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.training.grad_clip or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        loss_value = total.item() / accum
-        uses_scaling = self.policy.uses_loss_scaling
-        if not math.isfinite(loss_value) and not uses_scaling:
+        grad_norm = clip_grad_norm_(self.model.parameters(), clip)
+        state_bytes = local_state_bytes(self.model, self.optimizer) if self._capture_state_bytes else None
+        # Every micro-batch holds micro_batch_size x seq_len tokens (no padding), so the mean over
+        # all tokens of the global batch is the mean of the micro-batch means over all ranks.
+        loss_value = self.world.sum_(total).item() / (accum * self.world.size)
+        if not math.isfinite(loss_value) and not self.policy.uses_loss_scaling:  # the same on every rank
             raise TrainingDiverged(
                 f"step {self.step + 1}: the loss is {loss_value}; stopping without saving "
                 f"(the last good checkpoint in {self.cfg.checkpoint.dir!r} is kept). Lower training.lr, "
                 "enable training.grad_clip, or use bf16-mixed instead of a pure low-precision mode")
+        lr = self.optimizer.param_groups[0]["lr"]
         skipped = not step_optimizer(self.optimizer, self.scaler)
         self.skipped_steps += int(skipped)
         self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.step += 1
-        return StepStats(loss_value, float(grad_norm), skipped, time.perf_counter() - start, lr)
+        return StepStats(loss_value, float(grad_norm), skipped, time.perf_counter() - start, lr,
+                         state_bytes=state_bytes)
 
     def measured_step(self) -> StepStats:
-        """A train step with the allocator sampled per operator (slower: not every step)."""
-        with measure_peak(self.device) as mem:
-            stats = self.train_step()
+        """A train step with the allocator sampled per operator and the model states counted (slower)."""
+        self._capture_state_bytes = True
+        try:
+            with measure_peak(self.device) as mem:
+                stats = self.train_step()
+        finally:
+            self._capture_state_bytes = False
         stats.peak_memory_bytes = mem.baseline_bytes + mem.peak_bytes - self.memory_floor
         return stats
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Mean validation loss over the fixed eval batches, split round-robin across ranks (a rank
+        short of a batch reruns its last one with weight 0: sharded models need every rank in
+        every forward)."""
         t = self.cfg.training
+        batches = list(eval_batches(self.data.val, t.seq_len, t.micro_batch_size, t.eval_steps))
+        rank, size = self.world.rank, self.world.size
+        totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # (loss sum, batches)
         self.model.eval()
-        losses = []
-        for inputs, targets in eval_batches(self.data.val, t.seq_len, t.micro_batch_size, t.eval_steps):
-            losses.append(self._loss(inputs.to(self.device), targets.to(self.device))[1].item())
+        for first in range(0, len(batches), size):
+            index = first + rank
+            inputs, targets = batches[min(index, len(batches) - 1)]
+            loss = self._loss(inputs.to(self.device), targets.to(self.device))[1]
+            if index < len(batches):
+                totals += torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=self.device)])
         self.model.train()
-        return sum(losses) / len(losses)
+        self.world.sum_(totals)
+        return (totals[0] / totals[1]).item()
 
     # ------------------------------------------------------------ loop
 
@@ -217,21 +315,29 @@ class Trainer:
         return step == first or (interval > 0 and step % interval == 0)
 
     def train(self) -> TrainResult:
-        cfg, t = self.cfg, self.cfg.training
-        result = TrainResult(steps_done=self.step, num_params=self.num_params,
-                             skipped_steps=self.skipped_steps, checkpoint=self.resumed_from)
-        writer = MetricsWriter(cfg.logging.dir, resume_step=self.step, tensorboard=cfg.logging.tensorboard)
+        cfg, t, world = self.cfg, self.cfg.training, self.world
+        result = TrainResult(steps_done=self.step, num_params=self.num_params, world_size=world.size,
+                             rank=world.rank, skipped_steps=self.skipped_steps, checkpoint=self.resumed_from)
+        writer: MetricsWriter | _NoMetrics = _NoMetrics()
+        if world.is_main:
+            writer = MetricsWriter(cfg.logging.dir, resume_step=self.step, tensorboard=cfg.logging.tensorboard)
         tokens_per_step = t.global_batch_size * t.seq_len
         window_tokens, window_seconds = 0, 0.0
         last_saved = self.step if self.resumed_from else None
         try:
-            with StopOnSignal() as stop, TrainProgress(t.steps, self.step, cfg.logging.progress) as bar:
+            with StopOnSignal() as stop, \
+                    TrainProgress(t.steps, self.step, cfg.logging.progress, quiet=not world.is_main) as bar:
+                for note in self.notes:
+                    bar.announce(note)
+                    writer.write({"step": self.step, "note": note})
                 if self.step == 0 and t.eval_interval:
                     result.val_losses[0] = self._log_eval(writer, bar)
-                while self.step < t.steps and not stop.requested:
+                stopping = world.any(stop.requested)
+                while self.step < t.steps and not stopping:
                     stats = self.measured_step() if self._is_measured(self.step + 1) else self.train_step()
                     result.losses[self.step] = stats.loss
                     result.peak_memory_bytes = stats.peak_memory_bytes or result.peak_memory_bytes
+                    result.state_bytes = stats.state_bytes or result.state_bytes
                     window_tokens += tokens_per_step
                     window_seconds += stats.seconds
                     tokens_per_s = window_tokens / window_seconds
@@ -245,9 +351,11 @@ class Trainer:
                         result.val_losses[self.step] = self._log_eval(writer, bar)
                     if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                         result.checkpoint, last_saved = self.save(), self.step
-                result.stopped_by_signal = stop.requested
-                if stop.requested:
-                    bar.note(f"received {stop.signal_name}: saving a checkpoint at step {self.step}")
+                    stopping = world.any(stop.requested)  # a signal may reach one rank only
+                result.stopped_by_signal = stopping
+                if stopping:
+                    bar.announce(f"received {stop.signal_name or 'a stop signal on another rank'}: "
+                                 f"saving a checkpoint at step {self.step}")
             if last_saved != self.step:
                 result.checkpoint = self.save()
         finally:
@@ -266,12 +374,14 @@ class Trainer:
             "mfu": result.mfu,
             "peak_memory_bytes": result.peak_memory_bytes,
         }
+        if stats.state_bytes is not None:
+            record.update({f"{name}_bytes": n for name, n in stats.state_bytes.items()})
         if self.policy.uses_loss_scaling:
             record["loss_scale"] = self.scaler.get_scale()
             record["skipped_steps"] = self.skipped_steps
         return record
 
-    def _log_eval(self, writer: MetricsWriter, bar: TrainProgress) -> float:
+    def _log_eval(self, writer: MetricsWriter | _NoMetrics, bar: TrainProgress) -> float:
         val_loss = self.evaluate()
         writer.write({"step": self.step, "val_loss": val_loss})
         bar.note(f"step {self.step}: val loss {val_loss:.4f}")

@@ -1,0 +1,126 @@
+"""`trainfit estimate`: per-rank memory, FLOPs, step time and MFU of a config, in closed form.
+
+Pure arithmetic, no torch import: the answer comes in milliseconds and the planner can call it
+thousands of times a second. The JSON schema (documented in README) is the dict `as_json` returns:
+keys model, per_rank, per_stage, flops, time, fits.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from trainfit.config import Config
+from trainfit.hardware import device_spec
+from trainfit.memory.analytic import MemoryEstimate, estimate_memory
+from trainfit.memory.breakdown import MemoryBreakdown
+from trainfit.models.params import param_counts
+from trainfit.parallel.dims import ParallelDims, resolve_parallel_dims
+from trainfit.perf.timing import PerfEstimate, estimate_perf
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Estimate:
+    cfg: Config
+    dims: ParallelDims
+    memory: MemoryEstimate
+    perf: PerfEstimate
+    device_memory: int
+
+    @property
+    def worst(self) -> MemoryBreakdown:
+        return self.memory.per_stage[self.memory.worst_stage]
+
+    def total_bytes(self, stage: MemoryBreakdown) -> int:
+        """What the device must hold: the peak plus the margin shown apart."""
+        return stage.peak + stage.reserved_margin
+
+    @property
+    def fits(self) -> bool:
+        return self.device_memory == 0 or all(self.total_bytes(s) <= self.device_memory
+                                               for s in self.memory.per_stage)
+
+
+def estimate(cfg: Config) -> Estimate:
+    """The full analytic estimate of a validated config (see trainfit.config.load_config)."""
+    dims = resolve_parallel_dims(cfg)
+    return Estimate(cfg=cfg, dims=dims, memory=estimate_memory(cfg, dims), perf=estimate_perf(cfg, dims),
+                    device_memory=device_spec(cfg.hardware).memory_bytes)
+
+
+def _stage_json(est: Estimate, stage: MemoryBreakdown, index: int) -> dict[str, Any]:
+    return {"stage": index, **stage.as_dict(), "device_memory": est.device_memory,
+            "fits": est.device_memory == 0 or est.total_bytes(stage) <= est.device_memory}
+
+
+def as_json(est: Estimate) -> dict[str, Any]:
+    m = est.cfg.model
+    counts = param_counts(m)
+    d = est.dims
+    per_rank = _stage_json(est, est.worst, est.memory.worst_stage)
+    per_rank["layout"] = {
+        "num_gpus": d.num_gpus, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp, "pp": d.pp,
+        "cp": d.cp, "ep": d.ep, "zero_stage": d.zero_stage, "pp_virtual_stages": d.pp_virtual_stages,
+        "grad_accum_steps": est.cfg.grad_accum_steps,
+    }
+    return {
+        "model": {"preset": m.preset, "family": m.family, "num_params": counts.total,
+                  "num_active_params": counts.active, "num_layers": m.num_layers, "dim": m.dim,
+                  "vocab_size": m.vocab_size},
+        "per_rank": per_rank,
+        "per_stage": [_stage_json(est, s, i) for i, s in enumerate(est.memory.per_stage)],
+        "flops": dict(est.perf.flops),
+        "time": dict(est.perf.time),
+        "fits": est.fits,
+    }
+
+
+# ---------------------------------------------------------------- advice
+
+
+# (what to change, how to say it); tried one at a time on a copy of the config.
+_REMEDIES: list[tuple[str, Any, str]] = [
+    ("memory.activation_checkpointing", "selective", "selective activation checkpointing"),
+    ("memory.activation_checkpointing", "full", "full activation checkpointing"),
+    ("memory.chunked_loss", True, "a chunked loss (logits never whole)"),
+    ("parallel.zero_stage", 1, "ZeRO-1 (shard optimizer states)"),
+    ("parallel.zero_stage", 2, "ZeRO-2 (shard optimizer states and gradients)"),
+    ("parallel.zero_stage", 3, "ZeRO-3 / FSDP (shard parameters too)"),
+    ("memory.offload", "optimizer", "offloading optimizer states to the host"),
+]
+
+
+def _with(cfg: Config, key: str, value: Any) -> Config:
+    changed = copy.deepcopy(cfg)
+    section, name = key.split(".")
+    setattr(getattr(changed, section), name, value)
+    return changed
+
+
+def advice(est: Estimate, limit: int = 4) -> list[str]:
+    """Concrete single changes that lower the worst rank's peak, biggest saving first."""
+    worst = est.worst
+    total = est.total_bytes(worst)
+    lines: list[tuple[int, str]] = []
+    for key, value, words in _REMEDIES:
+        section, name = key.split(".")
+        if getattr(getattr(est.cfg, section), name) == value:
+            continue
+        try:
+            changed = _with(est.cfg, key, value)
+            other = estimate(changed)
+        except ValueError:  # the change is not valid for this layout (e.g. ZeRO with one rank)
+            continue
+        saved = total - other.total_bytes(other.worst)
+        if saved <= 0:
+            continue
+        verdict = "fits" if other.fits else "still does not fit"
+        lines.append((saved, f"{words} ({key}={value!r}) would save ~{saved / GIB:.1f} GiB -> "
+                             f"{other.total_bytes(other.worst) / GIB:.1f} GiB per GPU, {verdict}"))
+    lines.sort(key=lambda item: item[0], reverse=True)
+    share = {name: value / worst.peak for name, value in worst.components().items()} if worst.peak else {}
+    head = [f"{name} are {share[name]:.0%} of the peak" for name, _ in worst.largest(2) if share.get(name)]
+    return ["; ".join(head)] + [text for _, text in lines[:limit]] if lines else ["; ".join(head)]

@@ -1,0 +1,226 @@
+"""Activation memory in closed form: what autograd saves for backward in OUR blocks. Torch-free.
+
+Each figure below was read off the real modules (llama.TransformerBlock, moe.MoE, gpt2.Block)
+by recording every tensor autograd packs (`torch.autograd.graph.saved_tensors_hooks`) and the
+C-heap bytes each block adds, on CPU with torch 2.13; tests/estimator/ checks the sums against
+measured training steps. Conventions:
+
+- Bytes per token of one micro-batch, split by how tensor parallelism divides them:
+  `seq` (residual-stream tensors: sharded along the sequence only with sequence parallelism),
+  `gathered` (inputs of column-parallel and outputs of row-parallel matmuls: torch's DTensor
+  sequence parallelism saves the all-gathered input of wq/wk/wv/w1/w3 and the full-sequence
+  partial sum before the reduce-scatter, so tp never divides them; Megatron re-gathers in
+  backward instead, which is why Korthikanti's TP+SP figure divides everything by t), and
+  `tp` (head- and ffn-sharded tensors). Context parallelism divides the tokens.
+- A block owns its input (the previous block's output, or the embedding output for block 0);
+  the final norm owns the last block's output.
+- Precision (`ActDtypes`): `stream` bytes of the residual stream, `compute` bytes of matmul
+  outputs, `autocast` when torch.amp casts per op. Under autocast every matmul saves ITS OWN
+  low-precision cast of an fp32 input (non-leaf casts are not cached: wq, wk and wv each keep
+  one), norms, softmax and the residual stream stay fp32: that is why bf16-mixed does not halve
+  activations. RMSNorm computes in fp32 (x.float()), so with a bf16 stream it saves an fp32 copy
+  of its input (4 bytes) instead of the input itself.
+- SDPA is the fused (flash / memory-efficient, CPU flash) kernel: it saves q, k, v, the output and
+  an fp32 logsumexp of (batch, heads, seq): no seq^2 term. GQA keeps k, v at kv-head width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainfit.config import ModelConfig
+
+FP32 = 4
+INDEX = 8  # int64 (token ids, top-k expert ids, torch.nonzero results)
+# torch.nonzero(as_tuple=True) returns views of one (M, 2) int64 result, which both the
+# index_select and the gather of routing weights save: 16 bytes per routed token.
+ROUTED_INDEX_BYTES = 2 * INDEX
+
+
+@dataclass(frozen=True)
+class ActDtypes:
+    stream: int
+    """Bytes per element of the residual stream (block inputs/outputs, norm statistics' inputs)."""
+    compute: int
+    """Bytes per element of matmul and attention outputs."""
+    autocast: bool
+    """torch.amp: each matmul casts (and saves) its fp32 input itself."""
+
+
+@dataclass(frozen=True)
+class Terms:
+    """Saved bytes per token by tensor-parallel kind, plus bytes per sequence position."""
+
+    seq: float = 0.0
+    gathered: float = 0.0
+    tp: float = 0.0
+    per_position: float = 0.0
+    """Bytes per position of the (local) sequence, independent of the batch (RoPE table casts)."""
+
+    def __add__(self, other: Terms) -> Terms:
+        return Terms(self.seq + other.seq, self.gathered + other.gathered, self.tp + other.tp,
+                     self.per_position + other.per_position)
+
+    def __sub__(self, other: Terms) -> Terms:
+        return Terms(self.seq - other.seq, self.gathered - other.gathered, self.tp - other.tp,
+                     self.per_position - other.per_position)
+
+    def bytes(self, tokens: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False) -> int:
+        """Total for `tokens` tokens (micro-batch x local sequence) of a local sequence `seq_len`."""
+        seq = self.seq / tp if sequence_parallel else self.seq
+        return int(tokens * (seq + self.gathered + self.tp / tp) + seq_len * self.per_position)
+
+
+def _shapes(m: ModelConfig) -> tuple[int, int, int, int, int]:
+    head_dim = m.dim // m.num_heads
+    return m.dim, m.num_heads * head_dim, m.num_kv_heads * head_dim, m.num_heads, head_dim
+
+
+def _norm(m: ModelConfig, d: ActDtypes, consumers: int) -> Terms:
+    """A pre-norm (input owned by the caller) and what its consumers save of its output."""
+    D = m.dim
+    if m.family == "gpt2":
+        # native_layer_norm saves input (owned elsewhere), mean and rstd (stream dtype, 1 per token);
+        # under autocast it runs in fp32 and its output is cast by each consumer.
+        own = 2 * d.stream
+    else:
+        # RMSNorm: x.float() (the input itself, or its fp32 copy for a 16-bit stream: counted by
+        # the caller as the residual), rsqrt (fp32, 1 per token), normed (cast back to the stream
+        # dtype, saved by the gain's multiply).
+        own = FP32 + d.stream * D
+    out = consumers * d.compute * D if d.autocast else d.stream * D
+    return Terms(seq=own, gathered=out)
+
+
+def _attention_saved(m: ModelConfig, d: ActDtypes) -> Terms:
+    D, q_dim, kv_dim, H, head_dim = _shapes(m)
+    c = d.compute
+    # SDPA saves q (after RoPE), k (after RoPE), v, out, and an fp32 logsumexp per head.
+    per_position = 4 * head_dim * c if (d.autocast and m.family == "llama") else 0  # cos/sin .to(bf16), q and k
+    return Terms(tp=c * (2 * q_dim + 2 * kv_dim) + FP32 * H, per_position=per_position)
+
+
+def _swiglu_saved(c: int, hidden: float) -> float:
+    return 4 * c * hidden  # w1 out (silu input), w3 out, silu out, their product (w2 input)
+
+
+def _moe_saved(m: ModelConfig, d: ActDtypes) -> Terms:
+    """Router, top-k, each token's k expert passes (moe.GroupedExperts) and the shared experts."""
+    D, E, k, F = m.dim, m.num_experts, m.experts_per_token, m.expert_ffn_dim
+    c, a = d.compute, d.stream
+    router = FP32 * E + INDEX * k + FP32 * k + FP32  # softmax probs, top-k ids, top-k weights and their sum
+    # Per routed token: the expert's input (index_select; under autocast w1 and w3 each save a
+    # cast), 4 SwiGLU tensors, the routing weight, the w2 output and the weighted output y
+    # (index_add_ saves it), plus the nonzero() indices.
+    x_in = 2 * c * D if d.autocast else a * D
+    routed = ROUTED_INDEX_BYTES + x_in + _swiglu_saved(c, F) + a + c * D + a * D
+    shared = _swiglu_saved(c, m.num_shared_experts * F)
+    return Terms(seq=router + k * routed, tp=shared)
+
+
+def _ffn_consumers(m: ModelConfig) -> int:
+    if m.family == "gpt2":
+        return 1
+    if m.num_experts:
+        return 1 + (2 if m.num_shared_experts else 0)  # router, shared w1 and w3
+    return 2  # w1, w3
+
+
+def block_terms(m: ModelConfig, d: ActDtypes, policy: str) -> Terms:
+    """What one block keeps from its forward to its backward, input included."""
+    D, q_dim, kv_dim, H, _ = _shapes(m)
+    c, a = d.compute, d.stream
+    if policy == "full":
+        return Terms(seq=a * D)  # the checkpoint keeps the block input only
+    if policy == "selective":
+        # recompute._SAVE_OPS: the outputs of every matmul and of the fused attention are stored,
+        # the rest (norms, RoPE, activations, casts) is recomputed; plus the block input.
+        kept = Terms(seq=a * D, tp=c * (2 * q_dim + 2 * kv_dim) + FP32 * H)  # wq, wk, wv; SDPA out, lse
+        kept += Terms(gathered=c * D)  # wo output (under TP: the partial sum before the reduce-scatter)
+        if m.family == "gpt2":
+            return kept + Terms(gathered=c * D, tp=c * m.ffn_dim)  # fc2 output; fc1 output
+        if not m.num_experts:
+            return kept + Terms(gathered=c * D, tp=2 * c * m.ffn_dim)  # w2 output; w1, w3 outputs
+        E, k, F = m.num_experts, m.experts_per_token, m.expert_ffn_dim
+        shared = m.num_shared_experts * F
+        kept += Terms(seq=c * E + k * c * (2 * F + D))  # router logits; each routed pass: w1, w3, w2 outputs
+        return kept + Terms(gathered=c * D if shared else 0, tp=2 * c * shared)  # shared w2; shared w1, w3
+    if policy != "none":
+        raise ValueError(f"activation checkpointing policy {policy!r}: choose none, selective or full")
+    # Block input (for RMSNorm with a 16-bit stream, its fp32 copy replaces it: see _norm) and
+    # the mid-block residual h, each saved at 4 bytes by the norm that reads it (RMSNorm) or at
+    # stream bytes (LayerNorm saves its input as is).
+    residual = 2 * (a * D if m.family == "gpt2" else FP32 * D)
+    terms = Terms(seq=residual) + _norm(m, d, 3) + _attention_saved(m, d) + _norm(m, d, _ffn_consumers(m))
+    if m.family == "gpt2":
+        return terms + Terms(tp=2 * c * m.ffn_dim)  # fc1 out (GELU input), GELU out (fc2 input)
+    if m.num_experts:
+        return terms + _moe_saved(m, d)
+    return terms + Terms(tp=_swiglu_saved(c, m.ffn_dim))
+
+
+def final_norm_terms(m: ModelConfig, d: ActDtypes) -> Terms:
+    """The final norm: its input (the last block's output) and what the output projection saves."""
+    residual = d.stream * m.dim if m.family == "gpt2" else FP32 * m.dim
+    return Terms(seq=residual) + _norm(m, d, 1)
+
+
+def backward_transient_terms(m: ModelConfig, d: ActDtypes) -> Terms:
+    """Extra bytes while one block runs its backward (activations of the block still counted).
+
+    Measured peak inside the block: the MLP's intermediate gradients (SwiGLU: grads of the w2
+    input, of silu out and of w3 out, while the w2 input is already freed: +2 F; GELU MLP: grads
+    of the GELU output and input while the GELU output is freed: +1 F), or the attention's
+    gradients of q, k, v and out when larger, plus the gradient of the residual stream (and its
+    low-precision cast for the branch under autocast).
+    """
+    D, q_dim, kv_dim, _, _ = _shapes(m)
+    c = d.compute
+    # The gradient of the residual stream; under autocast the residual add (fp32 + bf16 branch)
+    # also casts it for the branch, before the branch's backward recomputes or runs.
+    grad_stream = d.stream * D + (c * D if d.autocast else 0)
+    attention = c * (2 * q_dim + 2 * kv_dim)
+    if m.family == "gpt2":
+        mlp = c * m.ffn_dim
+    elif m.num_experts:
+        F = m.expert_ffn_dim
+        mlp = max(2 * c * m.num_shared_experts * F, 2 * c * F * m.experts_per_token / m.num_experts)
+    else:
+        mlp = 2 * c * m.ffn_dim
+    return Terms(seq=grad_stream, tp=max(attention, mlp))
+
+
+# ---------------------------------------------------------------- Korthikanti et al. (2022)
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
+                            recompute: str = "none") -> float:
+    """Activation bytes of one GPT-3 transformer layer in 16-bit (Korthikanti et al., "Reducing
+    Activation Recomputation in Large Transformer Models", arXiv 2205.05198, Sec. 4), summed term
+    by term as the paper derives it: s sequence, b micro-batch, h hidden, a heads, t tensor-parallel.
+
+    Without recomputation: sbh(34 + 5as/h); with tensor parallelism only the attention and MLP
+    internals shrink: sbh(10 + 24/t + 5as/(ht)); with sequence parallelism too, everything /t.
+    Selective recomputation (of the attention core) drops the 5as/h term; full keeps the layer
+    input, 2sbh (/t with sequence parallelism).
+    """
+    sbh = s * b * h
+    # (bytes per sbh, divided by t under TP alone?) -- Sec. 4.1 and 4.2.
+    attention = [
+        (2, False),  # QKV matmul input
+        (4, True),  # Q and K for QK^T
+        (2, True),  # V
+        (2, True),  # input of the output projection (attention output)
+        (1, False),  # attention dropout mask
+    ]
+    attention_core = 5 * a * s / h  # softmax output 2as^2b, its dropout mask as^2b, dropout output 2as^2b
+    mlp = [(2, False), (8, True), (8, True), (1, False)]  # fc1 input, fc1 out (GELU in), GELU out, dropout mask
+    norms = [(2, False), (2, False)]  # the two LayerNorm inputs
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    per_layer = 0.0
+    for coef, parallel in attention + mlp + norms:
+        per_layer += coef / t if (parallel or sequence_parallel) else coef
+    if recompute != "selective":
+        per_layer += attention_core / t
+    return sbh * per_layer

@@ -1,0 +1,190 @@
+"""Memory of a real training step, measured at the allocator and attributed to components.
+
+`measure_trainer_step(trainer)` runs one `Trainer.train_step` unchanged (two instance attributes
+are wrapped to mark phases, as the traced estimator does) and reports, for this rank:
+
+- peak and phase_peaks: the allocator's figure. CPU: glibc's in-use bytes sampled after every
+  aten operator (memory/measure.py); CUDA: `max_memory_allocated`, and `memory_allocated` per
+  operator for the timeline. Both relative to `trainer.memory_floor` (in use before the model was
+  built), the figure `trainfit train` reports.
+- components at the operator where the allocator peaked: `StorageLedger` (memory/traced.py) on
+  the real tensors gives params, master_params, grads, optimizer, activations and logits (live
+  storages, deduplicated); buffers = peak - all of those, so it also holds what no tensor
+  explains (allocator overhead, autograd's own objects, library workspaces) and the model-state
+  tensors that existed before the ledger (loss-scaler state, DDP buckets).
+- two cross-checks independent of the ledger: `forward_retained` (allocator in use after the
+  first micro-batch's forward + loss, minus before it: analytic.forward_retained_bytes measures
+  the same thing) and `state_bytes` (the trainer's own count of its model states after backward,
+  parallel/data_parallel.local_state_bytes).
+
+Under torchrun each rank measures itself; `measure_step` gathers nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from trainfit.config import Config
+from trainfit.memory import measure
+from trainfit.memory.breakdown import COMPONENTS, PHASES, MemoryBreakdown
+from trainfit.memory.traced import StorageLedger, TimelinePoint, step_phases
+from trainfit.train.trainer import Trainer
+
+_CUDA_HISTORY_ENTRIES = 100_000
+
+
+@dataclass
+class Measurement:
+    breakdown: MemoryBreakdown
+    """Components at the allocator's peak (buffers = peak - the others), phase and phase peaks."""
+    timeline: list[TimelinePoint]
+    """Allocated bytes above the floor after every operator (CPU: sampled; CUDA: memory_allocated)."""
+    peak_module: str
+    forward_retained: int
+    """Allocated after the first micro-batch's forward + loss, minus before it."""
+    tracked_peak: int
+    """The largest sum of live tensor storages the ledger saw (no allocator overhead)."""
+    state_bytes: dict[str, int] = field(default_factory=dict)
+    """The trainer's own count of params / grads / optimizer bytes after backward."""
+    rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+
+
+class _Probe:
+    """Reads the allocator after every operator; keeps the maximum and pins the ledger there.
+
+    Figures are the step's allocator growth (in use now - in use at the step's start) on top of
+    the tensor bytes alive at the start (`base`, counted exactly by the ledger)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.start = 0
+        self.base = 0
+        self.ledger: StorageLedger | None = None
+        self.peak = -1
+        self.phase_peaks: dict[str, int] = {}
+        self.phase = ""
+        self.module = ""
+        self.timeline: list[TimelinePoint] = []
+
+    def begin(self, ledger: StorageLedger) -> None:
+        self.ledger = ledger
+        self.start = measure.current_allocated_bytes(self.device)
+        self.base = ledger.total
+
+    def read(self) -> int:
+        return measure.current_allocated_bytes(self.device) - self.start + self.base
+
+    def __call__(self, op: int) -> None:
+        ledger = self.ledger
+        if ledger is None:
+            return
+        used = self.read()
+        self.timeline.append((op, used, ledger.phase, ledger.timeline[-1][3] if ledger.timeline else ""))
+        if used > self.phase_peaks.get(ledger.phase, -1):
+            self.phase_peaks[ledger.phase] = used
+        if used > self.peak:
+            self.peak, self.phase, self.module = used, ledger.phase, ledger.module()
+            ledger.pin("allocator")
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Cycles freed mid-step would drop in-use bytes below what the step holds (measure.py)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _cuda_history(path: Path | None) -> Iterator[None]:
+    """CUDA only: record allocator history and dump a snapshot (pytorch.org/memory_viz) to `path`."""
+    if path is None:
+        yield
+        return
+    torch.cuda.memory._record_memory_history(max_entries=_CUDA_HISTORY_ENTRIES)
+    try:
+        yield
+    finally:
+        torch.cuda.memory._dump_snapshot(str(path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def measure_trainer_step(trainer: Trainer, *, warmup_steps: int = 0,
+                         cuda_snapshot: str | Path | None = None) -> Measurement:
+    """Run `warmup_steps` steps, then measure one more `trainer.train_step()` on this rank.
+
+    The trainer must have stepped at least once before the measured step (optimizer states and
+    one-time library buffers would otherwise count): pass warmup_steps=1 to a fresh Trainer.
+    Tensors created during the warm-up are known to the ledger (DDP's gradient buckets, the loss
+    scaler's state); without one, such tensors count in reserved_margin, not in the peak.
+    `cuda_snapshot`: on CUDA, also write the allocator's memory snapshot (pytorch.org/memory_viz)."""
+    device = trainer.device
+    cuda = device.type == "cuda"
+    if not cuda:
+        measure._prime_dispatch_mode()
+    probe = _Probe(device)
+    marks: dict[str, int] = {}
+
+    def on_forward(moment: str) -> None:
+        if probe.ledger is not None:
+            marks.setdefault(moment, measure.current_allocated_bytes(device))
+
+    ledger = StorageLedger(fake=False, on_sample=probe)
+    with ledger, step_phases(trainer, ledger, on_forward):
+        ledger.watch_model(trainer.model)
+        ledger.grad_hooks(list(trainer.model.parameters()))
+        for _ in range(warmup_steps):
+            trainer.train_step()
+        gc.collect()
+        trainer._capture_state_bytes = True
+        try:
+            with _gc_paused(), _cuda_history(Path(cuda_snapshot) if cuda and cuda_snapshot else None):
+                ledger.classify(trainer.model, trainer.optimizer, trainer.policy, others="buffers")
+                if cuda:
+                    torch.cuda.synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                probe.begin(ledger)
+                ledger.reset_peak()
+                stats = trainer.train_step()
+                ledger.recording = False
+                if cuda:
+                    torch.cuda.synchronize(device)
+                    probe.peak = max(probe.peak, torch.cuda.max_memory_allocated(device) - probe.start + probe.base)
+        finally:
+            trainer._capture_state_bytes = False
+        ledger.classify(trainer.model, trainer.optimizer, trainer.policy)
+    at_peak = ledger.pins.get("allocator", (0, dict.fromkeys(COMPONENTS, 0)))[1]
+    parts = {name: at_peak[name] for name in COMPONENTS if name != "buffers"}
+    breakdown = MemoryBreakdown(
+        **parts, buffers=probe.peak - sum(parts.values()), peak=probe.peak, peak_phase=probe.phase,
+        reserved_margin=max(0, probe.start - trainer.memory_floor - probe.base),
+        phase_peaks={p: probe.phase_peaks[p] for p in PHASES if p in probe.phase_peaks})
+    return Measurement(breakdown=breakdown, timeline=probe.timeline, peak_module=probe.module,
+                       forward_retained=marks["end"] - marks["start"], tracked_peak=ledger.peak,
+                       state_bytes=dict(stats.state_bytes or {}), rank=trainer.world.rank,
+                       world_size=trainer.world.size, device=str(device))
+
+
+def measure_step(cfg: Config, steps: int = 2, *, cuda_snapshot: str | Path | None = None) -> Measurement:
+    """Build a Trainer for `cfg` (joining torchrun's world when launched by it), run `steps - 1`
+    warm-up steps and measure the last one on this rank."""
+    if steps < 2:
+        raise ValueError(f"steps={steps}: measure at least 2 (the first one warms up)")
+    gc.collect()  # garbage of earlier work freed during the run would lower the figures
+    trainer = Trainer(cfg)
+    try:
+        return measure_trainer_step(trainer, warmup_steps=steps - 1, cuda_snapshot=cuda_snapshot)
+    finally:
+        trainer.close()

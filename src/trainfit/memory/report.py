@@ -1,0 +1,132 @@
+"""Human-readable estimates: tables (rich) and the stacked-bar picture (matplotlib).
+
+Bytes are ints everywhere else; units appear only here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from trainfit.estimate import Estimate, advice
+from trainfit.memory.breakdown import COMPONENTS
+from trainfit.models.params import param_counts
+
+GIB = 1024**3
+MIB = 1024**2
+COLORS = {"params": "#4C72B0", "master_params": "#8172B2", "grads": "#DD8452", "optimizer": "#C44E52",
+          "activations": "#55A868", "logits": "#937860", "buffers": "#8C8C8C", "reserved_margin": "#DADADA"}
+
+
+def fmt_bytes(n: float) -> str:
+    if abs(n) >= GIB:
+        return f"{n / GIB:,.2f} GiB"
+    return f"{n / MIB:,.1f} MiB"
+
+
+def fmt_seconds(s: float) -> str:
+    return f"{s * 1e3:,.1f} ms" if s < 1 else f"{s:,.2f} s"
+
+
+def _memory_table(est: Estimate) -> Table:
+    stages = est.memory.per_stage
+    worst = est.worst
+    table = Table(title="memory per GPU" + (f" (worst stage: {est.memory.worst_stage})" if len(stages) > 1 else ""))
+    table.add_column("component")
+    if len(stages) > 1:
+        for i in range(len(stages)):
+            table.add_column(f"stage {i}", justify="right")
+    else:
+        table.add_column("bytes", justify="right")
+        table.add_column("share of peak", justify="right")
+    for name in (*COMPONENTS, "peak", "reserved_margin"):
+        if len(stages) > 1:
+            table.add_row(name, *(fmt_bytes(getattr(s, name)) for s in stages))
+        else:
+            value = getattr(worst, name)
+            share = f"{value / worst.peak:.0%}" if worst.peak and name in COMPONENTS else ""
+            table.add_row(name, fmt_bytes(value), share, style="bold" if name == "peak" else None)
+    device = fmt_bytes(est.device_memory) if est.device_memory else "n/a (cpu)"
+    table.add_row("device memory", *([device] * (len(stages) if len(stages) > 1 else 1)))
+    return table
+
+
+def _perf_table(est: Estimate) -> Table:
+    t, f = est.perf.time, est.perf.flops
+    table = Table(title="compute and time per step")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_row("model FLOPs / step", f"{f['model_flops_per_step']:.3e}")
+    table.add_row("hardware FLOPs / step (with recompute)", f"{f['hardware_flops_per_step']:.3e}")
+    table.add_row("compute", fmt_seconds(t["compute_s"]))
+    for kind, seconds in t["comm_s"].items():
+        if seconds:
+            table.add_row(f"  {kind} (total)", fmt_seconds(seconds))
+    table.add_row("exposed communication", fmt_seconds(t["exposed_comm_s"]))
+    table.add_row("pipeline bubble", fmt_seconds(t["bubble_s"]))
+    table.add_row("step time", fmt_seconds(t["step_time_s"]), style="bold")
+    table.add_row("tokens / s (whole job)", f"{t['tokens_per_second']:,.0f}")
+    table.add_row("MFU", f"{t['mfu']:.1%}")
+    return table
+
+
+def print_estimate(est: Estimate, console: Console | None = None) -> None:
+    console = console or Console()
+    cfg, d = est.cfg, est.dims
+    counts = param_counts(cfg.model)
+    active = f", {counts.active / 1e9:.2f}B active" if counts.active != counts.total else ""
+    console.print(f"[bold]{cfg.model.preset or 'custom'}[/bold] ({cfg.model.family}): "
+                  f"{counts.total / 1e9:.3f}B params{active} on {d.num_gpus} x {cfg.hardware.gpu} | "
+                  f"dp {d.dp_replicate}x{d.dp_shard} (ZeRO-{d.zero_stage}) tp {d.tp} pp {d.pp} cp {d.cp} "
+                  f"ep {d.ep} | {cfg.precision.mode}, {cfg.optimizer.name}, AC {cfg.memory.activation_checkpointing}"
+                  f" | micro-batch {cfg.training.micro_batch_size} x {cfg.training.seq_len} tokens, "
+                  f"{cfg.grad_accum_steps} accumulation steps")
+    console.print(_memory_table(est))
+    worst = est.worst
+    top = ", ".join(f"{name} {fmt_bytes(value)}" for name, value in worst.largest(3))
+    console.print(f"peak in the [bold]{worst.peak_phase}[/bold] phase; largest: {top}")
+    total = est.total_bytes(worst)
+    if est.device_memory == 0:
+        console.print(f"needs {fmt_bytes(total)} per rank (no device memory limit: cpu)")
+    elif est.fits:
+        console.print(f"[green]fits[/green]: {fmt_bytes(total)} of {fmt_bytes(est.device_memory)} "
+                      f"({total / est.device_memory:.0%})")
+    else:
+        console.print(f"[red]does not fit[/red]: {fmt_bytes(total)} needed, {fmt_bytes(est.device_memory)} "
+                      "available")
+        for line in advice(est):
+            console.print(f"  - {line}")
+    console.print(_perf_table(est))
+
+
+def plot_breakdown(est: Estimate, path: str | Path) -> Path:
+    """A stacked bar of the breakdown of each pipeline stage (one bar without pp), device memory dashed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise RuntimeError("--plot needs matplotlib: pip install 'trainfit[plot]'") from err
+    stages = est.memory.per_stage
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(stages) + 3), 5))
+    labels = [f"stage {i}" for i in range(len(stages))] if len(stages) > 1 else ["per GPU"]
+    bottoms = [0.0] * len(stages)
+    for name in (*COMPONENTS, "reserved_margin"):
+        heights = [getattr(s, name) / GIB for s in stages]
+        if any(heights):
+            ax.bar(labels, heights, bottom=bottoms, label=name, color=COLORS[name], width=0.6)
+            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    if est.device_memory:
+        ax.axhline(est.device_memory / GIB, color="black", linestyle="--", linewidth=1,
+                   label=f"{est.cfg.hardware.gpu} memory")
+    ax.set_ylabel("GiB per GPU")
+    ax.set_title(f"{est.cfg.model.preset or 'model'}: memory at the peak ({est.worst.peak_phase})")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -1,0 +1,655 @@
+"""Traced memory estimate: trainfit's own training step, executed on fake tensors in a fake world.
+
+`trace_step(cfg)` builds the model exactly as `Trainer` does (meta device, the precision policy's
+dtype, the real `parallel.apply.parallelize` with its activation checkpointing and data
+parallelism), on torch's built-in "fake" process group of `hardware.num_gpus` ranks as rank 0,
+materializes it under `FakeTensorMode` (shapes and dtypes only: no weight memory, whatever the
+model size), builds the trainer's optimizer and loss scaler, runs one warm-up step (so optimizer
+states exist) and then traces one more: `Trainer.train_step` itself, forward + loss, backward,
+unscale / clip / optimizer step / zero_grad.
+
+The tracer (`StorageLedger`, our own TorchDispatchMode; `trainfit.memory.attribution` runs it on
+real tensors too) keeps every live tensor storage with its bytes and its component, and samples
+the in-use total after every aten operator. Why not torch's MemTracker / FSDPMemTracker: their
+categories (parameter, activation, temp, ...) cannot say which tensors are logits, which are the
+16-bit parameter copies autocast saves, or which are recomputation, and they snapshot every
+module on every operator (slow on 32+ layers). Components, as memory/breakdown.py defines them
+(and analytic.py counts them):
+
+- params: module parameters and buffers under fp32 / bf16-pure; under *-mixed the low-precision
+  compute copies instead (outputs of a cast whose input is a parameter: autocast's weight casts),
+  and under ZeRO-2 FSDP's unsharded parameters (kept from forward to backward).
+- master_params: *-mixed only: the fp32 parameters (their local shards under FSDP).
+- grads: storages some parameter's `.grad` holds (sharded gradients under FSDP).
+- optimizer: storages in the optimizer's state.
+- logits: the model's output, everything the loss computation creates, and, in backward,
+  everything created until the output's gradient exists (nll_loss / log_softmax / cast grads).
+- activations: what the forward creates (saved for backward, or in flight) and backward's
+  activation gradients and temporaries.
+- buffers: outputs and operands of collectives and FSDP copy-in/out ops (all-gather,
+  reduce-scatter, unsharded gradients), ZeRO-3's unsharded parameters, tensors activation
+  checkpointing recomputes in backward, optimizer-step temporaries, and other persistent tensors
+  (loss-scaler state, DDP gradient buckets).
+
+A storage's component is its final one: when a storage is recognised later (a tensor becomes a
+`.grad`, a reduce-scatter output becomes a sharded gradient), the figures of the peak moment are
+corrected as long as the storage was already alive then.
+
+MoE routing is data-dependent (`torch.nonzero`), which fake tensors cannot execute: while
+tracing, `nonzero` returns the balanced expected routing, tokens x top_k / num_experts positions
+per expert. Every expert's tensors scale with its token count and all are alive together at the
+end of the forward, so the saved activations are exact whatever the real split; only the
+transient of the one expert being computed is that of an average expert, not of the busiest.
+
+Fidelity limits: on a CPU build the trace runs CPU kernels' shapes, torch.amp's CPU autocast op
+list and the CPU fused attention; the caching allocator's rounding and fragmentation on CUDA are
+not modelled (analytic.py's reserved_margin is). Values are fake: every `.item()` reads 1, and an
+fp16 loss scaler never skips the traced step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import resource
+import sys
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from trainfit.config import Config
+from trainfit.memory.breakdown import COMPONENTS, PHASES, MemoryBreakdown
+from trainfit.models import build_model, count_params, materialize
+from trainfit.parallel.apply import check_layout, data_parallel_kind, parallelize, parallelize_optimizer
+from trainfit.parallel.data_parallel import grad_scaler, is_fully_sharded, local_optimizer
+from trainfit.parallel.dims import ParallelDims, resolve_parallel_dims
+from trainfit.parallel.mesh import build_mesh, dp_mesh
+from trainfit.precision import PrecisionPolicy, precision_policy
+from trainfit.train.distributed import World
+from trainfit.train.optim import build_optimizer, build_scheduler
+from trainfit.train.trainer import Trainer
+
+aten = torch.ops.aten
+
+TimelinePoint = tuple[int, int, str, str]
+"""(operator index within the step, bytes in use after it, phase, module)."""
+
+_CASTS = frozenset({aten._to_copy.default})
+_COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "fsdp"})
+_FSDP_COPY_OUT = torch.ops.fsdp.split_with_sizes_copy.default if hasattr(torch.ops.fsdp, "split_with_sizes_copy") \
+    else None
+_PERSISTENT = ("params", "master_params", "grads", "optimizer")
+
+
+@dataclass
+class TracedEstimate:
+    per_stage: list[MemoryBreakdown]
+    """One breakdown per pipeline stage (one without pipeline parallelism), rank 0's figures."""
+    worst_stage: int
+    timeline: list[TimelinePoint]
+    """In-use bytes after every operator of the traced step."""
+    peak_module: str
+    """The innermost module running at the peak ("loss", "optimizer" outside the model)."""
+    seconds: float
+    """Wall time of trace_step."""
+    peak_rss_bytes: int
+    """Peak resident memory of this process so far (getrusage: a lifetime maximum)."""
+    num_ops: int = 0
+
+    @property
+    def worst(self) -> MemoryBreakdown:
+        return self.per_stage[self.worst_stage]
+
+
+# ---------------------------------------------------------------- the tracer
+
+
+@dataclass
+class _Storage:
+    nbytes: int
+    component: str
+    born: int
+    """Operator index at which the storage appeared (or last changed size)."""
+    ref: weakref.ref = field(repr=False)
+
+
+class StorageLedger(TorchDispatchMode):
+    """Live tensor storages by component, sampled after every aten operator.
+
+    Works on fake tensors (tracing) and real ones (attribution). The owner drives the phase
+    (`phase`), marks the loss region through `watch_model` and classifies model states with
+    `classify`; `on_sample(op_index)` is called after every sample (the allocator probe of a
+    measurement). Use it with `with ledger:` around everything that allocates.
+    """
+
+    def __init__(self, *, fake: bool, unsharded_component: str = "buffers",
+                 on_sample: Callable[[int], None] | None = None) -> None:
+        super().__init__()
+        self.fake = fake
+        self.unsharded_component = unsharded_component
+        """Component of FSDP's unsharded parameters (their storages are resized, not allocated)."""
+        self.on_sample = on_sample
+        self.pins: dict[str, tuple[int, dict[str, int]]] = {}
+        """Components at pinned moments (name -> (operator index, components)), kept up to date
+        when a storage alive at that moment changes component; "peak" is the ledger's own peak."""
+        self.entries: dict[int, _Storage] = {}
+        self.current = dict.fromkeys(COMPONENTS, 0)
+        self.total = 0
+        self.op = 0
+        self.phase = "forward"
+        self.in_loss = False
+        self.suspended = False
+        """Operators pass through untracked (DTensor computing output shapes on global-size fakes)."""
+        self.in_prologue = False
+        """Between the start of the forward and the model's own pre-hook (wrappers' hooks run first)."""
+        self.recording = False
+        self.timeline: list[TimelinePoint] = []
+        self.peak = -1
+        self.peak_op = -1
+        self.peak_phase = ""
+        self.peak_module = ""
+        self.phase_peaks: dict[str, int] = {}
+        self._param_storages: set[int] = set()
+        self._forward_depth = 0
+        self._nonzero_calls = 0
+        self._route: tuple[int, int] | None = None
+        self._mods = ModTracker()
+        self._stack = contextlib.ExitStack()
+        self._orig_resize = torch.UntypedStorage.resize_
+
+    # ------------------------------------------------------------ bookkeeping
+
+    def _move(self, entry: _Storage, component: str) -> None:
+        old = entry.component
+        if old == component:
+            return
+        entry.component = component
+        self.current[old] -= entry.nbytes
+        self.current[component] += entry.nbytes
+        for op, components in self.pins.values():
+            if entry.born <= op:  # alive at that moment: correct it too
+                components[old] -= entry.nbytes
+                components[component] += entry.nbytes
+
+    def _freed(self, key: int, ref: weakref.ref) -> None:
+        entry = self.entries.get(key)
+        if entry is None or entry.ref is not ref:
+            return
+        del self.entries[key]
+        self.current[entry.component] -= entry.nbytes
+        self.total -= entry.nbytes
+
+    def _track(self, storage: torch.UntypedStorage, component: str, *, retag: tuple[str, ...] = ()) -> None:
+        key = id(storage)
+        entry = self.entries.get(key)
+        if entry is None:
+            nbytes = storage.nbytes()
+            ref = weakref.ref(storage, lambda r, k=key: self._freed(k, r))
+            self.entries[key] = _Storage(nbytes, component, self.op, ref)
+            self.current[component] += nbytes
+            self.total += nbytes
+        elif entry.component in retag:
+            self._move(entry, component)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        entry = self.entries.get(id(storage))
+        nbytes = storage.nbytes()
+        if entry is None:
+            self._track(storage, self.unsharded_component)
+            return
+        self.current[entry.component] += nbytes - entry.nbytes
+        self.total += nbytes - entry.nbytes
+        entry.nbytes, entry.born = nbytes, self.op
+        if nbytes:
+            self._move(entry, self.unsharded_component)
+
+    def tag(self, tensors: Any, component: str) -> None:
+        """Give the storages of `tensors` (any pytree; DTensors by their local shard) `component`."""
+        for t in tree_flatten(tensors)[0]:
+            if isinstance(t, DTensor):
+                t = t._local_tensor
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                entry = self.entries.get(id(storage))
+                if entry is None:
+                    self._track(storage, component)
+                else:
+                    self._move(entry, component)
+
+    def classify(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy,
+                 *, others: str | None = None) -> None:
+        """Tag the model states; with `others`, every other live storage gets that component."""
+        if others is not None:
+            for entry in list(self.entries.values()):
+                if entry.component not in _PERSISTENT:
+                    self._move(entry, others)
+        params = list(model.parameters())
+        self.tag(params, "master_params" if policy.keeps_master_weights else "params")
+        self.tag(list(model.buffers()), "buffers")
+        self.tag([p.grad for p in params if p.grad is not None], "grads")
+        states = local_optimizer(optimizer).state.values()
+        self.tag([v for s in states for v in s.values() if isinstance(v, torch.Tensor)], "optimizer")
+        self._param_storages = {id(_local(p).untyped_storage()) for p in params}
+
+    def reset_peak(self) -> None:
+        """Start a new step: operator index 0, empty timeline, peaks from the current total."""
+        self.op = 0
+        self.timeline = []
+        self.peak, self.peak_op = -1, -1
+        self.pins.clear()
+        self.phase_peaks = {}
+        self.recording = True
+        self._sample(None)
+
+    # ------------------------------------------------------------ what a new storage is
+
+    def _component(self, func: Any, args: Any) -> str:
+        if self.phase == "optimizer":
+            return "buffers"
+        if func in _CASTS and isinstance(args[0], torch.Tensor) and id(args[0].untyped_storage()) in \
+                self._param_storages:
+            return "params"
+        if self.in_loss:
+            return "logits"
+        if self.in_prologue:
+            return "buffers"  # a data-parallel wrapper's work before the model runs (DDP's lazy init)
+        if self.phase == "backward" and self._forward_depth > 0:
+            return "buffers"  # activation checkpointing recomputes a block's forward
+        return "activations"
+
+    # ------------------------------------------------------------ hooks
+
+    def watch_model(self, model: nn.Module) -> None:
+        """Mark the loss region: from the model's output (which becomes `logits`) to its gradient."""
+
+        def pre(module: nn.Module, args: Any) -> None:
+            self.in_loss = self.in_prologue = False
+
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            self.tag(output, "logits")
+            self.in_loss = True
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(self._logits_grad)
+
+        self._stack.callback(model.register_forward_pre_hook(pre).remove)
+        self._stack.callback(model.register_forward_hook(post).remove)
+
+    def _logits_grad(self, grad: torch.Tensor) -> None:
+        self.in_loss = False
+
+    def _module_pre(self, module: nn.Module, args: Any) -> None:
+        self._forward_depth += 1
+
+    def _module_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._forward_depth -= 1
+
+    def grad_hooks(self, params: list[nn.Parameter]) -> None:
+        """Tag each gradient when autograd accumulates it (plain parameters; FSDP's sharded
+        gradients are tagged by `classify` and the collectives rule)."""
+
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                self.tag(p.grad, "grads")
+
+        for p in params:
+            if not isinstance(p, DTensor):
+                self._stack.callback(p.register_post_accumulate_grad_hook(hook).remove)
+
+    def route_balanced(self, num_tokens_k: int, num_experts: int) -> None:
+        """Fake tensors only: `nonzero` returns the balanced routing (see the module docstring)."""
+        self._route = (num_tokens_k, num_experts)
+
+    # ------------------------------------------------------------ mode
+
+    def __enter__(self) -> StorageLedger:
+        self._fake_on_entry = active_fake_mode()
+        self._stack.callback(register_module_forward_pre_hook(self._module_pre).remove)
+        self._stack.callback(register_module_forward_hook(self._module_post, always_call=True).remove)
+        ledger = self
+        orig = self._orig_resize
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            out = orig(storage, size)
+            ledger._resized(storage)
+            return out
+
+        # FSDP allocates and frees unsharded parameters by resizing storages, which no dispatch
+        # mode sees (MemTracker patches the same method).
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        self._stack.callback(setattr, torch.UntypedStorage, "resize_", orig)
+        if self.fake:
+            self._stack.enter_context(_untracked_sharding_propagation(self))
+        self._stack.enter_context(self._mods)
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._stack.close()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor run its local operators, which come back here
+        kwargs = kwargs or {}
+        if self.suspended:
+            return func(*args, **kwargs)
+        if self.fake:
+            out = self._fake_override(func, args)
+            if out is None:
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if active_fake_mode() is not self._fake_on_entry:
+            return out  # DTensor's sharding propagation runs under a fake mode of its own
+        self.op += 1
+        if func.namespace in _COMM_NAMESPACES:
+            if func is _FSDP_COPY_OUT:  # all-gather output -> the unsharded parameters
+                for t in kwargs["out"]:
+                    self._track(t.untyped_storage(), self.unsharded_component, retag=("activations", "buffers"))
+            for t in tree_flatten((args, kwargs, out))[0]:
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    self._track(t.untyped_storage(), "buffers", retag=("activations",))
+        else:
+            component = None
+            for t in tree_flatten(out)[0]:
+                # meta tensors (DTensor's sharding propagation inside our fake mode) hold no memory
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    component = component or self._component(func, args)
+                    self._track(t.untyped_storage(), component)
+        if self.recording:
+            self._sample(func)
+        return out
+
+    def _fake_override(self, func: Any, args: Any) -> Any:
+        if func is aten.nonzero.default and self._route is not None:
+            num_tokens_k, num_experts = self._route
+            expert = self._nonzero_calls % num_experts
+            self._nonzero_calls += 1
+            count = num_tokens_k // num_experts + (expert < num_tokens_k % num_experts)
+            return torch.empty((count, args[0].dim()), dtype=torch.long, device=args[0].device)
+        if func is aten._local_scalar_dense.default:
+            return 1 if not args[0].is_floating_point() else 1.0
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            return args[0]  # in eager, waiting returns the same tensor (the fake kernel makes a new one)
+        return None
+
+    def _sample(self, func: Any) -> None:
+        total = self.total
+        module = self.module()
+        self.timeline.append((self.op, total, self.phase, module))
+        if total > self.phase_peaks.get(self.phase, -1):
+            self.phase_peaks[self.phase] = total
+        if total > self.peak:
+            self.peak, self.peak_op, self.peak_phase, self.peak_module = total, self.op, self.phase, module
+            self.pin("peak")
+        if self.on_sample is not None:
+            self.on_sample(self.op)
+
+    def pin(self, name: str) -> None:
+        """Remember the components of this moment under `name` (see `pins`)."""
+        self.pins[name] = (self.op, dict(self.current))
+
+    def module(self) -> str:
+        """Where the step is: the innermost running module, "loss" or "optimizer"."""
+        if self.phase == "optimizer":
+            return "optimizer"
+        if self.in_loss:
+            return "loss"
+        names = [n for n in self._mods.parents if n != "Global"]
+        if not names:
+            return "model"
+        name = max(names, key=lambda n: (n.count("."), len(n)))
+        return name.replace("._checkpoint_wrapped_module", "")
+
+    def breakdown(self) -> MemoryBreakdown:
+        """The components at the step's peak, its phase and the per-phase peaks."""
+        at_peak = self.pins["peak"][1]
+        return MemoryBreakdown(**{name: at_peak[name] for name in COMPONENTS},
+                               peak=self.peak, peak_phase=self.peak_phase,
+                               phase_peaks={p: self.phase_peaks[p] for p in PHASES if p in self.phase_peaks})
+
+
+@contextlib.contextmanager
+def _untracked_sharding_propagation(ledger: StorageLedger) -> Iterator[None]:
+    """DTensor derives an operator's output shape by running it on fake tensors of the global
+    shape. Eagerly it does so under a fake mode of its own, which the ledger skips; inside our
+    fake mode it reuses ours, so those tensors (a whole model's gradients for one `_foreach_norm`)
+    would count as memory. Private: ShardingPropagator is torch.distributed.tensor's internals."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        suspended, ledger.suspended = ledger.suspended, True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            ledger.suspended = suspended
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+# ---------------------------------------------------------------- phases of a trainer step
+
+
+@contextlib.contextmanager
+def step_phases(trainer: Trainer, ledger: StorageLedger,
+                on_forward: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Drive `ledger.phase` through a `Trainer.train_step`: forward (with the loss) per micro-batch,
+    backward after it, optimizer from `scaler.unscale_` on. Wraps two instance attributes;
+    `on_forward("start" | "end")` is called around each forward + loss."""
+    original_loss, original_unscale = trainer._loss, trainer.scaler.unscale_
+
+    def loss(inputs: torch.Tensor, targets: torch.Tensor) -> Any:
+        ledger.tag([p.grad for p in trainer.model.parameters() if p.grad is not None], "grads")
+        ledger.phase = "forward"
+        ledger.in_prologue = True
+        if on_forward is not None:
+            on_forward("start")
+        out = original_loss(inputs, targets)
+        if on_forward is not None:
+            on_forward("end")
+        ledger.phase = "backward"
+        return out
+
+    def unscale(optimizer: torch.optim.Optimizer) -> None:
+        ledger.tag([p.grad for p in trainer.model.parameters() if p.grad is not None], "grads")
+        ledger.phase = "optimizer"
+        original_unscale(optimizer)
+
+    trainer._loss, trainer.scaler.unscale_ = loss, unscale  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del trainer._loss, trainer.scaler.unscale_
+        ledger.in_loss = False
+
+
+# ---------------------------------------------------------------- the fake world
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """This process as rank 0 of `world_size` ranks on torch's "fake" backend (collectives return
+    at once, moving nothing); destroyed on exit, so tracing can run again in the same process."""
+    if dist.is_initialized():
+        raise RuntimeError("trace_step needs a process without a default process group (it creates a fake one "
+                           "of hardware.num_gpus ranks); run `trainfit estimate --traced` outside torchrun")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=_fake_store())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _ddp_without_init_sync() -> Iterator[None]:
+    """DDP's constructor checks every rank's parameter shapes and broadcasts rank 0's values, in C++
+    that reads tensor data, which fake tensors do not have; in a fake world both are no-ops anyway.
+    Private names of torch.nn.parallel.distributed (an API move breaks this one function)."""
+    import torch.nn.parallel.distributed as ddp
+
+    saved = ddp._verify_param_shape_across_processes, ddp._sync_module_states
+    ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    ddp._sync_module_states = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        ddp._verify_param_shape_across_processes, ddp._sync_module_states = saved
+
+
+def _fake_allreduce_hook(state, bucket):  # no annotations: DDP compares them with dist.GradBucket at run time
+    """DDP communication hook for the fake world: the fake process group's work carries no result
+    for DDP's C++ hook to read; an all-reduce is in place on the bucket, so return it as is."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def _fake_store() -> dist.Store:
+    # Private: torch ships the fake backend's store only in its testing package (importing it
+    # also registers the backend). An API move breaks this one function.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+class _FakeBatches:
+    """The sampler's interface, yielding int64 (inputs, targets) of the configured shape."""
+
+    def __init__(self, micro_batch_size: int, seq_len: int) -> None:
+        self.shape = (micro_batch_size, seq_len)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(self.shape, dtype=torch.long), torch.zeros(self.shape, dtype=torch.long)
+
+
+class _TracedTrainer(Trainer):
+    """A Trainer assembled from a model built here: no data, no checkpoints, no weight broadcast.
+    `train_step` and `_loss` are Trainer's own, so the traced step is the trained one."""
+
+    def __init__(self, cfg: Config, world: World, dims: ParallelDims, model: nn.Module,
+                 policy: PrecisionPolicy, num_params: int) -> None:  # noqa: super-init-not-called
+        self.world, self.dims, self.cfg = world, dims, cfg
+        self.device = world.device
+        self.policy = policy
+        self.memory_floor = 0
+        self.model, self.num_params = model, num_params
+        self.sharded = is_fully_sharded(model)
+        self.autocast = contextlib.nullcontext if self.sharded else policy.autocast
+        optimizer = build_optimizer(model, cfg.optimizer, cfg.training, _target_device_type(cfg))
+        self.optimizer = parallelize_optimizer(optimizer, cfg, dims, world.mesh)
+        self.scheduler = build_scheduler(self.optimizer, cfg.training)
+        self.scaler = grad_scaler(policy, sharded=self.sharded)
+        if self.scaler.is_enabled():
+            # Fake values cannot say whether gradients overflowed: trace the step that is taken.
+            self.scaler._maybe_opt_step = lambda opt, state, *a, **k: opt.step(*a, **k)  # type: ignore[method-assign]
+        self.sampler = _FakeBatches(cfg.training.micro_batch_size, cfg.training.seq_len)
+        self.step = 0
+        self.skipped_steps = 0
+        self.notes = []
+        self._capture_state_bytes = False
+        self.resumed_from = None
+
+
+def _two_micro_batches_at_most(cfg: Config) -> Config:
+    """Gradient accumulation: every micro-batch after the first runs with the gradients already
+    allocated, so the second is the last one memory can tell apart (it also syncs gradients)."""
+    if cfg.grad_accum_steps <= 2:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    cfg.training.global_batch_size = cfg.training.micro_batch_size * cfg.dp_degree * 2
+    return cfg
+
+
+def _create_optimizer_states(trainer: Trainer) -> None:
+    """The warm-up: one optimizer step on zero gradients creates the states an optimizer makes
+    lazily. Not a whole train_step: DDP rebuilds its buckets at the second iteration's forward,
+    broadcasting bucket indices from a tensor's data, which fake tensors do not have; its first
+    iteration allocates the same buckets."""
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def _target_device_type(cfg: Config) -> str:
+    """The device the traced run stands for (it executes on fake CPU tensors either way)."""
+    return "cpu" if cfg.hardware.gpu == "cpu" else "cuda"
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def trace_step(cfg: Config) -> TracedEstimate:
+    """Trace one training step of `cfg` (validated) as rank 0 of its world; see the module docstring."""
+    start = time.perf_counter()
+    cfg = _two_micro_batches_at_most(cfg)
+    dims = resolve_parallel_dims(cfg)
+    check_layout(cfg, dims)
+    policy = precision_policy(cfg.precision.mode, "cpu")
+    kind = data_parallel_kind(cfg, dims)
+    world_cm = fake_process_group(dims.num_gpus) if kind != "none" else contextlib.nullcontext()
+    unsharded = "params" if dims.zero_stage == 2 else "buffers"
+    torch.manual_seed(cfg.training.seed)
+    with world_cm:
+        mesh = build_mesh(dims, "cpu") if kind != "none" else None
+        world = World(device=torch.device("cpu"), size=dims.num_gpus, mesh=mesh)
+        if mesh is not None:
+            data_mesh = dp_mesh(mesh)
+            world.dp_rank, world.dp_size = data_mesh.get_local_rank(), data_mesh.size()
+        model = build_model(cfg.model)
+        num_params = count_params(model)
+        policy.prepare_model(model)
+        parallelize(model, cfg, dims, mesh, policy)
+        if hasattr(model, "register_comm_hook"):  # DDP (replicate), zero_stage 0 and 1
+            model.register_comm_hook(None, _fake_allreduce_hook)
+        with _ddp_without_init_sync(), FakeTensorMode(allow_non_fake_inputs=True), \
+                StorageLedger(fake=True, unsharded_component=unsharded) as ledger:
+            if cfg.model.num_experts:
+                tokens = cfg.training.micro_batch_size * cfg.training.seq_len
+                ledger.route_balanced(tokens * cfg.model.experts_per_token, cfg.model.num_experts)
+            materialize(model, "cpu")
+            trainer = _TracedTrainer(cfg, world, dims, model, policy, num_params)
+            ledger.watch_model(model)
+            ledger.grad_hooks(list(model.parameters()))
+            _create_optimizer_states(trainer)
+            with step_phases(trainer, ledger):
+                ledger.classify(model, trainer.optimizer, policy, others="buffers")
+                ledger.reset_peak()
+                trainer.train_step()
+            ledger.recording = False
+            ledger.classify(model, trainer.optimizer, policy)
+            breakdown = ledger.breakdown()
+            timeline, module, num_ops = ledger.timeline, ledger.peak_module, ledger.op
+            del trainer, model
+    return TracedEstimate(per_stage=[breakdown], worst_stage=0, timeline=timeline, peak_module=module,
+                          seconds=time.perf_counter() - start, peak_rss_bytes=peak_rss_bytes(), num_ops=num_ops)
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size so far (Linux reports KiB, macOS bytes)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024

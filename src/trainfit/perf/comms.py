@@ -1,0 +1,288 @@
+"""Collective cost models, the link each mesh axis uses, and the collectives one training step issues.
+
+Torch-free: pure functions of numbers and the config.
+
+Cost models (bandwidth-optimal ring algorithms, Thakur et al. 2005; NCCL's own tuning model has the
+same shape): for a group of n ranks, a message of B bytes and a link of bandwidth bw per direction
+with per-step latency a, plus a fixed launch cost a0 per collective,
+
+| collective     | B is                              | time                                          |
+|----------------|-----------------------------------|-----------------------------------------------|
+| all-reduce     | the buffer                        | min(ring: a0 + 2(n-1) a + 2(n-1)/n B/bw,      |
+|                |                                   |     tree: a0 + 2 log2(n) a + 2 B/bw)          |
+| all-gather     | the gathered output (all shards)  | a0 + (n-1) a + (n-1)/n B/bw                   |
+| reduce-scatter | the input (before scattering)     | a0 + (n-1) a + (n-1)/n B/bw                   |
+| all-to-all     | what one rank holds (sends 1-1/n) | a0 + (n-1) a + (n-1)/n B/bw                   |
+| point-to-point | the message                       | a0 + a + B/bw                                 |
+
+Links: the world is the mesh pp x dp_replicate x dp_shard x cp x tp, outermost first (see
+trainfit.parallel.dims), ranks numbered with tp fastest and filled node by node. An axis of size n
+and stride s (the product of the sizes inside it) keeps every group inside one node when the whole
+job fits in a node or when s x n divides hardware.gpus_per_node; such an axis uses the intra-node
+link, any other the inter-node one. A group spanning several axes is intra-node only if each of
+them is: a ring is as slow as its slowest hop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainfit.config import Config, HardwareConfig
+from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link, inter_node_link, intra_node_link
+from trainfit.models.params import param_counts
+from trainfit.parallel.dims import ParallelDims
+
+KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
+MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
+
+# torch DDP's default bucket (DistributedDataParallel(bucket_cap_mb=25)); a bucket is sent once it
+# holds at least this many bytes of gradients.
+DDP_BUCKET_BYTES = 25 * 1024**2
+# Gradients are reduced in fp32 under the *-mixed modes (FSDP2 MixedPrecisionPolicy(reduce_dtype=
+# float32), as torchtitan configures it; DDP reduces the fp32 gradients of fp32 parameters).
+FP32_BYTES, LOW_BYTES = 4, 2
+
+
+# ---------------------------------------------------------------- cost models
+
+
+def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring or (NCCL double binary) tree all-reduce of an nbytes buffer, whichever is faster."""
+    if n <= 1:
+        return 0.0
+    ring = COLLECTIVE_BASE_LATENCY_S + 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / link.bytes_per_s
+    tree = COLLECTIVE_BASE_LATENCY_S + 2 * math.log2(n) * link.latency_s + 2 * nbytes / link.bytes_per_s
+    return min(ring, tree)
+
+
+def all_gather_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-gather whose gathered output is nbytes (each rank contributes nbytes / n)."""
+    if n <= 1:
+        return 0.0
+    return COLLECTIVE_BASE_LATENCY_S + (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bytes_per_s
+
+
+def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring reduce-scatter of an nbytes input (each rank keeps nbytes / n of the sum)."""
+    return all_gather_time(nbytes, n, link)
+
+
+def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
+    """Pairwise all-to-all: each rank holds nbytes and sends (n-1)/n of it, one peer per step."""
+    return all_gather_time(nbytes, n, link)
+
+
+def p2p_time(nbytes: float, link: Link) -> float:
+    """One send/recv between two ranks."""
+    return COLLECTIVE_BASE_LATENCY_S + link.latency_s + nbytes / link.bytes_per_s
+
+
+def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
+    """Time of one collective of a kind in KINDS (nbytes as each cost function defines it)."""
+    if kind == "p2p":
+        return p2p_time(nbytes, link)
+    return {"all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time,
+            "all_reduce": all_reduce_time, "all_to_all": all_to_all_time}[kind](nbytes, n, link)
+
+
+# ---------------------------------------------------------------- which link
+
+
+def axis_sizes(dims: ParallelDims) -> dict[str, int]:
+    return {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
+            "tp": dims.tp}
+
+
+def axis_stride(dims: ParallelDims, axis: str) -> int:
+    """Rank distance between neighbours along an axis: the product of the sizes of the axes inside it."""
+    sizes = axis_sizes(dims)
+    return math.prod(sizes[a] for a in MESH_AXES[MESH_AXES.index(axis) + 1:])
+
+
+def span_is_intra_node(size: int, stride: int, num_gpus: int, gpus_per_node: int) -> bool:
+    """Whether every group of `size` ranks spaced `stride` apart lies inside one node."""
+    return size <= 1 or num_gpus <= gpus_per_node or gpus_per_node % (size * stride) == 0
+
+
+def axes_are_intra_node(dims: ParallelDims, axes: tuple[str, ...], gpus_per_node: int) -> bool:
+    sizes = axis_sizes(dims)
+    return all(span_is_intra_node(sizes[a], axis_stride(dims, a), dims.num_gpus, gpus_per_node) for a in axes)
+
+
+def group_link(dims: ParallelDims, axes: tuple[str, ...], hw: HardwareConfig) -> Link:
+    """The link a collective over these mesh axes runs on (its slowest hop)."""
+    if axes_are_intra_node(dims, axes, hw.gpus_per_node):
+        return intra_node_link(hw)
+    return inter_node_link(hw)
+
+
+def expert_link(dims: ParallelDims, hw: HardwareConfig) -> Link:
+    """Expert-parallel groups: ep consecutive ranks of the dp_shard x cp block (stride tp)."""
+    if span_is_intra_node(dims.ep, dims.tp, dims.num_gpus, hw.gpus_per_node):
+        return intra_node_link(hw)
+    return inter_node_link(hw)
+
+
+# ---------------------------------------------------------------- what a step issues
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective call a rank makes, `count` times per optimizer step."""
+
+    kind: str
+    """all_gather | reduce_scatter | all_reduce | all_to_all | p2p."""
+    purpose: str
+    """fsdp_param (ZeRO/FSDP parameter all-gather), grad_sync (the data-parallel gradient reduction,
+    once per step), tp, cp, ep, pp."""
+    axes: tuple[str, ...]
+    """Mesh axes of the group ("ep" for expert groups)."""
+    group_size: int
+    nbytes: int
+    """Bytes per call, as the cost functions define them."""
+    count: int
+    """Calls per step on one rank."""
+    phase: str
+    """forward | backward (recomputation counts as backward)."""
+    unit: str = ""
+    """Data parallel only: "root" (the FSDP unit of embeddings/norm/output: gathered first, reduced
+    last), "blocks" (one FSDP unit per block), "buckets" (DDP)."""
+    per_microbatch: bool = False
+    """The calls repeat in every micro-batch (count includes the micro-batches), else once per step."""
+
+
+def precision_bytes(mode: str) -> tuple[int, int, int]:
+    """(gathered parameter, reduced gradient, activation) bytes per element of a precision mode."""
+    if mode == "fp32":
+        return FP32_BYTES, FP32_BYTES, FP32_BYTES
+    return LOW_BYTES, LOW_BYTES if mode == "bf16-pure" else FP32_BYTES, LOW_BYTES
+
+
+def num_microbatches(cfg: Config) -> int:
+    """Micro-batches per step on a rank: parallel.num_microbatches, else the gradient accumulation."""
+    return cfg.parallel.num_microbatches or max(1, cfg.grad_accum_steps)
+
+
+def stage_params(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
+    """(one block's, the root unit's) parameters on one rank of the busiest stage, before ZeRO sharding.
+
+    Blocks: dense weights / tp, routed experts / (ep x tp). Root (embeddings, final norm, output):
+    all of it without pipeline parallelism, else the larger of the first and last stage's part.
+    """
+    c = param_counts(cfg.model)
+    block = (c.per_layer - c.routed_experts) // dims.tp + c.routed_experts // (dims.ep * dims.tp)
+    root = c.embedding + c.final_norm + c.output if dims.pp == 1 else max(c.embedding, c.final_norm + c.output)
+    return block, root // dims.tp
+
+
+def _tp_recompute_calls(sequence_parallel: bool, policy: str) -> tuple[int, int, int]:
+    """(all-gather, reduce-scatter, all-reduce) calls one wrapped block's recomputation repeats.
+
+    Forward per block: [AR, AR] without sequence parallelism, [AG, RS, AG, RS] with it. Full
+    recomputation reruns them all but the last (nothing saves its output); selective saves
+    reduce-scatter outputs (trainfit.recompute._SAVE_OPS) and reruns the rest but the last.
+    """
+    if policy == "none":
+        return 0, 0, 0
+    if not sequence_parallel:
+        return 0, 0, 1
+    return (2, 1, 0) if policy == "full" else (2, 0, 0)
+
+
+def step_collectives(cfg: Config, dims: ParallelDims) -> list[Collective]:
+    """Every collective one rank of the busiest pipeline stage issues in one optimizer step.
+
+    Data parallel, as trainfit.parallel.data_parallel builds it:
+    - zero_stage 0 (DDP) and 1: one all-reduce of all gradients per step (accumulation skips it for
+      every micro-batch but the last) over dp_replicate x dp_shard x cp, in DDP buckets. ZeRO-1
+      (ZeroRedundancyOptimizer over dp_shard) then broadcasts each owner's updated parameters:
+      costed as the all-gather of all parameters those broadcasts add up to.
+    - zero_stage 2/3 (FSDP2 units: each block, plus the root holding embeddings/norm/output):
+      every micro-batch reduce-scatters each unit's gradients over dp_shard (FSDP keeps shards
+      only); once per step (HSDP, or cp > 1) an all-reduce of the shards over dp_replicate x cp.
+      Parameter all-gathers over dp_shard, every micro-batch: each unit in forward, and under
+      ZeRO-3 each block again in backward (the root is never resharded after forward; ZeRO-2 is
+      reshard_after_forward=False, so no block is either).
+    Model parallel, per block and micro-batch: tp 2 all-reduces forward + 2 backward, or with
+    sequence parallelism 2 all-gathers + 2 reduce-scatters each way, plus what recomputation repeats;
+    cp an all-gather of K and V forward, an all-gather and a reduce-scatter (dK, dV) backward, plus the
+    forward one again under full recomputation; ep a dispatch and a combine all-to-all each way
+    (twice forward under full recomputation); pp one activation send forward and one gradient send
+    backward per micro-batch and virtual stage.
+    Not modelled: TP of embeddings/output and loss parallelism, the gradient-norm all-reduce, the
+    loss all-reduce for logging, sharding padding.
+    """
+    m, t, p = cfg.model, cfg.training, cfg.parallel
+    param_b, grad_b, act_b = precision_bytes(cfg.precision.mode)
+    n_mb = num_microbatches(cfg)
+    layers = m.num_layers // dims.pp
+    block, root = stage_params(cfg, dims)
+    policy = cfg.memory.activation_checkpointing
+    wrapped = 0 if policy == "none" else -(-layers // cfg.memory.ac_every_n_layers)
+    seqs = t.global_batch_size / (dims.dp * n_mb)  # sequences per micro-batch on a rank
+    act = int(seqs * t.seq_len / dims.cp * m.dim * act_b)  # one micro-batch's hidden states, full width
+    out: list[Collective] = []
+
+    def add(kind: str, purpose: str, axes: tuple[str, ...], size: int, nbytes: float, count: int, phase: str,
+            unit: str = "", per_microbatch: bool = True) -> None:
+        if size > 1 and count > 0 and nbytes > 0:
+            out.append(Collective(kind, purpose, axes, size, int(nbytes), count, phase, unit, per_microbatch))
+
+    # Data parallel.
+    shard = ("dp_shard",)
+    if dims.zero_stage <= 1:
+        total = (layers * block + root) * grad_b
+        buckets = max(1, -(-total // DDP_BUCKET_BYTES))
+        add("all_reduce", "grad_sync", ("dp_replicate", "dp_shard", "cp"), dims.dp * dims.cp, total / buckets,
+            buckets, "backward", "buckets", per_microbatch=False)
+        if dims.zero_stage == 1:  # the owners' broadcasts of updated parameters, in the parameters' dtype
+            add("all_gather", "zero1_params", shard, dims.dp_shard, total, 1, "step", per_microbatch=False)
+    else:
+        add("all_gather", "fsdp_param", shard, dims.dp_shard, root * param_b, n_mb, "forward", "root")
+        add("all_gather", "fsdp_param", shard, dims.dp_shard, block * param_b, n_mb * layers, "forward", "blocks")
+        if dims.zero_stage == 3:
+            add("all_gather", "fsdp_param", shard, dims.dp_shard, block * param_b, n_mb * layers, "backward",
+                "blocks")
+        add("reduce_scatter", "grad_sync", shard, dims.dp_shard, block * grad_b, n_mb * layers, "backward", "blocks")
+        add("reduce_scatter", "grad_sync", shard, dims.dp_shard, root * grad_b, n_mb, "backward", "root")
+        rest, replicas = ("dp_replicate", "cp"), dims.dp_replicate * dims.cp
+        add("all_reduce", "grad_sync", rest, replicas, block * grad_b / dims.dp_shard, layers, "backward", "blocks",
+            per_microbatch=False)
+        add("all_reduce", "grad_sync", rest, replicas, root * grad_b / dims.dp_shard, 1, "backward", "root",
+            per_microbatch=False)
+
+    # Tensor parallel.
+    calls = n_mb * layers
+    ag, rs, ar = _tp_recompute_calls(p.sequence_parallel, policy)
+    if p.sequence_parallel:
+        add("all_gather", "tp", ("tp",), dims.tp, act, 2 * calls, "forward")
+        add("reduce_scatter", "tp", ("tp",), dims.tp, act, 2 * calls, "forward")
+        add("all_gather", "tp", ("tp",), dims.tp, act, (2 * layers + ag * wrapped) * n_mb, "backward")
+        add("reduce_scatter", "tp", ("tp",), dims.tp, act, (2 * layers + rs * wrapped) * n_mb, "backward")
+    else:
+        add("all_reduce", "tp", ("tp",), dims.tp, act, 2 * calls, "forward")
+        add("all_reduce", "tp", ("tp",), dims.tp, act, (2 * layers + ar * wrapped) * n_mb, "backward")
+
+    # Context parallel: K and V of the whole sequence (their heads are split by tp).
+    kv = int(2 * seqs * t.seq_len * m.num_kv_heads * (m.dim // m.num_heads) / dims.tp * act_b)
+    recompute_kv = wrapped if policy == "full" else 0
+    add("all_gather", "cp", ("cp",), dims.cp, kv, calls, "forward")
+    add("all_gather", "cp", ("cp",), dims.cp, kv, (layers + recompute_kv) * n_mb, "backward")
+    add("reduce_scatter", "cp", ("cp",), dims.cp, kv, calls, "backward")
+
+    # Expert parallel: each token's hidden state goes to top-k experts and comes back.
+    if m.num_experts:
+        routed = act * m.experts_per_token
+        add("all_to_all", "ep", ("ep",), dims.ep, routed, 2 * calls, "forward")
+        add("all_to_all", "ep", ("ep",), dims.ep, routed, (2 * layers + 2 * recompute_kv) * n_mb, "backward")
+
+    # Pipeline parallel: a stage boundary per micro-batch and virtual stage, each way.
+    boundary = act / dims.tp if p.sequence_parallel else act
+    add("p2p", "pp", ("pp",), dims.pp, boundary, n_mb * dims.pp_virtual_stages, "forward")
+    add("p2p", "pp", ("pp",), dims.pp, boundary, n_mb * dims.pp_virtual_stages, "backward")
+    return out
+
+
+def collective_link(c: Collective, dims: ParallelDims, hw: HardwareConfig) -> Link:
+    return expert_link(dims, hw) if c.axes == ("ep",) else group_link(dims, c.axes, hw)

@@ -1,0 +1,190 @@
+"""Step time, throughput and MFU of a layout: compute + exposed communication + pipeline bubble. Torch-free.
+
+Compute: the busiest rank's hardware FLOPs (trainfit.perf.flops: model FLOPs + fused-attention
+backward + recomputation; the pipeline stage holding the output projection) divided by the dense
+peak of the precision's dtype times `hardware.compute_efficiency`. fp8-mixed runs its linear layers
+at the fp8 peak and attention at the bf16 peak.
+
+Communication: the collectives of trainfit.perf.comms.step_collectives, each timed on the link of
+its mesh axes. What of it lengthens the step is decided here, and only here:
+
+| collective                                   | exposed (on the critical path)                               |
+|----------------------------------------------|--------------------------------------------------------------|
+| FSDP parameter all-gather of the root unit   | all of it, every micro-batch: no compute runs before it      |
+| FSDP parameter all-gathers of the blocks     | only what exceeds the compute they are prefetched behind:    |
+|                                              | forward gathers behind the micro-batch's forward, backward   |
+|                                              | gathers behind its backward                                  |
+| FSDP gradient reduce-scatters (every         | hidden behind the micro-batch's backward (sharing it with    |
+| micro-batch)                                 | the backward gathers), except the root unit's in the last    |
+|                                              | micro-batch, which ends the step                             |
+| DDP / ZeRO-1 all-reduce, HSDP (and cp)       | once per step, behind the last micro-batch's backward;       |
+| all-reduce of the shards                     | exposed: the last bucket, the root unit's shard              |
+| ZeRO-1 parameter broadcast (optimizer step)  | all of it                                                    |
+| tensor parallel (all-reduce, or AG + RS)     | all of it (no async TP)                                      |
+| context parallel (K/V all-gather, dK/dV RS)  | all of it                                                    |
+| expert parallel all-to-all                   | all of it                                                    |
+| pipeline send/recv                           | all of it, at every micro-batch boundary                     |
+
+Overlapped traffic is assumed not to slow the compute it hides behind, and collectives on different
+links not to contend. Pipeline bubble: the fraction of an ideal step each rank idles, times its
+compute plus its per-micro-batch exposed communication:
+(pp - 1) / num_microbatches for gpipe and 1f1b (Narayanan et al. 2021), divided by the virtual
+stages for interleaved-1f1b, and 0 for zero-bubble (ZB-V, Qi et al. 2024: no bubble with 1F1B's
+memory when forward, input-gradient and weight-gradient passes take equal time; the residual from
+unequal passes is not modelled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainfit.config import Config
+from trainfit.hardware import compute_efficiency, device_spec, peak_flops
+from trainfit.parallel.dims import ParallelDims
+from trainfit.perf import flops as F
+from trainfit.perf.comms import KINDS, Collective, collective_link, collective_time, num_microbatches, step_collectives
+
+# Bubble of zero-bubble schedules as a fraction of 1F1B's (ZB-V with equal F, B, W passes).
+ZERO_BUBBLE_FRACTION = 0.0
+# Collectives whose every call waits on the critical path.
+EXPOSED_PURPOSES = frozenset({"tp", "cp", "ep", "pp", "zero1_params"})
+
+
+@dataclass(frozen=True)
+class PerfEstimate:
+    flops: dict[str, float]
+    """model_flops_per_token, hardware_flops_per_token, model_flops_per_step, hardware_flops_per_step,
+    recompute_flops_per_step, flops_per_rank_per_step (hardware FLOPs of the busiest rank)."""
+    time: dict[str, Any]
+    """step_time_s, compute_s, comm_s {kind: total s}, exposed_comm_s, exposed_comm_by_kind_s {kind: s},
+    bubble_s, bubble_fraction, num_microbatches, tokens_per_second (whole job), mfu, hfu."""
+    collectives: tuple[tuple[Collective, float], ...] = field(default=())
+    """Every collective kind a rank issues, with the time of one call."""
+
+
+def bubble_fraction(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle share of an ideal step per pipeline schedule (see the module docstring)."""
+    if pp <= 1:
+        return 0.0
+    base = (pp - 1) / num_microbatches
+    if schedule == "interleaved-1f1b":
+        return base / virtual_stages
+    if schedule == "zero-bubble":
+        return base * ZERO_BUBBLE_FRACTION
+    return base
+
+
+def _rank_flops(cfg: Config, dims: ParallelDims) -> tuple[float, float, float]:
+    """(forward, backward incl. recomputation, attention share) hardware FLOPs of the busiest rank per step."""
+    m, t, mem = cfg.model, cfg.training, cfg.memory
+    layers = m.num_layers // dims.pp
+    wrapped = 0 if mem.activation_checkpointing == "none" else F.num_checkpointed_blocks(layers, mem.ac_every_n_layers)
+    mm, at = 2 * F.block_matmul_params(m), F.block_attention_flops(m, t.seq_len)
+    rc_mm, rc_at = F.block_recompute_flops(m, t.seq_len, mem.activation_checkpointing)
+    head = 2 * F.head_matmul_params(m)  # the last stage (or the only one) holds the output projection
+    forward = layers * (mm + at) + head
+    backward = layers * (2 * mm + F.FLASH_ATTENTION_BWD_FACTOR * at) + 2 * head + wrapped * (rc_mm + rc_at)
+    attention = layers * at * (1 + F.FLASH_ATTENTION_BWD_FACTOR) + wrapped * rc_at
+    tokens = t.global_batch_size * t.seq_len / (dims.dp * dims.cp)  # per rank; tp ranks split its FLOPs
+    scale = tokens / dims.tp
+    return forward * scale, backward * scale, attention * scale
+
+
+def _compute_seconds(cfg: Config, fwd: float, bwd: float, attention: float) -> tuple[float, float]:
+    """Forward and backward compute time; under fp8 the attention share runs at the bf16 peak."""
+    hw, mode = cfg.hardware, cfg.precision.mode
+    rate = peak_flops(hw, mode) * compute_efficiency(hw)
+    if mode != "fp8-mixed":
+        return fwd / rate, bwd / rate
+    attention_rate = device_spec(hw).peak_flops["bf16"] * compute_efficiency(hw)
+    slowdown = (attention / attention_rate - attention / rate) / (fwd + bwd)  # per FLOP, spread evenly
+    return fwd / rate + fwd * slowdown, bwd / rate + bwd * slowdown
+
+
+def _exposed(timed: list[tuple[Collective, float]], fwd_s: float, bwd_s: float, n_mb: int
+             ) -> tuple[dict[str, float], float]:
+    """Exposed seconds per kind (the module docstring's table), and the part that recurs every micro-batch."""
+    exposed = dict.fromkeys(KINDS, 0.0)
+    per_microbatch = 0.0
+    gather = {"forward": 0.0, "backward": 0.0}  # one micro-batch's block all-gathers
+    hidden_mb = dict.fromkeys(KINDS, 0.0)  # gradient reduction hidden behind each micro-batch's backward
+    hidden_once = dict.fromkeys(KINDS, 0.0)  # ... behind the last micro-batch's backward only
+    for c, one in timed:
+        total = one * c.count
+        if c.purpose in EXPOSED_PURPOSES or (c.purpose == "fsdp_param" and c.unit == "root"):
+            exposed[c.kind] += total
+            per_microbatch += total if c.per_microbatch else 0.0
+        elif c.purpose == "fsdp_param":
+            gather[c.phase] += total / n_mb
+        else:  # grad_sync: the root unit's last call, or DDP's last bucket, ends the backward
+            last = one if c.unit in ("root", "buckets") else 0.0
+            exposed[c.kind] += last
+            if c.per_microbatch:
+                hidden_mb[c.kind] += (total - last) / n_mb
+            else:
+                hidden_once[c.kind] += total - last
+    fwd_mb, bwd_mb = fwd_s / n_mb, bwd_s / n_mb
+    fwd_over = n_mb * max(0.0, gather["forward"] - fwd_mb)
+    hidden_mb["all_gather"] += gather["backward"]
+    every = sum(hidden_mb.values())
+    bwd_over = (n_mb - 1) * max(0.0, every - bwd_mb)
+    last_over = max(0.0, every + sum(hidden_once.values()) - bwd_mb)
+    exposed["all_gather"] += fwd_over
+    per_microbatch += fwd_over
+    # What does not fit behind the backward is shared out in proportion to what was to be hidden.
+    for kind in KINDS:
+        if every:
+            exposed[kind] += bwd_over * hidden_mb[kind] / every
+        if last_over:
+            exposed[kind] += last_over * (hidden_mb[kind] + hidden_once[kind]) / (every + sum(hidden_once.values()))
+    per_microbatch += bwd_over
+    return exposed, per_microbatch
+
+
+def estimate_perf(cfg: Config, dims: ParallelDims) -> PerfEstimate:
+    """FLOPs, step time and its parts, tokens/s and MFU of a validated config on its hardware."""
+    m, t, mem, hw = cfg.model, cfg.training, cfg.memory, cfg.hardware
+    tokens_per_step = t.global_batch_size * t.seq_len
+    model_tok = F.training_flops_per_token(m, t.seq_len)
+    hardware_tok = F.hardware_flops_per_token(m, t.seq_len, mem.activation_checkpointing, mem.ac_every_n_layers)
+    recompute_tok = F.recompute_flops_per_token(m, t.seq_len, mem.activation_checkpointing, mem.ac_every_n_layers)
+    fwd, bwd, attention = _rank_flops(cfg, dims)
+    fwd_s, bwd_s = _compute_seconds(cfg, fwd, bwd, attention)
+    compute_s = fwd_s + bwd_s
+
+    n_mb = num_microbatches(cfg)
+    timed = [(c, collective_time(c.kind, c.nbytes, c.group_size, collective_link(c, dims, hw)))
+             for c in step_collectives(cfg, dims)]
+    comm = dict.fromkeys(KINDS, 0.0)
+    for c, one in timed:
+        comm[c.kind] += one * c.count
+    exposed, per_microbatch = _exposed(timed, fwd_s, bwd_s, n_mb)
+    exposed_s = sum(exposed.values())
+    frac = bubble_fraction(cfg.parallel.pp_schedule, dims.pp, n_mb, dims.pp_virtual_stages)
+    bubble_s = frac * (compute_s + per_microbatch)
+    step_s = compute_s + exposed_s + bubble_s
+
+    peak = peak_flops(hw, cfg.precision.mode)
+    flops = {
+        "model_flops_per_token": float(model_tok),
+        "hardware_flops_per_token": float(hardware_tok),
+        "model_flops_per_step": float(model_tok * tokens_per_step),
+        "hardware_flops_per_step": float(hardware_tok * tokens_per_step),
+        "recompute_flops_per_step": float(recompute_tok * tokens_per_step),
+        "flops_per_rank_per_step": fwd + bwd,
+    }
+    time = {
+        "step_time_s": step_s,
+        "compute_s": compute_s,
+        "comm_s": comm,
+        "exposed_comm_s": exposed_s,
+        "exposed_comm_by_kind_s": exposed,
+        "bubble_s": bubble_s,
+        "bubble_fraction": frac,
+        "num_microbatches": n_mb,
+        "tokens_per_second": tokens_per_step / step_s,
+        "mfu": flops["model_flops_per_step"] / (step_s * dims.num_gpus * peak),
+        "hfu": flops["hardware_flops_per_step"] / (step_s * dims.num_gpus * peak),
+    }
+    return PerfEstimate(flops=flops, time=time, collectives=tuple(timed))

@@ -1,0 +1,109 @@
+"""The one importer of torch.testing._internal (private: an API move breaks this file only), and
+the helpers of the multi-process tests in tests/distributed/.
+
+GlooTestCase spawns `world_size` real processes (gloo on CPU) per test method (~7 s each); a
+method groups its configurations with `run_subtests`, so one spawn covers a whole technique.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.testing._internal.common_distributed import run_subtests
+from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase, with_comms
+
+from trainfit.config import Config, load_config
+from trainfit.train.distributed import World
+from trainfit.train.trainer import Trainer
+
+__all__ = ["AUTOCAST", "FP32", "LOW", "MOE", "STEPS", "GlooTestCase", "fake_world", "full_params", "run_config",
+           "run_overrides", "with_comms"]
+
+
+# Parity with one process (tests/distributed/test_dp_parity.py explains the measures and tolerances).
+STEPS = 4
+FP32 = {"loss_rtol": 1e-5, "update_rtol": 1e-5}
+AUTOCAST = {"loss_rtol": 1e-4, "update_rtol": 2e-2}
+LOW = {"loss_rtol": 1e-3, "update_rtol": 6e-2}
+MOE = {"loss_rtol": 1e-3, "update_rtol": 0.2}
+# Only the layout differs from the reference: these fields are dropped from its config.
+LAYOUT_FIELDS = ("--parallel.", "--memory.offload", "--hardware.num_gpus")
+
+
+class GlooTestCase(DTensorTestBase):
+    """World of 2 CPU processes on gloo; the process group exists inside @with_comms methods."""
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def run_subtests(self, config: dict[str, list[Any]], fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """fn(**one combination of config) for every combination, inside this one spawn."""
+        run_subtests(self, config, fn, *args, **kwargs)
+
+    @property
+    def shared_dir(self) -> Path:
+        """A folder every rank of this test sees (beside the test's FileStore)."""
+        path = Path(self.file_name + ".d")
+        path.mkdir(exist_ok=True)
+        return path
+
+    def check_parity(self, overrides: tuple[str, ...], tolerances: dict[str, float]) -> None:
+        """Train STEPS steps with `overrides` on this world and, on rank 0, compare the losses and the
+        final parameters with one process given the same global batches (tolerances: see FP32...)."""
+        name = "_".join(o.split(".")[-1] for o in overrides).replace("=", "-").replace("+", "-")
+        trainer = Trainer(run_config(self.shared_dir / name, f"--training.steps={STEPS}", *overrides))
+        result = trainer.train()
+        params = full_params(trainer.model)
+        if self.rank != 0:
+            return
+        reference_overrides = [o for o in overrides if not o.startswith(LAYOUT_FIELDS)]
+        reference = Trainer(run_config(self.shared_dir / f"{name}-reference", f"--training.steps={STEPS}",
+                                       "--training.micro_batch_size=8", *reference_overrides), world=World())
+        initial = {key: value.detach().float().clone() for key, value in reference.model.state_dict().items()}
+        expected = reference.train()
+        self.assertEqual(sorted(result.losses), list(range(1, STEPS + 1)))
+        for step, loss in expected.losses.items():
+            self.assertAlmostEqual(result.losses[step], loss, delta=tolerances["loss_rtol"] * abs(loss),
+                                   msg=f"step {step}")
+        final = {key: value.detach().float() for key, value in reference.model.state_dict().items()}
+        error = sum(((params[key] - value) ** 2).sum() for key, value in final.items()).sqrt()
+        moved = sum(((value - initial[key]) ** 2).sum() for key, value in final.items()).sqrt()
+        self.assertLess(float(error / moved), tolerances["update_rtol"])
+
+
+def run_overrides(run_dir: Path, *overrides: str) -> list[str]:
+    """A quiet debug-model run writing under run_dir: global batch 8 in micro-batches of 2."""
+    return ["--model.preset=debug", "--training.seq_len=32", "--training.micro_batch_size=2",
+            "--training.global_batch_size=8", "--training.warmup_steps=2", "--training.eval_interval=0",
+            "--checkpoint.interval=0", f"--checkpoint.dir={run_dir / 'ckpt'}", f"--logging.dir={run_dir / 'logs'}",
+            "--logging.progress=false", "--logging.interval=1", *overrides]
+
+
+def run_config(run_dir: Path, *overrides: str) -> Config:
+    return load_config(None, run_overrides(run_dir, *overrides))
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's whole parameters on every rank, by name (collective for sharded models)."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {name: t.detach().float().cpu() for name, t in state.items()}
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """This process as rank `rank` of a `world_size`-rank world on the `fake` backend: collectives
+    return at once without moving data, so FSDP2 / DTensor / DDP run their real code paths in one
+    process. Right for counting collectives (tests/estimator/test_comms.py), never for numerics."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.distributed.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,264 @@
+"""perf/comms.py: cost formulas, the link of each mesh axis, and the collectives a step issues --
+the last checked against what CommDebugMode sees real FSDP2 / DDP / tensor-parallel code issue on
+the fake process group."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._pytree import tree_flatten
+
+from _dist import fake_world
+from trainfit.config import load_config
+from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link, inter_node_link, intra_node_link
+from trainfit.models import build_model, count_params, materialize
+from trainfit.parallel.dims import resolve_parallel_dims
+from trainfit.perf import comms
+
+# FSDP2 and DTensor warn about CPU meshes and views; irrelevant to counting collectives.
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+LINK = Link("test", bytes_per_s=100e9, latency_s=5e-6)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny tensors: one intra-op thread is fastest, and on shared cores idle OpenMP workers spin
+    (2 threads made these tests 30x slower on a loaded 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_ring_cost_formulas() -> None:
+    nbytes, n = 1e9, 8
+    a0, a, bw = COLLECTIVE_BASE_LATENCY_S, LINK.latency_s, LINK.bytes_per_s
+    assert comms.all_reduce_time(nbytes, n, LINK) == pytest.approx(a0 + 2 * 7 * a + 2 * 7 / 8 * nbytes / bw)
+    assert comms.all_gather_time(nbytes, n, LINK) == pytest.approx(a0 + 7 * a + 7 / 8 * nbytes / bw)
+    assert comms.reduce_scatter_time(nbytes, n, LINK) == comms.all_gather_time(nbytes, n, LINK)
+    assert comms.all_to_all_time(nbytes, n, LINK) == comms.all_gather_time(nbytes, n, LINK)
+    assert comms.p2p_time(nbytes, LINK) == pytest.approx(a0 + a + nbytes / bw)
+    # all-reduce = reduce-scatter + all-gather in volume; a group of one communicates nothing
+    ar, rs = comms.all_reduce_time(nbytes, n, LINK), comms.reduce_scatter_time(nbytes, n, LINK)
+    assert ar == pytest.approx(2 * rs - a0)
+    assert comms.all_reduce_time(nbytes, 1, LINK) == comms.all_gather_time(nbytes, 1, LINK) == 0.0
+    # tiny messages across many ranks: the tree's log2(n) latency beats the ring's n
+    small, ranks = 1024, 1024
+    assert comms.all_reduce_time(small, ranks, LINK) == pytest.approx(
+        a0 + 2 * math.log2(ranks) * a + 2 * small / bw)
+    for kind in comms.KINDS:
+        assert comms.collective_time(kind, nbytes, n, LINK) > 0
+
+
+def _dims(*args: str):
+    """A config and its layout; one sequence per rank and step unless the args say otherwise."""
+    gpus = next((a.split("=")[1] for a in args if a.startswith("--hardware.num_gpus=")), "1")
+    cfg = load_config(None, ["--training.micro_batch_size=1", f"--training.global_batch_size={gpus}", *args])
+    return cfg, resolve_parallel_dims(cfg)
+
+
+def test_each_axis_gets_the_link_of_its_span() -> None:
+    cfg, dims = _dims("--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=64", "--parallel.tp=4", "--parallel.cp=2",
+                      "--parallel.pp=2", "--training.seq_len=128", "--training.global_batch_size=4",
+                      "--training.micro_batch_size=1")
+    hw = cfg.hardware
+    assert comms.axis_stride(dims, "tp") == 1 and comms.axis_stride(dims, "cp") == 4
+    assert comms.axis_stride(dims, "dp_shard") == 8 and comms.axis_stride(dims, "pp") == 32
+    intra = {axis for axis in comms.MESH_AXES if comms.axes_are_intra_node(dims, (axis,), hw.gpus_per_node)}
+    assert intra == {"tp", "cp", "dp_replicate"}  # tp x cp = 8 ranks = one node; dp_replicate is 1
+    assert comms.group_link(dims, ("tp",), hw) == intra_node_link(hw)
+    assert comms.group_link(dims, ("dp_shard",), hw) == inter_node_link(hw)
+    assert comms.group_link(dims, ("cp", "dp_shard"), hw) == inter_node_link(hw)  # the slowest hop
+    # groups that straddle nodes: 3 ranks per group with 8 GPUs per node
+    assert not comms.span_is_intra_node(3, 1, num_gpus=24, gpus_per_node=8)
+    assert comms.span_is_intra_node(3, 1, num_gpus=6, gpus_per_node=8)  # the whole job is one node
+    # one node: every axis intra-node
+    cfg, dims = _dims("--hardware.num_gpus=8", "--parallel.tp=2", "--parallel.zero_stage=3")
+    assert comms.axes_are_intra_node(dims, ("dp_shard", "tp"), cfg.hardware.gpus_per_node)
+
+
+def test_the_network_is_slower_than_nvlink() -> None:
+    cfg, _ = _dims("--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=16")
+    intra, inter = intra_node_link(cfg.hardware), inter_node_link(cfg.hardware)
+    assert comms.all_gather_time(1e9, 8, inter) > 5 * comms.all_gather_time(1e9, 8, intra)
+
+
+def test_what_gradient_accumulation_repeats() -> None:
+    def collectives(accum: int, *args: str) -> Counter:
+        cfg, dims = _dims("--model.preset=llama2-7b", "--hardware.num_gpus=8",
+                          f"--training.global_batch_size={8 * accum}", *args)
+        out: Counter = Counter()
+        for c in comms.step_collectives(cfg, dims):
+            out[c.purpose, c.kind] += c.count
+        return out
+
+    # FSDP: parameters gathered and gradients reduce-scattered in every micro-batch; HSDP's
+    # all-reduce of the shards across replicas once per step
+    one, four = (collectives(n, "--parallel.zero_stage=3", "--parallel.dp_replicate=2") for n in (1, 4))
+    assert four["fsdp_param", "all_gather"] == 4 * one["fsdp_param", "all_gather"] == 4 * (2 * 32 + 1)
+    assert four["grad_sync", "reduce_scatter"] == 4 * one["grad_sync", "reduce_scatter"] == 4 * (32 + 1)
+    assert four["grad_sync", "all_reduce"] == one["grad_sync", "all_reduce"] == 32 + 1
+    # ZeRO-2 gathers in forward only
+    assert collectives(1, "--parallel.zero_stage=2")["fsdp_param", "all_gather"] == 32 + 1
+    # DDP and ZeRO-1: one all-reduce per step; ZeRO-1 then broadcasts the updated parameters
+    assert collectives(4) == collectives(1)
+    zero1 = collectives(4, "--parallel.zero_stage=1")
+    assert zero1["zero1_params", "all_gather"] == 1
+    assert zero1["grad_sync", "all_reduce"] == collectives(4)["grad_sync", "all_reduce"]
+
+
+# ---------------------------------------------------------------- against real code on the fake backend
+
+
+class CollectiveLog(CommDebugMode):
+    """CommDebugMode that also records (kind, bytes) of every collective, bytes as comms defines them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        name = str(func.overloadpacket).split(".")[-1]
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if name == "_allgather_base_":  # (output, input): the gathered output
+            self.calls["all_gather", tensors[0].nbytes] += 1
+        elif name == "_reduce_scatter_base_":  # (output, input): the full input
+            self.calls["reduce_scatter", tensors[1].nbytes] += 1
+        elif name == "allreduce_":
+            self.calls["all_reduce", sum(t.nbytes for t in tensors)] += 1
+        elif name == "all_gather_into_tensor":  # functional: (shard, group_size, group)
+            self.calls["all_gather", tensors[0].nbytes * args[1]] += 1
+        elif name in ("reduce_scatter_tensor", "all_reduce"):
+            self.calls[name.split("_tensor")[0], tensors[0].nbytes] += 1
+        elif name == "broadcast_":
+            self.calls["broadcast", sum(t.nbytes for t in tensors)] += 1
+        return out
+
+
+def expected(cfg, dims) -> Counter:
+    out: Counter = Counter()
+    for c in comms.step_collectives(cfg, dims):
+        out[c.kind, c.nbytes] += c.count
+    return out
+
+
+def observed_total(log: CollectiveLog) -> int:
+    return sum(n for op, n in log.get_comm_counts().items() if "wait" not in str(op))
+
+
+@pytest.mark.parametrize(("zero_stage", "dp_replicate"), [(3, 1), (2, 1), (3, 2)])
+def test_fsdp_collectives_match_fully_shard(zero_stage: int, dp_replicate: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    cfg, dims = _dims("--model.preset=debug", "--model.num_layers=3", "--hardware.num_gpus=4",
+                      f"--parallel.zero_stage={zero_stage}", f"--parallel.dp_replicate={dp_replicate}",
+                      "--precision.mode=bf16-mixed", "--training.seq_len=16", "--training.micro_batch_size=2",
+                      "--training.global_batch_size=8")
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (dims.dp_replicate, dims.dp_shard), mesh_dim_names=("rep", "shard"))
+        mesh = mesh if dp_replicate > 1 else mesh["shard"]
+        model = build_model(cfg.model)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        options = dict(mesh=mesh, mp_policy=policy)
+        for block in model.layers:
+            fully_shard(block, reshard_after_forward=zero_stage == 3, **options)
+        fully_shard(model, **options)  # the root keeps FSDP2's default: not resharded after forward
+        materialize(model, "cpu")
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
+        with CollectiveLog() as log:
+            model(tokens).float().mean().backward()
+    assert log.calls == expected(cfg, dims)
+    assert observed_total(log) == sum(log.calls.values())
+
+
+def _sync_hook(state, bucket):  # unannotated: DDP rejects the string annotations of this module
+    """The fake backend's work objects carry no result, which DDP's reducer needs: reduce
+    synchronously and hand back a finished future."""
+    torch.distributed.all_reduce(bucket.buffer())
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_ddp_and_zero1_match_ddp_and_zero_redundancy_optimizer(zero_stage: int) -> None:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    cfg, dims = _dims("--model.preset=debug", "--hardware.num_gpus=4", f"--parallel.zero_stage={zero_stage}",
+                      "--training.seq_len=16", "--training.micro_batch_size=2", "--training.global_batch_size=8")
+    with fake_world(4):
+        model = materialize(build_model(cfg.model), "cpu")
+        ddp = DistributedDataParallel(model, broadcast_buffers=False)  # as parallel/data_parallel.py
+        ddp.register_comm_hook(None, _sync_hook)
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
+        with CollectiveLog() as log:
+            ddp(tokens).mean().backward()
+            if zero_stage == 1:
+                optimizer.step()
+    grads = 4 * count_params(model)
+    assert log.calls["all_reduce", grads] == 1  # one bucket: the model is far below 25 MiB
+    broadcasts = sum(nbytes * n for (kind, nbytes), n in log.calls.items() if kind == "broadcast")
+    assert expected(cfg, dims) == Counter({("all_reduce", grads): 1, **({("all_gather", broadcasts): 1}
+                                                                        if zero_stage else {})})
+    assert broadcasts == (grads if zero_stage else 0)  # every parameter, from its owner
+
+
+def _tp_plan(sequence_parallel: bool) -> dict:
+    """torchtitan's per-block plan for our Llama block (input/output layouts Shard(1) under SP)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    outer = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        "attention": PrepareModuleInput(input_layouts=(outer, None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "feed_forward": PrepareModuleInput(input_layouts=(outer,), desired_input_layouts=(Replicate(),)),
+        **{f"attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")},
+        "attention.wo": RowwiseParallel(output_layouts=outer),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=outer),
+    }
+    if sequence_parallel:
+        plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+    return plan
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_block_collectives_match_parallelize_module(sequence_parallel: bool) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from trainfit.recompute import apply_activation_checkpointing
+
+    for policy in ("none", "full", "selective"):
+        cfg, dims = _dims("--model.preset=debug", "--model.num_layers=1", "--hardware.num_gpus=2", "--parallel.tp=2",
+                          f"--parallel.sequence_parallel={sequence_parallel}", "--precision.mode=fp32",
+                          f"--memory.activation_checkpointing={policy}", "--training.seq_len=16",
+                          "--training.micro_batch_size=2", "--training.global_batch_size=2")
+        with fake_world(2):
+            model = materialize(build_model(cfg.model), "cpu")
+            parallelize_module(model.layers[0], init_device_mesh("cpu", (2,)), _tp_plan(sequence_parallel))
+            apply_activation_checkpointing(model, policy)
+            local_seq = 16 // 2 if sequence_parallel else 16
+            x = torch.randn(2, local_seq, cfg.model.dim, requires_grad=True)  # the residual stream
+            with CollectiveLog() as log:
+                model.layers[0](x, model.rope_cos[:16], model.rope_sin[:16]).sum().backward()
+        assert log.calls == expected(cfg, dims), policy
+        assert observed_total(log) == sum(log.calls.values())

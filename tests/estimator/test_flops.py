@@ -1,0 +1,134 @@
+"""perf/flops.py: closed forms, and exact agreement with FlopCounterMode on our real models.
+
+FlopCounterMode has no formula for the CPU flash-attention kernel, so under the default SDPA backend
+attention counts 0 and the matmul FLOPs are compared exactly; attention is checked apart under the
+math backend, which runs QK^T and AV as bmm over the full square (it does not skip the causal half).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils import flop_counter
+from torch.utils.flop_counter import FlopCounterMode
+
+from trainfit.config import ModelConfig
+from trainfit.models import build_model, materialize
+from trainfit.models.params import param_counts
+from trainfit.models.presets import PRESETS, resolve_model_config
+from trainfit.perf import flops
+from trainfit.recompute import apply_activation_checkpointing
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny tensors: one intra-op thread is fastest, and on shared cores idle OpenMP workers spin
+    (2 threads made these tests 30x slower on a loaded 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def model_config(preset: str, **fields: int) -> ModelConfig:
+    return resolve_model_config(ModelConfig(preset=preset, **fields))
+
+
+def test_model_flops_are_6n_plus_causal_attention() -> None:
+    m, s = model_config("llama3-8b"), 8192
+    n = flops.matmul_params_per_token(m)
+    assert flops.training_flops_per_token(m, s) == 6 * n + 6 * m.num_layers * m.dim * s
+    assert flops.attention_flops_per_token(m, s, causal=False) == 2 * flops.attention_flops_per_token(m, s)
+
+
+def test_gpt2_matches_nanogpt_estimate() -> None:
+    # nanoGPT's estimate_mfu: 6N + 12 L H Q T, N = parameters but the position embedding (biases and
+    # LayerNorms included, the tied token embedding counted as the output matmul). Ours: matmul weights
+    # only, and the causal half of attention.
+    m, s = model_config("gpt2"), 1024
+    nanogpt_n = 124_439_808 - m.max_seq_len * m.dim
+    c = param_counts(m)
+    biases_and_norms = m.num_layers * (4 * m.dim + m.ffn_dim + m.dim + c.norms) + c.final_norm
+    assert flops.matmul_params_per_token(m) == nanogpt_n - biases_and_norms
+    attention = 12 * m.num_layers * m.num_heads * (m.dim // m.num_heads) * s
+    assert flops.training_flops_per_token(m, s) == 6 * (nanogpt_n - biases_and_norms) + attention // 2
+
+
+@pytest.mark.parametrize("preset", [p for p, f in PRESETS.items() if f.get("family", "llama") == "llama"])
+def test_matmul_params_are_the_active_weights_but_embeddings_and_norms(preset: str) -> None:
+    m = model_config(preset)
+    c = param_counts(m)
+    head_dim = m.dim // m.num_heads
+    biases = m.num_layers * (m.num_heads + 2 * m.num_kv_heads) * head_dim if m.qkv_bias else 0
+    tied_output = m.dim * m.vocab_size if m.tie_embeddings else 0
+    expected = c.active - c.embedding - m.num_layers * c.norms - c.final_norm - biases + tied_output
+    assert flops.matmul_params_per_token(m) == expected
+
+
+def test_hardware_flops_add_flash_backward_and_recomputation() -> None:
+    m, s = model_config("llama3-8b"), 4096
+    model = flops.training_flops_per_token(m, s)
+    attention = flops.attention_flops_per_token(m, s)
+    none = flops.hardware_flops_per_token(m, s, "none")
+    assert none == model + attention // 2  # backward attention 2.5x instead of 2x the forward
+    assert flops.hardware_flops_per_token(m, s, "selective") == none
+    block = 2 * flops.block_matmul_params(m) - 2 * m.dim * m.ffn_dim + flops.block_attention_flops(m, s)
+    assert flops.hardware_flops_per_token(m, s, "full") == none + m.num_layers * block
+    assert flops.hardware_flops_per_token(m, s, "full", every_n_layers=3) == none + 11 * block  # 0, 3, ..., 30
+    # full recomputation costs less than one more forward (1/3): not the output head, nor each w2
+    assert 0.2 < (flops.hardware_flops_per_token(m, s, "full") - none) / model < 1 / 3
+    # MoE blocks rerun everything (the load-balancing loss needs the router after the experts)
+    moe = model_config("mixtral-8x7b")
+    assert flops.block_recompute_flops(moe, s, "full") == (2 * flops.block_matmul_params(moe),
+                                                           flops.block_attention_flops(moe, s))
+
+
+def test_flash_backward_factor_is_torchs_own_accounting() -> None:
+    q = k = v = grad = (2, 8, 128, 64)
+    forward = flop_counter.sdpa_flop_count(q, k, v)
+    backward = flop_counter.sdpa_backward_flop_count(grad, q, k, v)
+    assert backward / forward == flops.FLASH_ATTENTION_BWD_FACTOR
+
+
+def counted_flops(m: ModelConfig, policy: str, every_n_layers: int, math_sdpa: bool, batch: int, seq: int) -> int:
+    """FlopCounterMode's total for one forward + backward of the real model on CPU."""
+    torch.manual_seed(0)
+    model = materialize(build_model(m), "cpu")
+    apply_activation_checkpointing(model, policy, every_n_layers)
+    tokens = torch.randint(0, m.vocab_size, (batch, seq))
+    backend = sdpa_kernel(SDPBackend.MATH) if math_sdpa else contextlib.nullcontext()
+    with backend, FlopCounterMode(display=False) as counter:
+        logits = model(tokens)
+        F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("preset", ["debug", "debug-gpt2", "debug-moe"])
+def test_flop_counter_on_our_models(preset: str) -> None:
+    batch, seq = 2, 16
+    tokens = batch * seq
+    m = dataclasses.replace(model_config(preset), num_layers=3)
+    matmul = 6 * flops.matmul_params_per_token(m)
+    for policy, every_n in (("none", 1), ("selective", 1), ("full", 1), ("full", 2)):
+        wrapped = 0 if policy == "none" else flops.num_checkpointed_blocks(m.num_layers, every_n)
+        recompute_matmul, _ = flops.block_recompute_flops(m, seq, policy)
+        # default SDPA backend: the CPU flash kernel counts 0, the matmuls count exactly
+        flash = counted_flops(m, policy, every_n, math_sdpa=False, batch=batch, seq=seq)
+        assert flash == tokens * (matmul + wrapped * recompute_matmul), (policy, every_n)
+        if (policy, every_n) not in (("none", 1), ("full", 2)):
+            continue
+        # math backend: bmm over the full square, forward 1x, backward 2x, recomputed forward 1x
+        full_square = flops.attention_flops_per_token(m, seq, causal=False)
+        recompute_attention = wrapped * flops.block_attention_flops(m, seq, causal=False) if policy == "full" else 0
+        math = counted_flops(m, policy, every_n, math_sdpa=True, batch=batch, seq=seq)
+        assert math - flash == tokens * (3 * full_square + recompute_attention), (policy, every_n)
+
+
+def test_mfu() -> None:
+    assert flops.mfu(tokens_per_s=1000.0, flops_per_token=6e9, peak_flops=1.2e13) == pytest.approx(0.5)

@@ -1,0 +1,162 @@
+"""perf/timing.py: step time, its parts, throughput and MFU -- pure numbers, no torch needed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from trainfit.config import ConfigError, load_config
+from trainfit.hardware import COMPUTE_EFFICIENCY, peak_flops
+from trainfit.parallel.dims import resolve_parallel_dims
+from trainfit.perf import comms
+from trainfit.perf.timing import bubble_fraction, estimate_perf
+
+H100 = ("--hardware.gpu=H100-SXM-80GB", "--precision.mode=bf16-mixed")
+LLAMA70B_64 = (*H100, "--model.preset=llama3-70b", "--hardware.num_gpus=64", "--parallel.tp=8",
+               "--parallel.zero_stage=3", "--training.seq_len=4096", "--training.micro_batch_size=1",
+               "--training.global_batch_size=64")
+
+
+def perf(*args: str):
+    cfg = load_config(None, list(args))
+    dims = resolve_parallel_dims(cfg)
+    return cfg, dims, estimate_perf(cfg, dims)
+
+
+def test_llama3_70b_on_64_h100() -> None:
+    cfg, dims, est = perf(*LLAMA70B_64)
+    f, t = est.flops, est.time
+    tokens = 64 * 4096
+    assert f["model_flops_per_step"] == f["model_flops_per_token"] * tokens
+    assert f["hardware_flops_per_step"] == f["hardware_flops_per_token"] * tokens >= f["model_flops_per_step"]
+    # ~6 x 70e9 FLOPs per token x 262k tokens / 64 GPUs at half of 989 TFLOP/s: a few seconds
+    assert 6 * 70e9 * tokens < f["model_flops_per_step"] < 1.3 * 6 * 70e9 * tokens
+    assert f["flops_per_rank_per_step"] == pytest.approx(f["hardware_flops_per_step"] / 64)
+    assert t["compute_s"] == pytest.approx(f["flops_per_rank_per_step"] / (989.4e12 * COMPUTE_EFFICIENCY))
+    assert 1 < t["compute_s"] < 10
+    assert t["step_time_s"] == pytest.approx(t["compute_s"] + t["exposed_comm_s"] + t["bubble_s"])
+    assert t["exposed_comm_s"] == pytest.approx(sum(t["exposed_comm_by_kind_s"].values()))
+    assert all(t["exposed_comm_by_kind_s"][k] <= t["comm_s"][k] + 1e-12 for k in comms.KINDS)
+    assert 0 < t["mfu"] < t["hfu"] < COMPUTE_EFFICIENCY
+    peak = peak_flops(cfg.hardware, cfg.precision.mode)
+    assert t["mfu"] == pytest.approx(f["model_flops_per_step"] / (t["step_time_s"] * 64 * peak))
+    assert t["tokens_per_second"] == pytest.approx(tokens / t["step_time_s"])
+    assert set(t["comm_s"]) == set(comms.KINDS) and t["comm_s"]["all_gather"] > 0
+
+
+def test_pipeline_bubble_shrinks_with_microbatches_and_virtual_stages() -> None:
+    assert bubble_fraction("1f1b", pp=4, num_microbatches=8) == pytest.approx(3 / 8)
+    assert bubble_fraction("gpipe", pp=4, num_microbatches=8) == bubble_fraction("1f1b", 4, 8)
+    assert bubble_fraction("interleaved-1f1b", pp=4, num_microbatches=8, virtual_stages=2) == pytest.approx(3 / 16)
+    assert bubble_fraction("zero-bubble", pp=4, num_microbatches=8) == 0.0
+    assert bubble_fraction("1f1b", pp=1, num_microbatches=1) == 0.0
+    base = (*H100, "--model.preset=llama2-7b", "--hardware.num_gpus=8", "--parallel.pp=4", "--parallel.tp=2",
+            "--training.seq_len=4096", "--training.micro_batch_size=1")
+    shares = [perf(*base, f"--training.global_batch_size={gbs}")[2].time for gbs in (4, 16, 64)]
+    fractions = [t["bubble_s"] / t["step_time_s"] for t in shares]
+    assert fractions[0] > fractions[1] > fractions[2] > 0
+    assert [t["bubble_fraction"] for t in shares] == [3 / 4, 3 / 16, 3 / 64]
+    # the last stage carries the output projection: the busiest rank does more than an even share
+    _, _, est = perf(*base, "--training.global_batch_size=16")
+    assert est.flops["flops_per_rank_per_step"] > est.flops["hardware_flops_per_step"] / 8
+
+
+def test_crossing_nodes_costs_more_than_staying_inside() -> None:
+    args = (*H100, "--model.preset=llama3-8b", "--hardware.num_gpus=16", "--parallel.zero_stage=3",
+            "--training.seq_len=4096", "--training.micro_batch_size=1", "--training.global_batch_size=16")
+    _, _, one_node = perf(*args, "--hardware.gpus_per_node=16")
+    _, _, two_nodes = perf(*args, "--hardware.gpus_per_node=8")
+    assert two_nodes.time["comm_s"]["all_gather"] > 5 * one_node.time["comm_s"]["all_gather"]
+    assert two_nodes.time["step_time_s"] > one_node.time["step_time_s"]
+    assert two_nodes.time["compute_s"] == one_node.time["compute_s"]
+
+
+def test_throughput_scales_with_gpus_at_fixed_work_per_gpu() -> None:
+    def tokens_per_s(gpus: int, *extra: str) -> float:
+        return perf(*H100, "--model.preset=llama3-8b", f"--hardware.num_gpus={gpus}", "--parallel.zero_stage=3",
+                    "--training.seq_len=4096", "--training.micro_batch_size=1",
+                    f"--training.global_batch_size={4 * gpus}", *extra)[2].time["tokens_per_second"]
+
+    fast = ("--hardware.intra_node_gbps=1e6", "--hardware.inter_node_gbps=1e6", "--hardware.intra_node_latency_us=1e-6",
+            "--hardware.inter_node_latency_us=1e-6")
+    assert tokens_per_s(64, *fast) == pytest.approx(8 * tokens_per_s(8, *fast), rel=1e-3)
+    # real links: sublinear, and sharding within nodes (HSDP) scales better than across them
+    fsdp, hsdp = tokens_per_s(64), tokens_per_s(64, "--parallel.dp_replicate=8")
+    assert tokens_per_s(8) < fsdp < hsdp < 8 * tokens_per_s(8)
+
+
+def test_gradient_sync_once_per_step_and_overlap_rules() -> None:
+    base = (*H100, "--model.preset=llama3-8b", "--hardware.num_gpus=8", "--training.seq_len=4096",
+            "--training.micro_batch_size=1")
+    hsdp = ("--parallel.zero_stage=3", "--parallel.dp_replicate=2")
+    _, _, one = perf(*base, *hsdp, "--training.global_batch_size=8")
+    _, _, four = perf(*base, *hsdp, "--training.global_batch_size=32")
+    assert four.time["comm_s"]["all_reduce"] == one.time["comm_s"]["all_reduce"] > 0  # across replicas: once
+    assert four.time["comm_s"]["reduce_scatter"] == pytest.approx(4 * one.time["comm_s"]["reduce_scatter"])
+    assert four.time["comm_s"]["all_gather"] == pytest.approx(4 * one.time["comm_s"]["all_gather"])
+    # DDP on NVLink: everything but the last bucket hides behind the backward
+    _, _, ddp = perf(*base, "--training.global_batch_size=8")
+    buckets = [(c, one_call) for c, one_call in ddp.collectives if c.purpose == "grad_sync"]
+    assert len(buckets) == 1 and buckets[0][0].count > 1
+    assert ddp.time["exposed_comm_by_kind_s"]["all_reduce"] == pytest.approx(buckets[0][1])
+    # tensor parallelism is on the critical path, all of it
+    _, _, tp = perf(*base, "--parallel.tp=8", "--training.global_batch_size=1")
+    assert tp.time["comm_s"]["all_reduce"] > 0
+    assert tp.time["exposed_comm_s"] == pytest.approx(tp.time["comm_s"]["all_reduce"])
+    # FSDP: the root unit's all-gather is exposed even when compute could hide the rest
+    fsdp_exposed = one.time["exposed_comm_by_kind_s"]
+    root = [one_call * c.count for c, one_call in one.collectives if c.unit == "root" and c.kind == "all_gather"]
+    assert fsdp_exposed["all_gather"] >= root[0] > 0
+    assert one.time["exposed_comm_s"] < 0.2 * sum(one.time["comm_s"].values())
+
+
+def test_precision_and_efficiency_set_the_compute_time() -> None:
+    base = (*H100, "--model.preset=llama3-8b", "--hardware.num_gpus=8", "--parallel.zero_stage=3",
+            "--training.seq_len=4096", "--training.micro_batch_size=1", "--training.global_batch_size=8")
+    bf16 = perf(*base)[2].time["compute_s"]
+    fp8 = perf(*base, "--precision.mode=fp8-mixed")[2].time["compute_s"]
+    assert 0.5 * bf16 < fp8 < 0.75 * bf16  # linears at twice the rate, attention stays bf16
+    assert perf(*base, "--hardware.compute_efficiency=0.25")[2].time["compute_s"] == pytest.approx(2 * bf16)
+    assert perf(*base, "--precision.mode=fp32")[2].time["compute_s"] > 10 * bf16
+    with pytest.raises(ConfigError, match="A100-SXM-80GB has no fp8"):
+        perf(*base, "--hardware.gpu=A100-SXM-80GB", "--precision.mode=fp8-mixed")
+
+
+def test_recomputation_costs_time_not_mfu_credit() -> None:
+    _, _, none = perf(*LLAMA70B_64)
+    _, _, full = perf(*LLAMA70B_64, "--memory.activation_checkpointing=full")
+    _, _, selective = perf(*LLAMA70B_64, "--memory.activation_checkpointing=selective")
+    assert full.time["compute_s"] > 1.2 * none.time["compute_s"]
+    assert selective.time["compute_s"] == none.time["compute_s"]
+    assert full.flops["model_flops_per_step"] == none.flops["model_flops_per_step"]
+    assert full.time["hfu"] / full.time["mfu"] > none.time["hfu"] / none.time["mfu"]
+
+
+def test_expert_and_context_parallel_traffic_is_counted() -> None:
+    _, _, moe = perf(*H100, "--model.preset=mixtral-8x7b", "--hardware.num_gpus=64", "--parallel.ep=8",
+                     "--parallel.zero_stage=3", "--training.seq_len=4096", "--training.micro_batch_size=1",
+                     "--training.global_batch_size=64")
+    assert moe.time["comm_s"]["all_to_all"] > 0
+    assert moe.time["exposed_comm_by_kind_s"]["all_to_all"] == pytest.approx(moe.time["comm_s"]["all_to_all"])
+    _, _, cp = perf(*H100, "--model.preset=llama3-8b", "--hardware.num_gpus=8", "--parallel.cp=2",
+                    "--parallel.zero_stage=3", "--training.seq_len=8192", "--training.micro_batch_size=1",
+                    "--training.global_batch_size=4")
+    kv_gathers = [c for c, _ in cp.collectives if c.purpose == "cp" and c.kind == "all_gather"]
+    kv_bytes = 2 * 8192 * 8 * 128 * 2  # K and V of one 8k sequence, 8 kv heads of 128, bf16
+    assert {c.nbytes for c in kv_gathers} == {kv_bytes} and kv_gathers[0].group_size == 2
+    assert sum(c.count for c in kv_gathers) == 2 * 32  # forward and backward, every block
+
+
+def test_an_estimate_takes_well_under_5_ms() -> None:
+    cfg = load_config(None, [*H100, "--model.preset=llama3-405b", "--hardware.num_gpus=16384", "--parallel.tp=8",
+                             "--parallel.pp=2", "--parallel.cp=2", "--parallel.zero_stage=3",
+                             "--parallel.sequence_parallel=true", "--training.seq_len=8192",
+                             "--training.micro_batch_size=1", "--training.global_batch_size=2048",
+                             "--memory.activation_checkpointing=full"])
+    dims = resolve_parallel_dims(cfg)
+    start = time.perf_counter()
+    for _ in range(20):
+        est = estimate_perf(cfg, dims)
+    assert (time.perf_counter() - start) / 20 < 5e-3
+    assert 0 < est.time["mfu"] < 1

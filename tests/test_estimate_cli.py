@@ -1,0 +1,89 @@
+"""`trainfit estimate` as a user runs it: JSON schema, readable table, advice, plot, no torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+BYTE_KEYS = ("params", "master_params", "grads", "optimizer", "activations", "logits", "buffers", "peak",
+             "reserved_margin", "device_memory")
+
+
+def estimate(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "trainfit", "estimate", *args], capture_output=True, text=True,
+                          timeout=120)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_json_schema_for_the_gpu_example() -> None:
+    out = json.loads(estimate(str(EXAMPLES / "llama3-8b-8xh100.toml"), "--json").stdout)
+    assert set(out) == {"model", "per_rank", "per_stage", "flops", "time", "fits"}
+    assert out["model"]["num_params"] == 8_030_261_248
+    rank = out["per_rank"]
+    for key in BYTE_KEYS:
+        assert isinstance(rank[key], int) and rank[key] >= 0, key
+    assert rank["peak"] >= rank["params"] + rank["grads"] + rank["optimizer"]
+    assert rank["peak_phase"] in ("forward", "backward", "optimizer")
+    assert rank["layout"]["dp_shard"] == 8 and rank["layout"]["zero_stage"] == 3
+    assert len(out["per_stage"]) == 1 and out["per_stage"][0]["peak"] == rank["peak"]
+    assert out["fits"] is True and rank["fits"] is True
+    assert out["flops"]["hardware_flops_per_step"] >= out["flops"]["model_flops_per_step"] > 0
+    assert 0 < out["time"]["mfu"] < 1 and out["time"]["step_time_s"] > 0
+
+
+def test_pipeline_stages_are_reported_apart() -> None:
+    out = json.loads(estimate("--model.preset=llama2-7b", "--hardware.gpu=A100-SXM-80GB", "--hardware.num_gpus=8",
+                              "--parallel.pp=4", "--parallel.tp=2", "--training.micro_batch_size=1",
+                              "--training.global_batch_size=16", "--training.seq_len=4096",
+                              "--precision.mode=bf16-mixed", "--json").stdout)
+    stages = out["per_stage"]
+    assert len(stages) == 4
+    assert out["per_rank"]["peak"] == max(s["peak"] for s in stages)
+    assert out["per_rank"]["stage"] == max(range(4), key=lambda i: stages[i]["peak"])
+
+
+def test_a_config_that_does_not_fit_gets_advice() -> None:
+    out = estimate("--model.preset=llama3-70b", "--hardware.gpu=A100-40GB", "--hardware.num_gpus=8",
+                   "--precision.mode=bf16-mixed", "--training.seq_len=4096", "--training.micro_batch_size=1",
+                   "--training.global_batch_size=8").stdout
+    assert "does not fit" in out
+    assert "ZeRO" in out and "would save" in out
+    assert "peak in the" in out
+
+
+def test_every_example_config_estimates(tmp_path: Path) -> None:
+    for path in sorted(EXAMPLES.glob("*.toml")):
+        estimate(str(path), "--plot", str(tmp_path / f"{path.stem}.png"))
+        assert (tmp_path / f"{path.stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_estimate_never_imports_torch() -> None:
+    code = ("import sys; from trainfit.cli import main; "
+            "main(['estimate', '--model.preset=llama3-70b', '--hardware.num_gpus=64', '--hardware.gpu=H100-SXM-80GB',"
+            " '--parallel.tp=8', '--parallel.zero_stage=3', '--json']); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model.preset=llama3-8b", "--hardware.num_gpus=8", "--parallel.tp=3"],
+         "parallel.tp=3: must divide model.num_heads=32"),
+        (["--model.preset=llama3-8b", "--hardware.num_gpus=6", "--parallel.tp=4"],
+         "hardware.num_gpus=6: must be a multiple of tp x pp x cp"),
+        (["--hardware.gpu=B300"], "hardware.gpu='B300': unknown device"),
+    ],
+)
+def test_impossible_layouts_fail_clearly(args: list[str], message: str) -> None:
+    proc = estimate(*args, check=False)
+    assert proc.returncode == 2
+    assert message in proc.stderr

@@ -1,0 +1,112 @@
+"""hardware.py: catalog figures as the datasheets state them, link presets, overrides, errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from trainfit import hardware
+from trainfit.config import ConfigError, HardwareConfig, field_docs, load_config
+
+TERA, GB = 1e12, 1e9
+
+
+def hw(**fields: object) -> HardwareConfig:
+    return HardwareConfig(**fields)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "mode", "tflops"),
+    [
+        ("H100-SXM-80GB", "bf16-mixed", 989.4),  # datasheet: 1,979 with sparsity
+        ("H100-SXM-80GB", "fp8-mixed", 1978.9),
+        ("H100-PCIe-80GB", "bf16-mixed", 756.0),
+        ("H200-141GB", "bf16-mixed", 989.4),
+        ("A100-SXM-80GB", "bf16-mixed", 312.0),
+        ("A100-40GB", "fp32", 19.5),
+        ("L40S", "bf16-mixed", 362.05),
+        ("RTX-4090", "bf16-mixed", 165.2),  # FP32 accumulate: half the FP16-accumulate rate
+        ("MI300X", "bf16-mixed", 1307.4),
+        ("MI300X", "fp8-mixed", 2614.9),
+    ],
+)
+def test_dense_peaks_are_the_datasheets(gpu: str, mode: str, tflops: float) -> None:
+    assert hardware.peak_flops(hw(gpu=gpu), mode) == pytest.approx(tflops * TERA)
+
+
+def test_memory_is_what_the_driver_reports() -> None:
+    nominal_gib = {"H100-SXM-80GB": 80, "H100-PCIe-80GB": 80, "H200-141GB": 141, "A100-SXM-80GB": 80,
+                   "A100-40GB": 40, "L40S": 48, "RTX-4090": 24, "MI300X": 192}
+    for name, gib in nominal_gib.items():
+        spec = hardware.GPUS[name]
+        assert 0.93 * gib * 2**30 < spec.memory_bytes <= gib * 2**30, name  # binary, minus what the driver keeps
+        assert spec.default_link in hardware.LINKS
+    assert hardware.GPUS["H100-SXM-80GB"].memory_bytes == 81559 * 2**20
+    assert hardware.GPUS["H200-141GB"].hbm_bytes_per_s == 4.8e12
+
+
+def test_a_gpu_without_fp8_says_so() -> None:
+    with pytest.raises(ConfigError, match=r"precision.mode='fp8-mixed': A100-SXM-80GB has no fp8"):
+        hardware.peak_flops(hw(gpu="A100-SXM-80GB"), "fp8-mixed")
+
+
+def test_link_presets_and_per_gpu_network_share() -> None:
+    h100 = hw(gpu="H100-SXM-80GB", comm_efficiency=1.0)
+    assert hardware.intra_node_link(h100).name == "nvlink4"
+    assert hardware.intra_node_link(h100).bytes_per_s == 450 * GB
+    assert hardware.intra_node_link(hw(gpu="A100-40GB", comm_efficiency=1.0)).bytes_per_s == 300 * GB
+    assert hardware.intra_node_link(hw(gpu="L40S")).name == "pcie4"
+    assert hardware.inter_node_link(h100).bytes_per_s == 50 * GB  # one 400 Gb/s NIC per GPU
+    assert hardware.inter_node_link(hw(gpu="H100-SXM-80GB", comm_efficiency=1.0, nics_per_node=4)
+                                    ).bytes_per_s == 25 * GB
+    assert hardware.inter_node_link(hw(inter_node_link="ib-hdr", comm_efficiency=1.0)).bytes_per_s == 25 * GB
+    assert hardware.inter_node_link(hw(inter_node_link="roce-100", comm_efficiency=1.0)).bytes_per_s == 12.5 * GB
+    # the default efficiency applies to every link
+    assert hardware.intra_node_link(hw(gpu="H100-SXM-80GB")).bytes_per_s == 450 * GB * hardware.COMM_EFFICIENCY
+
+
+def test_every_figure_can_be_overridden() -> None:
+    custom = hw(gpu="H100-SXM-80GB", peak_tflops=500, memory_gib=64, hbm_tbps=2.5, intra_node_link="pcie5",
+                intra_node_gbps=100, inter_node_gbps=10, intra_node_latency_us=1, inter_node_latency_us=20,
+                compute_efficiency=0.6, comm_efficiency=0.5)
+    spec = hardware.device_spec(custom)
+    assert spec.peak_flops["bf16"] == 500 * TERA and spec.memory_bytes == 64 * 2**30
+    assert spec.hbm_bytes_per_s == 2.5e12
+    intra, inter = hardware.intra_node_link(custom), hardware.inter_node_link(custom)
+    assert (intra.name, intra.bytes_per_s, intra.latency_s) == ("pcie5", 50 * GB, pytest.approx(1e-6))
+    assert (inter.bytes_per_s, inter.latency_s) == (5 * GB, pytest.approx(20e-6))
+    assert hardware.compute_efficiency(custom) == 0.6
+    assert hardware.compute_efficiency(hw()) == hardware.COMPUTE_EFFICIENCY == 0.5
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("--hardware.gpu=B300", "hardware.gpu='B300': unknown device; choose one of cpu, H100-SXM-80GB"),
+        ("--hardware.inter_node_link=infiniband", "hardware.inter_node_link='infiniband': unknown link; choose one "
+                                                  "of nvlink4, nvlink3, infinity-fabric, pcie5, pcie4, ib-ndr"),
+        ("--hardware.intra_node_link=nvlink5", "hardware.intra_node_link='nvlink5': unknown link"),
+        ("--hardware.compute_efficiency=1.5", "hardware.compute_efficiency=1.5: must be a fraction"),
+        ("--hardware.inter_node_gbps=-1", "hardware.inter_node_gbps=-1.0: must be >= 0"),
+        ("--hardware.gpus_per_node=0", "hardware.gpus_per_node=0: must be >= 1"),
+        ("--hardware.nics_per_node=-2", "hardware.nics_per_node=-2: must be >= 0"),
+    ],
+)
+def test_errors_name_field_value_and_fix(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_every_hardware_field_is_documented() -> None:
+    docs = field_docs(HardwareConfig)
+    assert set(docs) == {f for f in HardwareConfig.__dataclass_fields__}
+    assert all(len(text) > 10 for text in docs.values())
+
+
+def test_the_analytic_path_imports_no_torch() -> None:
+    code = ("import sys, trainfit.hardware, trainfit.perf.flops, trainfit.perf.comms, trainfit.perf.timing; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
