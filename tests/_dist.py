@@ -57,20 +57,22 @@ class GlooTestCase(DTensorTestBase):
         """Train STEPS steps with `overrides` on this world and, on rank 0, compare the losses and the
         final parameters with one process given the same global batches (tolerances: see FP32...)."""
         name = "_".join(o.split(".")[-1] for o in overrides).replace("=", "-").replace("+", "-")
-        trainer = Trainer(run_config(self.shared_dir / name, f"--training.steps={STEPS}", *overrides))
+        evaluation = (f"--training.eval_interval={STEPS}", "--training.eval_steps=2")  # at steps 0 and STEPS
+        trainer = Trainer(run_config(self.shared_dir / name, f"--training.steps={STEPS}", *evaluation, *overrides))
         result = trainer.train()
         params = full_params(trainer.model)
         if self.rank != 0:
             return
         reference_overrides = [o for o in overrides if not o.startswith(LAYOUT_FIELDS)]
-        reference = Trainer(run_config(self.shared_dir / f"{name}-reference", f"--training.steps={STEPS}",
+        reference = Trainer(run_config(self.shared_dir / f"{name}-reference", f"--training.steps={STEPS}", *evaluation,
                                        "--training.micro_batch_size=8", *reference_overrides), world=World())
         initial = {key: value.detach().float().clone() for key, value in reference.model.state_dict().items()}
         expected = reference.train()
         self.assertEqual(sorted(result.losses), list(range(1, STEPS + 1)))
-        for step, loss in expected.losses.items():
-            self.assertAlmostEqual(result.losses[step], loss, delta=tolerances["loss_rtol"] * abs(loss),
-                                   msg=f"step {step}")
+        self.assertEqual(sorted(result.val_losses), [0, STEPS])
+        for losses, expected_losses in ((result.losses, expected.losses), (result.val_losses, expected.val_losses)):
+            for step, loss in expected_losses.items():
+                self.assertAlmostEqual(losses[step], loss, delta=tolerances["loss_rtol"] * abs(loss), msg=str(step))
         final = {key: value.detach().float() for key, value in reference.model.state_dict().items()}
         error = sum(((params[key] - value) ** 2).sum() for key, value in final.items()).sqrt()
         moved = sum(((value - initial[key]) ** 2).sum() for key, value in final.items()).sqrt()

@@ -25,6 +25,7 @@ would make every step 5-10x slower).
 from __future__ import annotations
 
 import gc
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -77,12 +78,11 @@ class _PhaseSampler(TorchDispatchMode):
 
 @contextmanager
 def _mkldnn(enabled: bool) -> Iterator[None]:
-    previous = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = enabled
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = previous
+    # flags() (not the attribute): torch.testing._internal freezes global flags when imported.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "TF32 acceleration on top of oneDNN")  # said on every flags() call
+        with torch.backends.mkldnn.flags(enabled=enabled):
+            yield
 
 
 def config(run_dir: Path, *overrides: str) -> Config:
@@ -102,8 +102,25 @@ def _storage_bytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """These steps are tiny: a second intra-op thread gains nothing, and on a shared machine
+    oversubscribed OpenMP threads spin (3-30x slower steps). The tensors are the same."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def measure_step(cfg: Config, warmup_steps: int = 1) -> MeasuredStep:
     """Build trainfit's Trainer for `cfg`, run `warmup_steps` plain steps, then one measured step."""
+    with one_thread():
+        return _measure_step(cfg, warmup_steps)
+
+
+def _measure_step(cfg: Config, warmup_steps: int) -> MeasuredStep:
     gc.collect()
     trainer = Trainer(cfg)
     onednn = not (cfg.model.num_experts and cfg.precision.mode != "fp32")

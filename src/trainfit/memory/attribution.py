@@ -182,7 +182,6 @@ def measure_step(cfg: Config, steps: int = 2, *, cuda_snapshot: str | Path | Non
     warm-up steps and measure the last one on this rank."""
     if steps < 2:
         raise ValueError(f"steps={steps}: measure at least 2 (the first one warms up)")
-    gc.collect()  # garbage of earlier work freed during the run would lower the figures
     trainer = Trainer(cfg)
     try:
         return measure_trainer_step(trainer, warmup_steps=steps - 1, cuda_snapshot=cuda_snapshot)

@@ -165,9 +165,15 @@ class Trainer:
         """Allocate the local shards and fill them with the weights one process would initialize:
         rank 0 builds them whole on the host and broadcasts them (DTensor's own random init is not
         layout-independent on CPU, and runs on different layouts must start equal)."""
+        # CPU offload: FSDP2 wants the shards in host memory; buffers (RoPE) compute on the device.
+        offload = self.cfg.memory.offload != "none"
         with warnings.catch_warnings():  # the random values drawn here are overwritten below
             warnings.filterwarnings("ignore", message="DTensor random operators")
-            materialize(model, self.device)  # shards allocated, buffers (RoPE) rebuilt, ties restored
+            materialize(model, "cpu" if offload else self.device)  # buffers rebuilt, ties restored
+        if offload and self.device.type != "cpu":
+            for module in model.modules():
+                for name, buffer in module.named_buffers(recurse=False):
+                    module._buffers[name] = buffer.to(self.device)
         whole: dict[str, torch.Tensor] = {}
         if self.world.is_main:
             torch.manual_seed(self.cfg.training.seed)
@@ -289,11 +295,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss over the fixed eval batches, split round-robin across ranks (a rank
-        short of a batch reruns its last one with weight 0: sharded models need every rank in
+        """Mean validation loss over eval_steps global batches of fixed windows (the same windows
+        whatever the layout and micro-batch size), in micro-batches split round-robin across ranks
+        (a rank short of one reruns its last with weight 0: sharded models need every rank in
         every forward)."""
         t = self.cfg.training
-        batches = list(eval_batches(self.data.val, t.seq_len, t.micro_batch_size, t.eval_steps))
+        num_batches = t.eval_steps * t.global_batch_size // t.micro_batch_size
+        batches = list(eval_batches(self.data.val, t.seq_len, t.micro_batch_size, num_batches))
         rank, size = self.world.rank, self.world.size
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # (loss sum, batches)
         self.model.eval()

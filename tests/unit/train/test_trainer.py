@@ -155,3 +155,21 @@ def test_checkpointing_policies_train_like_none(tmp_path: Path, policy: str) -> 
 def test_moe_trains_with_aux_loss(tmp_path: Path) -> None:
     result = _trainer(tmp_path, "--model.preset=debug-moe", "--training.steps=8", "--training.lr=1e-2").train()
     assert result.losses[8] < result.losses[1]
+
+
+def test_resume_with_more_steps_extends_the_run_on_the_new_schedule(tmp_path: Path) -> None:
+    _trainer(tmp_path, "--checkpoint.interval=0").train()  # a finished run of STEPS steps
+    longer = STEPS + 10
+    trainer = Trainer(load_config(None, run_overrides(tmp_path, f"--training.steps={longer}", "--logging.interval=1")))
+    assert trainer.step == STEPS
+    assert f"recomputed for training.steps={longer} from step {STEPS} on" in trainer.notes[-1]
+    assert sorted(trainer.train().losses) == list(range(STEPS + 1, longer + 1))
+    records = read_metrics(tmp_path / "logs")
+    new = load_config(None, run_overrides(tmp_path, f"--training.steps={longer}")).training
+    old = load_config(None, run_overrides(tmp_path, f"--training.steps={STEPS}")).training
+    lrs = {r["step"]: r["lr"] for r in records if "loss" in r}
+    assert [lrs[s] for s in range(1, STEPS + 1)] == pytest.approx([lr_at(s - 1, old) for s in range(1, STEPS + 1)])
+    assert [lrs[s] for s in range(STEPS + 1, longer + 1)] == pytest.approx(
+        [lr_at(s - 1, new) for s in range(STEPS + 1, longer + 1)])
+    assert lrs[STEPS + 1] > lrs[STEPS]  # the decay restarts from higher up: the schedule is longer now
+    assert any("recomputed" in r.get("note", "") for r in records)  # the metrics log says so too

@@ -1,0 +1,121 @@
+"""Per-rank memory and throughput of every data-parallel layout: a ~50M-parameter Llama on 4 CPU
+ranks (gloo), the same global batch for each layout.
+
+For each layout, every rank runs a warm-up step, timed steps, then one measured step
+(Trainer.measured_step): the peak at the allocator (glibc in-use bytes sampled after every
+operator, above what was in use before the model was built; the largest over the ranks) and this
+rank's model-state tensors (params, grads, optimizer: local shard bytes, rank 0). "estimate" is
+memory/analytic.estimate_memory's peak and model states for the same config, when that module is
+present. On a CPU "offload" moves nothing (host and device are the same memory): its row shows
+the cost of the offload code path, not its saving.
+
+    python benchmarks/dp_memory.py [--steps 2] [--nproc 4]
+
+(re-launches itself under torchrun; the table is printed by rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+MIB = 1024**2
+MODEL = ["--model.preset=", "--model.family=llama", "--model.dim=640", "--model.num_layers=10",
+         "--model.num_heads=10", "--model.num_kv_heads=10", "--model.ffn_dim=1792", "--model.vocab_size=256",
+         "--model.max_seq_len=128"]
+LAYOUTS = {
+    "DDP (ZeRO-0)": ["--parallel.zero_stage=0"],
+    "ZeRO-1": ["--parallel.zero_stage=1"],
+    "ZeRO-2": ["--parallel.zero_stage=2"],
+    "ZeRO-3": ["--parallel.zero_stage=3"],
+    "HSDP 2x2 (ZeRO-3)": ["--parallel.zero_stage=3", "--parallel.dp_replicate=2"],
+    "ZeRO-3 + offload": ["--parallel.zero_stage=3", "--memory.offload=optimizer+params"],
+}
+
+
+def overrides(run_dir: Path, nproc: int, layout: list[str]) -> list[str]:
+    return [*MODEL, "--training.seq_len=128", "--training.micro_batch_size=1",
+            f"--training.global_batch_size={nproc}", "--training.eval_interval=0", "--checkpoint.resume=never",
+            f"--checkpoint.dir={run_dir / 'ckpt'}", f"--logging.dir={run_dir / 'logs'}", "--logging.progress=false",
+            f"--hardware.num_gpus={nproc}", *layout]
+
+
+def estimate(cfg) -> tuple[int, int] | None:
+    """(peak, model states) of the analytic estimate, or None before memory/analytic.py exists."""
+    try:
+        from trainfit.memory.analytic import estimate_memory
+    except ImportError:
+        return None
+    est = estimate_memory(cfg).per_stage[0]
+    return est.peak, est.model_states
+
+
+def run_rank(args: argparse.Namespace) -> None:
+    from trainfit.config import load_config
+    from trainfit.train.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    rows, worlds = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, layout in LAYOUTS.items():
+            gc.collect()
+            cfg = load_config(None, overrides(Path(tmp), args.nproc, layout))
+            trainer = Trainer(cfg)
+            world = trainer.world
+            worlds.append(world)  # the first one created the process group
+            trainer.train_step()  # warm-up: optimizer states, one-time buffers
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                trainer.train_step()
+            seconds = (time.perf_counter() - start) / args.steps
+            stats = trainer.measured_step()
+            peaks = world.gather_objects(stats.peak_memory_bytes)
+            if world.is_main:
+                tokens_per_s = cfg.training.global_batch_size * cfg.training.seq_len / seconds
+                rows.append((name, stats.state_bytes, max(peaks), tokens_per_s, estimate(cfg), trainer.num_params))
+            del trainer, stats
+    if worlds[0].is_main:
+        print_table(rows, args.nproc)
+    worlds[0].close()
+
+
+def print_table(rows: list, nproc: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    num_params = rows[0][-1]
+    table = Table(title=f"{num_params / 1e6:.1f}M-parameter Llama, fp32 AdamW, {nproc} CPU ranks (gloo), "
+                        f"global batch {nproc} x 128 tokens; MiB per rank")
+    for column in ("layout", "params", "grads", "optimizer", "model states", "estimate (states)", "peak",
+                   "estimate (peak)", "tokens/s"):
+        table.add_column(column, justify="left" if column == "layout" else "right")
+    for name, states, peak, tokens_per_s, est, _ in rows:
+        est_peak, est_states = (f"{est[0] / MIB:,.0f}", f"{est[1] / MIB:,.0f}") if est else ("-", "-")
+        table.add_row(name, *(f"{states[k] / MIB:,.0f}" for k in ("params", "grads", "optimizer")),
+                      f"{sum(states.values()) / MIB:,.0f}", est_states, f"{peak / MIB:,.0f}", est_peak,
+                      f"{tokens_per_s:,.0f}")
+    Console().print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per layout")
+    parser.add_argument("--nproc", type=int, default=4, help="ranks (HSDP needs 4)")
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        run_rank(args)
+        return
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+               __file__, *sys.argv[1:]]
+    sys.exit(subprocess.call(command))
+
+
+if __name__ == "__main__":
+    main()

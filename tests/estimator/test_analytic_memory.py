@@ -1,0 +1,267 @@
+"""The analytic memory model on its own: published closed forms, parallel layouts, invariants.
+
+Pure arithmetic, no torch: every test here runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from trainfit.config import load_config
+from trainfit.memory import analytic
+from trainfit.memory.activations import ActDtypes, block_terms, korthikanti_layer_bytes
+from trainfit.memory.analytic import (
+    estimate_memory,
+    forward_retained_bytes,
+    model_states,
+    zero_model_state_bytes,
+)
+from trainfit.memory.breakdown import COMPONENTS, PHASES
+from trainfit.models.params import param_counts
+
+GB = 1e9
+MIB = 2**20
+
+
+def cfg_of(*overrides: str):
+    return load_config(None, list(overrides))
+
+
+def test_the_analytic_path_imports_no_torch():
+    code = ("import sys, trainfit.memory.analytic as a, trainfit.config as c\n"
+            "a.estimate_memory(c.load_config(None, ['--model.preset=llama3-8b', '--hardware.num_gpus=8',\n"
+            "    '--parallel.zero_stage=3', '--training.micro_batch_size=1', '--training.global_batch_size=8']))\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------- ZeRO (arXiv 1910.02054)
+
+
+def test_zero_paper_model_state_figures():
+    # Mixed-precision Adam: 2 (fp16 params) + 2 (fp16 grads) + K = 12 (fp32 master, momentum,
+    # variance) = 16 bytes per parameter (Sec. 3.1).
+    assert zero_model_state_bytes(1, 0, 1) == 16
+    # Fig. 1: 7.5B parameters on 64 GPUs, stages 0 (baseline), 1 (P_os), 2 (P_os+g), 3 (P_os+g+p).
+    figures = [zero_model_state_bytes(7_500_000_000, stage, 64) / GB for stage in range(4)]
+    assert figures == pytest.approx([120, 31.4, 16.6, 1.875], rel=0.003)
+    # Sec. 3.1: GPT-2 (1.5B) needs 24 GB of model states in mixed-precision Adam.
+    assert zero_model_state_bytes(1_500_000_000, 0, 1) / GB == pytest.approx(24)
+    with pytest.raises(ValueError, match="ZeRO stage 4"):
+        zero_model_state_bytes(1, 4, 8)
+
+
+def _bf16_adamw_on_64(stage: int):
+    return cfg_of("--model.preset=llama2-7b", "--hardware.num_gpus=64", f"--parallel.zero_stage={stage}",
+                  "--precision.mode=bf16-mixed", "--optimizer.name=adamw", "--training.micro_batch_size=1",
+                  "--training.global_batch_size=64")
+
+
+def test_estimate_reproduces_the_zero_paper_where_the_layouts_agree():
+    """bf16-mixed AdamW over 64 ranks. Our model states are fp32 parameters (the masters), fp32
+    gradients and two fp32 states: 4 + 4 + 8 = 16 bytes per parameter, the paper's total (it
+    splits them 2 + 2 + 12). Stage 0 (DDP) and stage 3 (FSDP2) therefore match it exactly.
+    Stages 1 and 2 do not, by design of the layouts (parallel/data_parallel.py): ZeRO-1 is
+    ZeroRedundancyOptimizer, whose fp32 parameters and gradients stay whole (the paper shards the
+    fp32 master with the states and keeps fp16 copies whole); ZeRO-2 is FSDP2 with
+    reshard_after_forward=False, which keeps bf16 copies whole (2 bytes, as the paper's fp16
+    parameters) but shards fp32 gradients (4/N where the paper has 2/N fp16)."""
+    psi = param_counts(_bf16_adamw_on_64(0).model).total
+    by_stage = {s: model_states(_bf16_adamw_on_64(s)).model_states for s in range(4)}
+    assert by_stage[0] == pytest.approx(zero_model_state_bytes(psi, 0, 64), rel=0.01)
+    assert by_stage[3] == pytest.approx(zero_model_state_bytes(psi, 3, 64), rel=0.01)
+    assert by_stage[1] == pytest.approx(psi * (4 + 4 + 8 / 64), rel=0.001)
+    assert by_stage[2] == pytest.approx(psi * (2 + 16 / 64), rel=0.001)
+    assert by_stage[2] == pytest.approx(zero_model_state_bytes(psi, 2, 64), rel=0.02)
+    # Where the stage-0 states live at a backward peak: fp32 masters, and (torch.amp) the bf16
+    # copies of every matmul weight that autocast made and autograd saved, reported as params.
+    peak = estimate_memory(load_config(None, ["--model.preset=llama2-7b", "--hardware.num_gpus=64",
+                                              "--precision.mode=bf16-mixed", "--training.seq_len=4096",
+                                              "--training.micro_batch_size=4", "--training.global_batch_size=256"]
+                                       )).worst
+    assert peak.peak_phase == "backward" and peak.master_params == 4 * psi
+    matmul_weights = psi - param_counts(_bf16_adamw_on_64(0).model).embedding
+    assert peak.params == pytest.approx(2 * matmul_weights, rel=0.001)
+
+
+def test_zero_stages_and_hsdp_shard_what_they_promise():
+    def states(*extra: str):
+        return model_states(cfg_of("--model.preset=llama2-7b", "--hardware.num_gpus=8",
+                                   "--training.micro_batch_size=1", "--training.global_batch_size=8", *extra))
+
+    s0, s1, s2, s3 = (states(f"--parallel.zero_stage={s}") for s in range(4))
+    assert s1.optimizer == pytest.approx(s0.optimizer / 8, rel=0.01) and s1.grads == s0.grads
+    assert s2.grads == pytest.approx(s0.grads / 8, rel=0.01) and s2.params > s0.params  # + kept copies
+    assert s3.params == pytest.approx(s0.params / 8, rel=0.01)
+    hsdp = states("--parallel.zero_stage=3", "--parallel.dp_replicate=2")  # dp_shard = 4
+    assert hsdp.params == pytest.approx(s0.params / 4, rel=0.01)
+    offloaded = estimate_memory(cfg_of("--model.preset=llama2-7b", "--hardware.num_gpus=8",
+                                       "--parallel.zero_stage=3", "--memory.offload=optimizer",
+                                       "--training.micro_batch_size=1", "--training.global_batch_size=8")).worst
+    assert offloaded.optimizer == offloaded.params == offloaded.master_params == 0
+    assert offloaded.buffers > 0  # the gathered blocks still compute on the device
+
+
+# ---------------------------------------------------------------- Korthikanti et al. (arXiv 2205.05198)
+
+
+def test_korthikanti_closed_forms():
+    s, b, h, a, t = 2048, 4, 12288, 96, 8  # GPT-3 175B's layer
+    sbh = s * b * h
+    assert korthikanti_layer_bytes(s, b, h, a) == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert korthikanti_layer_bytes(s, b, h, a, t) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert korthikanti_layer_bytes(s, b, h, a, t, sequence_parallel=True) == pytest.approx(
+        sbh / t * (34 + 5 * a * s / h))
+    assert korthikanti_layer_bytes(s, b, h, a, t, True, "selective") == pytest.approx(34 * sbh / t)
+    assert korthikanti_layer_bytes(s, b, h, a, recompute="full") == 2 * sbh
+    assert korthikanti_layer_bytes(s, b, h, a, t, True, "full") == 2 * sbh / t
+
+
+def test_our_gpt2_block_is_korthikantis_block_with_flash_attention_and_no_dropout():
+    """Our GPT-2 block in 16 bits keeps exactly Korthikanti's 34 sbh minus the two 1-byte dropout
+    masks (we have no dropout); fused attention replaces the 5as^2b attention core by a fp32
+    logsumexp per head and token, and LayerNorm keeps its mean and rstd (2 per token each)."""
+    m = cfg_of("--model.preset=gpt2-medium").model
+    s, b, h, a = 1024, 2, m.dim, m.num_heads
+    bf16 = ActDtypes(stream=2, compute=2, autocast=False)
+    ours = block_terms(m, bf16, "none").bytes(tokens=s * b, seq_len=s)
+    paper_without_core = korthikanti_layer_bytes(s, b, h, a, recompute="selective")
+    assert ours == paper_without_core - 2 * s * b * h + s * b * (4 * a + 2 * 2 * 2)
+    assert block_terms(m, bf16, "full").bytes(tokens=s * b, seq_len=s) == korthikanti_layer_bytes(
+        s, b, h, a, recompute="full")
+    # Tensor + sequence parallelism divides everything but the all-gathered inputs of the
+    # column-parallel matmuls, which torch's DTensor plans save whole (Megatron re-gathers them).
+    t = 4
+    sharded = block_terms(m, bf16, "none").bytes(tokens=s * b, seq_len=s, tp=t, sequence_parallel=True)
+    gathered = 2 * 2 * s * b * h  # the two LayerNorm outputs, 16-bit
+    assert sharded == pytest.approx((ours - gathered) / t + gathered, abs=1)
+
+
+# ---------------------------------------------------------------- layouts and invariants
+
+
+def test_every_breakdown_adds_up_and_names_its_phase():
+    for overrides in (
+        (),
+        ("--precision.mode=bf16-mixed", "--memory.activation_checkpointing=full"),
+        ("--model.preset=llama3-8b", "--hardware.num_gpus=16", "--parallel.tp=2", "--parallel.pp=2",
+         "--parallel.zero_stage=3", "--hardware.gpu=H100-SXM-80GB", "--training.global_batch_size=64"),
+        ("--model.preset=mixtral-8x7b", "--hardware.num_gpus=16", "--parallel.ep=8", "--parallel.zero_stage=2",
+         "--precision.mode=bf16-pure", "--memory.activation_checkpointing=selective",
+         "--training.micro_batch_size=1", "--training.global_batch_size=16"),
+    ):
+        for b in estimate_memory(cfg_of(*overrides)).per_stage:
+            assert b.peak == sum(b.components().values())
+            assert set(b.phase_peaks) == set(PHASES) and b.peak == max(b.phase_peaks.values())
+            assert b.peak_phase in PHASES and all(getattr(b, c) >= 0 for c in COMPONENTS)
+
+
+def test_reserved_margin_only_on_gpus():
+    assert estimate_memory(cfg_of()).worst.reserved_margin == 0
+    gpu = estimate_memory(cfg_of("--hardware.gpu=H100-SXM-80GB")).worst
+    assert gpu.reserved_margin == int(analytic.CUDA_CONTEXT_BYTES + analytic.ALLOCATOR_FRAGMENTATION * gpu.peak)
+
+
+def test_pipeline_stages_hold_their_layers_and_in_flight_micro_batches():
+    base = ("--model.preset=llama3-8b", "--hardware.num_gpus=4", "--parallel.pp=4", "--training.seq_len=2048",
+            "--training.micro_batch_size=1", "--training.global_batch_size=16", "--precision.mode=bf16-mixed")
+    one_f_one_b = estimate_memory(cfg_of(*base))
+    # 1F1B: rank i keeps p - i micro-batches; the first stage is the worst.
+    assert one_f_one_b.worst_stage == 0
+    acts = [b.activations for b in one_f_one_b.per_stage]
+    assert acts[0] > acts[1] > acts[2]
+    assert acts[0] / acts[2] == pytest.approx(4 / 2, rel=0.1)
+    gpipe = estimate_memory(cfg_of(*base, "--parallel.pp_schedule=gpipe")).per_stage[0]
+    assert gpipe.activations == pytest.approx(16 / 4 * acts[0], rel=0.05)  # all 16 micro-batches
+    # Embeddings on the first stage, the output projection on the last.
+    states = [model_states(cfg_of(*base), stage=i) for i in range(4)]
+    counts = param_counts(cfg_of(*base).model)
+    assert sum(s.master_params for s in states) == 4 * counts.total
+    assert states[3].master_params - states[1].master_params == 4 * (counts.output + counts.final_norm)
+    # Interleaved 1F1B: rank 0 keeps L (1 + (p - 1)/(pv)) layers' worth (Korthikanti Sec. 4.2.3).
+    cfg = cfg_of(*base, "--parallel.pp_schedule=interleaved-1f1b", "--parallel.pp_virtual_stages=2",
+                 "--parallel.num_microbatches=16")
+    dims = analytic.resolve_parallel_dims(cfg)
+    in_flight, _ = analytic._in_flight(cfg, dims, 0)
+    assert in_flight * (32 / 4) == pytest.approx(32 * (1 + 3 / 8))
+
+
+def test_tensor_context_and_expert_parallelism_divide_what_they_shard():
+    def worst(*extra: str):
+        return estimate_memory(cfg_of("--model.preset=llama3-8b", "--training.seq_len=4096",
+                                      "--training.micro_batch_size=1", *extra)).worst
+
+    dense, tp = worst("--hardware.num_gpus=1"), worst("--hardware.num_gpus=4", "--parallel.tp=4",
+                                                      "--training.global_batch_size=1")
+    assert tp.params == pytest.approx(dense.params / 4, rel=0.01)
+    one = ("--training.micro_batch_size=1", "--training.global_batch_size=1")
+    with_sp = forward_retained_bytes(cfg_of("--model.preset=llama3-8b", "--hardware.num_gpus=4", "--parallel.tp=4",
+                                            "--parallel.sequence_parallel=true", *one))
+    without_sp = forward_retained_bytes(cfg_of("--model.preset=llama3-8b", "--hardware.num_gpus=4",
+                                               "--parallel.tp=4", *one))
+    assert with_sp < without_sp < forward_retained_bytes(cfg_of("--model.preset=llama3-8b", *one))
+    cp = forward_retained_bytes(cfg_of("--model.preset=llama3-8b", "--hardware.num_gpus=2", "--parallel.cp=2",
+                                       "--training.seq_len=4096", "--training.micro_batch_size=1",
+                                       "--training.global_batch_size=1"))
+    full = forward_retained_bytes(cfg_of("--model.preset=llama3-8b", "--training.seq_len=4096",
+                                         "--training.micro_batch_size=1"))
+    assert cp == pytest.approx(full / 2, rel=0.01)
+    moe = ("--model.preset=mixtral-8x7b", "--hardware.num_gpus=8", "--parallel.zero_stage=0",
+           "--training.micro_batch_size=1", "--training.global_batch_size=8")
+    counts = param_counts(cfg_of(*moe).model)
+    ep1, ep8 = model_states(cfg_of(*moe)), model_states(cfg_of(*moe, "--parallel.ep=8"))
+    assert ep1.params - ep8.params == 4 * counts.num_layers * counts.routed_experts * 7 // 8
+
+
+def test_checkpointing_chunked_loss_and_precision_move_the_peak_the_right_way():
+    def peak(*extra: str) -> int:
+        return estimate_memory(cfg_of("--model.preset=llama3-8b", "--training.seq_len=4096",
+                                      "--training.micro_batch_size=2", *extra)).worst.peak
+
+    assert peak() > peak("--memory.activation_checkpointing=selective") > peak("--memory.activation_checkpointing=full")
+    assert peak("--memory.activation_checkpointing=full", "--memory.ac_every_n_layers=2") > peak(
+        "--memory.activation_checkpointing=full")
+    assert peak("--memory.chunked_loss=true") < peak()
+    assert peak("--precision.mode=bf16-pure") < peak("--precision.mode=bf16-mixed") < peak()
+    # A large vocabulary on a small model: the peak is the start of the backward, which holds
+    # log_softmax's output and two fp32 logits-sized gradients.
+    big_vocab = estimate_memory(cfg_of("--model.preset=debug", "--model.vocab_size=128256")).worst
+    assert big_vocab.peak_phase == "backward" and big_vocab.logits == 3 * 4 * 16 * 128 * 128256
+
+
+def test_optimizers_and_their_step_temporaries():
+    def states(name: str, *extra: str):
+        return model_states(cfg_of("--model.preset=llama3-8b", f"--optimizer.name={name}", *extra))
+
+    psi = param_counts(cfg_of("--model.preset=llama3-8b").model).total
+    assert states("adamw").optimizer == pytest.approx(8 * psi, rel=1e-4)  # + one fp32 `step` per tensor
+    assert states("sgd").optimizer == 4 * psi
+    assert states("adamw-8bit").optimizer == pytest.approx(2 * psi, rel=0.01)
+    assert states("adamw", "--precision.mode=bf16-pure").optimizer == pytest.approx(4 * psi, rel=1e-4)
+    # foreach AdamW's sqrt list vs a fused kernel (GPU) that allocates nothing.
+    foreach = estimate_memory(cfg_of("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB")).worst
+    fused = estimate_memory(cfg_of("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB",
+                                   "--optimizer.fused=true")).worst
+    assert foreach.phase_peaks["optimizer"] - fused.phase_peaks["optimizer"] == pytest.approx(4 * psi, rel=0.01)
+
+
+def test_llama3_405b_on_16384_gpus_in_well_under_5_ms():
+    # 4-D: tp 8 x cp 2 x pp 2 (interleaved, 7 virtual stages each: 126 = 14 x 9 layers) x dp 512.
+    cfg = cfg_of("--model.preset=llama3-405b", "--hardware.num_gpus=16384", "--hardware.gpu=H100-SXM-80GB",
+                 "--parallel.tp=8", "--parallel.sequence_parallel=true", "--parallel.cp=2", "--parallel.pp=2",
+                 "--parallel.pp_schedule=interleaved-1f1b", "--parallel.pp_virtual_stages=7",
+                 "--parallel.zero_stage=3", "--precision.mode=bf16-mixed", "--training.seq_len=8192",
+                 "--training.micro_batch_size=1", "--training.global_batch_size=2048",
+                 "--memory.activation_checkpointing=full")
+    estimate_memory(cfg)
+    start, runs = time.perf_counter(), 200
+    for _ in range(runs):
+        estimate = estimate_memory(cfg)
+    assert (time.perf_counter() - start) / runs < 0.005
+    assert len(estimate.per_stage) == 2 and estimate.worst.peak + estimate.worst.reserved_margin < 80 * GB
