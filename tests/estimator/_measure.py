@@ -162,7 +162,7 @@ def _measure_step(cfg: Config, warmup_steps: int) -> MeasuredStep:
             gc.enable()
         trainer._loss, trainer.scaler.unscale_ = original_loss, original_unscale  # type: ignore[method-assign]
     phase_peaks = {phase: used - start + at_start for phase, used in sampler.peaks.items()}
-    result = MeasuredStep(
+    return MeasuredStep(
         params=_storage_bytes(trainer.model.parameters()),
         grads=marks["grads"],
         optimizer=_storage_bytes(states),
@@ -171,9 +171,6 @@ def _measure_step(cfg: Config, warmup_steps: int) -> MeasuredStep:
         peak=max(phase_peaks.values()),
         phase_peaks=phase_peaks,
     )
-    del trainer
-    gc.collect()
-    return result
 
 
 # ---------------------------------------------------------------- the accuracy grid

@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from _measure import GRID, config, grid_name, grid_overrides, measure_step, one_thread
+
 from trainfit.memory.analytic import estimate_memory, forward_retained_bytes, model_states
 from trainfit.train.trainer import Trainer
 

@@ -22,6 +22,15 @@ Conventions (memory/breakdown.py's vocabulary; parallel/data_parallel.py's layou
 - buffers: FSDP all-gather / reduce-scatter buffers, DDP gradient buckets, expert-parallel
   all-to-all buffers, optimizer-step temporaries, the recompute buffer of a checkpointed block
   (what it rebuilds in backward beyond what it kept), and module buffers (RoPE tables).
+- memory.offload (FSDP2's CPUOffloadPolicy, either setting): the sharded parameters, their
+  gradients (copied out after the reduce-scatter) and the optimizer states and step live on the
+  host. On the device stay the unsharded compute copies (ZeRO-2: all of them from forward to
+  backward; ZeRO-3: the current and prefetched block and the root), the unsharded gradients
+  until their reduce-scatter, activations and logits.
+
+Also here: `model_states` (a rank's resident model states after backward), `forward_retained_bytes`
+(what a micro-batch's forward leaves for its backward: the measurable activation figure) and
+`zero_model_state_bytes` (the ZeRO paper's own accounting).
 """
 
 from __future__ import annotations
@@ -320,14 +329,17 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
     if dims.ep > 1:  # all-to-all dispatch and combine of each routed token (send + receive)
         persistent_buffers += 2 * st.tokens * cfg.model.experts_per_token * cfg.model.dim * c
     fwd_buffers = persistent_buffers + gather
-    bwd_buffers = persistent_buffers + gather + reduce * (lay.block + lay.head)  # current block, root grads
+    # Unsharded gradients: the current block's until its reduce-scatter, the root's (output
+    # projection, final norm; a tied embedding's too) until the backward ends.
+    root_grads = lay.head + (lay.embedding if lay.tied_here else 0)
+    bwd_buffers = persistent_buffers + gather + reduce * (lay.block + root_grads)
 
     # ---- gradients present before this micro-batch's backward: accumulation or pipelining
     m = cfg.parallel.num_microbatches or cfg.grad_accum_steps
     accumulating = cfg.grad_accum_steps > 1 if dims.pp == 1 else m > lay.in_flight
     before = st.grads if accumulating else 0
     per_param = st.grads / st.params if st.params else 0
-    output_grads = int((lay.head + (lay.embedding if lay.tied_here else 0)) * per_param)
+    output_grads = int(root_grads * per_param)
     mlp_out_grads = int(lay.mlp_out * (per_param + (c if act.autocast else 0)))
     later_grads = int((st.params - lay.block - (0 if lay.tied_here else lay.embedding)) * per_param)
 
@@ -378,12 +390,12 @@ def estimate_memory(cfg: Config, dims: ParallelDims | None = None) -> MemoryEsti
 
 def model_states(cfg: Config, dims: ParallelDims | None = None, stage: int = 0) -> MemoryBreakdown:
     """The resident model states of a rank of `stage` once its backward is done: params (the
-    updated parameters under fp32 / bf16-pure, plus ZeRO-2's kept unsharded copies), master_params
-    (*-mixed), all gradients, optimizer states. What a run's tensors add up to after backward."""
+    updated parameters under fp32 / bf16-pure: their shard under FSDP, which reshards ZeRO-2's
+    unsharded copies after each block's backward), master_params (*-mixed), all gradients,
+    optimizer states. What the rank's tensors add up to then (Trainer's state_bytes)."""
     dims = dims or resolve_parallel_dims(cfg)
     st = _stage(cfg, dims, param_counts(cfg.model), stage)
-    held = st.prec.compute * st.params if (st.fsdp and dims.zero_stage == 2) else 0
-    return MemoryBreakdown(params=held + (0 if st.prec.mixed else st.persistent),
+    return MemoryBreakdown(params=0 if st.prec.mixed else st.persistent,
                            master_params=st.persistent if st.prec.mixed else 0,
                            grads=st.grads, optimizer=st.optimizer)
 
