@@ -1,39 +1,45 @@
 """Memory of a real training step, measured at the allocator and attributed to components.
 
-`measure_trainer_step(trainer)` runs one `Trainer.train_step` unchanged (two instance attributes
-are wrapped to mark phases, as the traced estimator does) and reports, for this rank:
+`measure_trainer_step(trainer)` runs `Trainer.train_step` unchanged (two instance attributes are
+wrapped to mark the phases, as the traced estimator does) and reports, for this rank:
 
-- peak and phase_peaks: the allocator's figure. CPU: glibc's in-use bytes sampled after every
-  aten operator (memory/measure.py); CUDA: `max_memory_allocated`, and `memory_allocated` per
-  operator for the timeline. Both relative to `trainer.memory_floor` (in use before the model was
-  built), the figure `trainfit train` reports.
-- components at the operator where the allocator peaked: `StorageLedger` (memory/traced.py) on
-  the real tensors gives params, master_params, grads, optimizer, activations and logits (live
-  storages, deduplicated); buffers = peak - all of those, so it also holds what no tensor
-  explains (allocator overhead, autograd's own objects, library workspaces) and the model-state
-  tensors that existed before the ledger (loss-scaler state, DDP buckets).
-- two cross-checks independent of the ledger: `forward_retained` (allocator in use after the
-  first micro-batch's forward + loss, minus before it: analytic.forward_retained_bytes measures
-  the same thing) and `state_bytes` (the trainer's own count of its model states after backward,
+- peak, phase_peaks and the timeline: the tensor bytes alive when the step starts (counted
+  exactly by `StorageLedger`, memory/traced.py) plus the allocator's growth since then: CPU,
+  glibc's in-use bytes read after every aten operator (memory/measure.py); CUDA,
+  `memory_allocated` per operator and `max_memory_allocated` for the peak. The step's own
+  allocations are the allocator's figures; what was allocated before and is no tensor (math
+  libraries' caches, oneDNN's bf16 kernels and workspaces on CPU, Python and autograd objects:
+  up to ~10 MiB on a small CPU run) is `reserved_margin`, shown apart: in use at the step's start,
+  above `trainer.memory_floor` (before the model was built), beyond the tensors alive then. The
+  figure `trainfit train` prints is about peak + reserved_margin.
+- the components at the operator where the allocator peaked: the ledger, run on the real
+  tensors, gives params, master_params, grads, optimizer, activations and logits (live storages,
+  deduplicated; the same rules as the traced estimate); buffers = peak - all of those, so it also
+  holds what no tensor explains (allocator overhead, autograd's graph objects, tensor headers).
+- two cross-checks computed without the ledger: `forward_retained` (allocator in use right after
+  the first micro-batch's forward + loss, minus right before: what analytic.forward_retained_bytes
+  predicts) and `state_bytes` (the trainer's own count of its model states after backward,
   parallel/data_parallel.local_state_bytes).
 
-Under torchrun each rank measures itself; `measure_step` gathers nothing.
+Under torchrun every rank measures itself; nothing is gathered.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from trainfit.config import Config
 from trainfit.memory import measure
 from trainfit.memory.breakdown import COMPONENTS, PHASES, MemoryBreakdown
-from trainfit.memory.traced import StorageLedger, TimelinePoint, step_phases
+from trainfit.memory.traced import StorageLedger, TimelinePoint, step_phases, unsharded_component
 from trainfit.train.trainer import Trainer
 
 _CUDA_HISTORY_ENTRIES = 100_000
@@ -44,7 +50,7 @@ class Measurement:
     breakdown: MemoryBreakdown
     """Components at the allocator's peak (buffers = peak - the others), phase and phase peaks."""
     timeline: list[TimelinePoint]
-    """Allocated bytes above the floor after every operator (CPU: sampled; CUDA: memory_allocated)."""
+    """In-use bytes (as `peak` counts them) after every operator of the step."""
     peak_module: str
     forward_retained: int
     """Allocated after the first micro-batch's forward + loss, minus before it."""
@@ -55,6 +61,12 @@ class Measurement:
     rank: int = 0
     world_size: int = 1
     device: str = "cpu"
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: the breakdown's fields, the cross-checks, the timeline as lists."""
+        out = dataclasses.asdict(self)
+        out["timeline"] = [list(point) for point in self.timeline]
+        return out
 
 
 class _Probe:
@@ -141,7 +153,8 @@ def measure_trainer_step(trainer: Trainer, *, warmup_steps: int = 0,
         if probe.ledger is not None:
             marks.setdefault(moment, measure.current_allocated_bytes(device))
 
-    ledger = StorageLedger(fake=False, on_sample=probe)
+    ledger = StorageLedger(fake=False, unsharded_component=unsharded_component(trainer.dims),
+                           device_type=device.type, on_sample=probe)
     with ledger, step_phases(trainer, ledger, on_forward):
         ledger.watch_model(trainer.model)
         ledger.grad_hooks(list(trainer.model.parameters()))

@@ -1,59 +1,65 @@
 """Traced memory estimate: trainfit's own training step, executed on fake tensors in a fake world.
 
-`trace_step(cfg)` builds the model exactly as `Trainer` does (meta device, the precision policy's
-dtype, the real `parallel.apply.parallelize` with its activation checkpointing and data
-parallelism), on torch's built-in "fake" process group of `hardware.num_gpus` ranks as rank 0,
-materializes it under `FakeTensorMode` (shapes and dtypes only: no weight memory, whatever the
-model size), builds the trainer's optimizer and loss scaler, runs one warm-up step (so optimizer
-states exist) and then traces one more: `Trainer.train_step` itself, forward + loss, backward,
-unscale / clip / optimizer step / zero_grad.
+`trace_step(cfg)` builds the model as `Trainer` does (meta device, the precision policy's dtype,
+the real `parallel.apply.parallelize`: activation checkpointing, DDP / ZeRO-1 / FSDP2), on torch's
+built-in "fake" process group of `hardware.num_gpus` ranks as rank 0, materializes it under
+`FakeTensorMode` (shapes and dtypes, no data: no weight memory whatever the model size, ties kept
+by the model's own init), builds the trainer's optimizer, LR schedule and loss scaler, creates the
+optimizer states (one optimizer step on zero gradients) and traces `Trainer.train_step` itself:
+forward + loss per micro-batch, backward, unscale / clip / optimizer step / zero_grad.
 
-The tracer (`StorageLedger`, our own TorchDispatchMode; `trainfit.memory.attribution` runs it on
-real tensors too) keeps every live tensor storage with its bytes and its component, and samples
-the in-use total after every aten operator. Why not torch's MemTracker / FSDPMemTracker: their
-categories (parameter, activation, temp, ...) cannot say which tensors are logits, which are the
-16-bit parameter copies autocast saves, or which are recomputation, and they snapshot every
-module on every operator (slow on 32+ layers). Components, as memory/breakdown.py defines them
-(and analytic.py counts them):
+The tracer is our own TorchDispatchMode, `StorageLedger` (memory/attribution.py runs it on real
+tensors too): every live tensor storage with its bytes and its component, the total sampled after
+every aten operator with the phase and the innermost module (torch's ModTracker). Not torch's
+MemTracker / FSDPMemTracker: their categories (parameter, activation, temp, ...) cannot tell
+logits, autocast's 16-bit weight copies or recomputation apart, and they snapshot every module
+after every operator, which is slow on 32+ layers. The components, as memory/breakdown.py names
+them and analytic.py counts them:
 
-- params: module parameters and buffers under fp32 / bf16-pure; under *-mixed the low-precision
-  compute copies instead (outputs of a cast whose input is a parameter: autocast's weight casts),
-  and under ZeRO-2 FSDP's unsharded parameters (kept from forward to backward).
-- master_params: *-mixed only: the fp32 parameters (their local shards under FSDP).
-- grads: storages some parameter's `.grad` holds (sharded gradients under FSDP).
-- optimizer: storages in the optimizer's state.
-- logits: the model's output, everything the loss computation creates, and, in backward,
-  everything created until the output's gradient exists (nll_loss / log_softmax / cast grads).
-- activations: what the forward creates (saved for backward, or in flight) and backward's
-  activation gradients and temporaries.
-- buffers: outputs and operands of collectives and FSDP copy-in/out ops (all-gather,
-  reduce-scatter, unsharded gradients), ZeRO-3's unsharded parameters, tensors activation
-  checkpointing recomputes in backward, optimizer-step temporaries, and other persistent tensors
-  (loss-scaler state, DDP gradient buckets).
+- params: the parameters under fp32 / bf16-pure (their local shards under FSDP); under *-mixed
+  the 16-bit compute copies instead (outputs of a cast whose input is a parameter: autocast's
+  weight casts), and under ZeRO-2 FSDP's unsharded parameters (kept from forward to backward).
+- master_params: *-mixed only: the fp32 parameters (their shards under FSDP).
+- grads: storages held by a parameter's `.grad` (sharded gradients under FSDP).
+- optimizer: storages in the optimizer's state (this rank's partition under ZeRO-1).
+- logits: the model's output, everything the loss computation creates, and in backward
+  everything created until the output's gradient exists (nll_loss, log_softmax, cast gradients).
+- activations: what the forward creates (saved for backward or in flight, the input tokens too)
+  and backward's activation gradients and temporaries.
+- buffers: operands and results of collectives and FSDP's copy-in / copy-out ops (all-gather,
+  reduce-scatter, unsharded gradients), ZeRO-3's unsharded parameters, what activation
+  checkpointing recomputes in backward, optimizer-step temporaries, DDP's gradient buckets,
+  module buffers (RoPE tables) and other persistent tensors (loss-scaler state).
 
-A storage's component is its final one: when a storage is recognised later (a tensor becomes a
-`.grad`, a reduce-scatter output becomes a sharded gradient), the figures of the peak moment are
-corrected as long as the storage was already alive then.
+A storage's component is its final one: when it is recognised later (a tensor becomes a `.grad`,
+a reduce-scatter result a sharded gradient), the figures of the peak moment are corrected too.
 
-MoE routing is data-dependent (`torch.nonzero`), which fake tensors cannot execute: while
-tracing, `nonzero` returns the balanced expected routing, tokens x top_k / num_experts positions
-per expert. Every expert's tensors scale with its token count and all are alive together at the
-end of the forward, so the saved activations are exact whatever the real split; only the
-transient of the one expert being computed is that of an average expert, not of the busiest.
+Fake execution needs a few stand-ins, each at one place below: MoE routing is data-dependent
+(`torch.nonzero`): `nonzero` returns the balanced expected routing, tokens x top_k / num_experts
+rows per expert. Every expert's tensors scale with its rows and all are alive together at the end
+of the forward, so saved activations are exact whatever the real split; only the transient of the
+expert being computed is an average expert's, not the busiest one's. `.item()` reads 1 (an fp16
+loss scaler never skips the traced step). DDP's construction-time shape check and broadcast, and
+its C++ all-reduce hook, read tensor data: skipped and replaced by an in-place hook. DTensor's
+output-shape propagation on global-size fakes is not counted. Gradient accumulation traces two
+micro-batches at most: later ones repeat the second's memory.
 
-Fidelity limits: on a CPU build the trace runs CPU kernels' shapes, torch.amp's CPU autocast op
-list and the CPU fused attention; the caching allocator's rounding and fragmentation on CUDA are
-not modelled (analytic.py's reserved_margin is). Values are fake: every `.item()` reads 1, and an
-fp16 loss scaler never skips the traced step.
+Fidelity limits: a CPU build runs the CPU kernels' output shapes, torch.amp's CPU autocast op list
+and CPU fused attention; CUDA's caching-allocator rounding and fragmentation are not modelled
+(analytic.py's reserved_margin is). On CPU, traced peaks land within 3% of measured ones
+(tests/estimator/test_traced.py), usually 0.5-1.5% below: the allocator also holds autograd's
+graph objects and tensor headers, which no storage accounts for.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import resource
 import sys
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -64,6 +70,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -91,7 +98,9 @@ _CASTS = frozenset({aten._to_copy.default})
 _COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "fsdp"})
 _FSDP_COPY_OUT = torch.ops.fsdp.split_with_sizes_copy.default if hasattr(torch.ops.fsdp, "split_with_sizes_copy") \
     else None
-_PERSISTENT = ("params", "master_params", "grads", "optimizer")
+HOST = "host"
+"""Component of tensors outside the device's memory (CPU offload); not in the totals or the breakdown."""
+_PERSISTENT = ("params", "master_params", "grads", "optimizer", HOST)
 
 
 @dataclass
@@ -108,10 +117,17 @@ class TracedEstimate:
     peak_rss_bytes: int
     """Peak resident memory of this process so far (getrusage: a lifetime maximum)."""
     num_ops: int = 0
+    """Operators traced in the step."""
 
     @property
     def worst(self) -> MemoryBreakdown:
         return self.per_stage[self.worst_stage]
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: per_stage as the breakdowns' dicts, the timeline as lists."""
+        out = dataclasses.asdict(self)
+        out["timeline"] = [list(point) for point in self.timeline]
+        return out
 
 
 # ---------------------------------------------------------------- the tracer
@@ -135,18 +151,22 @@ class StorageLedger(TorchDispatchMode):
     measurement). Use it with `with ledger:` around everything that allocates.
     """
 
-    def __init__(self, *, fake: bool, unsharded_component: str = "buffers",
-                 on_sample: Callable[[int], None] | None = None) -> None:
+    def __init__(self, *, fake: bool, unsharded_component: str = "buffers", host_states: bool = False,
+                 device_type: str | None = None, on_sample: Callable[[int], None] | None = None) -> None:
         super().__init__()
         self.fake = fake
         self.unsharded_component = unsharded_component
         """Component of FSDP's unsharded parameters (their storages are resized, not allocated)."""
+        self.host_states = host_states
+        """Model states live in host memory (CPU offload): a trace on CPU cannot see it, so say it."""
+        self.device_type = device_type
+        """Tensors on another device type are host memory (a CUDA measurement with CPU offload)."""
         self.on_sample = on_sample
         self.pins: dict[str, tuple[int, dict[str, int]]] = {}
         """Components at pinned moments (name -> (operator index, components)), kept up to date
         when a storage alive at that moment changes component; "peak" is the ledger's own peak."""
         self.entries: dict[int, _Storage] = {}
-        self.current = dict.fromkeys(COMPONENTS, 0)
+        self.current = dict.fromkeys((*COMPONENTS, HOST), 0)
         self.total = 0
         self.op = 0
         self.phase = "forward"
@@ -179,6 +199,7 @@ class StorageLedger(TorchDispatchMode):
         entry.component = component
         self.current[old] -= entry.nbytes
         self.current[component] += entry.nbytes
+        self.total += entry.nbytes * ((old == HOST) - (component == HOST))
         for op, components in self.pins.values():
             if entry.born <= op:  # alive at that moment: correct it too
                 components[old] -= entry.nbytes
@@ -190,7 +211,15 @@ class StorageLedger(TorchDispatchMode):
             return
         del self.entries[key]
         self.current[entry.component] -= entry.nbytes
-        self.total -= entry.nbytes
+        if entry.component != HOST:
+            self.total -= entry.nbytes
+
+    def _track_tensor(self, t: torch.Tensor, component: str, *, retag: tuple[str, ...] = ()) -> None:
+        if self.device_type is not None and t.device.type != self.device_type:
+            component, retag = HOST, ()
+        if t.device.type != "meta":  # meta tensors hold no memory
+            for storage in get_untyped_storages(t):  # tensor subclasses: their inner tensors' storages
+                self._track(storage, component, retag=retag)
 
     def _track(self, storage: torch.UntypedStorage, component: str, *, retag: tuple[str, ...] = ()) -> None:
         key = id(storage)
@@ -200,7 +229,8 @@ class StorageLedger(TorchDispatchMode):
             ref = weakref.ref(storage, lambda r, k=key: self._freed(k, r))
             self.entries[key] = _Storage(nbytes, component, self.op, ref)
             self.current[component] += nbytes
-            self.total += nbytes
+            if component != HOST:
+                self.total += nbytes
         elif entry.component in retag:
             self._move(entry, component)
 
@@ -211,7 +241,8 @@ class StorageLedger(TorchDispatchMode):
             self._track(storage, self.unsharded_component)
             return
         self.current[entry.component] += nbytes - entry.nbytes
-        self.total += nbytes - entry.nbytes
+        if entry.component != HOST:
+            self.total += nbytes - entry.nbytes
         entry.nbytes, entry.born = nbytes, self.op
         if nbytes:
             self._move(entry, self.unsharded_component)
@@ -219,15 +250,13 @@ class StorageLedger(TorchDispatchMode):
     def tag(self, tensors: Any, component: str) -> None:
         """Give the storages of `tensors` (any pytree; DTensors by their local shard) `component`."""
         for t in tree_flatten(tensors)[0]:
-            if isinstance(t, DTensor):
-                t = t._local_tensor
             if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                entry = self.entries.get(id(storage))
-                if entry is None:
-                    self._track(storage, component)
-                else:
-                    self._move(entry, component)
+                for storage in get_untyped_storages(_local(t)):
+                    entry = self.entries.get(id(storage))
+                    if entry is None:
+                        self._track(storage, component)
+                    else:
+                        self._move(entry, component)
 
     def classify(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy,
                  *, others: str | None = None) -> None:
@@ -237,12 +266,19 @@ class StorageLedger(TorchDispatchMode):
                 if entry.component not in _PERSISTENT:
                     self._move(entry, others)
         params = list(model.parameters())
-        self.tag(params, "master_params" if policy.keeps_master_weights else "params")
+        self.tag(params, self.state("master_params" if policy.keeps_master_weights else "params"))
         self.tag(list(model.buffers()), "buffers")
-        self.tag([p.grad for p in params if p.grad is not None], "grads")
+        self.tag_grads(params)
         states = local_optimizer(optimizer).state.values()
-        self.tag([v for s in states for v in s.values() if isinstance(v, torch.Tensor)], "optimizer")
+        self.tag([v for s in states for v in s.values() if isinstance(v, torch.Tensor)], self.state("optimizer"))
         self._param_storages = {id(_local(p).untyped_storage()) for p in params}
+
+    def state(self, component: str) -> str:
+        """`component` for a model state (parameters, gradients, optimizer states), or HOST."""
+        return HOST if self.host_states else component
+
+    def tag_grads(self, params: Any) -> None:
+        self.tag([p.grad for p in params if p.grad is not None], self.state("grads"))
 
     def reset_peak(self) -> None:
         """Start a new step: operator index 0, empty timeline, peaks from the current total."""
@@ -258,7 +294,7 @@ class StorageLedger(TorchDispatchMode):
 
     def _component(self, func: Any, args: Any) -> str:
         if self.phase == "optimizer":
-            return "buffers"
+            return self.state("buffers")  # with CPU offload, clipping and the step run on the host
         if func in _CASTS and isinstance(args[0], torch.Tensor) and id(args[0].untyped_storage()) in \
                 self._param_storages:
             return "params"
@@ -301,8 +337,7 @@ class StorageLedger(TorchDispatchMode):
         gradients are tagged by `classify` and the collectives rule)."""
 
         def hook(p: torch.Tensor) -> None:
-            if p.grad is not None:
-                self.tag(p.grad, "grads")
+            self.tag_grads([p])
 
         for p in params:
             if not isinstance(p, DTensor):
@@ -358,17 +393,16 @@ class StorageLedger(TorchDispatchMode):
         if func.namespace in _COMM_NAMESPACES:
             if func is _FSDP_COPY_OUT:  # all-gather output -> the unsharded parameters
                 for t in kwargs["out"]:
-                    self._track(t.untyped_storage(), self.unsharded_component, retag=("activations", "buffers"))
+                    self._track_tensor(t, self.unsharded_component, retag=("activations", "buffers"))
             for t in tree_flatten((args, kwargs, out))[0]:
-                if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                    self._track(t.untyped_storage(), "buffers", retag=("activations",))
+                if isinstance(t, torch.Tensor):
+                    self._track_tensor(t, "buffers", retag=("activations",))
         else:
             component = None
             for t in tree_flatten(out)[0]:
-                # meta tensors (DTensor's sharding propagation inside our fake mode) hold no memory
-                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                if isinstance(t, torch.Tensor):
                     component = component or self._component(func, args)
-                    self._track(t.untyped_storage(), component)
+                    self._track_tensor(t, component)
         if self.recording:
             self._sample(func)
         return out
@@ -408,17 +442,19 @@ class StorageLedger(TorchDispatchMode):
             return "optimizer"
         if self.in_loss:
             return "loss"
-        names = [n for n in self._mods.parents if n != "Global"]
-        if not names:
-            return "model"
-        name = max(names, key=lambda n: (n.count("."), len(n)))
-        return name.replace("._checkpoint_wrapped_module", "")
+        name = max(self._mods.parents, key=lambda n: (n != "Global", n.count("."), len(n)))
+        if "." not in name:
+            return "model"  # the root ("Transformer") or no module at all
+        # "Transformer.layers.3._checkpoint_wrapped_module.attention" -> "layers.3.attention"
+        return name.split(".", 1)[1].replace("_checkpoint_wrapped_module.", "")
 
     def breakdown(self) -> MemoryBreakdown:
         """The components at the step's peak, its phase and the per-phase peaks."""
         at_peak = self.pins["peak"][1]
-        return MemoryBreakdown(**{name: at_peak[name] for name in COMPONENTS},
-                               peak=self.peak, peak_phase=self.peak_phase,
+        parts = {name: at_peak[name] for name in COMPONENTS}
+        # The sum, not self.peak: it differs when a storage alive at the peak was later found to be
+        # host memory (an offloaded gradient), and the peak moment's device bytes are what count.
+        return MemoryBreakdown(**parts, peak=sum(parts.values()), peak_phase=self.peak_phase,
                                phase_peaks={p: self.phase_peaks[p] for p in PHASES if p in self.phase_peaks})
 
 
@@ -446,7 +482,14 @@ def _untracked_sharding_propagation(ledger: StorageLedger) -> Iterator[None]:
         ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
 
 
+def unsharded_component(dims: ParallelDims) -> str:
+    """FSDP's unsharded parameters: compute copies kept from forward to backward under ZeRO-2
+    (params), per-block all-gather buffers under ZeRO-3 (buffers), as analytic.py counts them."""
+    return "params" if dims.zero_stage == 2 else "buffers"
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
+    # The attribute, not to_local(): that is an operator, which the ledger would count as a step.
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
@@ -462,7 +505,7 @@ def step_phases(trainer: Trainer, ledger: StorageLedger,
     original_loss, original_unscale = trainer._loss, trainer.scaler.unscale_
 
     def loss(inputs: torch.Tensor, targets: torch.Tensor) -> Any:
-        ledger.tag([p.grad for p in trainer.model.parameters() if p.grad is not None], "grads")
+        ledger.tag_grads(trainer.model.parameters())
         ledger.phase = "forward"
         ledger.in_prologue = True
         if on_forward is not None:
@@ -474,15 +517,20 @@ def step_phases(trainer: Trainer, ledger: StorageLedger,
         return out
 
     def unscale(optimizer: torch.optim.Optimizer) -> None:
-        ledger.tag([p.grad for p in trainer.model.parameters() if p.grad is not None], "grads")
+        ledger.tag_grads(trainer.model.parameters())
         ledger.phase = "optimizer"
         original_unscale(optimizer)
 
+    saved = vars(trainer).get("_loss"), vars(trainer.scaler).get("unscale_")
     trainer._loss, trainer.scaler.unscale_ = loss, unscale  # type: ignore[method-assign]
     try:
         yield
     finally:
-        del trainer._loss, trainer.scaler.unscale_
+        for obj, name, value in ((trainer, "_loss", saved[0]), (trainer.scaler, "unscale_", saved[1])):
+            if value is None:
+                delattr(obj, name)  # the class's method again
+            else:
+                setattr(obj, name, value)
         ledger.in_loss = False
 
 
@@ -550,7 +598,7 @@ class _TracedTrainer(Trainer):
     `train_step` and `_loss` are Trainer's own, so the traced step is the trained one."""
 
     def __init__(self, cfg: Config, world: World, dims: ParallelDims, model: nn.Module,
-                 policy: PrecisionPolicy, num_params: int) -> None:  # noqa: super-init-not-called
+                 policy: PrecisionPolicy, num_params: int) -> None:
         self.world, self.dims, self.cfg = world, dims, cfg
         self.device = world.device
         self.policy = policy
@@ -612,9 +660,10 @@ def trace_step(cfg: Config) -> TracedEstimate:
     policy = precision_policy(cfg.precision.mode, "cpu")
     kind = data_parallel_kind(cfg, dims)
     world_cm = fake_process_group(dims.num_gpus) if kind != "none" else contextlib.nullcontext()
-    unsharded = "params" if dims.zero_stage == 2 else "buffers"
-    torch.manual_seed(cfg.training.seed)
-    with world_cm:
+    with world_cm, warnings.catch_warnings():
+        # Initialising sharded parameters on a CPU mesh warns that DTensor's RNG is incomplete there:
+        # values do not matter here.
+        warnings.filterwarnings("ignore", message="DTensor random operators")
         mesh = build_mesh(dims, "cpu") if kind != "none" else None
         world = World(device=torch.device("cpu"), size=dims.num_gpus, mesh=mesh)
         if mesh is not None:
@@ -627,7 +676,8 @@ def trace_step(cfg: Config) -> TracedEstimate:
         if hasattr(model, "register_comm_hook"):  # DDP (replicate), zero_stage 0 and 1
             model.register_comm_hook(None, _fake_allreduce_hook)
         with _ddp_without_init_sync(), FakeTensorMode(allow_non_fake_inputs=True), \
-                StorageLedger(fake=True, unsharded_component=unsharded) as ledger:
+                StorageLedger(fake=True, unsharded_component=unsharded_component(dims),
+                              host_states=cfg.memory.offload != "none") as ledger:
             if cfg.model.num_experts:
                 tokens = cfg.training.micro_batch_size * cfg.training.seq_len
                 ledger.route_balanced(tokens * cfg.model.experts_per_token, cfg.model.num_experts)

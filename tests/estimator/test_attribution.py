@@ -1,0 +1,97 @@
+"""Measurement of a real training step attributed to components (memory/attribution.py): the
+components add up to the allocator's peak and agree with figures computed independently."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_traced import LLAMA, one_thread, run_config  # noqa: F401 (one_thread: an autouse fixture)
+
+from trainfit.memory.attribution import measure_step, measure_trainer_step
+from trainfit.memory.breakdown import PHASES
+from trainfit.memory.traced import trace_step
+from trainfit.train.distributed import World
+from trainfit.train.trainer import Trainer
+
+
+def test_components_add_up_to_the_peak_and_match_the_trainers_own_count(tmp_path: Path) -> None:
+    m = measure_step(run_config(tmp_path, *LLAMA, "--precision.mode=bf16-mixed"))
+    b = m.breakdown
+    assert sum(b.components().values()) == b.peak
+    assert max(used for _, used, _, _ in m.timeline) == b.peak
+    assert set(b.phase_peaks) == set(PHASES) and b.peak_phase in PHASES and m.peak_module
+    # Independent counts: the trainer's local_state_bytes (taken after backward) and the ledger.
+    assert b.master_params == m.state_bytes["params"]  # bf16-mixed: the fp32 parameters are the masters
+    assert b.optimizer == m.state_bytes["optimizer"]
+    assert m.state_bytes["grads"] == m.state_bytes["params"]
+    assert b.params > 0  # autocast's bf16 weight copies, saved for backward
+    assert 0 <= b.buffers < 0.03 * b.peak  # no recomputation, no collectives: little beyond allocator overhead
+    assert b.reserved_margin >= 0 and m.tracked_peak <= b.peak
+
+
+def test_forward_retained_bytes_match_the_traced_forward(tmp_path: Path) -> None:
+    """The allocator's view of what one forward + loss leaves for backward, against the traced
+    timeline's (its first backward point, `loss / accum`, comes after `_loss` has returned)."""
+    overrides = [*LLAMA, "--memory.activation_checkpointing=selective"]
+    measured = measure_step(run_config(tmp_path, *overrides))
+    timeline = trace_step(run_config(tmp_path, *overrides)).timeline
+    first_backward = next(i for i, point in enumerate(timeline) if point[2] == "backward")
+    traced = timeline[first_backward][1] - timeline[0][1]
+    assert measured.forward_retained == pytest.approx(traced, rel=0.03)
+
+
+def test_logits_are_the_loss_tensors(tmp_path: Path) -> None:
+    """A wide vocabulary on a narrow model: the peak is in the loss, made of fp32 logits-sized
+    tensors (the upcast, log-softmax and the gradient in flight)."""
+    m = measure_step(run_config(tmp_path, *LLAMA, "--model.vocab_size=4096")).breakdown
+    logits_fp32 = 4 * 256 * 4096 * 4  # micro-batch x sequence x vocabulary x 4 bytes
+    assert m.peak_phase in ("forward", "backward") and m.logits >= 2 * logits_fp32
+    assert m.logits == max(m.components().values())
+
+
+def test_measure_trainer_step_measures_a_trainer_in_place(tmp_path: Path) -> None:
+    trainer = Trainer(run_config(tmp_path, *LLAMA), World())
+    trainer.train_step()
+    m = measure_trainer_step(trainer)
+    assert trainer.step == 2 and m.breakdown.peak > 0 and m.world_size == 1
+    assert "_loss" not in vars(trainer) and "unscale_" not in vars(trainer.scaler)  # wrappers removed
+    assert trainer.train_step().loss > 0  # and it trains on
+
+
+def test_fewer_than_two_steps_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="steps=1"):
+        measure_step(run_config(tmp_path, *LLAMA), steps=1)
+
+
+ZERO3_ON_TWO = [*LLAMA, "--training.global_batch_size=8", "--hardware.num_gpus=2", "--parallel.zero_stage=3"]
+
+
+def _measure_rank(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)  # two ranks on two cores
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    m = measure_step(run_config(Path(out), *ZERO3_ON_TWO))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(m.breakdown.as_dict()))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_each_gloo_rank_measures_itself_and_matches_the_trace(tmp_path: Path) -> None:
+    mp.spawn(_measure_rank, args=(_free_port(), str(tmp_path)), nprocs=2)
+    traced = trace_step(run_config(tmp_path, *ZERO3_ON_TWO)).worst
+    for rank in (0, 1):
+        measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert traced.peak == pytest.approx(measured["peak"], rel=0.03)
+        assert traced.master_params == measured["master_params"] == 0
+        assert traced.params == measured["params"]  # this rank's shards: half of the model
+        assert traced.optimizer == measured["optimizer"]
