@@ -101,7 +101,7 @@ def print_table(rows: list, nproc: int) -> None:
         table.add_row(name, *(f"{states[k] / MIB:,.0f}" for k in ("params", "grads", "optimizer")),
                       f"{sum(states.values()) / MIB:,.0f}", est_states, f"{peak / MIB:,.0f}", est_peak,
                       f"{tokens_per_s:,.0f}")
-    Console().print(table)
+    Console(width=160).print(table)
 
 
 def main() -> None:

@@ -8,6 +8,9 @@ method groups its configurations with `run_subtests`, so one spawn covers a whol
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +24,9 @@ from trainfit.config import Config, load_config
 from trainfit.train.distributed import World
 from trainfit.train.trainer import Trainer
 
-__all__ = ["AUTOCAST", "FP32", "LOW", "MOE", "STEPS", "GlooTestCase", "fake_world", "full_params", "run_config",
-           "run_overrides", "with_comms"]
+__all__ = ["AUTOCAST", "FP32", "LOW", "MOE", "STEPS", "ZERO3_LAYOUT", "ZERO3_RUN_ENV", "ZERO3_STEPS",
+           "GlooTestCase", "fake_world", "full_params", "run_config", "run_overrides", "subprocess_env", "torchrun",
+           "with_comms"]
 
 
 # Parity with one process (tests/distributed/test_dp_parity.py explains the measures and tolerances).
@@ -109,3 +113,23 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         torch.distributed.destroy_process_group()
+
+
+# ---------------------------------------------------------------- torchrun, as users launch trainfit
+
+# A 2-rank ZeRO-3 run of the CLI (tests/distributed/conftest.py: zero3_run), resumed elsewhere.
+ZERO3_STEPS = 6
+ZERO3_LAYOUT = ("--parallel.zero_stage=3", "--checkpoint.interval=3", "--training.eval_interval=3")
+ZERO3_RUN_ENV = "TRAINFIT_TEST_ZERO3_RUN"
+
+
+def torchrun(nproc: int, *args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node N ARGS` (the torchrun script, as a module; standalone
+    picks a free port, so concurrent test sessions do not collide)."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def subprocess_env(tmp_path_factory: Any) -> dict[str, str]:
+    """The session's data cache (tests/conftest.py), for processes a session fixture starts."""
+    return {**os.environ, "XDG_CACHE_HOME": str(tmp_path_factory.getbasetemp() / "cache"), "OMP_NUM_THREADS": "1"}

@@ -35,7 +35,7 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subproc
 def test_train_prints_a_summary_and_saves(trained_run: tuple[Path, subprocess.CompletedProcess]) -> None:
     run_dir, proc = trained_run
     assert "run complete" in proc.stdout
-    assert "val loss" in proc.stdout and "tokens/s" in proc.stdout
+    assert "val loss" in proc.stdout and "tokens/s" in proc.stdout and "predicted peak" in proc.stdout
     assert ckpt.latest_checkpoint(run_dir / "ckpt").name == "step_00000012"
     assert [r["step"] for r in read_metrics(run_dir / "logs") if "val_loss" in r] == [0, 6, 12]
 
@@ -62,8 +62,8 @@ def test_bad_config_fails_before_any_work(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "training.micro_batch_size=0: must be >= 1" in proc.stderr
     assert not any(tmp_path.iterdir())
-    proc = trainfit("train", "--parallel.tp=2", check=False)
-    assert proc.returncode == 2 and "parallel.tp=2" in proc.stderr
+    proc = trainfit("train", "--parallel.tp=3", check=False)
+    assert proc.returncode == 2 and "parallel.tp=3: must divide model.num_heads=8" in proc.stderr
     proc = trainfit("train", "not-a-file.toml", check=False)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
 
@@ -141,3 +141,10 @@ def test_tensorboard_events_are_written(tmp_path: Path) -> None:
     trainfit("train", *run_overrides(tmp_path, "--training.steps=2", "--logging.interval=1",
                                      "--logging.tensorboard=true"))
     assert list((tmp_path / "logs" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_train_warns_before_allocating_when_the_estimate_exceeds_the_device(tmp_path: Path) -> None:
+    proc = trainfit("train", *run_overrides(tmp_path, "--training.steps=1", "--hardware.gpu=RTX-4090",
+                                            "--hardware.memory_gib=0.001"))
+    assert "warning: the estimate needs" in proc.stderr and "RTX-4090" in proc.stderr
+    assert "predicted peak" in proc.stdout and "vs measured" in proc.stdout

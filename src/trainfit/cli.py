@@ -6,9 +6,13 @@ Heavy imports (torch) happen inside the subcommands, so `trainfit --help` stays 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 import textwrap
+import tomllib
 from collections.abc import Callable
+from pathlib import Path
 
 from trainfit.config import Config, ConfigError, iter_fields, load_config
 
@@ -34,6 +38,12 @@ def _config_parser(sub: argparse._SubParsersAction, name: str, help_text: str) -
 
 
 def _load(args: argparse.Namespace, overrides: list[str]) -> Config:
+    """The config; under a launcher (torchrun sets WORLD_SIZE) hardware.num_gpus defaults to the world size."""
+    world = os.environ.get("WORLD_SIZE")
+    if world and world != "1" and not any(o.lstrip("-").startswith("hardware.num_gpus") for o in overrides):
+        raw = tomllib.loads(Path(args.config).read_text()) if args.config and Path(args.config).is_file() else {}
+        if "num_gpus" not in raw.get("hardware", {}):
+            overrides = [*overrides, f"--hardware.num_gpus={world}"]
     return load_config(args.config, overrides)
 
 
@@ -43,14 +53,72 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.estimate import as_json, estimate
     from trainfit.memory.report import plot_breakdown, print_estimate
 
-    est = estimate(_load(args, overrides))
+    cfg = _load(args, overrides)
+    est = estimate(cfg)
+    if args.traced:
+        from trainfit.memory.traced import trace_step
+
+        traced = trace_step(cfg)
+        est = dataclasses.replace(est, memory=traced)
     if args.json:
-        print(json.dumps(as_json(est), indent=2))
+        out = as_json(est)
+        if args.traced:
+            out["timeline"] = [list(point) for point in est.memory.timeline]
+        print(json.dumps(out, indent=2))
     else:
         print_estimate(est)
+        if args.traced:
+            print(f"traced in {est.memory.seconds:.1f} s ({est.memory.num_ops:,} operators, peak in "
+                  f"{est.memory.peak_module!r}); estimating process peak RSS "
+                  f"{est.memory.peak_rss_bytes / 2**30:.2f} GiB")
     if args.plot:
         path = plot_breakdown(est, args.plot)
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def cmd_measure(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    from trainfit.estimate import as_json, estimate
+    from trainfit.memory.attribution import measure_step
+    from trainfit.memory.compare import Comparison, comparison_table
+
+    cfg = _load(args, overrides)
+    measured = measure_step(cfg, steps=args.steps)
+    est = estimate(cfg)
+    if args.json:
+        out = as_json(est)
+        stage = {"stage": 0, **measured.breakdown.as_dict(), "device": measured.device, "rank": measured.rank}
+        print(json.dumps({"model": out["model"], "per_rank": stage, "per_stage": [stage]}, indent=2))
+    else:
+        from rich.console import Console
+
+        Console().print(comparison_table(Comparison({"measured": measured.breakdown}), "memory measured per rank"))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    from rich.console import Console
+
+    from trainfit.estimate import estimate
+    from trainfit.memory.attribution import measure_step
+    from trainfit.memory.compare import Comparison, comparison_table, plot_comparison
+    from trainfit.memory.traced import trace_step
+
+    cfg = _load(args, overrides)
+    traced = trace_step(cfg)  # before measuring: tracing needs the process-group slot free
+    measured = measure_step(cfg, steps=args.steps)
+    cmp = Comparison({"analytic": estimate(cfg).worst, "traced": traced.worst, "measured": measured.breakdown},
+                     {"traced": traced.timeline, "measured": measured.timeline})
+    if args.json:
+        print(json.dumps(cmp.as_dict(), indent=2))
+    else:
+        Console().print(comparison_table(cmp))
+    if args.plot:
+        print(f"wrote {plot_comparison(cmp, args.plot)}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -59,14 +127,31 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.train.trainer import Trainer, TrainingDiverged
 
     cfg = _load(args, overrides)
+    predicted = _warn_if_it_will_not_fit(cfg)
     trainer = Trainer(cfg)
     try:
         result = trainer.train()
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print_summary(cfg, result)
+    finally:
+        trainer.close()
+    print_summary(cfg, result, predicted_peak=predicted)
     return 0
+
+
+def _warn_if_it_will_not_fit(cfg: Config) -> int:
+    """The analytic estimate, before anything is allocated; a warning when it exceeds the device."""
+    from trainfit.estimate import advice, estimate
+
+    est = estimate(cfg)
+    if not est.fits and os.environ.get("RANK", "0") == "0":
+        need = est.total_bytes(est.worst) / 2**30
+        print(f"warning: the estimate needs {need:.1f} GiB per GPU, more than the "
+              f"{est.device_memory / 2**30:.1f} GiB of {cfg.hardware.gpu}:", file=sys.stderr)
+        for line in advice(est):
+            print(f"  - {line}", file=sys.stderr)
+    return est.worst.peak
 
 
 def cmd_sample(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -107,6 +192,8 @@ def _reject_overrides(overrides: list[str]) -> None:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "estimate": cmd_estimate,
+    "measure": cmd_measure,
+    "report": cmd_report,
     "train": cmd_train,
     "sample": cmd_sample,
     "prepare-data": cmd_prepare_data,
@@ -120,6 +207,15 @@ def build_parser() -> argparse.ArgumentParser:
     estimate = _config_parser(sub, "estimate", "predict per-GPU memory, FLOPs, step time and MFU (no torch, instant)")
     estimate.add_argument("--json", action="store_true", help="print the estimate as one JSON object")
     estimate.add_argument("--plot", metavar="FILE.png", help="draw the memory breakdown as a stacked bar")
+    estimate.add_argument("--traced", action="store_true",
+                          help="run the real step on fake tensors and a fake process group (exact, slower)")
+    measure = _config_parser(sub, "measure", "run real steps and measure memory at the allocator, per component")
+    measure.add_argument("--json", action="store_true", help="print the estimate's schema (model, per_rank, per_stage)")
+    measure.add_argument("--steps", type=int, default=2, help="steps to run; the last one is measured")
+    report = _config_parser(sub, "report", "analytic and traced predictions against a measured step")
+    report.add_argument("--json", action="store_true")
+    report.add_argument("--steps", type=int, default=2, help="steps to run; the last one is measured")
+    report.add_argument("--plot", metavar="FILE.png", help="draw the step's memory timeline and the three breakdowns")
     _config_parser(sub, "train", "train a model from a config (default: tiny Llama on Shakespeare, CPU)")
 
     sample = sub.add_parser("sample", help="generate text from a trained checkpoint")

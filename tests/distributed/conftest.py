@@ -3,30 +3,12 @@ of resuming its checkpoints elsewhere: on 1 process, on 4 ranks (HSDP), and expo
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from _dist import run_overrides
-
-ZERO3_STEPS = 6
-ZERO3_LAYOUT = ("--parallel.zero_stage=3", "--checkpoint.interval=3", "--training.eval_interval=3")
-ZERO3_RUN_ENV = "TRAINFIT_TEST_ZERO3_RUN"
-
-
-def torchrun(nproc: int, *args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node N ARGS` (the torchrun script, as a module; standalone
-    picks a free port, so concurrent test sessions do not collide)."""
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           *args], capture_output=True, text=True, env=env, timeout=timeout)
-
-
-def subprocess_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The session's data cache (tests/conftest.py), for processes a session fixture starts."""
-    return {**os.environ, "XDG_CACHE_HOME": str(tmp_path_factory.getbasetemp() / "cache"), "OMP_NUM_THREADS": "1"}
+from _dist import ZERO3_LAYOUT, ZERO3_RUN_ENV, ZERO3_STEPS, run_overrides, subprocess_env, torchrun
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ layout) and so the same losses as the uninterrupted 2-rank run, within fp32 redu
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -16,8 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from _dist import FP32, GlooTestCase, run_config, run_overrides, with_comms
-from conftest import ZERO3_RUN_ENV, ZERO3_STEPS, subprocess_env, torchrun
+from _dist import (
+    FP32,
+    ZERO3_RUN_ENV,
+    ZERO3_STEPS,
+    GlooTestCase,
+    run_config,
+    run_overrides,
+    subprocess_env,
+    torchrun,
+    with_comms,
+)
 from trainfit.models import build_model, materialize
 from trainfit.models.hf import load_hf_weights
 from trainfit.train import checkpoint as ckpt
@@ -95,8 +105,6 @@ class FourRanks(GlooTestCase):
         elif case == "zero1-replicated":  # optimizer states split within each replica
             self.check_parity((*layout, "--parallel.zero_stage=1"), FP32)
         else:
-            import os
-
             run_dir = Path(os.environ[ZERO3_RUN_ENV])
             trainer = Trainer(run_config(self.shared_dir / "resume", *layout, "--parallel.zero_stage=3",
                                          f"--training.steps={ZERO3_STEPS}",

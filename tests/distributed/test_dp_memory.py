@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 
 from _dist import GlooTestCase, run_config, with_comms
+from trainfit.memory.analytic import model_states
 from trainfit.train.trainer import Trainer
 
 WIDE = ("--model.num_layers=4", "--model.dim=256", "--model.ffn_dim=768", "--model.num_heads=4",
@@ -24,13 +25,14 @@ WIDE = ("--model.num_layers=4", "--model.dim=256", "--model.ffn_dim=768", "--mod
 class ZeroMemory(GlooTestCase):
     @with_comms
     def test_each_stage_holds_less(self) -> None:
-        states, peaks = {}, {}
+        states, peaks, predicted = {}, {}, {}
         for stage in range(4):
             gc.collect()  # the previous trainer's cycles, which would otherwise be freed mid-measurement
             trainer = Trainer(run_config(self.shared_dir / f"zero{stage}", *WIDE, f"--parallel.zero_stage={stage}"))
             trainer.train_step()  # optimizer states exist from here on
             stats = trainer.measured_step()
             states[stage], peaks[stage] = stats.state_bytes, stats.peak_memory_bytes
+            predicted[stage] = model_states(trainer.cfg, trainer.dims)
             P = trainer.num_params * 4  # fp32
             del trainer, stats
         dp = self.world_size
@@ -47,6 +49,9 @@ class ZeroMemory(GlooTestCase):
             close(states[stage]["params"], P / dp)
             close(states[stage]["grads"], P / dp)
             close(states[stage]["optimizer"], 2 * P / dp)
+        for stage in range(4):  # `trainfit estimate` describes each layout: within 10% of what gloo ranks hold
+            for name in ("params", "grads", "optimizer"):
+                close(getattr(predicted[stage], name), states[stage][name], rel=0.10)
         self.assertGreater(peaks[0] - peaks[1], 0.75 * P)
         self.assertGreater(peaks[1] - peaks[2], 0.25 * P)
         self.assertGreater(peaks[2] - peaks[3], 0.2 * P)

@@ -24,7 +24,7 @@ import signal
 import torch
 
 from _dist import AUTOCAST, FP32, LOW, MOE, STEPS, GlooTestCase, full_params, run_config, with_comms
-from trainfit.train.trainer import Trainer
+from trainfit.train.trainer import Trainer, TrainingDiverged
 
 
 class DataParallelParity(GlooTestCase):
@@ -74,12 +74,13 @@ class DataParallelParity(GlooTestCase):
         ])
 
     @with_comms
-    def test_sigterm_on_one_rank_stops_every_rank_and_resume_is_bitwise(self) -> None:
-        """SIGTERM reaching rank 1 only, after step 3: both ranks stop after the same step and save
-        one checkpoint; the same command resumes, and ends exactly where an uninterrupted run does."""
+    def test_a_signal_or_a_nan_on_one_rank_stops_every_rank(self) -> None:
         self.run_subtests({"stage": [0, 3]}, self._check_sigterm_resume)
+        self._check_nan_on_one_rank()
 
     def _check_sigterm_resume(self, stage: int) -> None:
+        """SIGTERM reaching rank 1 only, after step 3: both ranks stop after the same step and save
+        one checkpoint; the same command resumes, and ends exactly where an uninterrupted run does."""
         overrides = (f"--training.steps={STEPS + 2}", f"--parallel.zero_stage={stage}")
         straight = Trainer(run_config(self.shared_dir / f"straight{stage}", *overrides))
         expected = straight.train().losses
@@ -106,3 +107,20 @@ class DataParallelParity(GlooTestCase):
         params = full_params(second.model)
         for key, value in expected_params.items():
             self.assertTrue(torch.equal(params[key], value), key)
+
+    def _check_nan_on_one_rank(self) -> None:
+        """A nan loss on rank 1 only: the loss every rank sees is the global one, so all stop at once."""
+        run_dir = self.shared_dir / "nan"
+        trainer = Trainer(run_config(run_dir, f"--training.steps={STEPS}", "--parallel.zero_stage=3"))
+        original = trainer._loss
+
+        def poisoned(inputs: torch.Tensor, targets: torch.Tensor):
+            loss, lm_loss = original(inputs, targets)
+            if trainer.step == 2 and self.rank == 1:
+                return loss * float("nan"), lm_loss * float("nan")
+            return loss, lm_loss
+
+        trainer._loss = poisoned
+        with self.assertRaisesRegex(TrainingDiverged, "step 3: the loss is nan"):
+            trainer.train()
+        self.assertFalse((run_dir / "ckpt").exists())  # nothing saved over the last good checkpoint

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,16 +24,6 @@ from trainfit.perf import comms
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 LINK = Link("test", bytes_per_s=100e9, latency_s=5e-6)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny tensors: one intra-op thread is fastest, and on shared cores idle OpenMP workers spin
-    (2 threads made these tests 30x slower on a loaded 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_ring_cost_formulas() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -24,16 +23,6 @@ from trainfit.models.params import param_counts
 from trainfit.models.presets import PRESETS, resolve_model_config
 from trainfit.perf import flops
 from trainfit.recompute import apply_activation_checkpointing
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny tensors: one intra-op thread is fastest, and on shared cores idle OpenMP workers spin
-    (2 threads made these tests 30x slower on a loaded 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def model_config(preset: str, **fields: int) -> ModelConfig:

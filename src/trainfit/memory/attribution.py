@@ -108,18 +108,6 @@ class _Probe:
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Cycles freed mid-step would drop in-use bytes below what the step holds (measure.py)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-@contextlib.contextmanager
 def _cuda_history(path: Path | None) -> Iterator[None]:
     """CUDA only: record allocator history and dump a snapshot (pytorch.org/memory_viz) to `path`."""
     if path is None:
@@ -163,7 +151,7 @@ def measure_trainer_step(trainer: Trainer, *, warmup_steps: int = 0,
         gc.collect()
         trainer._capture_state_bytes = True
         try:
-            with _gc_paused(), _cuda_history(Path(cuda_snapshot) if cuda and cuda_snapshot else None):
+            with measure.gc_paused(), _cuda_history(Path(cuda_snapshot) if cuda and cuda_snapshot else None):
                 ledger.classify(trainer.model, trainer.optimizer, trainer.policy, others="buffers")
                 if cuda:
                     torch.cuda.synchronize(device)

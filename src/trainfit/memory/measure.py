@@ -109,7 +109,7 @@ def _prime_dispatch_mode() -> None:
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Keep the cycle collector from freeing older garbage (a stored traceback holding tensors, say)
     mid-step: that would drop in-use bytes below the baseline and hide part of the step's peak.
     Cycles the step itself creates then live to its end, which errs on the high side."""
@@ -131,7 +131,7 @@ def measure_peak(device: torch.device | str) -> Iterator[PeakMemory]:
     """
     device = torch.device(device)
     result = PeakMemory()
-    with _gc_paused():
+    with gc_paused():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)

@@ -10,6 +10,10 @@
 - zero_stage 3 (`fully_shard` per block, then the root): shards only; each block's parameters are
   all-gathered before its forward and again before its backward, and freed after each.
 
+DDP is composable `replicate` rather than the DistributedDataParallel wrapper because it is
+applied in place and builds its DDP lazily at the first forward: it can be applied to the
+meta-device model like fully_shard, and state-dict keys carry no "module." prefix.
+
 HSDP is stage 2 or 3 on a 2-D mesh (dp_replicate x dp_shard): sharded within a dp_shard group,
 replicated across groups (reduce-scatter, then an all-reduce of the shards across replicas).
 

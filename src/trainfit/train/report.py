@@ -12,7 +12,7 @@ from trainfit.train.trainer import TrainResult
 MIB = 1024**2
 
 
-def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
+def summary_rows(cfg: Config, result: TrainResult, predicted_peak: int | None = None) -> list[tuple[str, str]]:
     rows = [
         ("model", f"{cfg.model.preset or 'custom'} ({cfg.model.family}), {result.num_params / 1e6:.2f}M params"),
         ("steps", f"{result.steps_done} / {cfg.training.steps}"),
@@ -31,6 +31,10 @@ def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
     if result.peak_memory_bytes is not None:
         per_rank = ", rank 0" if result.world_size > 1 else ""
         rows.append(("peak memory", f"{result.peak_memory_bytes / MIB:,.1f} MiB (measured at the allocator{per_rank})"))
+        if predicted_peak:
+            error = (predicted_peak - result.peak_memory_bytes) / result.peak_memory_bytes
+            rows.append(("predicted peak", f"{predicted_peak / MIB:,.1f} MiB (trainfit estimate, {error:+.1%} vs "
+                                           "measured; `trainfit report` compares per component)"))
     if result.state_bytes is not None:
         states = ", ".join(f"{name} {n / MIB:,.1f}" for name, n in result.state_bytes.items())
         rows.append(("model states", f"{states} MiB (this rank's tensors)"))
@@ -58,7 +62,8 @@ def layout_description(cfg: Config, world_size: int) -> str:
     return f"{world_size} process{'es' if world_size > 1 else ''}: {stage} over {axes}{offload}"
 
 
-def print_summary(cfg: Config, result: TrainResult, console: Console | None = None) -> None:
+def print_summary(cfg: Config, result: TrainResult, console: Console | None = None,
+                  predicted_peak: int | None = None) -> None:
     if result.rank != 0:
         return
     console = console or Console()
@@ -67,6 +72,6 @@ def print_summary(cfg: Config, result: TrainResult, console: Console | None = No
     table = Table(title=title, show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    for key, value in summary_rows(cfg, result):
+    for key, value in summary_rows(cfg, result, predicted_peak):
         table.add_row(key, value)
     console.print(table)

@@ -366,6 +366,7 @@ class Trainer:
                                  f"saving a checkpoint at step {self.step}")
             if last_saved != self.step:
                 result.checkpoint = self.save()
+            world.barrier()  # leave together: a rank exiting early tears down connections others still use
         finally:
             writer.close()
         result.steps_done = self.step

@@ -1,0 +1,48 @@
+"""`trainfit estimate --traced`, `trainfit measure` and `trainfit report` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _runs import run_overrides
+
+
+def trainfit(*args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "trainfit", *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> list[str]:
+    return run_overrides(tmp_path, "--training.micro_batch_size=8", "--training.seq_len=64",
+                         "--training.global_batch_size=8")
+
+
+def test_traced_estimate_has_the_analytic_schema_plus_a_timeline(small: list[str]) -> None:
+    traced = json.loads(trainfit("estimate", *small, "--traced", "--json").stdout)
+    analytic = json.loads(trainfit("estimate", *small, "--json").stdout)
+    assert set(traced) == set(analytic) | {"timeline"}
+    assert len(traced["timeline"]) > 100
+    assert traced["per_rank"]["peak"] == max(point[1] for point in traced["timeline"])
+    assert abs(traced["per_rank"]["peak"] - analytic["per_rank"]["peak"]) < 0.1 * analytic["per_rank"]["peak"]
+
+
+def test_measure_json_compares_with_the_estimate(small: list[str]) -> None:
+    measured = json.loads(trainfit("measure", *small, "--json").stdout)
+    analytic = json.loads(trainfit("estimate", *small, "--json").stdout)
+    assert {"model", "per_rank", "per_stage"} <= set(measured)
+    assert measured["model"]["num_params"] == analytic["model"]["num_params"]
+    peak = measured["per_rank"]["peak"]
+    assert abs(analytic["per_rank"]["peak"] - peak) < 0.1 * peak
+
+
+def test_report_prints_errors_and_draws_both_pictures(small: list[str], tmp_path: Path) -> None:
+    out = trainfit("report", *small, "--plot", str(tmp_path / "report.png")).stdout
+    assert "analytic" in out and "traced" in out and "error" in out and "peak phase" in out
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
