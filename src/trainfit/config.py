@@ -102,7 +102,7 @@ class TrainingConfig:
     eval_interval: int = 50
     """Compute the validation loss every this many steps (and at the end); 0 disables it."""
     eval_steps: int = 10
-    """Validation batches averaged per evaluation."""
+    """Validation global batches averaged per evaluation (the same windows whatever the layout)."""
     device: Device = "auto"
     """Where to train: auto picks cuda when available, else cpu."""
 
