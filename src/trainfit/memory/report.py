@@ -111,7 +111,7 @@ def plot_breakdown(est: Estimate, path: str | Path) -> Path:
     except ImportError as err:
         raise RuntimeError("--plot needs matplotlib: pip install 'trainfit[plot]'") from err
     stages = est.memory.per_stage
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(stages) + 3), 5))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.2 * len(stages) + 5), 5))
     labels = [f"stage {i}" for i in range(len(stages))] if len(stages) > 1 else ["per GPU"]
     bottoms = [0.0] * len(stages)
     for name in (*COMPONENTS, "reserved_margin"):
