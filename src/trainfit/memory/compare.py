@@ -14,7 +14,7 @@ from typing import Any
 from rich.table import Table
 
 from trainfit.memory.breakdown import COMPONENTS, MemoryBreakdown
-from trainfit.memory.report import COLORS, GIB, fmt_bytes
+from trainfit.memory.report import GIB, fmt_bytes, pyplot, save_figure, stack_bars
 
 PHASE_COLORS = {"forward": "#E8F1FA", "backward": "#FCEFE3", "optimizer": "#EAF5EA"}
 
@@ -59,11 +59,7 @@ def comparison_table(cmp: Comparison, title: str = "memory per GPU: predicted vs
 
 def plot_comparison(cmp: Comparison, path: str | Path) -> Path:
     """(a) the step's memory timeline with phases shaded and the peak marked; (b) stacked breakdowns."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax_time, ax_bars) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [2.2, 1]})
     peak = max(b.peak for b in cmp.sources.values())
     unit, scale = ("GiB", GIB) if peak >= GIB else ("MiB", 1024**2)
@@ -74,20 +70,11 @@ def plot_comparison(cmp: Comparison, path: str | Path) -> Path:
     ax_time.set_title("memory over one step")
     ax_time.legend(loc="upper right", fontsize=8)
     names = list(cmp.sources)
-    bottoms = [0.0] * len(names)
-    for component in COMPONENTS:
-        heights = [getattr(cmp.sources[n], component) / scale for n in names]
-        if any(heights):
-            ax_bars.bar(names, heights, bottom=bottoms, label=component, color=COLORS[component], width=0.6)
-            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    stack_bars(ax_bars, names, [cmp.sources[n] for n in names], COMPONENTS, scale)
     ax_bars.set_ylabel(f"{unit} at the peak")
     ax_bars.set_title("breakdown at the peak")
     ax_bars.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)
 
 
 def _plot_timeline(ax: Any, points: list[tuple[Any, int, str, str]], label: str, scale: float, unit: str,

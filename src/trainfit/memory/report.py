@@ -5,13 +5,15 @@ Bytes are ints everywhere else; units appear only here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from trainfit.estimate import Estimate, advice
-from trainfit.memory.breakdown import COMPONENTS
+from trainfit.memory.breakdown import COMPONENTS, MemoryBreakdown
 from trainfit.models.params import param_counts
 
 GIB = 1024**3
@@ -103,6 +105,22 @@ def print_estimate(est: Estimate, console: Console | None = None) -> None:
 
 def plot_breakdown(est: Estimate, path: str | Path) -> Path:
     """A stacked bar of the breakdown of each pipeline stage (one bar without pp), device memory dashed."""
+    plt = pyplot()
+    stages = est.memory.per_stage
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.2 * len(stages) + 5), 5))
+    labels = [f"stage {i}" for i in range(len(stages))] if len(stages) > 1 else ["per GPU"]
+    stack_bars(ax, labels, stages, (*COMPONENTS, "reserved_margin"), GIB)
+    if est.device_memory:
+        ax.axhline(est.device_memory / GIB, color="black", linestyle="--", linewidth=1,
+                   label=f"{est.cfg.hardware.gpu} memory")
+    ax.set_ylabel("GiB per GPU")
+    ax.set_title(f"{est.cfg.model.preset or 'model'}: memory at the peak ({est.worst.peak_phase})")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
+    return save_figure(fig, path)
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend, or a clear error when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -110,21 +128,23 @@ def plot_breakdown(est: Estimate, path: str | Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError as err:
         raise RuntimeError("--plot needs matplotlib: pip install 'trainfit[plot]'") from err
-    stages = est.memory.per_stage
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.2 * len(stages) + 5), 5))
-    labels = [f"stage {i}" for i in range(len(stages))] if len(stages) > 1 else ["per GPU"]
-    bottoms = [0.0] * len(stages)
-    for name in (*COMPONENTS, "reserved_margin"):
-        heights = [getattr(s, name) / GIB for s in stages]
+    return plt
+
+
+def stack_bars(ax: Any, labels: list[str], breakdowns: Sequence[MemoryBreakdown], names: Sequence[str],
+               scale: float) -> None:
+    """One stacked bar per breakdown, one colour per component (components that are all zero skipped)."""
+    bottoms = [0.0] * len(breakdowns)
+    for name in names:
+        heights = [getattr(b, name) / scale for b in breakdowns]
         if any(heights):
             ax.bar(labels, heights, bottom=bottoms, label=name, color=COLORS[name], width=0.6)
             bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-    if est.device_memory:
-        ax.axhline(est.device_memory / GIB, color="black", linestyle="--", linewidth=1,
-                   label=f"{est.cfg.hardware.gpu} memory")
-    ax.set_ylabel("GiB per GPU")
-    ax.set_title(f"{est.cfg.model.preset or 'model'}: memory at the peak ({est.worst.peak_phase})")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=120)
