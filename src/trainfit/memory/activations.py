@@ -158,35 +158,88 @@ def block_terms(m: ModelConfig, d: ActDtypes, policy: str) -> Terms:
     return terms + Terms(tp=_swiglu_saved(c, m.ffn_dim))
 
 
+@dataclass(frozen=True)
+class PolicyOnly:
+    """What a checkpointing policy saves that an unwrapped block does not (see policy_only_terms)."""
+
+    released: Terms
+    """Consumed by the block's recompute in backward, which frees them from the policy's cache."""
+    kept: Terms
+    """Alive until the block's backward ends."""
+
+
+def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str) -> PolicyOnly:
+    """Tensors a checkpointed block keeps that the unwrapped block does not save, so that its
+    recompute rebuilds (unwrapped - policy) + released + kept:
+    - the block input in a 16-bit stream, for Llama: unwrapped, RMSNorm saves only its fp32 copy;
+    - selective: matmul outputs whose consumers keep nothing of them: wo's and w2's (fc2's) feed
+      residual adds; Llama's wq and wk outputs feed RoPE, whose outputs are what SDPA saves; an
+      MoE router's logits feed a softmax, which saves its output. The recompute consumes all but
+      the last matmul's (w2 / fc2 / the shared experts' w2), where it stops."""
+    D, q_dim, kv_dim, _, _ = _shapes(m)
+    c = d.compute
+    block_input = Terms(seq=d.stream * D if m.family == "llama" and d.stream != FP32 else 0)
+    if policy != "selective":
+        return PolicyOnly(Terms(), block_input)
+    released = Terms(gathered=c * D)  # wo output
+    if m.family == "llama":
+        released += Terms(tp=c * (q_dim + kv_dim))  # wq, wk outputs (before RoPE)
+    last = Terms(gathered=c * D)  # w2 / fc2 output
+    if m.num_experts:
+        released += Terms(seq=c * m.num_experts)  # router logits
+        last = Terms(gathered=c * D if m.num_shared_experts else 0)
+    return PolicyOnly(released, block_input + last)
+
+
 def final_norm_terms(m: ModelConfig, d: ActDtypes) -> Terms:
     """The final norm: its input (the last block's output) and what the output projection saves."""
     residual = d.stream * m.dim if m.family == "gpt2" else FP32 * m.dim
     return Terms(seq=residual) + _norm(m, d, 1)
 
 
-def backward_transient_terms(m: ModelConfig, d: ActDtypes) -> Terms:
-    """Extra bytes while one block runs its backward (activations of the block still counted).
+@dataclass(frozen=True)
+class Transient:
+    """What one block's backward creates beyond its saved activations, by moment."""
 
-    Measured peak inside the block: the MLP's intermediate gradients (SwiGLU: grads of the w2
-    input, of silu out and of w3 out, while the w2 input is already freed: +2 F; GELU MLP: grads
-    of the GELU output and input while the GELU output is freed: +1 F), or the attention's
-    gradients of q, k, v and out when larger, plus the gradient of the residual stream (and its
-    low-precision cast for the branch under autocast).
-    """
+    grad_stream: Terms
+    """The incoming gradient of the residual stream."""
+    grad_cast: Terms
+    """Under autocast, its low-precision cast for the block's branch (once the branch's backward runs)."""
+    attention: Terms
+    """The attention's gradients of q, k, v and out."""
+    mlp_new: Terms
+    """The MLP's intermediate gradients at their peak..."""
+    mlp_freed: Terms
+    """...when this saved forward tensor (activation, or recompute buffer) is already released."""
+    recompute_tail: Terms
+    """A checkpointed block's recompute runs past its last saved tensor when the block saves
+    something after its output (an MoE layer's load-balancing loss): the routed output, the
+    shared experts' output and their sum exist until the recompute returns."""
+
+
+def backward_transient_terms(m: ModelConfig, d: ActDtypes) -> Transient:
+    """Bytes while one block runs its backward, beyond its saved activations (measured on CPU):
+    the MLP's intermediate gradients (SwiGLU: the gradients of the w2 input, of silu out and of
+    w3 out, 3 F, once the w2 input is freed; GELU MLP: the gradients of the GELU output and input,
+    2 F, once the GELU output is freed) or the attention's gradients, plus the stream's gradient."""
     D, q_dim, kv_dim, _, _ = _shapes(m)
     c = d.compute
-    # The gradient of the residual stream; under autocast the residual add (fp32 + bf16 branch)
-    # also casts it for the branch, before the branch's backward recomputes or runs.
-    grad_stream = d.stream * D + (c * D if d.autocast else 0)
-    attention = c * (2 * q_dim + 2 * kv_dim)
+    # Under autocast the residual add (fp32 + bf16 branch) also casts the gradient for the branch.
+    grad_cast = Terms(seq=c * D if d.autocast else 0)
+    tail = Terms()
     if m.family == "gpt2":
-        mlp = c * m.ffn_dim
+        # fp32/16-bit: GELU's backward (its input's and output's gradients, fc2's input freed);
+        # autocast: inside fc2's backward (its input's gradient, before the fp32 cast-back).
+        hidden, grads = m.ffn_dim, 1 if d.autocast else 2
     elif m.num_experts:
         F = m.expert_ffn_dim
-        mlp = max(2 * c * m.num_shared_experts * F, 2 * c * F * m.experts_per_token / m.num_experts)
+        hidden, grads = max(m.num_shared_experts * F, F * m.experts_per_token / m.num_experts), 3
+        tail = Terms(seq=2 * d.stream * D + (c * D if m.num_shared_experts else 0))
     else:
-        mlp = 2 * c * m.ffn_dim
-    return Terms(seq=grad_stream, tp=max(attention, mlp))
+        hidden, grads = m.ffn_dim, 3
+    return Transient(grad_stream=Terms(seq=d.stream * D), grad_cast=grad_cast,
+                     attention=Terms(tp=c * (2 * q_dim + 2 * kv_dim)), mlp_new=Terms(tp=grads * c * hidden),
+                     mlp_freed=Terms(tp=c * hidden if grads > 1 else 0), recompute_tail=tail)
 
 
 # ---------------------------------------------------------------- Korthikanti et al. (2022)

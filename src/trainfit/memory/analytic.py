@@ -45,6 +45,7 @@ from trainfit.memory.activations import (
     backward_transient_terms,
     block_terms,
     final_norm_terms,
+    policy_only_terms,
 )
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import ParamCounts, param_counts
@@ -307,8 +308,12 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
     none_blocks = lay.blocks - lay.policy_blocks
     a_blocks = none_blocks * a_none + lay.policy_blocks * a_policy
     a_final = size(final_norm_terms(cfg.model, act)) if lay.last else 0
-    transient = size(backward_transient_terms(cfg.model, act))
+    transient = backward_transient_terms(cfg.model, act)
     rebuild = a_none - a_policy  # what a checkpointed block recomputes in backward
+    only = policy_only_terms(cfg.model, act, policy)
+    released = size(only.released)  # saved by the policy, freed by the recompute
+    rebuild += released + size(only.kept)
+
     saved_logits, logits_tensor, logits_fwd, logits_bwd = (
         _logits(cfg, prec, st.tokens, tp) if lay.last else (0, 0, 0, 0))
 
@@ -317,8 +322,11 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
     cast_block = c * lay.block_matmul if act.autocast else 0
     cast_head = c * lay.output_matmul if act.autocast else 0
     held = c * st.params if (st.fsdp and dims.zero_stage == 2) else 0  # reshard_after_forward=False
-    root = lay.embedding + lay.head  # FSDP2 never reshards the root (embeddings, final norm, output)
-    gather = c * ((1 + FSDP_PREFETCH_BLOCKS) * lay.block + root) if (st.fsdp and dims.zero_stage == 3) else 0
+    # ZeRO-3: FSDP2 never reshards the root (embeddings, final norm, output); every block reshards
+    # after its forward, so blocks are gathered only while one runs (with its prefetched neighbour).
+    zero3 = st.fsdp and dims.zero_stage == 3
+    root_gather = c * (lay.embedding + lay.head) if zero3 else 0
+    block_gather = c * (1 + FSDP_PREFETCH_BLOCKS) * lay.block if zero3 else 0
     reduce = (FSDP_REDUCE_BYTES_MIXED if prec.mixed else prec.param) if st.fsdp else 0
     persistent_buffers = 0
     if cfg.model.family == "llama":  # RoPE cos/sin tables, fp32 (bf16 once a bf16-pure model is cast)
@@ -328,20 +336,46 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
         persistent_buffers += st.grads  # DDP's gradient buckets
     if dims.ep > 1:  # all-to-all dispatch and combine of each routed token (send + receive)
         persistent_buffers += 2 * st.tokens * cfg.model.experts_per_token * cfg.model.dim * c
-    fwd_buffers = persistent_buffers + gather
+    fwd_buffers = persistent_buffers + root_gather
     # Unsharded gradients: the current block's until its reduce-scatter, the root's (output
     # projection, final norm; a tied embedding's too) until the backward ends.
     root_grads = lay.head + (lay.embedding if lay.tied_here else 0)
-    bwd_buffers = persistent_buffers + gather + reduce * (lay.block + root_grads)
+    bwd_buffers = persistent_buffers + root_gather + block_gather + reduce * (lay.block + root_grads)
 
     # ---- gradients present before this micro-batch's backward: accumulation or pipelining
     m = cfg.parallel.num_microbatches or cfg.grad_accum_steps
     accumulating = cfg.grad_accum_steps > 1 if dims.pp == 1 else m > lay.in_flight
     before = st.grads if accumulating else 0
     per_param = st.grads / st.params if st.params else 0
-    output_grads = int(root_grads * per_param)
-    mlp_out_grads = int(lay.mlp_out * (per_param + (c if act.autocast else 0)))
-    later_grads = int((st.params - lay.block - (0 if lay.tied_here else lay.embedding)) * per_param)
+    # A tied weight's gradient stays in autograd's accumulation buffer until the embedding's
+    # backward adds its share (FSDP2 reduces it as an unsharded gradient, in bwd_buffers).
+    tied_pending = int(lay.embedding * per_param) if lay.tied_here and not st.fsdp else 0
+    output_grads = int(root_grads * per_param) - tied_pending
+    later_grads = int((st.params - lay.block - (0 if lay.tied_here else lay.embedding)) * per_param) - tied_pending
+    # The MLP's output matmul (w2 / fc2) has its weight gradient by the MLP's backward peak: in
+    # .grad after SwiGLU's w2; GELU's peak is inside fc2's backward, where under autocast the
+    # 16-bit weight gradient is not yet cast and accumulated.
+    w2_grad = int(lay.mlp_out * per_param)
+    w2_grad_in_flight = cfg.model.family == "gpt2" and act.autocast
+
+    def in_backward(wrapped: bool) -> tuple[int, int, int]:
+        """(activations, recompute buffer, the block's own gradients) at a block's backward peak.
+        Unwrapped: its saved activations with the attention's or the MLP's gradients.
+        Checkpointed: the recompute just done, or the MLP's gradients (by the attention's turn
+        the MLP's recompute is freed)."""
+        t = transient
+        stream, cast = size(t.grad_stream) + tied_pending, size(t.grad_cast)
+        w2 = (0, c * lay.mlp_out) if w2_grad_in_flight else (w2_grad, 0)
+        if not wrapped:
+            mlp = size(t.mlp_new) - size(t.mlp_freed)
+            return a_none + stream + cast + max(size(t.attention), mlp) + w2[1], 0, w2[0]
+        kept = a_policy - released + stream
+        recomputed = (kept, rebuild + size(t.recompute_tail), 0)
+        mlp_grads = (kept + cast + size(t.mlp_new) + w2[1], rebuild - size(t.mlp_freed), w2[0])
+        return max(recomputed, mlp_grads, key=sum)
+
+    last_acts, last_rebuild, last_grads = in_backward(lay.last_wrapped)
+    first_acts, first_rebuild, first_grads = in_backward(lay.first_wrapped)
 
     n_if, h_if = lay.in_flight, lay.head_in_flight
     older = (n_if - 1) * a_blocks + (h_if - 1) * (a_final + saved_logits)  # other micro-batches in flight
@@ -355,11 +389,10 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
         ("forward", held + saved_casts, acts, logits_fwd, before, fwd_buffers),
         ("backward", held + saved_casts, acts, logits_bwd, before, fwd_buffers),
         ("backward", held + saved_casts - cast_head + (cast_block if lay.last_wrapped else 0),
-         older + a_blocks + transient, 0, max(before, output_grads + mlp_out_grads),
-         bwd_buffers + (rebuild if lay.last_wrapped else 0)),
+         older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, 0,
+         max(before, output_grads + last_grads), bwd_buffers + last_rebuild),
         ("backward", (c * (lay.block + lay.embedding) if held else 0) + older_casts + cast_block,
-         older + (a_policy if lay.first_wrapped else a_none) + transient, 0,
-         max(before, later_grads) + mlp_out_grads, bwd_buffers + (rebuild if lay.first_wrapped else 0)),
+         older + first_acts, 0, max(before, later_grads) + first_grads, bwd_buffers + first_rebuild),
         ("optimizer", 0, 0, 0, st.grads, persistent_buffers + st.optimizer_temp),
     ]
     states = st.persistent + st.optimizer
