@@ -340,7 +340,7 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
     # Unsharded gradients: the current block's until its reduce-scatter, the root's (output
     # projection, final norm; a tied embedding's too) until the backward ends.
     root_grads = lay.head + (lay.embedding if lay.tied_here else 0)
-    bwd_buffers = persistent_buffers + root_gather + block_gather + reduce * (lay.block + root_grads)
+    bwd_buffers = persistent_buffers + root_gather + block_gather + (c * root_grads if st.fsdp else 0)
 
     # ---- gradients present before this micro-batch's backward: accumulation or pipelining
     m = cfg.parallel.num_microbatches or cfg.grad_accum_steps
@@ -350,32 +350,38 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
     # A tied weight's gradient stays in autograd's accumulation buffer until the embedding's
     # backward adds its share (FSDP2 reduces it as an unsharded gradient, in bwd_buffers).
     tied_pending = int(lay.embedding * per_param) if lay.tied_here and not st.fsdp else 0
-    output_grads = int(root_grads * per_param) - tied_pending
-    later_grads = int((st.params - lay.block - (0 if lay.tied_here else lay.embedding)) * per_param) - tied_pending
+    # Sharded gradients (FSDP) exist once reduce-scattered: the root's after the whole backward.
+    output_grads = 0 if st.fsdp else int(root_grads * per_param) - tied_pending
+    later = st.params - lay.block - (0 if lay.tied_here else lay.embedding) - (root_grads if st.fsdp else 0)
+    later_grads = int(later * per_param) - tied_pending
     # The MLP's output matmul (w2 / fc2) has its weight gradient by the MLP's backward peak: in
-    # .grad after SwiGLU's w2; GELU's peak is inside fc2's backward, where under autocast the
-    # 16-bit weight gradient is not yet cast and accumulated.
-    w2_grad = int(lay.mlp_out * per_param)
-    w2_grad_in_flight = cfg.model.family == "gpt2" and act.autocast
+    # .grad after SwiGLU's w2 (under FSDP an unsharded gradient, until the block's reduce-scatter);
+    # GELU's peak is inside fc2's backward, where under autocast the 16-bit weight gradient is not
+    # yet cast and accumulated.
+    w2_in_flight = cfg.model.family == "gpt2" and act.autocast
+    w2 = (0, 0, c * lay.mlp_out) if w2_in_flight else \
+        (0, c * lay.mlp_out, 0) if st.fsdp else (int(lay.mlp_out * per_param), 0, 0)
 
     def in_backward(wrapped: bool) -> tuple[int, int, int]:
-        """(activations, recompute buffer, the block's own gradients) at a block's backward peak.
-        Unwrapped: its saved activations with the attention's or the MLP's gradients.
-        Checkpointed: the recompute just done, or the MLP's gradients (by the attention's turn
-        the MLP's recompute is freed)."""
+        """(grads, buffers, activations) a block adds at its backward's peak. Unwrapped: its saved
+        activations with the attention's or the MLP's gradients. Checkpointed: the recompute just
+        done, or the MLP's gradients (by the attention's turn the MLP's recompute is freed)."""
         t = transient
         stream, cast = size(t.grad_stream) + tied_pending, size(t.grad_cast)
-        w2 = (0, c * lay.mlp_out) if w2_grad_in_flight else (w2_grad, 0)
         if not wrapped:
             mlp = size(t.mlp_new) - size(t.mlp_freed)
-            return a_none + stream + cast + max(size(t.attention), mlp) + w2[1], 0, w2[0]
+            return w2[0], w2[1], a_none + stream + cast + max(size(t.attention), mlp) + w2[2]
         kept = a_policy - released + stream
-        recomputed = (kept, rebuild + size(t.recompute_tail), 0)
-        mlp_grads = (kept + cast + size(t.mlp_new) + w2[1], rebuild - size(t.mlp_freed), w2[0])
-        return max(recomputed, mlp_grads, key=sum)
+        recomputed = (0, rebuild + size(t.recompute_tail), kept)
+        mlp_moment = (w2[0], w2[1] + rebuild - size(t.mlp_freed), kept + cast + size(t.mlp_new) + w2[2])
+        return max(recomputed, mlp_moment, key=sum)
 
-    last_acts, last_rebuild, last_grads = in_backward(lay.last_wrapped)
-    first_acts, first_rebuild, first_grads = in_backward(lay.first_wrapped)
+    last_grads, last_buffers, last_acts = in_backward(lay.last_wrapped)
+    first_grads, first_buffers, first_acts = in_backward(lay.first_wrapped)
+    if st.fsdp and lay.blocks > 1:  # FSDP2 holds a reduce-scatter's input until it issues the next one
+        first_buffers += reduce * lay.block
+    if zero3:  # the first block's backward is the last: nothing left to prefetch
+        first_buffers -= c * FSDP_PREFETCH_BLOCKS * lay.block
 
     n_if, h_if = lay.in_flight, lay.head_in_flight
     older = (n_if - 1) * a_blocks + (h_if - 1) * (a_final + saved_logits)  # other micro-batches in flight
@@ -390,9 +396,9 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
         ("backward", held + saved_casts, acts, logits_bwd, before, fwd_buffers),
         ("backward", held + saved_casts - cast_head + (cast_block if lay.last_wrapped else 0),
          older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, 0,
-         max(before, output_grads + last_grads), bwd_buffers + last_rebuild),
-        ("backward", (c * (lay.block + lay.embedding) if held else 0) + older_casts + cast_block,
-         older + first_acts, 0, max(before, later_grads) + first_grads, bwd_buffers + first_rebuild),
+         max(before, output_grads + last_grads), bwd_buffers + last_buffers),
+        ("backward", (c * (lay.block + lay.embedding + lay.head) if held else 0) + older_casts + cast_block,
+         older + first_acts, 0, max(before, later_grads) + first_grads, bwd_buffers + first_buffers),
         ("optimizer", 0, 0, 0, st.grads, persistent_buffers + st.optimizer_temp),
     ]
     states = st.persistent + st.optimizer
