@@ -15,7 +15,8 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytes
 def _restore_torch_state() -> None:
     import torch
 
-    dtype, rng = torch.get_default_dtype(), torch.get_rng_state()
+    dtype, rng, threads = torch.get_default_dtype(), torch.get_rng_state(), torch.get_num_threads()
     yield
     torch.set_default_dtype(dtype)
     torch.set_rng_state(rng)
+    torch.set_num_threads(threads)

@@ -442,7 +442,8 @@ def model_states(cfg: Config, dims: ParallelDims | None = None, stage: int = 0) 
 def forward_retained_bytes(cfg: Config, dims: ParallelDims | None = None, stage: int = 0) -> int:
     """Bytes one micro-batch's forward and loss leave allocated for its backward on `stage`: saved
     activations, the saved log-probabilities and, with torch.amp, the 16-bit weight copies autograd
-    saved. The measurable counterpart: (in use after forward + loss) - (in use before)."""
+    saved, and under FSDP the unsharded parameters kept for backward (ZeRO-2: all; ZeRO-3: the
+    root's). The measurable counterpart: (in use after forward + loss) - (in use before)."""
     dims = dims or resolve_parallel_dims(cfg)
     st = _stage(cfg, dims, param_counts(cfg.model), stage)
     lay, act = st.lay, st.prec.act
@@ -459,6 +460,9 @@ def forward_retained_bytes(cfg: Config, dims: ParallelDims | None = None, stage:
         total += size(final_norm_terms(cfg.model, act)) + _logits(cfg, st.prec, st.tokens, dims.tp)[0]
     if act.autocast:
         total += st.prec.compute * (none_blocks * lay.block_matmul + lay.output_matmul)
+    if st.fsdp:  # unsharded parameters gathered in the forward and kept for backward
+        kept = st.params if dims.zero_stage == 2 else lay.embedding + lay.head if dims.zero_stage == 3 else 0
+        total += st.prec.compute * kept
     return total
 
 

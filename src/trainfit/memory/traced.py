@@ -47,7 +47,7 @@ micro-batches at most: later ones repeat the second's memory.
 Fidelity limits: a CPU build runs the CPU kernels' output shapes, torch.amp's CPU autocast op list
 and CPU fused attention; CUDA's caching-allocator rounding and fragmentation are not modelled
 (analytic.py's reserved_margin is). On CPU, traced peaks land within 3% of measured ones
-(tests/estimator/test_traced.py), usually 0.5-1.5% below: the allocator also holds autograd's
+(tests/estimator/test_accuracy.py), usually 0.5-1.5% below: the allocator also holds autograd's
 graph objects and tensor headers, which no storage accounts for.
 """
 

@@ -1,0 +1,278 @@
+"""The estimator accuracy grid, shared by tests/estimator/test_accuracy.py and
+benchmarks/estimator_accuracy.py: configurations on 1, 2 and 4 CPU processes, each measured at the
+allocator (memory/attribution.py), traced (memory/traced.py) and estimated (memory/analytic.py).
+
+Ground truth on CPU: the step's growth in glibc's in-use bytes on top of the tensors alive at its
+start. What no tensor explains (autograd's graph objects, tensor headers: ~0.1-0.3 MiB on these
+models) is the measured side's extra, so models are sized for peaks of 10-60 MiB; small enough
+that a 4-rank step costs a few seconds on 2 cores.
+
+Several ranks: one `torch.multiprocessing.spawn` per world size joins a gloo world once and
+measures all of that world's rows in sequence (each rank measures itself and writes one JSON file
+per row); the trace and the analytic estimate run in the calling process, which has no process
+group (the tracer brings its own fake one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trainfit.config import Config, load_config
+from trainfit.memory.analytic import estimate_memory, forward_retained_bytes, model_states
+from trainfit.memory.attribution import Measurement, measure_step
+from trainfit.memory.breakdown import COMPONENTS, MemoryBreakdown
+from trainfit.memory.traced import trace_step
+
+MiB = 2**20
+TRACED_PEAK_TOLERANCE = 0.03
+"""Traced peak against the measured one (relative)."""
+ANALYTIC_TOLERANCE = 0.10
+"""Analytic peak, forward-retained bytes and model states against the measured ones (relative)."""
+COMPONENT_TOLERANCE = 0.10
+"""Analytic against traced, per component: a fraction of the traced component..."""
+COMPONENT_FLOOR = 0.01
+"""...or of the traced peak, whichever is larger (a component under a tenth of the peak is held to
+1% of the peak: 10% of a 0.2 MiB component is noise the peak does not feel)."""
+
+_SHAPE = ["--model.dim=128", "--model.vocab_size=512", "--model.max_seq_len=256", "--training.seq_len=256",
+          "--training.micro_batch_size=4", "--training.global_batch_size=4"]
+LLAMA = ["--model.preset=debug", "--model.ffn_dim=384", *_SHAPE]
+"""2 blocks, grouped-query attention (4 heads, 2 KV heads), SwiGLU."""
+MHA = [*LLAMA, "--model.num_layers=3", "--model.num_kv_heads=4"]
+"""3 blocks, multi-head attention."""
+TIED = [*LLAMA, "--model.vocab_size=2048", "--model.tie_embeddings=true"]
+"""A tied, wider vocabulary: the logits matter."""
+MOE = ["--model.preset=debug-moe", "--model.expert_ffn_dim=128", *_SHAPE]
+"""4 routed experts (top 2) + 1 shared."""
+GPT2 = ["--model.preset=debug-gpt2", "--model.ffn_dim=512", *_SHAPE]
+"""LayerNorm, biases, GELU, tied output."""
+TINY = ["--model.preset=tiny", "--training.seq_len=32"]
+"""4 wider blocks (dim 256) on short sequences: the optimizer step holds the peak."""
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    world: int
+    """Processes (gloo ranks), hardware.num_gpus."""
+    overrides: tuple[str, ...]
+
+
+def _row(name: str, world: int, shape: list[str], *extra: str, micro: int = 4, accum: int = 1) -> Row:
+    """`shape` on `world` ranks, micro-batches of `micro` sequences, `accum` of them per step."""
+    batch = (f"--training.micro_batch_size={micro}", f"--training.global_batch_size={micro * accum * world}",
+             f"--hardware.num_gpus={world}")
+    return Row(name if world == 1 else f"x{world}-{name}", world, (*shape, *batch, *extra))
+
+
+BF16_MIXED, FP16_MIXED, BF16_PURE = ("--precision.mode=bf16-mixed", "--precision.mode=fp16-mixed",
+                                     "--precision.mode=bf16-pure")
+SELECTIVE, FULL = "--memory.activation_checkpointing=selective", "--memory.activation_checkpointing=full"
+SGD, ADAM = "--optimizer.name=sgd", "--optimizer.name=adam"
+Z0, Z1, Z2, Z3 = (f"--parallel.zero_stage={stage}" for stage in range(4))
+
+GRID: list[Row] = [
+    # one process: precision x optimizer x checkpointing x batch shape x model
+    _row("llama-fp32", 1, LLAMA),
+    _row("llama-bf16-mixed", 1, LLAMA, BF16_MIXED),
+    _row("llama-fp16-mixed", 1, LLAMA, FP16_MIXED),
+    _row("llama-bf16-pure", 1, LLAMA, BF16_PURE),
+    _row("llama-selective", 1, LLAMA, SELECTIVE),
+    _row("llama-full", 1, LLAMA, FULL),
+    _row("llama-bf16-mixed-full", 1, LLAMA, BF16_MIXED, FULL),
+    _row("llama-fp16-mixed-selective-sgd", 1, LLAMA, FP16_MIXED, SELECTIVE, SGD),
+    _row("llama-adam", 1, LLAMA, ADAM),
+    _row("llama-bf16-pure-full-sgd", 1, LLAMA, BF16_PURE, FULL, SGD),
+    _row("llama-accumulation", 1, LLAMA, micro=2, accum=2),
+    _row("llama-seq64-micro8", 1, LLAMA, "--training.seq_len=64", micro=8),
+    _row("llama-3-layers-full-every-2", 1, LLAMA, "--model.num_layers=3", FULL, "--memory.ac_every_n_layers=2"),
+    _row("mha-seq128-micro8", 1, MHA, "--training.seq_len=128", micro=8),
+    _row("mha-bf16-mixed-adam-selective-every-2", 1, MHA, BF16_MIXED, ADAM, SELECTIVE,
+         "--memory.ac_every_n_layers=2"),
+    _row("tied-fp32", 1, TIED),
+    _row("tied-bf16-mixed-selective-sgd", 1, TIED, BF16_MIXED, SELECTIVE, SGD),
+    _row("moe-fp32", 1, MOE),
+    _row("moe-bf16-mixed", 1, MOE, BF16_MIXED),
+    _row("moe-bf16-pure-selective", 1, MOE, BF16_PURE, SELECTIVE),
+    _row("moe-full-sgd", 1, MOE, FULL, SGD),
+    _row("gpt2-fp32", 1, GPT2),
+    _row("gpt2-bf16-mixed-selective", 1, GPT2, BF16_MIXED, SELECTIVE),
+    _row("gpt2-fp16-mixed-full", 1, GPT2, FP16_MIXED, FULL),
+    _row("tiny-seq32-micro2", 1, TINY, micro=2),
+    _row("tiny-bf16-mixed-adam-seq32-micro2", 1, TINY, BF16_MIXED, ADAM, micro=2),
+    # two ranks: DDP, ZeRO-1 (ZeroRedundancyOptimizer), ZeRO-2 and ZeRO-3 (FSDP2)
+    _row("llama-z0-fp32", 2, LLAMA, Z0),
+    _row("llama-z0-bf16-mixed-selective", 2, LLAMA, Z0, BF16_MIXED, SELECTIVE),
+    _row("llama-z1-fp32", 2, LLAMA, Z1),
+    _row("llama-z1-fp16-mixed-full", 2, LLAMA, Z1, FP16_MIXED, FULL),
+    _row("llama-z2-fp32", 2, LLAMA, Z2),
+    _row("llama-z2-bf16-mixed-selective", 2, LLAMA, Z2, BF16_MIXED, SELECTIVE),
+    _row("llama-z2-accumulation", 2, LLAMA, Z2, micro=2, accum=2),
+    _row("llama-z3-fp32", 2, LLAMA, Z3),
+    _row("llama-z3-bf16-mixed-full", 2, LLAMA, Z3, BF16_MIXED, FULL),
+    _row("llama-z3-bf16-pure-sgd", 2, LLAMA, Z3, BF16_PURE, SGD),
+    _row("moe-z3-bf16-mixed", 2, MOE, Z3, BF16_MIXED),
+    _row("tiny-z1-seq32-micro2", 2, TINY, Z1, micro=2),
+    # four ranks, and HSDP (2 replicas x 2 shards)
+    _row("llama-z0-bf16-mixed", 4, LLAMA, Z0, BF16_MIXED),
+    _row("llama-z1-fp32", 4, LLAMA, Z1),
+    _row("mha-z1-adam-accumulation", 4, MHA, Z1, ADAM, micro=2, accum=2),
+    _row("llama-z2-fp16-mixed", 4, LLAMA, Z2, FP16_MIXED),
+    _row("llama-z3-fp32-selective", 4, LLAMA, Z3, SELECTIVE),
+    _row("llama-z3-bf16-mixed-full", 4, LLAMA, Z3, BF16_MIXED, FULL),
+    _row("llama-hsdp-2x2-bf16-mixed", 4, LLAMA, Z3, "--parallel.dp_replicate=2", BF16_MIXED),
+    _row("moe-z2-fp32", 4, MOE, Z2),
+    _row("gpt2-z3-bf16-mixed", 4, GPT2, Z3, BF16_MIXED),
+    _row("tiny-z1-bf16-mixed-seq32-micro2", 4, TINY, Z1, BF16_MIXED, micro=2),
+]
+
+
+def run_config(tmp: Path, *overrides: str) -> Config:
+    """A quiet CPU run writing only under `tmp`."""
+    base = ["--training.eval_interval=0", "--checkpoint.interval=0", "--checkpoint.resume=never",
+            f"--checkpoint.dir={tmp / 'ckpt'}", f"--logging.dir={tmp / 'logs'}", "--logging.progress=false",
+            "--training.device=cpu"]
+    return load_config(None, [*base, *overrides])
+
+
+def row_config(row: Row, tmp: Path) -> Config:
+    return run_config(tmp / row.name, *row.overrides)
+
+
+@contextmanager
+def single_thread() -> Iterator[None]:
+    """Tiny CPU steps gain nothing from a second intra-op thread, and on a shared 2-core machine
+    its spin-waiting costs several times the work (memory figures do not depend on it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure(cfg: Config) -> Measurement:
+    """measure_step; for MoE in 16 bits without oneDNN, which caches a kernel (with workspace) per
+    new matmul shape: routing changes the shapes every step, so the cache grows mid-step on CPU.
+    A GPU has no such cache and the estimator does not model it."""
+    if not (cfg.model.num_experts and cfg.precision.mode != "fp32"):
+        return measure_step(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flags() re-sets oneDNN's TF32 switch, which warns on CPU
+        with torch.backends.mkldnn.flags(enabled=False):
+            return measure_step(cfg)
+
+
+# ---------------------------------------------------------------- the three sources
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """One rank's measured step, as the checks that do not need the components see it."""
+
+    peak: int
+    forward_retained: int
+    state_bytes: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Measured:
+    breakdown: MemoryBreakdown
+    """Rank 0's components, peak and peak phase."""
+    ranks: list[RankFigures]
+
+
+@dataclass(frozen=True)
+class Analytic:
+    breakdown: MemoryBreakdown
+    forward_retained: int
+    model_states: int
+
+
+def trace(row: Row, tmp: Path) -> MemoryBreakdown:
+    """Rank 0's traced step (fake tensors, fake process group: call with no process group)."""
+    return trace_step(row_config(row, tmp)).worst
+
+
+def analytic(row: Row, tmp: Path) -> Analytic:
+    cfg = row_config(row, tmp)
+    return Analytic(estimate_memory(cfg).worst, forward_retained_bytes(cfg), model_states(cfg).model_states)
+
+
+def _figures(m: Measurement) -> dict:
+    return {"breakdown": m.breakdown.as_dict(), "forward_retained": m.forward_retained, "state_bytes": m.state_bytes}
+
+
+def _measured(per_rank: list[dict]) -> Measured:
+    ranks = [RankFigures(r["breakdown"]["peak"], r["forward_retained"], r["state_bytes"]) for r in per_rank]
+    return Measured(MemoryBreakdown(**per_rank[0]["breakdown"]), ranks)
+
+
+def _measure_each(rows: list[Row], tmp: Path, progress: bool) -> Iterator[tuple[Row, Measurement]]:
+    """This process's measurements of `rows`, after one discarded measurement: the first step of a
+    process allocates for good (imports, thread pools, library tables) and would count it."""
+    with single_thread():
+        measure(row_config(rows[0], tmp / "warm-up"))
+        for i, row in enumerate(rows, 1):
+            if progress:
+                print(f"measuring {row.name} ({i}/{len(rows)} of the {row.world}-process rows)", file=sys.stderr,
+                      flush=True)
+            yield row, measure(row_config(row, tmp))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, rows: list[Row], out: str, progress: bool) -> None:
+    """One gloo rank (torchrun's environment): joins the world once, then every Trainer of `rows`
+    runs in it; writes its figures of each row to OUT/ROW.rankN.json."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo")
+    try:
+        for row, m in _measure_each(rows, Path(out), progress and rank == 0):
+            Path(out, f"{row.name}.rank{rank}.json").write_text(json.dumps(_figures(m)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_spawned(rows: list[Row], world: int, tmp: Path, progress: bool) -> dict[str, Measured]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_rank, args=(world, _free_port(), rows, str(tmp), progress), nprocs=world)
+    return {row.name: _measured([json.loads((tmp / f"{row.name}.rank{r}.json").read_text()) for r in range(world)])
+            for row in rows}
+
+
+def measure_rows(rows: list[Row], tmp: Path, *, progress: bool = False) -> dict[str, Measured]:
+    """Measure `rows`, by name: one-process rows in this process, the others in one spawn per world
+    size (`progress`: name each row on stderr as its measurement starts)."""
+    out: dict[str, Measured] = {}
+    for world in sorted({row.world for row in rows}):
+        group = [row for row in rows if row.world == world]
+        if world == 1:
+            out |= {row.name: _measured([_figures(m)]) for row, m in _measure_each(group, tmp, progress)}
+        else:
+            out |= _measure_spawned(group, world, tmp / f"x{world}", progress)
+    return out
+
+
+def component_gaps(predicted: MemoryBreakdown, reference: MemoryBreakdown) -> dict[str, tuple[int, int]]:
+    """Per component: (predicted - reference, the allowed absolute difference), in bytes."""
+    floor = COMPONENT_FLOOR * reference.peak
+    return {name: (getattr(predicted, name) - getattr(reference, name),
+                   int(max(COMPONENT_TOLERANCE * getattr(reference, name), floor))) for name in COMPONENTS}
