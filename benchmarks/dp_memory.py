@@ -1,9 +1,9 @@
 """Per-rank memory and throughput of every data-parallel layout: a ~50M-parameter Llama on 4 CPU
 ranks (gloo), the same global batch for each layout.
 
-For each layout, every rank runs a warm-up step, timed steps, then one measured step
-(Trainer.measured_step): the peak at the allocator (glibc in-use bytes sampled after every
-operator, above what was in use before the model was built; the largest over the ranks) and this
+For each layout, every rank runs a watched warm-up step, one measured step as `trainfit train` does
+(Trainer.measured_step: the tensors alive at the step's start + glibc in-use growth sampled after
+every operator, memory/attribution.py; the largest over the ranks), then timed steps; and this
 rank's model-state tensors (params, grads, optimizer: local shard bytes, rank 0). "estimate" is
 memory/analytic.estimate_memory's peak and model states for the same config, when that module is
 present. On a CPU "offload" moves nothing (host and device are the same memory): its row shows
@@ -70,12 +70,12 @@ def run_rank(args: argparse.Namespace) -> None:
             trainer = Trainer(cfg)
             world = trainer.world
             worlds.append(world)  # the first one created the process group
-            trainer.train_step()  # warm-up: optimizer states, one-time buffers
+            trainer.watched_step()  # warm-up: optimizer states, one-time buffers, DDP's buckets (known to the meter)
+            stats = trainer.measured_step()
             start = time.perf_counter()
             for _ in range(args.steps):
                 trainer.train_step()
             seconds = (time.perf_counter() - start) / args.steps
-            stats = trainer.measured_step()
             peaks = world.gather_objects(stats.peak_memory_bytes)
             if world.is_main:
                 tokens_per_s = cfg.training.global_batch_size * cfg.training.seq_len / seconds

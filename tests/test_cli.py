@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 from _runs import run_overrides
+from trainfit.cli import main
+from trainfit.memory import traced
 from trainfit.train import checkpoint as ckpt
 from trainfit.train.metrics import read_metrics
 
@@ -32,10 +35,23 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subproc
     return run_dir, proc
 
 
+def table_row(stdout: str, first: str) -> list[str]:
+    """The cells of the printed table row whose first cell is `first`."""
+    for line in stdout.splitlines():
+        cells = [cell.strip() for cell in re.split("[│┃]", line)[1:-1]]
+        if cells and cells[0] == first:
+            return cells
+    raise AssertionError(f"no row {first!r} in:\n{stdout}")
+
+
 def test_train_prints_a_summary_and_saves(trained_run: tuple[Path, subprocess.CompletedProcess]) -> None:
     run_dir, proc = trained_run
     assert "run complete" in proc.stdout
-    assert "val loss" in proc.stdout and "tokens/s" in proc.stdout and "predicted peak" in proc.stdout
+    assert "val loss" in proc.stdout and "tokens/s" in proc.stdout and "peak memory" in proc.stdout
+    assert proc.stdout.index("run complete") < proc.stdout.index("predicted vs measured")  # the table comes after
+    assert table_row(proc.stdout, "component")[1:4] == ["analytic", "traced", "measured"]
+    peak = table_row(proc.stdout, "peak")  # three sizes, then the errors of the two estimates
+    assert [cell.endswith("MiB") for cell in peak[1:4]] == [True] * 3 and [c[-1] for c in peak[4:]] == ["%", "%"]
     assert ckpt.latest_checkpoint(run_dir / "ckpt").name == "step_00000012"
     assert [r["step"] for r in read_metrics(run_dir / "logs") if "val_loss" in r] == [0, 6, 12]
 
@@ -147,4 +163,26 @@ def test_train_warns_before_allocating_when_the_estimate_exceeds_the_device(tmp_
     proc = trainfit("train", *run_overrides(tmp_path, "--training.steps=1", "--hardware.gpu=RTX-4090",
                                             "--hardware.memory_gib=0.001"))
     assert "warning: the estimate needs" in proc.stderr and "RTX-4090" in proc.stderr
-    assert "predicted peak" in proc.stdout and "vs measured" in proc.stdout
+    assert "predicted vs measured" in proc.stdout
+
+
+def _refuse_to_trace(cfg: object) -> None:
+    raise RuntimeError("a layout the tracer refuses")
+
+
+@pytest.mark.parametrize("tracing", ["disabled", "fails"])
+def test_train_compares_the_analytic_estimate_alone_without_a_trace(
+    tracing: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """logging.traced_estimate=false does not trace at all; a trace that fails costs one warning line."""
+    monkeypatch.setattr(traced, "trace_step", _refuse_to_trace)
+    flag = "false" if tracing == "disabled" else "true"
+    assert main(["train", *run_overrides(tmp_path, "--training.steps=2", f"--logging.traced_estimate={flag}")]) == 0
+    out, err = capsys.readouterr()
+    header = table_row(out, "component")
+    assert header[1:3] == ["analytic", "measured"] and "traced" not in " ".join(header)
+    assert len(table_row(out, "peak")) == 4  # analytic, measured and the analytic error
+    warnings = [line for line in err.splitlines() if "traced estimate" in line]
+    assert warnings == ([] if tracing == "disabled" else
+                        ["warning: no traced estimate (RuntimeError: a layout the tracer refuses); "
+                         "comparing the analytic one only"])

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainfit.config import Config, ConfigError, iter_fields, load_config
+from trainfit.memory.breakdown import MemoryBreakdown
 
 
 def _fields_help() -> str:
@@ -127,7 +128,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.train.trainer import Trainer, TrainingDiverged
 
     cfg = _load(args, overrides)
-    predicted = _warn_if_it_will_not_fit(cfg)
+    predicted = {"analytic": _warn_if_it_will_not_fit(cfg)}
+    if cfg.logging.traced_estimate and _is_rank_zero():
+        predicted.update(_traced_estimate(cfg))  # before the Trainer: tracing needs the process-group slot free
     trainer = Trainer(cfg)
     try:
         result = trainer.train()
@@ -136,22 +139,39 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         return 1
     finally:
         trainer.close()
-    print_summary(cfg, result, predicted_peak=predicted)
+    print_summary(cfg, result, predicted=predicted)
     return 0
 
 
-def _warn_if_it_will_not_fit(cfg: Config) -> int:
+def _is_rank_zero() -> bool:
+    """Rank 0 of the launcher's world (or no launcher), known before any process group exists."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _warn_if_it_will_not_fit(cfg: Config) -> MemoryBreakdown:
     """The analytic estimate, before anything is allocated; a warning when it exceeds the device."""
     from trainfit.estimate import advice, estimate
 
     est = estimate(cfg)
-    if not est.fits and os.environ.get("RANK", "0") == "0":
+    if not est.fits and _is_rank_zero():
         need = est.total_bytes(est.worst) / 2**30
         print(f"warning: the estimate needs {need:.1f} GiB per GPU, more than the "
               f"{est.device_memory / 2**30:.1f} GiB of {cfg.hardware.gpu}:", file=sys.stderr)
         for line in advice(est):
             print(f"  - {line}", file=sys.stderr)
-    return est.worst.peak
+    return est.worst
+
+
+def _traced_estimate(cfg: Config) -> dict[str, MemoryBreakdown]:
+    """{"traced": the traced estimate}, or {} with a warning when tracing fails (the run goes on)."""
+    from trainfit.memory.traced import trace_step
+
+    try:
+        return {"traced": trace_step(cfg).worst}
+    except Exception as err:  # a layout the tracer refuses must not stop the training run
+        print(f"warning: no traced estimate ({type(err).__name__}: {err}); comparing the analytic one only",
+              file=sys.stderr)
+        return {}
 
 
 def cmd_sample(args: argparse.Namespace, overrides: list[str]) -> int:

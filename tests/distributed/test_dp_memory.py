@@ -1,11 +1,12 @@
 """Per-rank memory falls as each ZeRO stage promises, on 2 gloo ranks.
 
 A model whose states dominate its activations (4 blocks of dim 256, ~3.5M parameters, P = 14 MB
-in fp32) trains 2 steps per stage, the second measured (Trainer.measured_step):
+in fp32) trains 2 steps per stage as `trainfit train` does, the first watched (so DDP's gradient
+buckets, built then, are known), the second measured (Trainer.measured_step):
 - the model states this rank holds (its tensors' local bytes): ZeRO-1 halves the optimizer states,
   ZeRO-2 also the gradients, and FSDP2 keeps only parameter shards between steps (both 2 and 3);
-- the peak at the allocator (glibc in-use bytes, sampled after every operator, above the bytes in
-  use before the model was built). Measured: 6.2P, 4.5P, 3.9P, 3.4P for stages 0-3: ZeRO-1 drops P
+- the peak (tensors alive at the step's start + glibc in-use growth, sampled after every
+  operator; memory/attribution.py). Measured: 6.0P, 4.5P, 3.7P, 3.3P for stages 0-3: ZeRO-1 drops P
   of optimizer states (and keeps DDP's gradient buckets), ZeRO-2 the whole gradients, ZeRO-3 keeps
   ~2 blocks unsharded at a time (the running one and the prefetched one) where ZeRO-2 keeps all.
 """
@@ -29,7 +30,7 @@ class ZeroMemory(GlooTestCase):
         for stage in range(4):
             gc.collect()  # the previous trainer's cycles, which would otherwise be freed mid-measurement
             trainer = Trainer(run_config(self.shared_dir / f"zero{stage}", *WIDE, f"--parallel.zero_stage={stage}"))
-            trainer.train_step()  # optimizer states exist from here on
+            trainer.watched_step()  # optimizer states and DDP's buckets exist (and are known) from here on
             stats = trainer.measured_step()
             states[stage], peaks[stage] = stats.state_bytes, stats.peak_memory_bytes
             predicted[stage] = model_states(trainer.cfg, trainer.dims)

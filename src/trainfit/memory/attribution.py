@@ -1,6 +1,6 @@
 """Memory of a real training step, measured at the allocator and attributed to components.
 
-`measure_trainer_step(trainer)` runs `Trainer.train_step` unchanged (two instance attributes are
+`MemoryMeter.measure(trainer)` runs `Trainer.train_step` unchanged (two instance attributes are
 wrapped to mark the phases, as the traced estimator does) and reports, for this rank:
 
 - peak, phase_peaks and the timeline: the tensor bytes alive when the step starts (counted
@@ -8,10 +8,10 @@ wrapped to mark the phases, as the traced estimator does) and reports, for this 
   glibc's in-use bytes read after every aten operator (memory/measure.py); CUDA,
   `memory_allocated` per operator and `max_memory_allocated` for the peak. The step's own
   allocations are the allocator's figures; what was allocated before and is no tensor (math
-  libraries' caches, oneDNN's bf16 kernels and workspaces on CPU, Python and autograd objects:
-  up to ~10 MiB on a small CPU run) is `reserved_margin`, shown apart: in use at the step's start,
-  above `trainer.memory_floor` (before the model was built), beyond the tensors alive then. The
-  figure `trainfit train` prints is about peak + reserved_margin.
+  libraries' caches, oneDNN's bf16 kernels and workspaces on CPU, the first dispatch mode's
+  imports, Python and autograd objects: up to ~10 MiB on a small CPU run) is `reserved_margin`, shown
+  apart: in use at the step's start, above `trainer.memory_floor` (before the model was built),
+  beyond the tensors alive then. `trainfit train` reports this peak (Trainer.measured_step).
 - the components at the operator where the allocator peaked: the ledger, run on the real
   tensors, gives params, master_params, grads, optimizer, activations and logits (live storages,
   deduplicated; the same rules as the traced estimate); buffers = peak - all of those, so it also
@@ -21,6 +21,13 @@ wrapped to mark the phases, as the traced estimator does) and reports, for this 
   predicts) and `state_bytes` (the trainer's own count of its model states after backward,
   parallel/data_parallel.local_state_bytes).
 
+The ledger finds parameters, gradients and optimizer states by itself; tensors held elsewhere
+(DDP's gradient buckets, built at the first step and rebuilt at the second, held in C++) it
+knows only if it saw them created. So one meter serves a trainer for its whole life and also
+*watches* steps (`MemoryMeter.watch`: the ledger without allocator sampling): the trainer's loop
+watches its first step and measures its second, as `measure_trainer_step(trainer, warmup_steps=1)`
+does; a tensor created by an unwatched step counts in reserved_margin, not in the peak.
+
 Under torchrun every rank measures itself; nothing is gathered.
 """
 
@@ -29,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +47,8 @@ from trainfit.config import Config
 from trainfit.memory import measure
 from trainfit.memory.breakdown import COMPONENTS, PHASES, MemoryBreakdown
 from trainfit.memory.traced import StorageLedger, TimelinePoint, step_phases, unsharded_component
-from trainfit.train.trainer import Trainer
+from trainfit.parallel.dims import ParallelDims
+from trainfit.train.trainer import StepStats, Trainer
 
 _CUDA_HISTORY_ENTRIES = 100_000
 
@@ -121,61 +129,98 @@ def _cuda_history(path: Path | None) -> Iterator[None]:
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
+class MemoryMeter:
+    """One trainer's StorageLedger, kept for the trainer's life and entered only for the steps
+    it watches or measures (see the module docstring); it holds no reference to the trainer."""
+
+    def __init__(self, device: torch.device, dims: ParallelDims) -> None:
+        self.ledger = StorageLedger(fake=False, unsharded_component=unsharded_component(dims),
+                                    device_type=device.type)
+
+    @contextlib.contextmanager
+    def _watching(self, trainer: Trainer, on_forward: Callable[[str], None] | None = None) -> Iterator[StorageLedger]:
+        ledger = self.ledger
+        with ledger, step_phases(trainer, ledger, on_forward):
+            ledger.watch_model(trainer.model)
+            ledger.grad_hooks(list(trainer.model.parameters()))
+            yield ledger
+
+    def watch(self, trainer: Trainer) -> StepStats:
+        """`trainer.train_step()` with the ledger recording the tensors it creates (~15% slower)."""
+        with self._watching(trainer):
+            return trainer.train_step()
+
+    def measure(self, trainer: Trainer, *, cuda_snapshot: str | Path | None = None) -> tuple[StepStats, Measurement]:
+        """`trainer.train_step()` measured on this rank: the step's own stats and its measurement.
+        `cuda_snapshot`: on CUDA, also write the allocator's memory snapshot (pytorch.org/memory_viz)."""
+        device = trainer.device
+        if device.type != "cuda":
+            measure._prime_dispatch_mode()
+        probe = _Probe(device)
+        marks: dict[str, int] = {}
+
+        def on_forward(moment: str) -> None:
+            if probe.ledger is not None:
+                marks.setdefault(moment, measure.current_allocated_bytes(device))
+
+        self.ledger.on_sample = probe
+        trainer._capture_state_bytes = True
+        try:
+            with self._watching(trainer, on_forward) as ledger:
+                stats = _sampled_step(trainer, ledger, probe, cuda_snapshot)
+                ledger.classify(trainer.model, trainer.optimizer, trainer.policy)
+        finally:
+            trainer._capture_state_bytes = False
+            self.ledger.recording, self.ledger.on_sample = False, None
+        breakdown = self._breakdown(probe, reserved_margin=max(0, probe.start - trainer.memory_floor - probe.base))
+        return stats, Measurement(breakdown=breakdown, timeline=probe.timeline, peak_module=probe.module,
+                                  forward_retained=marks["end"] - marks["start"], tracked_peak=self.ledger.peak,
+                                  state_bytes=dict(stats.state_bytes or {}), rank=trainer.world.rank,
+                                  world_size=trainer.world.size, device=str(device))
+
+    def _breakdown(self, probe: _Probe, *, reserved_margin: int) -> MemoryBreakdown:
+        """The ledger's components at the allocator's peak; buffers = the rest of the peak."""
+        at_peak = self.ledger.pins.get("allocator", (0, dict.fromkeys(COMPONENTS, 0)))[1]
+        self.ledger.timeline = []  # the probe keeps the step's own; the ledger's would live on with the trainer
+        parts = {name: at_peak[name] for name in COMPONENTS if name != "buffers"}
+        return MemoryBreakdown(**parts, buffers=probe.peak - sum(parts.values()), peak=probe.peak,
+                               peak_phase=probe.phase, reserved_margin=reserved_margin,
+                               phase_peaks={p: probe.phase_peaks[p] for p in PHASES if p in probe.phase_peaks})
+
+
+def _sampled_step(trainer: Trainer, ledger: StorageLedger, probe: _Probe,
+                  cuda_snapshot: str | Path | None) -> StepStats:
+    """One train step with the probe reading the allocator from a clean start (garbage collected,
+    then the collector paused; model states classified; CUDA's peak statistics reset)."""
+    cuda = trainer.device.type == "cuda"
+    gc.collect()
+    with measure.gc_paused(), _cuda_history(Path(cuda_snapshot) if cuda and cuda_snapshot else None):
+        ledger.classify(trainer.model, trainer.optimizer, trainer.policy, others="buffers")
+        if cuda:
+            torch.cuda.synchronize(trainer.device)
+            torch.cuda.reset_peak_memory_stats(trainer.device)
+        probe.begin(ledger)
+        ledger.reset_peak()
+        stats = trainer.train_step()
+        if cuda:
+            torch.cuda.synchronize(trainer.device)
+            probe.peak = max(probe.peak, torch.cuda.max_memory_allocated(trainer.device) - probe.start + probe.base)
+    return stats
+
+
 def measure_trainer_step(trainer: Trainer, *, warmup_steps: int = 0,
                          cuda_snapshot: str | Path | None = None) -> Measurement:
-    """Run `warmup_steps` steps, then measure one more `trainer.train_step()` on this rank.
+    """Run `warmup_steps` watched steps, then measure one more `trainer.train_step()` on this rank.
 
     The trainer must have stepped at least once before the measured step (optimizer states and
     one-time library buffers would otherwise count): pass warmup_steps=1 to a fresh Trainer.
-    Tensors created during the warm-up are known to the ledger (DDP's gradient buckets, the loss
-    scaler's state); without one, such tensors count in reserved_margin, not in the peak.
+    Tensors created during the warm-up, or during earlier `Trainer.watched_step`s, are known to the
+    ledger (DDP's gradient buckets, the loss scaler's state); other such tensors count in
+    reserved_margin, not in the peak.
     `cuda_snapshot`: on CUDA, also write the allocator's memory snapshot (pytorch.org/memory_viz)."""
-    device = trainer.device
-    cuda = device.type == "cuda"
-    if not cuda:
-        measure._prime_dispatch_mode()
-    probe = _Probe(device)
-    marks: dict[str, int] = {}
-
-    def on_forward(moment: str) -> None:
-        if probe.ledger is not None:
-            marks.setdefault(moment, measure.current_allocated_bytes(device))
-
-    ledger = StorageLedger(fake=False, unsharded_component=unsharded_component(trainer.dims),
-                           device_type=device.type, on_sample=probe)
-    with ledger, step_phases(trainer, ledger, on_forward):
-        ledger.watch_model(trainer.model)
-        ledger.grad_hooks(list(trainer.model.parameters()))
-        for _ in range(warmup_steps):
-            trainer.train_step()
-        gc.collect()
-        trainer._capture_state_bytes = True
-        try:
-            with measure.gc_paused(), _cuda_history(Path(cuda_snapshot) if cuda and cuda_snapshot else None):
-                ledger.classify(trainer.model, trainer.optimizer, trainer.policy, others="buffers")
-                if cuda:
-                    torch.cuda.synchronize(device)
-                    torch.cuda.reset_peak_memory_stats(device)
-                probe.begin(ledger)
-                ledger.reset_peak()
-                stats = trainer.train_step()
-                ledger.recording = False
-                if cuda:
-                    torch.cuda.synchronize(device)
-                    probe.peak = max(probe.peak, torch.cuda.max_memory_allocated(device) - probe.start + probe.base)
-        finally:
-            trainer._capture_state_bytes = False
-        ledger.classify(trainer.model, trainer.optimizer, trainer.policy)
-    at_peak = ledger.pins.get("allocator", (0, dict.fromkeys(COMPONENTS, 0)))[1]
-    parts = {name: at_peak[name] for name in COMPONENTS if name != "buffers"}
-    breakdown = MemoryBreakdown(
-        **parts, buffers=probe.peak - sum(parts.values()), peak=probe.peak, peak_phase=probe.phase,
-        reserved_margin=max(0, probe.start - trainer.memory_floor - probe.base),
-        phase_peaks={p: probe.phase_peaks[p] for p in PHASES if p in probe.phase_peaks})
-    return Measurement(breakdown=breakdown, timeline=probe.timeline, peak_module=probe.module,
-                       forward_retained=marks["end"] - marks["start"], tracked_peak=ledger.peak,
-                       state_bytes=dict(stats.state_bytes or {}), rank=trainer.world.rank,
-                       world_size=trainer.world.size, device=str(device))
+    for _ in range(warmup_steps):
+        trainer.watched_step()
+    return trainer.memory_meter.measure(trainer, cuda_snapshot=cuda_snapshot)[1]
 
 
 def measure_step(cfg: Config, steps: int = 2, *, cuda_snapshot: str | Path | None = None) -> Measurement:

@@ -1,13 +1,19 @@
-"""Ground-truth memory of a real training step, measured at the allocator.
+"""The allocator's figures, the ground truth of memory measurement.
 
 On CUDA the caching allocator keeps exact statistics (`max_memory_allocated`). On CPU there is no
 such counter, so we ask glibc: `mallinfo2()` reports the bytes the C allocator has handed out
 (`uordblks`, heap chunks in use, plus `hblkhd`, large mmapped blocks; PyTorch's CPU tensors come
-from `posix_memalign`, so both kinds are counted), and a TorchDispatchMode samples it after every
-aten operator of the forward, the backward (the autograd engine runs CPU backward on the calling
+from `posix_memalign`, so both kinds are counted), read by a TorchDispatchMode after every aten
+operator of the forward, the backward (the autograd engine runs CPU backward on the calling
 thread, inside the mode) and the optimizer step. Cost: ~5-10 us per operator (+25-30% on a
 ~25 ms step of ~1000 ops, +3-10% on a 150 ms one): half the Python dispatch round trip, half
 mallinfo2, which walks malloc's free lists.
+
+A training step is measured by memory/attribution.py (what `trainfit train`, `measure` and
+`report` show): it reads `current_allocated_bytes` after every operator and counts the tensors
+alive at the step's start itself, so that memory in use before the step that is no tensor
+(library caches, this module's first dispatch mode) stays out of the peak. `measure_peak` is the
+bare primitive: any block's largest in-use bytes above its own start.
 
 What the CPU figure misses: temporaries an operator frees before it returns (kernel workspaces).
 It is process-wide: other threads' allocations count when they are alive at a sample, and a

@@ -1,4 +1,5 @@
-"""The summary printed at the end of `trainfit train` (by rank 0 only)."""
+"""What `trainfit train` prints at the end (rank 0 only): the run's summary, then its measured
+step's memory per component against the predictions (the table `trainfit report` prints)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,15 @@ from rich.console import Console
 from rich.table import Table
 
 from trainfit.config import Config
+from trainfit.memory.breakdown import MemoryBreakdown
+from trainfit.memory.compare import Comparison, comparison_table
 from trainfit.train.metrics import METRICS_FILE
 from trainfit.train.trainer import TrainResult
 
 MIB = 1024**2
 
 
-def summary_rows(cfg: Config, result: TrainResult, predicted_peak: int | None = None) -> list[tuple[str, str]]:
+def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
     rows = [
         ("model", f"{cfg.model.preset or 'custom'} ({cfg.model.family}), {result.num_params / 1e6:.2f}M params"),
         ("steps", f"{result.steps_done} / {cfg.training.steps}"),
@@ -28,13 +31,11 @@ def summary_rows(cfg: Config, result: TrainResult, predicted_peak: int | None = 
                                  f"{result.val_losses[last]:.4f} (step {last})"))
     rows.append(("throughput", f"{result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.1%} "
                                f"(peak from hardware.gpu={cfg.hardware.gpu!r})"))
-    if result.peak_memory_bytes is not None:
+    if result.memory is not None:
         per_rank = ", rank 0" if result.world_size > 1 else ""
-        rows.append(("peak memory", f"{result.peak_memory_bytes / MIB:,.1f} MiB (measured at the allocator{per_rank})"))
-        if predicted_peak:
-            error = (predicted_peak - result.peak_memory_bytes) / result.peak_memory_bytes
-            rows.append(("predicted peak", f"{predicted_peak / MIB:,.1f} MiB (trainfit estimate, {error:+.1%} vs "
-                                           "measured; `trainfit report` compares per component)"))
+        rows.append(("peak memory", f"{result.memory.peak / MIB:,.1f} MiB (measured at the allocator{per_rank}), "
+                                    f"+ {result.memory.reserved_margin / MIB:,.1f} MiB reserved margin (in use outside "
+                                    "tensors: libraries, runtime); per component below"))
     if result.state_bytes is not None:
         states = ", ".join(f"{name} {n / MIB:,.1f}" for name, n in result.state_bytes.items())
         rows.append(("model states", f"{states} MiB (this rank's tensors)"))
@@ -63,7 +64,8 @@ def layout_description(cfg: Config, world_size: int) -> str:
 
 
 def print_summary(cfg: Config, result: TrainResult, console: Console | None = None,
-                  predicted_peak: int | None = None) -> None:
+                  predicted: dict[str, MemoryBreakdown] | None = None) -> None:
+    """`predicted`: estimates by source name ("analytic", "traced"), compared with the last measured step."""
     if result.rank != 0:
         return
     console = console or Console()
@@ -72,6 +74,8 @@ def print_summary(cfg: Config, result: TrainResult, console: Console | None = No
     table = Table(title=title, show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    for key, value in summary_rows(cfg, result, predicted_peak):
+    for key, value in summary_rows(cfg, result):
         table.add_row(key, value)
     console.print(table)
+    if result.memory is not None:
+        console.print(comparison_table(Comparison({**(predicted or {}), "measured": result.memory})))

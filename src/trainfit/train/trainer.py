@@ -4,18 +4,23 @@ One process, or one per rank under torchrun (train/distributed.py); every rank r
 on its own rows of each global batch. Rank 0 alone prints, writes metrics and publishes
 checkpoints; the ranks stay in step through collectives (the loss and the stop flag are
 all-reduced every step, every rank writes its shards of each checkpoint).
+
+Memory is measured on a few steps, per component, on every rank (memory/attribution.py): the
+second step this process runs (its first is watched, so every tensor that outlives a step is
+known), then every `logging.memory_interval` steps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +29,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from trainfit.config import Config, ConfigError, config_to_dict
 from trainfit.hardware import peak_flops
-from trainfit.memory.measure import current_allocated_bytes, measure_peak
+from trainfit.memory.breakdown import MemoryBreakdown
+from trainfit.memory.measure import current_allocated_bytes
 from trainfit.models import build_model, count_params, materialize
 from trainfit.parallel.apply import check_layout, parallelize, parallelize_optimizer
 from trainfit.parallel.data_parallel import (
@@ -45,6 +51,9 @@ from trainfit.train.optim import build_optimizer, build_scheduler
 from trainfit.train.progress import TrainProgress
 from trainfit.train.signals import StopOnSignal
 
+if TYPE_CHECKING:
+    from trainfit.memory.attribution import MemoryMeter
+
 
 class TrainingDiverged(RuntimeError):
     """The loss became nan/inf outside fp16 loss scaling; nothing was saved over the last checkpoint."""
@@ -58,8 +67,11 @@ class StepStats:
     seconds: float
     lr: float
     peak_memory_bytes: int | None = None
+    """This rank's peak on measured steps: `memory.peak`."""
     state_bytes: dict[str, int] | None = None
     """This rank's model-state bytes (params, grads, optimizer), on measured steps."""
+    memory: MemoryBreakdown | None = None
+    """This rank's components at the peak, peak phase, phase peaks and reserved_margin, on measured steps."""
 
 
 @dataclass
@@ -78,6 +90,8 @@ class TrainResult:
     rank: int = 0
     state_bytes: dict[str, int] | None = None
     """Rank `rank`'s model-state bytes (params, grads, optimizer) on its last measured step."""
+    memory: MemoryBreakdown | None = None
+    """Rank `rank`'s memory breakdown on its last measured step."""
 
 
 def data_cache_dir() -> Path:
@@ -113,6 +127,7 @@ class Trainer:
                 f"model.vocab_size={cfg.model.vocab_size}: smaller than the tokenizer's vocabulary "
                 f"({self.data.tokenizer.vocab_size}); raise model.vocab_size or use a smaller tokenizer")
         self.memory_floor = current_allocated_bytes(self.device)
+        """In use before the model exists: what a measured step's reserved_margin counts from."""
         self.model, self.num_params = self._build_model()
         self.sharded = is_fully_sharded(self.model)
         # FSDP2 computes in its MixedPrecisionPolicy's dtype; autocast is the non-sharded form.
@@ -282,15 +297,24 @@ class Trainer:
         return StepStats(loss_value, float(grad_norm), skipped, time.perf_counter() - start, lr,
                          state_bytes=state_bytes)
 
+    @functools.cached_property
+    def memory_meter(self) -> MemoryMeter:
+        """Measures this trainer's steps per component (memory/attribution.py), made on first use."""
+        from trainfit.memory.attribution import MemoryMeter  # here: attribution imports this module
+
+        return MemoryMeter(self.device, self.dims)
+
+    def watched_step(self) -> StepStats:
+        """A train step whose new tensors the memory meter records (~15% slower): run this process's
+        first steps so, or a later measured step misses what they left (DDP's gradient buckets)."""
+        return self.memory_meter.watch(self)
+
     def measured_step(self) -> StepStats:
-        """A train step with the allocator sampled per operator and the model states counted (slower)."""
-        self._capture_state_bytes = True
-        try:
-            with measure_peak(self.device) as mem:
-                stats = self.train_step()
-        finally:
-            self._capture_state_bytes = False
-        stats.peak_memory_bytes = mem.baseline_bytes + mem.peak_bytes - self.memory_floor
+        """A train step measured at the allocator after every operator, per component, with the
+        model states counted (up to twice as slow); `memory` holds the breakdown."""
+        stats, measurement = self.memory_meter.measure(self)
+        stats.memory = measurement.breakdown
+        stats.peak_memory_bytes = measurement.breakdown.peak
         return stats
 
     @torch.no_grad()
@@ -317,10 +341,12 @@ class Trainer:
 
     # ------------------------------------------------------------ loop
 
-    def _is_measured(self, step: int) -> bool:
-        interval = self.cfg.logging.memory_interval
-        first = min(2, self.cfg.training.steps)
-        return step == first or (interval > 0 and step % interval == 0)
+    def _next_step(self, first_measured: int) -> StepStats:
+        """Watched before `first_measured`, measured there and every logging.memory_interval steps."""
+        step, interval = self.step + 1, self.cfg.logging.memory_interval
+        if step == first_measured or (interval > 0 and step % interval == 0):
+            return self.measured_step()
+        return self.watched_step() if step < first_measured else self.train_step()
 
     def train(self) -> TrainResult:
         cfg, t, world = self.cfg, self.cfg.training, self.world
@@ -332,6 +358,7 @@ class Trainer:
         tokens_per_step = t.global_batch_size * t.seq_len
         window_tokens, window_seconds = 0, 0.0
         last_saved = self.step if self.resumed_from else None
+        first_measured = min(self.step + 2, t.steps)  # this process's second step: the first one warms up
         try:
             with StopOnSignal() as stop, \
                     TrainProgress(t.steps, self.step, cfg.logging.progress, quiet=not world.is_main) as bar:
@@ -342,15 +369,16 @@ class Trainer:
                     result.val_losses[0] = self._log_eval(writer, bar)
                 stopping = world.any(stop.requested)
                 while self.step < t.steps and not stopping:
-                    stats = self.measured_step() if self._is_measured(self.step + 1) else self.train_step()
+                    stats = self._next_step(first_measured)
                     result.losses[self.step] = stats.loss
                     result.peak_memory_bytes = stats.peak_memory_bytes or result.peak_memory_bytes
                     result.state_bytes = stats.state_bytes or result.state_bytes
+                    result.memory = stats.memory or result.memory
                     window_tokens += tokens_per_step
                     window_seconds += stats.seconds
                     tokens_per_s = window_tokens / window_seconds
                     bar.update(self.step, stats.loss, tokens_per_s)
-                    if self.step % cfg.logging.interval == 0 or self.step == t.steps:
+                    if self.step % cfg.logging.interval == 0 or self.step == t.steps or stats.memory is not None:
                         result.tokens_per_s = tokens_per_s
                         result.mfu = mfu(tokens_per_s, self.flops_per_token, self.peak_flops)
                         writer.write(self._record(stats, tokens_per_s, result))
@@ -385,6 +413,10 @@ class Trainer:
         }
         if stats.state_bytes is not None:
             record.update({f"{name}_bytes": n for name, n in stats.state_bytes.items()})
+        if stats.memory is not None:  # a measured step
+            record.update({f"memory_{name}_bytes": n for name, n in stats.memory.components().items()})
+            record.update(memory_peak_phase=stats.memory.peak_phase,
+                          memory_reserved_margin_bytes=stats.memory.reserved_margin)
         if self.policy.uses_loss_scaling:
             record["loss_scale"] = self.scaler.get_scale()
             record["skipped_steps"] = self.skipped_steps
@@ -395,3 +427,4 @@ class Trainer:
         writer.write({"step": self.step, "val_loss": val_loss})
         bar.note(f"step {self.step}: val loss {val_loss:.4f}")
         return val_loss
+

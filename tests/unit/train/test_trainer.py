@@ -1,4 +1,5 @@
-"""The training loop: learning, exact resume after SIGTERM, divergence, fp16 skips, accumulation."""
+"""The training loop: learning, exact resume after SIGTERM, divergence, fp16 skips, accumulation,
+and the memory it measures on its own steps."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import torch
 
 from _runs import run_overrides
 from trainfit.config import load_config
+from trainfit.memory.analytic import estimate_memory
+from trainfit.memory.breakdown import COMPONENTS, PHASES
+from trainfit.memory.traced import trace_step
 from trainfit.train import checkpoint as ckpt
 from trainfit.train.metrics import read_metrics
 from trainfit.train.optim import lr_at
@@ -44,6 +48,37 @@ def test_loss_falls_and_metrics_are_written(tmp_path: Path) -> None:
     assert records[1]["peak_memory_bytes"] > 0  # step 2 is measured at the allocator
     cfg = load_config(None, run_overrides(tmp_path, f"--training.steps={STEPS}"))
     assert [r["lr"] for r in records] == pytest.approx([lr_at(s - 1, cfg.training) for s in range(1, STEPS + 1)])
+
+
+def test_measured_peak_on_the_default_config_matches_both_estimates(tmp_path: Path) -> None:
+    """`trainfit train`'s own measurement (the loop watches step 1, measures step 2) of the default
+    run: within 3% of the traced step, 10% of the closed form, and the components add up to it."""
+    torch.set_num_threads(1)  # the same tensors; on a busy 2-core machine idle OpenMP workers spin (2-5x slower)
+    cfg = load_config(None, ["--training.steps=2", "--training.eval_interval=0", "--checkpoint.interval=0",
+                             f"--checkpoint.dir={tmp_path / 'ckpt'}", f"--logging.dir={tmp_path / 'logs'}",
+                             "--logging.progress=false"])
+    traced = trace_step(cfg).worst
+    result = Trainer(cfg).train()
+    memory = result.memory
+    assert memory is not None and result.peak_memory_bytes == memory.peak
+    assert sum(memory.components().values()) == memory.peak
+    assert memory.peak == pytest.approx(traced.peak, rel=0.03)
+    assert memory.peak == pytest.approx(estimate_memory(cfg).worst.peak, rel=0.10)
+    assert memory.peak_phase == traced.peak_phase and set(memory.phase_peaks) == set(PHASES)
+
+
+def test_measured_steps_log_their_memory_per_component(tmp_path: Path) -> None:
+    """Step 2 and every memory_interval steps are measured and logged, off the logging interval too."""
+    result = _trainer(tmp_path, "--training.steps=5", "--logging.interval=5", "--logging.memory_interval=4").train()
+    records = {r["step"]: r for r in read_metrics(tmp_path / "logs") if "loss" in r}
+    assert sorted(records) == [2, 4, 5]
+    fields = {f"memory_{name}_bytes" for name in COMPONENTS}
+    for step in (2, 4):
+        record = records[step]
+        assert sum(record[name] for name in fields) == record["peak_memory_bytes"] > 0
+        assert record["memory_peak_phase"] in PHASES and record["memory_reserved_margin_bytes"] >= 0
+    assert not fields & set(records[5])
+    assert result.memory is not None and result.memory.peak == records[4]["peak_memory_bytes"]
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +208,4 @@ def test_resume_with_more_steps_extends_the_run_on_the_new_schedule(tmp_path: Pa
         [lr_at(s - 1, new) for s in range(STEPS + 1, longer + 1)])
     assert lrs[STEPS + 1] > lrs[STEPS]  # the decay restarts from higher up: the schedule is longer now
     assert any("recomputed" in r.get("note", "") for r in records)  # the metrics log says so too
+    assert [r["step"] for r in records if "memory_peak_phase" in r] == [2, STEPS + 2]  # each process's 2nd step
