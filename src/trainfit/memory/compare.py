@@ -17,6 +17,8 @@ from trainfit.memory.breakdown import COMPONENTS, MemoryBreakdown
 from trainfit.memory.report import GIB, fmt_bytes, pyplot, save_figure, stack_bars
 
 PHASE_COLORS = {"forward": "#E8F1FA", "backward": "#FCEFE3", "optimizer": "#EAF5EA"}
+SMALL_SHARE = 0.01
+"""Components under this share of the reference peak get no error in percent."""
 
 
 @dataclass
@@ -27,11 +29,16 @@ class Comparison:
     timelines: dict[str, list[tuple[Any, int, str, str]]] = field(default_factory=dict)
 
     def error(self, source: str, name: str, reference: str = "measured") -> float | None:
-        """Relative error of `source` against `reference` for one component (None if unknown or zero)."""
+        """Relative error of `source` against `reference` for one component; None if either is
+        unknown or the reference component is under SMALL_SHARE of its peak (a percentage of a few
+        bytes of loss scalars says nothing about the estimate)."""
         if source not in self.sources or reference not in self.sources:
             return None
-        ref = getattr(self.sources[reference], name)
-        return (getattr(self.sources[source], name) - ref) / ref if ref else None
+        ref_breakdown = self.sources[reference]
+        ref = getattr(ref_breakdown, name)
+        if not ref or (name != "peak" and ref < SMALL_SHARE * ref_breakdown.peak):
+            return None
+        return (getattr(self.sources[source], name) - ref) / ref
 
     def as_dict(self) -> dict[str, Any]:
         return {name: b.as_dict() for name, b in self.sources.items()}
