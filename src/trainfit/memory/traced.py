@@ -80,13 +80,12 @@ from torch.utils._pytree import tree_flatten
 from trainfit.config import Config
 from trainfit.memory.breakdown import COMPONENTS, PHASES, MemoryBreakdown
 from trainfit.models import build_model, count_params, materialize
-from trainfit.parallel.apply import check_layout, data_parallel_kind, parallelize, parallelize_optimizer
-from trainfit.parallel.data_parallel import grad_scaler, is_fully_sharded, local_optimizer
+from trainfit.parallel.apply import check_layout, data_parallel_kind, parallelize
+from trainfit.parallel.data_parallel import local_optimizer
 from trainfit.parallel.dims import ParallelDims, resolve_parallel_dims
 from trainfit.parallel.mesh import build_mesh, dp_mesh
 from trainfit.precision import PrecisionPolicy, precision_policy
 from trainfit.train.distributed import World
-from trainfit.train.optim import build_optimizer, build_scheduler
 from trainfit.train.trainer import Trainer
 
 aten = torch.ops.aten
@@ -603,21 +602,11 @@ class _TracedTrainer(Trainer):
         self.device = world.device
         self.policy = policy
         self.memory_floor = 0
-        self.model, self.num_params = model, num_params
-        self.sharded = is_fully_sharded(model)
-        self.autocast = contextlib.nullcontext if self.sharded else policy.autocast
-        optimizer = build_optimizer(model, cfg.optimizer, cfg.training, _target_device_type(cfg))
-        self.optimizer = parallelize_optimizer(optimizer, cfg, dims, world.mesh)
-        self.scheduler = build_scheduler(self.optimizer, cfg.training)
-        self.scaler = grad_scaler(policy, sharded=self.sharded)
+        self._setup_step(model, num_params, _FakeBatches(cfg.training.micro_batch_size, cfg.training.seq_len),
+                         _target_device_type(cfg))
         if self.scaler.is_enabled():
             # Fake values cannot say whether gradients overflowed: trace the step that is taken.
             self.scaler._maybe_opt_step = lambda opt, state, *a, **k: opt.step(*a, **k)  # type: ignore[method-assign]
-        self.sampler = _FakeBatches(cfg.training.micro_batch_size, cfg.training.seq_len)
-        self.step = 0
-        self.skipped_steps = 0
-        self.notes = []
-        self._capture_state_bytes = False
         self.resumed_from = None
 
 

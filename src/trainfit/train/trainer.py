@@ -128,25 +128,35 @@ class Trainer:
                 f"({self.data.tokenizer.vocab_size}); raise model.vocab_size or use a smaller tokenizer")
         self.memory_floor = current_allocated_bytes(self.device)
         """In use before the model exists: what a measured step's reserved_margin counts from."""
-        self.model, self.num_params = self._build_model()
-        self.sharded = is_fully_sharded(self.model)
+        model, num_params = self._build_model()
+        t = cfg.training
+        sampler = BatchSampler(self.data.train, t.seq_len, t.micro_batch_size, t.seed, rank=self.world.dp_rank,
+                               world_size=self.world.dp_size, grad_accum_steps=cfg.grad_accum_steps)
+        self._setup_step(model, num_params, sampler, self.device.type)
+        self.resumed_from = self._maybe_resume()
+
+    def _setup_step(self, model: nn.Module, num_params: int, sampler: Any, optimizer_device_type: str) -> None:
+        """Everything `train_step` uses around a built, parallelized model: precision context,
+        optimizer, schedule, loss scaler, batches, counters. The traced estimator (memory/traced.py)
+        assembles its trainer from here too, so the step it traces is this one."""
+        cfg = self.cfg
+        self.model, self.num_params = model, num_params
+        self.sharded = is_fully_sharded(model)
         # FSDP2 computes in its MixedPrecisionPolicy's dtype; autocast is the non-sharded form.
         self.autocast = contextlib.nullcontext if self.sharded else self.policy.autocast
-        optimizer = build_optimizer(self.model, cfg.optimizer, cfg.training, self.device.type)
+        optimizer = build_optimizer(model, cfg.optimizer, cfg.training, optimizer_device_type)
         self.optimizer = parallelize_optimizer(optimizer, cfg, self.dims, self.world.mesh)
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.scaler = grad_scaler(self.policy, sharded=self.sharded)
-        t = cfg.training
-        self.sampler = BatchSampler(self.data.train, t.seq_len, t.micro_batch_size, t.seed, rank=self.world.dp_rank,
-                                    world_size=self.world.dp_size, grad_accum_steps=cfg.grad_accum_steps)
-        self.flops_per_token = training_flops_per_token(cfg.model, t.seq_len)
+        self.sampler = sampler
+        """Anything with next_batch() -> (inputs, targets) of one micro-batch."""
+        self.flops_per_token = training_flops_per_token(cfg.model, cfg.training.seq_len)
         self.peak_flops = peak_flops(cfg.hardware, cfg.precision.mode) * self.world.size
         self.step = 0
         self.skipped_steps = 0
         self.notes: list[str] = []
         """Messages for the log, printed when training starts (resume, schedule changes)."""
         self._capture_state_bytes = False
-        self.resumed_from = self._maybe_resume()
 
     # ------------------------------------------------------------ build
 
