@@ -4,7 +4,7 @@
 wrapped to mark the phases, as the traced estimator does) and reports, for this rank:
 
 - peak, phase_peaks and the timeline: the tensor bytes alive when the step starts (counted
-  exactly by `StorageLedger`, memory/traced.py) plus the allocator's growth since then: CPU,
+  exactly by `StorageLedger`, memory/ledger.py) plus the allocator's growth since then: CPU,
   glibc's in-use bytes read after every aten operator (memory/measure.py); CUDA,
   `memory_allocated` per operator and `max_memory_allocated` for the peak. The step's own
   allocations are the allocator's figures; what was allocated before and is no tensor (math
@@ -46,7 +46,7 @@ import torch
 from trainfit.config import Config
 from trainfit.memory import measure
 from trainfit.memory.breakdown import COMPONENTS, PHASES, MemoryBreakdown
-from trainfit.memory.traced import StorageLedger, TimelinePoint, step_phases, unsharded_component
+from trainfit.memory.ledger import StorageLedger, TimelinePoint, step_phases, unsharded_component
 from trainfit.parallel.dims import ParallelDims
 from trainfit.train.trainer import StepStats, Trainer
 
