@@ -48,7 +48,7 @@ def comparison_table(cmp: Comparison, title: str = "memory per GPU: predicted vs
     names = list(cmp.sources)
     reference = "measured" if "measured" in names else None
     table = Table(title=title)
-    table.add_column("component")
+    table.add_column("component", no_wrap=True, min_width=len("master_params"))
     for name in names:
         table.add_column(name, justify="right")
     others = [n for n in names if n != reference] if reference else []
