@@ -232,7 +232,8 @@ def _measure_each(rows: list[Row], tmp: Path, progress: bool) -> Iterator[tuple[
             yield row, measure(row_config(row, tmp))
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a spawned world's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -253,7 +254,7 @@ def _rank(rank: int, world: int, port: int, rows: list[Row], out: str, progress:
 
 def _measure_spawned(rows: list[Row], world: int, tmp: Path, progress: bool) -> dict[str, Measured]:
     tmp.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_rank, args=(world, _free_port(), rows, str(tmp), progress), nprocs=world)
+    mp.spawn(_rank, args=(world, free_port(), rows, str(tmp), progress), nprocs=world)
     return {row.name: _measured([json.loads((tmp / f"{row.name}.rank{r}.json").read_text()) for r in range(world)])
             for row in rows}
 

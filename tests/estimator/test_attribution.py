@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from accuracy_grid import free_port
 from test_traced import LLAMA, one_thread, run_config  # noqa: F401 (one_thread: an autouse fixture)
 
 from trainfit.memory.attribution import measure_step, measure_trainer_step
@@ -80,14 +80,8 @@ def _measure_rank(rank: int, port: int, out: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(m.breakdown.as_dict()))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_each_gloo_rank_measures_itself_and_matches_the_trace(tmp_path: Path) -> None:
-    mp.spawn(_measure_rank, args=(_free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_measure_rank, args=(free_port(), str(tmp_path)), nprocs=2)
     traced = trace_step(run_config(tmp_path, *ZERO3_ON_TWO)).worst
     for rank in (0, 1):
         measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
