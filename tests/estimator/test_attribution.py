@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from accuracy_grid import free_port
-from test_traced import LLAMA, one_thread, run_config  # noqa: F401 (one_thread: an autouse fixture)
+from accuracy_grid import LLAMA, free_port, run_config
 
 from trainfit.memory.attribution import measure_step, measure_trainer_step
 from trainfit.memory.breakdown import PHASES

@@ -7,24 +7,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from accuracy_grid import LLAMA, run_config, single_thread  # noqa: F401 (LLAMA, run_config: test_attribution.py's)
 
 from trainfit.config import Config, load_config
 from trainfit.memory.breakdown import PHASES
 from trainfit.memory.traced import TracedEstimate, trace_step
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """One intra-op thread from module setup on (conftest.py's fixture starts with each test):
-    test_attribution.py imports it."""
-    with single_thread():
-        yield
 
 
 def _rss_bytes() -> int:

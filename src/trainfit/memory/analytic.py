@@ -326,7 +326,7 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
     # after its forward, so blocks are gathered only while one runs (with its prefetched neighbour).
     zero3 = st.fsdp and dims.zero_stage == 3
     root_gather = c * (lay.embedding + lay.head) if zero3 else 0
-    block_gather = c * (1 + FSDP_PREFETCH_BLOCKS) * lay.block if zero3 else 0
+    block_gather = c * lay.block if zero3 else 0
     reduce = (FSDP_REDUCE_BYTES_MIXED if prec.mixed else prec.param) if st.fsdp else 0
     persistent_buffers = 0
     if cfg.model.family == "llama":  # RoPE cos/sin tables, fp32 (bf16 once a bf16-pure model is cast)
@@ -337,10 +337,15 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
     if dims.ep > 1:  # all-to-all dispatch and combine of each routed token (send + receive)
         persistent_buffers += 2 * st.tokens * cfg.model.experts_per_token * cfg.model.dim * c
     fwd_buffers = persistent_buffers + root_gather
-    # Unsharded gradients: the current block's until its reduce-scatter, the root's (output
-    # projection, final norm; a tied embedding's too) until the backward ends.
+    # FSDP's unsharded gradients of the root (output projection, final norm; a tied embedding's
+    # too), reduce-scattered when the backward ends; a block's own are in in_backward below.
     root_grads = lay.head + (lay.embedding if lay.tied_here else 0)
-    bwd_buffers = persistent_buffers + root_gather + block_gather + (c * root_grads if st.fsdp else 0)
+    bwd_buffers = persistent_buffers + root_gather + (c * root_grads if st.fsdp else 0)
+    # ZeRO-3 in a block's backward: the block gathered, and the next one prefetched unless this is
+    # the first block (the last to run); FSDP2 also holds the previous block's reduce-scatter input
+    # until it issues the next one.
+    last_comms = block_gather * (1 + FSDP_PREFETCH_BLOCKS)
+    first_comms = block_gather + (reduce * lay.block if st.fsdp and lay.blocks > 1 else 0)
 
     # ---- gradients present before this micro-batch's backward: accumulation or pipelining
     m = cfg.parallel.num_microbatches or cfg.grad_accum_steps
@@ -378,10 +383,6 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
 
     last_grads, last_buffers, last_acts = in_backward(lay.last_wrapped)
     first_grads, first_buffers, first_acts = in_backward(lay.first_wrapped)
-    if st.fsdp and lay.blocks > 1:  # FSDP2 holds a reduce-scatter's input until it issues the next one
-        first_buffers += reduce * lay.block
-    if zero3:  # the first block's backward is the last: nothing left to prefetch
-        first_buffers -= c * FSDP_PREFETCH_BLOCKS * lay.block
 
     n_if, h_if = lay.in_flight, lay.head_in_flight
     older = (n_if - 1) * a_blocks + (h_if - 1) * (a_final + saved_logits)  # other micro-batches in flight
@@ -396,9 +397,9 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
         ("backward", held + saved_casts, acts, logits_bwd, before, fwd_buffers),
         ("backward", held + saved_casts - cast_head + (cast_block if lay.last_wrapped else 0),
          older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, 0,
-         max(before, output_grads + last_grads), bwd_buffers + last_buffers),
+         max(before, output_grads + last_grads), bwd_buffers + last_comms + last_buffers),
         ("backward", (c * (lay.block + lay.embedding + lay.head) if held else 0) + older_casts + cast_block,
-         older + first_acts, 0, max(before, later_grads) + first_grads, bwd_buffers + first_buffers),
+         older + first_acts, 0, max(before, later_grads) + first_grads, bwd_buffers + first_comms + first_buffers),
         ("optimizer", 0, 0, 0, st.grads, persistent_buffers + st.optimizer_temp),
     ]
     states = st.persistent + st.optimizer

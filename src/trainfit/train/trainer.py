@@ -66,12 +66,15 @@ class StepStats:
     skipped: bool
     seconds: float
     lr: float
-    peak_memory_bytes: int | None = None
-    """This rank's peak on measured steps: `memory.peak`."""
     state_bytes: dict[str, int] | None = None
     """This rank's model-state bytes (params, grads, optimizer), on measured steps."""
     memory: MemoryBreakdown | None = None
     """This rank's components at the peak, peak phase, phase peaks and reserved_margin, on measured steps."""
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        """This rank's measured peak (`memory.peak`), None before any measured step."""
+        return self.memory.peak if self.memory is not None else None
 
 
 @dataclass
@@ -81,7 +84,6 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)
     tokens_per_s: float = 0.0
     mfu: float = 0.0
-    peak_memory_bytes: int | None = None
     skipped_steps: int = 0
     stopped_by_signal: bool = False
     checkpoint: Path | None = None
@@ -92,6 +94,11 @@ class TrainResult:
     """Rank `rank`'s model-state bytes (params, grads, optimizer) on its last measured step."""
     memory: MemoryBreakdown | None = None
     """Rank `rank`'s memory breakdown on its last measured step."""
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        """This rank's measured peak (`memory.peak`), None before any measured step."""
+        return self.memory.peak if self.memory is not None else None
 
 
 def data_cache_dir() -> Path:
@@ -324,7 +331,6 @@ class Trainer:
         model states counted (up to twice as slow); `memory` holds the breakdown."""
         stats, measurement = self.memory_meter.measure(self)
         stats.memory = measurement.breakdown
-        stats.peak_memory_bytes = measurement.breakdown.peak
         return stats
 
     @torch.no_grad()
@@ -381,7 +387,6 @@ class Trainer:
                 while self.step < t.steps and not stopping:
                     stats = self._next_step(first_measured)
                     result.losses[self.step] = stats.loss
-                    result.peak_memory_bytes = stats.peak_memory_bytes or result.peak_memory_bytes
                     result.state_bytes = stats.state_bytes or result.state_bytes
                     result.memory = stats.memory or result.memory
                     window_tokens += tokens_per_step
@@ -437,4 +442,3 @@ class Trainer:
         writer.write({"step": self.step, "val_loss": val_loss})
         bar.note(f"step {self.step}: val loss {val_loss:.4f}")
         return val_loss
-
