@@ -47,13 +47,11 @@ def overrides(run_dir: Path, nproc: int, layout: list[str]) -> list[str]:
             f"--hardware.num_gpus={nproc}", *layout]
 
 
-def estimate(cfg) -> tuple[int, int] | None:
-    """(peak, model states) of the analytic estimate, or None before memory/analytic.py exists."""
-    try:
-        from trainfit.memory.analytic import estimate_memory
-    except ImportError:
-        return None
-    est = estimate_memory(cfg).per_stage[0]
+def estimate(cfg) -> tuple[int, int]:
+    """(peak, model states) of the analytic estimate."""
+    from trainfit.estimate import estimate as analytic_estimate
+
+    est = analytic_estimate(cfg).memory.per_stage[0]
     return est.peak, est.model_states
 
 

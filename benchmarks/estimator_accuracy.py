@@ -47,6 +47,7 @@ from accuracy_grid import (  # noqa: E402
 
 from trainfit.config import load_config  # noqa: E402
 from trainfit.memory.analytic import estimate_memory  # noqa: E402
+from trainfit.parallel.layout import build_layout  # noqa: E402
 
 COLUMNS = {  # key: (header, right-aligned)
     "config": ("configuration", False), "ranks": ("ranks", True), "measured": ("measured", True),
@@ -70,10 +71,11 @@ def speed_ms(runs: int = 500) -> float:
         "--parallel.pp_schedule=interleaved-1f1b", "--parallel.pp_virtual_stages=7", "--parallel.zero_stage=3",
         "--precision.mode=bf16-mixed", "--training.seq_len=8192", "--training.micro_batch_size=1",
         "--training.global_batch_size=2048", "--memory.activation_checkpointing=full"])
-    estimate_memory(cfg)
+    args = (cfg.model, build_layout(cfg), cfg.training, cfg.hardware, cfg.optimizer)
+    estimate_memory(*args)
     start = time.perf_counter()
     for _ in range(runs):
-        estimate_memory(cfg)
+        estimate_memory(*args)
     return (time.perf_counter() - start) / runs * 1e3
 
 

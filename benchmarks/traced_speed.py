@@ -40,14 +40,14 @@ QUICK = [CASES[0]]
 _CHILD = """
 import json, sys
 from trainfit.config import load_config
-from trainfit.memory.analytic import estimate_memory
+from trainfit.estimate import estimate
 from trainfit.memory.traced import trace_step
 from trainfit.models.params import param_counts
 cfg = load_config(None, sys.argv[1:])
 est = trace_step(cfg)
 print(json.dumps({"seconds": est.seconds, "rss": est.peak_rss_bytes, "ops": est.num_ops,
                   "params": param_counts(cfg.model).total, "traced": est.worst.as_dict(),
-                  "module": est.peak_module, "analytic": estimate_memory(cfg).worst.peak}))
+                  "module": est.peak_module, "analytic": estimate(cfg).worst.peak}))
 """
 
 

@@ -166,7 +166,7 @@ def test_train_warns_before_allocating_when_the_estimate_exceeds_the_device(tmp_
     assert "predicted vs measured" in proc.stdout
 
 
-def _refuse_to_trace(cfg: object) -> None:
+def _refuse_to_trace(cfg: object, layout: object = None) -> None:
     raise RuntimeError("a layout the tracer refuses")
 
 

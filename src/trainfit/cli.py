@@ -10,12 +10,11 @@ import dataclasses
 import os
 import sys
 import textwrap
-import tomllib
 from collections.abc import Callable
-from pathlib import Path
 
 from trainfit.config import Config, ConfigError, iter_fields, load_config
 from trainfit.memory.breakdown import MemoryBreakdown
+from trainfit.parallel.layout import Layout
 
 
 def _fields_help() -> str:
@@ -38,23 +37,13 @@ def _config_parser(sub: argparse._SubParsersAction, name: str, help_text: str) -
     return parser
 
 
-def _load(args: argparse.Namespace, overrides: list[str]) -> Config:
-    """The config; under a launcher (torchrun sets WORLD_SIZE) hardware.num_gpus defaults to the world size."""
-    world = os.environ.get("WORLD_SIZE")
-    if world and world != "1" and not any(o.lstrip("-").startswith("hardware.num_gpus") for o in overrides):
-        raw = tomllib.loads(Path(args.config).read_text()) if args.config and Path(args.config).is_file() else {}
-        if "num_gpus" not in raw.get("hardware", {}):
-            overrides = [*overrides, f"--hardware.num_gpus={world}"]
-    return load_config(args.config, overrides)
-
-
 def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
     from trainfit.estimate import as_json, estimate
     from trainfit.memory.report import plot_breakdown, print_estimate
 
-    cfg = _load(args, overrides)
+    cfg = load_config(args.config, overrides)
     est = estimate(cfg)
     if args.traced:
         from trainfit.memory.traced import trace_step
@@ -85,7 +74,7 @@ def cmd_measure(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.memory.attribution import measure_step
     from trainfit.memory.compare import Comparison, comparison_table
 
-    cfg = _load(args, overrides)
+    cfg = load_config(args.config, overrides)
     measured = measure_step(cfg, steps=args.steps)
     est = estimate(cfg)
     if args.json:
@@ -109,7 +98,7 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.memory.compare import Comparison, comparison_table, plot_comparison
     from trainfit.memory.traced import trace_step
 
-    cfg = _load(args, overrides)
+    cfg = load_config(args.config, overrides)
     traced = trace_step(cfg)  # before measuring: tracing needs the process-group slot free
     measured = measure_step(cfg, steps=args.steps)
     cmp = Comparison({"analytic": estimate(cfg).worst, "traced": traced.worst, "measured": measured.breakdown},
@@ -124,14 +113,16 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from trainfit.train.distributed import run_layout
     from trainfit.train.report import print_summary
     from trainfit.train.trainer import Trainer, TrainingDiverged
 
-    cfg = _load(args, overrides)
-    predicted = {"analytic": _warn_if_it_will_not_fit(cfg)}
+    cfg = load_config(args.config, overrides)
+    layout = run_layout(cfg)
+    predicted = {"analytic": _warn_if_it_will_not_fit(cfg, layout)}
     if cfg.logging.traced_estimate and _is_rank_zero():
-        predicted.update(_traced_estimate(cfg))  # before the Trainer: tracing needs the process-group slot free
-    trainer = Trainer(cfg)
+        predicted.update(_traced_estimate(cfg, layout))  # before the Trainer: tracing needs the process-group slot free
+    trainer = Trainer(cfg, layout)
     try:
         result = trainer.train()
     except TrainingDiverged as err:
@@ -148,11 +139,11 @@ def _is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _warn_if_it_will_not_fit(cfg: Config) -> MemoryBreakdown:
+def _warn_if_it_will_not_fit(cfg: Config, layout: Layout) -> MemoryBreakdown:
     """The analytic estimate, before anything is allocated; a warning when it exceeds the device."""
     from trainfit.estimate import advice, estimate
 
-    est = estimate(cfg)
+    est = estimate(cfg, layout)
     if not est.fits and _is_rank_zero():
         need = est.total_bytes(est.worst) / 2**30
         print(f"warning: the estimate needs {need:.1f} GiB per GPU, more than the "
@@ -162,12 +153,12 @@ def _warn_if_it_will_not_fit(cfg: Config) -> MemoryBreakdown:
     return est.worst
 
 
-def _traced_estimate(cfg: Config) -> dict[str, MemoryBreakdown]:
+def _traced_estimate(cfg: Config, layout: Layout) -> dict[str, MemoryBreakdown]:
     """{"traced": the traced estimate}, or {} with a warning when tracing fails (the run goes on)."""
     from trainfit.memory.traced import trace_step
 
     try:
-        return {"traced": trace_step(cfg).worst}
+        return {"traced": trace_step(cfg, layout).worst}
     except Exception as err:  # a layout the tracer refuses must not stop the training run
         print(f"warning: no traced estimate ({type(err).__name__}: {err}); comparing the analytic one only",
               file=sys.stderr)

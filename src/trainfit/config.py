@@ -270,14 +270,6 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-    @property
-    def dp_degree(self) -> int:
-        return self.parallel.dp_replicate * self.parallel.dp_shard
-
-    @property
-    def grad_accum_steps(self) -> int:
-        return self.training.global_batch_size // (self.training.micro_batch_size * self.dp_degree)
-
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 
@@ -426,15 +418,13 @@ def _parse_scalar(key: str, text: str, kind: Any) -> Any:
 
 
 def resolve_and_validate(cfg: Config) -> None:
-    """Fill the model from its preset, then check every field and every combination."""
+    """Fill the model from its preset, then check every field on its own. How the fields combine
+    with the world (degrees, batch split) is parallel/layout.py's `build_layout`."""
     from trainfit.models.presets import resolve_model_config  # torch-free
-    from trainfit.parallel.dims import resolve_parallel_dims  # torch-free
 
     resolve_model_config(cfg.model)
     _validate_model(cfg.model)
     _validate_rest(cfg)
-    dims = resolve_parallel_dims(cfg)
-    cfg.parallel.dp_shard = dims.dp_shard
     _validate_training(cfg)
 
 
@@ -469,10 +459,6 @@ def _validate_training(cfg: Config) -> None:
             _fail(f"training.{name}", getattr(t, name), "must be >= 0")
     if t.seq_len > cfg.model.max_seq_len:
         _fail("training.seq_len", t.seq_len, f"must be <= model.max_seq_len={cfg.model.max_seq_len}")
-    per_step = t.micro_batch_size * cfg.dp_degree
-    if t.global_batch_size % per_step:
-        _fail("training.global_batch_size", t.global_batch_size,
-              f"must be a multiple of micro_batch_size x data-parallel degree = {per_step}")
     if t.lr <= 0:
         _fail("training.lr", t.lr, "must be > 0")
     if not 0 <= t.min_lr <= t.lr:

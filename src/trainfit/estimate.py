@@ -16,7 +16,7 @@ from trainfit.hardware import device_spec
 from trainfit.memory.analytic import MemoryEstimate, estimate_memory
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import param_counts
-from trainfit.parallel.dims import ParallelDims, resolve_parallel_dims
+from trainfit.parallel.layout import Layout, build_layout
 from trainfit.perf.timing import PerfEstimate, estimate_perf
 
 GIB = 1024**3
@@ -25,7 +25,7 @@ GIB = 1024**3
 @dataclass(frozen=True)
 class Estimate:
     cfg: Config
-    dims: ParallelDims
+    layout: Layout
     memory: MemoryEstimate
     perf: PerfEstimate
     device_memory: int
@@ -44,10 +44,13 @@ class Estimate:
                                                for s in self.memory.per_stage)
 
 
-def estimate(cfg: Config) -> Estimate:
-    """The full analytic estimate of a validated config (see trainfit.config.load_config)."""
-    dims = resolve_parallel_dims(cfg)
-    return Estimate(cfg=cfg, dims=dims, memory=estimate_memory(cfg, dims), perf=estimate_perf(cfg, dims),
+def estimate(cfg: Config, layout: Layout | None = None) -> Estimate:
+    """The full analytic estimate of a validated config (see trainfit.config.load_config) on
+    `layout` (default: its own, on hardware.num_gpus ranks)."""
+    layout = layout or build_layout(cfg)
+    memory = estimate_memory(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer)
+    return Estimate(cfg=cfg, layout=layout, memory=memory,
+                    perf=estimate_perf(cfg.model, layout, cfg.training, cfg.hardware),
                     device_memory=device_spec(cfg.hardware).memory_bytes)
 
 
@@ -59,12 +62,12 @@ def _stage_json(est: Estimate, stage: MemoryBreakdown, index: int) -> dict[str, 
 def as_json(est: Estimate) -> dict[str, Any]:
     m = est.cfg.model
     counts = param_counts(m)
-    d = est.dims
+    d = est.layout
     per_rank = _stage_json(est, est.worst, est.memory.worst_stage)
     per_rank["layout"] = {
-        "num_gpus": d.num_gpus, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp, "pp": d.pp,
+        "num_gpus": d.world_size, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp, "pp": d.pp,
         "cp": d.cp, "ep": d.ep, "zero_stage": d.zero_stage, "pp_virtual_stages": d.pp_virtual_stages,
-        "grad_accum_steps": est.cfg.grad_accum_steps,
+        "grad_accum_steps": d.grad_accum_steps,
     }
     return {
         "model": {"preset": m.preset, "family": m.family, "num_params": counts.total,
@@ -111,7 +114,7 @@ def advice(est: Estimate, limit: int = 4) -> list[str]:
             continue
         try:
             changed = _with(est.cfg, key, value)
-            other = estimate(changed)
+            other = estimate(changed, build_layout(changed, est.layout.world_size))
         except ValueError:  # the change is not valid for this layout (e.g. ZeRO with one rank)
             continue
         saved = total - other.total_bytes(other.worst)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import gc
 
+from _analytic import states_of
 from _dist import GlooTestCase, run_config, with_comms
-from trainfit.memory.analytic import model_states
 from trainfit.train.trainer import Trainer
 
 WIDE = ("--model.num_layers=4", "--model.dim=256", "--model.ffn_dim=768", "--model.num_heads=4",
@@ -33,7 +33,7 @@ class ZeroMemory(GlooTestCase):
             trainer.watched_step()  # optimizer states and DDP's buckets exist (and are known) from here on
             stats = trainer.measured_step()
             states[stage], peaks[stage] = stats.state_bytes, stats.peak_memory_bytes
-            predicted[stage] = model_states(trainer.cfg, trainer.dims)
+            predicted[stage] = states_of(trainer.cfg, trainer.layout)
             P = trainer.num_params * 4  # fp32
             del trainer, stats
         dp = self.world_size

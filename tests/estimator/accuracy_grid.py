@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _analytic import memory_of, retained_of, states_of
 from trainfit.config import Config, load_config
-from trainfit.memory.analytic import estimate_memory, forward_retained_bytes, model_states
 from trainfit.memory.attribution import Measurement, measure_step
 from trainfit.memory.breakdown import COMPONENTS, MemoryBreakdown
 from trainfit.memory.traced import trace_step
@@ -208,7 +208,7 @@ def trace(row: Row, tmp: Path) -> MemoryBreakdown:
 
 def analytic(row: Row, tmp: Path) -> Analytic:
     cfg = row_config(row, tmp)
-    return Analytic(estimate_memory(cfg).worst, forward_retained_bytes(cfg), model_states(cfg).model_states)
+    return Analytic(memory_of(cfg).worst, retained_of(cfg), states_of(cfg).model_states)
 
 
 def _figures(m: Measurement) -> dict:

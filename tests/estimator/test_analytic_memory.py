@@ -7,21 +7,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
+from _analytic import memory_of as estimate_memory
+from _analytic import retained_of as forward_retained_bytes
+from _analytic import states_of as model_states
 from trainfit.config import load_config
 from trainfit.memory import analytic
 from trainfit.memory.activations import ActDtypes, block_terms, korthikanti_layer_bytes
-from trainfit.memory.analytic import (
-    estimate_memory,
-    forward_retained_bytes,
-    model_states,
-    zero_model_state_bytes,
-)
+from trainfit.memory.analytic import zero_model_state_bytes
 from trainfit.memory.breakdown import COMPONENTS, PHASES
 from trainfit.models.params import param_counts
+from trainfit.parallel.layout import build_layout
 
 GB = 1e9
 MIB = 2**20
@@ -33,8 +31,10 @@ def cfg_of(*overrides: str):
 
 def test_the_analytic_path_imports_no_torch():
     code = ("import sys, trainfit.memory.analytic as a, trainfit.config as c\n"
-            "a.estimate_memory(c.load_config(None, ['--model.preset=llama3-8b', '--hardware.num_gpus=8',\n"
-            "    '--parallel.zero_stage=3', '--training.micro_batch_size=1', '--training.global_batch_size=8']))\n"
+            "import trainfit.parallel.layout as l\n"
+            "cfg = c.load_config(None, ['--model.preset=llama3-8b', '--hardware.num_gpus=8',\n"
+            "    '--parallel.zero_stage=3', '--training.micro_batch_size=1', '--training.global_batch_size=8'])\n"
+            "a.estimate_memory(cfg.model, l.build_layout(cfg), cfg.training, cfg.hardware, cfg.optimizer)\n"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -191,8 +191,8 @@ def test_pipeline_stages_hold_their_layers_and_in_flight_micro_batches():
     # Interleaved 1F1B: rank 0 keeps L (1 + (p - 1)/(pv)) layers' worth (Korthikanti Sec. 4.2.3).
     cfg = cfg_of(*base, "--parallel.pp_schedule=interleaved-1f1b", "--parallel.pp_virtual_stages=2",
                  "--parallel.num_microbatches=16")
-    dims = analytic.resolve_parallel_dims(cfg)
-    in_flight, _ = analytic._in_flight(cfg, dims, 0)
+    run = analytic._Run(cfg.model, build_layout(cfg), cfg.training, cfg.hardware, cfg.optimizer)
+    in_flight, _ = analytic._in_flight(run, 0)
     assert in_flight * (32 / 4) == pytest.approx(32 * (1 + 3 / 8))
 
 
@@ -255,7 +255,7 @@ def test_optimizers_and_their_step_temporaries():
     assert foreach.phase_peaks["optimizer"] - fused.phase_peaks["optimizer"] == pytest.approx(4 * psi, rel=0.01)
 
 
-def test_llama3_405b_on_16384_gpus_in_well_under_5_ms():
+def test_llama3_405b_on_16384_gpus_fits():
     # 4-D: tp 8 x cp 2 x pp 2 (interleaved, 7 virtual stages each: 126 = 14 x 9 layers) x dp 512.
     cfg = cfg_of("--model.preset=llama3-405b", "--hardware.num_gpus=16384", "--hardware.gpu=H100-SXM-80GB",
                  "--parallel.tp=8", "--parallel.sequence_parallel=true", "--parallel.cp=2", "--parallel.pp=2",
@@ -263,9 +263,5 @@ def test_llama3_405b_on_16384_gpus_in_well_under_5_ms():
                  "--parallel.zero_stage=3", "--precision.mode=bf16-mixed", "--training.seq_len=8192",
                  "--training.micro_batch_size=1", "--training.global_batch_size=2048",
                  "--memory.activation_checkpointing=full")
-    estimate_memory(cfg)
-    start, runs = time.perf_counter(), 200
-    for _ in range(runs):
-        estimate = estimate_memory(cfg)
-    assert (time.perf_counter() - start) / runs < 0.005
+    estimate = estimate_memory(cfg)  # its speed: benchmarks/estimate_speed.py
     assert len(estimate.per_stage) == 2 and estimate.worst.peak + estimate.worst.reserved_margin < 80 * GB

@@ -55,7 +55,7 @@ def test_logits_are_the_loss_tensors(tmp_path: Path) -> None:
 
 
 def test_measure_trainer_step_measures_a_trainer_in_place(tmp_path: Path) -> None:
-    trainer = Trainer(run_config(tmp_path, *LLAMA), World())
+    trainer = Trainer(run_config(tmp_path, *LLAMA), world=World())
     trainer.train_step()
     m = measure_trainer_step(trainer)
     assert trainer.step == 2 and m.breakdown.peak > 0 and m.world_size == 1

@@ -17,7 +17,7 @@ from _dist import fake_world
 from trainfit.config import load_config
 from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link, inter_node_link, intra_node_link
 from trainfit.models import build_model, count_params, materialize
-from trainfit.parallel.dims import resolve_parallel_dims
+from trainfit.parallel.layout import AXES, build_layout
 from trainfit.perf import comms
 
 # FSDP2 and DTensor warn about CPU meshes and views; irrelevant to counting collectives.
@@ -50,7 +50,7 @@ def _dims(*args: str):
     """A config and its layout; one sequence per rank and step unless the args say otherwise."""
     gpus = next((a.split("=")[1] for a in args if a.startswith("--hardware.num_gpus=")), "1")
     cfg = load_config(None, ["--training.micro_batch_size=1", f"--training.global_batch_size={gpus}", *args])
-    return cfg, resolve_parallel_dims(cfg)
+    return cfg, build_layout(cfg)
 
 
 def test_each_axis_gets_the_link_of_its_span() -> None:
@@ -60,7 +60,7 @@ def test_each_axis_gets_the_link_of_its_span() -> None:
     hw = cfg.hardware
     assert comms.axis_stride(dims, "tp") == 1 and comms.axis_stride(dims, "cp") == 4
     assert comms.axis_stride(dims, "dp_shard") == 8 and comms.axis_stride(dims, "pp") == 32
-    intra = {axis for axis in comms.MESH_AXES if comms.axes_are_intra_node(dims, (axis,), hw.gpus_per_node)}
+    intra = {axis for axis in AXES if comms.axes_are_intra_node(dims, (axis,), hw.gpus_per_node)}
     assert intra == {"tp", "cp", "dp_replicate"}  # tp x cp = 8 ranks = one node; dp_replicate is 1
     assert comms.group_link(dims, ("tp",), hw) == intra_node_link(hw)
     assert comms.group_link(dims, ("dp_shard",), hw) == inter_node_link(hw)
@@ -84,7 +84,7 @@ def test_what_gradient_accumulation_repeats() -> None:
         cfg, dims = _dims("--model.preset=llama2-7b", "--hardware.num_gpus=8",
                           f"--training.global_batch_size={8 * accum}", *args)
         out: Counter = Counter()
-        for c in comms.step_collectives(cfg, dims):
+        for c in comms.step_collectives(cfg.model, dims, cfg.training):
             out[c.purpose, c.kind] += c.count
         return out
 
@@ -134,7 +134,7 @@ class CollectiveLog(CommDebugMode):
 
 def expected(cfg, dims) -> Counter:
     out: Counter = Counter()
-    for c in comms.step_collectives(cfg, dims):
+    for c in comms.step_collectives(cfg.model, dims, cfg.training):
         out[c.kind, c.nbytes] += c.count
     return out
 

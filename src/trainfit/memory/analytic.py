@@ -1,10 +1,10 @@
 """Per-rank training memory in closed form: pure arithmetic on the config, no torch.
 
-`estimate_memory(cfg)` returns one `MemoryBreakdown` per pipeline stage (the figures of one rank
-of that stage) and the worst stage. The components are their values at the step's peak moment,
-the largest of: the end of the model's forward, the loss, the start of the backward, the
-backward of the stage's last and first block, and the optimizer step (`phase_peaks` keeps the
-largest of each phase). tests/estimator/ checks them against measured steps of our models.
+`estimate_memory(model, layout, training, hardware, optimizer)` returns one `MemoryBreakdown` per
+pipeline stage (the figures of one rank of that stage) and the worst stage. The components are
+their values at the step's peak moment, the largest of: the end of the model's forward, the loss,
+the start of the backward, the backward of the stage's last and first block, and the optimizer
+step (`phase_peaks` keeps the largest of each phase). tests/estimator/ checks them against measured steps of our models.
 
 Conventions (memory/breakdown.py's vocabulary; parallel/data_parallel.py's layouts):
 - params: the tensors the rank computes with. fp32 / bf16-pure: the parameters (their FSDP shard
@@ -36,8 +36,9 @@ Also here: `model_states` (a rank's resident model states after backward), `forw
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from trainfit.config import Config
+from trainfit.config import HardwareConfig, ModelConfig, OptimizerConfig, TrainingConfig
 from trainfit.memory.activations import (
     FP32,
     ActDtypes,
@@ -49,7 +50,7 @@ from trainfit.memory.activations import (
 )
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import ParamCounts, param_counts
-from trainfit.parallel.dims import ParallelDims, resolve_parallel_dims
+from trainfit.parallel.layout import Layout
 
 MIB = 1024**2
 
@@ -96,6 +97,16 @@ class MemoryEstimate:
     @property
     def worst(self) -> MemoryBreakdown:
         return self.per_stage[self.worst_stage]
+
+
+class _Run(NamedTuple):
+    """The sections one estimate reads (references, never copies)."""
+
+    model: ModelConfig
+    layout: Layout
+    training: TrainingConfig
+    hardware: HardwareConfig
+    optimizer: OptimizerConfig
 
 
 @dataclass(frozen=True)
@@ -147,7 +158,7 @@ class _Layout:
     largest_tensor: int
 
 
-def _in_flight(cfg: Config, dims: ParallelDims, stage: int) -> tuple[float, int]:
+def _in_flight(run: _Run, stage: int) -> tuple[float, int]:
     """Micro-batches of activations alive on pipeline rank `stage` at its peak, and of the head.
 
     gpipe runs every forward before any backward (m). 1F1B (Narayanan et al., arXiv 2104.04473):
@@ -156,13 +167,13 @@ def _in_flight(cfg: Config, dims: ParallelDims, stage: int) -> tuple[float, int]
     plus one chunk of L/(pv) layers: for rank 0, Korthikanti's L (1 + (p - 1)/(pv)) layers (arXiv
     2205.05198, Sec. 4.2.3). Zero-bubble (ZB-H1, Qi et al., arXiv 2401.10241) peaks as 1F1B does.
     """
-    p, v = dims.pp, dims.pp_virtual_stages
+    p, v = run.layout.pp, run.layout.pp_virtual_stages
     if p == 1:
         return 1.0, 1
-    m = cfg.parallel.num_microbatches or max(1, cfg.grad_accum_steps)
-    if cfg.parallel.pp_schedule == "gpipe":
+    m = run.layout.num_microbatches
+    if run.layout.pp_schedule == "gpipe":
         return float(m), m
-    if cfg.parallel.pp_schedule == "interleaved-1f1b":
+    if run.layout.pp_schedule == "interleaved-1f1b":
         return min(m * v, (v - 1) * p + 2 * (p - 1 - stage) + 1) / v, 1
     return float(min(p - stage, m)), 1
 
@@ -171,9 +182,9 @@ def _wrapped(index: int, n: int) -> bool:
     return index % n == 0  # recompute.apply_activation_checkpointing
 
 
-def _layout(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage: int) -> _Layout:
-    m, mem, tp, ep = cfg.model, cfg.memory, dims.tp, dims.ep
-    p, v = dims.pp, dims.pp_virtual_stages
+def _layout(run: _Run, counts: ParamCounts, stage: int) -> _Layout:
+    m, mem, tp, ep = run.model, run.layout, run.layout.tp, run.layout.ep
+    p, v = run.layout.pp, run.layout.pp_virtual_stages
     first, last = stage == 0, stage == p - 1
     per_chunk = m.num_layers // (p * v)
     n = mem.ac_every_n_layers
@@ -203,7 +214,7 @@ def _layout(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage: int) ->
     tensors += (norm_tensors + (0 if tied_here else 1)) * last
     experts_local = max(1, m.num_experts // ep) * (m.expert_ffn_dim or 0) * m.dim // tp
     largest = max(vocab_dim if (first or last) else 0, m.dim * m.dim // tp, m.ffn_dim * m.dim // tp, experts_local)
-    in_flight, head_in_flight = _in_flight(cfg, dims, stage)
+    in_flight, head_in_flight = _in_flight(run, stage)
     return _Layout(
         blocks=per_chunk * v, policy_blocks=policy_blocks,
         last_wrapped=policy_blocks > 0 and _wrapped(last_index, n),
@@ -224,32 +235,32 @@ def _optimizer_bytes(name: str, prec: _Precision, params: int, tensors: int, sma
     return OPTIMIZER_STATES[name] * prec.param * params + steps
 
 
-def _optimizer_step_temporaries(cfg: Config, prec: _Precision, decay: int, largest: int) -> int:
+def _optimizer_step_temporaries(run: _Run, prec: _Precision, decay: int, largest: int) -> int:
     """What torch.optim allocates inside step() (torch 2.13 source, measured on CPU). foreach
     Adam/AdamW: `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, a state-sized list per
     parameter group (the largest is the weight-decay group); Adam's L2 decay first makes `grads =
     torch._foreach_add(grads, params, alpha=wd)`, deleted before the sqrt; foreach SGD with decay,
     the same copy. A single-tensor loop (foreach=False) holds both for one tensor; fused (CUDA)
     and bitsandbytes kernels allocate nothing of note."""
-    o = cfg.optimizer
-    if o.name == "adamw-8bit" or (o.fused and cfg.hardware.gpu != "cpu"):
+    o = run.optimizer
+    if o.name == "adamw-8bit" or (o.fused and run.hardware.gpu != "cpu"):
         return 0
     size = decay if o.foreach else largest
-    l2_copy = size * prec.param if cfg.training.weight_decay > 0 and o.name in ("adam", "sgd") else 0
+    l2_copy = size * prec.param if run.training.weight_decay > 0 and o.name in ("adam", "sgd") else 0
     sqrt = size * prec.param if o.name in ("adam", "adamw") else 0
     return max(sqrt, l2_copy) if o.foreach else sqrt + l2_copy
 
 
-def _logits(cfg: Config, prec: _Precision, tokens: int, tp: int) -> tuple[int, int, int, int]:
+def _logits(run: _Run, prec: _Precision, tokens: int, tp: int) -> tuple[int, int, int, int]:
     """(saved after the loss, the logits alone, peak inside the loss, peak at the backward start).
 
     trainer._loss: logits (compute dtype) -> .float() (a copy unless fp32 already) -> cross_entropy
     = log_softmax (fp32, saved) + nll_loss. Backward starts with nll_loss's gradient (fp32) and
     log_softmax's input gradient while its output is still held: 3 fp32 logits (measured)."""
-    V = cfg.model.vocab_size // (tp if LOSS_PARALLEL else 1)
+    V = run.model.vocab_size // (tp if LOSS_PARALLEL else 1)
     c = prec.act.compute
     copy = FP32 if c != FP32 else 0
-    if cfg.memory.chunked_loss:
+    if run.layout.chunked_loss:
         chunk = min(tokens, LOSS_CHUNK_TOKENS)
         return 0, 0, V * chunk * (c + copy + FP32), V * chunk * (c + 3 * FP32)
     return FP32 * V * tokens, c * V * tokens, V * tokens * (c + copy + FP32), 3 * FP32 * V * tokens
@@ -274,68 +285,68 @@ class _Stage:
     seq: int
 
 
-def _stage(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage: int) -> _Stage:
+def _stage(run: _Run, counts: ParamCounts, stage: int) -> _Stage:
     # ZeRO-2/3 and CPU offload are FSDP2 (offload moves the sharded parameters, their gradients
     # and the optimizer to the host together); ZeRO-0 is DDP, ZeRO-1 ZeroRedundancyOptimizer.
-    offload = cfg.memory.offload != "none"
-    fsdp = dims.zero_stage >= 2 or offload
-    prec = _precision(cfg.precision.mode, fsdp)
-    lay = _layout(cfg, dims, counts, stage)
+    offload = run.layout.offload != "none"
+    fsdp = run.layout.zero_stage >= 2 or offload
+    prec = _precision(run.layout.precision, fsdp)
+    lay = _layout(run, counts, stage)
     n = lay.blocks * lay.block + lay.embedding + lay.head
     no_decay = lay.blocks * lay.block_no_decay + (counts.final_norm if lay.last else 0)
-    param_shards = dims.zero_shards if fsdp else 1
-    state_shards = dims.zero_shards if dims.zero_stage >= 1 else 1
+    param_shards = run.layout.zero_shards if fsdp else 1
+    state_shards = run.layout.zero_shards if run.layout.zero_stage >= 1 else 1
     resident = 0 if offload else n * prec.param // param_shards
-    optimizer = 0 if offload else _optimizer_bytes(cfg.optimizer.name, prec, n // state_shards, lay.tensors,
+    optimizer = 0 if offload else _optimizer_bytes(run.optimizer.name, prec, n // state_shards, lay.tensors,
                                                    no_decay // state_shards)
-    temp = 0 if offload else _optimizer_step_temporaries(cfg, prec, (n - no_decay) // state_shards,
+    temp = 0 if offload else _optimizer_step_temporaries(run, prec, (n - no_decay) // state_shards,
                                                          lay.largest_tensor)
-    seq = cfg.training.seq_len // dims.cp
-    return _Stage(lay, prec, n, resident, resident, optimizer, temp, fsdp, cfg.training.micro_batch_size * seq, seq)
+    seq = run.training.seq_len // run.layout.cp
+    return _Stage(lay, prec, n, resident, resident, optimizer, temp, fsdp, run.training.micro_batch_size * seq, seq)
 
 
-def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage: int) -> MemoryBreakdown:
-    st = _stage(cfg, dims, counts, stage)
-    lay, prec, act, tp = st.lay, st.prec, st.prec.act, dims.tp
-    policy = cfg.memory.activation_checkpointing
+def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakdown:
+    st = _stage(run, counts, stage)
+    lay, prec, act, tp = st.lay, st.prec, st.prec.act, run.layout.tp
+    policy = run.layout.activation_checkpointing
 
     def size(terms: Terms) -> int:
-        return terms.bytes(st.tokens, st.seq, tp, cfg.parallel.sequence_parallel)
+        return terms.bytes(st.tokens, st.seq, tp, run.layout.sequence_parallel)
 
     # ---- activations of one micro-batch
-    a_none = size(block_terms(cfg.model, act, "none"))
-    a_policy = size(block_terms(cfg.model, act, policy)) if policy != "none" else a_none
+    a_none = size(block_terms(run.model, act, "none"))
+    a_policy = size(block_terms(run.model, act, policy)) if policy != "none" else a_none
     none_blocks = lay.blocks - lay.policy_blocks
     a_blocks = none_blocks * a_none + lay.policy_blocks * a_policy
-    a_final = size(final_norm_terms(cfg.model, act)) if lay.last else 0
-    transient = backward_transient_terms(cfg.model, act)
+    a_final = size(final_norm_terms(run.model, act)) if lay.last else 0
+    transient = backward_transient_terms(run.model, act)
     rebuild = a_none - a_policy  # what a checkpointed block recomputes in backward
-    only = policy_only_terms(cfg.model, act, policy)
+    only = policy_only_terms(run.model, act, policy)
     released = size(only.released)  # saved by the policy, freed by the recompute
     rebuild += released + size(only.kept)
 
     saved_logits, logits_tensor, logits_fwd, logits_bwd = (
-        _logits(cfg, prec, st.tokens, tp) if lay.last else (0, 0, 0, 0))
+        _logits(run, prec, st.tokens, tp) if lay.last else (0, 0, 0, 0))
 
     # ---- compute copies, communication and module buffers
     c = prec.compute
     cast_block = c * lay.block_matmul if act.autocast else 0
     cast_head = c * lay.output_matmul if act.autocast else 0
-    held = c * st.params if (st.fsdp and dims.zero_stage == 2) else 0  # reshard_after_forward=False
+    held = c * st.params if (st.fsdp and run.layout.zero_stage == 2) else 0  # reshard_after_forward=False
     # ZeRO-3: FSDP2 never reshards the root (embeddings, final norm, output); every block reshards
     # after its forward, so blocks are gathered only while one runs (with its prefetched neighbour).
-    zero3 = st.fsdp and dims.zero_stage == 3
+    zero3 = st.fsdp and run.layout.zero_stage == 3
     root_gather = c * (lay.embedding + lay.head) if zero3 else 0
     block_gather = c * lay.block if zero3 else 0
     reduce = (FSDP_REDUCE_BYTES_MIXED if prec.mixed else prec.param) if st.fsdp else 0
     persistent_buffers = 0
-    if cfg.model.family == "llama":  # RoPE cos/sin tables, fp32 (bf16 once a bf16-pure model is cast)
-        persistent_buffers = 2 * cfg.model.max_seq_len * (cfg.model.dim // cfg.model.num_heads) * (
-            2 if cfg.precision.mode == "bf16-pure" else FP32)
-    if not st.fsdp and dims.dp > 1 and not DDP_GRADIENT_AS_BUCKET_VIEW:
+    if run.model.family == "llama":  # RoPE cos/sin tables, fp32 (bf16 once a bf16-pure model is cast)
+        persistent_buffers = 2 * run.model.max_seq_len * (run.model.dim // run.model.num_heads) * (
+            2 if run.layout.precision == "bf16-pure" else FP32)
+    if not st.fsdp and run.layout.dp > 1 and not DDP_GRADIENT_AS_BUCKET_VIEW:
         persistent_buffers += st.grads  # DDP's gradient buckets
-    if dims.ep > 1:  # all-to-all dispatch and combine of each routed token (send + receive)
-        persistent_buffers += 2 * st.tokens * cfg.model.experts_per_token * cfg.model.dim * c
+    if run.layout.ep > 1:  # all-to-all dispatch and combine of each routed token (send + receive)
+        persistent_buffers += 2 * st.tokens * run.model.experts_per_token * run.model.dim * c
     fwd_buffers = persistent_buffers + root_gather
     # FSDP's unsharded gradients of the root (output projection, final norm; a tied embedding's
     # too), reduce-scattered when the backward ends; a block's own are in in_backward below.
@@ -348,8 +359,8 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
     first_comms = block_gather + (reduce * lay.block if st.fsdp and lay.blocks > 1 else 0)
 
     # ---- gradients present before this micro-batch's backward: accumulation or pipelining
-    m = cfg.parallel.num_microbatches or cfg.grad_accum_steps
-    accumulating = cfg.grad_accum_steps > 1 if dims.pp == 1 else m > lay.in_flight
+    m = run.layout.num_microbatches
+    accumulating = run.layout.grad_accum_steps > 1 if run.layout.pp == 1 else m > lay.in_flight
     before = st.grads if accumulating else 0
     per_param = st.grads / st.params if st.params else 0
     # A tied weight's gradient stays in autograd's accumulation buffer until the embedding's
@@ -363,7 +374,7 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
     # .grad after SwiGLU's w2 (under FSDP an unsharded gradient, until the block's reduce-scatter);
     # GELU's peak is inside fc2's backward, where under autocast the 16-bit weight gradient is not
     # yet cast and accumulated.
-    w2_in_flight = cfg.model.family == "gpt2" and act.autocast
+    w2_in_flight = run.model.family == "gpt2" and act.autocast
     w2 = (0, 0, c * lay.mlp_out) if w2_in_flight else \
         (0, c * lay.mlp_out, 0) if st.fsdp else (int(lay.mlp_out * per_param), 0, 0)
 
@@ -411,7 +422,7 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
         if total > peak:
             at, peak = moment, total
     phase, copies, activations, logits, grads, buffers = at
-    margin = 0 if cfg.hardware.gpu == "cpu" else int(CUDA_CONTEXT_BYTES + ALLOCATOR_FRAGMENTATION * peak)
+    margin = 0 if run.hardware.gpu == "cpu" else int(CUDA_CONTEXT_BYTES + ALLOCATOR_FRAGMENTATION * peak)
     return MemoryBreakdown(
         params=int(copies) + (0 if prec.mixed else st.persistent), master_params=st.persistent if prec.mixed else 0,
         grads=int(grads), optimizer=st.optimizer, activations=int(activations), logits=int(logits),
@@ -419,50 +430,55 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
     )
 
 
-def estimate_memory(cfg: Config, dims: ParallelDims | None = None) -> MemoryEstimate:
-    """Per-rank memory of one training step of `cfg`, one breakdown per pipeline stage."""
-    dims = dims or resolve_parallel_dims(cfg)
-    counts = param_counts(cfg.model)
-    stages = [_stage_breakdown(cfg, dims, counts, s) for s in range(dims.pp)]
+def estimate_memory(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
+                    optimizer: OptimizerConfig) -> MemoryEstimate:
+    """Per-rank memory of one training step, one breakdown per pipeline stage. Pure: the planner
+    calls it for thousands of layouts of one config without copying anything."""
+    run = _Run(model, layout, training, hardware, optimizer)
+    counts = param_counts(model)
+    stages = [_stage_breakdown(run, counts, s) for s in range(layout.pp)]
     worst = max(range(len(stages)), key=lambda i: stages[i].peak)
     return MemoryEstimate(per_stage=stages, worst_stage=worst)
 
 
-def model_states(cfg: Config, dims: ParallelDims | None = None, stage: int = 0) -> MemoryBreakdown:
+def model_states(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
+                 optimizer: OptimizerConfig, stage: int = 0) -> MemoryBreakdown:
     """The resident model states of a rank of `stage` once its backward is done: params (the
     updated parameters under fp32 / bf16-pure: their shard under FSDP, which reshards ZeRO-2's
     unsharded copies after each block's backward), master_params (*-mixed), all gradients,
     optimizer states. What the rank's tensors add up to then (Trainer's state_bytes)."""
-    dims = dims or resolve_parallel_dims(cfg)
-    st = _stage(cfg, dims, param_counts(cfg.model), stage)
+    run = _Run(model, layout, training, hardware, optimizer)
+    st = _stage(run, param_counts(model), stage)
     return MemoryBreakdown(params=0 if st.prec.mixed else st.persistent,
                            master_params=st.persistent if st.prec.mixed else 0,
                            grads=st.grads, optimizer=st.optimizer)
 
 
-def forward_retained_bytes(cfg: Config, dims: ParallelDims | None = None, stage: int = 0) -> int:
+def forward_retained_bytes(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
+                           optimizer: OptimizerConfig, stage: int = 0) -> int:
     """Bytes one micro-batch's forward and loss leave allocated for its backward on `stage`: saved
     activations, the saved log-probabilities and, with torch.amp, the 16-bit weight copies autograd
     saved, and under FSDP the unsharded parameters kept for backward (ZeRO-2: all; ZeRO-3: the
     root's). The measurable counterpart: (in use after forward + loss) - (in use before)."""
-    dims = dims or resolve_parallel_dims(cfg)
-    st = _stage(cfg, dims, param_counts(cfg.model), stage)
+    run = _Run(model, layout, training, hardware, optimizer)
+    st = _stage(run, param_counts(model), stage)
     lay, act = st.lay, st.prec.act
-    policy = cfg.memory.activation_checkpointing
+    policy = run.layout.activation_checkpointing
 
     def size(terms: Terms) -> int:
-        return terms.bytes(st.tokens, st.seq, dims.tp, cfg.parallel.sequence_parallel)
+        return terms.bytes(st.tokens, st.seq, run.layout.tp, run.layout.sequence_parallel)
 
     none_blocks = lay.blocks - lay.policy_blocks
-    total = none_blocks * size(block_terms(cfg.model, act, "none"))
+    total = none_blocks * size(block_terms(run.model, act, "none"))
     if lay.policy_blocks:
-        total += lay.policy_blocks * size(block_terms(cfg.model, act, policy))
+        total += lay.policy_blocks * size(block_terms(run.model, act, policy))
     if lay.last:
-        total += size(final_norm_terms(cfg.model, act)) + _logits(cfg, st.prec, st.tokens, dims.tp)[0]
+        total += size(final_norm_terms(run.model, act)) + _logits(run, st.prec, st.tokens, run.layout.tp)[0]
     if act.autocast:
         total += st.prec.compute * (none_blocks * lay.block_matmul + lay.output_matmul)
     if st.fsdp:  # unsharded parameters gathered in the forward and kept for backward
-        kept = st.params if dims.zero_stage == 2 else lay.embedding + lay.head if dims.zero_stage == 3 else 0
+        zero = run.layout.zero_stage
+        kept = st.params if zero == 2 else lay.embedding + lay.head if zero == 3 else 0
         total += st.prec.compute * kept
     return total
 

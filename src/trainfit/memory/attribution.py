@@ -47,7 +47,7 @@ from trainfit.config import Config
 from trainfit.memory import measure
 from trainfit.memory.breakdown import COMPONENTS, PHASES, MemoryBreakdown
 from trainfit.memory.ledger import StorageLedger, TimelinePoint, step_phases, unsharded_component
-from trainfit.parallel.dims import ParallelDims
+from trainfit.parallel.layout import Layout
 from trainfit.train.trainer import StepStats, Trainer
 
 _CUDA_HISTORY_ENTRIES = 100_000
@@ -133,8 +133,8 @@ class MemoryMeter:
     """One trainer's StorageLedger, kept for the trainer's life and entered only for the steps
     it watches or measures (see the module docstring); it holds no reference to the trainer."""
 
-    def __init__(self, device: torch.device, dims: ParallelDims) -> None:
-        self.ledger = StorageLedger(fake=False, unsharded_component=unsharded_component(dims),
+    def __init__(self, device: torch.device, layout: Layout) -> None:
+        self.ledger = StorageLedger(fake=False, unsharded_component=unsharded_component(layout),
                                     device_type=device.type)
 
     @contextlib.contextmanager

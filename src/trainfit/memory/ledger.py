@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_flatten
 
 from trainfit.memory.breakdown import COMPONENTS, PHASES, MemoryBreakdown
 from trainfit.parallel.data_parallel import local_optimizer
-from trainfit.parallel.dims import ParallelDims
+from trainfit.parallel.layout import Layout
 from trainfit.precision import PrecisionPolicy
 from trainfit.train.trainer import Trainer
 
@@ -414,10 +414,10 @@ def _untracked_sharding_propagation(ledger: StorageLedger) -> Iterator[None]:
         ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
 
 
-def unsharded_component(dims: ParallelDims) -> str:
+def unsharded_component(layout: Layout) -> str:
     """FSDP's unsharded parameters: compute copies kept from forward to backward under ZeRO-2
     (params), per-block all-gather buffers under ZeRO-3 (buffers), as analytic.py counts them."""
-    return "params" if dims.zero_stage == 2 else "buffers"
+    return "params" if layout.zero_stage == 2 else "buffers"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

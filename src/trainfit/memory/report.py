@@ -76,15 +76,15 @@ def _perf_table(est: Estimate) -> Table:
 
 def print_estimate(est: Estimate, console: Console | None = None) -> None:
     console = console or Console()
-    cfg, d = est.cfg, est.dims
+    cfg, d = est.cfg, est.layout
     counts = param_counts(cfg.model)
     active = f", {counts.active / 1e9:.2f}B active" if counts.active != counts.total else ""
     console.print(f"[bold]{cfg.model.preset or 'custom'}[/bold] ({cfg.model.family}): "
-                  f"{counts.total / 1e9:.3f}B params{active} on {d.num_gpus} x {cfg.hardware.gpu} | "
+                  f"{counts.total / 1e9:.3f}B params{active} on {d.world_size} x {cfg.hardware.gpu} | "
                   f"dp {d.dp_replicate}x{d.dp_shard} (ZeRO-{d.zero_stage}) tp {d.tp} pp {d.pp} cp {d.cp} "
                   f"ep {d.ep} | {cfg.precision.mode}, {cfg.optimizer.name}, AC {cfg.memory.activation_checkpointing}"
                   f" | micro-batch {cfg.training.micro_batch_size} x {cfg.training.seq_len} tokens, "
-                  f"{cfg.grad_accum_steps} accumulation steps")
+                  f"{d.grad_accum_steps} accumulation steps")
     console.print(_memory_table(est))
     worst = est.worst
     top = ", ".join(f"{name} {fmt_bytes(value)}" for name, value in worst.largest(3))

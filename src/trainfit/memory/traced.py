@@ -2,7 +2,7 @@
 
 `trace_step(cfg)` builds the model as `Trainer` does (meta device, the precision policy's dtype,
 the real `parallel.apply.parallelize`: activation checkpointing, DDP / ZeRO-1 / FSDP2), on torch's
-built-in "fake" process group of `hardware.num_gpus` ranks as rank 0, materializes it under
+built-in "fake" process group of the layout's world size as rank 0, materializes it under
 `FakeTensorMode` (shapes and dtypes, no data: no weight memory whatever the model size, ties kept
 by the model's own init), builds the trainer's optimizer, LR schedule and loss scaler, creates the
 optimizer states (one optimizer step on zero gradients) and traces `Trainer.train_step` itself:
@@ -30,7 +30,6 @@ graph objects and tensor headers, which no storage accounts for.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import resource
 import sys
@@ -45,13 +44,13 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from trainfit.config import Config
+from trainfit.config import Config, ConfigError
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.ledger import StorageLedger, TimelinePoint, step_phases, unsharded_component
 from trainfit.models import build_model, count_params, materialize
-from trainfit.parallel.apply import check_layout, data_parallel_kind, parallelize
-from trainfit.parallel.dims import ParallelDims, resolve_parallel_dims
-from trainfit.parallel.mesh import build_mesh, dp_mesh
+from trainfit.parallel.apply import parallelize
+from trainfit.parallel.layout import Layout, build_layout
+from trainfit.parallel.mesh import build_mesh
 from trainfit.precision import PrecisionPolicy, precision_policy
 from trainfit.train.distributed import World
 from trainfit.train.trainer import Trainer
@@ -147,9 +146,9 @@ class _TracedTrainer(Trainer):
     """A Trainer assembled from a model built here: no data, no checkpoints, no weight broadcast.
     `train_step` and `_loss` are Trainer's own, so the traced step is the trained one."""
 
-    def __init__(self, cfg: Config, world: World, dims: ParallelDims, model: nn.Module,
+    def __init__(self, cfg: Config, world: World, layout: Layout, model: nn.Module,
                  policy: PrecisionPolicy, num_params: int) -> None:
-        self.world, self.dims, self.cfg = world, dims, cfg
+        self.world, self.layout, self.cfg = world, layout, cfg
         self.device = world.device
         self.policy = policy
         self.memory_floor = 0
@@ -161,14 +160,12 @@ class _TracedTrainer(Trainer):
         self.resumed_from = None
 
 
-def _two_micro_batches_at_most(cfg: Config) -> Config:
+def _two_micro_batches_at_most(layout: Layout) -> Layout:
     """Gradient accumulation: every micro-batch after the first runs with the gradients already
     allocated, so the second is the last one memory can tell apart (it also syncs gradients)."""
-    if cfg.grad_accum_steps <= 2:
-        return cfg
-    cfg = copy.deepcopy(cfg)
-    cfg.training.global_batch_size = cfg.training.micro_batch_size * cfg.dp_degree * 2
-    return cfg
+    if layout.grad_accum_steps <= 2:
+        return layout
+    return dataclasses.replace(layout, grad_accum_steps=2, num_microbatches=2)
 
 
 def _create_optimizer_states(trainer: Trainer) -> None:
@@ -191,38 +188,40 @@ def _target_device_type(cfg: Config) -> str:
 # ---------------------------------------------------------------- entry point
 
 
-def trace_step(cfg: Config) -> TracedEstimate:
-    """Trace one training step of `cfg` (validated) as rank 0 of its world; see the module docstring."""
+def trace_step(cfg: Config, layout: Layout | None = None) -> TracedEstimate:
+    """Trace one training step of `cfg` (validated) on `layout` (default: its own on
+    hardware.num_gpus ranks) as rank 0 of its world; see the module docstring."""
     start = time.perf_counter()
-    cfg = _two_micro_batches_at_most(cfg)
-    dims = resolve_parallel_dims(cfg)
-    check_layout(cfg, dims)
+    layout = layout or build_layout(cfg)
+    reason = layout.untrainable_reason()
+    if reason:
+        raise ConfigError(reason)
+    layout = _two_micro_batches_at_most(layout)
     policy = precision_policy(cfg.precision.mode, "cpu")
-    kind = data_parallel_kind(cfg, dims)
-    world_cm = fake_process_group(dims.num_gpus) if kind != "none" else contextlib.nullcontext()
+    kind = layout.data_parallel
+    world_cm = fake_process_group(layout.world_size) if kind != "none" else contextlib.nullcontext()
     with world_cm, warnings.catch_warnings():
         # Initialising sharded parameters on a CPU mesh warns that DTensor's RNG is incomplete there:
         # values do not matter here.
         warnings.filterwarnings("ignore", message="DTensor random operators")
-        mesh = build_mesh(dims, "cpu") if kind != "none" else None
-        world = World(device=torch.device("cpu"), size=dims.num_gpus, mesh=mesh)
-        if mesh is not None:
-            data_mesh = dp_mesh(mesh)
-            world.dp_rank, world.dp_size = data_mesh.get_local_rank(), data_mesh.size()
+        world = World(device=torch.device("cpu"), size=layout.world_size, layout=layout)
+        if kind != "none":
+            world.attach_mesh(build_mesh(layout, "cpu"))
+        mesh = world.mesh
         model = build_model(cfg.model)
         num_params = count_params(model)
         policy.prepare_model(model)
-        parallelize(model, cfg, dims, mesh, policy)
+        parallelize(model, layout, mesh, policy)
         if hasattr(model, "register_comm_hook"):  # DDP (replicate), zero_stage 0 and 1
             model.register_comm_hook(None, _fake_allreduce_hook)
         with _ddp_without_init_sync(), FakeTensorMode(allow_non_fake_inputs=True), \
-                StorageLedger(fake=True, unsharded_component=unsharded_component(dims),
+                StorageLedger(fake=True, unsharded_component=unsharded_component(layout),
                               host_states=cfg.memory.offload != "none") as ledger:
             if cfg.model.num_experts:
                 tokens = cfg.training.micro_batch_size * cfg.training.seq_len
                 ledger.route_balanced(tokens * cfg.model.experts_per_token, cfg.model.num_experts)
             materialize(model, "cpu")
-            trainer = _TracedTrainer(cfg, world, dims, model, policy, num_params)
+            trainer = _TracedTrainer(cfg, world, layout, model, policy, num_params)
             ledger.watch_model(model)
             ledger.grad_hooks(list(model.parameters()))
             _create_optimizer_states(trainer)

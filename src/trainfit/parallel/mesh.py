@@ -1,30 +1,20 @@
-"""The DeviceMesh of a run, built from ParallelDims (parallel/dims.py, the single source of degrees).
+"""The DeviceMesh of a run, built from its Layout (parallel/layout.py owns the axis order).
 
-Axes, outermost first, as dims.py lays the world out: pp, dp_replicate, dp_shard, cp, tp. An axis
-of size 1 is left out, except dp_shard, which always exists: FSDP shards over it, even on one
-rank (CPU offload of a single process). When dp_replicate > 1 the two data-parallel axes are
-also flattened into a 1-D "dp" axis: DDP's all-reduce and the data sampler span all of them.
+Axes, outermost first: pp, dp_replicate, dp_shard, cp, tp (`Layout.mesh_axes`: size-1 axes left
+out, dp_shard always kept). When dp_replicate > 1 the two data-parallel axes are also flattened
+into a 1-D "dp" axis: DDP's all-reduce and the data sampler span all of them.
 """
 
 from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trainfit.parallel.dims import ParallelDims
-
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+from trainfit.parallel.layout import Layout
 
 
-def mesh_axes(dims: ParallelDims) -> dict[str, int]:
-    """The mesh's named axes and their sizes, outermost first."""
-    sizes = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
-             "tp": dims.tp}
-    return {axis: sizes[axis] for axis in AXES if sizes[axis] > 1 or axis == "dp_shard"}
-
-
-def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """The world's mesh (needs an initialized default process group of dims.num_gpus ranks)."""
-    axes = mesh_axes(dims)
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    """The world's mesh (needs an initialized default process group of layout.world_size ranks)."""
+    axes = layout.mesh_axes()
     mesh = init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes))
     if "dp_replicate" in axes:
         mesh["dp_replicate", "dp_shard"]._flatten("dp")

@@ -16,7 +16,7 @@ with per-step latency a, plus a fixed launch cost a0 per collective,
 | point-to-point | the message                       | a0 + a + B/bw                                 |
 
 Links: the world is the mesh pp x dp_replicate x dp_shard x cp x tp, outermost first (see
-trainfit.parallel.dims), ranks numbered with tp fastest and filled node by node. An axis of size n
+trainfit.parallel.layout), ranks numbered with tp fastest and filled node by node. An axis of size n
 and stride s (the product of the sizes inside it) keeps every group inside one node when the whole
 job fits in a node or when s x n divides hardware.gpus_per_node; such an axis uses the intra-node
 link, any other the inter-node one. A group spanning several axes is intra-node only if each of
@@ -28,13 +28,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trainfit.config import Config, HardwareConfig
+from trainfit.config import HardwareConfig, ModelConfig, TrainingConfig
 from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link, inter_node_link, intra_node_link
 from trainfit.models.params import param_counts
-from trainfit.parallel.dims import ParallelDims
+from trainfit.parallel.layout import AXES, Layout
 
 KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
-MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
 
 # torch DDP's default bucket (DistributedDataParallel(bucket_cap_mb=25)); a bucket is sent once it
 # holds at least this many bytes of gradients.
@@ -89,15 +88,10 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
 # ---------------------------------------------------------------- which link
 
 
-def axis_sizes(dims: ParallelDims) -> dict[str, int]:
-    return {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
-            "tp": dims.tp}
-
-
-def axis_stride(dims: ParallelDims, axis: str) -> int:
+def axis_stride(layout: Layout, axis: str) -> int:
     """Rank distance between neighbours along an axis: the product of the sizes of the axes inside it."""
-    sizes = axis_sizes(dims)
-    return math.prod(sizes[a] for a in MESH_AXES[MESH_AXES.index(axis) + 1:])
+    sizes = layout.axis_sizes()
+    return math.prod(sizes[a] for a in AXES[AXES.index(axis) + 1:])
 
 
 def span_is_intra_node(size: int, stride: int, num_gpus: int, gpus_per_node: int) -> bool:
@@ -105,21 +99,21 @@ def span_is_intra_node(size: int, stride: int, num_gpus: int, gpus_per_node: int
     return size <= 1 or num_gpus <= gpus_per_node or gpus_per_node % (size * stride) == 0
 
 
-def axes_are_intra_node(dims: ParallelDims, axes: tuple[str, ...], gpus_per_node: int) -> bool:
-    sizes = axis_sizes(dims)
-    return all(span_is_intra_node(sizes[a], axis_stride(dims, a), dims.num_gpus, gpus_per_node) for a in axes)
+def axes_are_intra_node(layout: Layout, axes: tuple[str, ...], gpus_per_node: int) -> bool:
+    sizes = layout.axis_sizes()
+    return all(span_is_intra_node(sizes[a], axis_stride(layout, a), layout.world_size, gpus_per_node) for a in axes)
 
 
-def group_link(dims: ParallelDims, axes: tuple[str, ...], hw: HardwareConfig) -> Link:
+def group_link(layout: Layout, axes: tuple[str, ...], hw: HardwareConfig) -> Link:
     """The link a collective over these mesh axes runs on (its slowest hop)."""
-    if axes_are_intra_node(dims, axes, hw.gpus_per_node):
+    if axes_are_intra_node(layout, axes, hw.gpus_per_node):
         return intra_node_link(hw)
     return inter_node_link(hw)
 
 
-def expert_link(dims: ParallelDims, hw: HardwareConfig) -> Link:
+def expert_link(layout: Layout, hw: HardwareConfig) -> Link:
     """Expert-parallel groups: ep consecutive ranks of the dp_shard x cp block (stride tp)."""
-    if span_is_intra_node(dims.ep, dims.tp, dims.num_gpus, hw.gpus_per_node):
+    if span_is_intra_node(layout.ep, layout.tp, layout.world_size, hw.gpus_per_node):
         return intra_node_link(hw)
     return inter_node_link(hw)
 
@@ -159,21 +153,16 @@ def precision_bytes(mode: str) -> tuple[int, int, int]:
     return LOW_BYTES, LOW_BYTES if mode == "bf16-pure" else FP32_BYTES, LOW_BYTES
 
 
-def num_microbatches(cfg: Config) -> int:
-    """Micro-batches per step on a rank: parallel.num_microbatches, else the gradient accumulation."""
-    return cfg.parallel.num_microbatches or max(1, cfg.grad_accum_steps)
-
-
-def stage_params(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
+def stage_params(model: ModelConfig, layout: Layout) -> tuple[int, int]:
     """(one block's, the root unit's) parameters on one rank of the busiest stage, before ZeRO sharding.
 
     Blocks: dense weights / tp, routed experts / (ep x tp). Root (embeddings, final norm, output):
     all of it without pipeline parallelism, else the larger of the first and last stage's part.
     """
-    c = param_counts(cfg.model)
-    block = (c.per_layer - c.routed_experts) // dims.tp + c.routed_experts // (dims.ep * dims.tp)
-    root = c.embedding + c.final_norm + c.output if dims.pp == 1 else max(c.embedding, c.final_norm + c.output)
-    return block, root // dims.tp
+    c = param_counts(model)
+    block = (c.per_layer - c.routed_experts) // layout.tp + c.routed_experts // (layout.ep * layout.tp)
+    root = c.embedding + c.final_norm + c.output if layout.pp == 1 else max(c.embedding, c.final_norm + c.output)
+    return block, root // layout.tp
 
 
 def _tp_recompute_calls(sequence_parallel: bool, policy: str) -> tuple[int, int, int]:
@@ -190,7 +179,7 @@ def _tp_recompute_calls(sequence_parallel: bool, policy: str) -> tuple[int, int,
     return (2, 1, 0) if policy == "full" else (2, 0, 0)
 
 
-def step_collectives(cfg: Config, dims: ParallelDims) -> list[Collective]:
+def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfig) -> list[Collective]:
     """Every collective one rank of the busiest pipeline stage issues in one optimizer step.
 
     Data parallel, as trainfit.parallel.data_parallel builds it:
@@ -213,15 +202,15 @@ def step_collectives(cfg: Config, dims: ParallelDims) -> list[Collective]:
     Not modelled: TP of embeddings/output and loss parallelism, the gradient-norm all-reduce, the
     loss all-reduce for logging, sharding padding.
     """
-    m, t, p = cfg.model, cfg.training, cfg.parallel
-    param_b, grad_b, act_b = precision_bytes(cfg.precision.mode)
-    n_mb = num_microbatches(cfg)
-    layers = m.num_layers // dims.pp
-    block, root = stage_params(cfg, dims)
-    policy = cfg.memory.activation_checkpointing
-    wrapped = 0 if policy == "none" else -(-layers // cfg.memory.ac_every_n_layers)
-    seqs = t.global_batch_size / (dims.dp * n_mb)  # sequences per micro-batch on a rank
-    act = int(seqs * t.seq_len / dims.cp * m.dim * act_b)  # one micro-batch's hidden states, full width
+    m, t = model, training
+    param_b, grad_b, act_b = precision_bytes(layout.precision)
+    n_mb = layout.num_microbatches
+    layers = m.num_layers // layout.pp
+    block, root = stage_params(model, layout)
+    policy = layout.activation_checkpointing
+    wrapped = 0 if policy == "none" else -(-layers // layout.ac_every_n_layers)
+    seqs = t.global_batch_size / (layout.dp * n_mb)  # sequences per micro-batch on a rank
+    act = int(seqs * t.seq_len / layout.cp * m.dim * act_b)  # one micro-batch's hidden states, full width
     out: list[Collective] = []
 
     def add(kind: str, purpose: str, axes: tuple[str, ...], size: int, nbytes: float, count: int, phase: str,
@@ -231,58 +220,58 @@ def step_collectives(cfg: Config, dims: ParallelDims) -> list[Collective]:
 
     # Data parallel.
     shard = ("dp_shard",)
-    if dims.zero_stage <= 1:
+    if layout.zero_stage <= 1:
         total = (layers * block + root) * grad_b
         buckets = max(1, -(-total // DDP_BUCKET_BYTES))
-        add("all_reduce", "grad_sync", ("dp_replicate", "dp_shard", "cp"), dims.dp * dims.cp, total / buckets,
+        add("all_reduce", "grad_sync", ("dp_replicate", "dp_shard", "cp"), layout.dp * layout.cp, total / buckets,
             buckets, "backward", "buckets", per_microbatch=False)
-        if dims.zero_stage == 1:  # the owners' broadcasts of updated parameters, in the parameters' dtype
-            add("all_gather", "zero1_params", shard, dims.dp_shard, total, 1, "step", per_microbatch=False)
+        if layout.zero_stage == 1:  # the owners' broadcasts of updated parameters, in the parameters' dtype
+            add("all_gather", "zero1_params", shard, layout.dp_shard, total, 1, "step", per_microbatch=False)
     else:
-        add("all_gather", "fsdp_param", shard, dims.dp_shard, root * param_b, n_mb, "forward", "root")
-        add("all_gather", "fsdp_param", shard, dims.dp_shard, block * param_b, n_mb * layers, "forward", "blocks")
-        if dims.zero_stage == 3:
-            add("all_gather", "fsdp_param", shard, dims.dp_shard, block * param_b, n_mb * layers, "backward",
+        add("all_gather", "fsdp_param", shard, layout.dp_shard, root * param_b, n_mb, "forward", "root")
+        add("all_gather", "fsdp_param", shard, layout.dp_shard, block * param_b, n_mb * layers, "forward", "blocks")
+        if layout.zero_stage == 3:
+            add("all_gather", "fsdp_param", shard, layout.dp_shard, block * param_b, n_mb * layers, "backward",
                 "blocks")
-        add("reduce_scatter", "grad_sync", shard, dims.dp_shard, block * grad_b, n_mb * layers, "backward", "blocks")
-        add("reduce_scatter", "grad_sync", shard, dims.dp_shard, root * grad_b, n_mb, "backward", "root")
-        rest, replicas = ("dp_replicate", "cp"), dims.dp_replicate * dims.cp
-        add("all_reduce", "grad_sync", rest, replicas, block * grad_b / dims.dp_shard, layers, "backward", "blocks",
+        add("reduce_scatter", "grad_sync", shard, layout.dp_shard, block * grad_b, n_mb * layers, "backward", "blocks")
+        add("reduce_scatter", "grad_sync", shard, layout.dp_shard, root * grad_b, n_mb, "backward", "root")
+        rest, replicas = ("dp_replicate", "cp"), layout.dp_replicate * layout.cp
+        add("all_reduce", "grad_sync", rest, replicas, block * grad_b / layout.dp_shard, layers, "backward", "blocks",
             per_microbatch=False)
-        add("all_reduce", "grad_sync", rest, replicas, root * grad_b / dims.dp_shard, 1, "backward", "root",
+        add("all_reduce", "grad_sync", rest, replicas, root * grad_b / layout.dp_shard, 1, "backward", "root",
             per_microbatch=False)
 
     # Tensor parallel.
     calls = n_mb * layers
-    ag, rs, ar = _tp_recompute_calls(p.sequence_parallel, policy)
-    if p.sequence_parallel:
-        add("all_gather", "tp", ("tp",), dims.tp, act, 2 * calls, "forward")
-        add("reduce_scatter", "tp", ("tp",), dims.tp, act, 2 * calls, "forward")
-        add("all_gather", "tp", ("tp",), dims.tp, act, (2 * layers + ag * wrapped) * n_mb, "backward")
-        add("reduce_scatter", "tp", ("tp",), dims.tp, act, (2 * layers + rs * wrapped) * n_mb, "backward")
+    ag, rs, ar = _tp_recompute_calls(layout.sequence_parallel, policy)
+    if layout.sequence_parallel:
+        add("all_gather", "tp", ("tp",), layout.tp, act, 2 * calls, "forward")
+        add("reduce_scatter", "tp", ("tp",), layout.tp, act, 2 * calls, "forward")
+        add("all_gather", "tp", ("tp",), layout.tp, act, (2 * layers + ag * wrapped) * n_mb, "backward")
+        add("reduce_scatter", "tp", ("tp",), layout.tp, act, (2 * layers + rs * wrapped) * n_mb, "backward")
     else:
-        add("all_reduce", "tp", ("tp",), dims.tp, act, 2 * calls, "forward")
-        add("all_reduce", "tp", ("tp",), dims.tp, act, (2 * layers + ar * wrapped) * n_mb, "backward")
+        add("all_reduce", "tp", ("tp",), layout.tp, act, 2 * calls, "forward")
+        add("all_reduce", "tp", ("tp",), layout.tp, act, (2 * layers + ar * wrapped) * n_mb, "backward")
 
     # Context parallel: K and V of the whole sequence (their heads are split by tp).
-    kv = int(2 * seqs * t.seq_len * m.num_kv_heads * (m.dim // m.num_heads) / dims.tp * act_b)
+    kv = int(2 * seqs * t.seq_len * m.num_kv_heads * (m.dim // m.num_heads) / layout.tp * act_b)
     recompute_kv = wrapped if policy == "full" else 0
-    add("all_gather", "cp", ("cp",), dims.cp, kv, calls, "forward")
-    add("all_gather", "cp", ("cp",), dims.cp, kv, (layers + recompute_kv) * n_mb, "backward")
-    add("reduce_scatter", "cp", ("cp",), dims.cp, kv, calls, "backward")
+    add("all_gather", "cp", ("cp",), layout.cp, kv, calls, "forward")
+    add("all_gather", "cp", ("cp",), layout.cp, kv, (layers + recompute_kv) * n_mb, "backward")
+    add("reduce_scatter", "cp", ("cp",), layout.cp, kv, calls, "backward")
 
     # Expert parallel: each token's hidden state goes to top-k experts and comes back.
     if m.num_experts:
         routed = act * m.experts_per_token
-        add("all_to_all", "ep", ("ep",), dims.ep, routed, 2 * calls, "forward")
-        add("all_to_all", "ep", ("ep",), dims.ep, routed, (2 * layers + 2 * recompute_kv) * n_mb, "backward")
+        add("all_to_all", "ep", ("ep",), layout.ep, routed, 2 * calls, "forward")
+        add("all_to_all", "ep", ("ep",), layout.ep, routed, (2 * layers + 2 * recompute_kv) * n_mb, "backward")
 
     # Pipeline parallel: a stage boundary per micro-batch and virtual stage, each way.
-    boundary = act / dims.tp if p.sequence_parallel else act
-    add("p2p", "pp", ("pp",), dims.pp, boundary, n_mb * dims.pp_virtual_stages, "forward")
-    add("p2p", "pp", ("pp",), dims.pp, boundary, n_mb * dims.pp_virtual_stages, "backward")
+    boundary = act / layout.tp if layout.sequence_parallel else act
+    add("p2p", "pp", ("pp",), layout.pp, boundary, n_mb * layout.pp_virtual_stages, "forward")
+    add("p2p", "pp", ("pp",), layout.pp, boundary, n_mb * layout.pp_virtual_stages, "backward")
     return out
 
 
-def collective_link(c: Collective, dims: ParallelDims, hw: HardwareConfig) -> Link:
-    return expert_link(dims, hw) if c.axes == ("ep",) else group_link(dims, c.axes, hw)
+def collective_link(c: Collective, layout: Layout, hw: HardwareConfig) -> Link:
+    return expert_link(layout, hw) if c.axes == ("ep",) else group_link(layout, c.axes, hw)

@@ -39,11 +39,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainfit.config import Config
+from trainfit.config import HardwareConfig, ModelConfig, TrainingConfig
 from trainfit.hardware import compute_efficiency, device_spec, peak_flops
-from trainfit.parallel.dims import ParallelDims
+from trainfit.parallel.layout import Layout
 from trainfit.perf import flops as F
-from trainfit.perf.comms import KINDS, Collective, collective_link, collective_time, num_microbatches, step_collectives
+from trainfit.perf.comms import KINDS, Collective, collective_link, collective_time, step_collectives
 
 # Bubble of zero-bubble schedules as a fraction of 1F1B's (ZB-V with equal F, B, W passes).
 ZERO_BUBBLE_FRACTION = 0.0
@@ -75,25 +75,24 @@ def bubble_fraction(schedule: str, pp: int, num_microbatches: int, virtual_stage
     return base
 
 
-def _rank_flops(cfg: Config, dims: ParallelDims) -> tuple[float, float, float]:
+def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> tuple[float, float, float]:
     """(forward, backward incl. recomputation, attention share) hardware FLOPs of the busiest rank per step."""
-    m, t, mem = cfg.model, cfg.training, cfg.memory
-    layers = m.num_layers // dims.pp
-    wrapped = 0 if mem.activation_checkpointing == "none" else F.num_checkpointed_blocks(layers, mem.ac_every_n_layers)
+    layers = m.num_layers // layout.pp
+    policy = layout.activation_checkpointing
+    wrapped = 0 if policy == "none" else F.num_checkpointed_blocks(layers, layout.ac_every_n_layers)
     mm, at = 2 * F.block_matmul_params(m), F.block_attention_flops(m, t.seq_len)
-    rc_mm, rc_at = F.block_recompute_flops(m, t.seq_len, mem.activation_checkpointing)
+    rc_mm, rc_at = F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing)
     head = 2 * F.head_matmul_params(m)  # the last stage (or the only one) holds the output projection
     forward = layers * (mm + at) + head
     backward = layers * (2 * mm + F.FLASH_ATTENTION_BWD_FACTOR * at) + 2 * head + wrapped * (rc_mm + rc_at)
     attention = layers * at * (1 + F.FLASH_ATTENTION_BWD_FACTOR) + wrapped * rc_at
-    tokens = t.global_batch_size * t.seq_len / (dims.dp * dims.cp)  # per rank; tp ranks split its FLOPs
-    scale = tokens / dims.tp
+    tokens = t.global_batch_size * t.seq_len / (layout.dp * layout.cp)  # per rank; tp ranks split its FLOPs
+    scale = tokens / layout.tp
     return forward * scale, backward * scale, attention * scale
 
 
-def _compute_seconds(cfg: Config, fwd: float, bwd: float, attention: float) -> tuple[float, float]:
+def _compute_seconds(hw: HardwareConfig, mode: str, fwd: float, bwd: float, attention: float) -> tuple[float, float]:
     """Forward and backward compute time; under fp8 the attention share runs at the bf16 peak."""
-    hw, mode = cfg.hardware, cfg.precision.mode
     rate = peak_flops(hw, mode) * compute_efficiency(hw)
     if mode != "fp8-mixed":
         return fwd / rate, bwd / rate
@@ -142,30 +141,29 @@ def _exposed(timed: list[tuple[Collective, float]], fwd_s: float, bwd_s: float, 
     return exposed, per_microbatch
 
 
-def estimate_perf(cfg: Config, dims: ParallelDims) -> PerfEstimate:
-    """FLOPs, step time and its parts, tokens/s and MFU of a validated config on its hardware."""
-    m, t, mem, hw = cfg.model, cfg.training, cfg.memory, cfg.hardware
+def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig) -> PerfEstimate:
+    """FLOPs, step time and its parts, tokens/s and MFU of one layout of a model on its hardware."""
     tokens_per_step = t.global_batch_size * t.seq_len
     model_tok = F.training_flops_per_token(m, t.seq_len)
-    hardware_tok = F.hardware_flops_per_token(m, t.seq_len, mem.activation_checkpointing, mem.ac_every_n_layers)
-    recompute_tok = F.recompute_flops_per_token(m, t.seq_len, mem.activation_checkpointing, mem.ac_every_n_layers)
-    fwd, bwd, attention = _rank_flops(cfg, dims)
-    fwd_s, bwd_s = _compute_seconds(cfg, fwd, bwd, attention)
+    hardware_tok = F.hardware_flops_per_token(m, t.seq_len, layout.activation_checkpointing, layout.ac_every_n_layers)
+    recompute_tok = F.recompute_flops_per_token(m, t.seq_len, layout.activation_checkpointing, layout.ac_every_n_layers)
+    fwd, bwd, attention = _rank_flops(m, layout, t)
+    fwd_s, bwd_s = _compute_seconds(hw, layout.precision, fwd, bwd, attention)
     compute_s = fwd_s + bwd_s
 
-    n_mb = num_microbatches(cfg)
-    timed = [(c, collective_time(c.kind, c.nbytes, c.group_size, collective_link(c, dims, hw)))
-             for c in step_collectives(cfg, dims)]
+    n_mb = layout.num_microbatches
+    timed = [(c, collective_time(c.kind, c.nbytes, c.group_size, collective_link(c, layout, hw)))
+             for c in step_collectives(m, layout, t)]
     comm = dict.fromkeys(KINDS, 0.0)
     for c, one in timed:
         comm[c.kind] += one * c.count
     exposed, per_microbatch = _exposed(timed, fwd_s, bwd_s, n_mb)
     exposed_s = sum(exposed.values())
-    frac = bubble_fraction(cfg.parallel.pp_schedule, dims.pp, n_mb, dims.pp_virtual_stages)
+    frac = bubble_fraction(layout.pp_schedule, layout.pp, n_mb, layout.pp_virtual_stages)
     bubble_s = frac * (compute_s + per_microbatch)
     step_s = compute_s + exposed_s + bubble_s
 
-    peak = peak_flops(hw, cfg.precision.mode)
+    peak = peak_flops(hw, layout.precision)
     flops = {
         "model_flops_per_token": float(model_tok),
         "hardware_flops_per_token": float(hardware_tok),
@@ -184,7 +182,7 @@ def estimate_perf(cfg: Config, dims: ParallelDims) -> PerfEstimate:
         "bubble_fraction": frac,
         "num_microbatches": n_mb,
         "tokens_per_second": tokens_per_step / step_s,
-        "mfu": flops["model_flops_per_step"] / (step_s * dims.num_gpus * peak),
-        "hfu": flops["hardware_flops_per_step"] / (step_s * dims.num_gpus * peak),
+        "mfu": flops["model_flops_per_step"] / (step_s * layout.world_size * peak),
+        "hfu": flops["hardware_flops_per_step"] / (step_s * layout.world_size * peak),
     }
     return PerfEstimate(flops=flops, time=time, collectives=tuple(timed))

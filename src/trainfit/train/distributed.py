@@ -1,19 +1,17 @@
 """The processes of a run: one, or one per rank started by torchrun.
 
-`init_world(cfg)` is the single entry point. It takes the world size from the launcher (torchrun's
-RANK / WORLD_SIZE / LOCAL_RANK environment) or from an already initialized default process group
-(tests), fills hardware.num_gpus with it, validates the layout, picks the device and the backend
-(CUDA: nccl, one device per local rank; CPU: gloo), initializes the process group when the
-layout needs one and builds the device mesh. Everything rank-dependent in training goes through
-the returned World; there is no module-level state.
+`run_layout(cfg)` builds the run's Layout (parallel/layout.py) once, on the world this process
+belongs to: the launcher's (torchrun's RANK / WORLD_SIZE / LOCAL_RANK environment), an already
+initialized default process group (tests), or one process. `init_world(cfg, layout)` then picks
+the device and the backend (CUDA: nccl, one device per local rank; CPU: gloo), initializes the
+process group when the layout needs one and builds the device mesh. Everything rank-dependent in
+training goes through the returned World; there is no module-level state.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import shlex
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -22,9 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainfit.config import Config, ConfigError, resolve_and_validate
-from trainfit.parallel.apply import check_layout, data_parallel_kind
-from trainfit.parallel.dims import resolve_parallel_dims
+from trainfit.config import Config, ConfigError
+from trainfit.parallel.layout import Layout, build_layout, resolve_world_size
 from trainfit.parallel.mesh import build_mesh, dp_mesh
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -38,6 +35,8 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    layout: Layout | None = None
+    """How the run is spread over the world (parallel/layout.py); None: one plain process."""
     mesh: DeviceMesh | None = None
     """The world's DeviceMesh (parallel/mesh.py), when the layout needs a process group."""
     dp_rank: int = 0
@@ -85,6 +84,12 @@ class World:
         dist.all_gather_object(out, obj)
         return out
 
+    def attach_mesh(self, mesh: DeviceMesh) -> None:
+        """Use `mesh` for collectives; the sampler reads the data-parallel rank and size off it."""
+        self.mesh = mesh
+        data_mesh = dp_mesh(mesh)
+        self.dp_rank, self.dp_size = data_mesh.get_local_rank(), data_mesh.size()
+
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -96,38 +101,20 @@ def launched() -> bool:
     return all(name in os.environ for name in LAUNCHER_VARIABLES)
 
 
-def launch_command(num_procs: int, gpus_per_node: int) -> str:
-    """The torchrun command that runs this trainfit invocation on `num_procs` processes."""
-    args = sys.argv[1:] if sys.argv and sys.argv[0].endswith(("trainfit", "__main__.py")) else []
-    trainfit_args = " ".join(shlex.quote(a) for a in args) if args else "train CONFIG [--section.field=value ...]"
-    if num_procs <= gpus_per_node:
-        return f"torchrun --nproc_per_node={num_procs} -m trainfit {trainfit_args}"
-    nodes = -(-num_procs // gpus_per_node)
-    return (f"torchrun --nnodes={nodes} --nproc_per_node={gpus_per_node} --rdzv-backend=c10d "
-            f"--rdzv-endpoint=HOST:29500 -m trainfit {trainfit_args}   (on every node)")
+def _place() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) from an initialized process group (tests) or the launcher."""
+    if dist.is_initialized():
+        rank = dist.get_rank()
+        return rank, dist.get_world_size(), int(os.environ.get("LOCAL_RANK", rank))
+    if launched():
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    return None
 
 
-def adopt_world_size(cfg: Config, world_size: int) -> None:
-    """Make hardware.num_gpus the launcher's world size, or explain why it cannot be.
-
-    A config that leaves hardware.num_gpus at 1 takes the launcher's world size, and dp_shard is
-    derived again (every other degree is necessarily 1 in such a config). A config that names
-    another device count is a contradiction we do not guess our way out of.
-    """
-    hw = cfg.hardware
-    if hw.num_gpus == world_size:
-        return
-    if world_size == 1:
-        raise ConfigError(f"hardware.num_gpus={hw.num_gpus}: this layout needs {hw.num_gpus} processes (one "
-                          f"per device), and trainfit was started as one; launch it with\n  "
-                          f"{launch_command(hw.num_gpus, hw.gpus_per_node)}")
-    if hw.num_gpus != 1:
-        raise ConfigError(f"hardware.num_gpus={hw.num_gpus}: the launcher started {world_size} processes; "
-                          f"start {hw.num_gpus} (torchrun --nproc_per_node={hw.num_gpus} ...) or set "
-                          f"--hardware.num_gpus={world_size}")
-    hw.num_gpus = world_size
-    cfg.parallel.dp_shard = -1
-    resolve_and_validate(cfg)
+def run_layout(cfg: Config) -> Layout:
+    """The Layout of this run: `cfg` on the world this process belongs to (the launcher's, or one)."""
+    place = _place()
+    return build_layout(cfg, resolve_world_size(cfg, place[1] if place else 1))
 
 
 def pick_device(name: str, local_rank: int) -> torch.device:
@@ -142,22 +129,18 @@ def pick_device(name: str, local_rank: int) -> torch.device:
     return torch.device(name)
 
 
-def init_world(cfg: Config) -> World:
-    """This process's World for `cfg` (which gets hardware.num_gpus = the world size)."""
-    if dist.is_initialized():
-        rank, size = dist.get_rank(), dist.get_world_size()
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    elif launched():
-        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local_rank = int(os.environ["LOCAL_RANK"])
-    else:
-        rank, size, local_rank = 0, 1, 0
-    adopt_world_size(cfg, size)
-    dims = resolve_parallel_dims(cfg)
-    check_layout(cfg, dims)
+def init_world(cfg: Config, layout: Layout) -> World:
+    """This process's World for `layout` (run_layout's): device, process group and mesh."""
+    reason = layout.untrainable_reason()
+    if reason:
+        raise ConfigError(reason)
+    rank, size, local_rank = _place() or (0, 1, 0)
+    if size != layout.world_size:
+        raise ConfigError(f"hardware.num_gpus={layout.world_size}: the world has {size} ranks; build the layout "
+                          "with run_layout(cfg) in this process")
     device = pick_device(cfg.training.device, local_rank)
-    world = World(device=device, rank=rank, size=size, local_rank=local_rank)
-    if data_parallel_kind(cfg, dims) == "none":
+    world = World(device=device, rank=rank, size=size, local_rank=local_rank, layout=layout)
+    if not layout.needs_process_group:
         return world
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -168,7 +151,5 @@ def init_world(cfg: Config) -> World:
                                     timeout=timedelta(minutes=5))
         world.owns_group = True
         atexit.register(world.close)  # `trainfit train` exits without closing; gloo aborts on a live group
-    world.mesh = build_mesh(dims, device.type)
-    data_mesh = dp_mesh(world.mesh)
-    world.dp_rank, world.dp_size = data_mesh.get_local_rank(), data_mesh.size()
+    world.attach_mesh(build_mesh(layout, device.type))
     return world

@@ -9,6 +9,7 @@ from rich.table import Table
 from trainfit.config import Config
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.compare import Comparison, comparison_table
+from trainfit.parallel.layout import Layout
 from trainfit.train.metrics import METRICS_FILE
 from trainfit.train.trainer import TrainResult
 
@@ -20,7 +21,7 @@ def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
         ("model", f"{cfg.model.preset or 'custom'} ({cfg.model.family}), {result.num_params / 1e6:.2f}M params"),
         ("steps", f"{result.steps_done} / {cfg.training.steps}"),
         ("precision", f"{cfg.precision.mode}, activation checkpointing {cfg.memory.activation_checkpointing}"),
-        ("parallel", layout_description(cfg, result.world_size)),
+        ("parallel", layout_description(result.layout)),
     ]
     if result.losses:
         last_step = max(result.losses)
@@ -47,19 +48,20 @@ def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
     return rows
 
 
-def layout_description(cfg: Config, world_size: int) -> str:
+def layout_description(layout: Layout) -> str:
     """E.g. "2 processes: ZeRO-3 (FSDP2) over dp_shard=2, offload optimizer"."""
-    p = cfg.parallel
-    if world_size == 1 and cfg.memory.offload == "none":
+    world_size = layout.world_size
+    if world_size == 1 and layout.offload == "none":
         return "1 process"
-    stage = {0: "DDP", 1: "ZeRO-1 (DDP + sharded optimizer)", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[p.zero_stage]
-    if p.dp_replicate > 1:
-        axes = f"dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard}"
+    names = {0: "DDP", 1: "ZeRO-1 (DDP + sharded optimizer)", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}
+    stage = names[layout.zero_stage]
+    if layout.dp_replicate > 1:
+        axes = f"dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard}"
     else:
-        axes = f"dp_shard={p.dp_shard}" if p.zero_stage else f"dp={cfg.dp_degree}"
-    if p.zero_stage >= 1 and p.dp_replicate > 1:
+        axes = f"dp_shard={layout.dp_shard}" if layout.zero_stage else f"dp={layout.dp}"
+    if layout.zero_stage >= 1 and layout.dp_replicate > 1:
         stage = f"HSDP, {stage}"
-    offload = f", offload {cfg.memory.offload}" if cfg.memory.offload != "none" else ""
+    offload = f", offload {layout.offload}" if layout.offload != "none" else ""
     return f"{world_size} process{'es' if world_size > 1 else ''}: {stage} over {axes}{offload}"
 
 

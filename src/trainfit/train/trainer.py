@@ -32,7 +32,7 @@ from trainfit.hardware import peak_flops
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.measure import current_allocated_bytes
 from trainfit.models import build_model, count_params, materialize
-from trainfit.parallel.apply import check_layout, parallelize, parallelize_optimizer
+from trainfit.parallel.apply import parallelize, parallelize_optimizer
 from trainfit.parallel.data_parallel import (
     clip_grad_norm_,
     grad_scaler,
@@ -40,12 +40,12 @@ from trainfit.parallel.data_parallel import (
     local_state_bytes,
     set_gradient_sync,
 )
-from trainfit.parallel.dims import resolve_parallel_dims
+from trainfit.parallel.layout import Layout, build_layout
 from trainfit.perf.flops import mfu, training_flops_per_token
 from trainfit.precision import precision_policy, step_optimizer
 from trainfit.train import checkpoint as ckpt
 from trainfit.train.data import BatchSampler, TokenData, eval_batches, resolve_data
-from trainfit.train.distributed import World, init_world
+from trainfit.train.distributed import World, init_world, run_layout
 from trainfit.train.metrics import MetricsWriter
 from trainfit.train.optim import build_optimizer, build_scheduler
 from trainfit.train.progress import TrainProgress
@@ -88,6 +88,8 @@ class TrainResult:
     stopped_by_signal: bool = False
     checkpoint: Path | None = None
     num_params: int = 0
+    layout: Layout | None = None
+    """How the run was spread over its world (parallel/layout.py)."""
     world_size: int = 1
     rank: int = 0
     state_bytes: dict[str, int] | None = None
@@ -117,14 +119,17 @@ class _NoMetrics:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, world: World | None = None) -> None:
-        """`world`: None joins the launcher's world (init_world); World() forces one process."""
-        self.world = world if world is not None else init_world(cfg)
-        self.dims = resolve_parallel_dims(cfg)
-        if world is not None:
-            check_layout(cfg, self.dims)
-        if self.dims.num_gpus != self.world.size:
-            raise ConfigError(f"hardware.num_gpus={cfg.hardware.num_gpus}: the world has {self.world.size} ranks")
+    def __init__(self, cfg: Config, layout: Layout | None = None, world: World | None = None) -> None:
+        """`layout`: None builds the run's own (distributed.run_layout). `world`: None joins the
+        launcher's world (init_world); World() forces one process."""
+        if world is None:
+            self.layout = layout or run_layout(cfg)
+            self.world = init_world(cfg, self.layout)
+        else:
+            self.layout = layout or world.layout or build_layout(cfg, world.size)
+            self.world = world
+        for message in self.layout.ineffective_options():
+            warnings.warn(message, stacklevel=2)
         self.cfg = cfg
         self.device = self.world.device
         self.policy = precision_policy(cfg.precision.mode, self.device.type)
@@ -138,7 +143,7 @@ class Trainer:
         model, num_params = self._build_model()
         t = cfg.training
         sampler = BatchSampler(self.data.train, t.seq_len, t.micro_batch_size, t.seed, rank=self.world.dp_rank,
-                               world_size=self.world.dp_size, grad_accum_steps=cfg.grad_accum_steps)
+                               world_size=self.world.dp_size, grad_accum_steps=self.layout.grad_accum_steps)
         self._setup_step(model, num_params, sampler, self.device.type)
         self.resumed_from = self._maybe_resume()
 
@@ -152,7 +157,7 @@ class Trainer:
         # FSDP2 computes in its MixedPrecisionPolicy's dtype; autocast is the non-sharded form.
         self.autocast = contextlib.nullcontext if self.sharded else self.policy.autocast
         optimizer = build_optimizer(model, cfg.optimizer, cfg.training, optimizer_device_type)
-        self.optimizer = parallelize_optimizer(optimizer, cfg, self.dims, self.world.mesh)
+        self.optimizer = parallelize_optimizer(optimizer, self.layout, self.world.mesh)
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.scaler = grad_scaler(self.policy, sharded=self.sharded)
         self.sampler = sampler
@@ -185,7 +190,7 @@ class Trainer:
         model = build_model(cfg.model)
         num_params = count_params(model)
         self.policy.prepare_model(model)
-        parallelize(model, cfg, self.dims, self.world.mesh, self.policy)
+        parallelize(model, self.layout, self.world.mesh, self.policy)
         if is_fully_sharded(model):
             self._materialize_sharded(model)
         else:
@@ -230,7 +235,7 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         # Checkpoints are taken between steps, so the data position is the step; stored as a
         # count of this rank's micro-batches, it is converted to this layout's accumulation.
-        self.sampler.load_state_dict({**state["sampler"], "position": self.step * self.cfg.grad_accum_steps})
+        self.sampler.load_state_dict({**state["sampler"], "position": self.step * self.layout.grad_accum_steps})
         rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
         ckpt.set_rng_state(rngs[self.world.rank] if len(rngs) == self.world.size else rngs[0])
         self._restart_schedule()
@@ -285,7 +290,7 @@ class Trainer:
     def train_step(self) -> StepStats:
         """One optimizer step over `grad_accum_steps` micro-batches of this rank's rows."""
         start = time.perf_counter()
-        accum = self.cfg.grad_accum_steps
+        accum = self.layout.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for i in range(accum):
             set_gradient_sync(self.model, i == accum - 1)
@@ -319,7 +324,7 @@ class Trainer:
         """Measures this trainer's steps per component (memory/attribution.py), made on first use."""
         from trainfit.memory.attribution import MemoryMeter  # here: attribution imports this module
 
-        return MemoryMeter(self.device, self.dims)
+        return MemoryMeter(self.device, self.layout)
 
     def watched_step(self) -> StepStats:
         """A train step whose new tensors the memory meter records (~15% slower): run this process's
@@ -366,8 +371,9 @@ class Trainer:
 
     def train(self) -> TrainResult:
         cfg, t, world = self.cfg, self.cfg.training, self.world
-        result = TrainResult(steps_done=self.step, num_params=self.num_params, world_size=world.size,
-                             rank=world.rank, skipped_steps=self.skipped_steps, checkpoint=self.resumed_from)
+        result = TrainResult(steps_done=self.step, num_params=self.num_params, layout=self.layout,
+                             world_size=world.size, rank=world.rank, skipped_steps=self.skipped_steps,
+                             checkpoint=self.resumed_from)
         writer: MetricsWriter | _NoMetrics = _NoMetrics()
         if world.is_main:
             writer = MetricsWriter(cfg.logging.dir, resume_step=self.step, tensorboard=cfg.logging.tensorboard)

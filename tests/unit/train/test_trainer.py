@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from _analytic import memory_of
 from _runs import run_overrides
 from trainfit.config import load_config
-from trainfit.memory.analytic import estimate_memory
 from trainfit.memory.breakdown import COMPONENTS, PHASES
 from trainfit.memory.traced import trace_step
 from trainfit.train import checkpoint as ckpt
@@ -63,7 +63,7 @@ def test_measured_peak_on_the_default_config_matches_both_estimates(tmp_path: Pa
     assert memory is not None
     assert sum(memory.components().values()) == memory.peak
     assert memory.peak == pytest.approx(traced.peak, rel=0.03)
-    assert memory.peak == pytest.approx(estimate_memory(cfg).worst.peak, rel=0.10)
+    assert memory.peak == pytest.approx(memory_of(cfg).worst.peak, rel=0.10)
     assert memory.peak_phase == traced.peak_phase and set(memory.phase_peaks) == set(PHASES)
 
 
@@ -164,7 +164,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
                    "--training.steps=3")
     accumulated = _trainer(tmp_path / "acc", "--training.micro_batch_size=2", "--training.global_batch_size=8",
                            "--training.steps=3")
-    assert accumulated.cfg.grad_accum_steps == 4
+    assert accumulated.layout.grad_accum_steps == 4
     a, b = big.train(), accumulated.train()
     assert a.losses == pytest.approx(b.losses, rel=1e-5)
     for p, q in zip(big.model.parameters(), accumulated.model.parameters(), strict=True):

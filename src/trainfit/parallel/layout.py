@@ -1,0 +1,240 @@
+"""The one frozen Layout of a run: how a training step is spread over the world, decided once.
+
+`build_layout(cfg, world_size)` reads the user's config (never writing into it), derives what is
+left open (dp_shard = -1, the micro-batch counts) and checks every combination once; every
+impossible one is a `ConfigError` naming the field, the value, why, and the nearest valid values.
+Everything downstream reads the Layout, not the config's parallel section: the device mesh
+(`axes`), `parallelize`, both estimators, the trainer, checkpointing and the planner, which builds
+thousands of them. Torch-free.
+
+The world is a mesh pp x dp_replicate x dp_shard x cp x tp (outermost first: tensor parallelism
+stays inside a node, pipeline stages span nodes). The data-parallel degree is what remains after
+tp, pp and cp: dp = world_size / (tp x pp x cp) = dp_replicate x dp_shard. ZeRO stages 1-3 shard
+over dp_shard and replicate over dp_replicate (HSDP); stage 0 replicates over all dp ranks (DDP).
+Expert parallelism borrows its ranks from the data-parallel ones (ep divides dp_shard x cp).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+from trainfit.config import Config, ConfigError
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""Mesh axes, outermost first: the one definition of the axis order (mesh.py and perf/comms.py)."""
+
+DataParallel = Literal["none", "ddp", "zero1", "fsdp"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    """Ranks (processes, one per device) in the run."""
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    zero_stage: int
+    sequence_parallel: bool
+    pp_schedule: str
+    pp_virtual_stages: int
+    num_microbatches: int
+    """Micro-batches one rank runs per optimizer step (the pipeline schedule's m)."""
+    grad_accum_steps: int
+    """global_batch_size / (micro_batch_size x dp): micro-batches per rank per optimizer step."""
+    micro_batch_size: int
+    activation_checkpointing: str
+    ac_every_n_layers: int
+    offload: str
+    chunked_loss: bool
+    precision: str
+    """precision.mode: the dtypes the step computes, communicates and keeps its states in."""
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that see different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def zero_shards(self) -> int:
+        """Ranks over which ZeRO/FSDP shards model states (1 under DDP)."""
+        return self.dp_shard if self.zero_stage > 0 else 1
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all (virtual stages included)."""
+        return self.pp * self.pp_virtual_stages
+
+    @property
+    def data_parallel(self) -> DataParallel:
+        """How the data-parallel ranks share the model states (parallel/data_parallel.py's table)."""
+        if self.offload != "none":
+            return "fsdp"  # CPU offload is FSDP2's, on one rank too
+        if self.dp == 1:
+            return "none"
+        return {0: "ddp", 1: "zero1"}.get(self.zero_stage, "fsdp")
+
+    @property
+    def needs_process_group(self) -> bool:
+        return self.data_parallel != "none" or self.world_size > 1
+
+    def axis_sizes(self) -> dict[str, int]:
+        """Every mesh axis and its size, outermost first (size-1 axes included)."""
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    def mesh_axes(self) -> dict[str, int]:
+        """The DeviceMesh's named axes: size-1 axes are left out, except dp_shard, which always
+        exists (FSDP shards over it, even on one rank under CPU offload)."""
+        return {axis: n for axis, n in self.axis_sizes().items() if n > 1 or axis == "dp_shard"}
+
+    def ineffective_options(self) -> list[str]:
+        """Options the user set that do nothing in this layout (warned about once, by the trainer)."""
+        if self.zero_stage and self.zero_shards == 1 and self.offload == "none":
+            return [f"parallel.zero_stage={self.zero_stage} has no effect: one data-parallel rank holds every shard"]
+        return []
+
+    def untrainable_reason(self) -> str | None:
+        """Why `trainfit train` cannot run this layout yet (the estimators can), or None."""
+        for name in ("tp", "pp", "cp", "ep"):
+            if getattr(self, name) != 1:
+                return (f"parallel.{name}={getattr(self, name)}: `trainfit train` runs data parallelism only for "
+                        f"now (`trainfit estimate` knows this layout); set parallel.{name}=1")
+        if self.chunked_loss:
+            return "memory.chunked_loss=true: not yet supported by `trainfit train`; set it to false"
+        return None
+
+
+def _fail(field: str, value: object, why: str, fix: str) -> ConfigError:
+    return ConfigError(f"{field}={value!r}: {why}; {fix}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def nearest(value: int, valid: list[int], count: int = 2) -> str:
+    """The valid values closest to `value`, for error messages ("try 4 or 8")."""
+    closest = sorted(sorted(set(valid), key=lambda v: (abs(v - value), v))[:count])
+    return " or ".join(str(v) for v in closest)
+
+
+def resolve_world_size(cfg: Config, launched: int | None) -> int:
+    """The world size of a run of `launched` processes (1 without a launcher); None (not a run:
+    an estimate) takes hardware.num_gpus.
+
+    A config that leaves hardware.num_gpus at 1 takes the launcher's size; a config that names
+    another device count contradicts the launcher, and we do not guess which one is meant."""
+    wanted = cfg.hardware.num_gpus
+    if launched is None or launched == wanted:
+        return wanted
+    if launched == 1:
+        command = launch_command(wanted, cfg.hardware.gpus_per_node)
+        raise _fail("hardware.num_gpus", wanted, f"this layout needs {wanted} processes (one per device) and "
+                    "trainfit was started as one", f"launch it with\n  {command}")
+    if wanted != 1:
+        raise _fail("hardware.num_gpus", wanted, f"the launcher started {launched} processes",
+                    f"start {wanted} (torchrun --nproc_per_node={wanted} ...) or set --hardware.num_gpus={launched}")
+    return launched
+
+
+def launch_command(num_procs: int, gpus_per_node: int) -> str:
+    """The torchrun command that runs this trainfit invocation on `num_procs` processes."""
+    args = sys.argv[1:] if sys.argv and sys.argv[0].endswith(("trainfit", "__main__.py")) else []
+    trainfit_args = " ".join(shlex.quote(a) for a in args) if args else "train CONFIG [--section.field=value ...]"
+    if num_procs <= gpus_per_node:
+        return f"torchrun --nproc_per_node={num_procs} -m trainfit {trainfit_args}"
+    nodes = -(-num_procs // gpus_per_node)
+    return (f"torchrun --nnodes={nodes} --nproc_per_node={gpus_per_node} --rdzv-backend=c10d "
+            f"--rdzv-endpoint=HOST:29500 -m trainfit {trainfit_args}   (on every node)")
+
+
+def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
+    """The Layout of `cfg` (a resolved, validated config) on `world_size` ranks (default:
+    hardware.num_gpus). Checks every degree against the world, the model and the batch."""
+    p, m, t, mem = cfg.parallel, cfg.model, cfg.training, cfg.memory
+    world = cfg.hardware.num_gpus if world_size is None else world_size
+    _check_model_split(cfg)
+    model_parallel = p.tp * p.pp * p.cp
+    if world % model_parallel:
+        raise _fail("hardware.num_gpus", world, f"must be a multiple of tp x pp x cp = {p.tp} x {p.pp} x {p.cp} = "
+                    f"{model_parallel}", f"use {nearest(world, [model_parallel * k for k in range(1, world + 2)])} "
+                    "GPUs or lower a degree")
+    dp = world // model_parallel
+    if dp % p.dp_replicate:
+        raise _fail("parallel.dp_replicate", p.dp_replicate, f"must divide the data-parallel degree "
+                    f"num_gpus / (tp x pp x cp) = {dp}", f"try {nearest(p.dp_replicate, _divisors(dp))}")
+    dp_shard = dp // p.dp_replicate if p.dp_shard == -1 else p.dp_shard
+    if p.dp_replicate * dp_shard != dp:
+        raise _fail("parallel.dp_shard", p.dp_shard, f"dp_replicate x dp_shard must equal num_gpus / (tp x pp x cp) "
+                    f"= {dp}", f"set dp_shard={dp // p.dp_replicate} or -1 to derive it")
+    if p.zero_stage > 0 and dp_shard == 1 and dp > 1:
+        raise _fail("parallel.zero_stage", p.zero_stage, f"ZeRO shards over dp_shard, which is 1 here "
+                    f"(dp_replicate={p.dp_replicate})", "lower dp_replicate or use zero_stage=0")
+    if p.ep > 1 and (dp_shard * p.cp) % p.ep:
+        raise _fail("parallel.ep", p.ep, f"must divide dp_shard x cp = {dp_shard * p.cp} (expert ranks are carved "
+                    "out of the data-parallel ones)",
+                    f"try {nearest(p.ep, [d for d in _divisors(dp_shard * p.cp) if m.num_experts % d == 0])}")
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        valid = [per_step * k for k in range(1, t.global_batch_size // per_step + 2)]
+        fix = f"try {nearest(t.global_batch_size, valid)}"
+        if t.global_batch_size % dp == 0:  # or a smaller micro-batch, with accumulation
+            micro = nearest(t.micro_batch_size, _divisors(t.global_batch_size // dp), 1)
+            fix += f", or training.micro_batch_size={micro}"
+        raise _fail("training.global_batch_size", t.global_batch_size, f"must be a multiple of micro_batch_size x "
+                    f"data-parallel degree = {t.micro_batch_size} x {dp} = {per_step}", fix)
+    accum = t.global_batch_size // per_step
+    _check_memory(cfg)
+    return Layout(world_size=world, dp_replicate=p.dp_replicate, dp_shard=dp_shard, cp=p.cp, tp=p.tp, pp=p.pp,
+                  ep=p.ep, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel, pp_schedule=p.pp_schedule,
+                  pp_virtual_stages=p.pp_virtual_stages, num_microbatches=p.num_microbatches or accum,
+                  grad_accum_steps=accum, micro_batch_size=t.micro_batch_size,
+                  activation_checkpointing=mem.activation_checkpointing, ac_every_n_layers=mem.ac_every_n_layers,
+                  offload=mem.offload, chunked_loss=mem.chunked_loss, precision=cfg.precision.mode)
+
+
+def _check_model_split(cfg: Config) -> None:
+    """tp, pp and cp against the model's heads, layers and the sequence; ep against the experts."""
+    p, m, t = cfg.parallel, cfg.model, cfg.training
+    for name, heads in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
+        if heads % p.tp:
+            raise _fail("parallel.tp", p.tp, f"must divide model.{name}={heads} (each rank holds whole heads)",
+                        f"try {nearest(p.tp, _divisors(heads))}")
+    if p.tp > 1 and m.ffn_dim % p.tp:
+        raise _fail("parallel.tp", p.tp, f"must divide model.ffn_dim={m.ffn_dim}",
+                    f"try {nearest(p.tp, _divisors(m.ffn_dim))}")
+    stages = p.pp * p.pp_virtual_stages
+    if m.num_layers % stages:
+        raise _fail("parallel.pp", p.pp, f"pp x pp_virtual_stages = {stages} must divide model.num_layers="
+                    f"{m.num_layers}", f"try pp={nearest(p.pp, _divisors(m.num_layers // p.pp_virtual_stages or 1))}")
+    if p.pp_virtual_stages > 1 and p.pp_schedule != "interleaved-1f1b":
+        raise _fail("parallel.pp_virtual_stages", p.pp_virtual_stages, "virtual stages are interleaved 1F1B's",
+                    "set parallel.pp_schedule='interleaved-1f1b' or pp_virtual_stages=1")
+    if p.cp > 1 and t.seq_len % (2 * p.cp):
+        raise _fail("parallel.cp", p.cp, f"2 x cp must divide training.seq_len={t.seq_len} (load-balanced causal "
+                    "sharding gives each rank two chunks)",
+                    f"try cp={nearest(p.cp, [d for d in _divisors(t.seq_len) if t.seq_len % (2 * d) == 0])}")
+    if p.ep > 1:
+        if not m.num_experts:
+            raise _fail("parallel.ep", p.ep, "expert parallelism needs an MoE model (model.num_experts > 0)",
+                        "set parallel.ep=1")
+        if m.num_experts % p.ep:
+            raise _fail("parallel.ep", p.ep, f"must divide model.num_experts={m.num_experts}",
+                        f"try {nearest(p.ep, _divisors(m.num_experts))}")
+
+
+def _check_memory(cfg: Config) -> None:
+    """Offload and ZeRO together (FSDP2's CPUOffloadPolicy is the offload engine)."""
+    p, mem = cfg.parallel, cfg.memory
+    if mem.offload != "none" and p.zero_stage < 2:
+        raise _fail("memory.offload", mem.offload, "CPU offload is FSDP2's (CPUOffloadPolicy), which shards "
+                    "gradients", f"set parallel.zero_stage=2 or 3 (it is {p.zero_stage})")
+    if mem.offload == "optimizer+params" and p.zero_stage != 3:
+        raise _fail("memory.offload", mem.offload, "parameters leave the device after each block only under "
+                    "parallel.zero_stage=3", "set it to 3, or use memory.offload='optimizer' (ZeRO-Offload: states "
+                    "on the host, parameters whole on the device during the step)")

@@ -1,0 +1,108 @@
+"""The one Layout: built once from (config, world size), validated with named errors, never
+writing into the config; pure (no torch, no process group)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from trainfit.config import ConfigError, load_config
+from trainfit.parallel.layout import build_layout, launch_command, nearest, resolve_world_size
+
+
+def layout_of(*overrides: str, world_size: int | None = None):
+    cfg = load_config(None, list(overrides))
+    return build_layout(cfg, world_size)
+
+
+def test_degrees_are_derived_without_touching_the_config() -> None:
+    cfg = load_config(None, ["--hardware.num_gpus=64", "--parallel.tp=4", "--parallel.pp=2", "--parallel.zero_stage=3",
+                             "--training.global_batch_size=64", "--training.micro_batch_size=1"])
+    before = copy.deepcopy(cfg)
+    layout = build_layout(cfg)
+    assert (layout.dp_replicate, layout.dp_shard, layout.dp, layout.zero_shards) == (1, 8, 8, 8)
+    assert (layout.grad_accum_steps, layout.num_microbatches, layout.world_size) == (8, 8, 64)
+    assert layout.data_parallel == "fsdp"
+    assert cfg == before and cfg.parallel.dp_shard == -1  # what the user wrote stays
+
+    hsdp = layout_of("--hardware.num_gpus=16", "--parallel.dp_replicate=2", "--training.global_batch_size=32",
+                     "--training.micro_batch_size=2", "--parallel.zero_stage=3")
+    assert (hsdp.dp_replicate, hsdp.dp_shard, hsdp.grad_accum_steps) == (2, 8, 1)
+    assert hsdp.mesh_axes() == {"dp_replicate": 2, "dp_shard": 8}
+
+
+def test_accumulation_and_the_data_parallel_kind() -> None:
+    assert layout_of("--training.micro_batch_size=4", "--training.global_batch_size=32").grad_accum_steps == 8
+    one = layout_of("--parallel.zero_stage=3")
+    assert one.data_parallel == "none" and one.ineffective_options() == [
+        "parallel.zero_stage=3 has no effect: one data-parallel rank holds every shard"]
+    offloaded = layout_of("--parallel.zero_stage=3", "--memory.offload=optimizer+params")
+    assert offloaded.data_parallel == "fsdp" and not offloaded.ineffective_options()  # FSDP2 on one rank
+    assert layout_of("--hardware.num_gpus=4", "--training.micro_batch_size=4").data_parallel == "ddp"
+    zero1 = layout_of("--hardware.num_gpus=4", "--training.micro_batch_size=4", "--parallel.zero_stage=1")
+    assert zero1.data_parallel == "zero1"
+
+
+def test_the_same_config_lays_out_on_any_world() -> None:
+    cfg = load_config(None, ["--parallel.zero_stage=3", "--training.micro_batch_size=2",
+                             "--training.global_batch_size=16"])
+    assert [(lay.dp_shard, lay.grad_accum_steps) for lay in (build_layout(cfg, n) for n in (1, 2, 4, 8))] == [
+        (1, 8), (2, 4), (4, 2), (8, 1)]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["--training.global_batch_size=20"], "training.global_batch_size=20: must be a multiple of micro_batch_size x "
+     "data-parallel degree = 16 x 1 = 16; try 16 or 32, or training.micro_batch_size=20"),
+    (["--parallel.tp=3"], "parallel.tp=3: must divide model.num_heads=8 (each rank holds whole heads); try 2 or 4"),
+    (["--parallel.pp=3"], "parallel.pp=3: pp x pp_virtual_stages = 3 must divide model.num_layers=4; try pp=2 or 4"),
+    (["--parallel.tp=2"], "hardware.num_gpus=1: must be a multiple of tp x pp x cp = 2 x 1 x 1 = 2"),
+    (["--hardware.num_gpus=8", "--parallel.dp_shard=3"],
+     "parallel.dp_shard=3: dp_replicate x dp_shard must equal num_gpus / (tp x pp x cp) = 8; set dp_shard=8"),
+    (["--hardware.num_gpus=8", "--parallel.dp_replicate=3"], "parallel.dp_replicate=3: must divide the "
+     "data-parallel degree num_gpus / (tp x pp x cp) = 8; try 2 or 4"),
+    (["--parallel.ep=2"], "parallel.ep=2: expert parallelism needs an MoE model"),
+    (["--model.preset=debug-moe", "--hardware.num_gpus=8", "--parallel.ep=3", "--training.micro_batch_size=2"],
+     "parallel.ep=3: must divide model.num_experts=4; try 2 or 4"),
+    (["--hardware.num_gpus=2", "--parallel.cp=2", "--training.seq_len=126"], "parallel.cp=2: 2 x cp must divide"),
+    (["--parallel.pp_virtual_stages=2"], "set parallel.pp_schedule='interleaved-1f1b'"),
+    (["--memory.offload=optimizer", "--parallel.zero_stage=1"], "set parallel.zero_stage=2 or 3"),
+    (["--memory.offload=optimizer+params", "--parallel.zero_stage=2"], "only under parallel.zero_stage=3"),
+    (["--hardware.num_gpus=4", "--parallel.dp_replicate=4", "--parallel.zero_stage=3", "--training.micro_batch_size=4"],
+     "parallel.zero_stage=3: ZeRO shards over dp_shard, which is 1 here"),
+])
+def test_impossible_layouts_name_the_field_the_value_and_the_nearest_valid_ones(overrides: list[str],
+                                                                                 expected: str) -> None:
+    cfg = load_config(None, overrides)  # each field is valid on its own; the combination is not
+    with pytest.raises(ConfigError) as err:
+        build_layout(cfg)
+    assert expected in str(err.value)
+
+
+def test_what_train_cannot_run_yet_is_said_apart() -> None:
+    assert layout_of().untrainable_reason() is None
+    assert "memory.chunked_loss=true" in layout_of("--memory.chunked_loss=true").untrainable_reason()
+    tp = layout_of("--hardware.num_gpus=2", "--parallel.tp=2", "--training.micro_batch_size=16")
+    assert "parallel.tp=2: `trainfit train` runs data parallelism only" in tp.untrainable_reason()
+
+
+def test_the_launchers_world_size_is_resolved_once() -> None:
+    cfg = load_config(None, ["--parallel.zero_stage=3"])
+    assert resolve_world_size(cfg, None) == 1 and resolve_world_size(cfg, 4) == 4
+    with pytest.raises(ConfigError, match="16 x 4 = 64; try 64, or training.micro_batch_size=4"):
+        build_layout(cfg, 4)  # the tiny run's 16 sequences a step cannot be 16 per rank on 4 ranks
+    small = load_config(None, ["--parallel.zero_stage=3", "--training.micro_batch_size=4"])
+    assert build_layout(small, 4).dp_shard == 4 and small.hardware.num_gpus == 1
+    named = load_config(None, ["--hardware.num_gpus=8", "--training.micro_batch_size=1"])
+    assert resolve_world_size(named, 8) == 8
+    with pytest.raises(ConfigError, match="the launcher started 2 processes"):
+        resolve_world_size(named, 2)
+    with pytest.raises(ConfigError, match="torchrun --nproc_per_node=8 -m trainfit"):
+        resolve_world_size(named, 1)
+    assert launch_command(16, 8).startswith("torchrun --nnodes=2 --nproc_per_node=8")
+
+
+def test_nearest_valid_values() -> None:
+    assert nearest(3, [1, 2, 4, 8]) == "2 or 4"
+    assert nearest(12, [1, 2, 4, 8]) == "4 or 8"
+    assert nearest(5, [5]) == "5"
