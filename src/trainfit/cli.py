@@ -71,8 +71,8 @@ def cmd_measure(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
     from trainfit.estimate import as_json, estimate
-    from trainfit.memory.attribution import measure_step
     from trainfit.memory.compare import Comparison, comparison_table
+    from trainfit.train.trainer import measure_step
 
     cfg = load_config(args.config, overrides)
     measured = measure_step(cfg, steps=args.steps)
@@ -94,9 +94,9 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
     from rich.console import Console
 
     from trainfit.estimate import estimate
-    from trainfit.memory.attribution import measure_step
     from trainfit.memory.compare import Comparison, comparison_table, plot_comparison
     from trainfit.memory.traced import trace_step
+    from trainfit.train.trainer import measure_step
 
     cfg = load_config(args.config, overrides)
     traced = trace_step(cfg)  # before measuring: tracing needs the process-group slot free

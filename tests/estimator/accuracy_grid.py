@@ -31,9 +31,10 @@ import torch.multiprocessing as mp
 
 from _analytic import memory_of, retained_of, states_of
 from trainfit.config import Config, load_config
-from trainfit.memory.attribution import Measurement, measure_step
+from trainfit.memory.attribution import Measurement
 from trainfit.memory.breakdown import COMPONENTS, MemoryBreakdown
 from trainfit.memory.traced import trace_step
+from trainfit.train.trainer import measure_step
 
 MiB = 2**20
 TRACED_PEAK_TOLERANCE = 0.03

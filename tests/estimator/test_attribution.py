@@ -12,11 +12,11 @@ import torch
 import torch.multiprocessing as mp
 from accuracy_grid import LLAMA, free_port, run_config
 
-from trainfit.memory.attribution import measure_step, measure_trainer_step
+from trainfit.memory.attribution import measure_trainer_step
 from trainfit.memory.breakdown import PHASES
 from trainfit.memory.traced import trace_step
 from trainfit.train.distributed import World
-from trainfit.train.trainer import Trainer
+from trainfit.train.trainer import Trainer, measure_step
 
 
 def test_components_add_up_to_the_peak_and_match_the_trainers_own_count(tmp_path: Path) -> None:

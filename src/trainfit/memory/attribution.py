@@ -1,7 +1,7 @@
 """Memory of a real training step, measured at the allocator and attributed to components.
 
-`MemoryMeter.measure(trainer)` runs `Trainer.train_step` unchanged (two instance attributes are
-wrapped to mark the phases, as the traced estimator does) and reports, for this rank:
+`MemoryMeter.measure(trainer)` runs `Trainer.train_step` unchanged (a step listener,
+`Trainer.listening`, marks the phases, as in the traced estimator) and reports, for this rank:
 
 - peak, phase_peaks and the timeline: the tensor bytes alive when the step starts (counted
   exactly by `StorageLedger`, memory/ledger.py) plus the allocator's growth since then: CPU,
@@ -18,8 +18,8 @@ wrapped to mark the phases, as the traced estimator does) and reports, for this 
   holds what no tensor explains (allocator overhead, autograd's graph objects, tensor headers).
 - two cross-checks computed without the ledger: `forward_retained` (allocator in use right after
   the first micro-batch's forward + loss, minus right before: what analytic.forward_retained_bytes
-  predicts) and `state_bytes` (the trainer's own count of its model states after backward,
-  parallel/data_parallel.local_state_bytes).
+  predicts) and `state_bytes` (the model states counted from the trainer's tensors once every
+  gradient is in, parallel/data_parallel.local_state_bytes).
 
 The ledger finds parameters, gradients and optimizer states by itself; tensors held elsewhere
 (DDP's gradient buckets, built at the first step and rebuilt at the second, held in C++) it
@@ -39,16 +39,18 @@ import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainfit.config import Config
 from trainfit.memory import measure
 from trainfit.memory.breakdown import COMPONENTS, PHASES, MemoryBreakdown
-from trainfit.memory.ledger import StorageLedger, TimelinePoint, step_phases, unsharded_component
+from trainfit.memory.ledger import StorageLedger, TimelinePoint, phase_listener, unsharded_component
+from trainfit.parallel.data_parallel import local_state_bytes
 from trainfit.parallel.layout import Layout
-from trainfit.train.trainer import StepStats, Trainer
+
+if TYPE_CHECKING:  # the trainer builds its meter from this module
+    from trainfit.train.trainer import StepStats, Trainer
 
 _CUDA_HISTORY_ENTRIES = 100_000
 
@@ -140,10 +142,13 @@ class MemoryMeter:
     @contextlib.contextmanager
     def _watching(self, trainer: Trainer, on_forward: Callable[[str], None] | None = None) -> Iterator[StorageLedger]:
         ledger = self.ledger
-        with ledger, step_phases(trainer, ledger, on_forward):
+        with ledger, trainer.listening(phase_listener(ledger, trainer.model, on_forward)):
             ledger.watch_model(trainer.model)
             ledger.grad_hooks(list(trainer.model.parameters()))
-            yield ledger
+            try:
+                yield ledger
+            finally:
+                ledger.in_loss = False
 
     def watch(self, trainer: Trainer) -> StepStats:
         """`trainer.train_step()` with the ledger recording the tensors it creates (~15% slower)."""
@@ -163,19 +168,23 @@ class MemoryMeter:
             if probe.ledger is not None:
                 marks.setdefault(moment, measure.current_allocated_bytes(device))
 
+        state_bytes: dict[str, int] = {}
+
+        def count_states(moment: str) -> None:
+            if moment == "update":  # every gradient in, unscaled and clipped; the optimizer not yet stepped
+                state_bytes.update(local_state_bytes(trainer.model, trainer.optimizer))
+
         self.ledger.on_sample = probe
-        trainer._capture_state_bytes = True
         try:
-            with self._watching(trainer, on_forward) as ledger:
+            with self._watching(trainer, on_forward) as ledger, trainer.listening(count_states):
                 stats = _sampled_step(trainer, ledger, probe, cuda_snapshot)
                 ledger.classify(trainer.model, trainer.optimizer, trainer.policy)
         finally:
-            trainer._capture_state_bytes = False
             self.ledger.recording, self.ledger.on_sample = False, None
         breakdown = self._breakdown(probe, reserved_margin=max(0, probe.start - trainer.memory_floor - probe.base))
         return stats, Measurement(breakdown=breakdown, timeline=probe.timeline, peak_module=probe.module,
                                   forward_retained=marks["end"] - marks["start"], tracked_peak=self.ledger.peak,
-                                  state_bytes=dict(stats.state_bytes or {}), rank=trainer.world.rank,
+                                  state_bytes=state_bytes, rank=trainer.world.rank,
                                   world_size=trainer.world.size, device=str(device))
 
     def _breakdown(self, probe: _Probe, *, reserved_margin: int) -> MemoryBreakdown:
@@ -221,15 +230,3 @@ def measure_trainer_step(trainer: Trainer, *, warmup_steps: int = 0,
     for _ in range(warmup_steps):
         trainer.watched_step()
     return trainer.memory_meter.measure(trainer, cuda_snapshot=cuda_snapshot)[1]
-
-
-def measure_step(cfg: Config, steps: int = 2, *, cuda_snapshot: str | Path | None = None) -> Measurement:
-    """Build a Trainer for `cfg` (joining torchrun's world when launched by it), run `steps - 1`
-    warm-up steps and measure the last one on this rank."""
-    if steps < 2:
-        raise ValueError(f"steps={steps}: measure at least 2 (the first one warms up)")
-    trainer = Trainer(cfg)
-    try:
-        return measure_trainer_step(trainer, warmup_steps=steps - 1, cuda_snapshot=cuda_snapshot)
-    finally:
-        trainer.close()

@@ -49,7 +49,6 @@ from trainfit.memory.breakdown import COMPONENTS, PHASES, MemoryBreakdown
 from trainfit.parallel.data_parallel import local_optimizer
 from trainfit.parallel.layout import Layout
 from trainfit.precision import PrecisionPolicy
-from trainfit.train.trainer import Trainer
 
 aten = torch.ops.aten
 
@@ -428,39 +427,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- phases of a trainer step
 
 
-@contextlib.contextmanager
-def step_phases(trainer: Trainer, ledger: StorageLedger,
-                on_forward: Callable[[str], None] | None = None) -> Iterator[None]:
-    """Drive `ledger.phase` through a `Trainer.train_step`: forward (with the loss) per micro-batch,
-    backward after it, optimizer from `scaler.unscale_` on. Wraps two instance attributes;
-    `on_forward("start" | "end")` is called around each forward + loss."""
-    original_loss, original_unscale = trainer._loss, trainer.scaler.unscale_
+def phase_listener(ledger: StorageLedger, model: nn.Module,
+                   on_forward: Callable[[str], None] | None = None) -> Callable[[str], None]:
+    """A Trainer step listener (Trainer.listening) that drives `ledger.phase`: forward (with the
+    loss) per micro-batch, backward after it, optimizer from the unscaling on; gradients are
+    tagged at each phase change. `on_forward("start" | "end")` is called around each forward + loss."""
+    in_forward = False
 
-    def loss(inputs: torch.Tensor, targets: torch.Tensor) -> Any:
-        ledger.tag_grads(trainer.model.parameters())
-        ledger.phase = "forward"
-        ledger.in_prologue = True
-        if on_forward is not None:
-            on_forward("start")
-        out = original_loss(inputs, targets)
-        if on_forward is not None:
+    def listen(moment: str) -> None:
+        nonlocal in_forward
+        if in_forward and on_forward is not None and moment != "forward":
             on_forward("end")
-        ledger.phase = "backward"
-        return out
+        in_forward = moment == "forward"
+        if moment == "forward":
+            ledger.tag_grads(model.parameters())
+            ledger.phase = "forward"
+            ledger.in_prologue = True
+            if on_forward is not None:
+                on_forward("start")
+        elif moment == "backward":
+            ledger.phase = "backward"
+        elif moment == "optimizer":
+            ledger.tag_grads(model.parameters())
+            ledger.phase = "optimizer"
 
-    def unscale(optimizer: torch.optim.Optimizer) -> None:
-        ledger.tag_grads(trainer.model.parameters())
-        ledger.phase = "optimizer"
-        original_unscale(optimizer)
-
-    saved = vars(trainer).get("_loss"), vars(trainer.scaler).get("unscale_")
-    trainer._loss, trainer.scaler.unscale_ = loss, unscale  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        for obj, name, value in ((trainer, "_loss", saved[0]), (trainer.scaler, "unscale_", saved[1])):
-            if value is None:
-                delattr(obj, name)  # the class's method again
-            else:
-                setattr(obj, name, value)
-        ledger.in_loss = False
+    return listen

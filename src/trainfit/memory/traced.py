@@ -41,19 +41,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from trainfit.config import Config, ConfigError
 from trainfit.memory.breakdown import MemoryBreakdown
-from trainfit.memory.ledger import StorageLedger, TimelinePoint, step_phases, unsharded_component
+from trainfit.memory.ledger import StorageLedger, TimelinePoint, phase_listener, unsharded_component
 from trainfit.models import build_model, count_params, materialize
 from trainfit.parallel.apply import parallelize
 from trainfit.parallel.layout import Layout, build_layout
 from trainfit.parallel.mesh import build_mesh
-from trainfit.precision import PrecisionPolicy, precision_policy
+from trainfit.precision import precision_policy
 from trainfit.train.distributed import World
-from trainfit.train.trainer import Trainer
+from trainfit.train.trainer import StepParts, Trainer
 
 
 @dataclass
@@ -142,22 +141,27 @@ class _FakeBatches:
         return torch.zeros(self.shape, dtype=torch.long), torch.zeros(self.shape, dtype=torch.long)
 
 
-class _TracedTrainer(Trainer):
-    """A Trainer assembled from a model built here: no data, no checkpoints, no weight broadcast.
-    `train_step` and `_loss` are Trainer's own, so the traced step is the trained one."""
+class _TakenStepScaler:
+    """The fp16 loss scaler, except that it always steps: fake values cannot say whether gradients
+    overflowed, so the trace is of the step that is taken. Everything else is the real scaler."""
 
-    def __init__(self, cfg: Config, world: World, layout: Layout, model: nn.Module,
-                 policy: PrecisionPolicy, num_params: int) -> None:
-        self.world, self.layout, self.cfg = world, layout, cfg
-        self.device = world.device
-        self.policy = policy
-        self.memory_floor = 0
-        self._setup_step(model, num_params, _FakeBatches(cfg.training.micro_batch_size, cfg.training.seq_len),
-                         _target_device_type(cfg))
-        if self.scaler.is_enabled():
-            # Fake values cannot say whether gradients overflowed: trace the step that is taken.
-            self.scaler._maybe_opt_step = lambda opt, state, *a, **k: opt.step(*a, **k)  # type: ignore[method-assign]
-        self.resumed_from = None
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self._scaler = scaler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._scaler, name)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        return optimizer.step(*args, **kwargs)
+
+
+class _TracedTrainer(Trainer):
+    """Trainer's own step around a model built here (Trainer(parts=...)); only the loss scaler
+    is wrapped (build_grad_scaler), so the traced step is the trained one."""
+
+    def build_grad_scaler(self) -> Any:
+        scaler = super().build_grad_scaler()
+        return _TakenStepScaler(scaler) if scaler.is_enabled() else scaler
 
 
 def _two_micro_batches_at_most(layout: Layout) -> Layout:
@@ -221,15 +225,17 @@ def trace_step(cfg: Config, layout: Layout | None = None) -> TracedEstimate:
                 tokens = cfg.training.micro_batch_size * cfg.training.seq_len
                 ledger.route_balanced(tokens * cfg.model.experts_per_token, cfg.model.num_experts)
             materialize(model, "cpu")
-            trainer = _TracedTrainer(cfg, world, layout, model, policy, num_params)
+            batches = _FakeBatches(cfg.training.micro_batch_size, cfg.training.seq_len)
+            trainer = _TracedTrainer(cfg, layout, world, parts=StepParts(model, num_params, batches,
+                                                                          _target_device_type(cfg)))
             ledger.watch_model(model)
             ledger.grad_hooks(list(model.parameters()))
             _create_optimizer_states(trainer)
-            with step_phases(trainer, ledger):
+            with trainer.listening(phase_listener(ledger, model)):
                 ledger.classify(model, trainer.optimizer, policy, others="buffers")
                 ledger.reset_peak()
                 trainer.train_step()
-            ledger.recording = False
+            ledger.recording = ledger.in_loss = False
             ledger.classify(model, trainer.optimizer, policy)
             breakdown = ledger.breakdown()
             timeline, module, num_ops = ledger.timeline, ledger.peak_module, ledger.op

@@ -18,9 +18,10 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from trainfit.config import Config, ConfigError, config_to_dict
 from trainfit.hardware import peak_flops
+from trainfit.memory.attribution import Measurement, MemoryMeter, measure_trainer_step
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.measure import current_allocated_bytes
 from trainfit.models import build_model, count_params, materialize
@@ -37,7 +39,6 @@ from trainfit.parallel.data_parallel import (
     clip_grad_norm_,
     grad_scaler,
     is_fully_sharded,
-    local_state_bytes,
     set_gradient_sync,
 )
 from trainfit.parallel.layout import Layout, build_layout
@@ -50,9 +51,6 @@ from trainfit.train.metrics import MetricsWriter
 from trainfit.train.optim import build_optimizer, build_scheduler
 from trainfit.train.progress import TrainProgress
 from trainfit.train.signals import StopOnSignal
-
-if TYPE_CHECKING:
-    from trainfit.memory.attribution import MemoryMeter
 
 
 class TrainingDiverged(RuntimeError):
@@ -118,10 +116,34 @@ class _NoMetrics:
         pass
 
 
+@dataclass
+class StepParts:
+    """A model built and parallelized by the caller, with its batches: what `Trainer(parts=...)`
+    steps instead of building from the config (no data, no weight init, no resume). The traced
+    estimator (memory/traced.py) assembles its trainer so, so the step it traces is this one."""
+
+    model: nn.Module
+    num_params: int
+    batches: Any
+    """Anything with next_batch() -> (inputs, targets) of one micro-batch."""
+    optimizer_device_type: str
+    """The device the optimizer is built for (picks fused/foreach kernels)."""
+
+
+StepListener = Callable[[str], None]
+"""Called with each moment of a step (Trainer.MOMENTS): the instruments' hook into the step."""
+
+
 class Trainer:
-    def __init__(self, cfg: Config, layout: Layout | None = None, world: World | None = None) -> None:
+    MOMENTS = ("forward", "backward", "optimizer", "update")
+    """forward: a micro-batch's forward and loss start; backward: its backward starts; optimizer:
+    every gradient is in, unscaling and clipping start; update: the optimizer is about to step."""
+
+    def __init__(self, cfg: Config, layout: Layout | None = None, world: World | None = None, *,
+                 parts: StepParts | None = None) -> None:
         """`layout`: None builds the run's own (distributed.run_layout). `world`: None joins the
-        launcher's world (init_world); World() forces one process."""
+        launcher's world (init_world); World() forces one process. `parts`: step a model built by
+        the caller (see StepParts) instead of building, initializing and resuming one."""
         if world is None:
             self.layout = layout or run_layout(cfg)
             self.world = init_world(cfg, self.layout)
@@ -133,6 +155,12 @@ class Trainer:
         self.cfg = cfg
         self.device = self.world.device
         self.policy = precision_policy(cfg.precision.mode, self.device.type)
+        self._listeners: list[StepListener] = []
+        if parts is not None:
+            self.memory_floor = 0
+            self._setup_step(parts.model, parts.num_params, parts.batches, parts.optimizer_device_type)
+            self.resumed_from: Path | None = None
+            return
         self.data = self._load_data()
         if self.data.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
@@ -147,10 +175,9 @@ class Trainer:
         self._setup_step(model, num_params, sampler, self.device.type)
         self.resumed_from = self._maybe_resume()
 
-    def _setup_step(self, model: nn.Module, num_params: int, sampler: Any, optimizer_device_type: str) -> None:
-        """Everything `train_step` uses around a built, parallelized model: precision context,
-        optimizer, schedule, loss scaler, batches, counters. The traced estimator (memory/traced.py)
-        assembles its trainer from here too, so the step it traces is this one."""
+    def _setup_step(self, model: nn.Module, num_params: int, batches: Any, optimizer_device_type: str) -> None:
+        """Everything the step uses around a built, parallelized model: precision context,
+        optimizer, schedule, loss scaler, batches, counters."""
         cfg = self.cfg
         self.model, self.num_params = model, num_params
         self.sharded = is_fully_sharded(model)
@@ -159,8 +186,8 @@ class Trainer:
         optimizer = build_optimizer(model, cfg.optimizer, cfg.training, optimizer_device_type)
         self.optimizer = parallelize_optimizer(optimizer, self.layout, self.world.mesh)
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
-        self.scaler = grad_scaler(self.policy, sharded=self.sharded)
-        self.sampler = sampler
+        self.scaler = self.build_grad_scaler()
+        self.sampler = batches
         """Anything with next_batch() -> (inputs, targets) of one micro-batch."""
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.training.seq_len)
         self.peak_flops = peak_flops(cfg.hardware, cfg.precision.mode) * self.world.size
@@ -168,7 +195,23 @@ class Trainer:
         self.skipped_steps = 0
         self.notes: list[str] = []
         """Messages for the log, printed when training starts (resume, schedule changes)."""
-        self._capture_state_bytes = False
+
+    def build_grad_scaler(self) -> torch.amp.GradScaler:
+        """The loss scaler (fp16: dynamic scaling; otherwise a disabled one). Subclasses may wrap it."""
+        return grad_scaler(self.policy, sharded=self.sharded)
+
+    @contextlib.contextmanager
+    def listening(self, listener: StepListener) -> Iterator[None]:
+        """Call `listener(moment)` at each of MOMENTS of the steps run inside this block."""
+        self._listeners.append(listener)
+        try:
+            yield
+        finally:
+            self._listeners.remove(listener)
+
+    def _moment(self, moment: str) -> None:
+        for listener in self._listeners:
+            listener(moment)
 
     # ------------------------------------------------------------ build
 
@@ -287,21 +330,41 @@ class Trainer:
             return lm_loss + self.cfg.model.router_aux_loss_coef * aux, lm_loss
         return lm_loss, lm_loss
 
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, num_microbatches: int,
+                         sync_gradients: bool) -> torch.Tensor:
+        """One micro-batch of an optimizer step of `num_microbatches`: forward, loss, scaled
+        backward; gradients accumulate. `sync_gradients`: reduce them across data-parallel ranks
+        now (the step's last micro-batch). Returns the language-model loss (detached)."""
+        set_gradient_sync(self.model, sync_gradients)
+        self._moment("forward")
+        loss, lm_loss = self._loss(inputs, targets)
+        self._moment("backward")
+        self.scaler.scale(loss / num_microbatches).backward()
+        return lm_loss.detach()
+
+    def optimizer_step(self) -> tuple[float, bool, float]:
+        """Unscale, clip by the global norm, step (unless fp16 found inf/nan), clear gradients,
+        advance the schedule. Returns (gradient norm, skipped, learning rate used)."""
+        self._moment("optimizer")
+        self.scaler.unscale_(self.optimizer)
+        clip = self.cfg.training.grad_clip or math.inf
+        grad_norm = clip_grad_norm_(self.model.parameters(), clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self._moment("update")
+        skipped = not step_optimizer(self.optimizer, self.scaler)
+        self.skipped_steps += int(skipped)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return float(grad_norm), skipped, lr
+
     def train_step(self) -> StepStats:
         """One optimizer step over `grad_accum_steps` micro-batches of this rank's rows."""
         start = time.perf_counter()
         accum = self.layout.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for i in range(accum):
-            set_gradient_sync(self.model, i == accum - 1)
             inputs, targets = (t.to(self.device, non_blocking=True) for t in self.sampler.next_batch())
-            loss, lm_loss = self._loss(inputs, targets)
-            self.scaler.scale(loss / accum).backward()
-            total += lm_loss.detach()
-        self.scaler.unscale_(self.optimizer)
-        clip = self.cfg.training.grad_clip or math.inf
-        grad_norm = clip_grad_norm_(self.model.parameters(), clip)
-        state_bytes = local_state_bytes(self.model, self.optimizer) if self._capture_state_bytes else None
+            total += self.forward_backward(inputs, targets, num_microbatches=accum, sync_gradients=i == accum - 1)
         # Every micro-batch holds micro_batch_size x seq_len tokens (no padding), so the mean over
         # all tokens of the global batch is the mean of the micro-batch means over all ranks.
         loss_value = self.world.sum_(total).item() / (accum * self.world.size)
@@ -310,20 +373,13 @@ class Trainer:
                 f"step {self.step + 1}: the loss is {loss_value}; stopping without saving "
                 f"(the last good checkpoint in {self.cfg.checkpoint.dir!r} is kept). Lower training.lr, "
                 "enable training.grad_clip, or use bf16-mixed instead of a pure low-precision mode")
-        lr = self.optimizer.param_groups[0]["lr"]
-        skipped = not step_optimizer(self.optimizer, self.scaler)
-        self.skipped_steps += int(skipped)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        grad_norm, skipped, lr = self.optimizer_step()
         self.step += 1
-        return StepStats(loss_value, float(grad_norm), skipped, time.perf_counter() - start, lr,
-                         state_bytes=state_bytes)
+        return StepStats(loss_value, grad_norm, skipped, time.perf_counter() - start, lr)
 
     @functools.cached_property
     def memory_meter(self) -> MemoryMeter:
         """Measures this trainer's steps per component (memory/attribution.py), made on first use."""
-        from trainfit.memory.attribution import MemoryMeter  # here: attribution imports this module
-
         return MemoryMeter(self.device, self.layout)
 
     def watched_step(self) -> StepStats:
@@ -335,7 +391,7 @@ class Trainer:
         """A train step measured at the allocator after every operator, per component, with the
         model states counted (up to twice as slow); `memory` holds the breakdown."""
         stats, measurement = self.memory_meter.measure(self)
-        stats.memory = measurement.breakdown
+        stats.memory, stats.state_bytes = measurement.breakdown, measurement.state_bytes
         return stats
 
     @torch.no_grad()
@@ -448,3 +504,15 @@ class Trainer:
         writer.write({"step": self.step, "val_loss": val_loss})
         bar.note(f"step {self.step}: val loss {val_loss:.4f}")
         return val_loss
+
+
+def measure_step(cfg: Config, steps: int = 2, *, cuda_snapshot: str | Path | None = None) -> Measurement:
+    """Build a Trainer for `cfg` (joining torchrun's world when launched by it), run `steps - 1`
+    warm-up steps and measure the last one on this rank (`trainfit measure`)."""
+    if steps < 2:
+        raise ValueError(f"steps={steps}: measure at least 2 (the first one warms up)")
+    trainer = Trainer(cfg)
+    try:
+        return measure_trainer_step(trainer, warmup_steps=steps - 1, cuda_snapshot=cuda_snapshot)
+    finally:
+        trainer.close()
