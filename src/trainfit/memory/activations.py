@@ -22,9 +22,13 @@ measured training steps. Conventions:
   of its input (4 bytes) instead of the input itself.
 - SDPA is the fused (flash / memory-efficient, CPU flash) kernel: it saves q, k, v, the output and
   an fp32 logsumexp of (batch, heads, seq): no seq^2 term. GQA keeps k, v at kv-head width.
+- MoE routing (`Routing`, models/routing.py): dropless experts save one pass per routed token,
+  k per token whatever the split between experts (exact in total); the split only decides how
+  large ONE expert's computation is, which is what its backward's transient gradients scale with:
+  sized for the busiest expert at memory.moe_imbalance. With a capacity factor every expert runs
+  on a [capacity] buffer, so everything is sized by E x capacity rows, exactly.
 - Not counted: autograd's own graph (nodes, saved-variable records), ~0.1-0.2 MiB in the C heap
-  for the test models, negligible at scale; MoE expert activations assume the expected load
-  (each token's k passes), which is exact in total whatever the split between experts.
+  for the test models, negligible at scale.
 """
 
 from __future__ import annotations
@@ -32,12 +36,43 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainfit.config import ModelConfig
+from trainfit.models.routing import dropless_loads, expert_capacity
 
 FP32 = 4
 INDEX = 8  # int64 (token ids, top-k expert ids, torch.nonzero results)
 # torch.nonzero(as_tuple=True) returns views of one (M, 2) int64 result, which both the
 # index_select and the gather of routing weights save: 16 bytes per routed token.
 ROUTED_INDEX_BYTES = 2 * INDEX
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How many rows a micro-batch's routed experts process, per token of the micro-batch."""
+
+    rows: float
+    """Expert rows in all: top_k (dropless: each token's k passes) or E x capacity / tokens (the
+    capacity buffers, padding included)."""
+    busiest: float
+    """Rows of the largest single expert computation: dropless, the busiest expert's (the experts
+    run one after the other); capacity, all E x capacity (one batched matmul for all experts)."""
+    capacity: bool
+
+
+def moe_routing(m: ModelConfig, num_tokens: int, imbalance: float) -> Routing | None:
+    """The routing of one MoE layer on `num_tokens` tokens (a rank's micro-batch), None for dense
+    models; `imbalance` is memory.moe_imbalance (dropless only)."""
+    if not m.num_experts:
+        return None
+    E, k = m.num_experts, m.experts_per_token
+    if m.capacity_factor:
+        rows = E * expert_capacity(num_tokens, k, E, m.capacity_factor) / num_tokens
+        return Routing(rows=rows, busiest=rows, capacity=True)
+    return Routing(rows=k, busiest=max(dropless_loads(num_tokens, k, E, imbalance)) / num_tokens, capacity=False)
+
+
+def _balanced(m: ModelConfig) -> Routing:
+    """Dropless and perfectly balanced: what the functions below assume when given no routing."""
+    return Routing(rows=m.experts_per_token, busiest=m.experts_per_token / m.num_experts, capacity=False)
 
 
 @dataclass(frozen=True)
@@ -103,18 +138,24 @@ def _swiglu_saved(c: int, hidden: float) -> float:
     return 4 * c * hidden  # w1 out (silu input), w3 out, silu out, their product (w2 input)
 
 
-def _moe_saved(m: ModelConfig, d: ActDtypes) -> Terms:
-    """Router, top-k, each token's k expert passes (moe.GroupedExperts) and the shared experts."""
+def _moe_saved(m: ModelConfig, d: ActDtypes, r: Routing) -> Terms:
+    """Router, top-k, the routed experts' rows (moe.GroupedExperts) and the shared experts."""
     D, E, k, F = m.dim, m.num_experts, m.experts_per_token, m.expert_ffn_dim
     c, a = d.compute, d.stream
     router = FP32 * E + INDEX * k + FP32 * k + FP32  # softmax probs, top-k ids, top-k weights and their sum
-    # Per routed token: the expert's input (index_select; under autocast w1 and w3 each save a
+    # Per expert row: the expert's input (index_select; under autocast w1 and w3 (bmm) each save a
     # cast), 4 SwiGLU tensors, the routing weight, the w2 output and the weighted output y
-    # (index_add_ saves it), plus the nonzero() indices.
+    # (index_add_ saves it), plus its token index: dropless, the (M, 2) nonzero() result;
+    # capacity, the slot's token (int64), and per (token, choice) pair the slot index that the
+    # routing weights' scatter saves.
     x_in = 2 * c * D if d.autocast else a * D
-    routed = ROUTED_INDEX_BYTES + x_in + _swiglu_saved(c, F) + a + c * D + a * D
+    per_row = x_in + _swiglu_saved(c, F) + a + c * D + a * D
+    if r.capacity:
+        routed = r.rows * (INDEX + per_row) + k * INDEX
+    else:
+        routed = r.rows * (ROUTED_INDEX_BYTES + per_row)
     shared = _swiglu_saved(c, m.num_shared_experts * F)
-    return Terms(seq=router + k * routed, tp=shared)
+    return Terms(seq=router + routed, tp=shared)
 
 
 def _ffn_consumers(m: ModelConfig) -> int:
@@ -125,8 +166,9 @@ def _ffn_consumers(m: ModelConfig) -> int:
     return 2  # w1, w3
 
 
-def block_terms(m: ModelConfig, d: ActDtypes, policy: str) -> Terms:
-    """What one block keeps from its forward to its backward, input included."""
+def block_terms(m: ModelConfig, d: ActDtypes, policy: str, routing: Routing | None = None) -> Terms:
+    """What one block keeps from its forward to its backward, input included (MoE: `routing`, by
+    default dropless and balanced)."""
     D, q_dim, kv_dim, H, _ = _shapes(m)
     c, a = d.compute, d.stream
     if policy == "full":
@@ -140,9 +182,9 @@ def block_terms(m: ModelConfig, d: ActDtypes, policy: str) -> Terms:
             return kept + Terms(gathered=c * D, tp=c * m.ffn_dim)  # fc2 output; fc1 output
         if not m.num_experts:
             return kept + Terms(gathered=c * D, tp=2 * c * m.ffn_dim)  # w2 output; w1, w3 outputs
-        E, k, F = m.num_experts, m.experts_per_token, m.expert_ffn_dim
+        E, F, rows = m.num_experts, m.expert_ffn_dim, (routing or _balanced(m)).rows
         shared = m.num_shared_experts * F
-        kept += Terms(seq=c * E + k * c * (2 * F + D))  # router logits; each routed pass: w1, w3, w2 outputs
+        kept += Terms(seq=c * E + rows * c * (2 * F + D))  # router logits; each expert row: w1, w3, w2 outputs
         return kept + Terms(gathered=c * D if shared else 0, tp=2 * c * shared)  # shared w2; shared w1, w3
     if policy != "none":
         raise ValueError(f"activation checkpointing policy {policy!r}: choose none, selective or full")
@@ -154,7 +196,7 @@ def block_terms(m: ModelConfig, d: ActDtypes, policy: str) -> Terms:
     if m.family == "gpt2":
         return terms + Terms(tp=2 * c * m.ffn_dim)  # fc1 out (GELU input), GELU out (fc2 input)
     if m.num_experts:
-        return terms + _moe_saved(m, d)
+        return terms + _moe_saved(m, d, routing or _balanced(m))
     return terms + Terms(tp=_swiglu_saved(c, m.ffn_dim))
 
 
@@ -217,11 +259,14 @@ class Transient:
     shared experts' output and their sum exist until the recompute returns."""
 
 
-def backward_transient_terms(m: ModelConfig, d: ActDtypes) -> Transient:
+def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | None = None) -> Transient:
     """Bytes while one block runs its backward, beyond its saved activations (measured on CPU):
     the MLP's intermediate gradients (SwiGLU: the gradients of the w2 input, of silu out and of
     w3 out, 3 F, once the w2 input is freed; GELU MLP: the gradients of the GELU output and input,
-    2 F, once the GELU output is freed) or the attention's gradients, plus the stream's gradient."""
+    2 F, once the GELU output is freed) or the attention's gradients, plus the stream's gradient.
+    MoE: the largest of the shared experts' SwiGLU and the largest single routed computation
+    (`Routing.busiest`: the busiest dropless expert, or all capacity buffers at once); the experts'
+    backwards run one at a time, so only the largest one's gradients exist at once."""
     D, q_dim, kv_dim, _, _ = _shapes(m)
     c = d.compute
     # Under autocast the residual add (fp32 + bf16 branch) also casts the gradient for the branch.
@@ -233,7 +278,7 @@ def backward_transient_terms(m: ModelConfig, d: ActDtypes) -> Transient:
         hidden, grads = m.ffn_dim, 1 if d.autocast else 2
     elif m.num_experts:
         F = m.expert_ffn_dim
-        hidden, grads = max(m.num_shared_experts * F, F * m.experts_per_token / m.num_experts), 3
+        hidden, grads = max(m.num_shared_experts * F, F * (routing or _balanced(m)).busiest), 3
         tail = Terms(seq=2 * d.stream * D + (c * D if m.num_shared_experts else 0))
     else:
         hidden, grads = m.ffn_dim, 3

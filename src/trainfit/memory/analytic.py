@@ -45,6 +45,7 @@ from trainfit.memory.activations import (
     backward_transient_terms,
     block_terms,
     final_norm_terms,
+    moe_routing,
     policy_only_terms,
 )
 from trainfit.memory.breakdown import MemoryBreakdown
@@ -303,12 +304,13 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
         return terms.bytes(st.tokens, st.seq, tp, cfg.parallel.sequence_parallel)
 
     # ---- activations of one micro-batch
-    a_none = size(block_terms(cfg.model, act, "none"))
-    a_policy = size(block_terms(cfg.model, act, policy)) if policy != "none" else a_none
+    routing = moe_routing(cfg.model, st.tokens, cfg.memory.moe_imbalance)
+    a_none = size(block_terms(cfg.model, act, "none", routing))
+    a_policy = size(block_terms(cfg.model, act, policy, routing)) if policy != "none" else a_none
     none_blocks = lay.blocks - lay.policy_blocks
     a_blocks = none_blocks * a_none + lay.policy_blocks * a_policy
     a_final = size(final_norm_terms(cfg.model, act)) if lay.last else 0
-    transient = backward_transient_terms(cfg.model, act)
+    transient = backward_transient_terms(cfg.model, act, routing)
     rebuild = a_none - a_policy  # what a checkpointed block recomputes in backward
     only = policy_only_terms(cfg.model, act, policy)
     released = size(only.released)  # saved by the policy, freed by the recompute
@@ -453,10 +455,11 @@ def forward_retained_bytes(cfg: Config, dims: ParallelDims | None = None, stage:
     def size(terms: Terms) -> int:
         return terms.bytes(st.tokens, st.seq, dims.tp, cfg.parallel.sequence_parallel)
 
+    routing = moe_routing(cfg.model, st.tokens, cfg.memory.moe_imbalance)
     none_blocks = lay.blocks - lay.policy_blocks
-    total = none_blocks * size(block_terms(cfg.model, act, "none"))
+    total = none_blocks * size(block_terms(cfg.model, act, "none", routing))
     if lay.policy_blocks:
-        total += lay.policy_blocks * size(block_terms(cfg.model, act, policy))
+        total += lay.policy_blocks * size(block_terms(cfg.model, act, policy, routing))
     if lay.last:
         total += size(final_norm_terms(cfg.model, act)) + _logits(cfg, st.prec, st.tokens, dims.tp)[0]
     if act.autocast:

@@ -11,11 +11,13 @@ forward + loss per micro-batch, backward, unscale / clip / optimizer step / zero
 The tracer is memory/ledger.py's `StorageLedger`, which attributes every storage to a component.
 
 Fake execution needs a few stand-ins, each at one place (here, or in the ledger's fake overrides):
-MoE routing is data-dependent (`torch.nonzero`): `nonzero` returns the balanced expected routing,
-tokens x top_k / num_experts rows per expert. Every expert's tensors scale with its rows and all
-are alive together at the end of the forward, so saved activations are exact whatever the real
-split; only the transient of the expert being computed is an average expert's, not the busiest
-one's. `.item()` reads 1 (an fp16 loss scaler never skips the traced step). DDP's construction-time
+Dropless MoE routing is data-dependent (`torch.nonzero`): `nonzero` returns a skewed routing, the
+last expert at memory.moe_imbalance x the balanced load (models/routing.dropless_loads), the others
+sharing the rest. Every expert's tensors scale with its rows and all are alive together at the end
+of the forward, so saved activations are exact whatever the real split; the busiest expert, run
+last, has its transients (forward and backward) on top of all the others' saved tensors, which no
+real split exceeds at that imbalance. With a capacity factor the experts' shapes are fixed by the
+config and nothing is stood in for. `.item()` reads 1 (an fp16 loss scaler never skips the traced step). DDP's construction-time
 shape check and broadcast, and its C++ all-reduce hook, read tensor data: skipped and replaced by
 an in-place hook. DTensor's output-shape propagation on global-size fakes is not counted. Gradient
 accumulation traces two micro-batches at most: later ones repeat the second's memory.
@@ -49,6 +51,7 @@ from trainfit.config import Config
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.ledger import StorageLedger, TimelinePoint, step_phases, unsharded_component
 from trainfit.models import build_model, count_params, materialize
+from trainfit.models.routing import dropless_loads
 from trainfit.parallel.apply import check_layout, data_parallel_kind, parallelize
 from trainfit.parallel.dims import ParallelDims, resolve_parallel_dims
 from trainfit.parallel.mesh import build_mesh, dp_mesh
@@ -218,9 +221,10 @@ def trace_step(cfg: Config) -> TracedEstimate:
         with _ddp_without_init_sync(), FakeTensorMode(allow_non_fake_inputs=True), \
                 StorageLedger(fake=True, unsharded_component=unsharded_component(dims),
                               host_states=cfg.memory.offload != "none") as ledger:
-            if cfg.model.num_experts:
-                tokens = cfg.training.micro_batch_size * cfg.training.seq_len
-                ledger.route_balanced(tokens * cfg.model.experts_per_token, cfg.model.num_experts)
+            if cfg.model.num_experts and not cfg.model.capacity_factor:
+                tokens = cfg.training.micro_batch_size * cfg.training.seq_len // dims.cp
+                ledger.route(dropless_loads(tokens, cfg.model.experts_per_token, cfg.model.num_experts,
+                                            cfg.memory.moe_imbalance))
             materialize(model, "cpu")
             trainer = _TracedTrainer(cfg, world, dims, model, policy, num_params)
             ledger.watch_model(model)
