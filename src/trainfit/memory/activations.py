@@ -43,6 +43,13 @@ INDEX = 8  # int64 (token ids, top-k expert ids, torch.nonzero results)
 # torch.nonzero(as_tuple=True) returns views of one (M, 2) int64 result, which both the
 # index_select and the gather of routing weights save: 16 bytes per routed token.
 ROUTED_INDEX_BYTES = 2 * INDEX
+ROUTED_WEIGHT_GRAD_COPIES = (3, 5)
+"""Dropless MoE backward, in stacked expert weights ([E, F, D] each): moe.GroupedExperts uses
+expert e's slice `w1[e]`, whose backward (select_backward) returns a zero-filled full-size gradient
+of the stacked weight; autograd sums those across the experts out of place. From the first expert's
+backward to the layer's last, the running sums of w1, w2 and w3 exist (3); while an expert's slice
+gradient is added to one of them, the new full-size slice and the new sum too (5). Read off the
+torch 2.13 autograd graph (SelectBackward0, InputBuffer::accumulate) and measured on CPU."""
 
 
 @dataclass(frozen=True)
@@ -233,6 +240,16 @@ def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str) -> PolicyOnly:
     return PolicyOnly(released, block_input + last)
 
 
+def shared_experts_saved(m: ModelConfig, d: ActDtypes, policy: str) -> tuple[Terms, Terms]:
+    """(kept by the policy, rebuilt by the recompute) of what the shared experts' SwiGLU saves: its
+    backward runs before the routed experts' (their sum is the layer's last op), so by the routed
+    experts' backward these are freed. Selective keeps its matmul outputs (w1, w3) and recomputes
+    silu and the product; full recomputes all four."""
+    saved = _swiglu_saved(d.compute, m.num_shared_experts * m.expert_ffn_dim)
+    kept = {"none": saved, "selective": saved / 2}.get(policy, 0.0)
+    return Terms(tp=kept), Terms(tp=saved - kept)
+
+
 def final_norm_terms(m: ModelConfig, d: ActDtypes) -> Terms:
     """The final norm: its input (the last block's output) and what the output projection saves."""
     residual = d.stream * m.dim if m.family == "gpt2" else FP32 * m.dim
@@ -257,6 +274,19 @@ class Transient:
     """A checkpointed block's recompute runs past its last saved tensor when the block saves
     something after its output (an MoE layer's load-balancing loss): the routed output, the
     shared experts' output and their sum exist until the recompute returns."""
+    expert_output: Terms = Terms()
+    """MoE, the largest routed computation (`Routing.busiest` rows): its backward starts with its
+    rows of the layer's output gradient (index_select), their product with the routing weights (the
+    gradient of the w2 output) and with the w2 output (for the routing weights' gradient), each in
+    the dtype of the weighted output (the stream's: the fp32 routing weight promotes it under
+    autocast)..."""
+    expert_output_freed: Terms = Terms()
+    """...when the weighted output, saved by index_add_, is freed (from then on)."""
+    expert_hidden: Terms = Terms()
+    """MoE: its SwiGLU's gradients (as mlp_new - mlp_freed for a dense MLP)."""
+    expert_accumulation: Terms = Terms()
+    """Dropless MoE: what the busiest expert holds while its slice gradients are summed into the
+    stacked weights' (ROUTED_WEIGHT_GRAD_COPIES): the gradient of its w2 input."""
 
 
 def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | None = None) -> Transient:
@@ -271,20 +301,24 @@ def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | No
     c = d.compute
     # Under autocast the residual add (fp32 + bf16 branch) also casts the gradient for the branch.
     grad_cast = Terms(seq=c * D if d.autocast else 0)
-    tail = Terms()
+    tail, expert = Terms(), {}
     if m.family == "gpt2":
         # fp32/16-bit: GELU's backward (its input's and output's gradients, fc2's input freed);
         # autocast: inside fc2's backward (its input's gradient, before the fp32 cast-back).
         hidden, grads = m.ffn_dim, 1 if d.autocast else 2
     elif m.num_experts:
-        F = m.expert_ffn_dim
-        hidden, grads = max(m.num_shared_experts * F, F * (routing or _balanced(m)).busiest), 3
+        # mlp_*: the shared experts' SwiGLU, whose backward runs first; expert_*: the routed ones'.
+        F, busiest = m.expert_ffn_dim, (routing or _balanced(m)).busiest
+        hidden, grads = m.num_shared_experts * F, 3
         tail = Terms(seq=2 * d.stream * D + (c * D if m.num_shared_experts else 0))
+        expert = dict(expert_output=Terms(seq=3 * d.stream * D * busiest),
+                      expert_output_freed=Terms(seq=d.stream * D * busiest),
+                      expert_hidden=Terms(seq=2 * c * F * busiest), expert_accumulation=Terms(seq=c * F * busiest))
     else:
         hidden, grads = m.ffn_dim, 3
     return Transient(grad_stream=Terms(seq=d.stream * D), grad_cast=grad_cast,
                      attention=Terms(tp=c * (2 * q_dim + 2 * kv_dim)), mlp_new=Terms(tp=grads * c * hidden),
-                     mlp_freed=Terms(tp=c * hidden if grads > 1 else 0), recompute_tail=tail)
+                     mlp_freed=Terms(tp=c * hidden if grads > 1 else 0), recompute_tail=tail, **expert)
 
 
 # ---------------------------------------------------------------- Korthikanti et al. (2022)

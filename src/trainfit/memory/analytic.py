@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from trainfit.config import Config
 from trainfit.memory.activations import (
     FP32,
+    ROUTED_WEIGHT_GRAD_COPIES,
     ActDtypes,
     Terms,
     backward_transient_terms,
@@ -47,6 +48,7 @@ from trainfit.memory.activations import (
     final_norm_terms,
     moe_routing,
     policy_only_terms,
+    shared_experts_saved,
 )
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import ParamCounts, param_counts
@@ -368,6 +370,35 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
     w2_in_flight = cfg.model.family == "gpt2" and act.autocast
     w2 = (0, 0, c * lay.mlp_out) if w2_in_flight else \
         (0, c * lay.mlp_out, 0) if st.fsdp else (int(lay.mlp_out * per_param), 0, 0)
+    # MoE: the shared experts' backward runs first (mlp_* of `transient`, their w2 for w2), then the
+    # routed experts' (expert_*), once the shared experts' saved tensors are freed and with their
+    # gradients done. Capacity: one batched matmul per stacked weight, so w2's whole gradient.
+    # Dropless: the stacked weights' gradients are summed expert by expert in autograd's buffers
+    # (activations.ROUTED_WEIGHT_GRAD_COPIES), in the dtype of the weights the experts slice (the
+    # unsharded compute copies under FSDP).
+    routed_moments: list[tuple[int, int]] = []
+    """(gradients done, activations added) at the routed experts' backward moments, from when their
+    weighted output is freed (`freed`, from the activations or the recompute)."""
+    shared_kept = shared_rebuilt = freed = 0
+    if routing is not None:
+        m_ = cfg.model
+        expert_weight = counts.routed_experts // 3 // (dims.ep * tp)
+        shared = 3 * m_.num_shared_experts * m_.expert_ffn_dim * m_.dim // tp
+        w2 = (0, c * shared // 3, 0) if st.fsdp else (int(shared // 3 * per_param), 0, 0)
+        output, hidden = size(transient.expert_output), size(transient.expert_hidden)
+        freed = size(transient.expert_output_freed)
+        if routing.capacity:
+            routed_moments = [(shared, output), (shared + expert_weight, hidden)]
+        else:
+            unit = expert_weight * (c if st.fsdp else per_param)
+            copies, summing = ROUTED_WEIGHT_GRAD_COPIES
+            summed = (summing - copies) * unit + size(transient.expert_accumulation)
+            routed_moments = [(shared, copies * unit + max(output, hidden, summed))]
+        shared_kept, shared_rebuilt = (size(t) for t in shared_experts_saved(cfg.model, act, policy))
+
+    def routed(done: int) -> tuple[int, int]:
+        """(grads, buffers) of `done` gradient elements (FSDP: unsharded compute copies, buffers)."""
+        return (0, c * done) if st.fsdp else (int(done * per_param), 0)
 
     def in_backward(wrapped: bool) -> tuple[int, int, int]:
         """(grads, buffers, activations) a block adds at its backward's peak. Unwrapped: its saved
@@ -377,11 +408,18 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
         stream, cast = size(t.grad_stream) + tied_pending, size(t.grad_cast)
         if not wrapped:
             mlp = size(t.mlp_new) - size(t.mlp_freed)
-            return w2[0], w2[1], a_none + stream + cast + max(size(t.attention), mlp) + w2[2]
+            moments = [(w2[0], w2[1], a_none + stream + cast + max(size(t.attention), mlp + w2[2]))]
+            for done, expert in routed_moments:
+                moments.append((*routed(done), a_none - shared_kept - shared_rebuilt - freed + stream + cast + expert))
+            return max(moments, key=sum)
         kept = a_policy - released + stream
         recomputed = (0, rebuild + size(t.recompute_tail), kept)
         mlp_moment = (w2[0], w2[1] + rebuild - size(t.mlp_freed), kept + cast + size(t.mlp_new) + w2[2])
-        return max(recomputed, mlp_moment, key=sum)
+        moments = [recomputed, mlp_moment]
+        for done, expert in routed_moments:
+            grads, buffers = routed(done)
+            moments.append((grads, buffers + rebuild - shared_rebuilt - freed, kept - shared_kept + cast + expert))
+        return max(moments, key=sum)
 
     last_grads, last_buffers, last_acts = in_backward(lay.last_wrapped)
     first_grads, first_buffers, first_acts = in_backward(lay.first_wrapped)
