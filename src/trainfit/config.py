@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 import difflib
 import inspect
 import tomllib
@@ -25,10 +26,13 @@ ACPolicy = Literal["none", "selective", "full"]
 Device = Literal["auto", "cpu", "cuda"]
 
 
-MOE_IMBALANCE = 6.0
-"""Default memory.moe_imbalance: above the largest busiest-expert load ratio measured by
-benchmarks/moe_routing.py (our MoE models at init and over their first 30 steps on the packaged
-corpus, 4-16 experts, top-1 and top-2); a router at init is far from balanced."""
+MOE_IMBALANCE = math.inf
+"""Default memory.moe_imbalance: the ceiling (a busiest expert taking every token). Measured by
+benchmarks/moe_routing.py on our MoE models (4-16 experts, top-1 and top-2, with and without a
+shared expert, two shapes) training on the packaged corpus with trainfit's defaults: the busiest
+expert starts at 1.2-5.6x the balanced load at init, and within the first 30 steps every
+configuration had a layer send all its tokens' choices to the same experts (the ceiling, experts /
+top_k). A memory estimate that must hold for every step has to assume it."""
 
 
 class ConfigError(ValueError):
@@ -181,12 +185,12 @@ class MemoryConfig:
     """Compute logits and cross-entropy in sequence chunks so full logits never exist at once."""
     moe_imbalance: float = MOE_IMBALANCE
     """Dropless MoE (model.capacity_factor = 0): the busiest expert's load over the balanced load
-    (tokens x experts_per_token / num_experts) at which memory is estimated (capped at all the
-    tokens, num_experts / experts_per_token). Only the busiest expert's own tensors grow with it (the
-    routed tokens' total is fixed). The default is above every load our MoE models reached at init
-    and over their first 30 steps on the packaged corpus (benchmarks/moe_routing.py: max 5.9 for 16
-    experts top-1, 4.4 for 8, 3.0 for 4; see MOE_IMBALANCE). 1 assumes perfectly balanced routing."""
-
+    (tokens x experts_per_token / num_experts) at which memory is estimated, capped at the ceiling
+    where it takes every token (num_experts / experts_per_token). Only that expert's own tensors
+    grow with it (the routed tokens' total is fixed). Default inf, the ceiling: our routers reached
+    it within their first 30 training steps in every configuration measured (benchmarks/
+    moe_routing.py; 1.2-5.6 at init); set a measured value for a trained, balanced router, or 1
+    for perfectly balanced routing. A capacity factor bounds memory without this assumption."""
 
 @dataclass
 class HardwareConfig:

@@ -287,6 +287,9 @@ class Transient:
     expert_accumulation: Terms = Terms()
     """Dropless MoE: what the busiest expert holds while its slice gradients are summed into the
     stacked weights' (ROUTED_WEIGHT_GRAD_COPIES): the gradient of its w2 input."""
+    expert_input_grad: Terms = Terms()
+    """Dropless MoE: the layer input's gradient, summed over the experts' index_select backwards
+    (each a full-size scatter of its rows) from the first expert backward on."""
 
 
 def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | None = None) -> Transient:
@@ -313,7 +316,8 @@ def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | No
         tail = Terms(seq=2 * d.stream * D + (c * D if m.num_shared_experts else 0))
         expert = dict(expert_output=Terms(seq=3 * d.stream * D * busiest),
                       expert_output_freed=Terms(seq=d.stream * D * busiest),
-                      expert_hidden=Terms(seq=2 * c * F * busiest), expert_accumulation=Terms(seq=c * F * busiest))
+                      expert_hidden=Terms(seq=2 * c * F * busiest), expert_accumulation=Terms(seq=c * F * busiest),
+                      expert_input_grad=Terms(seq=d.stream * D))
     else:
         hidden, grads = m.ffn_dim, 3
     return Transient(grad_stream=Terms(seq=d.stream * D), grad_cast=grad_cast,

@@ -372,14 +372,16 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
         (0, c * lay.mlp_out, 0) if st.fsdp else (int(lay.mlp_out * per_param), 0, 0)
     # MoE: the shared experts' backward runs first (mlp_* of `transient`, their w2 for w2), then the
     # routed experts' (expert_*), once the shared experts' saved tensors are freed and with their
-    # gradients done. Capacity: one batched matmul per stacked weight, so w2's whole gradient.
+    # gradients done; the routed output is in the stream's dtype, so no grad_cast then. Capacity: one batched matmul per stacked weight, so w2's whole gradient.
     # Dropless: the stacked weights' gradients are summed expert by expert in autograd's buffers
     # (activations.ROUTED_WEIGHT_GRAD_COPIES), in the dtype of the weights the experts slice (the
     # unsharded compute copies under FSDP).
-    routed_moments: list[tuple[int, int]] = []
-    """(gradients done, activations added) at the routed experts' backward moments, from when their
-    weighted output is freed (`freed`, from the activations or the recompute)."""
-    shared_kept = shared_rebuilt = freed = 0
+    casts_freed = [0, 0, 0]
+    """The routed moments' 16-bit weight casts already freed (params)."""
+    routed_moments: list[tuple[int, int, int]] = []
+    """(gradients done, activations added, saved tensors freed) at the routed experts' backward
+    moments; the freed weighted output leaves the activations, or the recompute of a wrapped block."""
+    shared_kept = shared_rebuilt = 0
     if routing is not None:
         m_ = cfg.model
         expert_weight = counts.routed_experts // 3 // (dims.ep * tp)
@@ -388,19 +390,31 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
         output, hidden = size(transient.expert_output), size(transient.expert_hidden)
         freed = size(transient.expert_output_freed)
         if routing.capacity:
-            routed_moments = [(shared, output), (shared + expert_weight, hidden)]
+            routed_moments = [(shared, output, freed), (shared + expert_weight, hidden, freed)]
         else:
+            # From the second expert backward on: the running sums, then either an expert with no
+            # tokens adding its full-size slice gradients and input-gradient scatter (nothing of its
+            # own to free), or the busiest expert's own moments.
             unit = expert_weight * (c if st.fsdp else per_param)
             copies, summing = ROUTED_WEIGHT_GRAD_COPIES
-            summed = (summing - copies) * unit + size(transient.expert_accumulation)
-            routed_moments = [(shared, copies * unit + max(output, hidden, summed))]
+            input_grad = size(transient.expert_input_grad)
+            running = copies * unit + input_grad
+            routed_moments = [(shared, running + (summing - copies) * unit, 0), (shared, running + 2 * input_grad, 0),
+                              (shared, running + max(output, hidden, (summing - copies) * unit + size(
+                                  transient.expert_accumulation)), freed)]
+            # Under autocast each expert's backward frees its weight slices' 16-bit casts: one
+            # expert's by the second expert's summing, two by its input-gradient scatter and by the
+            # busiest's backward (third from last, routing.dropless_loads).
+            if act.autocast:
+                cast_expert = c * 3 * expert_weight // max(1, m_.num_experts // dims.ep)
+                casts_freed = [cast_expert, 2 * cast_expert, 2 * cast_expert]
         shared_kept, shared_rebuilt = (size(t) for t in shared_experts_saved(cfg.model, act, policy))
 
     def routed(done: int) -> tuple[int, int]:
         """(grads, buffers) of `done` gradient elements (FSDP: unsharded compute copies, buffers)."""
         return (0, c * done) if st.fsdp else (int(done * per_param), 0)
 
-    def in_backward(wrapped: bool) -> tuple[int, int, int]:
+    def in_backward(wrapped: bool) -> tuple[int, int, int, int]:
         """(grads, buffers, activations) a block adds at its backward's peak. Unwrapped: its saved
         activations with the attention's or the MLP's gradients. Checkpointed: the recompute just
         done, or the MLP's gradients (by the attention's turn the MLP's recompute is freed)."""
@@ -408,21 +422,21 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
         stream, cast = size(t.grad_stream) + tied_pending, size(t.grad_cast)
         if not wrapped:
             mlp = size(t.mlp_new) - size(t.mlp_freed)
-            moments = [(w2[0], w2[1], a_none + stream + cast + max(size(t.attention), mlp + w2[2]))]
-            for done, expert in routed_moments:
-                moments.append((*routed(done), a_none - shared_kept - shared_rebuilt - freed + stream + cast + expert))
+            moments = [(w2[0], w2[1], a_none + stream + cast + max(size(t.attention), mlp + w2[2]), 0)]
+            for (done, expert, freed), uncast in zip(routed_moments, casts_freed):
+                moments.append((*routed(done), a_none - shared_kept - shared_rebuilt - freed + stream + expert, -uncast))
             return max(moments, key=sum)
         kept = a_policy - released + stream
-        recomputed = (0, rebuild + size(t.recompute_tail), kept)
-        mlp_moment = (w2[0], w2[1] + rebuild - size(t.mlp_freed), kept + cast + size(t.mlp_new) + w2[2])
+        recomputed = (0, rebuild + size(t.recompute_tail), kept, 0)
+        mlp_moment = (w2[0], w2[1] + rebuild - size(t.mlp_freed), kept + cast + size(t.mlp_new) + w2[2], 0)
         moments = [recomputed, mlp_moment]
-        for done, expert in routed_moments:
+        for (done, expert, freed), uncast in zip(routed_moments, casts_freed):
             grads, buffers = routed(done)
-            moments.append((grads, buffers + rebuild - shared_rebuilt - freed, kept - shared_kept + cast + expert))
+            moments.append((grads, buffers + rebuild - shared_rebuilt - freed, kept - shared_kept + expert, -uncast))
         return max(moments, key=sum)
 
-    last_grads, last_buffers, last_acts = in_backward(lay.last_wrapped)
-    first_grads, first_buffers, first_acts = in_backward(lay.first_wrapped)
+    last_grads, last_buffers, last_acts, last_casts = in_backward(lay.last_wrapped)
+    first_grads, first_buffers, first_acts, first_casts = in_backward(lay.first_wrapped)
 
     n_if, h_if = lay.in_flight, lay.head_in_flight
     older = (n_if - 1) * a_blocks + (h_if - 1) * (a_final + saved_logits)  # other micro-batches in flight
@@ -435,10 +449,10 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
          fwd_buffers),
         ("forward", held + saved_casts, acts, logits_fwd, before, fwd_buffers),
         ("backward", held + saved_casts, acts, logits_bwd, before, fwd_buffers),
-        ("backward", held + saved_casts - cast_head + (cast_block if lay.last_wrapped else 0),
+        ("backward", held + saved_casts - cast_head + (cast_block if lay.last_wrapped else 0) + last_casts,
          older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, 0,
          max(before, output_grads + last_grads), bwd_buffers + last_comms + last_buffers),
-        ("backward", (c * (lay.block + lay.embedding + lay.head) if held else 0) + older_casts + cast_block,
+        ("backward", (c * (lay.block + lay.embedding + lay.head) if held else 0) + older_casts + cast_block + first_casts,
          older + first_acts, 0, max(before, later_grads) + first_grads, bwd_buffers + first_comms + first_buffers),
         ("optimizer", 0, 0, 0, st.grads, persistent_buffers + st.optimizer_temp),
     ]

@@ -21,21 +21,28 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
 
 
 def dropless_loads(num_tokens: int, top_k: int, num_experts: int, imbalance: float) -> list[int]:
-    """Tokens per expert, in the order moe.GroupedExperts runs them, for the worst place of a busiest
-    expert at `imbalance` x the balanced load (at most every token).
+    """Tokens per expert, in the order moe.GroupedExperts runs them, with the busiest at `imbalance`
+    x the balanced load (at most every token; `imbalance` may be inf) in its worst place.
 
     Backward runs the experts in reverse. Each expert's backward returns its slice of the stacked
-    weights' gradients as full-size tensors, which autograd sums out of place: from the second
-    expert backward on, the three sums plus one new slice and one new sum exist at once, on top of
-    the saved tensors of every expert not yet done. So the worst is the busiest expert second to
-    last (the second backward, its transients on everything saved but the last expert's) and the
-    last expert as light as possible (holding no more than the busiest); the others share the rest.
+    weights' gradients as full-size tensors that autograd sums out of place: from the second expert
+    backward on, the three running sums plus a new slice and a new sum exist at once, on top of the
+    saved tensors of every expert not yet done; and the busiest expert's own gradients are largest
+    on top of those. So the last two experts are as light as the others allow (an empty second
+    expert backward has the summing moment on everything saved) and the busiest comes third from
+    last (its backward on everything saved too); the rest share what remains, none above the
+    busiest.
     """
     routed = num_tokens * top_k
-    busiest = min(num_tokens, max(math.ceil(routed / num_experts), math.ceil(imbalance * routed / num_experts)))
+    busiest = math.ceil(min(num_tokens, max(1.0, imbalance) * routed / num_experts))
     if num_experts == 1:
         return [routed]
     rest = routed - busiest
-    last = max(0, rest - (num_experts - 2) * busiest)
-    middle, n = rest - last, num_experts - 2
-    return [middle // n + (e < middle % n) for e in range(n)] + [busiest, last]
+    num_tail = min(2, num_experts - 1)
+    num_middle = num_experts - 1 - num_tail
+    tail = max(0, rest - num_middle * busiest)  # what the middle experts cannot hold
+    return [*_even(rest - tail, num_middle), busiest, *_even(tail, num_tail)]
+
+
+def _even(total: int, parts: int) -> list[int]:
+    return [total // parts + (i < total % parts) for i in range(parts)]
