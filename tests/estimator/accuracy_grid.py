@@ -69,6 +69,8 @@ def moe(experts: int, top_k: int, shared: int = 0, capacity_factor: float = 0.0)
     factor (0: dropless)."""
     return [*MOE, f"--model.num_experts={experts}", f"--model.experts_per_token={top_k}",
             f"--model.num_shared_experts={shared}", f"--model.capacity_factor={capacity_factor}"]
+
+
 GPT2 = ["--model.preset=debug-gpt2", "--model.ffn_dim=512", *_SHAPE]
 """LayerNorm, biases, GELU, tied output."""
 TINY = ["--model.preset=tiny", "--training.seq_len=32"]
@@ -95,6 +97,27 @@ BF16_MIXED, FP16_MIXED, BF16_PURE = ("--precision.mode=bf16-mixed", "--precision
 SELECTIVE, FULL = "--memory.activation_checkpointing=selective", "--memory.activation_checkpointing=full"
 SGD, ADAM = "--optimizer.name=sgd", "--optimizer.name=adam"
 Z0, Z1, Z2, Z3 = (f"--parallel.zero_stage={stage}" for stage in range(4))
+
+MOE_GRID: list[Row] = [
+    # dropless (estimated at the default memory.moe_imbalance): top-1 with full checkpointing in 16
+    # bits is where balanced-routing estimates fell short; every policy and precision, 4-16 experts
+    _row("moe-top1-e4-bf16-mixed-full", 1, moe(4, 1), BF16_MIXED, FULL),
+    _row("moe-top1-e8-fp16-mixed-full", 1, moe(8, 1), FP16_MIXED, FULL),
+    _row("moe-top1-e8-fp32", 1, moe(8, 1)),
+    _row("moe-top1-e16-fp32-full", 1, moe(16, 1), FULL),
+    _row("moe-top2-e4-shared-fp32-selective", 1, moe(4, 2, 1), SELECTIVE),
+    _row("moe-top2-e8-bf16-mixed-selective", 1, moe(8, 2), BF16_MIXED, SELECTIVE),
+    _row("moe-top2-e16-shared-fp16-mixed", 1, moe(16, 2, 1), FP16_MIXED),
+    # capacity factor: fixed [experts, capacity] buffers, estimated exactly (0.5 drops half the pairs)
+    _row("moe-cf1.25-top1-e8-bf16-mixed-full", 1, moe(8, 1, 0, 1.25), BF16_MIXED, FULL),
+    _row("moe-cf1-top2-e4-shared-fp32", 1, moe(4, 2, 1, 1.0)),
+    _row("moe-cf1.5-top2-e16-fp16-mixed-selective", 1, moe(16, 2, 0, 1.5), FP16_MIXED, SELECTIVE),
+    _row("moe-cf0.5-top1-e4-fp32", 1, moe(4, 1, 0, 0.5)),
+    # two ranks: FSDP2 (bf16 compute copies) and ZeRO-1
+    _row("moe-top1-e8-z3-bf16-mixed-full", 2, moe(8, 1), Z3, BF16_MIXED, FULL),
+    _row("moe-cf1.25-top2-e4-shared-z1-fp32-selective", 2, moe(4, 2, 1, 1.25), Z1, SELECTIVE),
+]
+"""MoE configurations, part of GRID (their peaks held to MOE_*_BOUNDS)."""
 
 GRID: list[Row] = [
     # one process: precision x optimizer x checkpointing x batch shape x model
@@ -149,30 +172,8 @@ GRID: list[Row] = [
     _row("moe-z2-fp32", 4, MOE, Z2),
     _row("gpt2-z3-bf16-mixed", 4, GPT2, Z3, BF16_MIXED),
     _row("tiny-z1-bf16-mixed-seq32-micro2", 4, TINY, Z1, BF16_MIXED, micro=2),
+    *MOE_GRID,
 ]
-
-
-MOE_GRID: list[Row] = [
-    # dropless (estimated at the default memory.moe_imbalance): top-1 with full checkpointing in 16
-    # bits is where balanced-routing estimates fell short; every policy and precision, 4-16 experts
-    _row("moe-top1-e4-bf16-mixed-full", 1, moe(4, 1), BF16_MIXED, FULL),
-    _row("moe-top1-e8-fp16-mixed-full", 1, moe(8, 1), FP16_MIXED, FULL),
-    _row("moe-top1-e8-fp32", 1, moe(8, 1)),
-    _row("moe-top1-e16-fp32-full", 1, moe(16, 1), FULL),
-    _row("moe-top2-e4-shared-fp32-selective", 1, moe(4, 2, 1), SELECTIVE),
-    _row("moe-top2-e8-bf16-mixed-selective", 1, moe(8, 2), BF16_MIXED, SELECTIVE),
-    _row("moe-top2-e16-shared-fp16-mixed", 1, moe(16, 2, 1), FP16_MIXED),
-    # capacity factor: fixed [experts, capacity] buffers, estimated exactly (0.5 drops half the pairs)
-    _row("moe-cf1.25-top1-e8-bf16-mixed-full", 1, moe(8, 1, 0, 1.25), BF16_MIXED, FULL),
-    _row("moe-cf1-top2-e4-shared-fp32", 1, moe(4, 2, 1, 1.0)),
-    _row("moe-cf1.5-top2-e16-fp16-mixed-selective", 1, moe(16, 2, 0, 1.5), FP16_MIXED, SELECTIVE),
-    _row("moe-cf0.5-top1-e4-fp32", 1, moe(4, 1, 0, 0.5)),
-    # two ranks: FSDP2 (bf16 compute copies) and ZeRO-1
-    _row("moe-top1-e8-z3-bf16-mixed-full", 2, moe(8, 1), Z3, BF16_MIXED, FULL),
-    _row("moe-top2-e8-z2-fp16-mixed", 2, moe(8, 2), Z2, FP16_MIXED),
-    _row("moe-cf1.25-top2-e4-shared-z1-fp32-selective", 2, moe(4, 2, 1, 1.25), Z1, SELECTIVE),
-]
-"""MoE configurations measured by tests/estimator/test_moe_accuracy.py (MOE_*_BOUNDS)."""
 
 
 def is_moe(row: Row) -> bool:
