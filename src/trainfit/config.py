@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import math
 import difflib
 import inspect
+import math
 import tomllib
 import types
 import typing

@@ -33,6 +33,7 @@ measured training steps. Conventions:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainfit.config import ModelConfig
@@ -248,6 +249,51 @@ def shared_experts_saved(m: ModelConfig, d: ActDtypes, policy: str) -> tuple[Ter
     saved = _swiglu_saved(d.compute, m.num_shared_experts * m.expert_ffn_dim)
     kept = {"none": saved, "selective": saved / 2}.get(policy, 0.0)
     return Terms(tp=kept), Terms(tp=saved - kept)
+
+
+@dataclass(frozen=True)
+class RoutedMoment:
+    """One moment of an MoE layer's routed-expert backward, in bytes (elements for `done`)."""
+
+    done: int
+    """Gradient elements complete: the shared experts' weights (their backward ran first), with a
+    capacity factor also the stacked w2 (one batched matmul)."""
+    added: int
+    """Added to the activations: the experts' gradients and autograd's running sums."""
+    freed: int
+    """Saved bytes of the layer already freed (the weighted output, index_add_'s): from the
+    activations, or from the recompute of a checkpointed block."""
+    uncast: int
+    """16-bit weight casts already freed (autocast: each dropless expert frees its slices' own)."""
+
+
+def routed_backward_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing: Routing,
+                            size: Callable[[Terms], int], *, expert_weight: int, grad_bytes: int,
+                            num_local_experts: int, tp: int) -> list[RoutedMoment]:
+    """The candidate peaks of the routed experts' backward (the shared experts' saved tensors are
+    freed by then: shared_experts_saved). `expert_weight`: elements of one stacked expert weight
+    on the rank; `grad_bytes`: bytes per element of the gradients the experts' slices produce (the
+    sliced weights' dtype: fp32 masters under autocast, the unsharded compute copies under FSDP).
+
+    Capacity: the output-gradient moment, then the SwiGLU gradients with w2's gradient done.
+    Dropless (ROUTED_WEIGHT_GRAD_COPIES): from the second expert backward on the three running sums
+    and the layer input's gradient sum exist; then either an expert with no tokens summing its
+    full-size slice gradients and input-gradient scatter (nothing of its own freed), or the busiest
+    expert's own moments (routing.dropless_loads places it third from last, after two light ones:
+    one and two experts' casts freed)."""
+    shared = 3 * m.num_shared_experts * m.expert_ffn_dim * m.dim // tp
+    output, hidden, freed = size(t.expert_output), size(t.expert_hidden), size(t.expert_output_freed)
+    if routing.capacity:
+        return [RoutedMoment(shared, output, freed, 0), RoutedMoment(shared + expert_weight, hidden, freed, 0)]
+    unit = expert_weight * grad_bytes
+    copies, summing = ROUTED_WEIGHT_GRAD_COPIES
+    input_grad = size(t.expert_input_grad)
+    running, adding = copies * unit + input_grad, (summing - copies) * unit
+    cast_expert = d.compute * 3 * expert_weight // max(1, num_local_experts) if d.autocast else 0
+    busiest = max(output, hidden, adding + size(t.expert_accumulation))
+    return [RoutedMoment(shared, running + adding, 0, cast_expert),
+            RoutedMoment(shared, running + 2 * input_grad, 0, 2 * cast_expert),
+            RoutedMoment(shared, running + busiest, freed, 2 * cast_expert)]
 
 
 def final_norm_terms(m: ModelConfig, d: ActDtypes) -> Terms:

@@ -40,14 +40,15 @@ from dataclasses import dataclass
 from trainfit.config import Config
 from trainfit.memory.activations import (
     FP32,
-    ROUTED_WEIGHT_GRAD_COPIES,
     ActDtypes,
+    RoutedMoment,
     Terms,
     backward_transient_terms,
     block_terms,
     final_norm_terms,
     moe_routing,
     policy_only_terms,
+    routed_backward_moments,
     shared_experts_saved,
 )
 from trainfit.memory.breakdown import MemoryBreakdown
@@ -370,69 +371,46 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
     w2_in_flight = cfg.model.family == "gpt2" and act.autocast
     w2 = (0, 0, c * lay.mlp_out) if w2_in_flight else \
         (0, c * lay.mlp_out, 0) if st.fsdp else (int(lay.mlp_out * per_param), 0, 0)
-    # MoE: the shared experts' backward runs first (mlp_* of `transient`, their w2 for w2), then the
-    # routed experts' (expert_*), once the shared experts' saved tensors are freed and with their
-    # gradients done; the routed output is in the stream's dtype, so no grad_cast then. Capacity: one batched matmul per stacked weight, so w2's whole gradient.
-    # Dropless: the stacked weights' gradients are summed expert by expert in autograd's buffers
-    # (activations.ROUTED_WEIGHT_GRAD_COPIES), in the dtype of the weights the experts slice (the
-    # unsharded compute copies under FSDP).
-    casts_freed = [0, 0, 0]
-    """The routed moments' 16-bit weight casts already freed (params)."""
-    routed_moments: list[tuple[int, int, int]] = []
-    """(gradients done, activations added, saved tensors freed) at the routed experts' backward
-    moments; the freed weighted output leaves the activations, or the recompute of a wrapped block."""
+    # MoE: the shared experts' backward runs first (mlp_* of `transient`; their w2 for w2), then the
+    # routed experts' (activations.routed_backward_moments); the routed output is in the stream's
+    # dtype, so no grad_cast then.
+    routed_moments: list[RoutedMoment] = []
     shared_kept = shared_rebuilt = 0
     if routing is not None:
-        m_ = cfg.model
-        expert_weight = counts.routed_experts // 3 // (dims.ep * tp)
-        shared = 3 * m_.num_shared_experts * m_.expert_ffn_dim * m_.dim // tp
-        w2 = (0, c * shared // 3, 0) if st.fsdp else (int(shared // 3 * per_param), 0, 0)
-        output, hidden = size(transient.expert_output), size(transient.expert_hidden)
-        freed = size(transient.expert_output_freed)
-        if routing.capacity:
-            routed_moments = [(shared, output, freed), (shared + expert_weight, hidden, freed)]
-        else:
-            # From the second expert backward on: the running sums, then either an expert with no
-            # tokens adding its full-size slice gradients and input-gradient scatter (nothing of its
-            # own to free), or the busiest expert's own moments.
-            unit = expert_weight * (c if st.fsdp else per_param)
-            copies, summing = ROUTED_WEIGHT_GRAD_COPIES
-            input_grad = size(transient.expert_input_grad)
-            running = copies * unit + input_grad
-            routed_moments = [(shared, running + (summing - copies) * unit, 0), (shared, running + 2 * input_grad, 0),
-                              (shared, running + max(output, hidden, (summing - copies) * unit + size(
-                                  transient.expert_accumulation)), freed)]
-            # Under autocast each expert's backward frees its weight slices' 16-bit casts: one
-            # expert's by the second expert's summing, two by its input-gradient scatter and by the
-            # busiest's backward (third from last, routing.dropless_loads).
-            if act.autocast:
-                cast_expert = c * 3 * expert_weight // max(1, m_.num_experts // dims.ep)
-                casts_freed = [cast_expert, 2 * cast_expert, 2 * cast_expert]
-        shared_kept, shared_rebuilt = (size(t) for t in shared_experts_saved(cfg.model, act, policy))
+        m = cfg.model
+        shared_w2 = m.num_shared_experts * m.expert_ffn_dim * m.dim // tp
+        w2 = (0, c * shared_w2, 0) if st.fsdp else (int(shared_w2 * per_param), 0, 0)
+        routed_moments = routed_backward_moments(
+            m, act, transient, routing, size, expert_weight=counts.routed_experts // 3 // (dims.ep * tp),
+            grad_bytes=c if st.fsdp else per_param, num_local_experts=m.num_experts // dims.ep, tp=tp)
+        shared_kept, shared_rebuilt = (size(t) for t in shared_experts_saved(m, act, policy))
 
     def routed(done: int) -> tuple[int, int]:
         """(grads, buffers) of `done` gradient elements (FSDP: unsharded compute copies, buffers)."""
         return (0, c * done) if st.fsdp else (int(done * per_param), 0)
 
     def in_backward(wrapped: bool) -> tuple[int, int, int, int]:
-        """(grads, buffers, activations) a block adds at its backward's peak. Unwrapped: its saved
-        activations with the attention's or the MLP's gradients. Checkpointed: the recompute just
-        done, or the MLP's gradients (by the attention's turn the MLP's recompute is freed)."""
+        """(grads, buffers, activations, 16-bit casts) a block adds at its backward's peak.
+        Unwrapped: its saved activations with the attention's or the MLP's gradients. Checkpointed:
+        the recompute just done, or the MLP's gradients (by the attention's turn the MLP's recompute
+        is freed). MoE: or a moment of the routed experts' backward."""
         t = transient
         stream, cast = size(t.grad_stream) + tied_pending, size(t.grad_cast)
         if not wrapped:
             mlp = size(t.mlp_new) - size(t.mlp_freed)
             moments = [(w2[0], w2[1], a_none + stream + cast + max(size(t.attention), mlp + w2[2]), 0)]
-            for (done, expert, freed), uncast in zip(routed_moments, casts_freed):
-                moments.append((*routed(done), a_none - shared_kept - shared_rebuilt - freed + stream + expert, -uncast))
+            for r in routed_moments:
+                acts = a_none - shared_kept - shared_rebuilt - r.freed + stream + r.added
+                moments.append((*routed(r.done), acts, -r.uncast))
             return max(moments, key=sum)
         kept = a_policy - released + stream
         recomputed = (0, rebuild + size(t.recompute_tail), kept, 0)
         mlp_moment = (w2[0], w2[1] + rebuild - size(t.mlp_freed), kept + cast + size(t.mlp_new) + w2[2], 0)
         moments = [recomputed, mlp_moment]
-        for (done, expert, freed), uncast in zip(routed_moments, casts_freed):
-            grads, buffers = routed(done)
-            moments.append((grads, buffers + rebuild - shared_rebuilt - freed, kept - shared_kept + expert, -uncast))
+        for r in routed_moments:
+            grads, buffers = routed(r.done)
+            acts = kept - shared_kept + r.added
+            moments.append((grads, buffers + rebuild - shared_rebuilt - r.freed, acts, -r.uncast))
         return max(moments, key=sum)
 
     last_grads, last_buffers, last_acts, last_casts = in_backward(lay.last_wrapped)
@@ -452,7 +430,8 @@ def _stage_breakdown(cfg: Config, dims: ParallelDims, counts: ParamCounts, stage
         ("backward", held + saved_casts - cast_head + (cast_block if lay.last_wrapped else 0) + last_casts,
          older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, 0,
          max(before, output_grads + last_grads), bwd_buffers + last_comms + last_buffers),
-        ("backward", (c * (lay.block + lay.embedding + lay.head) if held else 0) + older_casts + cast_block + first_casts,
+        ("backward", (c * (lay.block + lay.embedding + lay.head) if held else 0) + older_casts + cast_block
+         + first_casts,
          older + first_acts, 0, max(before, later_grads) + first_grads, bwd_buffers + first_comms + first_buffers),
         ("optimizer", 0, 0, 0, st.grads, persistent_buffers + st.optimizer_temp),
     ]

@@ -12,15 +12,16 @@ The tracer is memory/ledger.py's `StorageLedger`, which attributes every storage
 
 Fake execution needs a few stand-ins, each at one place (here, or in the ledger's fake overrides):
 Dropless MoE routing is data-dependent (`torch.nonzero`): `nonzero` returns a skewed routing, the
-last expert at memory.moe_imbalance x the balanced load (models/routing.dropless_loads), the others
-sharing the rest. Every expert's tensors scale with its rows and all are alive together at the end
-of the forward, so saved activations are exact whatever the real split; the busiest expert, run
-last, has its transients (forward and backward) on top of all the others' saved tensors, which no
-real split exceeds at that imbalance. With a capacity factor the experts' shapes are fixed by the
-config and nothing is stood in for. `.item()` reads 1 (an fp16 loss scaler never skips the traced step). DDP's construction-time
-shape check and broadcast, and its C++ all-reduce hook, read tensor data: skipped and replaced by
-an in-place hook. DTensor's output-shape propagation on global-size fakes is not counted. Gradient
-accumulation traces two micro-batches at most: later ones repeat the second's memory.
+busiest expert at memory.moe_imbalance x the balanced load, third from last after two experts as
+light as the others allow (models/routing.dropless_loads says why that is the worst place). Every
+expert's tensors scale with its rows and all are alive together at the end of the forward, so
+saved activations are exact whatever the real split; the transients of the experts' backward are
+those of the worst split at that imbalance. With a capacity factor the experts' shapes are fixed
+by the config and nothing is stood in for. `.item()` reads 1 (an fp16 loss scaler never skips the
+traced step). DDP's construction-time shape check and broadcast, and its C++ all-reduce hook, read
+tensor data: skipped and replaced by an in-place hook. DTensor's output-shape propagation on
+global-size fakes is not counted. Gradient accumulation traces two micro-batches at most: later
+ones repeat the second's memory.
 
 Fidelity limits: a CPU build runs the CPU kernels' output shapes, torch.amp's CPU autocast op list
 and CPU fused attention; CUDA's caching-allocator rounding and fragmentation are not modelled
