@@ -242,13 +242,18 @@ def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str) -> PolicyOnly:
 
 
 def shared_experts_saved(m: ModelConfig, d: ActDtypes, policy: str) -> tuple[Terms, Terms]:
-    """(kept by the policy, rebuilt by the recompute) of what the shared experts' SwiGLU saves: its
+    """(kept by the policy, rebuilt by the recompute) of what the shared experts save: their
     backward runs before the routed experts' (their sum is the layer's last op), so by the routed
-    experts' backward these are freed. Selective keeps its matmul outputs (w1, w3) and recomputes
-    silu and the product; full recomputes all four."""
+    experts' backward these are freed. The SwiGLU's 4 tensors (selective keeps the matmul outputs,
+    w1 and w3, and recomputes silu and the product; full recomputes all four) and under autocast
+    the casts of their input that w1 and w3 save (recomputed by both policies)."""
+    if not m.num_shared_experts:
+        return Terms(), Terms()
     saved = _swiglu_saved(d.compute, m.num_shared_experts * m.expert_ffn_dim)
+    casts = 2 * d.compute * m.dim if d.autocast else 0
     kept = {"none": saved, "selective": saved / 2}.get(policy, 0.0)
-    return Terms(tp=kept), Terms(tp=saved - kept)
+    return Terms(tp=kept, gathered=casts if policy == "none" else 0), \
+        Terms(tp=saved - kept, gathered=0 if policy == "none" else casts)
 
 
 @dataclass(frozen=True)
@@ -282,18 +287,22 @@ def routed_backward_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing:
     expert's own moments (routing.dropless_loads places it third from last, after two light ones:
     one and two experts' casts freed)."""
     shared = 3 * m.num_shared_experts * m.expert_ffn_dim * m.dim // tp
+    shared_casts = d.compute * shared if d.autocast else 0  # freed with the shared experts' backward
     output, hidden, freed = size(t.expert_output), size(t.expert_hidden), size(t.expert_output_freed)
     if routing.capacity:
-        return [RoutedMoment(shared, output, freed, 0), RoutedMoment(shared + expert_weight, hidden, freed, 0)]
+        # The shared experts' input gradient waits for the routed experts' (one sum, from then on).
+        pending = size(t.expert_input_grad) if m.num_shared_experts else 0
+        return [RoutedMoment(shared, pending + output, freed, shared_casts),
+                RoutedMoment(shared + expert_weight, pending + hidden, freed, shared_casts)]
     unit = expert_weight * grad_bytes
     copies, summing = ROUTED_WEIGHT_GRAD_COPIES
     input_grad = size(t.expert_input_grad)
     running, adding = copies * unit + input_grad, (summing - copies) * unit
     cast_expert = d.compute * 3 * expert_weight // max(1, num_local_experts) if d.autocast else 0
     busiest = max(output, hidden, adding + size(t.expert_accumulation))
-    return [RoutedMoment(shared, running + adding, 0, cast_expert),
-            RoutedMoment(shared, running + 2 * input_grad, 0, 2 * cast_expert),
-            RoutedMoment(shared, running + busiest, freed, 2 * cast_expert)]
+    return [RoutedMoment(shared, running + adding, 0, shared_casts + cast_expert),
+            RoutedMoment(shared, running + 2 * input_grad, 0, shared_casts + 2 * cast_expert),
+            RoutedMoment(shared, running + busiest, freed, shared_casts + 2 * cast_expert)]
 
 
 def final_norm_terms(m: ModelConfig, d: ActDtypes) -> Terms:
@@ -334,8 +343,8 @@ class Transient:
     """Dropless MoE: what the busiest expert holds while its slice gradients are summed into the
     stacked weights' (ROUTED_WEIGHT_GRAD_COPIES): the gradient of its w2 input."""
     expert_input_grad: Terms = Terms()
-    """Dropless MoE: the layer input's gradient, summed over the experts' index_select backwards
-    (each a full-size scatter of its rows) from the first expert backward on."""
+    """MoE: the layer input's gradient, summed over the shared experts', the routed experts' (each
+    dropless expert's index_select backward a full-size scatter of its rows) and the router's."""
 
 
 def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | None = None) -> Transient:
