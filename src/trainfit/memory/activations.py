@@ -64,6 +64,9 @@ class Routing:
     """Rows of the largest single expert computation: dropless, the busiest expert's (the experts
     run one after the other); capacity, all E x capacity (one batched matmul for all experts)."""
     capacity: bool
+    tail: float = 0.0
+    """Dropless: rows of each of the two experts whose backward runs first (the last two; as light
+    as the imbalance allows, routing.dropless_loads), whose saved tensors are freed by then."""
 
 
 def moe_routing(m: ModelConfig, num_tokens: int, imbalance: float) -> Routing | None:
@@ -75,7 +78,8 @@ def moe_routing(m: ModelConfig, num_tokens: int, imbalance: float) -> Routing | 
     if m.capacity_factor:
         rows = E * expert_capacity(num_tokens, k, E, m.capacity_factor) / num_tokens
         return Routing(rows=rows, busiest=rows, capacity=True)
-    return Routing(rows=k, busiest=max(dropless_loads(num_tokens, k, E, imbalance)) / num_tokens, capacity=False)
+    loads = dropless_loads(num_tokens, k, E, imbalance)
+    return Routing(rows=k, busiest=max(loads) / num_tokens, capacity=False, tail=loads[-1] / num_tokens)
 
 
 def _balanced(m: ModelConfig) -> Routing:
@@ -148,22 +152,26 @@ def _swiglu_saved(c: int, hidden: float) -> float:
 
 def _moe_saved(m: ModelConfig, d: ActDtypes, r: Routing) -> Terms:
     """Router, top-k, the routed experts' rows (moe.GroupedExperts) and the shared experts."""
-    D, E, k, F = m.dim, m.num_experts, m.experts_per_token, m.expert_ffn_dim
-    c, a = d.compute, d.stream
+    E, k = m.num_experts, m.experts_per_token
     router = FP32 * E + INDEX * k + FP32 * k + FP32  # softmax probs, top-k ids, top-k weights and their sum
     # Per expert row: the expert's input (index_select; under autocast w1 and w3 (bmm) each save a
     # cast), 4 SwiGLU tensors, the routing weight, the w2 output and the weighted output y
     # (index_add_ saves it), plus its token index: dropless, the (M, 2) nonzero() result;
     # capacity, the slot's token (int64), and per (token, choice) pair the slot index that the
     # routing weights' scatter saves.
-    x_in = 2 * c * D if d.autocast else a * D
-    per_row = x_in + _swiglu_saved(c, F) + a + c * D + a * D
+    per_row = _routed_row_saved(m, d)
     if r.capacity:
         routed = r.rows * (INDEX + per_row) + k * INDEX
     else:
         routed = r.rows * (ROUTED_INDEX_BYTES + per_row)
-    shared = _swiglu_saved(c, m.num_shared_experts * F)
+    shared = _swiglu_saved(d.compute, m.num_shared_experts * m.expert_ffn_dim)
     return Terms(seq=router + routed, tp=shared)
+
+
+def _routed_row_saved(m: ModelConfig, d: ActDtypes) -> float:
+    """What one expert row saves, its token index aside (see _moe_saved)."""
+    x_in = 2 * d.compute * m.dim if d.autocast else d.stream * m.dim
+    return x_in + _swiglu_saved(d.compute, m.expert_ffn_dim) + d.stream + d.compute * m.dim + d.stream * m.dim
 
 
 def _ffn_consumers(m: ModelConfig) -> int:
@@ -285,7 +293,7 @@ def routed_backward_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing:
     and the layer input's gradient sum exist; then either an expert with no tokens summing its
     full-size slice gradients and input-gradient scatter (nothing of its own freed), or the busiest
     expert's own moments (routing.dropless_loads places it third from last, after two light ones:
-    one and two experts' casts freed)."""
+    one and two experts' saved tensors and casts freed; `Routing.tail`)."""
     shared = 3 * m.num_shared_experts * m.expert_ffn_dim * m.dim // tp
     shared_casts = d.compute * shared if d.autocast else 0  # freed with the shared experts' backward
     output, hidden, freed = size(t.expert_output), size(t.expert_hidden), size(t.expert_output_freed)
@@ -300,9 +308,10 @@ def routed_backward_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing:
     running, adding = copies * unit + input_grad, (summing - copies) * unit
     cast_expert = d.compute * 3 * expert_weight // max(1, num_local_experts) if d.autocast else 0
     busiest = max(output, hidden, adding + size(t.expert_accumulation))
-    return [RoutedMoment(shared, running + adding, 0, shared_casts + cast_expert),
-            RoutedMoment(shared, running + 2 * input_grad, 0, shared_casts + 2 * cast_expert),
-            RoutedMoment(shared, running + busiest, freed, shared_casts + 2 * cast_expert)]
+    light = size(Terms(seq=routing.tail * (ROUTED_INDEX_BYTES + _routed_row_saved(m, d))))  # one light expert's
+    return [RoutedMoment(shared, running + adding, light, shared_casts + cast_expert),
+            RoutedMoment(shared, running + 2 * input_grad, 2 * light, shared_casts + 2 * cast_expert),
+            RoutedMoment(shared, running + busiest, freed + 2 * light, shared_casts + 2 * cast_expert)]
 
 
 def final_norm_terms(m: ModelConfig, d: ActDtypes) -> Terms:
