@@ -28,11 +28,11 @@ Device = Literal["auto", "cpu", "cuda"]
 
 MOE_IMBALANCE = math.inf
 """Default memory.moe_imbalance: the ceiling (a busiest expert taking every token). Measured by
-benchmarks/moe_routing.py on our MoE models (4-16 experts, top-1 and top-2, with and without a
+benchmarks/moe_routing.py on our MoE models (4, 8, 16 experts, top-1 and top-2, with and without a
 shared expert, two shapes) training on the packaged corpus with trainfit's defaults: the busiest
-expert starts at 1.2-5.6x the balanced load at init, and within the first 30 steps every
-configuration had a layer send all its tokens' choices to the same experts (the ceiling, experts /
-top_k). A memory estimate that must hold for every step has to assume it."""
+expert starts at 1.2-5.6x the balanced load at init, and within the first 6-25 steps every
+configuration had a layer at 97-100% of the ceiling (experts / top_k: all its tokens' choices on
+the same experts). A memory estimate that must hold for every step has to assume it."""
 
 
 class ConfigError(ValueError):
@@ -187,10 +187,11 @@ class MemoryConfig:
     """Dropless MoE (model.capacity_factor = 0): the busiest expert's load over the balanced load
     (tokens x experts_per_token / num_experts) at which memory is estimated, capped at the ceiling
     where it takes every token (num_experts / experts_per_token). Only that expert's own tensors
-    grow with it (the routed tokens' total is fixed). Default inf, the ceiling: our routers reached
-    it within their first 30 training steps in every configuration measured (benchmarks/
-    moe_routing.py; 1.2-5.6 at init); set a measured value for a trained, balanced router, or 1
-    for perfectly balanced routing. A capacity factor bounds memory without this assumption."""
+    grow with it (the routed tokens' total is fixed). Default inf, the ceiling: our routers came
+    within 3% of it in their first 30 training steps in every configuration measured (benchmarks/
+    moe_routing.py; 1.2-5.6 at init; see MOE_IMBALANCE); set a measured value for a trained,
+    balanced router, or 1 for perfectly balanced routing. A capacity factor bounds memory without
+    this assumption."""
 
 @dataclass
 class HardwareConfig:
