@@ -5,7 +5,7 @@ estimator (memory/activations.py) and the traced one (memory/traced.py) get it f
   the tokens routed to it up to that many, padded when fewer arrive; memory is fixed by the config.
 - Dropless (capacity_factor = 0): each expert runs on the tokens routed to it. Their total is always
   tokens x top_k; the split is the router's. Memory is estimated with the busiest expert at
-  memory.moe_imbalance times the balanced load, the others sharing the rest.
+  memory.moe_imbalance times the balanced load, placed where it costs most (dropless_loads).
 """
 
 from __future__ import annotations
