@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import tomllib
 import types
 import typing
@@ -23,6 +24,15 @@ OptimizerName = Literal["adamw", "adam", "sgd", "adamw-8bit"]
 LRSchedule = Literal["cosine", "linear", "constant"]
 ACPolicy = Literal["none", "selective", "full"]
 Device = Literal["auto", "cpu", "cuda"]
+
+
+MOE_IMBALANCE = math.inf
+"""Default memory.moe_imbalance: the ceiling (a busiest expert taking every token). Measured by
+benchmarks/moe_routing.py on our MoE models (4, 8, 16 experts, top-1 and top-2, with and without a
+shared expert, two shapes) training on the packaged corpus with trainfit's defaults: the busiest
+expert starts at 1.2-5.6x the balanced load at init, and within the first 6-25 steps every
+configuration had a layer at 97-100% of the ceiling (experts / top_k: all its tokens' choices on
+the same experts). A memory estimate that must hold for every step has to assume it."""
 
 
 class ConfigError(ValueError):
@@ -72,6 +82,13 @@ class ModelConfig:
     """Hidden size of each expert's MLP; defaults to ffn_dim."""
     router_aux_loss_coef: float | None = None
     """Weight of the load-balancing auxiliary loss added to the training loss (MoE only)."""
+    capacity_factor: float | None = None
+    """0 = dropless routing (every expert takes every token routed to it, however many). > 0: in
+    training, each expert takes at most ceil(capacity_factor x tokens x experts_per_token /
+    num_experts) of a micro-batch's tokens (never more than the tokens; Switch Transformer, GShard);
+    the pairs over capacity are dropped and pass through the residual only. Kept first: every
+    token's first choice before any second choice, then by position in the micro-batch. Experts then
+    run on fixed [num_experts, capacity] buffers, so memory no longer depends on the routing."""
 
 
 @dataclass
@@ -166,7 +183,15 @@ class MemoryConfig:
     """Keep optimizer states (and parameters) in host memory."""
     chunked_loss: bool = False
     """Compute logits and cross-entropy in sequence chunks so full logits never exist at once."""
-
+    moe_imbalance: float = MOE_IMBALANCE
+    """Dropless MoE (model.capacity_factor = 0): the busiest expert's load over the balanced load
+    (tokens x experts_per_token / num_experts) at which memory is estimated, capped at the ceiling
+    where it takes every token (num_experts / experts_per_token). Only that expert's own tensors
+    grow with it (the routed tokens' total is fixed). Default inf, the ceiling: our routers came
+    within 3% of it in their first 30 training steps in every configuration measured (benchmarks/
+    moe_routing.py; 1.2-5.6 at init; see MOE_IMBALANCE); set a measured value for a trained,
+    balanced router, or 1 for perfectly balanced routing. A capacity factor bounds memory without
+    this assumption."""
 
 @dataclass
 class HardwareConfig:
@@ -445,6 +470,9 @@ def _validate_model(m: ModelConfig) -> None:
         if not 1 <= m.experts_per_token <= m.num_experts:
             _fail("model.experts_per_token", m.experts_per_token,
                   f"must be between 1 and model.num_experts={m.num_experts}")
+    if not m.capacity_factor >= 0:  # NaN too
+        _fail("model.capacity_factor", m.capacity_factor,
+              "must be >= 0 (0 = dropless routing; e.g. 1.25 caps each expert at 1.25x its balanced share)")
     if m.norm_eps <= 0:
         _fail("model.norm_eps", m.norm_eps, "must be > 0")
 
@@ -485,6 +513,9 @@ def _validate_rest(cfg: Config) -> None:
         _fail("parallel.dp_shard", p.dp_shard, "must be >= 1, or -1 to derive it from hardware.num_gpus")
     if p.num_microbatches < 0:
         _fail("parallel.num_microbatches", p.num_microbatches, "must be >= 0 (0 derives it)")
+    if not cfg.memory.moe_imbalance >= 1:  # NaN too
+        _fail("memory.moe_imbalance", cfg.memory.moe_imbalance,
+              "must be >= 1 (the busiest expert's load over the balanced load; 1 = perfectly balanced)")
     if cfg.memory.ac_every_n_layers < 1:
         _fail("memory.ac_every_n_layers", cfg.memory.ac_every_n_layers, "must be >= 1")
     if not 0 < cfg.data.val_fraction < 1:

@@ -265,3 +265,26 @@ def test_llama3_405b_on_16384_gpus_fits():
                  "--memory.activation_checkpointing=full")
     estimate = estimate_memory(cfg)  # its speed: benchmarks/estimate_speed.py
     assert len(estimate.per_stage) == 2 and estimate.worst.peak + estimate.worst.reserved_margin < 80 * GB
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_moe_imbalance_grows_only_the_busiest_experts_transients(policy: str):
+    """Dropless: the peak grows with memory.moe_imbalance up to the ceiling (every token on one
+    expert), the saved activations do not (the routed total is fixed); a capacity factor fixes the
+    experts' shapes, so the imbalance has no effect there. Wide experts (8 x dim), so the busiest
+    expert's own gradients outweigh the routing-independent moments."""
+    base = ["--model.preset=debug-moe", "--model.num_shared_experts=0", "--model.dim=128",
+            "--model.expert_ffn_dim=1024", "--model.max_seq_len=1024", "--training.seq_len=1024",
+            "--training.micro_batch_size=8", "--training.global_batch_size=8", "--precision.mode=bf16-mixed",
+            "--model.experts_per_token=1", "--model.num_experts=8", f"--memory.activation_checkpointing={policy}"]
+
+    def at(imbalance: str, *extra: str) -> tuple[int, int]:
+        cfg = cfg_of(*base, f"--memory.moe_imbalance={imbalance}", *extra)
+        return estimate_memory(cfg).worst.peak, forward_retained_bytes(cfg)
+
+    dropless = [at(x) for x in ("1", "2", "4", "8", "inf")]
+    peaks = [peak for peak, _ in dropless]
+    assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
+    assert peaks[-2] == peaks[-1]  # top-1 of 8: the ceiling is 8
+    assert len({retained for _, retained in dropless}) == 1
+    assert len({at(x, "--model.capacity_factor=1.25") for x in ("1", "inf")}) == 1

@@ -22,22 +22,69 @@ measured training steps. Conventions:
   of its input (4 bytes) instead of the input itself.
 - SDPA is the fused (flash / memory-efficient, CPU flash) kernel: it saves q, k, v, the output and
   an fp32 logsumexp of (batch, heads, seq): no seq^2 term. GQA keeps k, v at kv-head width.
+- MoE routing (`Routing`, models/routing.py): dropless experts save one pass per routed token,
+  k per token whatever the split between experts (exact in total); the split only decides how
+  large ONE expert's computation is, which is what its backward's transient gradients scale with:
+  sized for the busiest expert at memory.moe_imbalance. With a capacity factor every expert runs
+  on a [capacity] buffer, so everything is sized by E x capacity rows, exactly.
 - Not counted: autograd's own graph (nodes, saved-variable records), ~0.1-0.2 MiB in the C heap
-  for the test models, negligible at scale; MoE expert activations assume the expected load
-  (each token's k passes), which is exact in total whatever the split between experts.
+  for the test models, negligible at scale.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainfit.config import ModelConfig
+from trainfit.models.routing import dropless_loads, expert_capacity
 
 FP32 = 4
 INDEX = 8  # int64 (token ids, top-k expert ids, torch.nonzero results)
 # torch.nonzero(as_tuple=True) returns views of one (M, 2) int64 result, which both the
 # index_select and the gather of routing weights save: 16 bytes per routed token.
 ROUTED_INDEX_BYTES = 2 * INDEX
+ROUTED_WEIGHT_GRAD_COPIES = (3, 5)
+"""Dropless MoE backward, in stacked expert weights ([E, F, D] each): moe.GroupedExperts uses
+expert e's slice `w1[e]`, whose backward (select_backward) returns a zero-filled full-size gradient
+of the stacked weight; autograd sums those across the experts out of place. From the first expert's
+backward to the layer's last, the running sums of w1, w2 and w3 exist (3); while an expert's slice
+gradient is added to one of them, the new full-size slice and the new sum too (5). Read off the
+torch 2.13 autograd graph (SelectBackward0, InputBuffer::accumulate) and measured on CPU."""
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How many rows a micro-batch's routed experts process, per token of the micro-batch."""
+
+    rows: float
+    """Expert rows in all: top_k (dropless: each token's k passes) or E x capacity / tokens (the
+    capacity buffers, padding included)."""
+    busiest: float
+    """Rows of the largest single expert computation: dropless, the busiest expert's (the experts
+    run one after the other); capacity, all E x capacity (one batched matmul for all experts)."""
+    capacity: bool
+    tail: float = 0.0
+    """Dropless: rows of each of the two experts whose backward runs first (the last two; as light
+    as the imbalance allows, routing.dropless_loads), whose saved tensors are freed by then."""
+
+
+def moe_routing(m: ModelConfig, num_tokens: int, imbalance: float) -> Routing | None:
+    """The routing of one MoE layer on `num_tokens` tokens (a rank's micro-batch), None for dense
+    models; `imbalance` is memory.moe_imbalance (dropless only)."""
+    if not m.num_experts:
+        return None
+    E, k = m.num_experts, m.experts_per_token
+    if m.capacity_factor:
+        rows = E * expert_capacity(num_tokens, k, E, m.capacity_factor) / num_tokens
+        return Routing(rows=rows, busiest=rows, capacity=True)
+    loads = dropless_loads(num_tokens, k, E, imbalance)
+    return Routing(rows=k, busiest=max(loads) / num_tokens, capacity=False, tail=loads[-1] / num_tokens)
+
+
+def _balanced(m: ModelConfig) -> Routing:
+    """Dropless and perfectly balanced: what the functions below assume when given no routing."""
+    return Routing(rows=m.experts_per_token, busiest=m.experts_per_token / m.num_experts, capacity=False)
 
 
 @dataclass(frozen=True)
@@ -103,18 +150,28 @@ def _swiglu_saved(c: int, hidden: float) -> float:
     return 4 * c * hidden  # w1 out (silu input), w3 out, silu out, their product (w2 input)
 
 
-def _moe_saved(m: ModelConfig, d: ActDtypes) -> Terms:
-    """Router, top-k, each token's k expert passes (moe.GroupedExperts) and the shared experts."""
-    D, E, k, F = m.dim, m.num_experts, m.experts_per_token, m.expert_ffn_dim
-    c, a = d.compute, d.stream
+def _moe_saved(m: ModelConfig, d: ActDtypes, r: Routing) -> Terms:
+    """Router, top-k, the routed experts' rows (moe.GroupedExperts) and the shared experts."""
+    E, k = m.num_experts, m.experts_per_token
     router = FP32 * E + INDEX * k + FP32 * k + FP32  # softmax probs, top-k ids, top-k weights and their sum
-    # Per routed token: the expert's input (index_select; under autocast w1 and w3 each save a
+    # Per expert row: the expert's input (index_select; under autocast w1 and w3 (bmm) each save a
     # cast), 4 SwiGLU tensors, the routing weight, the w2 output and the weighted output y
-    # (index_add_ saves it), plus the nonzero() indices.
-    x_in = 2 * c * D if d.autocast else a * D
-    routed = ROUTED_INDEX_BYTES + x_in + _swiglu_saved(c, F) + a + c * D + a * D
-    shared = _swiglu_saved(c, m.num_shared_experts * F)
-    return Terms(seq=router + k * routed, tp=shared)
+    # (index_add_ saves it), plus its token index: dropless, the (M, 2) nonzero() result;
+    # capacity, the slot's token (int64), and per (token, choice) pair the slot index that the
+    # routing weights' scatter saves.
+    per_row = _routed_row_saved(m, d)
+    if r.capacity:
+        routed = r.rows * (INDEX + per_row) + k * INDEX
+    else:
+        routed = r.rows * (ROUTED_INDEX_BYTES + per_row)
+    shared = _swiglu_saved(d.compute, m.num_shared_experts * m.expert_ffn_dim)
+    return Terms(seq=router + routed, tp=shared)
+
+
+def _routed_row_saved(m: ModelConfig, d: ActDtypes) -> float:
+    """What one expert row saves, its token index aside (see _moe_saved)."""
+    x_in = 2 * d.compute * m.dim if d.autocast else d.stream * m.dim
+    return x_in + _swiglu_saved(d.compute, m.expert_ffn_dim) + d.stream + d.compute * m.dim + d.stream * m.dim
 
 
 def _ffn_consumers(m: ModelConfig) -> int:
@@ -125,8 +182,9 @@ def _ffn_consumers(m: ModelConfig) -> int:
     return 2  # w1, w3
 
 
-def block_terms(m: ModelConfig, d: ActDtypes, policy: str) -> Terms:
-    """What one block keeps from its forward to its backward, input included."""
+def block_terms(m: ModelConfig, d: ActDtypes, policy: str, routing: Routing | None = None) -> Terms:
+    """What one block keeps from its forward to its backward, input included (MoE: `routing`, by
+    default dropless and balanced)."""
     D, q_dim, kv_dim, H, _ = _shapes(m)
     c, a = d.compute, d.stream
     if policy == "full":
@@ -140,9 +198,9 @@ def block_terms(m: ModelConfig, d: ActDtypes, policy: str) -> Terms:
             return kept + Terms(gathered=c * D, tp=c * m.ffn_dim)  # fc2 output; fc1 output
         if not m.num_experts:
             return kept + Terms(gathered=c * D, tp=2 * c * m.ffn_dim)  # w2 output; w1, w3 outputs
-        E, k, F = m.num_experts, m.experts_per_token, m.expert_ffn_dim
+        E, F, rows = m.num_experts, m.expert_ffn_dim, (routing or _balanced(m)).rows
         shared = m.num_shared_experts * F
-        kept += Terms(seq=c * E + k * c * (2 * F + D))  # router logits; each routed pass: w1, w3, w2 outputs
+        kept += Terms(seq=c * E + rows * c * (2 * F + D))  # router logits; each expert row: w1, w3, w2 outputs
         return kept + Terms(gathered=c * D if shared else 0, tp=2 * c * shared)  # shared w2; shared w1, w3
     if policy != "none":
         raise ValueError(f"activation checkpointing policy {policy!r}: choose none, selective or full")
@@ -154,7 +212,7 @@ def block_terms(m: ModelConfig, d: ActDtypes, policy: str) -> Terms:
     if m.family == "gpt2":
         return terms + Terms(tp=2 * c * m.ffn_dim)  # fc1 out (GELU input), GELU out (fc2 input)
     if m.num_experts:
-        return terms + _moe_saved(m, d)
+        return terms + _moe_saved(m, d, routing or _balanced(m))
     return terms + Terms(tp=_swiglu_saved(c, m.ffn_dim))
 
 
@@ -191,6 +249,71 @@ def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str) -> PolicyOnly:
     return PolicyOnly(released, block_input + last)
 
 
+def shared_experts_saved(m: ModelConfig, d: ActDtypes, policy: str) -> tuple[Terms, Terms]:
+    """(kept by the policy, rebuilt by the recompute) of what the shared experts save: their
+    backward runs before the routed experts' (their sum is the layer's last op), so by the routed
+    experts' backward these are freed. The SwiGLU's 4 tensors (selective keeps the matmul outputs,
+    w1 and w3, and recomputes silu and the product; full recomputes all four) and under autocast
+    the casts of their input that w1 and w3 save (recomputed by both policies)."""
+    if not m.num_shared_experts:
+        return Terms(), Terms()
+    saved = _swiglu_saved(d.compute, m.num_shared_experts * m.expert_ffn_dim)
+    casts = 2 * d.compute * m.dim if d.autocast else 0
+    kept = {"none": saved, "selective": saved / 2}.get(policy, 0.0)
+    return Terms(tp=kept, gathered=casts if policy == "none" else 0), \
+        Terms(tp=saved - kept, gathered=0 if policy == "none" else casts)
+
+
+@dataclass(frozen=True)
+class RoutedMoment:
+    """One moment of an MoE layer's routed-expert backward, in bytes (elements for `done`)."""
+
+    done: int
+    """Gradient elements complete: the shared experts' weights (their backward ran first), with a
+    capacity factor also the stacked w2 (one batched matmul)."""
+    added: int
+    """Added to the activations: the experts' gradients and autograd's running sums."""
+    freed: int
+    """Saved bytes of the layer already freed (the weighted output, index_add_'s): from the
+    activations, or from the recompute of a checkpointed block."""
+    uncast: int
+    """16-bit weight casts already freed (autocast: each dropless expert frees its slices' own)."""
+
+
+def routed_backward_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing: Routing,
+                            size: Callable[[Terms], int], *, expert_weight: int, grad_bytes: int,
+                            num_local_experts: int, tp: int) -> list[RoutedMoment]:
+    """The candidate peaks of the routed experts' backward (the shared experts' saved tensors are
+    freed by then: shared_experts_saved). `expert_weight`: elements of one stacked expert weight
+    on the rank; `grad_bytes`: bytes per element of the gradients the experts' slices produce (the
+    sliced weights' dtype: fp32 masters under autocast, the unsharded compute copies under FSDP).
+
+    Capacity: the output-gradient moment, then the SwiGLU gradients with w2's gradient done.
+    Dropless (ROUTED_WEIGHT_GRAD_COPIES): from the second expert backward on the three running sums
+    and the layer input's gradient sum exist; then either an expert with no tokens summing its
+    full-size slice gradients and input-gradient scatter (nothing of its own freed), or the busiest
+    expert's own moments (routing.dropless_loads places it third from last, after two light ones:
+    one and two experts' saved tensors and casts freed; `Routing.tail`)."""
+    shared = 3 * m.num_shared_experts * m.expert_ffn_dim * m.dim // tp
+    shared_casts = d.compute * shared if d.autocast else 0  # freed with the shared experts' backward
+    output, hidden, freed = size(t.expert_output), size(t.expert_hidden), size(t.expert_output_freed)
+    if routing.capacity:
+        # The shared experts' input gradient waits for the routed experts' (one sum, from then on).
+        pending = size(t.expert_input_grad) if m.num_shared_experts else 0
+        return [RoutedMoment(shared, pending + output, freed, shared_casts),
+                RoutedMoment(shared + expert_weight, pending + hidden, freed, shared_casts)]
+    unit = expert_weight * grad_bytes
+    copies, summing = ROUTED_WEIGHT_GRAD_COPIES
+    input_grad = size(t.expert_input_grad)
+    running, adding = copies * unit + input_grad, (summing - copies) * unit
+    cast_expert = d.compute * 3 * expert_weight // max(1, num_local_experts) if d.autocast else 0
+    busiest = max(output, hidden, adding + size(t.expert_accumulation))
+    light = size(Terms(seq=routing.tail * (ROUTED_INDEX_BYTES + _routed_row_saved(m, d))))  # one light expert's
+    return [RoutedMoment(shared, running + adding, light, shared_casts + cast_expert),
+            RoutedMoment(shared, running + 2 * input_grad, 2 * light, shared_casts + 2 * cast_expert),
+            RoutedMoment(shared, running + busiest, freed + 2 * light, shared_casts + 2 * cast_expert)]
+
+
 def final_norm_terms(m: ModelConfig, d: ActDtypes) -> Terms:
     """The final norm: its input (the last block's output) and what the output projection saves."""
     residual = d.stream * m.dim if m.family == "gpt2" else FP32 * m.dim
@@ -215,31 +338,55 @@ class Transient:
     """A checkpointed block's recompute runs past its last saved tensor when the block saves
     something after its output (an MoE layer's load-balancing loss): the routed output, the
     shared experts' output and their sum exist until the recompute returns."""
+    expert_output: Terms = Terms()
+    """MoE, the largest routed computation (`Routing.busiest` rows): its backward starts with its
+    rows of the layer's output gradient (index_select), their product with the routing weights (the
+    gradient of the w2 output) and with the w2 output (for the routing weights' gradient), each in
+    the dtype of the weighted output (the stream's: the fp32 routing weight promotes it under
+    autocast)..."""
+    expert_output_freed: Terms = Terms()
+    """...when the weighted output, saved by index_add_, is freed (from then on)."""
+    expert_hidden: Terms = Terms()
+    """MoE: its SwiGLU's gradients (as mlp_new - mlp_freed for a dense MLP)."""
+    expert_accumulation: Terms = Terms()
+    """Dropless MoE: what the busiest expert holds while its slice gradients are summed into the
+    stacked weights' (ROUTED_WEIGHT_GRAD_COPIES): the gradient of its w2 input."""
+    expert_input_grad: Terms = Terms()
+    """MoE: the layer input's gradient, summed over the shared experts', the routed experts' (each
+    dropless expert's index_select backward a full-size scatter of its rows) and the router's."""
 
 
-def backward_transient_terms(m: ModelConfig, d: ActDtypes) -> Transient:
+def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | None = None) -> Transient:
     """Bytes while one block runs its backward, beyond its saved activations (measured on CPU):
     the MLP's intermediate gradients (SwiGLU: the gradients of the w2 input, of silu out and of
     w3 out, 3 F, once the w2 input is freed; GELU MLP: the gradients of the GELU output and input,
-    2 F, once the GELU output is freed) or the attention's gradients, plus the stream's gradient."""
+    2 F, once the GELU output is freed) or the attention's gradients, plus the stream's gradient.
+    MoE: the largest of the shared experts' SwiGLU and the largest single routed computation
+    (`Routing.busiest`: the busiest dropless expert, or all capacity buffers at once); the experts'
+    backwards run one at a time, so only the largest one's gradients exist at once."""
     D, q_dim, kv_dim, _, _ = _shapes(m)
     c = d.compute
     # Under autocast the residual add (fp32 + bf16 branch) also casts the gradient for the branch.
     grad_cast = Terms(seq=c * D if d.autocast else 0)
-    tail = Terms()
+    tail, expert = Terms(), {}
     if m.family == "gpt2":
         # fp32/16-bit: GELU's backward (its input's and output's gradients, fc2's input freed);
         # autocast: inside fc2's backward (its input's gradient, before the fp32 cast-back).
         hidden, grads = m.ffn_dim, 1 if d.autocast else 2
     elif m.num_experts:
-        F = m.expert_ffn_dim
-        hidden, grads = max(m.num_shared_experts * F, F * m.experts_per_token / m.num_experts), 3
+        # mlp_*: the shared experts' SwiGLU, whose backward runs first; expert_*: the routed ones'.
+        F, busiest = m.expert_ffn_dim, (routing or _balanced(m)).busiest
+        hidden, grads = m.num_shared_experts * F, 3
         tail = Terms(seq=2 * d.stream * D + (c * D if m.num_shared_experts else 0))
+        expert = dict(expert_output=Terms(seq=3 * d.stream * D * busiest),
+                      expert_output_freed=Terms(seq=d.stream * D * busiest),
+                      expert_hidden=Terms(seq=2 * c * F * busiest), expert_accumulation=Terms(seq=c * F * busiest),
+                      expert_input_grad=Terms(seq=d.stream * D))
     else:
         hidden, grads = m.ffn_dim, 3
     return Transient(grad_stream=Terms(seq=d.stream * D), grad_cast=grad_cast,
                      attention=Terms(tp=c * (2 * q_dim + 2 * kv_dim)), mlp_new=Terms(tp=grads * c * hidden),
-                     mlp_freed=Terms(tp=c * hidden if grads > 1 else 0), recompute_tail=tail)
+                     mlp_freed=Terms(tp=c * hidden if grads > 1 else 0), recompute_tail=tail, **expert)
 
 
 # ---------------------------------------------------------------- Korthikanti et al. (2022)

@@ -42,11 +42,15 @@ from trainfit.config import HardwareConfig, ModelConfig, OptimizerConfig, Traini
 from trainfit.memory.activations import (
     FP32,
     ActDtypes,
+    RoutedMoment,
     Terms,
     backward_transient_terms,
     block_terms,
     final_norm_terms,
+    moe_routing,
     policy_only_terms,
+    routed_backward_moments,
+    shared_experts_saved,
 )
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import ParamCounts, param_counts
@@ -314,12 +318,13 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
         return terms.bytes(st.tokens, st.seq, tp, run.layout.sequence_parallel)
 
     # ---- activations of one micro-batch
-    a_none = size(block_terms(run.model, act, "none"))
-    a_policy = size(block_terms(run.model, act, policy)) if policy != "none" else a_none
+    routing = moe_routing(run.model, st.tokens, run.layout.moe_imbalance)
+    a_none = size(block_terms(run.model, act, "none", routing))
+    a_policy = size(block_terms(run.model, act, policy, routing)) if policy != "none" else a_none
     none_blocks = lay.blocks - lay.policy_blocks
     a_blocks = none_blocks * a_none + lay.policy_blocks * a_policy
     a_final = size(final_norm_terms(run.model, act)) if lay.last else 0
-    transient = backward_transient_terms(run.model, act)
+    transient = backward_transient_terms(run.model, act, routing)
     rebuild = a_none - a_policy  # what a checkpointed block recomputes in backward
     only = policy_only_terms(run.model, act, policy)
     released = size(only.released)  # saved by the policy, freed by the recompute
@@ -377,23 +382,50 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     w2_in_flight = run.model.family == "gpt2" and act.autocast
     w2 = (0, 0, c * lay.mlp_out) if w2_in_flight else \
         (0, c * lay.mlp_out, 0) if st.fsdp else (int(lay.mlp_out * per_param), 0, 0)
+    # MoE: the shared experts' backward runs first (mlp_* of `transient`; their w2 for w2), then the
+    # routed experts' (activations.routed_backward_moments); the routed output is in the stream's
+    # dtype, so no grad_cast then.
+    routed_moments: list[RoutedMoment] = []
+    shared_kept = shared_rebuilt = 0
+    if routing is not None:
+        m = run.model
+        shared_w2 = m.num_shared_experts * m.expert_ffn_dim * m.dim // tp
+        w2 = (0, c * shared_w2, 0) if st.fsdp else (int(shared_w2 * per_param), 0, 0)
+        routed_moments = routed_backward_moments(
+            m, act, transient, routing, size, expert_weight=counts.routed_experts // 3 // (run.layout.ep * tp),
+            grad_bytes=c if st.fsdp else per_param, num_local_experts=m.num_experts // run.layout.ep, tp=tp)
+        shared_kept, shared_rebuilt = (size(t) for t in shared_experts_saved(m, act, policy))
 
-    def in_backward(wrapped: bool) -> tuple[int, int, int]:
-        """(grads, buffers, activations) a block adds at its backward's peak. Unwrapped: its saved
-        activations with the attention's or the MLP's gradients. Checkpointed: the recompute just
-        done, or the MLP's gradients (by the attention's turn the MLP's recompute is freed)."""
+    def routed(done: int) -> tuple[int, int]:
+        """(grads, buffers) of `done` gradient elements (FSDP: unsharded compute copies, buffers)."""
+        return (0, c * done) if st.fsdp else (int(done * per_param), 0)
+
+    def in_backward(wrapped: bool) -> tuple[int, int, int, int]:
+        """(grads, buffers, activations, 16-bit casts) a block adds at its backward's peak.
+        Unwrapped: its saved activations with the attention's or the MLP's gradients. Checkpointed:
+        the recompute just done, or the MLP's gradients (by the attention's turn the MLP's recompute
+        is freed). MoE: or a moment of the routed experts' backward."""
         t = transient
         stream, cast = size(t.grad_stream) + tied_pending, size(t.grad_cast)
         if not wrapped:
             mlp = size(t.mlp_new) - size(t.mlp_freed)
-            return w2[0], w2[1], a_none + stream + cast + max(size(t.attention), mlp) + w2[2]
+            moments = [(w2[0], w2[1], a_none + stream + cast + max(size(t.attention), mlp + w2[2]), 0)]
+            for r in routed_moments:
+                acts = a_none - shared_kept - shared_rebuilt - r.freed + stream + r.added
+                moments.append((*routed(r.done), acts, -r.uncast))
+            return max(moments, key=sum)
         kept = a_policy - released + stream
-        recomputed = (0, rebuild + size(t.recompute_tail), kept)
-        mlp_moment = (w2[0], w2[1] + rebuild - size(t.mlp_freed), kept + cast + size(t.mlp_new) + w2[2])
-        return max(recomputed, mlp_moment, key=sum)
+        recomputed = (0, rebuild + size(t.recompute_tail), kept, 0)
+        mlp_moment = (w2[0], w2[1] + rebuild - size(t.mlp_freed), kept + cast + size(t.mlp_new) + w2[2], 0)
+        moments = [recomputed, mlp_moment]
+        for r in routed_moments:
+            grads, buffers = routed(r.done)
+            acts = kept - shared_kept + r.added
+            moments.append((grads, buffers + rebuild - shared_rebuilt - r.freed, acts, -r.uncast))
+        return max(moments, key=sum)
 
-    last_grads, last_buffers, last_acts = in_backward(lay.last_wrapped)
-    first_grads, first_buffers, first_acts = in_backward(lay.first_wrapped)
+    last_grads, last_buffers, last_acts, last_casts = in_backward(lay.last_wrapped)
+    first_grads, first_buffers, first_acts, first_casts = in_backward(lay.first_wrapped)
 
     n_if, h_if = lay.in_flight, lay.head_in_flight
     older = (n_if - 1) * a_blocks + (h_if - 1) * (a_final + saved_logits)  # other micro-batches in flight
@@ -406,10 +438,11 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
          fwd_buffers),
         ("forward", held + saved_casts, acts, logits_fwd, before, fwd_buffers),
         ("backward", held + saved_casts, acts, logits_bwd, before, fwd_buffers),
-        ("backward", held + saved_casts - cast_head + (cast_block if lay.last_wrapped else 0),
+        ("backward", held + saved_casts - cast_head + (cast_block if lay.last_wrapped else 0) + last_casts,
          older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, 0,
          max(before, output_grads + last_grads), bwd_buffers + last_comms + last_buffers),
-        ("backward", (c * (lay.block + lay.embedding + lay.head) if held else 0) + older_casts + cast_block,
+        ("backward", (c * (lay.block + lay.embedding + lay.head) if held else 0) + older_casts + cast_block
+         + first_casts,
          older + first_acts, 0, max(before, later_grads) + first_grads, bwd_buffers + first_comms + first_buffers),
         ("optimizer", 0, 0, 0, st.grads, persistent_buffers + st.optimizer_temp),
     ]
@@ -468,10 +501,11 @@ def forward_retained_bytes(model: ModelConfig, layout: Layout, training: Trainin
     def size(terms: Terms) -> int:
         return terms.bytes(st.tokens, st.seq, run.layout.tp, run.layout.sequence_parallel)
 
+    routing = moe_routing(run.model, st.tokens, run.layout.moe_imbalance)
     none_blocks = lay.blocks - lay.policy_blocks
-    total = none_blocks * size(block_terms(run.model, act, "none"))
+    total = none_blocks * size(block_terms(run.model, act, "none", routing))
     if lay.policy_blocks:
-        total += lay.policy_blocks * size(block_terms(run.model, act, policy))
+        total += lay.policy_blocks * size(block_terms(run.model, act, policy, routing))
     if lay.last:
         total += size(final_norm_terms(run.model, act)) + _logits(run, st.prec, st.tokens, run.layout.tp)[0]
     if act.autocast:

@@ -116,7 +116,7 @@ class StorageLedger(TorchDispatchMode):
         self._param_storages: set[int] = set()
         self._forward_depth = 0
         self._nonzero_calls = 0
-        self._route: tuple[int, int] | None = None
+        self._route: list[int] | None = None
         self._mods = ModTracker()
         self._stack = contextlib.ExitStack()
         self._orig_resize = torch.UntypedStorage.resize_
@@ -274,9 +274,10 @@ class StorageLedger(TorchDispatchMode):
             if not isinstance(p, DTensor):
                 self._stack.callback(p.register_post_accumulate_grad_hook(hook).remove)
 
-    def route_balanced(self, num_tokens_k: int, num_experts: int) -> None:
-        """Fake tensors only: `nonzero` returns the balanced routing (see the module docstring)."""
-        self._route = (num_tokens_k, num_experts)
+    def route(self, rows_per_expert: list[int]) -> None:
+        """Fake tensors only: the n-th `nonzero` returns rows_per_expert[n % num_experts] rows (an MoE
+        layer's dropless experts query their tokens in order; memory/traced.py says why)."""
+        self._route = list(rows_per_expert)
 
     # ------------------------------------------------------------ mode
 
@@ -340,10 +341,8 @@ class StorageLedger(TorchDispatchMode):
 
     def _fake_override(self, func: Any, args: Any) -> Any:
         if func is aten.nonzero.default and self._route is not None:
-            num_tokens_k, num_experts = self._route
-            expert = self._nonzero_calls % num_experts
+            count = self._route[self._nonzero_calls % len(self._route)]
             self._nonzero_calls += 1
-            count = num_tokens_k // num_experts + (expert < num_tokens_k % num_experts)
             return torch.empty((count, args[0].dim()), dtype=torch.long, device=args[0].device)
         if func is aten._local_scalar_dense.default:
             return 1 if not args[0].is_floating_point() else 1.0

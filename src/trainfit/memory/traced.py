@@ -11,14 +11,17 @@ forward + loss per micro-batch, backward, unscale / clip / optimizer step / zero
 The tracer is memory/ledger.py's `StorageLedger`, which attributes every storage to a component.
 
 Fake execution needs a few stand-ins, each at one place (here, or in the ledger's fake overrides):
-MoE routing is data-dependent (`torch.nonzero`): `nonzero` returns the balanced expected routing,
-tokens x top_k / num_experts rows per expert. Every expert's tensors scale with its rows and all
-are alive together at the end of the forward, so saved activations are exact whatever the real
-split; only the transient of the expert being computed is an average expert's, not the busiest
-one's. `.item()` reads 1 (an fp16 loss scaler never skips the traced step). DDP's construction-time
-shape check and broadcast, and its C++ all-reduce hook, read tensor data: skipped and replaced by
-an in-place hook. DTensor's output-shape propagation on global-size fakes is not counted. Gradient
-accumulation traces two micro-batches at most: later ones repeat the second's memory.
+Dropless MoE routing is data-dependent (`torch.nonzero`): `nonzero` returns a skewed routing, the
+busiest expert at memory.moe_imbalance x the balanced load, third from last after two experts as
+light as the others allow (models/routing.dropless_loads says why that is the worst place). Every
+expert's tensors scale with its rows and all are alive together at the end of the forward, so
+saved activations are exact whatever the real split; the transients of the experts' backward are
+those of the worst split at that imbalance. With a capacity factor the experts' shapes are fixed
+by the config and nothing is stood in for. `.item()` reads 1 (an fp16 loss scaler never skips the
+traced step). DDP's construction-time shape check and broadcast, and its C++ all-reduce hook, read
+tensor data: skipped and replaced by an in-place hook. DTensor's output-shape propagation on
+global-size fakes is not counted. Gradient accumulation traces two micro-batches at most: later
+ones repeat the second's memory.
 
 Fidelity limits: a CPU build runs the CPU kernels' output shapes, torch.amp's CPU autocast op list
 and CPU fused attention; CUDA's caching-allocator rounding and fragmentation are not modelled
@@ -47,6 +50,7 @@ from trainfit.config import Config, ConfigError
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.ledger import StorageLedger, TimelinePoint, phase_listener, unsharded_component
 from trainfit.models import build_model, count_params, materialize
+from trainfit.models.routing import dropless_loads
 from trainfit.parallel.apply import parallelize
 from trainfit.parallel.layout import Layout, build_layout
 from trainfit.parallel.mesh import build_mesh
@@ -220,10 +224,11 @@ def trace_step(cfg: Config, layout: Layout | None = None) -> TracedEstimate:
             model.register_comm_hook(None, _fake_allreduce_hook)
         with _ddp_without_init_sync(), FakeTensorMode(allow_non_fake_inputs=True), \
                 StorageLedger(fake=True, unsharded_component=unsharded_component(layout),
-                              host_states=cfg.memory.offload != "none") as ledger:
-            if cfg.model.num_experts:
-                tokens = cfg.training.micro_batch_size * cfg.training.seq_len
-                ledger.route_balanced(tokens * cfg.model.experts_per_token, cfg.model.num_experts)
+                              host_states=layout.offload != "none") as ledger:
+            if cfg.model.num_experts and not cfg.model.capacity_factor:
+                tokens = cfg.training.micro_batch_size * cfg.training.seq_len // layout.cp
+                ledger.route(dropless_loads(tokens, cfg.model.experts_per_token, cfg.model.num_experts,
+                                            layout.moe_imbalance))
             materialize(model, "cpu")
             batches = _FakeBatches(cfg.training.micro_batch_size, cfg.training.seq_len)
             trainer = _TracedTrainer(cfg, layout, world, parts=StepParts(model, num_params, batches,

@@ -8,8 +8,19 @@ num_shared_experts * expert_ffn_dim, which equals the sum of that many experts o
 Routing matches transformers' Mixtral: softmax over all experts in fp32, top-k, renormalize the k
 weights (the same as a softmax over the top-k logits).
 
+Two ways to run the experts (models/routing.py sizes both for the estimators):
+- dropless (model.capacity_factor = 0, and always outside training): each expert runs on exactly the
+  tokens routed to it, one expert after the other; the busiest expert's tensors grow with the
+  router's imbalance.
+- capacity (capacity_factor > 0, training only): each expert takes at most C =
+  routing.expert_capacity(...) (token, choice) pairs, every token's first choice before any second
+  choice (GShard's order), then by position in the micro-batch; the rest are dropped and those
+  tokens keep only the residual (Switch Transformer, GShard). All experts run as one batched matmul
+  on [E, C] buffers; empty rows read token 0 with weight 0 and contribute nothing.
+
 Shape suffixes: B batch, T sequence, N tokens (B*T), D model dim, E experts, K experts per token,
-F expert hidden, M tokens routed to one expert.
+F expert hidden, M tokens routed to one expert, C expert capacity, S expert slots (E*C), P
+(token, choice) pairs (K*N, choice-major).
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from torch import nn
 
 from trainfit.config import ModelConfig
 from trainfit.models.llama import FeedForward
+from trainfit.models.routing import expert_capacity
 
 
 class GroupedExperts(nn.Module):
@@ -31,8 +43,13 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
-    def forward(self, x_ND: torch.Tensor, expert_NK: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
-        """Each expert runs on exactly the tokens routed to it; index_add_ is deterministic on CPU."""
+    def forward(self, x_ND: torch.Tensor, expert_NK: torch.Tensor, weight_NK: torch.Tensor,
+                capacity: int = 0) -> torch.Tensor:
+        """Dropless (capacity 0): each expert runs on exactly the tokens routed to it, one after the
+        other; index_add_ is deterministic on CPU. Capacity > 0: every expert on a [capacity] buffer
+        of its kept tokens (see the module docstring), all in one batched matmul."""
+        if capacity:
+            return self._forward_capacity(x_ND, expert_NK, weight_NK, capacity)
         out_ND = torch.zeros_like(x_ND)
         for e in range(self.w1.shape[0]):
             token_M, slot_M = torch.nonzero(expert_NK == e, as_tuple=True)
@@ -41,6 +58,44 @@ class GroupedExperts(nn.Module):
             y_MD = F.linear(h_MF, self.w2[e]) * weight_NK[token_M, slot_M, None].to(x_ND.dtype)
             out_ND.index_add_(0, token_M, y_MD)
         return out_ND
+
+    def _forward_capacity(self, x_ND: torch.Tensor, expert_NK: torch.Tensor, weight_NK: torch.Tensor,
+                          capacity: int) -> torch.Tensor:
+        D, E = x_ND.shape[1], self.w1.shape[0]
+        token_S, weight_S = dispatch_slots(expert_NK, weight_NK, E, capacity)
+        h_ECF = self._hidden(x_ND.index_select(0, token_S).view(E, capacity, D))
+        y_SD = torch.bmm(h_ECF, self.w2.transpose(1, 2)).reshape(E * capacity, D) * weight_S[:, None].to(x_ND.dtype)
+        return torch.zeros_like(x_ND).index_add_(0, token_S, y_SD)
+
+    def _hidden(self, x_ECD: torch.Tensor) -> torch.Tensor:
+        """SwiGLU hidden of all experts; the gathered input dies on return (under autocast only its
+        casts are saved)."""
+        return F.silu(torch.bmm(x_ECD, self.w1.transpose(1, 2))) * torch.bmm(x_ECD, self.w3.transpose(1, 2))
+
+
+@torch.no_grad()
+def _slot_of_pairs(expert_NK: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """Each (token, choice) pair's slot expert * capacity + its rank among the expert's pairs, in
+    choice-major then position order; dropped pairs (rank >= capacity) get the spare slot E * C."""
+    expert_P = expert_NK.t().reshape(-1)
+    onehot_PE = (expert_P[:, None] == torch.arange(num_experts, device=expert_P.device)).to(torch.int32)
+    rank_P = onehot_PE.cumsum(0, dtype=torch.int32).gather(1, expert_P[:, None]).squeeze(1) - 1
+    spare = torch.full_like(expert_P, num_experts * capacity)
+    return torch.where(rank_P < capacity, expert_P * capacity + rank_P, spare)
+
+
+def dispatch_slots(expert_NK: torch.Tensor, weight_NK: torch.Tensor, num_experts: int, capacity: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token of every expert slot, its routing weight): [E * C] each, slot e * C + r holding expert
+    e's r-th kept pair; empty slots hold token 0 with weight 0. Gradients reach the kept weights."""
+    N, K = expert_NK.shape
+    slot_P = _slot_of_pairs(expert_NK, num_experts, capacity)
+    token_P = torch.arange(N, device=expert_NK.device).repeat(K)
+    slots = num_experts * capacity + 1  # + the spare slot, where dropped pairs land and are cut off
+    token_S = torch.zeros(slots, dtype=torch.long, device=expert_NK.device).scatter_(0, slot_P, token_P)
+    weight_S = torch.zeros(slots, dtype=weight_NK.dtype, device=weight_NK.device).scatter(
+        0, slot_P, weight_NK.t().reshape(-1))
+    return token_S[:-1], weight_S[:-1]
 
 
 class MoE(nn.Module):
@@ -54,6 +109,7 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts = cfg.num_experts
         self.top_k = cfg.experts_per_token
+        self.capacity_factor = cfg.capacity_factor or 0.0
         self.router = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
         self.experts = GroupedExperts(cfg.num_experts, cfg.dim, cfg.expert_ffn_dim)
         shared_dim = cfg.num_shared_experts * cfg.expert_ffn_dim
@@ -66,7 +122,10 @@ class MoE(nn.Module):
         probs_NE = F.softmax(self.router(x_ND).float(), dim=-1)
         weight_NK, expert_NK = probs_NE.topk(self.top_k, dim=-1)
         weight_NK = weight_NK / weight_NK.sum(dim=-1, keepdim=True)
-        out_ND = self.experts(x_ND, expert_NK, weight_NK)
+        capacity = 0
+        if self.training and self.capacity_factor > 0:
+            capacity = expert_capacity(x_ND.shape[0], self.top_k, self.num_experts, self.capacity_factor)
+        out_ND = self.experts(x_ND, expert_NK, weight_NK, capacity)
         if self.shared_experts is not None:
             out_ND = out_ND + self.shared_experts(x_ND)
         self.aux_loss = load_balancing_loss(probs_NE, expert_NK)

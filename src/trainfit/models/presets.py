@@ -19,6 +19,7 @@ DEFAULTS: dict[str, Any] = {
     "experts_per_token": 2,
     "num_shared_experts": 0,
     "router_aux_loss_coef": 0.01,
+    "capacity_factor": 0.0,
 }
 
 

@@ -54,6 +54,9 @@ class Layout:
     chunked_loss: bool
     precision: str
     """precision.mode: the dtypes the step computes, communicates and keeps its states in."""
+    moe_imbalance: float = 1.0
+    """memory.moe_imbalance: the busiest expert's load over the balanced one that memory estimates
+    assume for dropless routing (the estimators' assumption; training does not read it)."""
 
     @property
     def dp(self) -> int:
@@ -195,7 +198,8 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
                   pp_virtual_stages=p.pp_virtual_stages, num_microbatches=p.num_microbatches or accum,
                   grad_accum_steps=accum, micro_batch_size=t.micro_batch_size,
                   activation_checkpointing=mem.activation_checkpointing, ac_every_n_layers=mem.ac_every_n_layers,
-                  offload=mem.offload, chunked_loss=mem.chunked_loss, precision=cfg.precision.mode)
+                  offload=mem.offload, chunked_loss=mem.chunked_loss, precision=cfg.precision.mode,
+                  moe_imbalance=mem.moe_imbalance)
 
 
 def _check_model_split(cfg: Config) -> None:

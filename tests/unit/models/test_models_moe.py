@@ -1,14 +1,18 @@
-"""MoE feed-forward: routing parity with transformers' Mixtral, aux loss, gradients, determinism."""
+"""MoE feed-forward: routing parity with transformers' Mixtral, aux loss, gradients, determinism,
+capacity-factor dispatch and the routing sizes the estimators use."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from _runs import seeded_model
 from trainfit.config import ModelConfig
-from trainfit.models.moe import MoE, load_balancing_loss
+from trainfit.models.moe import MoE, dispatch_slots, load_balancing_loss
 from trainfit.models.presets import resolve_model_config
+from trainfit.models.routing import dropless_loads, expert_capacity
 
 
 def tokens(seed: int = 1) -> torch.Tensor:
@@ -84,3 +88,57 @@ def test_routing_matches_transformers_mixtral_block() -> None:
     router_logits = ours.router(x.reshape(-1, cfg.dim))
     hf_aux = load_balancing_loss_func((router_logits,), cfg.num_experts, cfg.experts_per_token)
     torch.testing.assert_close(ours.aux_loss, hf_aux)
+
+
+# ---------------------------------------------------------------- capacity factor and routing sizes
+
+
+def _moe(capacity_factor: float, **fields: int) -> MoE:
+    cfg = resolve_model_config(ModelConfig(preset="debug-moe", capacity_factor=capacity_factor, **fields))
+    moe = MoE(cfg)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    return moe
+
+
+def test_an_ample_capacity_routes_like_dropless() -> None:
+    """capacity_factor >= experts / top_k keeps every pair: the batched path equals the loop."""
+    moe = _moe(2.0)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1))
+    with_capacity = moe(x)
+    moe.eval()  # outside training the experts are always dropless
+    torch.testing.assert_close(with_capacity, moe(x))
+
+
+def test_dispatch_keeps_first_choices_first_then_by_position() -> None:
+    experts = torch.tensor([[0, 1], [0, 2], [0, 1]])
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]])
+    token_S, weight_S = dispatch_slots(experts, weights, num_experts=3, capacity=2)
+    # expert 0 keeps tokens 0 and 1 (token 2's first choice is dropped); expert 1 takes the second
+    # choices of tokens 0 and 2; expert 2 the second choice of token 1 and one empty slot.
+    assert token_S.tolist() == [0, 1, 0, 2, 1, 0]
+    assert weight_S.tolist() == pytest.approx([0.6, 0.7, 0.4, 0.5, 0.3, 0.0])
+
+
+def test_dropped_tokens_keep_only_the_residual_and_gradients_flow() -> None:
+    moe = _moe(0.5, num_shared_experts=0, experts_per_token=1)
+    x = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    out = moe(x)[0]
+    capacity = expert_capacity(16, 1, 4, 0.5)
+    assert capacity == 2
+    routed = (out.abs().sum(-1) > 0).sum().item()
+    assert routed <= 4 * capacity  # the others got no expert output at all
+    out.sum().backward()
+    assert moe.router.weight.grad.abs().sum() > 0 and moe.experts.w1.grad.abs().sum() > 0
+    assert torch.equal(moe(x), moe(x))
+
+
+def test_dropless_loads_put_the_busiest_third_from_last() -> None:
+    assert dropless_loads(1024, 1, 4, 1.0) == [256, 256, 256, 256]
+    assert dropless_loads(1024, 1, 16, 6.0) == [50] * 3 + [49] * 10 + [384, 0, 0]
+    assert dropless_loads(1024, 2, 4, math.inf) == [1024, 1024, 0, 0]  # the ceiling: every token
+    for args in [(1000, 2, 8, 2.5), (7, 1, 3, 1.0), (64, 2, 2, math.inf), (10, 1, 1, 3.0)]:
+        loads = dropless_loads(*args)
+        assert sum(loads) == args[0] * args[1] and max(loads) <= args[0]
