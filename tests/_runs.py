@@ -22,5 +22,4 @@ def run_overrides(run_dir: Path, *extra: str) -> list[str]:
 
 def seeded_model(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
     """A materialized model whose weights depend on `seed` only."""
-    torch.manual_seed(seed)
-    return materialize(build_model(cfg), "cpu")
+    return materialize(build_model(cfg), "cpu", seed)

@@ -21,7 +21,7 @@ __all__ = ["build_model", "count_params", "materialize"]
 
 def build_model(cfg: ModelConfig) -> nn.Module:
     """The model for `cfg` on the meta device (no memory). Materialize it with
-    `materialize(model, device)` (or load weights after that)."""
+    `materialize(model, device, seed)` (or load weights after that)."""
     import torch
 
     cfg = resolve_model_config(dataclasses.replace(cfg))
@@ -43,13 +43,14 @@ def count_params(model: nn.Module) -> int:
     return sum(unique.values())
 
 
-def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
-    """Allocate a meta-device model on `device` and fill it by its own init (torch's default RNG:
-    seed it first). Also rebuilds non-persistent buffers (RoPE tables), so call it before loading
-    weights too."""
+def materialize(model: nn.Module, device: torch.device | str, seed: int = 0) -> nn.Module:
+    """Allocate a meta-device model (plain or parallelized: then each rank allocates only what it
+    holds) on `device` and initialize it from `seed`: the same values on every layout
+    (models/init.py). Also rebuilds non-persistent buffers (RoPE tables), so call it before
+    loading weights too."""
     import torch
 
     model.to_empty(device=device)
     with torch.no_grad():
-        model.init_weights()
+        model.init_weights(seed)
     return model

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainfit.config import ModelConfig
-from trainfit.models.llama import init_params, output_head
+from trainfit.models.init import init_parameters
+from trainfit.models.llama import output_head
 
 
 class Attention(nn.Module):
@@ -95,6 +96,6 @@ class GPT2(nn.Module):
         return output_head(self, h_BTD)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Fill every parameter from torch's default RNG (seed it first); see llama.init_params."""
-        init_params(self, self.cfg.num_layers)
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter this rank holds from `seed` (models/init.py)."""
+        init_parameters(self, seed=seed, num_layers=self.cfg.num_layers)

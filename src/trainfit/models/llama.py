@@ -11,17 +11,12 @@ K head dim, F feed-forward hidden, V vocabulary.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainfit.config import ModelConfig
-
-INIT_STD = 0.02
-# Residual-branch output projections; their init std is scaled by 1/sqrt(2 * num_layers) (GPT-2 paper).
-RESIDUAL_SUFFIXES = ("wo.weight", "w2.weight", "experts.w2")
+from trainfit.models.init import init_parameters
 
 
 class RMSNorm(nn.Module):
@@ -147,9 +142,10 @@ class Transformer(nn.Module):
         return output_head(self, h_BTD)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Fill every parameter from torch's default RNG (seed it first) and rebuild the RoPE tables."""
-        init_params(self, self.cfg.num_layers)
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter this rank holds from `seed` (models/init.py: the same values on every
+        layout) and rebuild the RoPE tables."""
+        init_parameters(self, seed=seed, num_layers=self.cfg.num_layers)
         cos_TK, sin_TK = rope_tables(self.cfg.dim // self.cfg.num_heads, self.cfg.max_seq_len,
                                      self.cfg.rope_theta, device=self.rope_cos.device)
         self.rope_cos.copy_(cos_TK)
@@ -171,21 +167,3 @@ def output_head(model: nn.Module, h_BTD: torch.Tensor) -> torch.Tensor:
     if model.norm is not None:
         h_BTD = model.norm(h_BTD)
     return model.output(h_BTD) if model.output is not None else h_BTD
-
-
-def init_params(model: nn.Module, num_layers: int) -> None:
-    """Re-tie shared embeddings (to_empty() unties them), then normal(0, 0.02) for weights, scaled by
-    1/sqrt(2 * num_layers) on residual output projections; ones for norm gains, zeros for biases.
-    Named-parameter order makes it deterministic per seed."""
-    if model.cfg.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
-        model.output.weight = model.tok_embeddings.weight
-    residual_std = INIT_STD / math.sqrt(2 * num_layers)
-    for name, param in model.named_parameters():
-        if name.endswith("bias"):
-            nn.init.zeros_(param)
-        elif name.rsplit(".", 2)[-2].endswith("norm"):
-            nn.init.ones_(param)
-        elif name.endswith(RESIDUAL_SUFFIXES):
-            nn.init.normal_(param, mean=0.0, std=residual_std)
-        else:
-            nn.init.normal_(param, mean=0.0, std=INIT_STD)

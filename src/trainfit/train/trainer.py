@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from trainfit.config import Config, ConfigError, config_to_dict
 from trainfit.hardware import peak_flops
@@ -228,38 +227,23 @@ class Trainer:
         return data if data is not None else resolve_data(self.cfg.data, str(data_cache_dir()))
 
     def _build_model(self) -> tuple[nn.Module, int]:
+        """Meta-device build -> parallelize -> this rank allocates and initializes only what it
+        holds; the values depend on the seed and each parameter's name, not on the layout
+        (models/init.py), so every layout starts from the same weights with no broadcast."""
         cfg = self.cfg
-        torch.manual_seed(cfg.training.seed)
         model = build_model(cfg.model)
         num_params = count_params(model)
         self.policy.prepare_model(model)
         parallelize(model, self.layout, self.world.mesh, self.policy)
-        if is_fully_sharded(model):
-            self._materialize_sharded(model)
-        else:
-            materialize(model, self.device)
-        torch.manual_seed(cfg.training.seed)  # training-time random streams do not depend on the init
-        return model, num_params
-
-    def _materialize_sharded(self, model: nn.Module) -> None:
-        """Allocate the local shards and fill them with the weights one process would initialize:
-        rank 0 builds them whole on the host and broadcasts them (DTensor's own random init is not
-        layout-independent on CPU, and runs on different layouts must start equal)."""
         # CPU offload: FSDP2 wants the shards in host memory; buffers (RoPE) compute on the device.
-        offload = self.cfg.memory.offload != "none"
-        with warnings.catch_warnings():  # the random values drawn here are overwritten below
-            warnings.filterwarnings("ignore", message="DTensor random operators")
-            materialize(model, "cpu" if offload else self.device)  # buffers rebuilt, ties restored
+        offload = self.layout.offload != "none"
+        materialize(model, "cpu" if offload else self.device, cfg.training.seed)
         if offload and self.device.type != "cpu":
             for module in model.modules():
                 for name, buffer in module.named_buffers(recurse=False):
                     module._buffers[name] = buffer.to(self.device)
-        whole: dict[str, torch.Tensor] = {}
-        if self.world.is_main:
-            torch.manual_seed(self.cfg.training.seed)
-            single = self.policy.prepare_model(build_model(self.cfg.model))
-            whole = materialize(single, "cpu").state_dict()
-        set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        torch.manual_seed(cfg.training.seed)  # training-time random streams
+        return model, num_params
 
     # ------------------------------------------------------------ state
 
