@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainfit.config import ModelConfig
+from trainfit.config.schema import ModelConfig
 from trainfit.models.llama import init_params, output_head
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainfit.config import ModelConfig
+from trainfit.config.schema import ModelConfig
 
 INIT_STD = 0.02
 # Residual-branch output projections; their init std is scaled by 1/sqrt(2 * num_layers) (GPT-2 paper).

@@ -1,0 +1,264 @@
+"""The schema of a trainfit run: one dataclass per section, each field with an attribute docstring.
+
+Imports nothing of trainfit's, so every module (hardware.py, models/) can take its types from here
+while loading and validation (load.py, validate.py) import those modules: dependencies run one way.
+Pure Python, no torch, so that `trainfit estimate` stays instant.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+PrecisionMode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure", "fp8-mixed"]
+OptimizerName = Literal["adamw", "adam", "sgd", "adamw-8bit"]
+LRSchedule = Literal["cosine", "linear", "constant"]
+ACPolicy = Literal["none", "selective", "full"]
+Device = Literal["auto", "cpu", "cuda"]
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names field, value and fix."""
+
+
+def field_error(name: str, value: object, fix: str) -> ConfigError:
+    """The one message format: `section.field=value: fix`."""
+    return ConfigError(f"{name}={value!r}: {fix}")
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    """Named size (see `trainfit.models.presets`), a path to an HF config.json, or "" to give every
+    dimension explicitly. Fields set explicitly below override the preset's values."""
+    family: Literal["llama", "gpt2"] | None = None
+    """Block family: llama (RMSNorm, RoPE, GQA, SwiGLU; MoE when num_experts > 0) or gpt2."""
+    dim: int | None = None
+    """Hidden size (d_model)."""
+    num_layers: int | None = None
+    """Number of transformer blocks."""
+    num_heads: int | None = None
+    """Attention (query) heads; must divide dim."""
+    num_kv_heads: int | None = None
+    """Key/value heads (GQA); must divide num_heads. Defaults to num_heads."""
+    ffn_dim: int | None = None
+    """Hidden size of the dense MLP."""
+    vocab_size: int | None = None
+    """Embedding rows; must be >= the tokenizer's vocabulary."""
+    max_seq_len: int | None = None
+    """Longest sequence the model supports (RoPE table / GPT-2 position embeddings)."""
+    norm_eps: float | None = None
+    """Epsilon of RMSNorm / LayerNorm."""
+    rope_theta: float | None = None
+    """RoPE base frequency (llama family)."""
+    tie_embeddings: bool | None = None
+    """Share the token embedding with the output projection."""
+    qkv_bias: bool | None = None
+    """Bias on the query/key/value projections (Qwen2 family); GPT-2 has biases everywhere."""
+    num_experts: int | None = None
+    """Routed experts per MoE layer; 0 means a dense model."""
+    experts_per_token: int | None = None
+    """Routed experts each token is sent to (top-k)."""
+    num_shared_experts: int | None = None
+    """Experts every token passes through, beside the routed ones."""
+    expert_ffn_dim: int | None = None
+    """Hidden size of each expert's MLP; defaults to ffn_dim."""
+    router_aux_loss_coef: float | None = None
+    """Weight of the load-balancing auxiliary loss added to the training loss (MoE only)."""
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 300
+    """Optimizer steps to run."""
+    seq_len: int = 128
+    """Tokens per training sequence; must be <= model.max_seq_len."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward pass on one rank."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step across all ranks; gradient accumulation =
+    global_batch_size / (micro_batch_size x data-parallel degree)."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after warmup."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine/linear schedule."""
+    warmup_steps: int = 30
+    """Steps of linear warmup from 0 to lr."""
+    lr_schedule: LRSchedule = "cosine"
+    """Decay after warmup: cosine, linear or constant."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay; never applied to norms, biases or embeddings of size 1 dims."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 1337
+    """Seed of the weights, the data order and every random stream."""
+    eval_interval: int = 50
+    """Compute the validation loss every this many steps (and at the end); 0 disables it."""
+    eval_steps: int = 10
+    """Validation global batches averaged per evaluation (the same windows whatever the layout)."""
+    device: Device = "auto"
+    """Where to train: auto picks cuda when available, else cpu."""
+
+
+@dataclass
+class PrecisionConfig:
+    mode: PrecisionMode = "fp32"
+    """fp32 | bf16-mixed (fp32 master weights, bf16 autocast) | fp16-mixed (plus dynamic loss
+    scaling, inf/nan steps skipped) | bf16-pure (bf16 weights and optimizer) | fp8-mixed."""
+
+
+@dataclass
+class OptimizerConfig:
+    name: OptimizerName = "adamw"
+    """adamw | adam | sgd (with momentum) | adamw-8bit."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam's beta1, beta2 (on the command line: --optimizer.betas=0.9,0.95)."""
+    eps: float = 1e-8
+    """Adam's epsilon."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    fused: bool = False
+    """Use the fused optimizer kernel where the device has one (CUDA)."""
+    foreach: bool = True
+    """Use the multi-tensor (foreach) implementation."""
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP / the replicate axis of HSDP)."""
+    dp_shard: int = -1
+    """Data-parallel shards (FSDP/ZeRO axis); -1 derives it: num_gpus / (tp x pp x cp x dp_replicate)."""
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """0 replicated (DDP), 1 optimizer states sharded, 2 + gradients, 3 + parameters (FSDP)."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    sequence_parallel: bool = False
+    """Shard norms and dropout along the sequence under tensor parallelism."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
+    """Pipeline schedule."""
+    pp_virtual_stages: int = 1
+    """Stages per pipeline rank (interleaved-1f1b only): more stages, a smaller bubble."""
+    num_microbatches: int = 0
+    """Pipeline micro-batches per step; 0 derives it from the gradient accumulation."""
+    cp: int = 1
+    """Context-parallel degree (the sequence split across ranks)."""
+    ep: int = 1
+    """Expert-parallel degree for MoE (carved out of the data-parallel ranks)."""
+
+
+@dataclass
+class MemoryConfig:
+    activation_checkpointing: ACPolicy = "none"
+    """none | selective (keep matmul outputs, recompute the rest) | full (recompute whole blocks)."""
+    ac_every_n_layers: int = 1
+    """Apply the checkpointing policy to every n-th block only (1 = all blocks)."""
+    offload: Literal["none", "optimizer", "optimizer+params"] = "none"
+    """Keep optimizer states (and parameters) in host memory."""
+    chunked_loss: bool = False
+    """Compute logits and cross-entropy in sequence chunks so full logits never exist at once."""
+
+
+@dataclass
+class HardwareConfig:
+    gpu: str = "cpu"
+    """Device model from the catalog (trainfit.hardware), used for MFU and estimates."""
+    num_gpus: int = 1
+    """Devices in the job."""
+    gpus_per_node: int = 8
+    """Devices per node (decides which collectives cross the inter-node link)."""
+    peak_tflops: float = 0.0
+    """Override the catalog's dense peak TFLOP/s for the run's precision (0 = use the catalog)."""
+    memory_gib: float = 0.0
+    """Override the catalog's device memory in GiB (0 = use the catalog)."""
+    hbm_tbps: float = 0.0
+    """Override the catalog's device-memory bandwidth in TB/s (0 = use the catalog)."""
+    intra_node_link: str = ""
+    """Link between the GPUs of a node, from trainfit.hardware.LINKS: nvlink4 | nvlink3 | infinity-fabric |
+    pcie5 | pcie4 | loopback; "" = the GPU's usual one (H100/H200 SXM nvlink4, A100 nvlink3, MI300X
+    infinity-fabric, H100 PCIe pcie5, L40S and RTX 4090 pcie4, cpu loopback)."""
+    inter_node_link: str = "ib-ndr"
+    """Network between nodes, per NIC: ib-ndr (400 Gb/s) | ib-hdr (200 Gb/s) | roce-400 | roce-200 | roce-100."""
+    nics_per_node: int = 0
+    """Network adapters (NICs) per node: a GPU's share of the network is the NIC bandwidth x nics_per_node /
+    gpus_per_node (0 = one NIC per GPU, as on DGX/HGX H100 and A100 nodes)."""
+    intra_node_gbps: float = 0.0
+    """Override the intra-node bandwidth, GB/s per direction per GPU (0 = the link's figure)."""
+    inter_node_gbps: float = 0.0
+    """Override the inter-node bandwidth, GB/s per direction per GPU with the NIC share applied (0 = from the
+    link and nics_per_node)."""
+    intra_node_latency_us: float = 0.0
+    """Override the intra-node latency of one collective step, in microseconds (0 = the link's figure)."""
+    inter_node_latency_us: float = 0.0
+    """Override the inter-node latency of one collective step, in microseconds (0 = the link's figure)."""
+    compute_efficiency: float = 0.0
+    """Fraction of the dense peak FLOP/s the step's compute reaches (0 = trainfit.hardware.COMPUTE_EFFICIENCY,
+    0.5; tuned large-model runs measure 0.4-0.55 MFU end to end)."""
+    comm_efficiency: float = 0.0
+    """Fraction of a link's bandwidth that collectives reach (NCCL bus bandwidth / link bandwidth;
+    0 = trainfit.hardware.COMM_EFFICIENCY, 0.8)."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """A text file, a folder of .txt/.jsonl files, or a folder of prepared token shards;
+    "" uses the Shakespeare slice packaged with trainfit."""
+    tokenizer: str = "bytes"
+    """bytes (256 symbols) | a tokenizer.json path | train (fit a BPE on the corpus)."""
+    bpe_vocab_size: int = 4096
+    """Vocabulary of the BPE trained when tokenizer=train."""
+    val_fraction: float = 0.05
+    """Fraction of the tokens held out for validation (the tail of the corpus)."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "runs/default/checkpoints"
+    """Where checkpoints are written (one step_XXXXXXXX folder each)."""
+    interval: int = 100
+    """Save every this many steps (and at the end); 0 saves only at the end."""
+    keep_last: int = 2
+    """Checkpoints kept on disk; older ones are deleted after a successful save."""
+    resume: str = "auto"
+    """auto (latest checkpoint in dir, if any) | never | a checkpoint folder path."""
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = "runs/default"
+    """Where metrics.jsonl (and TensorBoard events) are written."""
+    interval: int = 10
+    """Log metrics every this many steps."""
+    tensorboard: bool = False
+    """Also write TensorBoard events (needs the tensorboard package)."""
+    memory_interval: int = 0
+    """Measure memory per component every this many steps, besides the second step of every run
+    (0 = that one only); a measured step takes up to twice as long as a plain one."""
+    traced_estimate: bool = True
+    """`trainfit train` also traces the step on fake tensors before training (rank 0), so the
+    end-of-run table compares the traced estimate too, not only the analytic one, with the measured
+    step; it costs ~0.3 s for the default model, tens of seconds for 70B-class models."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+"""Section name -> its dataclass, in file order."""
