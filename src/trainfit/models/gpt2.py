@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainfit.config.schema import ModelConfig
-from trainfit.models.llama import init_params, output_head
+from trainfit.models.common import init_params, output_head
 
 
 class Attention(nn.Module):
@@ -96,5 +96,5 @@ class GPT2(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Fill every parameter from torch's default RNG (seed it first); see llama.init_params."""
+        """Fill every parameter from torch's default RNG (seed it first); see common.init_params."""
         init_params(self, self.cfg.num_layers)

@@ -11,17 +11,13 @@ K head dim, F feed-forward hidden, V vocabulary.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainfit.config.schema import ModelConfig
-
-INIT_STD = 0.02
-# Residual-branch output projections; their init std is scaled by 1/sqrt(2 * num_layers) (GPT-2 paper).
-RESIDUAL_SUFFIXES = ("wo.weight", "w2.weight", "experts.w2")
+from trainfit.models.common import FeedForward, init_params, output_head
+from trainfit.models.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -80,19 +76,6 @@ class Attention(nn.Module):
         return self.wo(o_BHTK.transpose(1, 2).reshape(B, T, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x); w1 is the gate, w3 the up projection, w2 the down one."""
-
-    def __init__(self, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x_BTD)) * self.w3(x_BTD))
-
-
 class TransformerBlock(nn.Module):
     """Pre-norm block; called as block(x_BTD, cos_TK, sin_TK) with positional tensors only, so
     torch.utils.checkpoint and torch.compile can wrap it as is."""
@@ -103,8 +86,6 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if cfg.num_experts:
-            from trainfit.models.moe import MoE
-
             self.feed_forward: nn.Module = MoE(cfg)
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
@@ -164,28 +145,3 @@ def collect_aux_loss(layers: nn.ModuleList, device: torch.device) -> torch.Tenso
         if layer_aux is not None:
             total = total + layer_aux
     return total
-
-
-def output_head(model: nn.Module, h_BTD: torch.Tensor) -> torch.Tensor:
-    """Final norm and output projection, each skipped when a pipeline stage has none."""
-    if model.norm is not None:
-        h_BTD = model.norm(h_BTD)
-    return model.output(h_BTD) if model.output is not None else h_BTD
-
-
-def init_params(model: nn.Module, num_layers: int) -> None:
-    """Re-tie shared embeddings (to_empty() unties them), then normal(0, 0.02) for weights, scaled by
-    1/sqrt(2 * num_layers) on residual output projections; ones for norm gains, zeros for biases.
-    Named-parameter order makes it deterministic per seed."""
-    if model.cfg.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
-        model.output.weight = model.tok_embeddings.weight
-    residual_std = INIT_STD / math.sqrt(2 * num_layers)
-    for name, param in model.named_parameters():
-        if name.endswith("bias"):
-            nn.init.zeros_(param)
-        elif name.rsplit(".", 2)[-2].endswith("norm"):
-            nn.init.ones_(param)
-        elif name.endswith(RESIDUAL_SUFFIXES):
-            nn.init.normal_(param, mean=0.0, std=residual_std)
-        else:
-            nn.init.normal_(param, mean=0.0, std=INIT_STD)

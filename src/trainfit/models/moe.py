@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainfit.config.schema import ModelConfig
-from trainfit.models.llama import FeedForward
+from trainfit.models.common import FeedForward
 
 
 class GroupedExperts(nn.Module):
