@@ -12,13 +12,13 @@ import sys
 import textwrap
 from collections.abc import Callable
 
-from trainfit.config import Config, ConfigError, iter_fields, load_config
+from trainfit.config import Config, ConfigError, iter_fields, load_config, split_overrides
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.parallel.layout import Layout
 
 
 def _fields_help() -> str:
-    lines = ["config fields (set in the TOML file or as --section.field=value):"]
+    lines = ["config fields (set in the TOML file, or as --section.field=value or --section.field value):"]
     section = None
     for name, field_name, default, doc in iter_fields():
         if name != section:
@@ -250,26 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _join_spaced_overrides(items: list[str]) -> list[str]:
-    """Accept `--training.steps 30` as well as `--training.steps=30`."""
-    joined: list[str] = []
-    for item in items:
-        if joined and joined[-1].startswith("--") and "=" not in joined[-1] and not item.startswith("--"):
-            joined[-1] = f"{joined[-1]}={item}"
-        else:
-            joined.append(item)
-    return joined
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    rest = _join_spaced_overrides(rest)
-    unknown = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0])]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        return COMMANDS[args.command](args, rest)
+        argv, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args, overrides)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

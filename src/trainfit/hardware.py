@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from trainfit.config import ConfigError, HardwareConfig
+from trainfit.config.schema import ConfigError, HardwareConfig, field_error
 
 TERA = 1e12
 GIB = 1024**3
@@ -150,7 +150,7 @@ class Link:
 
 
 def _fail(field: str, value: object, fix: str) -> ConfigError:
-    return ConfigError(f"hardware.{field}={value!r}: {fix}")
+    return field_error(f"hardware.{field}", value, fix)
 
 
 def _catalog_spec(gpu: str) -> DeviceSpec:
@@ -170,7 +170,7 @@ def _link_preset(field: str, name: str) -> LinkSpec:
 
 
 def validate_hardware(hw: HardwareConfig) -> None:
-    """Every hardware.* value, checked when the config is built (ConfigError names field, value, fix)."""
+    """Every hardware.* value, checked by config validation (ConfigError names field, value, fix)."""
     _catalog_spec(hw.gpu)
     if hw.intra_node_link:
         _link_preset("intra_node_link", hw.intra_node_link)

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from trainfit.config import SECTIONS, ConfigError, config_from_dict, field_docs, iter_fields, load_config
+from trainfit.cli import main
+from trainfit.config import (
+    SECTIONS,
+    ConfigError,
+    config_from_dict,
+    field_docs,
+    iter_fields,
+    load_config,
+    split_overrides,
+)
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
@@ -36,6 +46,48 @@ def test_overrides_take_types_from_the_schema() -> None:
     assert cfg.logging.tensorboard is True
     assert cfg.training.lr == 1e-3
     assert cfg.parallel.zero_stage == 2
+
+
+def test_overrides_with_a_space_equal_those_with_equals() -> None:
+    spaced = load_config(None, ["--training.steps", "5", "--parallel.dp_shard", "-1", "--optimizer.betas", "0.9,0.95",
+                                "--training.lr", "1e-3", "--hardware.gpu", "H100-SXM-80GB"])
+    equals = load_config(None, ["--training.steps=5", "--parallel.dp_shard=-1", "--optimizer.betas=0.9,0.95",
+                                "--training.lr=1e-3", "--hardware.gpu=H100-SXM-80GB"])
+    assert spaced == equals
+    assert (spaced.training.steps, spaced.parallel.dp_shard, spaced.optimizer.betas) == (5, -1, (0.9, 0.95))
+
+
+def test_split_overrides_leaves_the_other_arguments() -> None:
+    argv = ["estimate", "cfg.toml", "--json", "--training.steps", "5", "--parallel.dp_shard", "-1",
+            "--plot=a.png", "--optimizer.betas=0.9,0.95", "--data.path=--odd"]
+    assert split_overrides(argv) == (
+        ["estimate", "cfg.toml", "--json", "--plot=a.png"],
+        ["--training.steps=5", "--parallel.dp_shard=-1", "--optimizer.betas=0.9,0.95", "--data.path=--odd"],
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--data.path", "--json"], "override '--data.path' has no value: the next argument, '--json', starts "
+                                    "with '--' and is read as an option; write --data.path=VALUE"),
+        (["--training.steps"], "override '--training.steps' has no value: write --training.steps=VALUE or "
+                               "--training.steps VALUE"),
+    ],
+)
+def test_an_override_without_a_value_is_rejected(argv: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        split_overrides(argv)
+    assert str(err.value).startswith(expected)
+
+
+def test_the_cli_takes_both_override_forms(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--json", "--model.num_layers", "3", "--parallel.dp_shard", "-1",
+                 "--optimizer.betas", "0.9,0.95", "--hardware.num_gpus=2", "--training.micro_batch_size", "8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"]["num_layers"] == 3 and out["per_rank"]["layout"]["dp_shard"] == 2
+    assert main(["estimate", "--training.steps", "--json"]) == 2
+    assert "override '--training.steps' has no value" in capsys.readouterr().err
 
 
 def test_explicit_dims_override_the_preset() -> None:

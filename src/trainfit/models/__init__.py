@@ -1,7 +1,7 @@
 """Model families and the one entry point that builds them.
 
-torch is imported inside the functions: `trainfit.config` imports `trainfit.models.presets`, and
-the config path and the analytic estimator must stay torch-free.
+torch is imported inside the functions: config validation imports `trainfit.models.presets` (and so
+this package), and the config path and the analytic estimator must stay torch-free.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from trainfit.config import ConfigError, ModelConfig
+from trainfit.config.schema import ConfigError, ModelConfig
 from trainfit.models.presets import resolve_model_config
 
 if TYPE_CHECKING:

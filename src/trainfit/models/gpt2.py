@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainfit.config import ModelConfig
+from trainfit.config.schema import ModelConfig
+from trainfit.models.common import output_head
 from trainfit.models.init import init_parameters
-from trainfit.models.llama import output_head
 
 
 class Attention(nn.Module):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainfit.config import ConfigError, ModelConfig
+from trainfit.config.schema import ConfigError, ModelConfig
 
 if TYPE_CHECKING:
     import torch

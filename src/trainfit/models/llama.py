@@ -15,8 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainfit.config import ModelConfig
+from trainfit.config.schema import ModelConfig
+from trainfit.models.common import FeedForward, output_head
 from trainfit.models.init import init_parameters
+from trainfit.models.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -75,19 +77,6 @@ class Attention(nn.Module):
         return self.wo(o_BHTK.transpose(1, 2).reshape(B, T, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x); w1 is the gate, w3 the up projection, w2 the down one."""
-
-    def __init__(self, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x_BTD)) * self.w3(x_BTD))
-
-
 class TransformerBlock(nn.Module):
     """Pre-norm block; called as block(x_BTD, cos_TK, sin_TK) with positional tensors only, so
     torch.utils.checkpoint and torch.compile can wrap it as is."""
@@ -98,8 +87,6 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if cfg.num_experts:
-            from trainfit.models.moe import MoE
-
             self.feed_forward: nn.Module = MoE(cfg)
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
@@ -160,10 +147,3 @@ def collect_aux_loss(layers: nn.ModuleList, device: torch.device) -> torch.Tenso
         if layer_aux is not None:
             total = total + layer_aux
     return total
-
-
-def output_head(model: nn.Module, h_BTD: torch.Tensor) -> torch.Tensor:
-    """Final norm and output projection, each skipped when a pipeline stage has none."""
-    if model.norm is not None:
-        h_BTD = model.norm(h_BTD)
-    return model.output(h_BTD) if model.output is not None else h_BTD

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainfit.config import ModelConfig
-from trainfit.models.llama import FeedForward
+from trainfit.config.schema import ModelConfig
+from trainfit.models.common import FeedForward
 from trainfit.models.routing import expert_capacity
 
 

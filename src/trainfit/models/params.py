@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainfit.config import ModelConfig
+from trainfit.config.schema import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from trainfit.config import ConfigError, ModelConfig
+from trainfit.config.schema import ConfigError, ModelConfig
+from trainfit.models.hf import model_fields_from_hf_config
 
 # Values every model gets when neither the preset nor the user sets them.
 DEFAULTS: dict[str, Any] = {
@@ -101,8 +102,6 @@ def preset_fields(preset: str) -> dict[str, Any]:
     if preset in PRESETS:
         return dict(PRESETS[preset])
     if preset.endswith(".json") or Path(preset).is_dir():
-        from trainfit.models.hf import model_fields_from_hf_config
-
         return model_fields_from_hf_config(preset)
     raise ConfigError(
         f"model.preset={preset!r}: unknown preset; choose one of {', '.join(sorted(PRESETS))}, "

@@ -1,23 +1,16 @@
-"""One typed schema for a trainfit run: loaded from TOML, overridden by `--section.field=value`.
+"""The schema of a trainfit run: one dataclass per section, each field with an attribute docstring.
 
-Pure Python (no torch import) so that `trainfit estimate` and the planner stay instant.
-Every field carries an attribute docstring; `trainfit train --help` shows them. Every invalid
-value raises `ConfigError` naming the field, the value and the fix, before any work starts.
+Imports nothing of trainfit's, so every module (hardware.py, models/) can take its types from here
+while loading and validation (load.py, validate.py) import those modules: dependencies run one way.
+Pure Python, no torch, so that `trainfit estimate` stays instant.
 """
 
 from __future__ import annotations
 
-import ast
-import dataclasses
-import difflib
-import inspect
 import math
-import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 PrecisionMode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure", "fp8-mixed"]
 OptimizerName = Literal["adamw", "adam", "sgd", "adamw-8bit"]
@@ -39,8 +32,9 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names field, value and fix."""
 
 
-def _fail(field_name: str, value: Any, fix: str) -> None:
-    raise ConfigError(f"{field_name}={value!r}: {fix}")
+def field_error(name: str, value: object, fix: str) -> ConfigError:
+    """The one message format: `section.field=value: fix`."""
+    return ConfigError(f"{name}={value!r}: {fix}")
 
 
 @dataclass
@@ -193,6 +187,7 @@ class MemoryConfig:
     balanced router, or 1 for perfectly balanced routing. A capacity factor bounds memory without
     this assumption."""
 
+
 @dataclass
 class HardwareConfig:
     gpu: str = "cpu"
@@ -231,11 +226,6 @@ class HardwareConfig:
     comm_efficiency: float = 0.0
     """Fraction of a link's bandwidth that collectives reach (NCCL bus bandwidth / link bandwidth;
     0 = trainfit.hardware.COMM_EFFICIENCY, 0.8)."""
-
-    def __post_init__(self) -> None:
-        from trainfit.hardware import validate_hardware  # torch-free; imported late (it imports this module)
-
-        validate_hardware(self)
 
 
 @dataclass
@@ -297,265 +287,4 @@ class Config:
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
-
-
-# ---------------------------------------------------------------- loading and overrides
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a TOML file (or the defaults), apply `section.field=value` overrides, resolve, validate."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist: pass an existing .toml path")
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: not valid TOML ({err})") from err
-    for item in overrides or []:
-        key, value = _split_override(item)
-        section, name = key.split(".", 1)
-        raw.setdefault(section, {})[name] = _parse_cli_value(key, value)
-    cfg = config_from_dict(raw)
-    resolve_and_validate(cfg)
-    return cfg
-
-
-def config_from_dict(raw: dict[str, Any]) -> Config:
-    """Build a Config from nested dicts, rejecting unknown keys and wrong types."""
-    sections = {}
-    for section, values in raw.items():
-        if section not in SECTIONS:
-            _fail(section, "<section>", f"unknown section; {_suggest(section, SECTIONS)}")
-        if not isinstance(values, dict):
-            _fail(section, values, "must be a table of fields, e.g. [training] steps = 10")
-        sections[section] = _build_section(section, SECTIONS[section], values)
-    return Config(**sections)
-
-
-def _section_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
-    hints = _section_hints(cls)
-    kwargs = {}
-    for name, value in values.items():
-        if name not in hints:
-            _fail(f"{section}.{name}", value, f"unknown field; {_suggest(name, hints)}")
-        kwargs[name] = _coerce(f"{section}.{name}", value, hints[name])
-    return cls(**kwargs)
-
-
-def _suggest(name: str, known: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(known), n=1)
-    if close:
-        return f"did you mean {close[0]!r}?"
-    return "valid names: " + ", ".join(sorted(known))
-
-
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    """Check a TOML/CLI value against a field's type hint; ints are accepted for floats."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(key, value, inner[0])
-    if origin is Literal:
-        if value not in args:
-            _fail(key, value, "choose one of " + " | ".join(str(a) for a in args))
-        return value
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            _fail(key, value, f"give {len(args)} values, e.g. [0.9, 0.95]")
-        return tuple(_coerce(key, v, a) for v, a in zip(value, args, strict=True))
-    if hint is bool:
-        if not isinstance(value, bool):
-            _fail(key, value, "must be true or false")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            _fail(key, value, "must be an integer")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            _fail(key, value, "must be a number")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            _fail(key, value, "must be a string")
-        return value
-    raise AssertionError(f"unhandled type {hint} for {key}")
-
-
-def _split_override(item: str) -> tuple[str, str]:
-    text = item[2:] if item.startswith("--") else item
-    if "=" not in text or "." not in text.split("=", 1)[0]:
-        raise ConfigError(f"override {item!r}: write it as --section.field=value, e.g. --training.steps=30")
-    key, value = text.split("=", 1)
-    section, name = key.split(".", 1)
-    if section not in SECTIONS:
-        _fail(section, "<section>", f"unknown section; {_suggest(section, SECTIONS)}")
-    hints = _section_hints(SECTIONS[section])
-    if name not in hints:
-        _fail(key, value, f"unknown field; {_suggest(name, hints)}")
-    return key, value
-
-
-def _parse_cli_value(key: str, text: str) -> Any:
-    """Turn command-line text into the field's Python type."""
-    section, name = key.split(".", 1)
-    hint = _section_hints(SECTIONS[section])[name]
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    base = args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
-    if typing.get_origin(base) is Literal:
-        literal_types = {type(a) for a in typing.get_args(base)}
-        return int(text) if literal_types == {int} and text.lstrip("-").isdigit() else text
-    if typing.get_origin(base) is tuple:
-        return [_parse_scalar(key, part, float) for part in text.split(",")]
-    return _parse_scalar(key, text, base)
-
-
-def _parse_scalar(key: str, text: str, kind: Any) -> Any:
-    if text.lower() in ("none", "null") and kind is not str:
-        return None
-    try:
-        if kind is bool:
-            if text.lower() in ("true", "1", "yes", "on"):
-                return True
-            if text.lower() in ("false", "0", "no", "off"):
-                return False
-            raise ValueError
-        if kind is int:
-            return int(text)
-        if kind is float:
-            return float(text)
-    except ValueError:
-        wanted = {int: "an integer", float: "a number"}.get(kind, "true or false")
-        _fail(key, text, f"must be {wanted}")
-    return text
-
-
-# ---------------------------------------------------------------- resolution and validation
-
-
-def resolve_and_validate(cfg: Config) -> None:
-    """Fill the model from its preset, then check every field on its own. How the fields combine
-    with the world (degrees, batch split) is parallel/layout.py's `build_layout`."""
-    from trainfit.models.presets import resolve_model_config  # torch-free
-
-    resolve_model_config(cfg.model)
-    _validate_model(cfg.model)
-    _validate_rest(cfg)
-    _validate_training(cfg)
-
-
-def _validate_model(m: ModelConfig) -> None:
-    for name in ("dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
-        value = getattr(m, name)
-        if value is None or value < 1:
-            _fail(f"model.{name}", value, "must be a positive integer (set it, or pick a model.preset)")
-    if m.dim % m.num_heads:
-        _fail("model.num_heads", m.num_heads, f"must divide model.dim={m.dim}")
-    if m.num_heads % m.num_kv_heads:
-        _fail("model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads={m.num_heads}")
-    if (m.dim // m.num_heads) % 2 and m.family == "llama":
-        _fail("model.num_heads", m.num_heads, "dim / num_heads must be even for RoPE")
-    if m.num_experts:
-        if m.family != "llama":
-            _fail("model.num_experts", m.num_experts, "MoE is supported for family=llama only")
-        if not 1 <= m.experts_per_token <= m.num_experts:
-            _fail("model.experts_per_token", m.experts_per_token,
-                  f"must be between 1 and model.num_experts={m.num_experts}")
-    if not m.capacity_factor >= 0:  # NaN too
-        _fail("model.capacity_factor", m.capacity_factor,
-              "must be >= 0 (0 = dropless routing; e.g. 1.25 caps each expert at 1.25x its balanced share)")
-    if m.norm_eps <= 0:
-        _fail("model.norm_eps", m.norm_eps, "must be > 0")
-
-
-def _validate_training(cfg: Config) -> None:
-    t = cfg.training
-    for name in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "eval_steps"):
-        if getattr(t, name) < 1:
-            _fail(f"training.{name}", getattr(t, name), "must be >= 1")
-    for name in ("warmup_steps", "eval_interval"):
-        if getattr(t, name) < 0:
-            _fail(f"training.{name}", getattr(t, name), "must be >= 0")
-    if t.seq_len > cfg.model.max_seq_len:
-        _fail("training.seq_len", t.seq_len, f"must be <= model.max_seq_len={cfg.model.max_seq_len}")
-    if t.lr <= 0:
-        _fail("training.lr", t.lr, "must be > 0")
-    if not 0 <= t.min_lr <= t.lr:
-        _fail("training.min_lr", t.min_lr, f"must be between 0 and training.lr={t.lr}")
-    if t.weight_decay < 0:
-        _fail("training.weight_decay", t.weight_decay, "must be >= 0")
-    if t.grad_clip < 0:
-        _fail("training.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
-
-
-def _validate_rest(cfg: Config) -> None:
-    o = cfg.optimizer
-    if not all(0 <= b < 1 for b in o.betas):
-        _fail("optimizer.betas", o.betas, "each beta must be in [0, 1)")
-    if o.eps <= 0:
-        _fail("optimizer.eps", o.eps, "must be > 0")
-    if not 0 <= o.momentum < 1:
-        _fail("optimizer.momentum", o.momentum, "must be in [0, 1)")
-    p = cfg.parallel
-    for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_virtual_stages"):
-        if getattr(p, name) < 1:
-            _fail(f"parallel.{name}", getattr(p, name), "must be >= 1")
-    if p.dp_shard < 1 and p.dp_shard != -1:
-        _fail("parallel.dp_shard", p.dp_shard, "must be >= 1, or -1 to derive it from hardware.num_gpus")
-    if p.num_microbatches < 0:
-        _fail("parallel.num_microbatches", p.num_microbatches, "must be >= 0 (0 derives it)")
-    if not cfg.memory.moe_imbalance >= 1:  # NaN too
-        _fail("memory.moe_imbalance", cfg.memory.moe_imbalance,
-              "must be >= 1 (the busiest expert's load over the balanced load; 1 = perfectly balanced)")
-    if cfg.memory.ac_every_n_layers < 1:
-        _fail("memory.ac_every_n_layers", cfg.memory.ac_every_n_layers, "must be >= 1")
-    if not 0 < cfg.data.val_fraction < 1:
-        _fail("data.val_fraction", cfg.data.val_fraction, "must be between 0 and 1 (exclusive)")
-    if cfg.data.bpe_vocab_size < 257:
-        _fail("data.bpe_vocab_size", cfg.data.bpe_vocab_size, "must be > 256 (the byte alphabet)")
-    if cfg.checkpoint.interval < 0:
-        _fail("checkpoint.interval", cfg.checkpoint.interval, "must be >= 0 (0 saves only at the end)")
-    if cfg.checkpoint.keep_last < 1:
-        _fail("checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
-    if cfg.logging.interval < 1:
-        _fail("logging.interval", cfg.logging.interval, "must be >= 1")
-    if cfg.hardware.num_gpus < 1:
-        _fail("hardware.num_gpus", cfg.hardware.num_gpus, "must be >= 1")
-
-
-# ---------------------------------------------------------------- introspection
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of a config dataclass (the string literal under each field)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
-
-
-def iter_fields() -> typing.Iterator[tuple[str, str, Any, str]]:
-    """(section, field, default, doc) for every field of every section, for --help."""
-    defaults = Config()
-    for section, cls in SECTIONS.items():
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            yield section, f.name, getattr(getattr(defaults, section), f.name), docs.get(f.name, "")
-
-
-def config_to_dict(cfg: Config) -> dict[str, Any]:
-    """Plain nested dict (tuples as lists), e.g. to store beside a checkpoint."""
-    return dataclasses.asdict(cfg)
+"""Section name -> its dataclass, in file order."""

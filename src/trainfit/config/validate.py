@@ -1,0 +1,99 @@
+"""Every field checked on its own, after the model is filled from its preset; errors name field,
+value and fix. How the fields combine with the world (degrees, batch split) is
+parallel/layout.py's `build_layout`.
+
+This layer imports the model presets and the hardware catalog; they import only the schema.
+"""
+
+from __future__ import annotations
+
+from trainfit.config.schema import Config, ModelConfig, field_error
+from trainfit.hardware import validate_hardware
+from trainfit.models.presets import resolve_model_config
+
+
+def resolve_and_validate(cfg: Config) -> None:
+    """Check hardware (catalog names, overrides), fill the model from its preset, then check every
+    other field; in place, raising the first ConfigError."""
+    validate_hardware(cfg.hardware)
+    resolve_model_config(cfg.model)
+    _validate_model(cfg.model)
+    _validate_rest(cfg)
+    _validate_training(cfg)
+
+
+def _validate_model(m: ModelConfig) -> None:
+    for name in ("dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+        value = getattr(m, name)
+        if value is None or value < 1:
+            raise field_error(f"model.{name}", value, "must be a positive integer (set it, or pick a model.preset)")
+    if m.dim % m.num_heads:
+        raise field_error("model.num_heads", m.num_heads, f"must divide model.dim={m.dim}")
+    if m.num_heads % m.num_kv_heads:
+        raise field_error("model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads={m.num_heads}")
+    if (m.dim // m.num_heads) % 2 and m.family == "llama":
+        raise field_error("model.num_heads", m.num_heads, "dim / num_heads must be even for RoPE")
+    if m.num_experts:
+        if m.family != "llama":
+            raise field_error("model.num_experts", m.num_experts, "MoE is supported for family=llama only")
+        if not 1 <= m.experts_per_token <= m.num_experts:
+            raise field_error("model.experts_per_token", m.experts_per_token,
+                  f"must be between 1 and model.num_experts={m.num_experts}")
+    if m.norm_eps <= 0:
+        raise field_error("model.norm_eps", m.norm_eps, "must be > 0")
+    if not m.capacity_factor >= 0:  # NaN too
+        raise field_error("model.capacity_factor", m.capacity_factor,
+                          "must be >= 0 (0 = dropless routing; e.g. 1.25 caps each expert at 1.25x its balanced share)")
+
+
+def _validate_training(cfg: Config) -> None:
+    t = cfg.training
+    for name in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "eval_steps"):
+        if getattr(t, name) < 1:
+            raise field_error(f"training.{name}", getattr(t, name), "must be >= 1")
+    for name in ("warmup_steps", "eval_interval"):
+        if getattr(t, name) < 0:
+            raise field_error(f"training.{name}", getattr(t, name), "must be >= 0")
+    if t.seq_len > cfg.model.max_seq_len:
+        raise field_error("training.seq_len", t.seq_len, f"must be <= model.max_seq_len={cfg.model.max_seq_len}")
+    if t.lr <= 0:
+        raise field_error("training.lr", t.lr, "must be > 0")
+    if not 0 <= t.min_lr <= t.lr:
+        raise field_error("training.min_lr", t.min_lr, f"must be between 0 and training.lr={t.lr}")
+    if t.weight_decay < 0:
+        raise field_error("training.weight_decay", t.weight_decay, "must be >= 0")
+    if t.grad_clip < 0:
+        raise field_error("training.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
+
+
+def _validate_rest(cfg: Config) -> None:
+    o = cfg.optimizer
+    if not all(0 <= b < 1 for b in o.betas):
+        raise field_error("optimizer.betas", o.betas, "each beta must be in [0, 1)")
+    if o.eps <= 0:
+        raise field_error("optimizer.eps", o.eps, "must be > 0")
+    if not 0 <= o.momentum < 1:
+        raise field_error("optimizer.momentum", o.momentum, "must be in [0, 1)")
+    p = cfg.parallel
+    for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_virtual_stages"):
+        if getattr(p, name) < 1:
+            raise field_error(f"parallel.{name}", getattr(p, name), "must be >= 1")
+    if p.dp_shard < 1 and p.dp_shard != -1:
+        raise field_error("parallel.dp_shard", p.dp_shard, "must be >= 1, or -1 to derive it from hardware.num_gpus")
+    if p.num_microbatches < 0:
+        raise field_error("parallel.num_microbatches", p.num_microbatches, "must be >= 0 (0 derives it)")
+    if not cfg.memory.moe_imbalance >= 1:  # NaN too
+        raise field_error("memory.moe_imbalance", cfg.memory.moe_imbalance,
+                          "must be >= 1 (the busiest expert's load over the balanced load; 1 = perfectly balanced)")
+    if cfg.memory.ac_every_n_layers < 1:
+        raise field_error("memory.ac_every_n_layers", cfg.memory.ac_every_n_layers, "must be >= 1")
+    if not 0 < cfg.data.val_fraction < 1:
+        raise field_error("data.val_fraction", cfg.data.val_fraction, "must be between 0 and 1 (exclusive)")
+    if cfg.data.bpe_vocab_size < 257:
+        raise field_error("data.bpe_vocab_size", cfg.data.bpe_vocab_size, "must be > 256 (the byte alphabet)")
+    if cfg.checkpoint.interval < 0:
+        raise field_error("checkpoint.interval", cfg.checkpoint.interval, "must be >= 0 (0 saves only at the end)")
+    if cfg.checkpoint.keep_last < 1:
+        raise field_error("checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
+    if cfg.logging.interval < 1:
+        raise field_error("logging.interval", cfg.logging.interval, "must be >= 1")
