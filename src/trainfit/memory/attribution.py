@@ -5,7 +5,8 @@
 
 - peak, phase_peaks and the timeline: the tensor bytes alive when the step starts (counted
   exactly by `StorageLedger`, memory/ledger.py) plus the allocator's growth since then: CPU,
-  glibc's in-use bytes read after every aten operator (memory/measure.py); CUDA,
+  glibc's in-use bytes read after every aten operator, every collective waited for first so that
+  gloo's threads' scratch is gone (memory/measure.py); CUDA,
   `memory_allocated` per operator and `max_memory_allocated` for the peak. The step's own
   allocations are the allocator's figures; what was allocated before and is no tensor (math
   libraries' caches, oneDNN's bf16 kernels and workspaces on CPU, the first dispatch mode's
@@ -159,6 +160,7 @@ class MemoryMeter:
         """`trainer.train_step()` measured on this rank: the step's own stats and its measurement.
         `cuda_snapshot`: on CUDA, also write the allocator's memory snapshot (pytorch.org/memory_viz)."""
         device = trainer.device
+        serial = contextlib.nullcontext() if device.type == "cuda" else measure.collectives_completed()
         if device.type != "cuda":
             measure._prime_dispatch_mode()
         probe = _Probe(device)
@@ -176,7 +178,8 @@ class MemoryMeter:
 
         self.ledger.on_sample = probe
         try:
-            with self._watching(trainer, on_forward) as ledger, trainer.listening(count_states):
+            # CPU: below the ledger, so that it samples after a collective has completed (measure.py).
+            with serial, self._watching(trainer, on_forward) as ledger, trainer.listening(count_states):
                 stats = _sampled_step(trainer, ledger, probe, cuda_snapshot)
                 ledger.classify(trainer.model, trainer.optimizer, trainer.policy)
         finally:
