@@ -161,6 +161,7 @@ class ZeroParity:
 class ZeroWorld2(ZeroParity, GlooTestCase):
     @with_comms
     def test_parity_memory_loss_scaling_and_checkpoint(self) -> None:
+        torch.set_num_threads(1)  # one per rank: the ranks share the machine's cores
         self.run_subtests({"case": [
             (torch.float32, "adamw", 1, math.inf, 2**20, None, FP32),
             (torch.float32, "adamw", 2, 0.1, 256, None, FP32),  # several buckets, fc1.weight alone in one
@@ -171,7 +172,7 @@ class ZeroWorld2(ZeroParity, GlooTestCase):
         self.run_subtests({"dtype": [torch.bfloat16, torch.float32], "grad_dtype": [None, torch.float32]},
                           self.check_memory)
         self.check_inf_skips_the_step_on_every_rank()
-        self.check_dcp_checkpoint()
+        self.run_subtests({"dtype": [torch.bfloat16, torch.float32]}, self.check_dcp_checkpoint)
 
     def check_memory(self, dtype: torch.dtype, grad_dtype: torch.dtype | None) -> None:
         """Each category holds the paper's bytes exactly (every dim 0 even: no padding)."""
@@ -180,7 +181,7 @@ class ZeroWorld2(ZeroParity, GlooTestCase):
         psi, n = sum(p.numel() for p in model.parameters()), self.world_size
         low, grad_bytes = dtype.itemsize, (grad_dtype or dtype).itemsize
         num_tensors = len(list(model.parameters()))
-        before = live_tensor_bytes()
+        before = live_tensor_bytes() if dtype != torch.float32 else None  # a scan of every object: 0.8 s
         zero = ZeroOptimizer(model, param_groups(model, WEIGHT_DECAY), inner_factory("adamw"), dist.group.WORLD,
                              grad_dtype=grad_dtype)
         for _ in range(2):  # the second step finds the optimizer states in place
@@ -196,14 +197,16 @@ class ZeroWorld2(ZeroParity, GlooTestCase):
                     "master_grads": 0, "optimizer": 8 * psi // n + 4 * num_tensors}  # + AdamW's step counters
         self.assertEqual(between, expected)
         self.assertEqual(stepping, {**expected, "master_grads": master_grads})
-        # Nothing else stays: every tensor the optimizer added is in a category.
-        self.assertEqual(live_tensor_bytes() - before, sum(between.values()) - between["params"])
+        if before is not None:  # nothing else stays: every tensor the optimizer added is in a category
+            self.assertEqual(live_tensor_bytes() - before, sum(between.values()) - between["params"])
 
     def check_inf_skips_the_step_on_every_rank(self) -> None:
         """fp16 with ShardedGradScaler: an inf in rank 1's gradient shard only skips step 2 on both
         ranks (weights and states unchanged, scale halved); steps 1 and 3 update."""
         model = tiny(torch.float16)
         zero = ZeroOptimizer(model, param_groups(model, WEIGHT_DECAY), inner_factory("adamw"), dist.group.WORLD)
+        with self.assertRaisesRegex(RuntimeError, "before reduce_gradients"):
+            zero.step()
         scaler = ShardedGradScaler("cpu", init_scale=2.0**10, process_group=dist.group.WORLD)
         x, y = (t.chunk(self.world_size)[self.rank] for t in batch(0))
         for step in (1, 2, 3):
@@ -232,11 +235,11 @@ class ZeroWorld2(ZeroParity, GlooTestCase):
                 self.assertTrue(all(changed))
         self.assertTrue(all(s["step"].item() == 2 for s in zero.state.values()))
 
-    def check_dcp_checkpoint(self) -> None:
-        """bf16 training, dcp.save by both ranks; then (a) one plain process loads it into an fp32
-        model and a plain AdamW (dcp.load + set_state_dict): the fp32 master weights and the states
-        exactly; (b) a fresh ZeroOptimizer loads it and continues exactly as the saved one does."""
-        model = tiny(torch.bfloat16)
+    def check_dcp_checkpoint(self, dtype: torch.dtype) -> None:
+        """3 steps, dcp.save by both ranks; then (a) one plain process loads it into an fp32 model and
+        a plain AdamW (dcp.load + set_state_dict): the fp32 master weights and the states exactly;
+        (b) a fresh ZeroOptimizer loads it and continues exactly as the saved one does."""
+        model = tiny(dtype)
         zero = ZeroOptimizer(model, param_groups(model, WEIGHT_DECAY), inner_factory("adamw"), dist.group.WORLD)
         x, y = (t.chunk(self.world_size)[self.rank] for t in batch(0))
 
@@ -248,7 +251,7 @@ class ZeroWorld2(ZeroParity, GlooTestCase):
 
         for _ in range(3):
             one_step(model, zero)
-        path = str(self.shared_dir / "zero1-dcp")
+        path = str(self.shared_dir / f"zero1-dcp-{dtype}")
         dcp.save({"model": zero.model_state_dict(), "optimizer": zero.optimizer_state_dict()}, checkpoint_id=path)
         masters = full_masters(zero)
         states = {fqn: {k: v.full_tensor() if k != "step" else v for k, v in s.items()}
@@ -265,9 +268,9 @@ class ZeroWorld2(ZeroParity, GlooTestCase):
                 for key, value in optimizer.state[p].items():
                     self.assertTrue(torch.equal(value, states[name][key]), (name, key))
             self.assertEqual([g["lr"] for g in optimizer.param_groups], [g["lr"] for g in zero.param_groups])
-            self.assertNotEqual(masters["fc1.weight"].to(torch.bfloat16).float().tolist(),
-                                masters["fc1.weight"].tolist())  # the masters are not the bf16 weights
-        resumed_model = tiny(torch.bfloat16, seed=1)
+        if dtype != torch.float32:  # what was saved is the fp32 masters, not the bf16 weights
+            self.assertFalse(torch.equal(masters["fc1.weight"], model.fc1.weight.float()))
+        resumed_model = tiny(dtype, seed=1)
         resumed = ZeroOptimizer(resumed_model, param_groups(resumed_model, WEIGHT_DECAY), inner_factory("adamw"),
                                 dist.group.WORLD)
         state = {"model": resumed.model_state_dict(), "optimizer": resumed.optimizer_state_dict()}
@@ -290,6 +293,7 @@ class ZeroWorld4(ZeroParity, GlooTestCase):
 
     @with_comms
     def test_parity(self) -> None:
+        torch.set_num_threads(1)  # one per rank: the ranks share the machine's cores
         self.run_subtests({"case": [
             (torch.float32, "adamw", 1, math.inf, 2**20, None, FP32),
             (torch.float32, "adamw", 2, 0.1, 256, None, FP32),

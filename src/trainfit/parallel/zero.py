@@ -81,14 +81,15 @@ class _Shard:
     fqns: list[str]
     """Every name the model gives the parameter (a tied weight has several); the first keys its states."""
     chunk_rows: int
+    """ceil(rows / N): every rank's chunk is this long in the buffers, padded where torch.chunk's is shorter."""
+    row_numel: int
     offset: int
     master: torch.Tensor
     """This rank's rows in fp32 (under fp32, a view of the parameter's own rows)."""
 
-    @property
-    def rows(self) -> torch.Tensor:
-        """The parameter as (rows, row numel), sharing its storage."""
-        return self.param.detach().view(self.param.shape[0], -1)
+    def matrix(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`, shaped like the parameter, as (rows, row_numel)."""
+        return tensor.reshape(-1, self.row_numel)
 
 
 @dataclass(eq=False)
@@ -100,15 +101,10 @@ class _Bucket:
     """(N * shard_numel,) rank-major, in grad_dtype: accumulated gradients, the reduce-scatter input."""
 
     def chunks(self, flat: torch.Tensor, shard: _Shard) -> torch.Tensor:
-        """`shard`'s N chunks in a rank-major flat buffer of this bucket, as (N, chunk_rows, row numel)."""
-        row_numel = _row_numel(shard.param)
+        """`shard`'s N chunks in a rank-major flat buffer of this bucket, as (N, chunk_rows, row_numel)."""
         per_rank = flat.view(-1, self.shard_numel)
-        return per_rank[:, shard.offset:shard.offset + shard.chunk_rows * row_numel].view(
-            per_rank.shape[0], shard.chunk_rows, row_numel)
-
-
-def _row_numel(p: torch.Tensor) -> int:
-    return math.prod(p.shape[1:])
+        return per_rank[:, shard.offset:shard.offset + shard.chunk_rows * shard.row_numel].view(
+            per_rank.shape[0], shard.chunk_rows, shard.row_numel)
 
 
 def _row_pairs(chunks: torch.Tensor, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -166,7 +162,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         size = 0
         for p in params:
             chunk_rows = -(-p.shape[0] // self.num_ranks)
-            padded = self.num_ranks * chunk_rows * _row_numel(p) * element_size
+            padded = self.num_ranks * chunk_rows * math.prod(p.shape[1:]) * element_size
             if planned[-1] and size + padded > bucket_bytes:
                 planned.append([])
                 size = 0
@@ -179,8 +175,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 start = min(self.rank * chunk_rows, p.shape[0])
                 own = p.detach()[start:start + chunk_rows]
                 master = own if p.dtype == torch.float32 else own.float()
-                shards.append(_Shard(p, fqns[id(p)], chunk_rows, offset, master))
-                offset += chunk_rows * _row_numel(p)
+                shards.append(_Shard(p, fqns[id(p)], chunk_rows, math.prod(p.shape[1:]), offset, master))
+                offset += chunk_rows * shards[-1].row_numel
             grads = torch.zeros(self.num_ranks * offset, dtype=self.grad_dtype, device=params[0].device)
             buckets.append(_Bucket(shards, offset, grads))
             for shard in shards:
@@ -195,8 +191,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._reduced:
             raise RuntimeError("backward after ZeroOptimizer.reduce_gradients(): call zero_grad() first "
                                "(the buffers hold the reduced shard until then)")
-        grad = param.grad.reshape(param.shape[0], -1)
-        for chunk, rows in _row_pairs(bucket.chunks(bucket.grads, shard), grad):
+        for chunk, rows in _row_pairs(bucket.chunks(bucket.grads, shard), shard.matrix(param.grad)):
             chunk.add_(rows)
         param.grad = None
 
@@ -247,7 +242,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             whole = local.new_empty(self.num_ranks * bucket.shard_numel)
             _all_gather(whole, local, group=self.group)
             for shard in bucket.shards:
-                for chunk, rows in _row_pairs(bucket.chunks(whole, shard), shard.rows):
+                for chunk, rows in _row_pairs(bucket.chunks(whole, shard), shard.matrix(shard.param.detach())):
                     rows.copy_(chunk)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
