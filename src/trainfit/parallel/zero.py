@@ -13,7 +13,9 @@ One optimizer step (no communication during forward and backward):
    its bucket's flat gradient buffer (in `grad_dtype`) and frees `.grad`. A buffer is laid out
    rank-major (rank r's chunks of the bucket's parameters contiguous), so it is the reduce-scatter
    input as it stands, and `grad_dtype=torch.float32` is Megatron's fp32 main_grad: bf16 gradients
-   accumulate across micro-batches in fp32 (a bf16 parameter's `.grad` cannot hold fp32).
+   accumulate across micro-batches in fp32 (a bf16 parameter's `.grad` cannot hold fp32). A
+   parameter that got no gradient steps on zeros, as in Megatron (one ZeroOptimizer per model:
+   the hooks stay on its parameters).
 2. `reduce_gradients()`, after the last micro-batch: per bucket, `reduce_scatter_tensor` (average
    over the group) into this rank's segment; its fp32 form becomes each master shard's `.grad`
    (a view when `grad_dtype` is fp32, else a cast copy).
@@ -27,6 +29,11 @@ One optimizer step (no communication during forward and backward):
     zero = ZeroOptimizer(model, optim.param_groups(model, wd), make_inner, group)
     for inputs, targets in micro_batches: (loss_fn(model(inputs), targets) / num_micro).backward()
     zero.reduce_gradients(); zero.clip_grad_norm_(1.0); zero.step(); zero.zero_grad()
+
+    state = {"model": zero.model_state_dict(), "optimizer": zero.optimizer_state_dict()}
+    dcp.save(state, checkpoint_id=path)  # or, to resume:
+    dcp.load(state, checkpoint_id=path)
+    zero.load_model_state_dict(state["model"]); zero.load_optimizer_state_dict(state["optimizer"])
 
 `ZeroOptimizer` is a torch Optimizer whose `param_groups` and `state` are the inner optimizer's
 (master shards): LR schedulers and GradScaler work on it unchanged. Checkpoints: `model_state_dict()`
@@ -45,7 +52,12 @@ Model states per rank (`state_bytes()`), Ψ parameters, N ranks, AdamW:
 Sharded terms count whole padded chunks (exact when N divides every dim 0), the optimizer's `step`
 counters add 4 bytes per parameter tensor. Transient: `master_grads`, this rank's gradient shard in
 fp32 (4Ψ/N) from reduce_gradients to zero_grad when grad_dtype is not fp32 (as DeepSpeed's and
-Megatron's cast copies), and one bucket's collective buffers at a time (BUCKET_BYTES).
+Megatron's cast copies), and one bucket's collective buffers at a time: the reduce-scatter output
+(1/N of the bucket), the all-gather input and output (1/N + 1 of it, in the parameter dtype).
+
+Collectives are torch's reduce_scatter_tensor / all_gather_into_tensor (torch 2.13 names them
+reduce_scatter_single / all_gather_single; called by the new names where they exist) and one
+all_reduce for the gradient norm.
 """
 
 from __future__ import annotations
