@@ -327,7 +327,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if isinstance(value, torch.Tensor) and value.ndim and value.shape == shard.master.shape else value
                 for key, value in self.inner.state[shard.master].items()
             }
-        groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": fqns}
+        groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": list(fqns)}
                   for group, fqns in zip(self.inner.param_groups, self._group_fqns, strict=True)]
         return {"state": state, "param_groups": groups}
 
