@@ -59,7 +59,9 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     """Replicate `model` over the 1-D data-parallel mesh (DDP, set up lazily at the first forward,
     so it can be applied to a meta-device model that is materialized afterwards)."""
     # Buffers (RoPE tables) never change: synced once at the first forward, not at every one.
-    return replicate(model, device_mesh=dp_mesh, forward_sync_buffers=False)
+    # gradient_as_bucket_view: replicate passes it on to DistributedDataParallel, whose gradients
+    # then are views into its all-reduce buckets instead of one more copy of every gradient.
+    return replicate(model, device_mesh=dp_mesh, forward_sync_buffers=False, gradient_as_bucket_view=True)
 
 
 def mixed_precision_policy(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
