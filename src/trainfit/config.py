@@ -145,6 +145,13 @@ class OptimizerConfig:
     """Use the fused optimizer kernel where the device has one (CUDA)."""
     foreach: bool = True
     """Use the multi-tensor (foreach) implementation."""
+    grad_accum_dtype: Literal["param", "fp32"] = "param"
+    """ZeRO-1 (parallel.zero_stage=1) only: the dtype gradients accumulate across micro-batches and
+    are reduce-scattered in. "param": the parameters' (bf16/fp16 under *-mixed): the ZeRO paper's
+    4Ψ + 12Ψ/N bytes of model states per rank (Ψ parameters, N ranks). "fp32": Megatron's default
+    fp32 main grads, exact accumulation over many micro-batches for 2Ψ more: 6Ψ + 12Ψ/N. No effect
+    on other layouts (DDP, FSDP and one process accumulate in the fp32 parameters or reduce in
+    fp32) nor under fp32 training."""
 
 
 @dataclass

@@ -1,11 +1,13 @@
 """ZeRO-1 as the ZeRO paper defines it (Rajbhandari et al. 2020, P_os), in the form of DeepSpeed's
 stage-1 optimizer and Megatron's distributed optimizer: the model's parameters are the compute
 copies (bf16/fp16 under mixed precision, fp32 under fp32), replicated on every data-parallel rank;
-fp32 master weights and optimizer states exist only for this rank's shard.
+master weights and optimizer states exist only for this rank's shard.
 
 Sharding: each parameter is split along dim 0 with torch.chunk semantics over the group (FSDP2's
 and DTensor Shard(0)'s: chunks of ceil(rows / N) rows, the last ones short or empty). The master
-shard is those rows in fp32; under fp32 it *is* the parameter's rows (a view, no copy).
+shard is those rows in `master_dtype` (fp32 by default); when the parameters already are in that
+dtype (fp32 training; bf16-pure with master_dtype=bf16) it *is* the parameter's rows (a view, no
+copy), and the inner optimizer updates the parameter in place.
 
 One optimizer step (no communication during forward and backward):
 
@@ -17,8 +19,9 @@ One optimizer step (no communication during forward and backward):
    parameter that got no gradient steps on zeros, as in Megatron (one ZeroOptimizer per model:
    the hooks stay on its parameters).
 2. `reduce_gradients()`, after the last micro-batch: per bucket, `reduce_scatter_tensor` (average
-   over the group) into this rank's segment; its fp32 form becomes each master shard's `.grad`
-   (a view when `grad_dtype` is fp32, else a cast copy).
+   over the group) into this rank's segment (then, with `replicate_group`, HSDP's all-reduce of
+   that segment across the replicas); its form in the master dtype becomes each master shard's
+   `.grad` (a view when the dtypes agree, else a cast copy).
 3. optional: fp16 loss scaling with `ShardedGradScaler(device, process_group=group)` (it unscales
    the master shards' gradients through `param_groups` and all-reduces the inf/nan flag, so a step
    is skipped on every rank or on none), then `clip_grad_norm_(max_norm)` (one all-reduce).
@@ -26,38 +29,47 @@ One optimizer step (no communication during forward and backward):
    of the shards cast to the parameter dtype, copied back into the replicated parameters.
 5. `zero_grad()`.
 
-    zero = ZeroOptimizer(model, optim.param_groups(model, wd), make_inner, group)
+    zero = ZeroOptimizer(model, optim.param_groups(model, wd), make_inner, group, param_dtype=torch.bfloat16)
     for inputs, targets in micro_batches: (loss_fn(model(inputs), targets) / num_micro).backward()
     zero.reduce_gradients(); zero.clip_grad_norm_(1.0); zero.step(); zero.zero_grad()
 
-    state = {"model": zero.model_state_dict(), "optimizer": zero.optimizer_state_dict()}
+    state = {"model": zero.model_state_dict(), "optimizer": zero.optimizer_state_dict(flatten=True)}
     dcp.save(state, checkpoint_id=path)  # or, to resume:
     dcp.load(state, checkpoint_id=path)
     zero.load_model_state_dict(state["model"]); zero.load_optimizer_state_dict(state["optimizer"])
 
+`param_dtype`: the model is built and initialized in fp32 as one process would build it; the
+masters are taken from those fp32 weights, then the parameters are cast to the compute dtype in
+place (autocast stays off: the model itself computes in that dtype, as under FSDP2's
+MixedPrecisionPolicy).
+
 `ZeroOptimizer` is a torch Optimizer whose `param_groups` and `state` are the inner optimizer's
 (master shards): LR schedulers and GradScaler work on it unchanged. Checkpoints: `model_state_dict()`
-gives the fp32 master weights at the model's parameter names, `optimizer_state_dict()` the states
-in get_optimizer_state_dict's form; sharded tensors are DTensors (Shard(0) over the group as a 1-D
-DeviceMesh), so dcp.save / dcp.load reshard them to any layout, one plain process included.
+gives the master weights at the model's parameter names, `optimizer_state_dict()` the states in
+get_optimizer_state_dict's form (`flatten=True`: its flattened form, `state.<fqn>.exp_avg`,
+`param_groups.<fqn>.lr`, as train/checkpoint.py saves every layout); sharded tensors are DTensors
+(Shard(0) over the group as a 1-D DeviceMesh), so dcp.save / dcp.load reshard them to any layout,
+one plain process included.
 
 Model states per rank (`state_bytes()`), Ψ parameters, N ranks, AdamW:
 
-| precision, grad_dtype        | params | grads | master_params | optimizer | sum                  |
-| ---------------------------- | ------ | ----- | ------------- | --------- | -------------------- |
-| bf16/fp16, param dtype       | 2Ψ     | 2Ψ    | 4Ψ/N          | 8Ψ/N      | 4Ψ + 12Ψ/N (paper)   |
-| bf16, fp32 (Megatron's)      | 2Ψ     | 4Ψ    | 4Ψ/N          | 8Ψ/N      | 6Ψ + 12Ψ/N           |
-| fp32                         | 4Ψ     | 4Ψ    | 0 (views)     | 8Ψ/N      | 8Ψ + 8Ψ/N            |
+| precision, grad_dtype            | params | grads | master_params | optimizer | sum                  |
+| -------------------------------- | ------ | ----- | ------------- | --------- | -------------------- |
+| bf16/fp16, param dtype           | 2Ψ     | 2Ψ    | 4Ψ/N          | 8Ψ/N      | 4Ψ + 12Ψ/N (paper)   |
+| bf16/fp16, fp32 (Megatron's)     | 2Ψ     | 4Ψ    | 4Ψ/N          | 8Ψ/N      | 6Ψ + 12Ψ/N           |
+| fp32                             | 4Ψ     | 4Ψ    | 0 (views)     | 8Ψ/N      | 8Ψ + 8Ψ/N            |
+| bf16-pure (master_dtype=bf16)    | 2Ψ     | 2Ψ    | 0 (views)     | 4Ψ/N      | 4Ψ + 4Ψ/N            |
 
 Sharded terms count whole padded chunks (exact when N divides every dim 0), the optimizer's `step`
 counters add 4 bytes per parameter tensor. Transient: `master_grads`, this rank's gradient shard in
-fp32 (4Ψ/N) from reduce_gradients to zero_grad when grad_dtype is not fp32 (as DeepSpeed's and
-Megatron's cast copies), and one bucket's collective buffers at a time: the reduce-scatter output
-(1/N of the bucket), the all-gather input and output (1/N + 1 of it, in the parameter dtype).
+the master dtype (4Ψ/N) from reduce_gradients to zero_grad when grad_dtype is not the master dtype
+(as DeepSpeed's and Megatron's cast copies), and one bucket's collective buffers at a time: the
+reduce-scatter output (1/N of the bucket, in grad_dtype), then the all-gather input and output
+(1/N + 1 of it, in the parameter dtype).
 
 Collectives are torch's reduce_scatter_tensor / all_gather_into_tensor (torch 2.13 names them
-reduce_scatter_single / all_gather_single; called by the new names where they exist) and one
-all_reduce for the gradient norm.
+reduce_scatter_single / all_gather_single; called by the new names where they exist), one
+all_reduce for the gradient norm, and under HSDP one all_reduce per bucket across the replicas.
 """
 
 from __future__ import annotations
@@ -65,7 +77,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -96,8 +108,13 @@ class _Shard:
     """ceil(rows / N): every rank's chunk is this long in the buffers, padded where torch.chunk's is shorter."""
     row_numel: int
     offset: int
-    master: torch.Tensor
-    """This rank's rows in fp32 (under fp32, a view of the parameter's own rows)."""
+    master: torch.Tensor = field(init=False)
+    """This rank's rows in the master dtype (a view of the parameter's own rows when the dtypes agree)."""
+
+    def rows(self, rank: int) -> slice:
+        """Rank `rank`'s rows of the parameter (torch.chunk's: empty past the end)."""
+        start = min(rank * self.chunk_rows, self.param.shape[0])
+        return slice(start, min(start + self.chunk_rows, self.param.shape[0]))
 
     def matrix(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor`, shaped like the parameter, as (rows, row_numel)."""
@@ -130,30 +147,51 @@ def _row_pairs(chunks: torch.Tensor, rows: torch.Tensor) -> list[tuple[torch.Ten
     return pairs
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """One key per storage, also for fake tensors (whose data_ptr is 0): torch keeps one Python
+    object per live storage, as memory/ledger.py relies on too."""
+    return id(t.untyped_storage())
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """ZeRO-1 over `group` for `model` (see the module docstring for the step and the memory)."""
 
     def __init__(self, model: nn.Module, param_groups: list[dict[str, Any]],
                  make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
-                 group: dist.ProcessGroup, *, grad_dtype: torch.dtype | None = None,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
+                 group: dist.ProcessGroup | DeviceMesh, *, param_dtype: torch.dtype | None = None,
+                 master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None,
+                 replicate_group: dist.ProcessGroup | None = None, bucket_bytes: int = BUCKET_BYTES) -> None:
         """`param_groups`: groups of `model`'s parameters (train/optim.py's param_groups, so the
         decay split is the plain optimizer's); `make_optimizer` builds the inner optimizer from the
-        same groups over the master shards (train/optim.py's make_optimizer). The model must already
-        be in its compute dtype (model.to(torch.bfloat16)): the master weights start from it.
-        `grad_dtype`: dtype gradients accumulate and are reduce-scattered in; None: the parameters'."""
+        same groups over the master shards (train/optim.py's make_optimizer). `group`: the ranks
+        sharding the states (a process group, or a 1-D DeviceMesh of them).
+        `param_dtype`: the compute dtype the parameters are cast to once the master shards are
+        taken from them (None: keep the model's dtype). `master_dtype`: of the master weights and so
+        of the optimizer states (fp32; bf16 for bf16-pure training, where they are the parameters'
+        own rows). `grad_dtype`: dtype gradients accumulate and are reduce-scattered in; None: the
+        parameters'. `replicate_group`: HSDP's replicas of this shard group (gradients are averaged
+        across them too), or None."""
         params = [p for g in param_groups for p in g["params"]]
-        self.param_dtype = _check_params(model, params)
+        initial_dtype = _check_params(model, params)
+        self.param_dtype = param_dtype or initial_dtype
+        self.master_dtype = master_dtype
         self.grad_dtype = grad_dtype or self.param_dtype
-        if not self.grad_dtype.is_floating_point:
-            raise ValueError(f"grad_dtype={self.grad_dtype}: gradients need a floating dtype; use None "
-                             "(the parameters' dtype) or torch.float32")
+        for name, dtype in (("param_dtype", self.param_dtype), ("master_dtype", master_dtype),
+                            ("grad_dtype", self.grad_dtype)):
+            if not dtype.is_floating_point:
+                raise ValueError(f"{name}={dtype}: needs a floating dtype (torch.float32, torch.bfloat16, ...)")
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive; the default is BUCKET_BYTES")
-        self.model, self.group = model, group
+        if isinstance(group, DeviceMesh):
+            if group.ndim != 1:
+                raise ValueError(f"group: a {group.ndim}-D DeviceMesh; pass the 1-D mesh of the sharding ranks")
+            self.mesh = group
+            group = group.get_group()
+        self.model, self.group, self.replicate_group = model, group, replicate_group
         self.num_ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self._buckets = self._plan_buckets(model, params, bucket_bytes)
         self._shards = {id(s.param): s for b in self._buckets for s in b.shards}
+        self._take_masters()
         self._reduced = False
         self.inner = make_optimizer([{**g, "params": [self._shards[id(p)].master for p in g["params"]]}
                                      for g in param_groups])
@@ -164,8 +202,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
 
     def _plan_buckets(self, model: nn.Module, params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
-        """Consecutive parameters (in `param_groups` order, the same on every rank) per bucket, and
-        this rank's master shards."""
+        """Consecutive parameters (in `param_groups` order, the same on every rank) per bucket, each
+        bucket's flat gradient buffer, and the hooks that fill it."""
         fqns: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             fqns.setdefault(id(p), []).append(name)
@@ -184,16 +222,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for members in planned:
             shards, offset = [], 0
             for p, chunk_rows in members:
-                start = min(self.rank * chunk_rows, p.shape[0])
-                own = p.detach()[start:start + chunk_rows]
-                master = own if p.dtype == torch.float32 else own.float()
-                shards.append(_Shard(p, fqns[id(p)], chunk_rows, math.prod(p.shape[1:]), offset, master))
+                shards.append(_Shard(p, fqns[id(p)], chunk_rows, math.prod(p.shape[1:]), offset))
                 offset += chunk_rows * shards[-1].row_numel
             grads = torch.zeros(self.num_ranks * offset, dtype=self.grad_dtype, device=params[0].device)
             buckets.append(_Bucket(shards, offset, grads))
             for shard in shards:
                 shard.param.register_post_accumulate_grad_hook(functools.partial(self._accumulate, buckets[-1], shard))
         return buckets
+
+    @torch.no_grad()
+    def _take_masters(self) -> None:
+        """This rank's master rows, then the parameters in param_dtype: masters in another dtype are
+        copies of the weights as they are now (the fp32 init), the others views of the cast parameters."""
+        for shard in self._shards.values():
+            own = shard.param.detach()[shard.rows(self.rank)]
+            if self.master_dtype != self.param_dtype:
+                shard.master = own.to(self.master_dtype, copy=True)
+        for shard in self._shards.values():
+            if shard.param.dtype != self.param_dtype:
+                shard.param.data = shard.param.data.to(self.param_dtype)
+            if self.master_dtype == self.param_dtype:
+                shard.master = shard.param.detach()[shard.rows(self.rank)]
 
     # ------------------------------------------------------------ the step
 
@@ -209,16 +258,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Average the accumulated gradients over the group into this rank's shard, bucket by bucket;
-        its fp32 form becomes the master shards' `.grad`. Once per step, after the last backward."""
+        """Average the accumulated gradients over the group (and the replicas) into this rank's
+        shard, bucket by bucket; its form in the master dtype becomes the master shards' `.grad`.
+        Once per step, after the last backward."""
         for bucket in self._buckets:
             reduced = bucket.grads.new_empty(bucket.shard_numel)
             _reduce_scatter(reduced, bucket.grads, op=dist.ReduceOp.AVG, group=self.group)
+            if self.replicate_group is not None:
+                dist.all_reduce(reduced, op=dist.ReduceOp.AVG, group=self.replicate_group)
             own = bucket.grads.view(self.num_ranks, -1)[self.rank]
             own.copy_(reduced)
+            del reduced  # before the cast copies: one bucket's temporary at a time
             for shard in bucket.shards:
                 grad = own[shard.offset:shard.offset + shard.master.numel()].view_as(shard.master)
-                shard.master.grad = grad if grad.dtype == torch.float32 else grad.float()
+                shard.master.grad = grad if grad.dtype == self.master_dtype else grad.to(self.master_dtype)
         self._reduced = True
 
     def _require_reduced(self, what: str) -> None:
@@ -229,10 +282,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the master shards' gradients to a global L2 norm of `max_norm` (inf: measure only);
-        returns the norm. One all-reduce of the local sums of squares."""
+        returns the norm. One all-reduce of the local sums of squares over the group (replicas hold
+        the same shards)."""
         self._require_reduced("clip_grad_norm_()")
         masters = [s.master for s in self._shards.values()]
-        total = torch.nn.utils.get_total_norm([m.grad for m in masters]).square()
+        total = torch.nn.utils.get_total_norm([m.grad for m in masters]).float().square()
         dist.all_reduce(total, group=self.group)
         total = total.sqrt()
         torch.nn.utils.clip_grads_with_norm_(masters, max_norm, total)
@@ -253,9 +307,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 local[shard.offset:shard.offset + shard.master.numel()].copy_(shard.master.view(-1))
             whole = local.new_empty(self.num_ranks * bucket.shard_numel)
             _all_gather(whole, local, group=self.group)
+            del local
             for shard in bucket.shards:
                 for chunk, rows in _row_pairs(bucket.chunks(whole, shard), shard.matrix(shard.param.detach())):
                     rows.copy_(chunk)
+            del whole  # before the next bucket's: one bucket's temporaries at a time
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffers in place (persistent, like DDP's buckets); drop the master
@@ -287,12 +343,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if isinstance(value, DTensor):
             return value.to_local()
         if isinstance(value, torch.Tensor) and value.shape == shard.param.shape:
-            start = min(self.rank * shard.chunk_rows, value.shape[0])
-            return value[start:start + shard.master.shape[0]]
+            return value[shard.rows(self.rank)]
         return value
 
     def model_state_dict(self) -> dict[str, Any]:
-        """The model's state dict with its optimized parameters as their fp32 master weights, sharded
+        """The model's state dict with its optimized parameters as their master weights, sharded
         DTensors: what dcp.save writes and dcp.load fills in place (then load_model_state_dict)."""
         state = self.model.state_dict()
         for shard in self._shards.values():
@@ -315,11 +370,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                              "dict of this model (ZeroOptimizer.model_state_dict gives its keys)")
         self._all_gather_params()
 
-    def optimizer_state_dict(self) -> dict[str, Any]:
+    def optimizer_state_dict(self, *, flatten: bool = False) -> dict[str, Any]:
         """{"state": {fqn: {"step": ..., "exp_avg": ...}}, "param_groups": [{..., "params": [fqn, ...]}]}:
         get_optimizer_state_dict's form for a plain optimizer, states shaped like the parameter as
-        sharded DTensors. Creates the states first when no step has run, so dcp.load can fill them."""
-        self._init_states()
+        sharded DTensors; `flatten`: its flattened form (StateDictOptions(flatten_optimizer_state_dict=
+        True): `state.<fqn>.<key>`, `param_groups.<fqn>.<key>`). Creates the states first when no
+        step has run, so dcp.load can fill them."""
+        self.init_states()
         state = {}
         for shard in self._shards.values():
             state[shard.fqns[0]] = {
@@ -329,12 +386,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
             }
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": list(fqns)}
                   for group, fqns in zip(self.inner.param_groups, self._group_fqns, strict=True)]
-        return {"state": state, "param_groups": groups}
+        if not flatten:
+            return {"state": state, "param_groups": groups}
+        flat = {f"state.{fqn}.{key}": value for fqn, states in state.items() for key, value in states.items()}
+        for group in groups:
+            flat.update({f"param_groups.{fqn}.{k}": v for fqn in group["params"] for k, v in group.items()
+                         if k != "params"})
+        return flat
 
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
-        """Set the states and the groups' hyperparameters from `state` (optimizer_state_dict's form;
-        sharded DTensors or whole tensors)."""
-        self._init_states()
+        """Set the states and the groups' hyperparameters from `state` (optimizer_state_dict's form,
+        flattened or not; sharded DTensors or whole tensors)."""
+        if set(state) != {"state", "param_groups"}:
+            state = self._unflatten(state)
+        self.init_states()
         with torch.no_grad():
             for shard in self._shards.values():
                 current = self.inner.state[shard.master]
@@ -349,8 +414,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                  f"optimizer has {fqns}; build both from the same param_groups")
             group.update({k: v for k, v in saved.items() if k != "params"})
 
+    def _unflatten(self, flat: dict[str, Any]) -> dict[str, Any]:
+        """optimizer_state_dict(flatten=True)'s form back to the nested one, for this optimizer's keys."""
+        self.init_states()
+        try:
+            state = {s.fqns[0]: {key: flat[f"state.{s.fqns[0]}.{key}"] for key in self.inner.state[s.master]}
+                     for s in self._shards.values()}
+            groups = [{**{k: flat[f"param_groups.{fqns[0]}.{k}"] for k in group if k != "params"},
+                       "params": list(fqns)}
+                      for group, fqns in zip(self.inner.param_groups, self._group_fqns, strict=True)]
+        except KeyError as err:
+            raise ValueError(f"optimizer state dict: no entry {err} (a flattened state dict of another model or "
+                             "optimizer?); load one this optimizer's optimizer_state_dict(flatten=True) describes"
+                             ) from err
+        return {"state": state, "param_groups": groups}
+
     @torch.no_grad()
-    def _init_states(self) -> None:
+    def init_states(self) -> None:
         """Create missing states as torch's get_optimizer_state_dict does: one inner step on zero
         gradients at learning rate 0, which leaves the master weights as they are."""
         masters = [s.master for s in self._shards.values()]
@@ -369,10 +449,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ accounting
 
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes of the model states this rank holds, by category (the module docstring's table),
-        each storage counted once, in the first category holding it (fp32 masters that are views of
-        the parameters count as params, fp32 master gradients that are views of the buffers as grads)."""
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The model states this rank holds, by category (the module docstring's table), each
+        storage in the first category holding it: masters that are views of the parameters are
+        params, master gradients that are views of the buffers grads."""
         categories = {
             "params": [s.param for s in self._shards.values()],
             "grads": [b.grads for b in self._buckets],
@@ -382,11 +462,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
                           if isinstance(v, torch.Tensor)],
         }
         seen: set[int] = set()
-        counts = {}
+        out = {}
         for name, tensors in categories.items():
-            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-            counts[name] = sum(n for ptr, n in storages.items() if ptr not in seen)
-            seen.update(storages)
+            out[name] = [t for t in tensors if _storage_key(t) not in seen]
+            seen.update(_storage_key(t) for t in tensors)
+        return out
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of `state_tensors()` by category, each storage counted once."""
+        counts = {}
+        for name, tensors in self.state_tensors().items():
+            storages = {_storage_key(t): t.untyped_storage().nbytes() for t in tensors}
+            counts[name] = sum(storages.values())
         return counts
 
 
