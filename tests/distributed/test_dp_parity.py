@@ -26,10 +26,17 @@ import torch
 from _dist import AUTOCAST, FP32, LOW, MOE, STEPS, GlooTestCase, full_params, run_config, with_comms
 from trainfit.train.trainer import Trainer, TrainingDiverged
 
+LONG_STEPS = 20
+
 
 class DataParallelParity(GlooTestCase):
     def run_cases(self, cases: list[tuple[tuple[str, ...], dict[str, float]]]) -> None:
-        self.run_subtests({"case": cases}, lambda case: self.check_parity(*case))
+        self.run_subtests({"case": cases}, self.check_case)
+
+    def check_case(self, case: tuple[tuple[str, ...], dict[str, float]]) -> None:
+        errors = self.check_parity(*case)
+        if errors:  # pytest -s shows the measured errors the module docstring quotes
+            print(f"{' '.join(case[0])}: loss {errors[0]:.1e}, parameters {errors[1]:.1e}")
 
     @with_comms
     def test_ddp(self) -> None:
@@ -41,10 +48,24 @@ class DataParallelParity(GlooTestCase):
         ])
 
     @with_comms
+    def test_every_zero_stage_over_20_steps(self) -> None:
+        self.run_subtests({"stage": [0, 1, 2, 3]}, self.check_stage_over_20_steps)
+
+    def check_stage_over_20_steps(self, stage: int) -> None:
+        errors = self.check_parity((f"--parallel.zero_stage={stage}",), FP32, steps=LONG_STEPS)
+        if errors:
+            print(f"world {self.world_size}, zero_stage {stage}: loss {errors[0]:.1e}, parameters {errors[1]:.1e}")
+
+    @with_comms
     def test_zero1(self) -> None:
+        """Every precision (the 16-bit ones compute with 16-bit parameters, like FSDP2), fp16 loss
+        scaling, fp32 gradient accumulation; 2 micro-batches per rank, clipping, evaluation."""
         self.run_cases([
-            (("--parallel.zero_stage=1",), FP32),
-            (("--parallel.zero_stage=1", "--precision.mode=fp16-mixed"), AUTOCAST),
+            (("--parallel.zero_stage=1", "--precision.mode=bf16-mixed"), LOW),
+            (("--parallel.zero_stage=1", "--precision.mode=bf16-mixed", "--optimizer.grad_accum_dtype=fp32"), LOW),
+            (("--parallel.zero_stage=1", "--precision.mode=fp16-mixed"), LOW),
+            (("--parallel.zero_stage=1", "--precision.mode=bf16-pure"), LOW),
+            (("--parallel.zero_stage=1", "--model.preset=debug-gpt2", "--training.grad_clip=0.05"), FP32),
         ])
 
     @with_comms
@@ -84,7 +105,7 @@ class DataParallelParity(GlooTestCase):
         overrides = (f"--training.steps={STEPS + 2}", f"--parallel.zero_stage={stage}")
         straight = Trainer(run_config(self.shared_dir / f"straight{stage}", *overrides))
         expected = straight.train().losses
-        expected_params = full_params(straight.model)
+        expected_params = full_params(straight)
 
         run_dir = self.shared_dir / f"interrupted{stage}"
         first = Trainer(run_config(run_dir, *overrides))
@@ -104,7 +125,7 @@ class DataParallelParity(GlooTestCase):
         self.assertEqual(second.step, 3)
         resumed = second.train()
         self.assertEqual({**stopped.losses, **resumed.losses}, expected)  # bitwise
-        params = full_params(second.model)
+        params = full_params(second)
         for key, value in expected_params.items():
             self.assertTrue(torch.equal(params[key], value), key)
 
@@ -124,3 +145,15 @@ class DataParallelParity(GlooTestCase):
         with self.assertRaisesRegex(TrainingDiverged, "step 3: the loss is nan"):
             trainer.train()
         self.assertFalse((run_dir / "ckpt").exists())  # nothing saved over the last good checkpoint
+
+
+
+class FourRanks(GlooTestCase):
+    """Every ZeRO stage on 4 ranks (global batch 8: one micro-batch of 2 rows per rank)."""
+
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    test_every_zero_stage_over_20_steps = DataParallelParity.test_every_zero_stage_over_20_steps
+    check_stage_over_20_steps = DataParallelParity.check_stage_over_20_steps

@@ -25,10 +25,10 @@ of model-state forms per ZeRO stage):
   buckets (DDP's, as `.grad` views: gradient_as_bucket_view; ZeRO-1's) they exist all step long.
 - logits: logits, their fp32 copy, log-softmax and the logits' gradient (train/trainer.py:
   `F.cross_entropy(logits.float(), ...)`), on the last stage.
-- buffers: FSDP all-gather / reduce-scatter buffers, ZeRO-1's bucket temporaries (reduce-scatter
-  output, all-gather input and output), expert-parallel all-to-all buffers, optimizer-step
-  temporaries, the recompute buffer of a checkpointed block
-  (what it rebuilds in backward beyond what it kept), and module buffers (RoPE tables).
+- buffers: FSDP all-gather / reduce-scatter buffers (ZeRO-1's collectives run in place in its
+  gradient buffers: none), expert-parallel all-to-all buffers, optimizer-step temporaries, the
+  recompute buffer of a checkpointed block (what it rebuilds in backward beyond what it kept),
+  and module buffers (RoPE tables).
 - memory.offload (FSDP2's CPUOffloadPolicy, either setting): the sharded parameters, their
   gradients (copied out after the reduce-scatter) and the optimizer states and step live on the
   host. On the device stay the unsharded compute copies (ZeRO-2: all of them from forward to
@@ -87,10 +87,6 @@ as the module, *are* the gradients: autograd's gradient is copied into its bucke
 becomes a view of it ("the saved memory size will be equal to the total gradients size", DDP
 docs). So the gradients exist all step long, the forward included (set_to_none only drops the
 views), and no second copy sits in buffers; False would add the buckets beside `.grad`."""
-ZERO1_BUCKET_BYTES = 25 * MIB
-"""parallel/zero.py's BUCKET_BYTES (DDP's bucket_cap_mb, its padded chunks in the wider of the
-gradient and parameter dtypes): ZeRO-1's reduce-scatter and all-gather temporaries are one
-bucket's at a time, at most this or the largest parameter, at most the whole model."""
 FSDP_PREFETCH_BLOCKS = 1
 """parallel/data_parallel.py prefetches one block: the next block's all-gather is issued when a
 block starts its forward (the previous one's in backward)."""
@@ -306,8 +302,6 @@ class _Stage:
     master_grads: int = 0
     """ZeRO-1: its master shards' gradients in the master dtype, from the reduce-scatter to the end
     of the step, when the buffers hold another dtype (else views of the buffers)."""
-    bucket: int = 0
-    """ZeRO-1: elements of its largest bucket (its reduce-scatter and all-gather temporaries)."""
 
 
 def _stage(run: _Run, counts: ParamCounts, stage: int) -> _Stage:
@@ -337,7 +331,8 @@ def _zero1_stage(run: _Run, prec: _Precision, lay: _Layout, counts: ParamCounts)
     """ZeRO-1 (parallel/zero.py): parameters in the compute dtype, whole on every rank (2Ψ under
     *-mixed); flat gradient buffers in their dtype or fp32 (2Ψ or 4Ψ); master weights (fp32 under
     *-mixed, 4Ψ/N; otherwise the parameters' own rows) and optimizer states over N = dp_shard.
-    Sharded terms are exact when N divides every dim 0 (the engine pads chunks to ceil(rows / N))."""
+    Sharded terms are exact when N divides every dim 0 (the engine pads chunks to ceil(rows / N)).
+    Its reduce-scatter and all-gather run in place in the gradient buffers: no bucket temporaries."""
     n = lay.blocks * lay.block + lay.embedding + lay.head
     no_decay = lay.blocks * lay.block_no_decay + (counts.final_norm if lay.last else 0)
     shards = run.layout.zero_shards
@@ -346,13 +341,12 @@ def _zero1_stage(run: _Run, prec: _Precision, lay: _Layout, counts: ParamCounts)
     master = prec.param  # fp32 masters under *-mixed; the parameters themselves otherwise
     params = n * c
     persistent = n * master // shards if prec.mixed else params
-    bucket = min(n, max(ZERO1_BUCKET_BYTES // max(grad, c), lay.largest_tensor))
     seq = run.training.seq_len // run.layout.cp
     return _Stage(lay, prec, n, persistent, n * grad,
                   _optimizer_bytes(run.optimizer.name, prec, n // shards, lay.tensors, no_decay // shards),
                   _optimizer_step_temporaries(run, prec, (n - no_decay) // shards, lay.largest_tensor // shards),
                   False, run.training.micro_batch_size * seq, seq, compute_params=params if prec.mixed else 0,
-                  master_grads=n * master // shards if grad != master else 0, bucket=bucket)
+                  master_grads=n * master // shards if grad != master else 0)
 
 
 def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakdown:
@@ -498,7 +492,8 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
         ("backward", (c * (lay.block + lay.embedding + lay.head) if held else 0) + older_casts + cast_block
          + first_casts,
          older + first_acts, 0, max(before, later_grads) + first_grads, bwd_buffers + first_comms + first_buffers),
-        *_optimizer_moments(run, st, persistent_buffers),
+        # The step: every gradient (ZeRO-1's master gradients too) and the optimizer's temporaries.
+        ("optimizer", 0, 0, 0, st.grads + st.master_grads, persistent_buffers + st.optimizer_temp),
     ]
     states = st.persistent + st.optimizer + st.compute_params
     phase_peaks: dict[str, int] = {}
@@ -516,23 +511,6 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
         grads=int(grads), optimizer=st.optimizer, activations=int(activations), logits=int(logits),
         buffers=int(buffers), peak=peak, peak_phase=phase, reserved_margin=margin, phase_peaks=phase_peaks,
     )
-
-
-def _optimizer_moments(run: _Run, st: _Stage, persistent_buffers: int) -> list[tuple]:
-    """The optimizer phase's candidate peaks, as _stage_breakdown's moments: the step's
-    temporaries beside every gradient; under ZeRO-1 also its bucket by bucket reduce-scatter
-    output (g x bucket / N, before that bucket's master gradients exist), then the optimizer's
-    temporaries, then the all-gather input and output (c x bucket x (1 + 1/N)), the master
-    gradients alive until zero_grad."""
-    if not st.bucket:
-        return [("optimizer", 0, 0, 0, st.grads, persistent_buffers + st.optimizer_temp)]
-    shards, c = run.layout.zero_shards, st.prec.act.compute
-    grads = st.grads + st.master_grads
-    reduced = st.grads // st.params * st.bucket // shards
-    earlier = st.master_grads * max(0, st.params - st.bucket) // st.params  # other buckets' master gradients
-    return [("optimizer", 0, 0, 0, st.grads + earlier, persistent_buffers + reduced),
-            ("optimizer", 0, 0, 0, grads, persistent_buffers + st.optimizer_temp),
-            ("optimizer", 0, 0, 0, grads, persistent_buffers + c * st.bucket + c * st.bucket // shards)]
 
 
 def estimate_memory(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
@@ -595,7 +573,14 @@ def zero_model_state_bytes(num_params: int, stage: int, dp: int, param_bytes: in
     """Model-state bytes per rank as the ZeRO paper counts them (Rajbhandari et al., arXiv
     1910.02054, Sec. 3.1 and 5): fp16 parameters (2 bytes) and gradients (2 bytes) plus K = 12
     bytes of Adam state (fp32 master copy, momentum, variance) per parameter; stage 1 shards the K
-    bytes over the dp ranks, stage 2 also the gradients, stage 3 also the parameters."""
+    bytes over the dp ranks, stage 2 also the gradients, stage 3 also the parameters.
+
+    The paper's closed forms, against which estimate_memory's engines compare (*-mixed AdamW;
+    parallel/data_parallel.py's table): stage 0 (DDP) holds the same 16 bytes, split 4 + 4 + 8
+    (fp32 parameters and gradients; autocast's 16-bit copies on top); stage 1 (parallel/zero.py) is
+    this form exactly, 2Ψ + 2Ψ + 12Ψ/N (6Ψ + 12Ψ/N with optimizer.grad_accum_dtype='fp32'); stage 2
+    (FSDP2, reshard_after_forward=False) is 2Ψ + 16Ψ/N, its gradient shards fp32 (4Ψ/N, not 2Ψ/N);
+    stage 3 (FSDP2) is 16Ψ/N."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage {stage!r}: choose 0, 1, 2 or 3")
     per_param = (param_bytes / (dp if stage >= 3 else 1) + grad_bytes / (dp if stage >= 2 else 1)

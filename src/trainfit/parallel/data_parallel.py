@@ -8,7 +8,8 @@ fp32 masters), the forms memory/analytic.py follows:
 | 0 (DDP)    | `replicate`, gradients in its buckets       | 16Ψ (+ autocast's copies)  | 16Ψ           |
 | 1          | parallel/zero.py's ZeroOptimizer            | 4Ψ + 12Ψ/N (the paper's);  | 8Ψ + 8Ψ/N     |
 |            |                                             | 6Ψ + 12Ψ/N with fp32 grads |               |
-| 2          | `fully_shard(reshard_after_forward=False)`  | 2Ψ + 16Ψ/N (fwd to bwd)    | 4Ψ + 12Ψ/N    |
+|            |                                             | (bf16-pure: 4Ψ + 4Ψ/N)     |               |
+| 2          | `fully_shard(reshard_after_forward=False)`  | 2Ψ + 16Ψ/N (fwd to bwd)    | 4Ψ + 16Ψ/N    |
 | 3          | `fully_shard` per block, then the root      | 16Ψ/N (+ gathered blocks)  | 16Ψ/N         |
 
 - zero_stage 0, DDP (`replicate`, composable DDP): each rank keeps whole parameters, gradients

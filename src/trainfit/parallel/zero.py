@@ -19,15 +19,28 @@ One optimizer step (no communication during forward and backward):
    parameter that got no gradient steps on zeros, as in Megatron (one ZeroOptimizer per model:
    the hooks stay on its parameters).
 2. `reduce_gradients()`, after the last micro-batch: per bucket, `reduce_scatter_tensor` (average
-   over the group) into this rank's segment (then, with `replicate_group`, HSDP's all-reduce of
-   that segment across the replicas); its form in the master dtype becomes each master shard's
-   `.grad` (a view when the dtypes agree, else a cast copy).
+   over the group) in place, into this rank's own segment of the buffer (Megatron's form; NCCL
+   reduce-scatters in place when the output is the input's rank-th chunk); then, with
+   `replicate_group`, HSDP's all-reduce of that segment across the replicas. Its form in the
+   master dtype becomes each master shard's `.grad` (a view when the dtypes agree, else a cast
+   copy).
 3. optional: fp16 loss scaling with `ShardedGradScaler(device, process_group=group)` (it unscales
    the master shards' gradients through `param_groups` and all-reduces the inf/nan flag, so a step
    is skipped on every rank or on none), then `clip_grad_norm_(max_norm)` (one all-reduce).
-4. `step()`: the inner optimizer updates the master shards; per bucket, `all_gather_into_tensor`
-   of the shards cast to the parameter dtype, copied back into the replicated parameters.
-5. `zero_grad()`.
+4. `step()`: the inner optimizer updates the master shards; per bucket, the shards cast to the
+   parameter dtype are all-gathered in place into the bucket's gradient buffer (no longer needed:
+   zero_grad clears it; it is at least as wide as the parameters), then copied into the
+   replicated parameters.
+5. `zero_grad()` (required before the next backward: until then the buffers hold parameters).
+
+On gloo (CPU) the same two collectives allocate a bucket-sized copy each: its reduce_scatter_tensor
+all-reduces a clone of the input (ProcessGroupGloo.cpp, reduce_scatter_tensor_coalesced), its
+all_gather_into_tensor gathers into a flat temporary of the output's size on its worker thread
+(AsyncAllgatherWork); measured, +1 bucket each, seen or not by the allocator's in-use bytes
+depending on when the worker runs. So on gloo the engine all-reduces the bucket in place (what
+gloo's reduce-scatter does, without the copy) and all-gathers by one in-place broadcast of each
+rank's segment (measured: nothing allocated). NCCL, and the fake backend the traced estimator
+runs on, take the reduce-scatter and all-gather.
 
     zero = ZeroOptimizer(model, optim.param_groups(model, wd), make_inner, group, param_dtype=torch.bfloat16)
     for inputs, targets in micro_batches: (loss_fn(model(inputs), targets) / num_micro).backward()
@@ -63,9 +76,8 @@ Model states per rank (`state_bytes()`), Ψ parameters, N ranks, AdamW:
 Sharded terms count whole padded chunks (exact when N divides every dim 0), the optimizer's `step`
 counters add 4 bytes per parameter tensor. Transient: `master_grads`, this rank's gradient shard in
 the master dtype (4Ψ/N) from reduce_gradients to zero_grad when grad_dtype is not the master dtype
-(as DeepSpeed's and Megatron's cast copies), and one bucket's collective buffers at a time: the
-reduce-scatter output (1/N of the bucket, in grad_dtype), then the all-gather input and output
-(1/N + 1 of it, in the parameter dtype).
+(as DeepSpeed's and Megatron's cast copies); the collectives, in place, allocate nothing here (a
+backend may inside: gloo's all-reduce its transfer buffers).
 
 Collectives are torch's reduce_scatter_tensor / all_gather_into_tensor (torch 2.13 names them
 reduce_scatter_single / all_gather_single; called by the new names where they exist), one
@@ -180,6 +192,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                             ("grad_dtype", self.grad_dtype)):
             if not dtype.is_floating_point:
                 raise ValueError(f"{name}={dtype}: needs a floating dtype (torch.float32, torch.bfloat16, ...)")
+        if self.grad_dtype.itemsize < self.param_dtype.itemsize:
+            raise ValueError(f"grad_dtype={self.grad_dtype}: narrower than the parameters' {self.param_dtype}; the "
+                             "parameters are all-gathered into the gradient buffers (use None or torch.float32)")
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive; the default is BUCKET_BYTES")
         if isinstance(group, DeviceMesh):
@@ -189,6 +204,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             group = group.get_group()
         self.model, self.group, self.replicate_group = model, group, replicate_group
         self.num_ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self._on_gloo = dist.get_backend(group) == "gloo"  # in-place forms of the collectives (module docstring)
         self._buckets = self._plan_buckets(model, params, bucket_bytes)
         self._shards = {id(s.param): s for b in self._buckets for s in b.shards}
         self._take_masters()
@@ -262,13 +278,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         shard, bucket by bucket; its form in the master dtype becomes the master shards' `.grad`.
         Once per step, after the last backward."""
         for bucket in self._buckets:
-            reduced = bucket.grads.new_empty(bucket.shard_numel)
-            _reduce_scatter(reduced, bucket.grads, op=dist.ReduceOp.AVG, group=self.group)
-            if self.replicate_group is not None:
-                dist.all_reduce(reduced, op=dist.ReduceOp.AVG, group=self.replicate_group)
             own = bucket.grads.view(self.num_ranks, -1)[self.rank]
-            own.copy_(reduced)
-            del reduced  # before the cast copies: one bucket's temporary at a time
+            if self._on_gloo:
+                dist.all_reduce(bucket.grads, op=dist.ReduceOp.AVG, group=self.group)
+            else:
+                _reduce_scatter(own, bucket.grads, op=dist.ReduceOp.AVG, group=self.group)
+            if self.replicate_group is not None:
+                dist.all_reduce(own, op=dist.ReduceOp.AVG, group=self.replicate_group)
             for shard in bucket.shards:
                 grad = own[shard.offset:shard.offset + shard.master.numel()].view_as(shard.master)
                 shard.master.grad = grad if grad.dtype == self.master_dtype else grad.to(self.master_dtype)
@@ -301,17 +317,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _all_gather_params(self) -> None:
+        """The master shards, in the parameter dtype, all-gathered in place into each bucket's
+        gradient buffer (its storage seen in the parameter dtype), then copied into the parameters.
+        Overwrites the accumulated gradients: zero_grad() before the next backward."""
         for bucket in self._buckets:
-            local = bucket.grads.new_empty(bucket.shard_numel, dtype=self.param_dtype)
+            whole = bucket.grads.view(self.param_dtype)[:self.num_ranks * bucket.shard_numel]
+            own = whole.view(self.num_ranks, -1)[self.rank]
             for shard in bucket.shards:
-                local[shard.offset:shard.offset + shard.master.numel()].copy_(shard.master.view(-1))
-            whole = local.new_empty(self.num_ranks * bucket.shard_numel)
-            _all_gather(whole, local, group=self.group)
-            del local
+                own[shard.offset:shard.offset + shard.master.numel()].copy_(shard.master.view(-1))
+            if self._on_gloo:
+                works = [dist.broadcast(segment, src=dist.get_global_rank(self.group, r), group=self.group,
+                                        async_op=True) for r, segment in enumerate(whole.view(self.num_ranks, -1))]
+                for work in works:
+                    work.wait()
+            else:
+                _all_gather(whole, own, group=self.group)
             for shard in bucket.shards:
                 for chunk, rows in _row_pairs(bucket.chunks(whole, shard), shard.matrix(shard.param.detach())):
                     rows.copy_(chunk)
-            del whole  # before the next bucket's: one bucket's temporaries at a time
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffers in place (persistent, like DDP's buckets); drop the master
@@ -369,6 +392,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"model state dict: unexpected keys {unexpected}, missing {missing}; load a state "
                              "dict of this model (ZeroOptimizer.model_state_dict gives its keys)")
         self._all_gather_params()
+        self.zero_grad()  # the buffers held the gathered parameters
 
     def optimizer_state_dict(self, *, flatten: bool = False) -> dict[str, Any]:
         """{"state": {fqn: {"step": ..., "exp_avg": ...}}, "param_groups": [{..., "params": [fqn, ...]}]}:
