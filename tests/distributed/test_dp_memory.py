@@ -12,11 +12,11 @@ agree within 3% (measured: exactly, as the tensors are the same), and the analyt
 within 10% of the measured ones.
 
 Peaks: DDP's and ZeRO-1's measured peaks are within 3% of the traced ones on every rank (the
-accuracy grid's rule; measured: 0.1-0.5%). FSDP's are not held to it here: on gloo its reduce-scatter
-all-reduces a clone of its input (ProcessGroupGloo.cpp, reduce_scatter_tensor_coalesced), a
-block's gradients the fake backend of the trace does not allocate (ZeRO-3 on this model: +5%,
-the same before ZeRO-1 changed); the accuracy grid holds FSDP rows whose blocks are small next to
-their peaks.
+accuracy grid's rule; measured: +0.3% to +0.9%). FSDP's are not held to it here: on gloo its
+reduce-scatter all-reduces a clone of its input (ProcessGroupGloo.cpp,
+reduce_scatter_tensor_coalesced), a block's gradients the fake backend of the trace does not
+allocate (ZeRO-3 on this model: +2.6% to +5.1%, as before ZeRO-1 changed); the accuracy grid
+holds FSDP rows whose blocks are small next to their peaks.
 """
 
 from __future__ import annotations
@@ -94,7 +94,9 @@ def test_every_stage_holds_the_traced_model_states_on_every_rank(world: int, tmp
                 assert abs(value - reference) <= TRACED_TOLERANCE * reference, (where, category, value, reference)
                 assert value == pytest.approx(forms[category], rel=0.01, abs=1024), (where, category)
             peak = traced.worst.peak
-            print(f"{where}: states {measured['state_bytes']}, peak {measured['peak'] / peak - 1:+.2%} of traced")
+            off = max(abs(v / max(traced.state_bytes[k], 1) - 1) for k, v in measured["state_bytes"].items())
+            print(f"{where}: states {measured['state_bytes']} (off the traced by {off:.2%} at most), "
+                  f"peak {measured['peak'] / peak - 1:+.2%} of traced")
             if name.startswith(("zero0", "zero1")):
                 assert abs(measured["peak"] - peak) <= TRACED_TOLERANCE * peak, (where, "peak", measured["peak"], peak)
         analytic = states_of(cfg).model_states

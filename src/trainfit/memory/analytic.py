@@ -426,10 +426,11 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     # The MLP's output matmul (w2 / fc2) has its weight gradient by the MLP's backward peak: in
     # .grad after SwiGLU's w2 (under FSDP an unsharded gradient, until the block's reduce-scatter);
     # GELU's peak is inside fc2's backward, where under autocast the 16-bit weight gradient is not
-    # yet cast and accumulated.
+    # yet cast and accumulated. Bucketed, the peak is w2's own backward: its weight gradient, just
+    # made (an activation gradient until the bucket's hook takes it), beside its input's gradient.
     w2_in_flight = run.model.family == "gpt2" and act.autocast
-    w2 = (0, 0, c * lay.mlp_out) if w2_in_flight else \
-        (0, c * lay.mlp_out, 0) if st.fsdp else (int(lay.mlp_out * per_param), 0, 0)
+    w2 = (0, 0, c * lay.mlp_out) if w2_in_flight else (0, c * lay.mlp_out, 0) if st.fsdp else \
+        (0, 0, int(autograd_bytes * lay.mlp_out)) if bucketed else (int(lay.mlp_out * per_param), 0, 0)
     # MoE: the shared experts' backward runs first (mlp_* of `transient`; their w2 for w2), then the
     # routed experts' (activations.routed_backward_moments); the routed output is in the stream's
     # dtype, so no grad_cast then.
@@ -438,7 +439,8 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     if routing is not None:
         m = run.model
         shared_w2 = m.num_shared_experts * m.expert_ffn_dim * m.dim // tp
-        w2 = (0, c * shared_w2, 0) if st.fsdp else (int(shared_w2 * per_param), 0, 0)
+        w2 = (0, c * shared_w2, 0) if st.fsdp else (0, 0, int(autograd_bytes * shared_w2)) if bucketed else \
+            (int(shared_w2 * per_param), 0, 0)
         routed_moments = routed_backward_moments(
             m, act, transient, routing, size, expert_weight=counts.routed_experts // 3 // (run.layout.ep * tp),
             grad_bytes=c if st.fsdp else autograd_bytes, num_local_experts=m.num_experts // run.layout.ep, tp=tp)
