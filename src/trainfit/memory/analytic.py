@@ -477,6 +477,10 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     last_grads, last_buffers, last_acts, last_casts = in_backward(lay.last_wrapped)
     first_grads, first_buffers, first_acts, first_casts = in_backward(lay.first_wrapped)
 
+    head_grad = 0
+    if bucketed and lay.last and not run.layout.chunked_loss:
+        head_grad = int(autograd_bytes * lay.output_matmul) + (c * lay.output_matmul if act.autocast else 0)
+
     n_if, h_if = lay.in_flight, lay.head_in_flight
     older = (n_if - 1) * a_blocks + (h_if - 1) * (a_final + saved_logits)  # other micro-batches in flight
     older_casts = (n_if - 1) * (none_blocks * cast_block + cast_head)
@@ -488,6 +492,11 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
          fwd_buffers),
         ("forward", held + saved_casts, acts, logits_fwd, before, fwd_buffers),
         ("backward", held + saved_casts, acts, logits_bwd, before, fwd_buffers),
+        # Bucketed gradients: the output projection's backward, its weight gradient just made (under
+        # autocast also its 16-bit form) beside the logits' gradient in the compute dtype, until the
+        # bucket's hook takes it (a large vocabulary makes this the backward's peak).
+        *([("backward", held + saved_casts, acts + head_grad, logits_tensor, before, fwd_buffers)]
+          if head_grad else []),
         ("backward", held + saved_casts - cast_head + (cast_block if lay.last_wrapped else 0) + last_casts,
          older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, 0,
          max(before, output_grads + last_grads), bwd_buffers + last_comms + last_buffers),
