@@ -161,7 +161,8 @@ class ParallelConfig:
     dp_shard: int = -1
     """Data-parallel shards (FSDP/ZeRO axis); -1 derives it: num_gpus / (tp x pp x cp x dp_replicate)."""
     zero_stage: Literal[0, 1, 2, 3] = 0
-    """0 replicated (DDP), 1 optimizer states sharded, 2 + gradients, 3 + parameters (FSDP)."""
+    """0 replicated (DDP), 1 fp32 master weights and optimizer states sharded (the ZeRO paper's P_os:
+    16-bit parameters and gradients whole), 2 + gradients, 3 + parameters (FSDP)."""
     tp: int = 1
     """Tensor-parallel degree."""
     sequence_parallel: bool = False
