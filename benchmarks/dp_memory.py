@@ -4,10 +4,11 @@ ranks (gloo), the same global batch for each layout.
 For each layout, every rank runs a watched warm-up step, one measured step as `trainfit train` does
 (Trainer.measured_step: the tensors alive at the step's start + glibc in-use growth sampled after
 every operator, memory/attribution.py; the largest over the ranks), then timed steps; and this
-rank's model-state tensors (params, grads, optimizer: local shard bytes, rank 0). "estimate" is
-memory/analytic.estimate_memory's peak and model states for the same config, when that module is
-present. On a CPU "offload" moves nothing (host and device are the same memory): its row shows
-the cost of the offload code path, not its saving.
+rank's model-state tensors once the optimizer is about to step (params, master weights, grads,
+optimizer: local shard bytes, rank 0; ZeRO-1's grads are its flat buffers plus its master shards'
+gradients). "estimate" is memory/analytic.py's model states at that moment (model_states) and
+peak (estimate_memory) for the same config. On a CPU "offload" moves nothing (host and device are
+the same memory): its row shows the cost of the offload code path, not its saving.
 
     python benchmarks/dp_memory.py [--steps 2] [--nproc 4]
 
@@ -33,6 +34,7 @@ MODEL = ["--model.preset=", "--model.family=llama", "--model.dim=640", "--model.
 LAYOUTS = {
     "DDP (ZeRO-0)": ["--parallel.zero_stage=0"],
     "ZeRO-1": ["--parallel.zero_stage=1"],
+    "ZeRO-1 bf16-mixed": ["--parallel.zero_stage=1", "--precision.mode=bf16-mixed"],
     "ZeRO-2": ["--parallel.zero_stage=2"],
     "ZeRO-3": ["--parallel.zero_stage=3"],
     "HSDP 2x2 (ZeRO-3)": ["--parallel.zero_stage=3", "--parallel.dp_replicate=2"],
@@ -48,11 +50,12 @@ def overrides(run_dir: Path, nproc: int, layout: list[str]) -> list[str]:
 
 
 def estimate(cfg) -> tuple[int, int]:
-    """(peak, model states) of the analytic estimate."""
-    from trainfit.estimate import estimate as analytic_estimate
+    """(peak, model states once the optimizer is about to step) of the analytic estimate."""
+    from trainfit.memory.analytic import estimate_memory, model_states
+    from trainfit.parallel.layout import build_layout
 
-    est = analytic_estimate(cfg).memory.per_stage[0]
-    return est.peak, est.model_states
+    args = (cfg.model, build_layout(cfg), cfg.training, cfg.hardware, cfg.optimizer)
+    return estimate_memory(*args).worst.peak, model_states(*args).model_states
 
 
 def run_rank(args: argparse.Namespace) -> None:
@@ -89,14 +92,15 @@ def print_table(rows: list, nproc: int) -> None:
     from rich.table import Table
 
     num_params = rows[0][-1]
-    table = Table(title=f"{num_params / 1e6:.1f}M-parameter Llama, fp32 AdamW, {nproc} CPU ranks (gloo), "
-                        f"global batch {nproc} x 128 tokens; MiB per rank")
-    for column in ("layout", "params", "grads", "optimizer", "model states", "estimate (states)", "peak",
+    table = Table(title=f"{num_params / 1e6:.1f}M-parameter Llama, AdamW (fp32 unless named), {nproc} CPU ranks "
+                        f"(gloo), global batch {nproc} x 128 tokens; MiB per rank")
+    for column in ("layout", "params", "master", "grads", "optimizer", "model states", "estimate (states)", "peak",
                    "estimate (peak)", "tokens/s"):
         table.add_column(column, justify="left" if column == "layout" else "right")
     for name, states, peak, tokens_per_s, est, _ in rows:
         est_peak, est_states = (f"{est[0] / MIB:,.0f}", f"{est[1] / MIB:,.0f}") if est else ("-", "-")
-        table.add_row(name, *(f"{states[k] / MIB:,.0f}" for k in ("params", "grads", "optimizer")),
+        columns = ("params", "master_params", "grads", "optimizer")
+        table.add_row(name, *(f"{states.get(k, 0) / MIB:,.0f}" for k in columns),
                       f"{sum(states.values()) / MIB:,.0f}", est_states, f"{peak / MIB:,.0f}", est_peak,
                       f"{tokens_per_s:,.0f}")
     Console(width=160).print(table)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -16,17 +17,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_distributed import run_subtests
 from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase, with_comms
 
 from trainfit.config import Config, load_config
+from trainfit.parallel.data_parallel import state_dicts
 from trainfit.train.distributed import World
-from trainfit.train.trainer import Trainer
+from trainfit.train.trainer import Trainer, TrainResult
 
-__all__ = ["AUTOCAST", "FP32", "LOW", "MOE", "STEPS", "ZERO3_LAYOUT", "ZERO3_RUN_ENV", "ZERO3_STEPS",
-           "GlooTestCase", "fake_world", "full_params", "run_config", "run_overrides", "subprocess_env", "torchrun",
-           "with_comms"]
+__all__ = ["AUTOCAST", "FP32", "LOW", "MOE", "STEPS", "ZERO1_LAYOUT", "ZERO1_RUN_ENV", "ZERO3_LAYOUT",
+           "ZERO3_RUN_ENV", "ZERO3_STEPS",
+           "GlooTestCase", "fake_world", "full_params", "run_config", "run_overrides", "spawn_gloo", "subprocess_env",
+           "torchrun", "with_comms"]
 
 
 # Parity with one process (tests/distributed/test_dp_parity.py explains the measures and tolerances).
@@ -57,30 +60,46 @@ class GlooTestCase(DTensorTestBase):
         path.mkdir(exist_ok=True)
         return path
 
-    def check_parity(self, overrides: tuple[str, ...], tolerances: dict[str, float]) -> None:
-        """Train STEPS steps with `overrides` on this world and, on rank 0, compare the losses and the
-        final parameters with one process given the same global batches (tolerances: see FP32...)."""
-        name = "_".join(o.split(".")[-1] for o in overrides).replace("=", "-").replace("+", "-")
-        evaluation = (f"--training.eval_interval={STEPS}", "--training.eval_steps=2")  # at steps 0 and STEPS
-        trainer = Trainer(run_config(self.shared_dir / name, f"--training.steps={STEPS}", *evaluation, *overrides))
+    def check_parity(self, overrides: tuple[str, ...], tolerances: dict[str, float], steps: int = STEPS
+                     ) -> tuple[float, float] | None:
+        """Train `steps` steps with `overrides` on this world and, on rank 0, compare the losses and the
+        final weights (the ones the optimizer updates: ZeRO-1's fp32 masters, not its 16-bit
+        parameters) with one process given the same global batches (tolerances: see FP32...).
+        Returns, on rank 0, the largest relative loss error and the parameters' relative error."""
+        name = "_".join(o.split(".")[-1] for o in overrides).replace("=", "-").replace("+", "-") + f"-{steps}"
+        evaluation = (f"--training.eval_interval={steps}", "--training.eval_steps=2")  # at steps 0 and `steps`
+        trainer = Trainer(run_config(self.shared_dir / name, f"--training.steps={steps}", *evaluation, *overrides))
         result = trainer.train()
-        params = full_params(trainer.model)
+        params = full_params(trainer)
         if self.rank != 0:
-            return
-        reference_overrides = [o for o in overrides if not o.startswith(LAYOUT_FIELDS)]
-        reference = Trainer(run_config(self.shared_dir / f"{name}-reference", f"--training.steps={STEPS}", *evaluation,
-                                       "--training.micro_batch_size=8", *reference_overrides), world=World())
-        initial = {key: value.detach().float().clone() for key, value in reference.model.state_dict().items()}
-        expected = reference.train()
-        self.assertEqual(sorted(result.losses), list(range(1, STEPS + 1)))
-        self.assertEqual(sorted(result.val_losses), [0, STEPS])
+            return None
+        reference_overrides = tuple(o for o in overrides if not o.startswith(LAYOUT_FIELDS))
+        initial, expected, final = self._reference(name, reference_overrides, steps)
+        self.assertEqual(sorted(result.losses), list(range(1, steps + 1)))
+        self.assertEqual(sorted(result.val_losses), [0, steps])
+        loss_error = 0.0
         for losses, expected_losses in ((result.losses, expected.losses), (result.val_losses, expected.val_losses)):
             for step, loss in expected_losses.items():
                 self.assertAlmostEqual(losses[step], loss, delta=tolerances["loss_rtol"] * abs(loss), msg=str(step))
-        final = {key: value.detach().float() for key, value in reference.model.state_dict().items()}
+                loss_error = max(loss_error, abs(losses[step] / loss - 1))
         error = sum(((params[key] - value) ** 2).sum() for key, value in final.items()).sqrt()
         moved = sum(((value - initial[key]) ** 2).sum() for key, value in final.items()).sqrt()
         self.assertLess(float(error / moved), tolerances["update_rtol"])
+        return loss_error, float(error / moved)
+
+    def _reference(self, name: str, overrides: tuple[str, ...], steps: int) -> tuple[dict, TrainResult, dict]:
+        """One process's run of `overrides` (initial weights, result, final weights), trained once
+        per test method: layouts compared with the same reference share it."""
+        cache = self.__dict__.setdefault("_references", {})
+        if (overrides, steps) not in cache:
+            evaluation = (f"--training.eval_interval={steps}", "--training.eval_steps=2")
+            reference = Trainer(run_config(self.shared_dir / f"{name}-reference", f"--training.steps={steps}",
+                                           *evaluation, "--training.micro_batch_size=8", *overrides), world=World())
+            initial = {key: value.detach().float().clone() for key, value in reference.model.state_dict().items()}
+            result = reference.train()
+            final = {key: value.detach().float() for key, value in reference.model.state_dict().items()}
+            cache[overrides, steps] = initial, result, final
+        return cache[overrides, steps]
 
 
 def run_overrides(run_dir: Path, *overrides: str) -> list[str]:
@@ -95,10 +114,12 @@ def run_config(run_dir: Path, *overrides: str) -> Config:
     return load_config(None, run_overrides(run_dir, *overrides))
 
 
-def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's whole parameters on every rank, by name (collective for sharded models)."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {name: t.detach().float().cpu() for name, t in state.items()}
+def full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The trained weights, whole, on every rank, by name (collective for sharded layouts): the
+    model state dict a checkpoint saves (ZeRO-1: the master weights)."""
+    state = state_dicts(trainer.model, trainer.optimizer)[0]
+    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu()
+            for name, t in state.items()}
 
 
 @contextlib.contextmanager
@@ -115,12 +136,39 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         torch.distributed.destroy_process_group()
 
 
+# ---------------------------------------------------------------- a gloo world the caller waits for
+
+
+def spawn_gloo(fn: Callable[..., None], world_size: int, *args: Any) -> None:
+    """Run `fn(rank, *args)` in `world_size` fresh processes joined in one gloo world (torchrun's
+    environment), and wait for them: for tests that need the calling process free of any process
+    group (the traced estimator brings a fake one). `fn` must be a module-level function."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_gloo_rank, args=(world_size, port, fn, args), nprocs=world_size)
+
+
+def _gloo_rank(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    torch.distributed.init_process_group("gloo")
+    try:
+        fn(rank, *args)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 # ---------------------------------------------------------------- torchrun, as users launch trainfit
 
-# A 2-rank ZeRO-3 run of the CLI (tests/distributed/conftest.py: zero3_run), resumed elsewhere.
+# 2-rank ZeRO-3 and ZeRO-1 runs of the CLI (tests/distributed/conftest.py: zero3_run, zero1_run),
+# resumed elsewhere.
 ZERO3_STEPS = 6
 ZERO3_LAYOUT = ("--parallel.zero_stage=3", "--checkpoint.interval=3", "--training.eval_interval=3")
 ZERO3_RUN_ENV = "TRAINFIT_TEST_ZERO3_RUN"
+ZERO1_LAYOUT = ("--parallel.zero_stage=1", "--checkpoint.interval=3", "--training.eval_interval=3")
+ZERO1_RUN_ENV = "TRAINFIT_TEST_ZERO1_RUN"
 
 
 def torchrun(nproc: int, *args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:

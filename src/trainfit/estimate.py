@@ -89,7 +89,7 @@ _REMEDIES: list[tuple[str, Any, str]] = [
     ("memory.activation_checkpointing", "selective", "selective activation checkpointing"),
     ("memory.activation_checkpointing", "full", "full activation checkpointing"),
     ("memory.chunked_loss", True, "a chunked loss (logits never whole)"),
-    ("parallel.zero_stage", 1, "ZeRO-1 (shard optimizer states)"),
+    ("parallel.zero_stage", 1, "ZeRO-1 (shard master weights and optimizer states)"),
     ("parallel.zero_stage", 2, "ZeRO-2 (shard optimizer states and gradients)"),
     ("parallel.zero_stage", 3, "ZeRO-3 / FSDP (shard parameters too)"),
     ("memory.offload", "optimizer", "offloading optimizer states to the host"),

@@ -9,8 +9,9 @@
   model states, at the cost of lossy weight updates).
 - fp8-mixed: not yet supported (will be torchao float8 matmuls on top of bf16-mixed).
 
-Under FSDP2 the same split is expressed by MixedPrecisionPolicy(param_dtype=autocast_dtype); this
-module is the single-device / DDP form.
+Under FSDP2 the same split is expressed by MixedPrecisionPolicy(param_dtype=autocast_dtype), under
+ZeRO-1 by parallel/zero.py (16-bit parameters, fp32 master shards; bf16-pure: bf16 shards and
+states); autocast is then off. This module is the single-device / DDP form.
 """
 
 from __future__ import annotations

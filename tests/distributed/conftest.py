@@ -1,5 +1,6 @@
-"""A 2-rank ZeRO-3 run launched as users do (`torchrun ... -m trainfit train`), shared by the tests
-of resuming its checkpoints elsewhere: on 1 process, on 4 ranks (HSDP), and exported to HF."""
+"""2-rank ZeRO-3 and ZeRO-1 runs launched as users do (`torchrun ... -m trainfit train`), shared by
+the tests of resuming their checkpoints elsewhere: on 1 process, on 4 ranks (HSDP), in the other
+layout, and exported to HF."""
 
 from __future__ import annotations
 
@@ -8,19 +9,43 @@ from pathlib import Path
 
 import pytest
 
-from _dist import ZERO3_LAYOUT, ZERO3_RUN_ENV, ZERO3_STEPS, run_overrides, subprocess_env, torchrun
+from _dist import (
+    ZERO1_LAYOUT,
+    ZERO1_RUN_ENV,
+    ZERO3_LAYOUT,
+    ZERO3_RUN_ENV,
+    ZERO3_STEPS,
+    run_overrides,
+    subprocess_env,
+    torchrun,
+)
+
+
+def _cli_run(tmp_path_factory: pytest.TempPathFactory, name: str, layout: tuple[str, ...]
+             ) -> tuple[Path, subprocess.CompletedProcess]:
+    run_dir = tmp_path_factory.mktemp(name)
+    proc = torchrun(2, "-m", "trainfit", "train", *run_overrides(run_dir, f"--training.steps={ZERO3_STEPS}", *layout),
+                    env=subprocess_env(tmp_path_factory))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run_dir, proc
 
 
 @pytest.fixture(scope="session")
 def zero3_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
-    run_dir = tmp_path_factory.mktemp("zero3_cli")
-    proc = torchrun(2, "-m", "trainfit", "train", *run_overrides(run_dir, f"--training.steps={ZERO3_STEPS}",
-                                                                  *ZERO3_LAYOUT), env=subprocess_env(tmp_path_factory))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return run_dir, proc
+    return _cli_run(tmp_path_factory, "zero3_cli", ZERO3_LAYOUT)
+
+
+@pytest.fixture(scope="session")
+def zero1_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    return _cli_run(tmp_path_factory, "zero1_cli", ZERO1_LAYOUT)
 
 
 @pytest.fixture
 def zero3_run_env(zero3_run: tuple[Path, subprocess.CompletedProcess], monkeypatch: pytest.MonkeyPatch) -> None:
     """The run folder, for spawned test processes (they inherit the environment, not fixtures)."""
     monkeypatch.setenv(ZERO3_RUN_ENV, str(zero3_run[0]))
+
+
+@pytest.fixture
+def zero1_run_env(zero1_run: tuple[Path, subprocess.CompletedProcess], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ZERO1_RUN_ENV, str(zero1_run[0]))

@@ -1,5 +1,6 @@
-"""Checkpoints of a 2-rank ZeRO-3 run started by torchrun (conftest.py) resume on 1 process and on
-4 ranks with HSDP, export to HF, and survive a rank killed mid-save.
+"""Checkpoints of 2-rank ZeRO-3 and ZeRO-1 runs started by torchrun (conftest.py) resume on 1
+process, on 4 ranks with HSDP and in each other's layout (a one-process checkpoint in ZeRO-1's too),
+export to HF (ZeRO-1's: its fp32 master weights), and survive a rank killed mid-save.
 
 Resumed runs continue the same data stream (the global batch of a step does not depend on the
 layout) and so the same losses as the uninterrupted 2-rank run, within fp32 reduction-order error
@@ -19,9 +20,11 @@ import torch
 
 from _dist import (
     FP32,
+    ZERO1_RUN_ENV,
     ZERO3_RUN_ENV,
     ZERO3_STEPS,
     GlooTestCase,
+    full_params,
     run_config,
     run_overrides,
     subprocess_env,
@@ -31,8 +34,9 @@ from _dist import (
 from trainfit.models import build_model, materialize
 from trainfit.models.hf import load_hf_weights
 from trainfit.train import checkpoint as ckpt
+from trainfit.train.distributed import World
 from trainfit.train.metrics import read_metrics
-from trainfit.train.sample import load_trained_model
+from trainfit.train.sample import export_to_hf, load_trained_model
 from trainfit.train.trainer import Trainer
 
 LOSS_RTOL = 1e-5
@@ -86,9 +90,82 @@ def test_export_of_a_sharded_checkpoint(zero3_run: tuple[Path, subprocess.Comple
         torch.testing.assert_close(exported.eval()(tokens), ours(tokens), rtol=0, atol=0)
 
 
+def test_zero1_run_trains_as_zero3_does_and_resumes_on_one_process(
+        zero1_run: tuple[Path, subprocess.CompletedProcess], zero3_run: tuple[Path, subprocess.CompletedProcess],
+        tmp_path: Path) -> None:
+    run_dir, proc = zero1_run
+    assert "2 processes: ZeRO-1 (sharded master" in proc.stdout  # the rest wraps in the summary table
+    assert_same_losses(logged_losses(run_dir), logged_losses(zero3_run[0]), range(1, ZERO3_STEPS + 1))
+    shards = sorted(p.name for p in (run_dir / "ckpt" / "step_00000003" / ckpt.DCP_DIR).glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]  # both ranks wrote their shards
+    saved = run_dir / "ckpt" / "step_00000003"
+    trainer = Trainer(run_config(tmp_path, f"--training.steps={ZERO3_STEPS}", f"--checkpoint.resume={saved}"))
+    assert trainer.step == 3 and "saved by 2 ranks, resharded to 1" in trainer.notes[0]
+    assert_same_losses(trainer.train().losses, logged_losses(run_dir), range(4, ZERO3_STEPS + 1))
+
+
+@pytest.mark.usefixtures("zero3_run_env", "zero1_run_env")
+class CrossLayout(GlooTestCase):
+    """2 ranks: ZeRO-1 resumes ZeRO-3's and one process's checkpoints, ZeRO-3 resumes ZeRO-1's; a
+    ZeRO-1 bf16-mixed checkpoint exports its fp32 master weights."""
+
+    @with_comms
+    def test_resume_across_layouts_and_export(self) -> None:
+        torch.set_num_threads(1)  # one per rank: the ranks share the machine's cores
+        self.run_subtests({"case": [(ZERO1_RUN_ENV, 3), (ZERO3_RUN_ENV, 1), ("one process", 1)]},
+                          lambda case: self._resume(*case))
+        self._export_writes_the_fp32_masters()
+
+    def _resume(self, saved_by: str, stage: int) -> None:
+        """Resume step 3 of a run saved by `saved_by` with zero_stage=`stage`; steps 4-6 log the
+        uninterrupted ZeRO-1 run's losses (every fp32 layout trains the same)."""
+        zero1_run = Path(os.environ[ZERO1_RUN_ENV])
+        if saved_by == "one process":
+            saved = self.shared_dir / "one-process"
+            if self.rank == 0:  # 3 steps of a 6-step schedule, then a checkpoint
+                single = Trainer(run_config(saved, f"--training.steps={ZERO3_STEPS}", "--training.micro_batch_size=8"),
+                                 world=World())
+                for _ in range(3):
+                    single.train_step()
+                single.save()
+            torch.distributed.barrier()
+            checkpoint = saved / "ckpt" / "step_00000003"
+        else:
+            checkpoint = Path(os.environ[saved_by]) / "ckpt" / "step_00000003"
+        trainer = Trainer(run_config(self.shared_dir / f"resume-{stage}-{saved_by}", f"--parallel.zero_stage={stage}",
+                                     f"--training.steps={ZERO3_STEPS}", f"--checkpoint.resume={checkpoint}"))
+        self.assertEqual(trainer.step, 3)
+        result = trainer.train()
+        if self.rank == 0:
+            assert_same_losses(result.losses, logged_losses(zero1_run), range(4, ZERO3_STEPS + 1))
+
+    def _export_writes_the_fp32_masters(self) -> None:
+        """`trainfit export` of a ZeRO-1 bf16-mixed checkpoint: the fp32 masters, not the bf16
+        parameters the ranks computed with."""
+        run_dir = self.shared_dir / "zero1-bf16"
+        trainer = Trainer(run_config(run_dir, "--parallel.zero_stage=1", "--precision.mode=bf16-mixed",
+                                     "--training.steps=2"))
+        trainer.train()  # saves at its end
+        masters = full_params(trainer)
+        compute = {name: p.detach() for name, p in trainer.model.named_parameters()}
+        if self.rank != 0:
+            return
+        self.assertEqual(compute["output.weight"].dtype, torch.bfloat16)
+        export_to_hf(str(run_dir / "ckpt"), str(run_dir / "hf"))
+        cfg = trainer.cfg
+        exported = materialize(build_model(cfg.model), "cpu")
+        load_hf_weights(exported, cfg.model, run_dir / "hf")
+        for name, value in exported.state_dict().items():
+            if name in masters:
+                self.assertTrue(torch.equal(value, masters[name]), name)
+        self.assertFalse(torch.equal(exported.output.weight, compute["output.weight"].float()))
+        self.assertTrue(torch.equal(exported.output.weight.bfloat16(), compute["output.weight"]))
+
+
 @pytest.mark.usefixtures("zero3_run_env")
 class FourRanks(GlooTestCase):
-    """HSDP (2 replicas x 2 shards) trains like one process and resumes the 2-rank checkpoint."""
+    """HSDP (2 replicas x 2 shards) trains like one process and resumes the 2-rank checkpoint, as
+    ZeRO-3 and as ZeRO-1 (its shards all-reduced across the replicas)."""
 
     @property
     def world_size(self) -> int:
@@ -96,7 +173,7 @@ class FourRanks(GlooTestCase):
 
     @with_comms
     def test_hsdp(self) -> None:
-        self.run_subtests({"case": ["hsdp", "zero1-replicated", "resume"]}, self._check)
+        self.run_subtests({"case": ["hsdp", "zero1-replicated", "resume", "resume-zero1-replicated"]}, self._check)
 
     def _check(self, case: str) -> None:
         layout = ("--hardware.num_gpus=4", "--parallel.dp_replicate=2", "--training.micro_batch_size=1")
@@ -105,8 +182,9 @@ class FourRanks(GlooTestCase):
         elif case == "zero1-replicated":  # optimizer states split within each replica
             self.check_parity((*layout, "--parallel.zero_stage=1"), FP32)
         else:
+            stage = 1 if case == "resume-zero1-replicated" else 3
             run_dir = Path(os.environ[ZERO3_RUN_ENV])
-            trainer = Trainer(run_config(self.shared_dir / "resume", *layout, "--parallel.zero_stage=3",
+            trainer = Trainer(run_config(self.shared_dir / case, *layout, f"--parallel.zero_stage={stage}",
                                          f"--training.steps={ZERO3_STEPS}",
                                          f"--checkpoint.resume={run_dir / 'ckpt' / 'step_00000003'}"))
             self.assertEqual(trainer.step, 3)

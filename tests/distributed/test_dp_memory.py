@@ -1,58 +1,104 @@
-"""Per-rank memory falls as each ZeRO stage promises, on 2 gloo ranks.
+"""Per-rank model states of every ZeRO stage on 2 and 4 gloo ranks: what each rank holds, measured,
+against the traced step (memory/traced.py: the same trainer on fake tensors in a fake world), the
+forms of parallel/data_parallel.py's table, and the analytic estimate.
 
 A model whose states dominate its activations (4 blocks of dim 256, ~3.5M parameters, P = 14 MB
-in fp32) trains 2 steps per stage as `trainfit train` does, the first watched (so DDP's gradient
-buckets, built then, are known), the second measured (Trainer.measured_step):
-- the model states this rank holds (its tensors' local bytes): ZeRO-1 halves the optimizer states,
-  ZeRO-2 also the gradients, and FSDP2 keeps only parameter shards between steps (both 2 and 3);
-- the peak (tensors alive at the step's start + glibc in-use growth, sampled after every
-  operator; memory/attribution.py). Measured: 6.0P, 4.5P, 3.7P, 3.3P for stages 0-3: ZeRO-1 drops P
-  of optimizer states (and keeps DDP's gradient buckets), ZeRO-2 the whole gradients, ZeRO-3 keeps
-  ~2 blocks unsharded at a time (the running one and the prefetched one) where ZeRO-2 keeps all.
+in fp32; every dim 0 divides by 4, so no rank holds padding) trains 2 steps per layout as
+`trainfit train` does, the first watched, the second measured (Trainer.measured_step); its model
+states are counted from the trainer's own tensors once the optimizer is about to step
+(data_parallel.local_state_bytes), on every rank, and the traced step counts its tensors at the
+same moment. Per rank and category (params, master_params, grads, optimizer) measured and traced
+agree within 3% (measured: exactly, as the tensors are the same), and the analytic model states
+within 10% of the measured ones.
+
+Peaks: DDP's and ZeRO-1's measured peaks are within 3% of the traced ones on every rank (the
+accuracy grid's rule; measured: +0.3% to +0.9%). FSDP's are not held to it here: on gloo its
+reduce-scatter all-reduces a clone of its input (ProcessGroupGloo.cpp,
+reduce_scatter_tensor_coalesced), a block's gradients the fake backend of the trace does not
+allocate (ZeRO-3 on this model: +2.6% to +5.1%, as before ZeRO-1 changed); the accuracy grid
+holds FSDP rows whose blocks are small next to their peaks.
 """
 
 from __future__ import annotations
 
 import gc
+import json
+from pathlib import Path
+
+import pytest
 
 from _analytic import states_of
-from _dist import GlooTestCase, run_config, with_comms
+from _dist import run_config, spawn_gloo
+from trainfit.config import Config
+from trainfit.memory.traced import trace_step
 from trainfit.train.trainer import Trainer
 
 WIDE = ("--model.num_layers=4", "--model.dim=256", "--model.ffn_dim=768", "--model.num_heads=4",
         "--model.num_kv_heads=4")
+LAYOUTS = {
+    "zero0": ("--parallel.zero_stage=0",),
+    "zero1": ("--parallel.zero_stage=1",),
+    "zero1-bf16-mixed": ("--parallel.zero_stage=1", "--precision.mode=bf16-mixed"),
+    "zero2": ("--parallel.zero_stage=2",),
+    "zero3": ("--parallel.zero_stage=3",),
+}
+TRACED_TOLERANCE = 0.03
+ANALYTIC_TOLERANCE = 0.10
 
 
-class ZeroMemory(GlooTestCase):
-    @with_comms
-    def test_each_stage_holds_less(self) -> None:
-        states, peaks, predicted = {}, {}, {}
-        for stage in range(4):
-            gc.collect()  # the previous trainer's cycles, which would otherwise be freed mid-measurement
-            trainer = Trainer(run_config(self.shared_dir / f"zero{stage}", *WIDE, f"--parallel.zero_stage={stage}"))
-            trainer.watched_step()  # optimizer states and DDP's buckets exist (and are known) from here on
-            stats = trainer.measured_step()
-            states[stage], peaks[stage] = stats.state_bytes, stats.peak_memory_bytes
-            predicted[stage] = states_of(trainer.cfg, trainer.layout)
-            P = trainer.num_params * 4  # fp32
-            del trainer, stats
-        dp = self.world_size
+def layout_config(run_dir: Path, world: int, name: str) -> Config:
+    return run_config(run_dir / name, *WIDE, f"--hardware.num_gpus={world}", "--checkpoint.resume=never",
+                      *LAYOUTS[name])
 
-        def close(value: int, expected: float, rel: float = 0.02) -> None:
-            self.assertLess(abs(value - expected), rel * expected, f"{value} vs {expected}")
 
-        for stage in (0, 1):
-            close(states[stage]["params"], P)
-            close(states[stage]["grads"], P)
-        close(states[0]["optimizer"], 2 * P)  # AdamW: exp_avg + exp_avg_sq
-        close(states[1]["optimizer"], 2 * P / dp, rel=0.15)  # whole parameters per rank: balanced to their sizes
-        for stage in (2, 3):
-            close(states[stage]["params"], P / dp)
-            close(states[stage]["grads"], P / dp)
-            close(states[stage]["optimizer"], 2 * P / dp)
-        for stage in range(4):  # `trainfit estimate` describes each layout: within 10% of what gloo ranks hold
-            for name in ("params", "grads", "optimizer"):
-                close(getattr(predicted[stage], name), states[stage][name], rel=0.10)
-        self.assertGreater(peaks[0] - peaks[1], 0.75 * P)
-        self.assertGreater(peaks[1] - peaks[2], 0.25 * P)
-        self.assertGreater(peaks[2] - peaks[3], 0.2 * P)
+def _measure(rank: int, world: int, out: str) -> None:
+    """One gloo rank: every layout's second step, measured; writes OUT/NAME.rankN.json."""
+    for name in LAYOUTS:
+        gc.collect()  # the previous trainer's cycles, which would otherwise be freed mid-measurement
+        trainer = Trainer(layout_config(Path(out), world, name))
+        trainer.watched_step()  # optimizer states and DDP's buckets exist (and are known) from here on
+        stats = trainer.measured_step()
+        figures = {"state_bytes": stats.state_bytes, "peak": stats.peak_memory_bytes,
+                   "num_params": trainer.num_params}
+        Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(figures))
+        del trainer, stats
+
+
+def expected_forms(name: str, num_params: int, n: int) -> dict[str, float]:
+    """parallel/data_parallel.py's table for AdamW, P = fp32 bytes of the parameters (the optimizer's
+    4-byte step counters aside)."""
+    P = 4 * num_params
+    return {
+        "zero0": {"params": P, "grads": P, "optimizer": 2 * P},
+        "zero1": {"params": P, "master_params": 0, "grads": P, "optimizer": 2 * P / n},
+        # bf16 parameters and gradient buffers; fp32 master shards and their gradients at this moment
+        "zero1-bf16-mixed": {"params": P / 2, "master_params": P / n, "grads": P / 2 + P / n, "optimizer": 2 * P / n},
+        "zero2": {"params": P / n, "grads": P / n, "optimizer": 2 * P / n},
+        "zero3": {"params": P / n, "grads": P / n, "optimizer": 2 * P / n},
+    }[name]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_stage_holds_the_traced_model_states_on_every_rank(world: int, tmp_path: Path) -> None:
+    spawn_gloo(_measure, world, world, str(tmp_path))
+    for name in LAYOUTS:
+        cfg = layout_config(tmp_path, world, name)
+        traced = trace_step(cfg)
+        ranks = [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(world)]
+        forms = expected_forms(name, ranks[0]["num_params"], world)
+        for rank, measured in enumerate(ranks):
+            where = f"{name}, rank {rank} of {world}"
+            assert set(measured["state_bytes"]) == set(traced.state_bytes) == set(forms), where
+            for category, value in measured["state_bytes"].items():
+                reference = traced.state_bytes[category]
+                assert abs(value - reference) <= TRACED_TOLERANCE * reference, (where, category, value, reference)
+                assert value == pytest.approx(forms[category], rel=0.01, abs=1024), (where, category)
+            peak = traced.worst.peak
+            off = max(abs(v / max(traced.state_bytes[k], 1) - 1) for k, v in measured["state_bytes"].items())
+            print(f"{where}: states {measured['state_bytes']} (off the traced by {off:.2%} at most), "
+                  f"peak {measured['peak'] / peak - 1:+.2%} of traced")
+            if name.startswith(("zero0", "zero1")):
+                assert abs(measured["peak"] - peak) <= TRACED_TOLERANCE * peak, (where, "peak", measured["peak"], peak)
+        analytic = states_of(cfg).model_states
+        measured_states = sum(ranks[0]["state_bytes"].values())
+        assert abs(analytic - measured_states) <= ANALYTIC_TOLERANCE * measured_states, (name, analytic)

@@ -149,7 +149,7 @@ GRID: list[Row] = [
     _row("gpt2-fp16-mixed-full", 1, GPT2, FP16_MIXED, FULL),
     _row("tiny-seq32-micro2", 1, TINY, micro=2),
     _row("tiny-bf16-mixed-adam-seq32-micro2", 1, TINY, BF16_MIXED, ADAM, micro=2),
-    # two ranks: DDP, ZeRO-1 (ZeroRedundancyOptimizer), ZeRO-2 and ZeRO-3 (FSDP2)
+    # two ranks: DDP, ZeRO-1 (parallel/zero.py), ZeRO-2 and ZeRO-3 (FSDP2)
     _row("llama-z0-fp32", 2, LLAMA, Z0),
     _row("llama-z0-bf16-mixed-selective", 2, LLAMA, Z0, BF16_MIXED, SELECTIVE),
     _row("llama-z1-fp32", 2, LLAMA, Z1),
@@ -162,6 +162,9 @@ GRID: list[Row] = [
     _row("llama-z3-bf16-pure-sgd", 2, LLAMA, Z3, BF16_PURE, SGD),
     _row("moe-z3-bf16-mixed", 2, MOE, Z3, BF16_MIXED),
     _row("tiny-z1-seq32-micro2", 2, TINY, Z1, micro=2),
+    _row("llama-z1-bf16-mixed-fp32-grads-accumulation", 2, LLAMA, Z1, BF16_MIXED, "--optimizer.grad_accum_dtype=fp32",
+         micro=2, accum=2),
+    _row("llama-z1-bf16-pure-sgd", 2, LLAMA, Z1, BF16_PURE, SGD),
     # four ranks, and HSDP (2 replicas x 2 shards)
     _row("llama-z0-bf16-mixed", 4, LLAMA, Z0, BF16_MIXED),
     _row("llama-z1-fp32", 4, LLAMA, Z1),
@@ -170,6 +173,7 @@ GRID: list[Row] = [
     _row("llama-z3-fp32-selective", 4, LLAMA, Z3, SELECTIVE),
     _row("llama-z3-bf16-mixed-full", 4, LLAMA, Z3, BF16_MIXED, FULL),
     _row("llama-hsdp-2x2-bf16-mixed", 4, LLAMA, Z3, "--parallel.dp_replicate=2", BF16_MIXED),
+    _row("llama-hsdp-2x2-z1-fp16-mixed", 4, LLAMA, Z1, "--parallel.dp_replicate=2", FP16_MIXED),
     _row("moe-z2-fp32", 4, MOE, Z2),
     _row("gpt2-z3-bf16-mixed", 4, GPT2, Z3, BF16_MIXED),
     _row("tiny-z1-bf16-mixed-seq32-micro2", 4, TINY, Z1, BF16_MIXED, micro=2),

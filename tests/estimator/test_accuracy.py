@@ -8,9 +8,8 @@ batch shape, dense and MoE models). Per configuration:
   factor) are held to -3% / +10% (MOE_TRACED_BOUNDS) and the analytic peak to -5% / +15%
   (MOE_ANALYTIC_BOUNDS): dropless routing is estimated at memory.moe_imbalance, a busiest expert
   at least as busy as the real one, in its worst place, so a real step may use less, never more.
-  ZeRO-1's ZeroRedundancyOptimizer balances whole parameters, so its ranks may hold unequal
-  optimizer shards, but on this grid they differ by 0.12 MiB at most (x4-mha-z1-adam-accumulation:
-  rank 3's 1.38 MiB against 1.50), 0.4% of the peak; the traced peak phase equals the measured one;
+  ZeRO-1 (parallel/zero.py) splits every parameter by rows, so its ranks hold equal shards
+  wherever N divides the rows (every row of this grid); the traced peak phase equals the measured one;
 - analytic peak within 10% of the measured peak; `forward_retained_bytes` within 10% of what the
   first forward + loss left allocated, `model_states` within 10% of the trainer's own count of its
   model-state bytes (rank 0);

@@ -14,6 +14,7 @@ from _analytic import memory_of as estimate_memory
 from _analytic import retained_of as forward_retained_bytes
 from _analytic import states_of as model_states
 from trainfit.config import load_config
+from trainfit.estimate import estimate
 from trainfit.memory import analytic
 from trainfit.memory.activations import ActDtypes, block_terms, korthikanti_layer_bytes
 from trainfit.memory.analytic import zero_model_state_bytes
@@ -64,20 +65,20 @@ def _bf16_adamw_on_64(stage: int):
 
 
 def test_estimate_reproduces_the_zero_paper_where_the_layouts_agree():
-    """bf16-mixed AdamW over 64 ranks. Our model states are fp32 parameters (the masters), fp32
-    gradients and two fp32 states: 4 + 4 + 8 = 16 bytes per parameter, the paper's total (it
-    splits them 2 + 2 + 12). Stage 0 (DDP) and stage 3 (FSDP2) therefore match it exactly.
-    Stages 1 and 2 do not, by design of the layouts (parallel/data_parallel.py): ZeRO-1 is
-    ZeroRedundancyOptimizer, whose fp32 parameters and gradients stay whole (the paper shards the
-    fp32 master with the states and keeps fp16 copies whole); ZeRO-2 is FSDP2 with
-    reshard_after_forward=False: its resident states are ZeRO-3's, and from each block's forward
-    to its backward it holds the block's bf16 copy (2 bytes, the paper's fp16 parameters), while
-    its gradient shards are fp32 (4/N where the paper has 2/N fp16)."""
+    """bf16-mixed AdamW over 64 ranks, every model state once the optimizer is about to step
+    (`model_states`). Stage 0 (DDP) keeps fp32 parameters (the masters), fp32 gradients and two
+    fp32 states: 4 + 4 + 8 = 16 bytes per parameter, the paper's total (it splits them 2 + 2 + 12);
+    stage 3 (FSDP2) shards all of it: 16/N. Stage 1 (parallel/zero.py) is the paper's P_os, 2Ψ bf16
+    parameters + 2Ψ bf16 gradients + 12Ψ/N (fp32 master, momentum, variance), and at that moment
+    also its master shard's fp32 gradient (4Ψ/N, cast from the reduced bf16 shard). Stage 2 is FSDP2
+    with reshard_after_forward=False: its resident states are ZeRO-3's, and from each block's
+    forward to its backward it holds the block's bf16 copy (2 bytes, the paper's fp16 parameters),
+    while its gradient shards are fp32 (4/N where the paper has 2/N fp16)."""
     psi = param_counts(_bf16_adamw_on_64(0).model).total
     by_stage = {s: model_states(_bf16_adamw_on_64(s)).model_states for s in range(4)}
     assert by_stage[0] == pytest.approx(zero_model_state_bytes(psi, 0, 64), rel=0.01)
     assert by_stage[3] == pytest.approx(zero_model_state_bytes(psi, 3, 64), rel=0.01)
-    assert by_stage[1] == pytest.approx(psi * (4 + 4 + 8 / 64), rel=0.001)
+    assert by_stage[1] == pytest.approx(zero_model_state_bytes(psi, 1, 64) + 4 * psi / 64, rel=0.001)
     assert by_stage[2] == by_stage[3]
     zero2 = estimate_memory(_bf16_adamw_on_64(2)).worst  # its peak: the forward's end or the backward
     assert zero2.peak_phase != "optimizer" and zero2.params == 2 * psi
@@ -93,6 +94,32 @@ def test_estimate_reproduces_the_zero_paper_where_the_layouts_agree():
     matmul_weights = psi - param_counts(_bf16_adamw_on_64(0).model).embedding
     assert peak.params == pytest.approx(2 * matmul_weights, rel=0.001)
 
+
+def test_llama2_7b_on_64_ranks_fp16_mixed_holds_each_stages_form_at_the_peak():
+    """`trainfit estimate`'s model states (params + master_params + grads + optimizer at the peak)
+    follow parallel/data_parallel.py's table of forms. ZeRO-1 is the paper's 4Ψ + 12Ψ/N
+    (28.2 GB; 41.0 GB when it was ZeroRedundancyOptimizer over DDP: fp32 parameters 4Ψ, autocast's
+    bf16 copies ~2Ψ, states 8Ψ/N, no gradient yet at its peak), 6Ψ + 12Ψ/N with fp32 gradient
+    accumulation (Megatron's main grads); ZeRO-2 holds 2Ψ + 16Ψ/N once its gradient shards exist
+    (here from gradient accumulation's first micro-batch on: the paper's 2Ψ + 14Ψ/N, with fp32
+    gradient shards)."""
+    base = ("--model.preset=llama2-7b", "--hardware.num_gpus=64", "--precision.mode=fp16-mixed",
+            "--training.micro_batch_size=16", "--training.global_batch_size=1024")
+    psi, n = param_counts(cfg_of(*base).model).total, 64
+
+    def worst(*extra: str):
+        return estimate(cfg_of(*base, *extra)).worst
+
+    zero1 = worst("--parallel.zero_stage=1")
+    assert zero1.model_states == pytest.approx(psi * (4 + 12 / n), rel=1e-4)  # + AdamW's 4-byte step counters
+    assert zero1.model_states / GB == pytest.approx(28.2, abs=0.05)
+    assert zero1.model_states == pytest.approx(zero_model_state_bytes(psi, 1, n), rel=1e-4)
+    assert (zero1.params, zero1.grads, zero1.master_params) == (2 * psi, 2 * psi, 4 * psi // n)
+    fp32_grads = worst("--parallel.zero_stage=1", "--optimizer.grad_accum_dtype=fp32")
+    assert fp32_grads.model_states == pytest.approx(psi * (6 + 12 / n), rel=1e-4)
+    zero2 = worst("--parallel.zero_stage=2", "--training.global_batch_size=2048")  # 2 micro-batches
+    assert zero2.model_states == pytest.approx(psi * (2 + 16 / n), rel=1e-4)
+    assert zero2.grads == 4 * psi // n and zero2.params == 2 * psi
 
 def test_zero_stages_and_hsdp_shard_what_they_promise():
     def states(*extra: str):

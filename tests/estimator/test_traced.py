@@ -65,13 +65,31 @@ def test_zero3_on_the_fake_backend_shards_model_states_per_rank() -> None:
     assert mixed.master_params == pytest.approx(whole.params / 8, rel=0.05)
 
 
-def test_ddp_keeps_states_whole_and_adds_gradient_buckets() -> None:
+def test_ddp_keeps_states_whole_and_gradients_in_its_buckets() -> None:
     whole = trace_step(_layout(1)).worst
     ddp = trace_step(_layout(4, "--parallel.zero_stage=0")).worst
     assert (ddp.params, ddp.optimizer) == (whole.params, whole.optimizer)
-    assert ddp.buffers - whole.buffers == pytest.approx(whole.params, rel=0.01)  # fp32 buckets of every gradient
+    # gradient_as_bucket_view: the fp32 buckets are the gradients, alive through the forward too,
+    # and no second copy of them among the buffers.
+    assert ddp.grads == pytest.approx(whole.params, rel=0.01)
+    assert ddp.buffers - whole.buffers < 0.01 * whole.params
     zero1 = trace_step(_layout(4, "--parallel.zero_stage=1")).worst
     assert zero1.optimizer < 0.5 * whole.optimizer
+
+
+def test_zero1_traces_its_engine() -> None:
+    """ZeRO-1 (parallel/zero.py) under bf16-mixed on 4 fake ranks: bf16 parameters and gradient
+    buffers whole, fp32 master shards (and, once the optimizer is about to step, their fp32
+    gradients), a quarter of the optimizer states; its collectives in place add no buffers."""
+    whole = trace_step(_layout(1)).worst  # fp32: params = 4 bytes x parameters
+    est = trace_step(_layout(4, "--parallel.zero_stage=1", "--precision.mode=bf16-mixed"))
+    fp32 = whole.params
+    assert est.state_bytes["params"] == fp32 // 2 and est.state_bytes["master_params"] == fp32 // 4
+    assert est.state_bytes["grads"] == fp32 // 2 + fp32 // 4
+    assert est.state_bytes["optimizer"] == pytest.approx(whole.optimizer / 4, rel=0.01)
+    zero1 = est.worst
+    assert (zero1.params, zero1.master_params) == (fp32 // 2, fp32 // 4)
+    assert zero1.grads >= fp32 // 2  # the buffers exist all step long
 
 
 def test_cpu_offload_keeps_model_states_off_the_device() -> None:

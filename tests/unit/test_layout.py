@@ -4,6 +4,7 @@ writing into the config; pure (no torch, no process group)."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
@@ -41,7 +42,20 @@ def test_accumulation_and_the_data_parallel_kind() -> None:
     assert offloaded.data_parallel == "fsdp" and not offloaded.ineffective_options()  # FSDP2 on one rank
     assert layout_of("--hardware.num_gpus=4", "--training.micro_batch_size=4").data_parallel == "ddp"
     zero1 = layout_of("--hardware.num_gpus=4", "--training.micro_batch_size=4", "--parallel.zero_stage=1")
-    assert zero1.data_parallel == "zero1"
+    assert zero1.data_parallel == "zero1" and zero1.grad_accum_dtype == "param"
+
+
+def test_fp32_gradient_accumulation_is_zero1s_in_16_bits() -> None:
+    four = ("--hardware.num_gpus=4", "--training.micro_batch_size=4", "--optimizer.grad_accum_dtype=fp32")
+    mixed = layout_of(*four, "--parallel.zero_stage=1", "--precision.mode=bf16-mixed")
+    assert mixed.grad_accum_dtype == "fp32" and not mixed.ineffective_options()
+    for ineffective in (layout_of(*four, "--parallel.zero_stage=3", "--precision.mode=bf16-mixed"),
+                        layout_of(*four, "--parallel.zero_stage=1")):  # fp32 already
+        assert ineffective.ineffective_options() == [
+            "optimizer.grad_accum_dtype='fp32' has no effect: only ZeRO-1 (parallel.zero_stage=1 on several ranks) "
+            "in 16-bit precision accumulates gradients in a dtype of its own"]
+    with pytest.raises(ConfigError, match=re.escape("optimizer.grad_accum_dtype='bf16': choose one of param | fp32")):
+        load_config(None, ["--optimizer.grad_accum_dtype=bf16"])
 
 
 def test_the_same_config_lays_out_on_any_world() -> None:

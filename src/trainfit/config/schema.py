@@ -139,6 +139,13 @@ class OptimizerConfig:
     """Use the fused optimizer kernel where the device has one (CUDA)."""
     foreach: bool = True
     """Use the multi-tensor (foreach) implementation."""
+    grad_accum_dtype: Literal["param", "fp32"] = "param"
+    """ZeRO-1 (parallel.zero_stage=1) only: the dtype gradients accumulate across micro-batches and
+    are reduce-scattered in. "param": the parameters' (bf16/fp16 under *-mixed): the ZeRO paper's
+    4Ψ + 12Ψ/N bytes of model states per rank (Ψ parameters, N ranks). "fp32": Megatron's default
+    fp32 main grads, exact accumulation over many micro-batches for 2Ψ more: 6Ψ + 12Ψ/N. No effect
+    on other layouts (DDP, FSDP and one process accumulate in the fp32 parameters or reduce in
+    fp32) nor under fp32 training."""
 
 
 @dataclass
@@ -148,7 +155,8 @@ class ParallelConfig:
     dp_shard: int = -1
     """Data-parallel shards (FSDP/ZeRO axis); -1 derives it: num_gpus / (tp x pp x cp x dp_replicate)."""
     zero_stage: Literal[0, 1, 2, 3] = 0
-    """0 replicated (DDP), 1 optimizer states sharded, 2 + gradients, 3 + parameters (FSDP)."""
+    """0 replicated (DDP), 1 fp32 master weights and optimizer states sharded (the ZeRO paper's P_os:
+    16-bit parameters and gradients whole), 2 + gradients, 3 + parameters (FSDP)."""
     tp: int = 1
     """Tensor-parallel degree."""
     sequence_parallel: bool = False

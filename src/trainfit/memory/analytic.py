@@ -6,22 +6,29 @@ their values at the step's peak moment, the largest of: the end of the model's f
 the start of the backward, the backward of the stage's last and first block, and the optimizer
 step (`phase_peaks` keeps the largest of each phase). tests/estimator/ checks them against measured steps of our models.
 
-Conventions (memory/breakdown.py's vocabulary; parallel/data_parallel.py's layouts):
+Conventions (memory/breakdown.py's vocabulary; parallel/data_parallel.py's layouts and its table
+of model-state forms per ZeRO stage):
 - params: the tensors the rank computes with. fp32 / bf16-pure: the parameters (their FSDP shard
   at ZeRO-2/3), plus at ZeRO-2 the unsharded copies FSDP keeps from forward to backward.
-  *-mixed: the 16-bit compute copies alive at the peak: with torch.amp (ZeRO 0/1) autocast's
-  weight casts, which autograd saves for backward (all of them at the end of the forward without
-  checkpointing, the recomputed block's with it); under FSDP2's MixedPrecisionPolicy (ZeRO 2/3)
-  the gathered bf16 parameters (ZeRO-2: all, from forward to backward; ZeRO-3: per block,
-  reported as all-gather `buffers`).
+  *-mixed: the 16-bit compute copies alive at the peak: with torch.amp (one process, DDP)
+  autocast's weight casts, which autograd saves for backward (all of them at the end of the
+  forward without checkpointing, the recomputed block's with it); under ZeRO-1 the replicated
+  16-bit parameters (2Ψ, always); under FSDP2's MixedPrecisionPolicy (ZeRO 2/3) the gathered bf16
+  parameters (ZeRO-2: all, from forward to backward; ZeRO-3: per block, reported as all-gather
+  `buffers`).
 - master_params: *-mixed only: the fp32 parameters the optimizer updates (torch.amp: the module's
-  own parameters; FSDP2: their shard). Equal to what fp32 reports as params.
-- grads: in the updated parameters' dtype (fp32 under *-mixed), those that exist at the peak.
+  own parameters; FSDP2: their shard; ZeRO-1: its master shards, 4Ψ/N). Equal to what fp32
+  reports as params, but for ZeRO-1, whose fp32 parameters are whole and its own masters.
+- grads: those that exist at the peak: in the updated parameters' dtype (fp32 under *-mixed), but
+  ZeRO-1's flat buffers in the parameters' dtype (optimizer.grad_accum_dtype='fp32': fp32) plus,
+  in the optimizer step, its master shards' fp32 gradients (4Ψ/N). Where the gradients are
+  buckets (DDP's, as `.grad` views: gradient_as_bucket_view; ZeRO-1's) they exist all step long.
 - logits: logits, their fp32 copy, log-softmax and the logits' gradient (train/trainer.py:
   `F.cross_entropy(logits.float(), ...)`), on the last stage.
-- buffers: FSDP all-gather / reduce-scatter buffers, DDP gradient buckets, expert-parallel
-  all-to-all buffers, optimizer-step temporaries, the recompute buffer of a checkpointed block
-  (what it rebuilds in backward beyond what it kept), and module buffers (RoPE tables).
+- buffers: FSDP all-gather / reduce-scatter buffers (ZeRO-1's collectives run in place in its
+  gradient buffers: none), expert-parallel all-to-all buffers, optimizer-step temporaries, the
+  recompute buffer of a checkpointed block (what it rebuilds in backward beyond what it kept),
+  and module buffers (RoPE tables).
 - memory.offload (FSDP2's CPUOffloadPolicy, either setting): the sharded parameters, their
   gradients (copied out after the reduce-scatter) and the optimizer states and step live on the
   host. On the device stay the unsharded compute copies (ZeRO-2: all of them from forward to
@@ -73,11 +80,13 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "adamw-8bit": 2}
 EIGHT_BIT_BLOCK = 2048
 """bitsandbytes 8-bit Adam quantizes each state block-wise, one fp32 absmax per 2048 values
 (Dettmers et al., arXiv 2110.02861)."""
-DDP_GRADIENT_AS_BUCKET_VIEW = False
-"""torch DDP's default (composable `replicate` too): gradients are copied into flat all-reduce
-buckets (`_DEFAULT_BUCKET_CAP_MB = 25` MiB each) that live as long as the module, one more copy
-of every gradient ("the saved memory size will be equal to the total gradients size" when True,
-DDP docs)."""
+DDP_GRADIENT_AS_BUCKET_VIEW = True
+"""parallel/data_parallel.apply_ddp passes gradient_as_bucket_view=True to DDP (torch's default is
+False): DDP's flat all-reduce buckets (25 MiB each), allocated when DDP is built and alive as long
+as the module, *are* the gradients: autograd's gradient is copied into its bucket slot and `.grad`
+becomes a view of it ("the saved memory size will be equal to the total gradients size", DDP
+docs). So the gradients exist all step long, the forward included (set_to_none only drops the
+views), and no second copy sits in buffers; False would add the buckets beside `.grad`."""
 FSDP_PREFETCH_BLOCKS = 1
 """parallel/data_parallel.py prefetches one block: the next block's all-gather is issued when a
 block starts its forward (the previous one's in backward)."""
@@ -122,16 +131,17 @@ class _Precision:
     act: ActDtypes
 
 
-def _precision(mode: str, fsdp: bool) -> _Precision:
+def _precision(mode: str, low_precision_model: bool) -> _Precision:
     """precision.py's modes. fp8-mixed is counted as bf16-mixed (torchao's Float8Linear saves the
-    high-precision matmul inputs; its fp8 casts are transient)."""
+    high-precision matmul inputs; its fp8 casts are transient). `low_precision_model`: under *-mixed
+    the module's parameters are in the 16-bit dtype (FSDP2's MixedPrecisionPolicy, ZeRO-1)."""
     if mode == "fp32":
         return _Precision(4, 4, False, ActDtypes(4, 4, False))
     if mode == "bf16-pure":
         return _Precision(2, 2, False, ActDtypes(2, 2, False))
-    # torch.amp (DDP, ZeRO-1): fp32 residual stream, per-op casts. FSDP2's MixedPrecisionPolicy
-    # runs the module itself in bf16 (autocast off): the activations are those of a bf16 model.
-    return _Precision(4, 2, True, ActDtypes(2, 2, False) if fsdp else ActDtypes(4, 2, True))
+    # torch.amp (one process, DDP): fp32 residual stream, per-op casts. FSDP2's MixedPrecisionPolicy
+    # and ZeRO-1 run the module itself in bf16 (autocast off): the activations are a bf16 model's.
+    return _Precision(4, 2, True, ActDtypes(2, 2, False) if low_precision_model else ActDtypes(4, 2, True))
 
 
 @dataclass(frozen=True)
@@ -281,21 +291,29 @@ class _Stage:
     persistent: int
     """Bytes of the parameters the optimizer updates, resident on the device."""
     grads: int
-    """Bytes of all resident gradients."""
+    """Bytes of all resident gradients (ZeRO-1: its flat buffers)."""
     optimizer: int
     optimizer_temp: int
     fsdp: bool
     tokens: int
     seq: int
+    compute_params: int = 0
+    """ZeRO-1 under *-mixed: the replicated 16-bit parameters beside the fp32 master shards."""
+    master_grads: int = 0
+    """ZeRO-1: its master shards' gradients in the master dtype, from the reduce-scatter to the end
+    of the step, when the buffers hold another dtype (else views of the buffers)."""
 
 
 def _stage(run: _Run, counts: ParamCounts, stage: int) -> _Stage:
     # ZeRO-2/3 and CPU offload are FSDP2 (offload moves the sharded parameters, their gradients
-    # and the optimizer to the host together); ZeRO-0 is DDP, ZeRO-1 ZeroRedundancyOptimizer.
+    # and the optimizer to the host together); ZeRO-0 is DDP, ZeRO-1 parallel/zero.py's engine.
     offload = run.layout.offload != "none"
     fsdp = run.layout.zero_stage >= 2 or offload
-    prec = _precision(run.layout.precision, fsdp)
+    zero1 = run.layout.data_parallel == "zero1"
+    prec = _precision(run.layout.precision, fsdp or zero1)
     lay = _layout(run, counts, stage)
+    if zero1:
+        return _zero1_stage(run, prec, lay, counts)
     n = lay.blocks * lay.block + lay.embedding + lay.head
     no_decay = lay.blocks * lay.block_no_decay + (counts.final_norm if lay.last else 0)
     param_shards = run.layout.zero_shards if fsdp else 1
@@ -307,6 +325,28 @@ def _stage(run: _Run, counts: ParamCounts, stage: int) -> _Stage:
                                                          lay.largest_tensor)
     seq = run.training.seq_len // run.layout.cp
     return _Stage(lay, prec, n, resident, resident, optimizer, temp, fsdp, run.training.micro_batch_size * seq, seq)
+
+
+def _zero1_stage(run: _Run, prec: _Precision, lay: _Layout, counts: ParamCounts) -> _Stage:
+    """ZeRO-1 (parallel/zero.py): parameters in the compute dtype, whole on every rank (2Ψ under
+    *-mixed); flat gradient buffers in their dtype or fp32 (2Ψ or 4Ψ); master weights (fp32 under
+    *-mixed, 4Ψ/N; otherwise the parameters' own rows) and optimizer states over N = dp_shard.
+    Sharded terms are exact when N divides every dim 0 (the engine pads chunks to ceil(rows / N)).
+    Its reduce-scatter and all-gather run in place in the gradient buffers: no bucket temporaries."""
+    n = lay.blocks * lay.block + lay.embedding + lay.head
+    no_decay = lay.blocks * lay.block_no_decay + (counts.final_norm if lay.last else 0)
+    shards = run.layout.zero_shards
+    c = prec.act.compute  # the parameters' dtype: 16-bit under *-mixed and bf16-pure, else fp32
+    grad = FP32 if run.layout.grad_accum_dtype == "fp32" else c
+    master = prec.param  # fp32 masters under *-mixed; the parameters themselves otherwise
+    params = n * c
+    persistent = n * master // shards if prec.mixed else params
+    seq = run.training.seq_len // run.layout.cp
+    return _Stage(lay, prec, n, persistent, n * grad,
+                  _optimizer_bytes(run.optimizer.name, prec, n // shards, lay.tensors, no_decay // shards),
+                  _optimizer_step_temporaries(run, prec, (n - no_decay) // shards, lay.largest_tensor // shards),
+                  False, run.training.micro_batch_size * seq, seq, compute_params=params if prec.mixed else 0,
+                  master_grads=n * master // shards if grad != master else 0)
 
 
 def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakdown:
@@ -348,8 +388,9 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     if run.model.family == "llama":  # RoPE cos/sin tables, fp32 (bf16 once a bf16-pure model is cast)
         persistent_buffers = 2 * run.model.max_seq_len * (run.model.dim // run.model.num_heads) * (
             2 if run.layout.precision == "bf16-pure" else FP32)
-    if not st.fsdp and run.layout.dp > 1 and not DDP_GRADIENT_AS_BUCKET_VIEW:
-        persistent_buffers += st.grads  # DDP's gradient buckets
+    kind = run.layout.data_parallel
+    if kind == "ddp" and not DDP_GRADIENT_AS_BUCKET_VIEW:
+        persistent_buffers += st.grads  # DDP's gradient buckets, beside the gradients
     if run.layout.ep > 1:  # all-to-all dispatch and combine of each routed token (send + receive)
         persistent_buffers += 2 * st.tokens * run.model.experts_per_token * run.model.dim * c
     fwd_buffers = persistent_buffers + root_gather
@@ -366,22 +407,30 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     # ---- gradients present before this micro-batch's backward: accumulation or pipelining
     m = run.layout.num_microbatches
     accumulating = run.layout.grad_accum_steps > 1 if run.layout.pp == 1 else m > lay.in_flight
-    before = st.grads if accumulating else 0
-    per_param = st.grads / st.params if st.params else 0
+    # Gradients that are buckets (DDP's gradient_as_bucket_view, ZeRO-1's buffers) exist from the
+    # step's start; autograd's gradient is moved into its bucket as soon as it is made, so nothing
+    # else of a parameter's gradient outlives its own backward.
+    bucketed = kind == "zero1" or (kind == "ddp" and DDP_GRADIENT_AS_BUCKET_VIEW)
+    before = st.grads if accumulating or bucketed else 0
+    # Bytes per element of the gradients autograd makes (the module's parameters' dtype) and of
+    # those held in `.grad` until the step (none beyond the buckets when bucketed).
+    autograd_bytes = c if st.fsdp or kind == "zero1" else st.grads / st.params if st.params else 0
+    per_param = 0 if bucketed else st.grads / st.params if st.params else 0
     # A tied weight's gradient stays in autograd's accumulation buffer until the embedding's
     # backward adds its share (FSDP2 reduces it as an unsharded gradient, in bwd_buffers).
-    tied_pending = int(lay.embedding * per_param) if lay.tied_here and not st.fsdp else 0
+    tied_pending = int(lay.embedding * autograd_bytes) if lay.tied_here and not st.fsdp else 0
     # Sharded gradients (FSDP) exist once reduce-scattered: the root's after the whole backward.
-    output_grads = 0 if st.fsdp else int(root_grads * per_param) - tied_pending
+    output_grads = 0 if st.fsdp or bucketed else int(root_grads * per_param) - tied_pending
     later = st.params - lay.block - (0 if lay.tied_here else lay.embedding) - (root_grads if st.fsdp else 0)
-    later_grads = int(later * per_param) - tied_pending
+    later_grads = 0 if bucketed else int(later * per_param) - tied_pending
     # The MLP's output matmul (w2 / fc2) has its weight gradient by the MLP's backward peak: in
     # .grad after SwiGLU's w2 (under FSDP an unsharded gradient, until the block's reduce-scatter);
     # GELU's peak is inside fc2's backward, where under autocast the 16-bit weight gradient is not
-    # yet cast and accumulated.
+    # yet cast and accumulated. Bucketed, the peak is w2's own backward: its weight gradient, just
+    # made (an activation gradient until the bucket's hook takes it), beside its input's gradient.
     w2_in_flight = run.model.family == "gpt2" and act.autocast
-    w2 = (0, 0, c * lay.mlp_out) if w2_in_flight else \
-        (0, c * lay.mlp_out, 0) if st.fsdp else (int(lay.mlp_out * per_param), 0, 0)
+    w2 = (0, 0, c * lay.mlp_out) if w2_in_flight else (0, c * lay.mlp_out, 0) if st.fsdp else \
+        (0, 0, int(autograd_bytes * lay.mlp_out)) if bucketed else (int(lay.mlp_out * per_param), 0, 0)
     # MoE: the shared experts' backward runs first (mlp_* of `transient`; their w2 for w2), then the
     # routed experts' (activations.routed_backward_moments); the routed output is in the stream's
     # dtype, so no grad_cast then.
@@ -390,10 +439,11 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     if routing is not None:
         m = run.model
         shared_w2 = m.num_shared_experts * m.expert_ffn_dim * m.dim // tp
-        w2 = (0, c * shared_w2, 0) if st.fsdp else (int(shared_w2 * per_param), 0, 0)
+        w2 = (0, c * shared_w2, 0) if st.fsdp else (0, 0, int(autograd_bytes * shared_w2)) if bucketed else \
+            (int(shared_w2 * per_param), 0, 0)
         routed_moments = routed_backward_moments(
             m, act, transient, routing, size, expert_weight=counts.routed_experts // 3 // (run.layout.ep * tp),
-            grad_bytes=c if st.fsdp else per_param, num_local_experts=m.num_experts // run.layout.ep, tp=tp)
+            grad_bytes=c if st.fsdp else autograd_bytes, num_local_experts=m.num_experts // run.layout.ep, tp=tp)
         shared_kept, shared_rebuilt = (size(t) for t in shared_experts_saved(m, act, policy))
 
     def routed(done: int) -> tuple[int, int]:
@@ -427,6 +477,10 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     last_grads, last_buffers, last_acts, last_casts = in_backward(lay.last_wrapped)
     first_grads, first_buffers, first_acts, first_casts = in_backward(lay.first_wrapped)
 
+    head_grad = 0
+    if bucketed and lay.last and not run.layout.chunked_loss:
+        head_grad = int(autograd_bytes * lay.output_matmul) + (c * lay.output_matmul if act.autocast else 0)
+
     n_if, h_if = lay.in_flight, lay.head_in_flight
     older = (n_if - 1) * a_blocks + (h_if - 1) * (a_final + saved_logits)  # other micro-batches in flight
     older_casts = (n_if - 1) * (none_blocks * cast_block + cast_head)
@@ -438,15 +492,21 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
          fwd_buffers),
         ("forward", held + saved_casts, acts, logits_fwd, before, fwd_buffers),
         ("backward", held + saved_casts, acts, logits_bwd, before, fwd_buffers),
+        # Bucketed gradients: the output projection's backward, its weight gradient just made (under
+        # autocast also its 16-bit form) beside the logits' gradient in the compute dtype, until the
+        # bucket's hook takes it (a large vocabulary makes this the backward's peak).
+        *([("backward", held + saved_casts, acts + head_grad, logits_tensor, before, fwd_buffers)]
+          if head_grad else []),
         ("backward", held + saved_casts - cast_head + (cast_block if lay.last_wrapped else 0) + last_casts,
          older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, 0,
          max(before, output_grads + last_grads), bwd_buffers + last_comms + last_buffers),
         ("backward", (c * (lay.block + lay.embedding + lay.head) if held else 0) + older_casts + cast_block
          + first_casts,
          older + first_acts, 0, max(before, later_grads) + first_grads, bwd_buffers + first_comms + first_buffers),
-        ("optimizer", 0, 0, 0, st.grads, persistent_buffers + st.optimizer_temp),
+        # The step: every gradient (ZeRO-1's master gradients too) and the optimizer's temporaries.
+        ("optimizer", 0, 0, 0, st.grads + st.master_grads, persistent_buffers + st.optimizer_temp),
     ]
-    states = st.persistent + st.optimizer
+    states = st.persistent + st.optimizer + st.compute_params
     phase_peaks: dict[str, int] = {}
     at, peak = moments[0], -1
     for moment in moments:
@@ -457,7 +517,8 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     phase, copies, activations, logits, grads, buffers = at
     margin = 0 if run.hardware.gpu == "cpu" else int(CUDA_CONTEXT_BYTES + ALLOCATOR_FRAGMENTATION * peak)
     return MemoryBreakdown(
-        params=int(copies) + (0 if prec.mixed else st.persistent), master_params=st.persistent if prec.mixed else 0,
+        params=int(copies) + st.compute_params + (0 if prec.mixed else st.persistent),
+        master_params=st.persistent if prec.mixed else 0,
         grads=int(grads), optimizer=st.optimizer, activations=int(activations), logits=int(logits),
         buffers=int(buffers), peak=peak, peak_phase=phase, reserved_margin=margin, phase_peaks=phase_peaks,
     )
@@ -476,15 +537,16 @@ def estimate_memory(model: ModelConfig, layout: Layout, training: TrainingConfig
 
 def model_states(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
                  optimizer: OptimizerConfig, stage: int = 0) -> MemoryBreakdown:
-    """The resident model states of a rank of `stage` once its backward is done: params (the
-    updated parameters under fp32 / bf16-pure: their shard under FSDP, which reshards ZeRO-2's
-    unsharded copies after each block's backward), master_params (*-mixed), all gradients,
+    """The resident model states of a rank of `stage` when its optimizer is about to step: params
+    (the updated parameters under fp32 / bf16-pure: their shard under FSDP, which reshards ZeRO-2's
+    unsharded copies after each block's backward; ZeRO-1's replicated 16-bit ones under *-mixed),
+    master_params (*-mixed), all gradients (ZeRO-1: its buffers and its master shards' gradients),
     optimizer states. What the rank's tensors add up to then (Trainer's state_bytes)."""
     run = _Run(model, layout, training, hardware, optimizer)
     st = _stage(run, param_counts(model), stage)
-    return MemoryBreakdown(params=0 if st.prec.mixed else st.persistent,
+    return MemoryBreakdown(params=st.compute_params + (0 if st.prec.mixed else st.persistent),
                            master_params=st.persistent if st.prec.mixed else 0,
-                           grads=st.grads, optimizer=st.optimizer)
+                           grads=st.grads + st.master_grads, optimizer=st.optimizer)
 
 
 def forward_retained_bytes(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
@@ -522,7 +584,14 @@ def zero_model_state_bytes(num_params: int, stage: int, dp: int, param_bytes: in
     """Model-state bytes per rank as the ZeRO paper counts them (Rajbhandari et al., arXiv
     1910.02054, Sec. 3.1 and 5): fp16 parameters (2 bytes) and gradients (2 bytes) plus K = 12
     bytes of Adam state (fp32 master copy, momentum, variance) per parameter; stage 1 shards the K
-    bytes over the dp ranks, stage 2 also the gradients, stage 3 also the parameters."""
+    bytes over the dp ranks, stage 2 also the gradients, stage 3 also the parameters.
+
+    The paper's closed forms, against which estimate_memory's engines compare (*-mixed AdamW;
+    parallel/data_parallel.py's table): stage 0 (DDP) holds the same 16 bytes, split 4 + 4 + 8
+    (fp32 parameters and gradients; autocast's 16-bit copies on top); stage 1 (parallel/zero.py) is
+    this form exactly, 2Ψ + 2Ψ + 12Ψ/N (6Ψ + 12Ψ/N with optimizer.grad_accum_dtype='fp32'); stage 2
+    (FSDP2, reshard_after_forward=False) is 2Ψ + 16Ψ/N, its gradient shards fp32 (4Ψ/N, not 2Ψ/N);
+    stage 3 (FSDP2) is 16Ψ/N."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage {stage!r}: choose 0, 1, 2 or 3")
     per_param = (param_bytes / (dp if stage >= 3 else 1) + grad_bytes / (dp if stage >= 2 else 1)

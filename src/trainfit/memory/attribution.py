@@ -143,7 +143,7 @@ class MemoryMeter:
     @contextlib.contextmanager
     def _watching(self, trainer: Trainer, on_forward: Callable[[str], None] | None = None) -> Iterator[StorageLedger]:
         ledger = self.ledger
-        with ledger, trainer.listening(phase_listener(ledger, trainer.model, on_forward)):
+        with ledger, trainer.listening(phase_listener(ledger, trainer, on_forward)):
             ledger.watch_model(trainer.model)
             ledger.grad_hooks(list(trainer.model.parameters()))
             try:

@@ -10,18 +10,23 @@ The components, as memory/breakdown.py names them and analytic.py counts them:
 
 - params: the parameters under fp32 / bf16-pure (their local shards under FSDP); under *-mixed
   the 16-bit compute copies instead (outputs of a cast whose input is a parameter: autocast's
-  weight casts), and under ZeRO-2 FSDP's unsharded parameters (kept from forward to backward).
-- master_params: *-mixed only: the fp32 parameters (their shards under FSDP).
-- grads: storages held by a parameter's `.grad` (sharded gradients under FSDP).
-- optimizer: storages in the optimizer's state (this rank's partition under ZeRO-1).
+  weight casts; ZeRO-1's replicated 16-bit parameters), and under ZeRO-2 FSDP's unsharded
+  parameters (kept from forward to backward).
+- master_params: *-mixed only: the fp32 parameters (their shards under FSDP; ZeRO-1's master shards).
+- grads: storages held by a parameter's `.grad` (sharded gradients under FSDP; DDP's buckets, which
+  its gradients are views of), ZeRO-1's flat gradient buffers and its master shards' gradients
+  (parallel/data_parallel.model_state_tensors names every model state).
+- optimizer: storages in the optimizer's state (this rank's shard under ZeRO-1).
 - logits: the model's output, everything the loss computation creates, and in backward
   everything created until the output's gradient exists (nll_loss, log_softmax, cast gradients).
 - activations: what the forward creates (saved for backward or in flight, the input tokens too)
-  and backward's activation gradients and temporaries.
+  and backward's activation gradients and temporaries (a gradient autograd made before a hook
+  moves it into a bucket, too).
 - buffers: operands and results of collectives and FSDP's copy-in / copy-out ops (all-gather,
-  reduce-scatter, unsharded gradients), ZeRO-3's unsharded parameters, what activation
-  checkpointing recomputes in backward, optimizer-step temporaries, DDP's gradient buckets,
-  module buffers (RoPE tables) and other persistent tensors (loss-scaler state).
+  reduce-scatter, unsharded gradients; ZeRO-1's per-bucket reduce-scatter output and all-gather
+  input and output), ZeRO-3's unsharded parameters, what activation checkpointing recomputes in
+  backward, optimizer-step temporaries, module buffers (RoPE tables) and other persistent tensors
+  (loss-scaler state).
 
 A storage's component is its final one: when it is recognised later (a tensor becomes a `.grad`,
 a reduce-scatter result a sharded gradient), the figures of the peak moment are corrected too.
@@ -46,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from trainfit.memory.breakdown import COMPONENTS, PHASES, MemoryBreakdown
-from trainfit.parallel.data_parallel import local_optimizer
+from trainfit.parallel.data_parallel import model_state_tensors
 from trainfit.parallel.layout import Layout
 from trainfit.precision import PrecisionPolicy
 
@@ -197,11 +202,9 @@ class StorageLedger(TorchDispatchMode):
                 if entry.component not in _PERSISTENT:
                     self._move(entry, others)
         params = list(model.parameters())
-        self.tag(params, self.state("master_params" if policy.keeps_master_weights else "params"))
+        for component, tensors in model_state_tensors(model, optimizer, policy).items():
+            self.tag(tensors, self.state(component))
         self.tag(list(model.buffers()), "buffers")
-        self.tag_grads(params)
-        states = local_optimizer(optimizer).state.values()
-        self.tag([v for s in states for v in s.values() if isinstance(v, torch.Tensor)], self.state("optimizer"))
         self._param_storages = {id(_local(p).untyped_storage()) for p in params}
 
     def state(self, component: str) -> str:
@@ -426,11 +429,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- phases of a trainer step
 
 
-def phase_listener(ledger: StorageLedger, model: nn.Module,
+def phase_listener(ledger: StorageLedger, trainer: Any,
                    on_forward: Callable[[str], None] | None = None) -> Callable[[str], None]:
     """A Trainer step listener (Trainer.listening) that drives `ledger.phase`: forward (with the
-    loss) per micro-batch, backward after it, optimizer from the unscaling on; gradients are
-    tagged at each phase change. `on_forward("start" | "end")` is called around each forward + loss."""
+    loss) per micro-batch, backward after it, optimizer from the gradient reduction on; gradients
+    are tagged at each phase change, and every model state once the optimizer is about to step
+    (ZeRO-1's master gradients appear in the optimizer phase). `trainer`: its model, optimizer and
+    precision policy are read. `on_forward("start" | "end")` is called around each forward + loss."""
+    model = trainer.model
     in_forward = False
 
     def listen(moment: str) -> None:
@@ -449,5 +455,7 @@ def phase_listener(ledger: StorageLedger, model: nn.Module,
         elif moment == "optimizer":
             ledger.tag_grads(model.parameters())
             ledger.phase = "optimizer"
+        elif moment == "update":
+            ledger.classify(model, trainer.optimizer, trainer.policy)
 
     return listen

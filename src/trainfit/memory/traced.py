@@ -1,7 +1,8 @@
 """Traced memory estimate: trainfit's own training step, executed on fake tensors in a fake world.
 
 `trace_step(cfg)` builds the model as `Trainer` does (meta device, the precision policy's dtype,
-the real `parallel.apply.parallelize`: activation checkpointing, DDP / ZeRO-1 / FSDP2), on torch's
+the real `parallel.apply.parallelize`: activation checkpointing, DDP / FSDP2; ZeRO-1's engine as
+the trainer's optimizer, its buffers and master shards fake tensors too), on torch's
 built-in "fake" process group of the layout's world size as rank 0, materializes it under
 `FakeTensorMode` (shapes and dtypes, no data: no weight memory whatever the model size, ties kept
 by the model's own init), builds the trainer's optimizer, LR schedule and loss scaler, creates the
@@ -52,6 +53,7 @@ from trainfit.memory.ledger import StorageLedger, TimelinePoint, phase_listener,
 from trainfit.models import build_model, count_params, materialize
 from trainfit.models.routing import dropless_loads
 from trainfit.parallel.apply import parallelize
+from trainfit.parallel.data_parallel import init_optimizer_states, local_state_bytes
 from trainfit.parallel.layout import Layout, build_layout
 from trainfit.parallel.mesh import build_mesh
 from trainfit.precision import precision_policy
@@ -74,6 +76,9 @@ class TracedEstimate:
     """Peak resident memory of this process so far (getrusage: a lifetime maximum)."""
     num_ops: int = 0
     """Operators traced in the step."""
+    state_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Rank 0's model-state bytes once the optimizer is about to step, counted from the traced
+    trainer's tensors as a measured step counts its own (data_parallel.local_state_bytes)."""
 
     @property
     def worst(self) -> MemoryBreakdown:
@@ -178,14 +183,21 @@ def _two_micro_batches_at_most(layout: Layout) -> Layout:
 
 def _create_optimizer_states(trainer: Trainer) -> None:
     """The warm-up: one optimizer step on zero gradients creates the states an optimizer makes
-    lazily. Not a whole train_step: DDP rebuilds its buckets at the second iteration's forward,
-    broadcasting bucket indices from a tensor's data, which fake tensors do not have; its first
-    iteration allocates the same buckets."""
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
+    lazily (data_parallel.init_optimizer_states). Not a whole train_step: DDP rebuilds its buckets
+    at the second iteration's forward, broadcasting bucket indices from a tensor's data, which fake
+    tensors do not have; its first iteration allocates the same buckets."""
+    init_optimizer_states(trainer.model, trainer.optimizer)
+
+
+def _state_counter(trainer: Trainer, out: dict[str, int]) -> Any:
+    """A step listener filling `out` with the model states at the 'update' moment, as a measured
+    step counts them (memory/attribution.py)."""
+
+    def listen(moment: str) -> None:
+        if moment == "update":
+            out.update(local_state_bytes(trainer.model, trainer.optimizer))
+
+    return listen
 
 
 def _target_device_type(cfg: Config) -> str:
@@ -236,7 +248,9 @@ def trace_step(cfg: Config, layout: Layout | None = None) -> TracedEstimate:
             ledger.watch_model(model)
             ledger.grad_hooks(list(model.parameters()))
             _create_optimizer_states(trainer)
-            with trainer.listening(phase_listener(ledger, model)):
+            state_bytes: dict[str, int] = {}
+            with trainer.listening(phase_listener(ledger, trainer)), \
+                    trainer.listening(_state_counter(trainer, state_bytes)):
                 ledger.classify(model, trainer.optimizer, policy, others="buffers")
                 ledger.reset_peak()
                 trainer.train_step()
@@ -246,7 +260,8 @@ def trace_step(cfg: Config, layout: Layout | None = None) -> TracedEstimate:
             timeline, module, num_ops = ledger.timeline, ledger.peak_module, ledger.op
             del trainer, model
     return TracedEstimate(per_stage=[breakdown], worst_stage=0, timeline=timeline, peak_module=module,
-                          seconds=time.perf_counter() - start, peak_rss_bytes=peak_rss_bytes(), num_ops=num_ops)
+                          seconds=time.perf_counter() - start, peak_rss_bytes=peak_rss_bytes(), num_ops=num_ops,
+                          state_bytes=state_bytes)
 
 
 def peak_rss_bytes() -> int:

@@ -3,6 +3,9 @@ estimator both call it, so the prediction and the run cannot drift apart)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -24,15 +27,15 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, polic
        torchtitan: fully_shard then wraps the checkpointed block, so its all-gather runs once,
        before the recomputed forward, and nothing is all-gathered again inside recomputation.
     3. torch.compile per block: not built yet.
-    4. data parallelism (data_parallel.py): DDP for zero_stage 0 and 1 (ZeRO-1 shards the
-       optimizer instead: `parallelize_optimizer`), fully_shard per block then root for 2, 3 and CPU
-       offload, on a 2-D mesh under HSDP (dp_replicate > 1).
+    4. data parallelism (data_parallel.py): DDP for zero_stage 0; fully_shard per block then root
+       for 2, 3 and CPU offload, on a 2-D mesh under HSDP (dp_replicate > 1). ZeRO-1 wraps nothing:
+       its engine is the optimizer (`parallelize_optimizer`), built once the model is materialized.
 
     Returns the model to train (the same object: every technique here works in place).
     """
     apply_activation_checkpointing(model, layout.activation_checkpointing, layout.ac_every_n_layers)
     kind = layout.data_parallel
-    if kind in ("ddp", "zero1"):
+    if kind == "ddp":
         assert mesh is not None
         dp.apply_ddp(model, dp_mesh(mesh))
     elif kind == "fsdp":
@@ -43,11 +46,15 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, polic
     return model
 
 
-def parallelize_optimizer(optimizer: torch.optim.Optimizer, layout: Layout,
-                          mesh: DeviceMesh | None) -> torch.optim.Optimizer:
-    """ZeRO-1: split the optimizer states over the dp_shard ranks (replicated across dp_replicate,
-    like HSDP); every other layout returns `optimizer` unchanged (FSDP shards its states already)."""
+def parallelize_optimizer(model: nn.Module, param_groups: list[dict[str, Any]],
+                          make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer], layout: Layout,
+                          mesh: DeviceMesh | None, policy: PrecisionPolicy) -> torch.optim.Optimizer:
+    """The optimizer of the parallelized, materialized `model`: `make_optimizer(param_groups)`, except
+    under ZeRO-1, whose engine (data_parallel.apply_zero1) shards the master weights and states over
+    dp_shard, all-reduces across dp_replicate (HSDP) and casts the parameters to the compute dtype."""
     if layout.data_parallel != "zero1":
-        return optimizer
+        return make_optimizer(param_groups)
     assert mesh is not None
-    return dp.shard_optimizer_states(optimizer, mesh["dp_shard"].get_group())
+    replicas = mesh["dp_replicate"].get_group() if layout.dp_replicate > 1 else None
+    return dp.apply_zero1(model, param_groups, make_optimizer, mesh["dp_shard"], policy,
+                          grad_accum_dtype=layout.grad_accum_dtype, replicate_group=replicas)

@@ -1,12 +1,30 @@
 """Data parallelism: DDP, ZeRO-1/2/3 and HSDP, with CPU offload, built on PyTorch's own pieces.
 
+Model states per rank (Ψ parameters, N = dp_shard ranks, AdamW; *-mixed = bf16/fp16 compute with
+fp32 masters), the forms memory/analytic.py follows:
+
+| zero_stage | engine                                      | *-mixed                    | fp32          |
+| ---------- | ------------------------------------------- | -------------------------- | ------------- |
+| 0 (DDP)    | `replicate`, gradients in its buckets       | 16Ψ (+ autocast's copies)  | 16Ψ           |
+| 1          | parallel/zero.py's ZeroOptimizer            | 4Ψ + 12Ψ/N (the paper's);  | 8Ψ + 8Ψ/N     |
+|            |                                             | 6Ψ + 12Ψ/N with fp32 grads |               |
+|            |                                             | (bf16-pure: 4Ψ + 4Ψ/N)     |               |
+| 2          | `fully_shard(reshard_after_forward=False)`  | 2Ψ + 16Ψ/N (fwd to bwd)    | 4Ψ + 16Ψ/N    |
+| 3          | `fully_shard` per block, then the root      | 16Ψ/N (+ gathered blocks)  | 16Ψ/N         |
+
 - zero_stage 0, DDP (`replicate`, composable DDP): each rank keeps whole parameters, gradients
-  and optimizer states; gradients are all-reduced.
-- zero_stage 1 (`replicate` + `ZeroRedundancyOptimizer`): whole parameters and gradients; each
-  rank steps the states of its own parameters only, then broadcasts the updated parameters.
+  and optimizer states; gradients are all-reduced in buckets, which are the gradients
+  (gradient_as_bucket_view: `.grad` is a view of its bucket, no second copy).
+- zero_stage 1 (ZeroOptimizer, no wrapper; the paper's P_os, DeepSpeed's stage 1, Megatron's
+  distributed optimizer): parameters in the compute dtype, whole on every rank; gradients
+  accumulate in flat per-bucket buffers (in the parameters' dtype, or fp32 with
+  optimizer.grad_accum_dtype='fp32': Megatron's main grads) and are reduce-scattered once per
+  step; master weights and optimizer states exist for this rank's 1/N only; the updated shards
+  are all-gathered into the parameters. Under HSDP the shards are also all-reduced across the
+  dp_replicate replicas.
 - zero_stage 2 (`fully_shard(reshard_after_forward=False)`): parameter, gradient and optimizer
   shards; parameters are all-gathered once per step and kept whole from forward to backward,
-  gradients reduce-scattered.
+  gradients reduce-scattered (in fp32 under *-mixed: 4Ψ/N where the paper has 2Ψ/N).
 - zero_stage 3 (`fully_shard` per block, then the root): shards only; each block's parameters are
   all-gathered before its forward and again before its backward, and freed after each.
 
@@ -14,15 +32,19 @@ DDP is composable `replicate` rather than the DistributedDataParallel wrapper be
 applied in place and builds its DDP lazily at the first forward: it can be applied to the
 meta-device model like fully_shard, and state-dict keys carry no "module." prefix.
 
-HSDP is stage 2 or 3 on a 2-D mesh (dp_replicate x dp_shard): sharded within a dp_shard group,
+HSDP is a ZeRO stage on a 2-D mesh (dp_replicate x dp_shard): sharded within a dp_shard group,
 replicated across groups (reduce-scatter, then an all-reduce of the shards across replicas).
 
-Why ZeRO-1 is ZeroRedundancyOptimizer and not FSDP2: every FSDP2 layout reduce-scatters the
-gradients, so an FSDP2 "ZeRO-1" would shard the gradients too and be ZeRO-2 under another name.
-ZeroRedundancyOptimizer over DDP is the textbook stage 1 (full gradients from one all-reduce,
-states of ~1/dp of the parameters per rank, a broadcast of the updated parameters); it assigns
-whole parameters to ranks, so its split is balanced only to a parameter's size. The checkpoint
-code saves its local optimizer in the same per-parameter form as every other layout.
+Why ZeRO-1 is its own engine and not FSDP2: every FSDP2 layout reduce-scatters the gradients
+during backward and keeps only shards, so an FSDP2 "ZeRO-1" would be ZeRO-2 under another name.
+ZeRO-1's gradients are whole until the step; its point is the 1/N masters and states.
+
+Precision under ZeRO-1: fp32 trains fp32 parameters, the masters are their own rows (views);
+*-mixed casts the parameters to the 16-bit dtype once the fp32 masters are taken from the
+initialized weights, and the model computes in it with autocast off (as FSDP2's
+MixedPrecisionPolicy does; fp16 adds a ShardedGradScaler over the shard group); bf16-pure keeps
+its bf16 parameters and steps their own rows with bf16 optimizer states (no fp32 copy anywhere,
+as on one rank).
 
 CPU offload (memory.offload) is FSDP2's CPUOffloadPolicy: the sharded parameters live in host
 memory, their gradients are copied there after the reduce-scatter, and the optimizer steps there,
@@ -35,31 +57,44 @@ the device: "optimizer" (ZeRO-Offload; zero_stage 2 or 3) keeps them as the stag
 Mixed precision under FSDP2 is its MixedPrecisionPolicy (bf16-mixed: all-gather and compute in
 bf16, reduce gradients in fp32, fp32 sharded master weights; fp16-mixed the same in fp16, with a
 ShardedGradScaler whose inf check is all-reduced so every rank skips the same steps); autocast is
-then off. DDP and ZeRO-1 keep the single-device form (fp32 parameters, autocast).
+then off. DDP keeps the single-device form (fp32 parameters, autocast).
+
+The trainer reaches the engines through the functions below only (reduce_gradients,
+clip_grad_norm_, set_gradient_sync, grad_scaler, uses_autocast, state_dicts / load_state_dicts,
+model_state_tensors / local_state_bytes), never by testing which engine it has.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed._composable.replicate import replicate
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
+from trainfit.parallel.zero import ZeroOptimizer
 from trainfit.precision import PrecisionPolicy
+
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+"""Checkpoints keep the optimizer flattened per parameter (`state.<fqn>.exp_avg`,
+`param_groups.<fqn>.lr`): the same keys whatever the layout (train/checkpoint.py)."""
+GRAD_ACCUM_DTYPES = {"fp32": torch.float32}
+"""optimizer.grad_accum_dtype -> ZeroOptimizer's grad_dtype ("param": None, the parameters' dtype)."""
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     """Replicate `model` over the 1-D data-parallel mesh (DDP, set up lazily at the first forward,
     so it can be applied to a meta-device model that is materialized afterwards)."""
     # Buffers (RoPE tables) never change: synced once at the first forward, not at every one.
-    return replicate(model, device_mesh=dp_mesh, forward_sync_buffers=False)
+    # gradient_as_bucket_view: replicate passes it on to DistributedDataParallel, whose gradients
+    # then are views into its all-reduce buckets instead of one more copy of every gradient.
+    return replicate(model, device_mesh=dp_mesh, forward_sync_buffers=False, gradient_as_bucket_view=True)
 
 
 def mixed_precision_policy(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
@@ -92,30 +127,38 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionP
     return model
 
 
-def shard_optimizer_states(optimizer: torch.optim.Optimizer, group: torch.distributed.ProcessGroup
-                           ) -> ZeroRedundancyOptimizer:
-    """ZeRO-1: the same optimizer (class, parameter groups, hyperparameters) with its states
-    split across the ranks of `group`."""
-    cls = type(optimizer)
-    accepted = inspect.signature(cls.__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    groups = [dict(g) for g in optimizer.param_groups]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=group, **defaults)
-
-
-def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer that holds this rank's states (ZeRO-1's local one, else `optimizer` itself)."""
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+def apply_zero1(model: nn.Module, param_groups: list[dict[str, Any]],
+                make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer], shard_mesh: DeviceMesh,
+                policy: PrecisionPolicy, *, grad_accum_dtype: str = "param",
+                replicate_group: torch.distributed.ProcessGroup | None = None) -> ZeroOptimizer:
+    """ZeRO-1 over the 1-D `shard_mesh` for a materialized (fp32, or bf16-pure's bf16) model: the
+    optimizer `make_optimizer` builds, over this rank's master shards of `param_groups`. Casts the
+    parameters to the compute dtype under *-mixed (the module docstring's precision paragraph)."""
+    mixed = policy.keeps_master_weights
+    return ZeroOptimizer(model, param_groups, make_optimizer, shard_mesh,
+                         param_dtype=policy.autocast_dtype if mixed else None,
+                         master_dtype=torch.float32 if mixed else policy.param_dtype,
+                         grad_dtype=GRAD_ACCUM_DTYPES.get(grad_accum_dtype), replicate_group=replicate_group)
 
 
 def is_fully_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def grad_scaler(policy: PrecisionPolicy, *, sharded: bool) -> torch.amp.GradScaler:
-    """fp16 loss scaling; on sharded gradients the inf/nan check is all-reduced, so that a step is
-    skipped on every rank or on none (each rank sees only its own shard)."""
-    if sharded and policy.uses_loss_scaling:
+def uses_autocast(model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the forward runs under the precision policy's autocast: only where the parameters
+    stay fp32 (one process, DDP); FSDP2 and ZeRO-1 compute with parameters in the compute dtype."""
+    return not (is_fully_sharded(model) or isinstance(optimizer, ZeroOptimizer))
+
+
+def grad_scaler(policy: PrecisionPolicy, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.amp.GradScaler:
+    """fp16 loss scaling; on sharded gradients (FSDP, ZeRO-1's shards) the inf/nan check is
+    all-reduced, so that a step is skipped on every rank or on none (each rank sees only its shard)."""
+    if not policy.uses_loss_scaling:
+        return policy.make_grad_scaler()
+    if isinstance(optimizer, ZeroOptimizer):
+        return ShardedGradScaler(policy.device_type, process_group=optimizer.group)
+    if is_fully_sharded(model):
         return ShardedGradScaler(policy.device_type)
     return policy.make_grad_scaler()
 
@@ -123,9 +166,10 @@ def grad_scaler(policy: PrecisionPolicy, *, sharded: bool) -> torch.amp.GradScal
 def set_gradient_sync(model: nn.Module, sync: bool) -> None:
     """Gradient accumulation: call with sync=False for every micro-batch but the last.
 
-    DDP (zero 0/1) then skips the all-reduce and accumulates locally. FSDP still reduce-scatters
+    DDP (zero 0) then skips the all-reduce and accumulates locally. FSDP still reduce-scatters
     every micro-batch (keeping only gradient shards is what ZeRO-2/3 are for); under HSDP only the
-    all-reduce across replicas waits for the last micro-batch.
+    all-reduce across replicas waits for the last micro-batch. ZeRO-1 communicates nothing in
+    backward (reduce_gradients does, once per step).
     """
     if isinstance(model, FSDPModule):
         model.set_requires_all_reduce(sync)
@@ -133,10 +177,20 @@ def set_gradient_sync(model: nn.Module, sync: bool) -> None:
         model.set_requires_gradient_sync(sync)
 
 
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """torch's clip_grad_norm_, correct on sharded gradients too: the norm of DTensor gradients is
-    a partial result that is reduced across the shards before clipping (DDP's are already whole)."""
-    params = [p for p in parameters if p.grad is not None]
+def reduce_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """Once per step, after the last micro-batch's backward: ZeRO-1's reduce-scatter of the
+    accumulated gradients (every other engine reduced them during backward)."""
+    if isinstance(optimizer, ZeroOptimizer):
+        optimizer.reduce_gradients()
+
+
+def clip_grad_norm_(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ over the gradients the optimizer steps on, correct on sharded ones
+    too: the norm of DTensor gradients is a partial result that is reduced across the shards before
+    clipping (DDP's are already whole); ZeRO-1 clips its master shards' gradients (one all-reduce)."""
+    if isinstance(optimizer, ZeroOptimizer):
+        return optimizer.clip_grad_norm_(max_norm)
+    params = [p for p in model.parameters() if p.grad is not None]
     total_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if isinstance(total_norm, DTensor):
         total_norm = total_norm.full_tensor()
@@ -144,23 +198,85 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
     return total_norm
 
 
+def init_optimizer_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Create the states an optimizer makes lazily, leaving the weights as they are: one step on
+    zero gradients (ZeRO-1: at learning rate 0, on its master shards)."""
+    if isinstance(optimizer, ZeroOptimizer):
+        optimizer.init_states()
+        return
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model, optimizer) state dicts in the one checkpoint form of every layout: keyed by parameter
+    name, the optimizer flattened (STATE_DICT_OPTIONS), sharded tensors as DTensors; ZeRO-1 gives
+    its master weights under the parameters' names. dcp.load fills them in place."""
+    if isinstance(optimizer, ZeroOptimizer):
+        return optimizer.model_state_dict(), optimizer.optimizer_state_dict(flatten=True)
+    return get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+
+
+def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
+                     optimizer_state: dict[str, Any]) -> None:
+    """Set model and optimizer from state_dicts' form (collective under ZeRO-1: the parameters are
+    all-gathered from the loaded masters)."""
+    if isinstance(optimizer, ZeroOptimizer):
+        optimizer.load_model_state_dict(model_state)
+        optimizer.load_optimizer_state_dict(optimizer_state)
+        return
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                   options=STATE_DICT_OPTIONS)
+
+
+# ---------------------------------------------------------------- accounting
+
+
+def model_state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer,
+                        policy: PrecisionPolicy) -> dict[str, list[torch.Tensor]]:
+    """This rank's model-state tensors by memory component (memory/breakdown.py's names), each
+    storage in one component: what memory/ledger.py tags and local_state_bytes counts. ZeRO-1's
+    flat gradient buffers and its master shards' gradients are grads; its replicated compute-dtype
+    parameters params, its master shards master_params (memory/analytic.py's forms). Elsewhere the
+    parameters are the masters under *-mixed (fp32, autocast casts them per op)."""
+    if isinstance(optimizer, ZeroOptimizer):
+        tensors = optimizer.state_tensors()
+        return {"params": tensors["params"], "master_params": tensors["master_params"],
+                "grads": tensors["grads"] + tensors["master_grads"], "optimizer": tensors["optimizer"]}
+    params = list(model.parameters())
+    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"master_params" if policy.keeps_master_weights else "params": params,
+            "grads": [p.grad for p in params if p.grad is not None], "optimizer": states}
+
+
 def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    # Keyed by address: FSDP2's gradient shards are views into one reduce-scatter buffer.
-    seen: dict[int, int] = {}
+    # Keyed by where each tensor starts (FSDP2's gradient shards are views into one reduce-scatter
+    # buffer); by storage object, not address: fake tensors (the traced step) have none.
+    seen: dict[tuple[int, int], int] = {}
     for t in tensors:
         local = t.to_local() if isinstance(t, DTensor) else t
-        seen[local.data_ptr() or id(local)] = local.numel() * local.element_size()
+        seen[id(local.untyped_storage()), local.storage_offset()] = local.numel() * local.element_size()
     return sum(seen.values())
 
 
 def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of the model states this rank holds (its shards; shared tensors counted once):
-    params, grads (as they are now: call between backward and the optimizer step) and optimizer."""
+    """Bytes of the model states this rank holds (its shards; shared storages counted once):
+    params, grads (as they are now: call between backward and the optimizer step) and optimizer;
+    under ZeRO-1 also master_params (its grads: the flat buffers and the master gradients)."""
+    if isinstance(optimizer, ZeroOptimizer):
+        counts = optimizer.state_bytes()
+        return {"params": counts["params"], "master_params": counts["master_params"],
+                "grads": counts["grads"] + counts["master_grads"], "optimizer": counts["optimizer"]}
     params = list(model.parameters())
-    states = local_optimizer(optimizer).state.values()
+    states = optimizer.state.values()
     return {
         "params": _local_bytes(params),
         "grads": _local_bytes(p.grad for p in params if p.grad is not None),
         "optimizer": _local_bytes(v for s in states for v in s.values() if isinstance(v, torch.Tensor)),
     }
-

@@ -10,7 +10,8 @@ thousands of them. Torch-free.
 The world is a mesh pp x dp_replicate x dp_shard x cp x tp (outermost first: tensor parallelism
 stays inside a node, pipeline stages span nodes). The data-parallel degree is what remains after
 tp, pp and cp: dp = world_size / (tp x pp x cp) = dp_replicate x dp_shard. ZeRO stages 1-3 shard
-over dp_shard and replicate over dp_replicate (HSDP); stage 0 replicates over all dp ranks (DDP).
+over dp_shard and replicate over dp_replicate (HSDP: for ZeRO-1, its shards are all-reduced across
+the replicas); stage 0 replicates over all dp ranks (DDP).
 Expert parallelism borrows its ranks from the data-parallel ones (ep divides dp_shard x cp).
 """
 
@@ -54,6 +55,8 @@ class Layout:
     chunked_loss: bool
     precision: str
     """precision.mode: the dtypes the step computes, communicates and keeps its states in."""
+    grad_accum_dtype: str = "param"
+    """optimizer.grad_accum_dtype: ZeRO-1's gradient buffers in the parameters' dtype or fp32."""
     moe_imbalance: float = 1.0
     """memory.moe_imbalance: the busiest expert's load over the balanced one that memory estimates
     assume for dropless routing (the estimators' assumption; training does not read it)."""
@@ -97,9 +100,14 @@ class Layout:
 
     def ineffective_options(self) -> list[str]:
         """Options the user set that do nothing in this layout (warned about once, by the trainer)."""
+        found = []
         if self.zero_stage and self.zero_shards == 1 and self.offload == "none":
-            return [f"parallel.zero_stage={self.zero_stage} has no effect: one data-parallel rank holds every shard"]
-        return []
+            found.append(f"parallel.zero_stage={self.zero_stage} has no effect: one data-parallel rank holds every "
+                         "shard")
+        if self.grad_accum_dtype == "fp32" and (self.data_parallel != "zero1" or self.precision == "fp32"):
+            found.append("optimizer.grad_accum_dtype='fp32' has no effect: only ZeRO-1 (parallel.zero_stage=1 on "
+                         "several ranks) in 16-bit precision accumulates gradients in a dtype of its own")
+        return found
 
     def untrainable_reason(self) -> str | None:
         """Why `trainfit train` cannot run this layout yet (the estimators can), or None."""
@@ -199,7 +207,7 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
                   grad_accum_steps=accum, micro_batch_size=t.micro_batch_size,
                   activation_checkpointing=mem.activation_checkpointing, ac_every_n_layers=mem.ac_every_n_layers,
                   offload=mem.offload, chunked_loss=mem.chunked_loss, precision=cfg.precision.mode,
-                  moe_imbalance=mem.moe_imbalance)
+                  grad_accum_dtype=cfg.optimizer.grad_accum_dtype, moe_imbalance=mem.moe_imbalance)
 
 
 def _check_model_split(cfg: Config) -> None:

@@ -35,12 +35,16 @@ from trainfit.parallel.layout import AXES, Layout
 
 KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
 
-# torch DDP's default bucket (DistributedDataParallel(bucket_cap_mb=25)); a bucket is sent once it
-# holds at least this many bytes of gradients.
 DDP_BUCKET_BYTES = 25 * 1024**2
-# Gradients are reduced in fp32 under the *-mixed modes (FSDP2 MixedPrecisionPolicy(reduce_dtype=
-# float32), as torchtitan configures it; DDP reduces the fp32 gradients of fp32 parameters).
+"""torch DDP's default bucket (DistributedDataParallel(bucket_cap_mb=25)); a bucket is sent once it
+holds at least this many bytes of gradients."""
+ZERO1_BUCKET_BYTES = DDP_BUCKET_BYTES
+"""parallel/zero.py's BUCKET_BYTES: ZeRO-1 reduce-scatters and all-gathers bucket by bucket, each
+at most this many bytes in the wider of its gradient and parameter dtypes."""
 FP32_BYTES, LOW_BYTES = 4, 2
+"""Gradients are reduced in fp32 under the *-mixed modes by FSDP2 (MixedPrecisionPolicy(reduce_dtype=
+float32), as torchtitan configures it) and DDP (the fp32 gradients of fp32 parameters); ZeRO-1
+reduces in its parameters' dtype (16-bit) unless optimizer.grad_accum_dtype='fp32'."""
 
 
 # ---------------------------------------------------------------- cost models
@@ -138,7 +142,8 @@ class Collective:
     count: int
     """Calls per step on one rank."""
     phase: str
-    """forward | backward (recomputation counts as backward)."""
+    """forward | backward (recomputation counts as backward) | step (ZeRO-1's, around the optimizer
+    step, after the last backward)."""
     unit: str = ""
     """Data parallel only: "root" (the FSDP unit of embeddings/norm/output: gathered first, reduced
     last), "blocks" (one FSDP unit per block), "buckets" (DDP)."""
@@ -183,10 +188,14 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
     """Every collective one rank of the busiest pipeline stage issues in one optimizer step.
 
     Data parallel, as trainfit.parallel.data_parallel builds it:
-    - zero_stage 0 (DDP) and 1: one all-reduce of all gradients per step (accumulation skips it for
-      every micro-batch but the last) over dp_replicate x dp_shard x cp, in DDP buckets. ZeRO-1
-      (ZeroRedundancyOptimizer over dp_shard) then broadcasts each owner's updated parameters:
-      costed as the all-gather of all parameters those broadcasts add up to.
+    - zero_stage 0 (DDP): one all-reduce of all gradients per step (accumulation skips it for
+      every micro-batch but the last) over dp_replicate x dp_shard x cp, in DDP buckets.
+    - zero_stage 1 (parallel/zero.py), once per step after the last backward, bucket by bucket:
+      a reduce-scatter of the accumulated gradients over dp_shard (in the parameters' dtype, or
+      fp32 with optimizer.grad_accum_dtype='fp32'), under HSDP (or cp > 1) an all-reduce of the
+      shard over dp_replicate x cp, and after the optimizer step an all-gather of the updated
+      parameters over dp_shard (in the parameters' dtype): the volume of DDP's all-reduce, split
+      around the step.
     - zero_stage 2/3 (FSDP2 units: each block, plus the root holding embeddings/norm/output):
       every micro-batch reduce-scatters each unit's gradients over dp_shard (FSDP keeps shards
       only); once per step (HSDP, or cp > 1) an all-reduce of the shards over dp_replicate x cp.
@@ -220,13 +229,23 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
 
     # Data parallel.
     shard = ("dp_shard",)
-    if layout.zero_stage <= 1:
+    rest, replicas = ("dp_replicate", "cp"), layout.dp_replicate * layout.cp
+    if layout.zero_stage == 0:
         total = (layers * block + root) * grad_b
         buckets = max(1, -(-total // DDP_BUCKET_BYTES))
         add("all_reduce", "grad_sync", ("dp_replicate", "dp_shard", "cp"), layout.dp * layout.cp, total / buckets,
             buckets, "backward", "buckets", per_microbatch=False)
-        if layout.zero_stage == 1:  # the owners' broadcasts of updated parameters, in the parameters' dtype
-            add("all_gather", "zero1_params", shard, layout.dp_shard, total, 1, "step", per_microbatch=False)
+    elif layout.zero_stage == 1:
+        elements = layers * block + root
+        grad_b = FP32_BYTES if layout.grad_accum_dtype == "fp32" else param_b
+        buckets = max(1, -(-elements * max(grad_b, param_b) // ZERO1_BUCKET_BYTES))
+        per_bucket = elements / buckets
+        add("reduce_scatter", "grad_sync", shard, layout.dp_shard, per_bucket * grad_b, buckets, "step", "buckets",
+            per_microbatch=False)
+        add("all_reduce", "grad_sync", rest, replicas, per_bucket * grad_b / layout.dp_shard, buckets, "step",
+            "buckets", per_microbatch=False)
+        add("all_gather", "zero1_params", shard, layout.dp_shard, per_bucket * param_b, buckets, "step",
+            "buckets", per_microbatch=False)
     else:
         add("all_gather", "fsdp_param", shard, layout.dp_shard, root * param_b, n_mb, "forward", "root")
         add("all_gather", "fsdp_param", shard, layout.dp_shard, block * param_b, n_mb * layers, "forward", "blocks")
@@ -235,7 +254,6 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
                 "blocks")
         add("reduce_scatter", "grad_sync", shard, layout.dp_shard, block * grad_b, n_mb * layers, "backward", "blocks")
         add("reduce_scatter", "grad_sync", shard, layout.dp_shard, root * grad_b, n_mb, "backward", "root")
-        rest, replicas = ("dp_replicate", "cp"), layout.dp_replicate * layout.cp
         add("all_reduce", "grad_sync", rest, replicas, block * grad_b / layout.dp_shard, layers, "backward", "blocks",
             per_microbatch=False)
         add("all_reduce", "grad_sync", rest, replicas, root * grad_b / layout.dp_shard, 1, "backward", "root",

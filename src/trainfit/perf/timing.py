@@ -17,9 +17,10 @@ its mesh axes. What of it lengthens the step is decided here, and only here:
 | FSDP gradient reduce-scatters (every         | hidden behind the micro-batch's backward (sharing it with    |
 | micro-batch)                                 | the backward gathers), except the root unit's in the last    |
 |                                              | micro-batch, which ends the step                             |
-| DDP / ZeRO-1 all-reduce, HSDP (and cp)       | once per step, behind the last micro-batch's backward;       |
-| all-reduce of the shards                     | exposed: the last bucket, the root unit's shard              |
-| ZeRO-1 parameter broadcast (optimizer step)  | all of it                                                    |
+| DDP all-reduce, HSDP (and cp) all-reduce of  | once per step, behind the last micro-batch's backward;       |
+| the shards                                   | exposed: the last bucket, the root unit's shard              |
+| ZeRO-1 reduce-scatter (+ HSDP all-reduce)    | all of it: parallel/zero.py issues them after the backward,  |
+| and parameter all-gather (phase "step")      | around the optimizer step, with nothing to hide behind       |
 | tensor parallel (all-reduce, or AG + RS)     | all of it (no async TP)                                      |
 | context parallel (K/V all-gather, dK/dV RS)  | all of it                                                    |
 | expert parallel all-to-all                   | all of it                                                    |
@@ -111,7 +112,7 @@ def _exposed(timed: list[tuple[Collective, float]], fwd_s: float, bwd_s: float, 
     hidden_once = dict.fromkeys(KINDS, 0.0)  # ... behind the last micro-batch's backward only
     for c, one in timed:
         total = one * c.count
-        if c.purpose in EXPOSED_PURPOSES or (c.purpose == "fsdp_param" and c.unit == "root"):
+        if c.purpose in EXPOSED_PURPOSES or c.phase == "step" or (c.purpose == "fsdp_param" and c.unit == "root"):
             exposed[c.kind] += total
             per_microbatch += total if c.per_microbatch else 0.0
         elif c.purpose == "fsdp_param":

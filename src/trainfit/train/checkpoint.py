@@ -13,9 +13,11 @@ next successful save removes.
 
 Model and optimizer are saved as DCP state dicts keyed by parameter name (the optimizer
 flattened per parameter: `state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`), sharded tensors as
-DTensors: nothing in the files depends on the layout, so a checkpoint resumes on another world
-size or layout (DDP, ZeRO-1's per-rank optimizer, FSDP/HSDP shards, one plain process), and
-`trainfit export` loads it into one process.
+DTensors (parallel/data_parallel.state_dicts): nothing in the files depends on the layout, so a
+checkpoint resumes on another world size or layout (DDP, ZeRO-1's master and state shards, FSDP/HSDP
+shards, one plain process), and `trainfit export` loads it into one process. The weights saved
+are the ones the optimizer updates: fp32 under *-mixed (one process's and DDP's fp32 parameters,
+FSDP2's sharded parameters, ZeRO-1's master shards), bf16 under bf16-pure.
 """
 
 from __future__ import annotations
@@ -34,17 +36,15 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from trainfit.config import ConfigError
-from trainfit.parallel.data_parallel import local_optimizer
+from trainfit.parallel.data_parallel import load_state_dicts, state_dicts
 from trainfit.train.distributed import World
 
 STEP_PREFIX = "step_"
 TRAINER_STATE = "trainer_state.pt"
 CONFIG_FILE = "config.json"
 DCP_DIR = "dcp"
-STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def step_dir_name(step: int) -> str:
@@ -104,7 +104,7 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     tmp = Path(world.broadcast_object(str(tmp)))
-    model_sd, optim_sd = get_state_dict(model, local_optimizer(optimizer), options=STATE_DICT_OPTIONS)
+    model_sd, optim_sd = state_dicts(model, optimizer)
     with _dcp_quiet():
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / DCP_DIR),
                  no_dist=world.size == 1)
@@ -175,15 +175,14 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if optimizer is None:
         state = {"model": model.state_dict()}
     else:
-        model_sd, optim_sd = get_state_dict(model, local_optimizer(optimizer), options=STATE_DICT_OPTIONS)
+        model_sd, optim_sd = state_dicts(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
     with _dcp_quiet():
         dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=world.size == 1)
     if optimizer is None:
         model.load_state_dict(state["model"])
     else:
-        set_state_dict(model, local_optimizer(optimizer), model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=STATE_DICT_OPTIONS)
+        load_state_dicts(model, optimizer, state["model"], state["optimizer"])
     return torch.load(path / TRAINER_STATE, weights_only=False)
 
 

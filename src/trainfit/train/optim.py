@@ -25,7 +25,12 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, opt: OptimizerConfig, train: TrainingConfig,
                     device_type: str) -> torch.optim.Optimizer:
-    groups = param_groups(model, train.weight_decay)
+    return make_optimizer(param_groups(model, train.weight_decay), opt, train, device_type)
+
+
+def make_optimizer(groups: list[dict], opt: OptimizerConfig, train: TrainingConfig,
+                   device_type: str) -> torch.optim.Optimizer:
+    """The configured optimizer over `groups` (model parameters, or ZeRO-1's master shards of them)."""
     fused = opt.fused and device_type == "cuda"
     impl = {"fused": True} if fused else {"foreach": opt.foreach}
     if opt.name == "adamw":

@@ -53,7 +53,8 @@ def layout_description(layout: Layout) -> str:
     world_size = layout.world_size
     if world_size == 1 and layout.offload == "none":
         return "1 process"
-    names = {0: "DDP", 1: "ZeRO-1 (DDP + sharded optimizer)", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}
+    names = {0: "DDP", 1: "ZeRO-1 (sharded master weights and optimizer)", 2: "ZeRO-2 (FSDP2)",
+             3: "ZeRO-3 (FSDP2)"}
     stage = names[layout.zero_stage]
     if layout.dp_replicate > 1:
         axes = f"dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard}"

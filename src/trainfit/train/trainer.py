@@ -37,8 +37,9 @@ from trainfit.parallel.apply import parallelize, parallelize_optimizer
 from trainfit.parallel.data_parallel import (
     clip_grad_norm_,
     grad_scaler,
-    is_fully_sharded,
+    reduce_gradients,
     set_gradient_sync,
+    uses_autocast,
 )
 from trainfit.parallel.layout import Layout, build_layout
 from trainfit.perf.flops import mfu, training_flops_per_token
@@ -47,7 +48,7 @@ from trainfit.train import checkpoint as ckpt
 from trainfit.train.data import BatchSampler, TokenData, eval_batches, resolve_data
 from trainfit.train.distributed import World, init_world, run_layout
 from trainfit.train.metrics import MetricsWriter
-from trainfit.train.optim import build_optimizer, build_scheduler
+from trainfit.train.optim import build_scheduler, make_optimizer, param_groups
 from trainfit.train.progress import TrainProgress
 from trainfit.train.signals import StopOnSignal
 
@@ -136,7 +137,8 @@ StepListener = Callable[[str], None]
 class Trainer:
     MOMENTS = ("forward", "backward", "optimizer", "update")
     """forward: a micro-batch's forward and loss start; backward: its backward starts; optimizer:
-    every gradient is in, unscaling and clipping start; update: the optimizer is about to step."""
+    every micro-batch's backward is done, the gradient reduction (ZeRO-1's), unscaling and clipping
+    start; update: every gradient is reduced, unscaled and clipped, the optimizer is about to step."""
 
     def __init__(self, cfg: Config, layout: Layout | None = None, world: World | None = None, *,
                  parts: StepParts | None = None) -> None:
@@ -179,11 +181,12 @@ class Trainer:
         optimizer, schedule, loss scaler, batches, counters."""
         cfg = self.cfg
         self.model, self.num_params = model, num_params
-        self.sharded = is_fully_sharded(model)
-        # FSDP2 computes in its MixedPrecisionPolicy's dtype; autocast is the non-sharded form.
-        self.autocast = contextlib.nullcontext if self.sharded else self.policy.autocast
-        optimizer = build_optimizer(model, cfg.optimizer, cfg.training, optimizer_device_type)
-        self.optimizer = parallelize_optimizer(optimizer, self.layout, self.world.mesh)
+        make = functools.partial(make_optimizer, opt=cfg.optimizer, train=cfg.training,
+                                 device_type=optimizer_device_type)
+        self.optimizer = parallelize_optimizer(model, param_groups(model, cfg.training.weight_decay), make,
+                                               self.layout, self.world.mesh, self.policy)
+        # FSDP2 and ZeRO-1 compute with parameters in the compute dtype; autocast is the fp32-parameter form.
+        self.autocast = self.policy.autocast if uses_autocast(model, self.optimizer) else contextlib.nullcontext
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.scaler = self.build_grad_scaler()
         self.sampler = batches
@@ -197,7 +200,7 @@ class Trainer:
 
     def build_grad_scaler(self) -> torch.amp.GradScaler:
         """The loss scaler (fp16: dynamic scaling; otherwise a disabled one). Subclasses may wrap it."""
-        return grad_scaler(self.policy, sharded=self.sharded)
+        return grad_scaler(self.policy, self.model, self.optimizer)
 
     @contextlib.contextmanager
     def listening(self, listener: StepListener) -> Iterator[None]:
@@ -327,12 +330,14 @@ class Trainer:
         return lm_loss.detach()
 
     def optimizer_step(self) -> tuple[float, bool, float]:
-        """Unscale, clip by the global norm, step (unless fp16 found inf/nan), clear gradients,
-        advance the schedule. Returns (gradient norm, skipped, learning rate used)."""
+        """Reduce the gradients (ZeRO-1's reduce-scatter; other engines reduced them in backward),
+        unscale, clip by the global norm, step (unless fp16 found inf/nan), clear gradients, advance
+        the schedule. Returns (gradient norm, skipped, learning rate used)."""
         self._moment("optimizer")
+        reduce_gradients(self.optimizer)
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.training.grad_clip or math.inf
-        grad_norm = clip_grad_norm_(self.model.parameters(), clip)
+        grad_norm = clip_grad_norm_(self.model, self.optimizer, clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self._moment("update")
         skipped = not step_optimizer(self.optimizer, self.scaler)
