@@ -47,7 +47,7 @@ def check_init(case: GlooTestCase, model: str, layout: tuple[str, ...]) -> None:
         if isinstance(param, DTensor):  # this rank's shard, at most a 1/dp_shard share of the rows
             share = math.ceil(param.shape[0] / trainer.layout.dp_shard) * math.prod(param.shape[1:])
             case.assertLessEqual(param.to_local().numel(), share, param_name)
-    gathered = full_params(trainer.model)
+    gathered = full_params(trainer)
     reference = materialize(build_model(cfg.model), "cpu", cfg.training.seed).state_dict()
     case.assertEqual(sorted(gathered), sorted(reference))
     for key, value in reference.items():
