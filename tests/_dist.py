@@ -20,13 +20,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.testing._internal.common_distributed import run_subtests
 from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase, with_comms
 
-from trainfit.config import Config, load_config
+from _runs import run_config
 from trainfit.train.distributed import World
 from trainfit.train.trainer import Trainer
 
-__all__ = ["AUTOCAST", "FP32", "LOW", "MOE", "STEPS", "ZERO3_LAYOUT", "ZERO3_RUN_ENV", "ZERO3_STEPS",
-           "GlooTestCase", "fake_world", "full_params", "run_config", "run_overrides", "subprocess_env", "torchrun",
-           "with_comms"]
+__all__ = ["AUTOCAST", "DP_BATCH", "FP32", "LOW", "MOE", "STEPS", "ZERO3_LAYOUT", "ZERO3_RUN_ENV", "ZERO3_STEPS",
+           "GlooTestCase", "fake_world", "full_params", "subprocess_env", "torchrun", "with_comms"]
 
 
 # Parity with one process (tests/distributed/test_dp_parity.py explains the measures and tolerances).
@@ -35,6 +34,9 @@ FP32 = {"loss_rtol": 1e-5, "update_rtol": 1e-5}
 AUTOCAST = {"loss_rtol": 1e-4, "update_rtol": 2e-2}
 LOW = {"loss_rtol": 1e-3, "update_rtol": 6e-2}
 MOE = {"loss_rtol": 1e-3, "update_rtol": 0.2}
+DP_BATCH = ("--training.micro_batch_size=2", "--training.global_batch_size=8")
+"""The data-parallel tests' batch (after _runs.DEBUG_RUN, which they run): global batch 8, on 2 ranks 2
+micro-batches of 2 rows each per rank, so gradient accumulation is part of every layout's test."""
 # Only the layout differs from the reference: these fields are dropped from its config.
 LAYOUT_FIELDS = ("--parallel.", "--memory.offload", "--hardware.num_gpus")
 
@@ -62,14 +64,15 @@ class GlooTestCase(DTensorTestBase):
         final parameters with one process given the same global batches (tolerances: see FP32...)."""
         name = "_".join(o.split(".")[-1] for o in overrides).replace("=", "-").replace("+", "-")
         evaluation = (f"--training.eval_interval={STEPS}", "--training.eval_steps=2")  # at steps 0 and STEPS
-        trainer = Trainer(run_config(self.shared_dir / name, f"--training.steps={STEPS}", *evaluation, *overrides))
+        run = (*DP_BATCH, f"--training.steps={STEPS}", *evaluation)
+        trainer = Trainer(run_config(self.shared_dir / name, *run, *overrides))
         result = trainer.train()
         params = full_params(trainer.model)
         if self.rank != 0:
             return
         reference_overrides = [o for o in overrides if not o.startswith(LAYOUT_FIELDS)]
-        reference = Trainer(run_config(self.shared_dir / f"{name}-reference", f"--training.steps={STEPS}", *evaluation,
-                                       "--training.micro_batch_size=8", *reference_overrides), world=World())
+        reference = Trainer(run_config(self.shared_dir / f"{name}-reference", *run, "--training.micro_batch_size=8",
+                                       *reference_overrides), world=World())
         initial = {key: value.detach().float().clone() for key, value in reference.model.state_dict().items()}
         expected = reference.train()
         self.assertEqual(sorted(result.losses), list(range(1, STEPS + 1)))
@@ -81,18 +84,6 @@ class GlooTestCase(DTensorTestBase):
         error = sum(((params[key] - value) ** 2).sum() for key, value in final.items()).sqrt()
         moved = sum(((value - initial[key]) ** 2).sum() for key, value in final.items()).sqrt()
         self.assertLess(float(error / moved), tolerances["update_rtol"])
-
-
-def run_overrides(run_dir: Path, *overrides: str) -> list[str]:
-    """A quiet debug-model run writing under run_dir: global batch 8 in micro-batches of 2."""
-    return ["--model.preset=debug", "--training.seq_len=32", "--training.micro_batch_size=2",
-            "--training.global_batch_size=8", "--training.warmup_steps=2", "--training.eval_interval=0",
-            "--checkpoint.interval=0", f"--checkpoint.dir={run_dir / 'ckpt'}", f"--logging.dir={run_dir / 'logs'}",
-            "--logging.progress=false", "--logging.interval=1", *overrides]
-
-
-def run_config(run_dir: Path, *overrides: str) -> Config:
-    return load_config(None, run_overrides(run_dir, *overrides))
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:

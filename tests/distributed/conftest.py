@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from _dist import ZERO3_LAYOUT, ZERO3_RUN_ENV, ZERO3_STEPS, run_overrides, subprocess_env, torchrun
+from _dist import DP_BATCH, ZERO3_LAYOUT, ZERO3_RUN_ENV, ZERO3_STEPS, subprocess_env, torchrun
+from _runs import run_overrides
 
 
 @pytest.fixture(scope="session")
 def zero3_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
     run_dir = tmp_path_factory.mktemp("zero3_cli")
-    proc = torchrun(2, "-m", "trainfit", "train", *run_overrides(run_dir, f"--training.steps={ZERO3_STEPS}",
+    proc = torchrun(2, "-m", "trainfit", "train", *run_overrides(run_dir, *DP_BATCH, f"--training.steps={ZERO3_STEPS}",
                                                                   *ZERO3_LAYOUT), env=subprocess_env(tmp_path_factory))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_dir, proc

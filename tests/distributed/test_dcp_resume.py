@@ -17,17 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from _dist import (
-    FP32,
-    ZERO3_RUN_ENV,
-    ZERO3_STEPS,
-    GlooTestCase,
-    run_config,
-    run_overrides,
-    subprocess_env,
-    torchrun,
-    with_comms,
-)
+from _dist import DP_BATCH, FP32, ZERO3_RUN_ENV, ZERO3_STEPS, GlooTestCase, subprocess_env, torchrun, with_comms
+from _runs import run_config, run_overrides
 from trainfit.models import build_model, materialize
 from trainfit.models.hf import load_hf_weights
 from trainfit.train import checkpoint as ckpt
@@ -66,7 +57,8 @@ def test_resume_on_one_process_continues_the_same_losses(zero3_run: tuple[Path, 
                                                          tmp_path: Path) -> None:
     run_dir, _ = zero3_run
     saved = run_dir / "ckpt" / "step_00000003"
-    trainer = Trainer(run_config(tmp_path, f"--training.steps={ZERO3_STEPS}", f"--checkpoint.resume={saved}"))
+    trainer = Trainer(run_config(tmp_path, *DP_BATCH, f"--training.steps={ZERO3_STEPS}",
+                                 f"--checkpoint.resume={saved}"))
     assert trainer.step == 3 and trainer.world.size == 1
     assert "saved by 2 ranks, resharded to 1" in trainer.notes[0]
     result = trainer.train()
@@ -106,7 +98,7 @@ class FourRanks(GlooTestCase):
             self.check_parity((*layout, "--parallel.zero_stage=1"), FP32)
         else:
             run_dir = Path(os.environ[ZERO3_RUN_ENV])
-            trainer = Trainer(run_config(self.shared_dir / "resume", *layout, "--parallel.zero_stage=3",
+            trainer = Trainer(run_config(self.shared_dir / "resume", *DP_BATCH, *layout, "--parallel.zero_stage=3",
                                          f"--training.steps={ZERO3_STEPS}",
                                          f"--checkpoint.resume={run_dir / 'ckpt' / 'step_00000003'}"))
             self.assertEqual(trainer.step, 3)
@@ -138,13 +130,13 @@ def test_rank_killed_mid_save_leaves_the_last_checkpoint_loadable(
     script = tmp_path / "kill_rank_1.py"
     script.write_text(KILL_RANK_1_MID_SAVE)
     run = tmp_path / "run"
-    proc = torchrun(2, str(script), "train", *run_overrides(run, f"--training.steps={ZERO3_STEPS}",
+    proc = torchrun(2, str(script), "train", *run_overrides(run, *DP_BATCH, f"--training.steps={ZERO3_STEPS}",
                                                             "--parallel.zero_stage=3", "--checkpoint.interval=2"),
                     env=subprocess_env(tmp_path_factory))
     assert proc.returncode != 0
     assert [p.name for p in ckpt.list_checkpoints(run / "ckpt")] == ["step_00000002"]
     assert any(p.name.startswith(".tmp-step_00000004") for p in (run / "ckpt").iterdir())
-    trainer = Trainer(run_config(run, f"--training.steps={ZERO3_STEPS}"))  # one process resumes it
+    trainer = Trainer(run_config(run, *DP_BATCH, f"--training.steps={ZERO3_STEPS}"))  # one process resumes it
     assert trainer.step == 2
     result = trainer.train()
     assert_same_losses(result.losses, logged_losses(zero3_run[0]), range(3, ZERO3_STEPS + 1))

@@ -16,7 +16,8 @@ from __future__ import annotations
 import gc
 
 from _analytic import states_of
-from _dist import GlooTestCase, run_config, with_comms
+from _dist import DP_BATCH, GlooTestCase, with_comms
+from _runs import run_config
 from trainfit.train.trainer import Trainer
 
 WIDE = ("--model.num_layers=4", "--model.dim=256", "--model.ffn_dim=768", "--model.num_heads=4",
@@ -29,7 +30,8 @@ class ZeroMemory(GlooTestCase):
         states, peaks, predicted = {}, {}, {}
         for stage in range(4):
             gc.collect()  # the previous trainer's cycles, which would otherwise be freed mid-measurement
-            trainer = Trainer(run_config(self.shared_dir / f"zero{stage}", *WIDE, f"--parallel.zero_stage={stage}"))
+            trainer = Trainer(run_config(self.shared_dir / f"zero{stage}", *DP_BATCH, *WIDE,
+                                         f"--parallel.zero_stage={stage}"))
             trainer.watched_step()  # optimizer states and DDP's buckets exist (and are known) from here on
             stats = trainer.measured_step()
             states[stage], peaks[stage] = stats.state_bytes, stats.peak_memory_bytes

@@ -30,6 +30,8 @@ from pathlib import Path
 import pytest
 from accuracy_grid import GRID, Measured, Row, analytic, measure_rows, problems, trace
 
+pytestmark = pytest.mark.slow  # 48 configurations measured on 1, 2 and 4 gloo ranks
+
 
 def _measure_world(world: int, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Measured]:
     return measure_rows([row for row in GRID if row.world == world], tmp_path_factory.mktemp(f"x{world}"))
