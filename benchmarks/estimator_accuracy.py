@@ -29,7 +29,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "estimator"))
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(TESTS), str(TESTS / "estimator")]  # accuracy_grid and the _runs it imports
 
 from accuracy_grid import (  # noqa: E402
     ANALYTIC_TOLERANCE,

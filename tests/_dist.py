@@ -18,17 +18,17 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.testing._internal import common_distributed
 from torch.testing._internal.common_distributed import run_subtests
 from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase, with_comms
 
-from trainfit.config import Config, load_config
+from _runs import run_config
 from trainfit.parallel.data_parallel import state_dicts
 from trainfit.train.distributed import World
 from trainfit.train.trainer import Trainer, TrainResult
 
-__all__ = ["AUTOCAST", "FP32", "LOW", "MOE", "STEPS", "ZERO1_LAYOUT", "ZERO1_RUN_ENV", "ZERO3_LAYOUT",
-           "ZERO3_RUN_ENV", "ZERO3_STEPS",
-           "GlooTestCase", "fake_world", "full_params", "run_config", "run_overrides", "spawn_gloo", "subprocess_env",
+__all__ = ["AUTOCAST", "DP_BATCH", "FP32", "LOW", "MOE", "STEPS", "ZERO1_LAYOUT", "ZERO1_RUN_ENV", "ZERO3_LAYOUT",
+           "ZERO3_RUN_ENV", "ZERO3_STEPS", "GlooTestCase", "fake_world", "full_params", "spawn_gloo", "subprocess_env",
            "torchrun", "with_comms"]
 
 
@@ -38,8 +38,18 @@ FP32 = {"loss_rtol": 1e-5, "update_rtol": 1e-5}
 AUTOCAST = {"loss_rtol": 1e-4, "update_rtol": 2e-2}
 LOW = {"loss_rtol": 1e-3, "update_rtol": 6e-2}
 MOE = {"loss_rtol": 1e-3, "update_rtol": 0.2}
+DP_BATCH = ("--training.micro_batch_size=2", "--training.global_batch_size=8")
+"""The data-parallel tests' batch (after _runs.DEBUG_RUN, which they run): global batch 8, on 2 ranks 2
+micro-batches of 2 rows each per rank, so gradient accumulation is part of every layout's test."""
 # Only the layout differs from the reference: these fields are dropped from its config.
 LAYOUT_FIELDS = ("--parallel.", "--memory.offload", "--hardware.num_gpus")
+
+
+# A spawned test method is killed after TIMEOUT_DEFAULT seconds (300 unless the environment's
+# DISTRIBUTED_TESTS_DEFAULT_TIMEOUT says otherwise). That is a hang guard, and on a busy 2-core machine
+# a parity method takes up to 90 s: give it pytest-timeout's 600 s (pyproject.toml), not a speed limit.
+if "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT" not in os.environ:
+    common_distributed.TIMEOUT_DEFAULT = 600
 
 
 class GlooTestCase(DTensorTestBase):
@@ -68,7 +78,8 @@ class GlooTestCase(DTensorTestBase):
         Returns, on rank 0, the largest relative loss error and the parameters' relative error."""
         name = "_".join(o.split(".")[-1] for o in overrides).replace("=", "-").replace("+", "-") + f"-{steps}"
         evaluation = (f"--training.eval_interval={steps}", "--training.eval_steps=2")  # at steps 0 and `steps`
-        trainer = Trainer(run_config(self.shared_dir / name, f"--training.steps={steps}", *evaluation, *overrides))
+        trainer = Trainer(run_config(self.shared_dir / name, *DP_BATCH, f"--training.steps={steps}", *evaluation,
+                                     *overrides))
         result = trainer.train()
         params = full_params(trainer)
         if self.rank != 0:
@@ -93,25 +104,14 @@ class GlooTestCase(DTensorTestBase):
         cache = self.__dict__.setdefault("_references", {})
         if (overrides, steps) not in cache:
             evaluation = (f"--training.eval_interval={steps}", "--training.eval_steps=2")
-            reference = Trainer(run_config(self.shared_dir / f"{name}-reference", f"--training.steps={steps}",
-                                           *evaluation, "--training.micro_batch_size=8", *overrides), world=World())
+            reference = Trainer(run_config(self.shared_dir / f"{name}-reference", *DP_BATCH,
+                                           f"--training.steps={steps}", *evaluation, "--training.micro_batch_size=8",
+                                           *overrides), world=World())
             initial = {key: value.detach().float().clone() for key, value in reference.model.state_dict().items()}
             result = reference.train()
             final = {key: value.detach().float() for key, value in reference.model.state_dict().items()}
             cache[overrides, steps] = initial, result, final
         return cache[overrides, steps]
-
-
-def run_overrides(run_dir: Path, *overrides: str) -> list[str]:
-    """A quiet debug-model run writing under run_dir: global batch 8 in micro-batches of 2."""
-    return ["--model.preset=debug", "--training.seq_len=32", "--training.micro_batch_size=2",
-            "--training.global_batch_size=8", "--training.warmup_steps=2", "--training.eval_interval=0",
-            "--checkpoint.interval=0", f"--checkpoint.dir={run_dir / 'ckpt'}", f"--logging.dir={run_dir / 'logs'}",
-            "--logging.progress=false", "--logging.interval=1", *overrides]
-
-
-def run_config(run_dir: Path, *overrides: str) -> Config:
-    return load_config(None, run_overrides(run_dir, *overrides))
 
 
 def full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -171,11 +171,11 @@ ZERO1_LAYOUT = ("--parallel.zero_stage=1", "--checkpoint.interval=3", "--trainin
 ZERO1_RUN_ENV = "TRAINFIT_TEST_ZERO1_RUN"
 
 
-def torchrun(nproc: int, *args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node N ARGS` (the torchrun script, as a module; standalone
     picks a free port, so concurrent test sessions do not collide)."""
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           *args], capture_output=True, text=True, env=env, timeout=timeout)
+                           *args], capture_output=True, text=True, env=env)
 
 
 def subprocess_env(tmp_path_factory: Any) -> dict[str, str]:

@@ -7,7 +7,7 @@ import re
 import signal
 import subprocess
 import sys
-import time
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -21,8 +21,7 @@ from trainfit.train.metrics import read_metrics
 
 
 def trainfit(*args: str, cwd: Path | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "trainfit", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "trainfit", *args], capture_output=True, text=True, cwd=cwd)
     if check:
         assert proc.returncode == 0, proc.stderr
     return proc
@@ -114,33 +113,51 @@ def _losses(log_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(log_dir) if "loss" in r}
 
 
+HOLD_AFTER_STEP_3 = textwrap.dedent("""
+    import sys
+
+    from trainfit.cli import main
+    from trainfit.train.trainer import Trainer
+
+    step = Trainer.train_step
+
+    def step_then_hold(self):  # after step 3, wait for the test: it sends SIGTERM, then closes stdin
+        stats = step(self)
+        if self.step == 3:
+            print("HOLDING AFTER STEP 3", flush=True)
+            sys.stdin.read()
+        return stats
+
+    Trainer.train_step = step_then_hold
+    raise SystemExit(main(sys.argv[1:]))
+""")
+
+
 def test_sigterm_then_the_same_command_resumes_bitwise(tmp_path: Path) -> None:
     """A real process stopped by SIGTERM mid-run, restarted with the same command, ends exactly where
-    an uninterrupted run does: same loss at every step, same parameters."""
+    an uninterrupted run does: same loss at every step, same parameters. The interrupted process holds
+    after step 3 until the signal has been sent, so where it stops does not depend on timing."""
     steps = 20
-    common = ["--model.preset=tiny", f"--training.steps={steps}", "--training.eval_interval=0",
-              "--logging.interval=1", "--checkpoint.interval=0", "--logging.progress=false"]
 
-    def command(run_dir: Path) -> list[str]:
-        return [sys.executable, "-m", "trainfit", "train", *common,
-                f"--checkpoint.dir={run_dir / 'ckpt'}", f"--logging.dir={run_dir / 'logs'}"]
+    def args(run_dir: Path) -> list[str]:
+        return ["train", *run_overrides(run_dir, f"--training.steps={steps}")]
 
     interrupted = tmp_path / "interrupted"
-    proc = subprocess.Popen(command(interrupted), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and len(_losses(interrupted / "logs")) < 3:
-        time.sleep(0.02)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_AFTER_STEP_3, *args(interrupted)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    before = []
+    while (line := proc.stdout.readline()) and not line.startswith("HOLDING AFTER STEP 3"):
+        before.append(line)
     os.kill(proc.pid, signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
+    out, _ = proc.communicate()  # closes stdin: step 3 returns, and the run stops for the signal
+    assert line and proc.returncode == 0, "".join(before) + out
     assert "stopped by signal" in out
-    stopped_at = max(_losses(interrupted / "logs"))
-    assert 3 <= stopped_at < steps, "the run finished before the signal: make its steps slower"
-    assert ckpt.latest_checkpoint(interrupted / "ckpt").name == ckpt.step_dir_name(stopped_at)
+    assert max(_losses(interrupted / "logs")) == 3
+    assert ckpt.latest_checkpoint(interrupted / "ckpt").name == ckpt.step_dir_name(3)
 
-    subprocess.run(command(interrupted), check=True, capture_output=True, timeout=300)
+    trainfit(*args(interrupted))
     straight = tmp_path / "straight"
-    subprocess.run(command(straight), check=True, capture_output=True, timeout=300)
+    trainfit(*args(straight))
     assert _losses(interrupted / "logs") == _losses(straight / "logs")
     assert sorted(_losses(straight / "logs")) == list(range(1, steps + 1))
     a = torch.load(ckpt.latest_checkpoint(interrupted / "ckpt") / ckpt.TRAINER_STATE, weights_only=False)

@@ -15,8 +15,7 @@ BYTE_KEYS = ("params", "master_params", "grads", "optimizer", "activations", "lo
 
 
 def estimate(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "trainfit", "estimate", *args], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "trainfit", "estimate", *args], capture_output=True, text=True)
     if check:
         assert proc.returncode == 0, proc.stderr
     return proc
@@ -69,7 +68,7 @@ def test_estimate_never_imports_torch() -> None:
             "main(['estimate', '--model.preset=llama3-70b', '--hardware.num_gpus=64', '--hardware.gpu=H100-SXM-80GB',"
             " '--parallel.tp=8', '--parallel.zero_stage=3', '--json']); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
 

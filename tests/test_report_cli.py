@@ -13,7 +13,7 @@ from _runs import run_overrides
 
 
 def trainfit(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "trainfit", *args], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "trainfit", *args], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return proc
 

@@ -10,21 +10,23 @@ from pathlib import Path
 import pytest
 
 from _dist import (
+    DP_BATCH,
     ZERO1_LAYOUT,
     ZERO1_RUN_ENV,
     ZERO3_LAYOUT,
     ZERO3_RUN_ENV,
     ZERO3_STEPS,
-    run_overrides,
     subprocess_env,
     torchrun,
 )
+from _runs import run_overrides
 
 
 def _cli_run(tmp_path_factory: pytest.TempPathFactory, name: str, layout: tuple[str, ...]
              ) -> tuple[Path, subprocess.CompletedProcess]:
     run_dir = tmp_path_factory.mktemp(name)
-    proc = torchrun(2, "-m", "trainfit", "train", *run_overrides(run_dir, f"--training.steps={ZERO3_STEPS}", *layout),
+    proc = torchrun(2, "-m", "trainfit", "train",
+                    *run_overrides(run_dir, *DP_BATCH, f"--training.steps={ZERO3_STEPS}", *layout),
                     env=subprocess_env(tmp_path_factory))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_dir, proc

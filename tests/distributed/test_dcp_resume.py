@@ -19,18 +19,18 @@ import pytest
 import torch
 
 from _dist import (
+    DP_BATCH,
     FP32,
     ZERO1_RUN_ENV,
     ZERO3_RUN_ENV,
     ZERO3_STEPS,
     GlooTestCase,
     full_params,
-    run_config,
-    run_overrides,
     subprocess_env,
     torchrun,
     with_comms,
 )
+from _runs import run_config, run_overrides
 from trainfit.models import build_model, materialize
 from trainfit.models.hf import load_hf_weights
 from trainfit.train import checkpoint as ckpt
@@ -70,7 +70,8 @@ def test_resume_on_one_process_continues_the_same_losses(zero3_run: tuple[Path, 
                                                          tmp_path: Path) -> None:
     run_dir, _ = zero3_run
     saved = run_dir / "ckpt" / "step_00000003"
-    trainer = Trainer(run_config(tmp_path, f"--training.steps={ZERO3_STEPS}", f"--checkpoint.resume={saved}"))
+    trainer = Trainer(run_config(tmp_path, *DP_BATCH, f"--training.steps={ZERO3_STEPS}",
+                                 f"--checkpoint.resume={saved}"))
     assert trainer.step == 3 and trainer.world.size == 1
     assert "saved by 2 ranks, resharded to 1" in trainer.notes[0]
     result = trainer.train()
@@ -80,7 +81,7 @@ def test_resume_on_one_process_continues_the_same_losses(zero3_run: tuple[Path, 
 def test_export_of_a_sharded_checkpoint(zero3_run: tuple[Path, subprocess.CompletedProcess], tmp_path: Path) -> None:
     run_dir, _ = zero3_run
     proc = subprocess.run([sys.executable, "-m", "trainfit", "export", str(run_dir / "ckpt"), "--out",
-                           str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)
+                           str(tmp_path / "hf")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     ours, cfg, _ = load_trained_model(run_dir / "ckpt", torch.device("cpu"))
     exported = materialize(build_model(cfg.model), "cpu")
@@ -99,7 +100,8 @@ def test_zero1_run_trains_as_zero3_does_and_resumes_on_one_process(
     shards = sorted(p.name for p in (run_dir / "ckpt" / "step_00000003" / ckpt.DCP_DIR).glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"]  # both ranks wrote their shards
     saved = run_dir / "ckpt" / "step_00000003"
-    trainer = Trainer(run_config(tmp_path, f"--training.steps={ZERO3_STEPS}", f"--checkpoint.resume={saved}"))
+    trainer = Trainer(run_config(tmp_path, *DP_BATCH, f"--training.steps={ZERO3_STEPS}",
+                                 f"--checkpoint.resume={saved}"))
     assert trainer.step == 3 and "saved by 2 ranks, resharded to 1" in trainer.notes[0]
     assert_same_losses(trainer.train().losses, logged_losses(run_dir), range(4, ZERO3_STEPS + 1))
 
@@ -123,7 +125,8 @@ class CrossLayout(GlooTestCase):
         if saved_by == "one process":
             saved = self.shared_dir / "one-process"
             if self.rank == 0:  # 3 steps of a 6-step schedule, then a checkpoint
-                single = Trainer(run_config(saved, f"--training.steps={ZERO3_STEPS}", "--training.micro_batch_size=8"),
+                single = Trainer(run_config(saved, *DP_BATCH, f"--training.steps={ZERO3_STEPS}",
+                                            "--training.micro_batch_size=8"),
                                  world=World())
                 for _ in range(3):
                     single.train_step()
@@ -132,7 +135,8 @@ class CrossLayout(GlooTestCase):
             checkpoint = saved / "ckpt" / "step_00000003"
         else:
             checkpoint = Path(os.environ[saved_by]) / "ckpt" / "step_00000003"
-        trainer = Trainer(run_config(self.shared_dir / f"resume-{stage}-{saved_by}", f"--parallel.zero_stage={stage}",
+        trainer = Trainer(run_config(self.shared_dir / f"resume-{stage}-{saved_by}", *DP_BATCH,
+                                     f"--parallel.zero_stage={stage}",
                                      f"--training.steps={ZERO3_STEPS}", f"--checkpoint.resume={checkpoint}"))
         self.assertEqual(trainer.step, 3)
         result = trainer.train()
@@ -143,7 +147,7 @@ class CrossLayout(GlooTestCase):
         """`trainfit export` of a ZeRO-1 bf16-mixed checkpoint: the fp32 masters, not the bf16
         parameters the ranks computed with."""
         run_dir = self.shared_dir / "zero1-bf16"
-        trainer = Trainer(run_config(run_dir, "--parallel.zero_stage=1", "--precision.mode=bf16-mixed",
+        trainer = Trainer(run_config(run_dir, *DP_BATCH, "--parallel.zero_stage=1", "--precision.mode=bf16-mixed",
                                      "--training.steps=2"))
         trainer.train()  # saves at its end
         masters = full_params(trainer)
@@ -184,7 +188,7 @@ class FourRanks(GlooTestCase):
         else:
             stage = 1 if case == "resume-zero1-replicated" else 3
             run_dir = Path(os.environ[ZERO3_RUN_ENV])
-            trainer = Trainer(run_config(self.shared_dir / case, *layout, f"--parallel.zero_stage={stage}",
+            trainer = Trainer(run_config(self.shared_dir / case, *DP_BATCH, *layout, f"--parallel.zero_stage={stage}",
                                          f"--training.steps={ZERO3_STEPS}",
                                          f"--checkpoint.resume={run_dir / 'ckpt' / 'step_00000003'}"))
             self.assertEqual(trainer.step, 3)
@@ -216,13 +220,13 @@ def test_rank_killed_mid_save_leaves_the_last_checkpoint_loadable(
     script = tmp_path / "kill_rank_1.py"
     script.write_text(KILL_RANK_1_MID_SAVE)
     run = tmp_path / "run"
-    proc = torchrun(2, str(script), "train", *run_overrides(run, f"--training.steps={ZERO3_STEPS}",
+    proc = torchrun(2, str(script), "train", *run_overrides(run, *DP_BATCH, f"--training.steps={ZERO3_STEPS}",
                                                             "--parallel.zero_stage=3", "--checkpoint.interval=2"),
                     env=subprocess_env(tmp_path_factory))
     assert proc.returncode != 0
     assert [p.name for p in ckpt.list_checkpoints(run / "ckpt")] == ["step_00000002"]
     assert any(p.name.startswith(".tmp-step_00000004") for p in (run / "ckpt").iterdir())
-    trainer = Trainer(run_config(run, f"--training.steps={ZERO3_STEPS}"))  # one process resumes it
+    trainer = Trainer(run_config(run, *DP_BATCH, f"--training.steps={ZERO3_STEPS}"))  # one process resumes it
     assert trainer.step == 2
     result = trainer.train()
     assert_same_losses(result.losses, logged_losses(zero3_run[0]), range(3, ZERO3_STEPS + 1))
@@ -232,7 +236,7 @@ def test_rank_killed_mid_save_leaves_the_last_checkpoint_loadable(
 def test_several_ranks_without_a_launcher_fail_fast_with_the_command(tmp_path: Path) -> None:
     args = ["train", "--hardware.num_gpus=2", "--parallel.zero_stage=3", "--training.micro_batch_size=8",
             f"--logging.dir={tmp_path}"]
-    proc = subprocess.run([sys.executable, "-m", "trainfit", *args], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "trainfit", *args], capture_output=True, text=True)
     assert proc.returncode == 2
     assert f"torchrun --nproc_per_node=2 -m trainfit {' '.join(args)}" in proc.stderr
     assert not any(tmp_path.iterdir())

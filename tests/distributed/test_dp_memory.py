@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 
 from _analytic import states_of
-from _dist import run_config, spawn_gloo
+from _dist import DP_BATCH, spawn_gloo
+from _runs import run_config
 from trainfit.config import Config
 from trainfit.memory.traced import trace_step
 from trainfit.train.trainer import Trainer
@@ -47,7 +48,7 @@ ANALYTIC_TOLERANCE = 0.10
 
 
 def layout_config(run_dir: Path, world: int, name: str) -> Config:
-    return run_config(run_dir / name, *WIDE, f"--hardware.num_gpus={world}", "--checkpoint.resume=never",
+    return run_config(run_dir / name, *DP_BATCH, *WIDE, f"--hardware.num_gpus={world}", "--checkpoint.resume=never",
                       *LAYOUTS[name])
 
 

@@ -26,12 +26,15 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
 import torch
 
-from _dist import AUTOCAST, FP32, LOW, MOE, STEPS, GlooTestCase, full_params, run_config, with_comms
+from _dist import AUTOCAST, DP_BATCH, FP32, LOW, MOE, STEPS, GlooTestCase, full_params, with_comms
+from _runs import run_config
 from trainfit.train.trainer import Trainer, TrainingDiverged
 
 LONG_STEPS = 20
+pytestmark = pytest.mark.slow  # 16 layouts, each trained on 2 ranks and on one process: minutes
 
 
 class DataParallelParity(GlooTestCase):
@@ -108,12 +111,12 @@ class DataParallelParity(GlooTestCase):
         """SIGTERM reaching rank 1 only, after step 3: both ranks stop after the same step and save
         one checkpoint; the same command resumes, and ends exactly where an uninterrupted run does."""
         overrides = (f"--training.steps={STEPS + 2}", f"--parallel.zero_stage={stage}")
-        straight = Trainer(run_config(self.shared_dir / f"straight{stage}", *overrides))
+        straight = Trainer(run_config(self.shared_dir / f"straight{stage}", *DP_BATCH, *overrides))
         expected = straight.train().losses
         expected_params = full_params(straight)
 
         run_dir = self.shared_dir / f"interrupted{stage}"
-        first = Trainer(run_config(run_dir, *overrides))
+        first = Trainer(run_config(run_dir, *DP_BATCH, *overrides))
         original = first.train_step
 
         def step_then_signal():
@@ -126,7 +129,7 @@ class DataParallelParity(GlooTestCase):
         stopped = first.train()
         self.assertTrue(stopped.stopped_by_signal)
         self.assertEqual(stopped.steps_done, 3)
-        second = Trainer(run_config(run_dir, *overrides))
+        second = Trainer(run_config(run_dir, *DP_BATCH, *overrides))
         self.assertEqual(second.step, 3)
         resumed = second.train()
         self.assertEqual({**stopped.losses, **resumed.losses}, expected)  # bitwise
@@ -137,7 +140,7 @@ class DataParallelParity(GlooTestCase):
     def _check_nan_on_one_rank(self) -> None:
         """A nan loss on rank 1 only: the loss every rank sees is the global one, so all stop at once."""
         run_dir = self.shared_dir / "nan"
-        trainer = Trainer(run_config(run_dir, f"--training.steps={STEPS}", "--parallel.zero_stage=3"))
+        trainer = Trainer(run_config(run_dir, *DP_BATCH, f"--training.steps={STEPS}", "--parallel.zero_stage=3"))
         original = trainer._loss
 
         def poisoned(inputs: torch.Tensor, targets: torch.Tensor):

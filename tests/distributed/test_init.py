@@ -9,7 +9,8 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from _dist import GlooTestCase, full_params, run_config, with_comms
+from _dist import GlooTestCase, full_params, with_comms
+from _runs import run_config
 from trainfit.models import build_model, materialize
 from trainfit.train.trainer import Trainer
 

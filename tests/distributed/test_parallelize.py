@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-from _dist import fake_world, run_config
+from _dist import DP_BATCH, fake_world
+from _runs import run_config
 from trainfit.parallel.apply import parallelize
 from trainfit.parallel.layout import build_layout
 from trainfit.parallel.mesh import build_mesh, dp_mesh, fsdp_mesh
@@ -15,10 +16,10 @@ from trainfit.precision import precision_policy
 
 
 def test_mesh_axes_follow_the_degrees(tmp_path) -> None:
-    hsdp = build_layout(run_config(tmp_path, "--hardware.num_gpus=8", "--parallel.dp_replicate=2",
+    hsdp = build_layout(run_config(tmp_path, *DP_BATCH, "--hardware.num_gpus=8", "--parallel.dp_replicate=2",
                                    "--parallel.zero_stage=3", "--training.micro_batch_size=1"))
     assert hsdp.mesh_axes() == {"dp_replicate": 2, "dp_shard": 4}
-    assert build_layout(run_config(tmp_path)).mesh_axes() == {"dp_shard": 1}
+    assert build_layout(run_config(tmp_path, *DP_BATCH)).mesh_axes() == {"dp_shard": 1}
     with fake_world(8, rank=5):
         mesh = build_mesh(hsdp, "cpu")
         assert fsdp_mesh(mesh).mesh_dim_names == ("dp_replicate", "dp_shard")
@@ -29,7 +30,8 @@ def test_mesh_axes_follow_the_degrees(tmp_path) -> None:
 def test_fully_shard_groups_blocks_then_root_and_keeps_ties(tmp_path, stage: int) -> None:
     from trainfit.models import build_model
 
-    cfg = run_config(tmp_path, "--model.preset=debug-gpt2", "--hardware.num_gpus=4", "--training.micro_batch_size=1",
+    cfg = run_config(tmp_path, *DP_BATCH, "--model.preset=debug-gpt2", "--hardware.num_gpus=4",
+                     "--training.micro_batch_size=1",
                      f"--parallel.zero_stage={stage}", "--memory.offload=optimizer",
                      "--memory.activation_checkpointing=full", "--precision.mode=bf16-mixed")
     layout = build_layout(cfg)

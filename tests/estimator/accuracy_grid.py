@@ -16,8 +16,6 @@ group (the tracer brings its own fake one).
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sys
 import warnings
 from collections.abc import Iterator
@@ -30,7 +28,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from _analytic import memory_of, retained_of, states_of
-from trainfit.config import Config, load_config
+from _runs import run_config
+from trainfit.config import Config
 from trainfit.memory.attribution import Measurement
 from trainfit.memory.breakdown import COMPONENTS, MemoryBreakdown
 from trainfit.memory.traced import trace_step
@@ -192,16 +191,9 @@ def peak_bounds(row: Row) -> tuple[tuple[float, float], tuple[float, float]]:
     return (-TRACED_PEAK_TOLERANCE, TRACED_PEAK_TOLERANCE), (-ANALYTIC_TOLERANCE, ANALYTIC_TOLERANCE)
 
 
-def run_config(tmp: Path, *overrides: str) -> Config:
-    """A quiet CPU run writing only under `tmp`."""
-    base = ["--training.eval_interval=0", "--checkpoint.interval=0", "--checkpoint.resume=never",
-            f"--checkpoint.dir={tmp / 'ckpt'}", f"--logging.dir={tmp / 'logs'}", "--logging.progress=false",
-            "--training.device=cpu"]
-    return load_config(None, [*base, *overrides])
-
-
 def row_config(row: Row, tmp: Path) -> Config:
-    return run_config(tmp / row.name, *row.overrides)
+    """The row's run on CPU from scratch, writing only under `tmp` (its rows give their whole shape)."""
+    return run_config(tmp / row.name, "--training.device=cpu", "--checkpoint.resume=never", *row.overrides, base=())
 
 
 @contextmanager
@@ -285,19 +277,18 @@ def _measure_each(rows: list[Row], tmp: Path, progress: bool) -> Iterator[tuple[
             yield row, measure(row_config(row, tmp))
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on now, for a spawned world's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def join_world(rank: int, world: int, rendezvous: Path) -> None:
+    """Join a `world`-rank gloo world (a spawned rank) through `rendezvous`, a file that must not exist
+    yet, in a folder every rank sees. A file, not a TCP port picked in advance: another process
+    (a concurrent test session) could take that port before rank 0 listens on it. Trainers adopt
+    the initialized group."""
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
 
 
-def _rank(rank: int, world: int, port: int, rows: list[Row], out: str, progress: bool) -> None:
-    """One gloo rank (torchrun's environment): joins the world once, then every Trainer of `rows`
-    runs in it; writes its figures of each row to OUT/ROW.rankN.json."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+def _rank(rank: int, world: int, rows: list[Row], out: str, progress: bool) -> None:
+    """One gloo rank: joins the world once, then every Trainer of `rows` runs in it; writes its
+    figures of each row to OUT/ROW.rankN.json."""
+    join_world(rank, world, Path(out, "rendezvous"))
     try:
         for row, m in _measure_each(rows, Path(out), progress and rank == 0):
             Path(out, f"{row.name}.rank{rank}.json").write_text(json.dumps(_figures(m)))
@@ -307,7 +298,7 @@ def _rank(rank: int, world: int, port: int, rows: list[Row], out: str, progress:
 
 def _measure_spawned(rows: list[Row], world: int, tmp: Path, progress: bool) -> dict[str, Measured]:
     tmp.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_rank, args=(world, free_port(), rows, str(tmp), progress), nprocs=world)
+    mp.spawn(_rank, args=(world, rows, str(tmp), progress), nprocs=world)
     return {row.name: _measured([json.loads((tmp / f"{row.name}.rank{r}.json").read_text()) for r in range(world)])
             for row in rows}
 

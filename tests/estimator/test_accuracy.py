@@ -29,6 +29,11 @@ from pathlib import Path
 import pytest
 from accuracy_grid import GRID, Measured, Row, analytic, measure_rows, problems, trace
 
+# 48 configurations measured on 1, 2 and 4 gloo ranks. The first test of each world size also runs
+# its module-scoped measurement of every row: minutes on a busy 2-core machine, so a hang guard of
+# 30 min rather than pytest-timeout's 600 s (pyproject.toml).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
 
 def _measure_world(world: int, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Measured]:
     return measure_rows([row for row in GRID if row.world == world], tmp_path_factory.mktemp(f"x{world}"))

@@ -4,14 +4,15 @@ components add up to the allocator's peak and agree with figures computed indepe
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
-from accuracy_grid import LLAMA, free_port, run_config
+from accuracy_grid import LLAMA, join_world
 
+from _runs import run_config
 from trainfit.memory.attribution import measure_trainer_step
 from trainfit.memory.breakdown import PHASES
 from trainfit.memory.traced import trace_step
@@ -71,16 +72,18 @@ def test_fewer_than_two_steps_are_refused(tmp_path: Path) -> None:
 ZERO3_ON_TWO = [*LLAMA, "--training.global_batch_size=8", "--hardware.num_gpus=2", "--parallel.zero_stage=3"]
 
 
-def _measure_rank(rank: int, port: int, out: str) -> None:
+def _measure_rank(rank: int, out: str) -> None:
     torch.set_num_threads(1)  # two ranks on two cores
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    m = measure_step(run_config(Path(out), *ZERO3_ON_TWO))
+    join_world(rank, 2, Path(out, "rendezvous"))
+    try:
+        m = measure_step(run_config(Path(out), *ZERO3_ON_TWO))
+    finally:
+        dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(m.breakdown.as_dict()))
 
 
 def test_each_gloo_rank_measures_itself_and_matches_the_trace(tmp_path: Path) -> None:
-    mp.spawn(_measure_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_measure_rank, args=(str(tmp_path),), nprocs=2)
     traced = trace_step(run_config(tmp_path, *ZERO3_ON_TWO)).worst
     for rank in (0, 1):
         measured = json.loads((tmp_path / f"rank{rank}.json").read_text())

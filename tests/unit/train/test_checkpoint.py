@@ -55,7 +55,7 @@ def test_resolve_checkpoint_names_the_path_when_empty(tmp_path: Path) -> None:
 
 
 KILLED_MID_SAVE = textwrap.dedent("""
-    import sys, time, torch
+    import sys, torch
     from trainfit.train import checkpoint as ckpt
 
     root = sys.argv[1]
@@ -68,7 +68,7 @@ KILLED_MID_SAVE = textwrap.dedent("""
 
     def hang(tmp, final):  # the new checkpoint is fully written but not yet renamed into place
         print("MID-SAVE", flush=True)
-        time.sleep(60)
+        sys.stdin.read()  # until killed (no timing: the test kills it once it has read MID-SAVE)
 
     ckpt._publish = hang
     ckpt.save_checkpoint(root, 2, model, opt, {"step": 2}, {})
@@ -76,10 +76,11 @@ KILLED_MID_SAVE = textwrap.dedent("""
 
 
 def test_kill_mid_save_keeps_last_good_checkpoint(tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_SAVE, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_SAVE, str(tmp_path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "MID-SAVE"
     proc.kill()
-    proc.wait(timeout=30)
+    proc.communicate()
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000001"]
     assert any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())  # the half-written save
     torch.manual_seed(0)

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from _analytic import memory_of
-from _runs import run_overrides
-from trainfit.config import load_config
+from _runs import run_config
 from trainfit.memory.breakdown import COMPONENTS, PHASES
 from trainfit.memory.traced import trace_step
 from trainfit.train import checkpoint as ckpt
@@ -24,8 +23,7 @@ STEPS = 20
 
 
 def _trainer(run_dir: Path, *extra: str) -> Trainer:
-    return Trainer(load_config(None, run_overrides(run_dir, f"--training.steps={STEPS}", "--logging.interval=1",
-                                                   *extra)))
+    return Trainer(run_config(run_dir, f"--training.steps={STEPS}", *extra))
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -46,7 +44,7 @@ def test_loss_falls_and_metrics_are_written(tmp_path: Path) -> None:
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
     assert result.val_losses[STEPS] < result.val_losses[0]
     assert records[1]["peak_memory_bytes"] > 0  # step 2 is measured at the allocator
-    cfg = load_config(None, run_overrides(tmp_path, f"--training.steps={STEPS}"))
+    cfg = run_config(tmp_path, f"--training.steps={STEPS}")
     assert [r["lr"] for r in records] == pytest.approx([lr_at(s - 1, cfg.training) for s in range(1, STEPS + 1)])
 
 
@@ -54,9 +52,7 @@ def test_measured_peak_on_the_default_config_matches_both_estimates(tmp_path: Pa
     """`trainfit train`'s own measurement (the loop watches step 1, measures step 2) of the default
     run: within 3% of the traced step, 10% of the closed form, and the components add up to it."""
     torch.set_num_threads(1)  # the same tensors; on a busy 2-core machine idle OpenMP workers spin (2-5x slower)
-    cfg = load_config(None, ["--training.steps=2", "--training.eval_interval=0", "--checkpoint.interval=0",
-                             f"--checkpoint.dir={tmp_path / 'ckpt'}", f"--logging.dir={tmp_path / 'logs'}",
-                             "--logging.progress=false"])
+    cfg = run_config(tmp_path, "--training.steps=2", base=())  # the default model and batch
     traced = trace_step(cfg).worst
     result = Trainer(cfg).train()
     memory = result.memory
@@ -195,13 +191,13 @@ def test_moe_trains_with_aux_loss(tmp_path: Path) -> None:
 def test_resume_with_more_steps_extends_the_run_on_the_new_schedule(tmp_path: Path) -> None:
     _trainer(tmp_path, "--checkpoint.interval=0").train()  # a finished run of STEPS steps
     longer = STEPS + 10
-    trainer = Trainer(load_config(None, run_overrides(tmp_path, f"--training.steps={longer}", "--logging.interval=1")))
+    trainer = Trainer(run_config(tmp_path, f"--training.steps={longer}"))
     assert trainer.step == STEPS
     assert f"recomputed for training.steps={longer} from step {STEPS} on" in trainer.notes[-1]
     assert sorted(trainer.train().losses) == list(range(STEPS + 1, longer + 1))
     records = read_metrics(tmp_path / "logs")
-    new = load_config(None, run_overrides(tmp_path, f"--training.steps={longer}")).training
-    old = load_config(None, run_overrides(tmp_path, f"--training.steps={STEPS}")).training
+    new = run_config(tmp_path, f"--training.steps={longer}").training
+    old = run_config(tmp_path, f"--training.steps={STEPS}").training
     lrs = {r["step"]: r["lr"] for r in records if "loss" in r}
     assert [lrs[s] for s in range(1, STEPS + 1)] == pytest.approx([lr_at(s - 1, old) for s in range(1, STEPS + 1)])
     assert [lrs[s] for s in range(STEPS + 1, longer + 1)] == pytest.approx(
