@@ -1,8 +1,17 @@
-"""Shared fixtures: isolated cache and run folders, restored global torch state."""
+"""Shared fixtures: isolated cache and run folders, restored global torch state.
+
+Every test process computes on one thread (OMP_NUM_THREADS=1, set before torch is imported and
+inherited by the processes tests start): the models are tiny, and on a machine whose cores are
+busy, idle OpenMP workers spin-wait for their share of each operator, which made steps 2-5x slower
+and distributed tests' ranks (2-4 processes on 2 cores) slower still."""
 
 from __future__ import annotations
 
-import pytest
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
