@@ -150,17 +150,20 @@ def test_sigterm_then_the_same_command_resumes_bitwise(tmp_path: Path) -> None:
         before.append(line)
     os.kill(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate()  # closes stdin: step 3 returns, and the run stops for the signal
-    assert line and proc.returncode == 0, "".join(before) + out
-    assert "stopped by signal" in out
+    assert line and proc.returncode == 128 + signal.SIGTERM, "".join(before) + out  # 143, the shell's convention
+    assert "stopped by SIGTERM" in out
     assert max(_losses(interrupted / "logs")) == 3
     assert ckpt.latest_checkpoint(interrupted / "ckpt").name == ckpt.step_dir_name(3)
 
-    trainfit(*args(interrupted))
+    resumed_run = trainfit(*args(interrupted)).stdout
+    assert f"{steps} / {steps} (resumed at step 3)" in resumed_run
+    again = trainfit(*args(interrupted)).stdout  # the run is complete: says so, trains nothing
+    assert "already complete at step 20" in again and "tokens/s" not in again
     straight = tmp_path / "straight"
     trainfit(*args(straight))
     assert _losses(interrupted / "logs") == _losses(straight / "logs")
     assert sorted(_losses(straight / "logs")) == list(range(1, steps + 1))
-    a = torch.load(ckpt.latest_checkpoint(interrupted / "ckpt") / ckpt.TRAINER_STATE, weights_only=False)
+    a = ckpt.load_trainer_state(ckpt.latest_checkpoint(interrupted / "ckpt"))
     assert a["step"] == steps
     from trainfit.train.sample import load_trained_model
 

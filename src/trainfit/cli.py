@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import textwrap
 from collections.abc import Callable
@@ -113,12 +114,15 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from trainfit.train.distributed import run_layout
+    from trainfit.train.distributed import pick_device, run_layout
+    from trainfit.train.preflight import preflight
     from trainfit.train.report import print_summary
     from trainfit.train.trainer import Trainer, TrainingDiverged
 
     cfg = load_config(args.config, overrides)
     layout = run_layout(cfg)
+    device = pick_device(cfg.training.device, int(os.environ.get("LOCAL_RANK", "0")))
+    preflight(cfg, layout, device.type, force=args.force)  # folders, disk and memory, before any work
     predicted = {"analytic": _warn_if_it_will_not_fit(cfg, layout)}
     if cfg.logging.traced_estimate and _is_rank_zero():
         predicted.update(_traced_estimate(cfg, layout))  # before the Trainer: tracing needs the process-group slot free
@@ -131,6 +135,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     finally:
         trainer.close()
     print_summary(cfg, result, predicted=predicted)
+    if result.stopped_by_signal:  # the shell's convention: 128 + the signal's number (130 Ctrl-C, 143 SIGTERM)
+        return 128 + (signal.SIGINT if result.signal_name == "SIGINT" else signal.SIGTERM)
     return 0
 
 
@@ -227,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true")
     report.add_argument("--steps", type=int, default=2, help="steps to run; the last one is measured")
     report.add_argument("--plot", metavar="FILE.png", help="draw the step's memory timeline and the three breakdowns")
-    _config_parser(sub, "train", "train a model from a config (default: tiny Llama on Shakespeare, CPU)")
+    train = _config_parser(sub, "train", "train a model from a config (default: tiny Llama on Shakespeare, CPU)")
+    train.add_argument("--force", action="store_true",
+                       help="start even when the memory estimate exceeds what this machine has")
 
     sample = sub.add_parser("sample", help="generate text from a trained checkpoint")
     sample.add_argument("--checkpoint", required=True, help="a checkpoint folder or a checkpoint.dir")
@@ -258,3 +266,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside training: checkpoints are written atomically
+        print("interrupted: stopped at once; the last good checkpoint (if any) is intact", file=sys.stderr)
+        return 128 + signal.SIGINT

@@ -18,6 +18,9 @@ from trainfit.train.tokenizer import Tokenizer, load_tokenizer_from_dir
 def load_trained_model(path: str | Path, device: torch.device) -> tuple[nn.Module, Config, Tokenizer]:
     """The model (eval mode), config and tokenizer of a checkpoint folder or checkpoint.dir."""
     folder = ckpt.resolve_checkpoint(path)
+    problems = ckpt.verify_checkpoint(folder)
+    if problems:
+        raise ckpt.CheckpointError(f"{folder} is damaged: {'; '.join(problems[:3])}")
     cfg = config_from_dict(ckpt.load_checkpoint_config(folder))
     resolve_and_validate(cfg)
     model = materialize(build_model(cfg.model), device)

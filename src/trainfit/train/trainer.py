@@ -13,6 +13,7 @@ known), then every `logging.memory_interval` steps.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -33,6 +34,7 @@ from trainfit.memory.attribution import Measurement, MemoryMeter, measure_traine
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.measure import current_allocated_bytes
 from trainfit.models import build_model, count_params, materialize
+from trainfit.models.init import canonical_name
 from trainfit.parallel.apply import parallelize, parallelize_optimizer
 from trainfit.parallel.data_parallel import (
     clip_grad_norm_,
@@ -45,6 +47,7 @@ from trainfit.parallel.layout import Layout, build_layout
 from trainfit.perf.flops import mfu, training_flops_per_token
 from trainfit.precision import precision_policy, step_optimizer
 from trainfit.train import checkpoint as ckpt
+from trainfit.train import manifest
 from trainfit.train.data import BatchSampler, TokenData, eval_batches, resolve_data
 from trainfit.train.distributed import World, init_world, run_layout
 from trainfit.train.metrics import MetricsWriter
@@ -84,6 +87,10 @@ class TrainResult:
     mfu: float = 0.0
     skipped_steps: int = 0
     stopped_by_signal: bool = False
+    signal_name: str | None = None
+    """SIGTERM / SIGINT when a signal stopped the run (None when it came to another rank)."""
+    started_at: int = 0
+    """The step this process started from (a resumed run's checkpoint step)."""
     checkpoint: Path | None = None
     num_params: int = 0
     layout: Layout | None = None
@@ -99,6 +106,11 @@ class TrainResult:
     def peak_memory_bytes(self) -> int | None:
         """This rank's measured peak (`memory.peak`), None before any measured step."""
         return self.memory.peak if self.memory is not None else None
+
+    @property
+    def steps_run(self) -> int:
+        """Steps this process trained (0 when it resumed a run that was already complete)."""
+        return self.steps_done - self.started_at
 
 
 def data_cache_dir() -> Path:
@@ -236,6 +248,10 @@ class Trainer:
         cfg = self.cfg
         model = build_model(cfg.model)
         num_params = count_params(model)
+        self.fingerprint = manifest.fingerprint(
+            {canonical_name(name): p.shape for name, p in model.named_parameters()}, cfg.optimizer.name,
+            cfg.precision.mode, config_to_dict(cfg)["model"])
+        """What this run's checkpoints hold (train/manifest.py): a checkpoint must match it to resume."""
         self.policy.prepare_model(model)
         parallelize(model, self.layout, self.world.mesh, self.policy)
         # CPU offload: FSDP2 wants the shards in host memory; buffers (RoPE) compute on the device.
@@ -251,11 +267,9 @@ class Trainer:
     # ------------------------------------------------------------ state
 
     def _maybe_resume(self) -> Path | None:
-        spec = self.cfg.checkpoint.resume
-        if spec == "never":
-            return None
-        found = ckpt.latest_checkpoint(self.cfg.checkpoint.dir) if spec == "auto" else ckpt.resolve_checkpoint(spec)
-        path = self.world.broadcast_object(found)  # rank 0 decides: every rank loads the same one
+        path, warnings_ = ckpt.choose_checkpoint(self.cfg.checkpoint.resume, self.cfg.checkpoint.dir,
+                                                 self.fingerprint, self.world)
+        self.notes.extend(warnings_)
         if path is None:
             return None
         state = ckpt.load_checkpoint(path, self.model, self.optimizer, world=self.world)
@@ -299,7 +313,8 @@ class Trainer:
         }
         return ckpt.save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, state,
                                     config_to_dict(self.cfg), write_extras=self.data.tokenizer.save,
-                                    keep_last=self.cfg.checkpoint.keep_last, world=self.world)
+                                    keep_last=self.cfg.checkpoint.keep_last, world=self.world,
+                                    fingerprint=self.fingerprint)
 
     def close(self) -> None:
         """Release the process group if this trainer created it (the end of `trainfit train`)."""
@@ -416,7 +431,7 @@ class Trainer:
 
     def train(self) -> TrainResult:
         cfg, t, world = self.cfg, self.cfg.training, self.world
-        result = TrainResult(steps_done=self.step, num_params=self.num_params, layout=self.layout,
+        result = TrainResult(steps_done=self.step, started_at=self.step, num_params=self.num_params, layout=self.layout,
                              world_size=world.size, rank=world.rank, skipped_steps=self.skipped_steps,
                              checkpoint=self.resumed_from)
         writer: MetricsWriter | _NoMetrics = _NoMetrics()
@@ -454,7 +469,7 @@ class Trainer:
                     if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                         result.checkpoint, last_saved = self.save(), self.step
                     stopping = world.any(stop.requested)  # a signal may reach one rank only
-                result.stopped_by_signal = stopping
+                result.stopped_by_signal, result.signal_name = stopping, stop.signal_name
                 if stopping:
                     bar.announce(f"received {stop.signal_name or 'a stop signal on another rank'}: "
                                  f"saving a checkpoint at step {self.step}")
@@ -499,7 +514,9 @@ def measure_step(cfg: Config, steps: int = 2, *, cuda_snapshot: str | Path | Non
     """Build a Trainer for `cfg` (joining torchrun's world when launched by it), run `steps - 1`
     warm-up steps and measure the last one on this rank (`trainfit measure`)."""
     if steps < 2:
-        raise ValueError(f"steps={steps}: measure at least 2 (the first one warms up)")
+        raise ConfigError(f"--steps {steps}: measure at least 2 steps (the first one warms up); try --steps 2")
+    # From freshly initialized weights: a training run's checkpoint in checkpoint.dir is not loaded.
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="never"))
     trainer = Trainer(cfg)
     try:
         return measure_trainer_step(trainer, warmup_steps=steps - 1, cuda_snapshot=cuda_snapshot)
