@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import textwrap
+import warnings
 from collections.abc import Callable
 
 from trainfit.config import Config, ConfigError, iter_fields, load_config, split_overrides
@@ -258,7 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _format_warning(message: Warning | str, category: type[Warning], *args: object, **kwargs: object) -> str:
+    """Warnings read like errors: one line, no source path."""
+    return f"warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _format_warning
     try:
         argv, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
         args = build_parser().parse_args(argv)

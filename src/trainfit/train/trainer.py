@@ -186,6 +186,10 @@ class Trainer:
         sampler = BatchSampler(self.data.train, t.seq_len, t.micro_batch_size, t.seed, rank=self.world.dp_rank,
                                world_size=self.world.dp_size, grad_accum_steps=self.layout.grad_accum_steps)
         self._setup_step(model, num_params, sampler, self.device.type)
+        if not t.global_batch_size:
+            self.notes.append(f"training.global_batch_size derived: micro_batch_size {t.micro_batch_size} x "
+                              f"{self.layout.dp} data-parallel rank(s) = {self.layout.global_batch_size} sequences "
+                              "per step (set it to accumulate gradients over more)")
         self.resumed_from = self._maybe_resume()
 
     def _setup_step(self, model: nn.Module, num_params: int, batches: Any, optimizer_device_type: str) -> None:
@@ -405,7 +409,7 @@ class Trainer:
         (a rank short of one reruns its last with weight 0: sharded models need every rank in
         every forward)."""
         t = self.cfg.training
-        num_batches = t.eval_steps * t.global_batch_size // t.micro_batch_size
+        num_batches = t.eval_steps * self.layout.global_batch_size // t.micro_batch_size
         batches = list(eval_batches(self.data.val, t.seq_len, t.micro_batch_size, num_batches))
         rank, size = self.world.rank, self.world.size
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # (loss sum, batches)
@@ -437,7 +441,7 @@ class Trainer:
         writer: MetricsWriter | _NoMetrics = _NoMetrics()
         if world.is_main:
             writer = MetricsWriter(cfg.logging.dir, resume_step=self.step, tensorboard=cfg.logging.tensorboard)
-        tokens_per_step = t.global_batch_size * t.seq_len
+        tokens_per_step = self.layout.global_batch_size * t.seq_len
         window_tokens, window_seconds = 0, 0.0
         last_saved = self.step if self.resumed_from else None
         first_measured = min(self.step + 2, t.steps)  # this process's second step: the first one warms up
