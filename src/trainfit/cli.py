@@ -1,4 +1,5 @@
-"""Command line: each subcommand parses, calls one library function, prints. No logic here.
+"""The `trainfit` command: each subcommand parses its arguments, calls one library function and
+prints the result; the work lives in the library.
 
 Heavy imports (torch) happen inside the subcommands, so `trainfit --help` stays instant.
 """
@@ -176,10 +177,25 @@ def cmd_sample(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.train.sample import sample_from_checkpoint
 
     _reject_overrides(overrides)
+    _check_sampling(args)
     text = sample_from_checkpoint(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     print(text)
     return 0
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    """`trainfit sample`'s own options, before the checkpoint is loaded."""
+    if args.prompt == "":
+        raise ConfigError("--prompt '': give some text to continue (the default is a newline)")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    if not args.temperature >= 0 or args.temperature == float("inf"):
+        raise ConfigError(f"--temperature {args.temperature}: must be a finite number >= 0 (0 = greedy, 0.8 = default)")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k {args.top_k}: must be >= 0 (0 keeps every token)")
+    if not 0 <= args.seed < 2**63:
+        raise ConfigError(f"--seed {args.seed}: must be between 0 and 2**63 - 1")
 
 
 def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -219,9 +235,36 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
 }
 
 
+INTRO = """\
+trainfit: will this LLM training run fit, how fast will it go, and train it.
+
+Predicts per-GPU memory (parameters, gradients, optimizer states, activations, peak), FLOPs, step
+time and MFU for a model and a parallel layout; trains the same config for real (DDP, ZeRO-1/2/3,
+HSDP, offload, bf16/fp16, activation checkpointing) and reports predicted against measured.
+
+commands:
+  estimate      predict memory and speed (no GPU needed, instant)
+  train         train a model (default: a tiny Llama on Shakespeare, on CPU, ~2 minutes)
+  report        analytic and traced predictions against a measured step
+  measure       measure a real step's memory per component
+  sample        generate text from a checkpoint
+  export        write a checkpoint as Hugging Face safetensors
+  prepare-data  tokenize text into training shards
+
+examples:
+  trainfit estimate --model.preset=llama3-8b --hardware.gpu=H100-SXM-80GB --hardware.num_gpus=8
+  trainfit train
+  torchrun --nproc_per_node 2 -m trainfit train --parallel.zero_stage=3
+
+`trainfit COMMAND --help` lists a command's options and every config field with its default."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainfit", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    about, rest = INTRO.split("\ncommands:")
+    examples = "examples:" + rest.split("examples:")[1]
+    parser = argparse.ArgumentParser(prog="trainfit", description=about, epilog=examples,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     estimate = _config_parser(sub, "estimate", "predict per-GPU memory, FLOPs, step time and MFU (no torch, instant)")
     estimate.add_argument("--json", action="store_true", help="print the estimate as one JSON object")
     estimate.add_argument("--plot", metavar="FILE.png", help="draw the memory breakdown as a stacked bar")
@@ -268,11 +311,17 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = _format_warning
     try:
         argv, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
+        if not argv and not overrides:
+            print(INTRO)
+            return 0
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args, overrides)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `trainfit ... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside training: checkpoints are written atomically
         print("interrupted: stopped at once; the last good checkpoint (if any) is intact", file=sys.stderr)
         return 128 + signal.SIGINT

@@ -83,6 +83,8 @@ def _validate_training(cfg: Config) -> None:
         raise field_error("training.weight_decay", t.weight_decay, "must be >= 0")
     if t.grad_clip < 0:
         raise field_error("training.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
+    if not 0 <= t.seed < 2**63:
+        raise field_error("training.seed", t.seed, "must be between 0 and 2**63 - 1 (torch's generator seed range)")
     if t.warmup_steps >= t.steps:
         warnings.warn(f"training.warmup_steps={t.warmup_steps} >= training.steps={t.steps}: the learning rate never "
                       "reaches training.lr; lower warmup_steps (e.g. to a tenth of steps)", stacklevel=3)

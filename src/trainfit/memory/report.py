@@ -14,7 +14,7 @@ from rich.table import Table
 
 from trainfit.estimate import Estimate, advice
 from trainfit.memory.breakdown import COMPONENTS, MemoryBreakdown
-from trainfit.models.params import param_counts
+from trainfit.models.params import format_count, param_counts
 
 GIB = 1024**3
 MIB = 1024**2
@@ -78,9 +78,9 @@ def print_estimate(est: Estimate, console: Console | None = None) -> None:
     console = console or Console()
     cfg, d = est.cfg, est.layout
     counts = param_counts(cfg.model)
-    active = f", {counts.active / 1e9:.2f}B active" if counts.active != counts.total else ""
+    active = f", {format_count(counts.active)} active" if counts.active != counts.total else ""
     console.print(f"[bold]{cfg.model.preset or 'custom'}[/bold] ({cfg.model.family}): "
-                  f"{counts.total / 1e9:.3f}B params{active} on {d.world_size} x {cfg.hardware.gpu} | "
+                  f"{format_count(counts.total)} params{active} on {d.world_size} x {cfg.hardware.gpu} | "
                   f"dp {d.dp_replicate}x{d.dp_shard} (ZeRO-{d.zero_stage}) tp {d.tp} pp {d.pp} cp {d.cp} "
                   f"ep {d.ep} | {cfg.precision.mode}, {cfg.optimizer.name}, AC {cfg.memory.activation_checkpointing}"
                   f" | micro-batch {cfg.training.micro_batch_size} x {cfg.training.seq_len} tokens, "

@@ -9,6 +9,7 @@ from rich.table import Table
 from trainfit.config import Config
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.compare import Comparison, comparison_table
+from trainfit.models.params import format_count
 from trainfit.parallel.layout import Layout
 from trainfit.train.metrics import METRICS_FILE
 from trainfit.train.trainer import TrainResult
@@ -18,7 +19,7 @@ MIB = 1024**2
 
 def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
     rows = [
-        ("model", f"{cfg.model.preset or 'custom'} ({cfg.model.family}), {result.num_params / 1e6:.2f}M params"),
+        ("model", f"{cfg.model.preset or 'custom'} ({cfg.model.family}), {format_count(result.num_params)} params"),
         ("steps", f"{result.steps_done} / {cfg.training.steps}"
                   + (f" (resumed at step {result.started_at})" if result.started_at else "")),
         ("precision", f"{cfg.precision.mode}, activation checkpointing {cfg.memory.activation_checkpointing}"),

@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 
-from trainfit.config import Config, config_from_dict, resolve_and_validate
+from trainfit.config import Config, ConfigError, config_from_dict, resolve_and_validate
 from trainfit.models import build_model, materialize
 from trainfit.models.generate import generate
 from trainfit.models.hf import save_hf_weights
@@ -33,8 +35,14 @@ def sample_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, tempe
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, _, tokenizer = load_trained_model(path, device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    tokens = generate(model, tokenizer.encode(prompt), max_new_tokens, temperature=temperature,
-                      top_k=top_k or None, generator=generator)
+    prompt_tokens = tokenizer.encode(prompt)
+    if not prompt_tokens:
+        raise ConfigError(f"--prompt {prompt!r}: encodes to no tokens; give some text (the default is a newline)")
+    with Progress(TextColumn("sampling"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("sample", total=max_new_tokens)
+        tokens = generate(model, prompt_tokens, max_new_tokens, temperature=temperature, top_k=top_k or None,
+                          generator=generator, on_token=lambda n: progress.update(task, completed=n))
     return tokenizer.decode(tokens)
 
 

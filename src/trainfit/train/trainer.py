@@ -447,7 +447,8 @@ class Trainer:
         first_measured = min(self.step + 2, t.steps)  # this process's second step: the first one warms up
         try:
             with StopOnSignal() as stop, \
-                    TrainProgress(t.steps, self.step, cfg.logging.progress, quiet=not world.is_main) as bar:
+                    TrainProgress(t.steps, self.step, cfg.logging.progress, quiet=not world.is_main,
+                                  line_every=cfg.logging.interval) as bar:
                 for note in self.notes:
                     bar.announce(note)
                     writer.write({"step": self.step, "note": note})
