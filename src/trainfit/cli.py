@@ -44,9 +44,11 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
     from trainfit.estimate import as_json, estimate
-    from trainfit.memory.report import plot_breakdown, print_estimate
+    from trainfit.memory.report import check_figure_path, plot_breakdown, print_estimate
 
     cfg = load_config(args.config, overrides)
+    if args.plot:
+        check_figure_path("--plot", args.plot)
     est = estimate(cfg)
     if args.traced:
         from trainfit.memory.traced import trace_step
@@ -78,6 +80,7 @@ def cmd_measure(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.train.trainer import measure_step
 
     cfg = load_config(args.config, overrides)
+    _check_steps(args.steps)
     measured = measure_step(cfg, steps=args.steps)
     est = estimate(cfg)
     if args.json:
@@ -91,6 +94,11 @@ def cmd_measure(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _check_steps(steps: int) -> None:
+    if steps < 2:
+        raise ConfigError(f"--steps {steps}: measure at least 2 steps (the first one warms up); try --steps 2")
+
+
 def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
@@ -98,10 +106,14 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from trainfit.estimate import estimate
     from trainfit.memory.compare import Comparison, comparison_table, plot_comparison
+    from trainfit.memory.report import check_figure_path
     from trainfit.memory.traced import trace_step
     from trainfit.train.trainer import measure_step
 
     cfg = load_config(args.config, overrides)
+    _check_steps(args.steps)
+    if args.plot:
+        check_figure_path("--plot", args.plot)
     traced = trace_step(cfg)  # before measuring: tracing needs the process-group slot free
     measured = measure_step(cfg, steps=args.steps)
     cmp = Comparison({"analytic": estimate(cfg).worst, "traced": traced.worst, "measured": measured.breakdown},
@@ -202,7 +214,7 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.train.sample import export_to_hf
 
     _reject_overrides(overrides)
-    out = export_to_hf(args.checkpoint, args.out)
+    out = export_to_hf(args.checkpoint, args.out, force=args.force)
     print(f"wrote {out}/model.safetensors and config.json (transformers: AutoModelForCausalLM.from_pretrained)")
     return 0
 
@@ -291,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="write a checkpoint's weights as HF safetensors + config.json")
     export.add_argument("checkpoint", help="a checkpoint folder or a checkpoint.dir")
-    export.add_argument("--out", required=True, help="output folder")
+    export.add_argument("--out", required=True, help="output folder (new, or empty; --force replaces an export)")
+    export.add_argument("--force", action="store_true", help="replace the files of an earlier export in --out")
 
     prep = sub.add_parser("prepare-data", help="tokenize text into memmap token shards with a manifest")
     prep.add_argument("input", help="a text file or a folder of .txt/.jsonl files ('' = packaged corpus)")

@@ -12,6 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from trainfit.config import ConfigError
 from trainfit.estimate import Estimate, advice
 from trainfit.memory.breakdown import COMPONENTS, MemoryBreakdown
 from trainfit.models.params import format_count, param_counts
@@ -140,6 +141,23 @@ def stack_bars(ax: Any, labels: list[str], breakdowns: Sequence[MemoryBreakdown]
         if any(heights):
             ax.bar(labels, heights, bottom=bottoms, label=name, color=COLORS[name], width=0.6)
             bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+
+
+FIGURE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "eps", "ps", "tif", "tiff")
+"""What --plot can write (matplotlib's Agg, PDF, SVG and PS backends, with Pillow for jpg/webp/tif)."""
+
+
+def check_figure_path(option: str, path: str | Path) -> None:
+    """Fail before any work when a figure could not be written there."""
+    out = Path(path)
+    suffix = out.suffix.lstrip(".").lower()
+    if suffix not in FIGURE_FORMATS:
+        raise ConfigError(f"{option} {str(path)!r}: " + (f"unknown image type .{suffix}" if suffix else "no extension")
+                          + f"; end the name with one of .{', .'.join(FIGURE_FORMATS)} (e.g. memory.png)")
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        what = "is a file" if parent.exists() else "does not exist"
+        raise ConfigError(f"{option} {str(path)!r}: the folder {str(parent)!r} {what}; create it or write elsewhere")
 
 
 def save_figure(fig: Any, path: str | Path) -> Path:

@@ -24,18 +24,25 @@ GIB = 1024**3
 
 
 def check_writable_folder(field: str, value: str) -> None:
-    """`value` is (or can be made) a folder this process can write; created here if missing."""
-    path = Path(value)
+    """`value` is a folder this process can write, or one it can create (nothing is created here:
+    a run that fails later must not leave folders behind)."""
+    path = Path(value).absolute()
     fix = f"set {field} to a folder you can write"
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{field}={value!r}: is a file, not a folder; {fix}")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is a file, not a folder" if existing == path else f"{existing} is a file, not a folder"
+        raise ConfigError(f"{field}={value!r}: {where}; {fix}")
+    if existing == path:
         probe = path / f".trainfit-write-test-{uuid.uuid4().hex}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as err:
-        raise ConfigError(f"{field}={value!r}: cannot be written ({err.strerror or err}); {fix}") from err
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            raise ConfigError(f"{field}={value!r}: cannot be written ({err.strerror or err}); {fix}") from err
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{field}={value!r}: cannot be created ({existing} is not writable); {fix}")
 
 
 def checkpoint_bytes(cfg: Config) -> int:
@@ -49,7 +56,10 @@ def check_disk(cfg: Config) -> None:
     """The checkpoint folder's disk has room for one more checkpoint (a save writes the new one
     before pruning the oldest)."""
     need = checkpoint_bytes(cfg)
-    free = shutil.disk_usage(cfg.checkpoint.dir).free
+    existing = Path(cfg.checkpoint.dir).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
     if free < need:
         raise ConfigError(
             f"checkpoint.dir={cfg.checkpoint.dir!r}: its disk has {free / GIB:.2f} GiB free, a checkpoint of this "

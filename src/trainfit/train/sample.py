@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -46,10 +49,44 @@ def sample_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, tempe
     return tokenizer.decode(tokens)
 
 
-def export_to_hf(path: str, out_dir: str) -> Path:
-    """Write model.safetensors + config.json (loadable by transformers) and the tokenizer files."""
-    model, cfg, tokenizer = load_trained_model(path, torch.device("cpu"))
+def export_to_hf(path: str, out_dir: str, *, force: bool = False) -> Path:
+    """Write model.safetensors + config.json (loadable by transformers) and the tokenizer files.
+
+    Written into a temp folder beside `out_dir`, then moved in: a failure leaves nothing behind,
+    and `out_dir` is replaced only with `force`. Files get the usual permissions (0644 with the
+    common umask), not safetensors' 0600."""
     out = Path(out_dir)
-    save_hf_weights(model, cfg.model, out)
-    tokenizer.save(out)
+    _check_export_target(out, force)
+    model, cfg, tokenizer = load_trained_model(path, torch.device("cpu"))
+    home = out.absolute().parent
+    while not home.exists():
+        home = home.parent
+    tmp = Path(tempfile.mkdtemp(prefix=".trainfit-export-", dir=home))
+    try:
+        save_hf_weights(model, cfg.model, tmp)
+        tokenizer.save(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        for file in tmp.iterdir():
+            file.chmod(0o666 & ~umask)
+        out.mkdir(parents=True, exist_ok=True)
+        for file in tmp.iterdir():
+            os.replace(file, out / file.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _check_export_target(out: Path, force: bool) -> None:
+    existing = out.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is a file" if existing == out.absolute() else f"is inside {str(existing)!r}, a file"
+        raise ConfigError(f"--out {str(out)!r}: {where}; give a folder to write the model into")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {str(out)!r}: {str(existing)!r} is not writable; choose a folder you can write")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        names = ", ".join(sorted(p.name for p in out.iterdir())[:4])
+        raise ConfigError(f"--out {str(out)!r}: holds files already ({names}); pass --force to replace an earlier "
+                          "export, or choose a new folder")
