@@ -206,3 +206,82 @@ def test_train_compares_the_analytic_estimate_alone_without_a_trace(
     assert warnings == ([] if tracing == "disabled" else
                         ["warning: no traced estimate (RuntimeError: a layout the tracer refuses); "
                          "comparing the analytic one only"])
+
+
+SAY_WHEN_SIGNALLED = textwrap.dedent("""
+    from trainfit.train.signals import StopOnSignal
+
+    handle = StopOnSignal._handle
+
+    def handle_and_say(self, signum, frame):  # the test sends a second signal only once the first is seen
+        handle(self, signum, frame)
+        print("SIGNAL SEEN", flush=True)
+
+    StopOnSignal._handle = handle_and_say
+""")
+
+
+def _held_run(run_dir: Path, *extra: str) -> subprocess.Popen:
+    """`trainfit train` holding after step 3 until its stdin closes (HOLD_AFTER_STEP_3)."""
+    proc = subprocess.Popen([sys.executable, "-c", SAY_WHEN_SIGNALLED + HOLD_AFTER_STEP_3, "train",
+                             *run_overrides(run_dir, "--training.steps=20", *extra)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while (line := proc.stdout.readline()) and not line.startswith("HOLDING AFTER STEP 3"):
+        pass
+    assert line, "the run ended before step 3"
+    return proc
+
+
+def test_ctrl_c_saves_and_exits_130_a_second_one_exits_at_once(tmp_path: Path) -> None:
+    once = _held_run(tmp_path / "once")
+    os.kill(once.pid, signal.SIGINT)
+    out, _ = once.communicate()  # step 3 returns, the run saves and stops
+    assert once.returncode == 130 and "stopped by SIGINT" in out, out
+    assert ckpt.latest_checkpoint(tmp_path / "once" / "ckpt").name == ckpt.step_dir_name(3)
+
+    twice = _held_run(tmp_path / "twice", "--checkpoint.interval=2")  # step 2 is saved
+    os.kill(twice.pid, signal.SIGINT)
+    assert twice.stdout.readline().startswith("SIGNAL SEEN")
+    os.kill(twice.pid, signal.SIGINT)  # the second one interrupts the held step itself
+    out, _ = twice.communicate()
+    assert twice.returncode == 130 and "interrupted: stopped at once" in out and "Traceback" not in out, out
+    root = tmp_path / "twice" / "ckpt"
+    assert [p.name for p in root.iterdir()] == [ckpt.step_dir_name(2)]  # no half-written save
+    assert ckpt.verify_checkpoint(root / ckpt.step_dir_name(2)) == []
+
+
+HOLD_IN_PREPARE = textwrap.dedent("""
+    import sys
+
+    from trainfit.cli import main
+    from trainfit.train import data
+
+    write = data._write_splits
+
+    def write_then_hold(tmp, *args, **kwargs):  # the shards are half-written when the test interrupts
+        counts = write(tmp, *args, **kwargs)
+        print("HOLDING IN PREPARE", flush=True)
+        sys.stdin.read()
+        return counts
+
+    data._write_splits = write_then_hold
+    raise SystemExit(main(sys.argv[1:]))
+""")
+
+
+def test_ctrl_c_in_prepare_data_leaves_nothing_behind(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_IN_PREPARE, "prepare-data", "", "--out",
+                             str(tmp_path / "prepared")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout.readline().startswith("HOLDING IN PREPARE")
+    os.kill(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate()
+    assert proc.returncode == 130 and "Traceback" not in out, out
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor its temp sibling
+
+
+def test_trainfit_alone_introduces_itself() -> None:
+    out = trainfit().stdout
+    assert out.startswith("trainfit: ") and "commands:" in out and "examples:" in out
+    assert all(f"  {verb} " in out for verb in ("estimate", "train", "report", "measure", "sample", "export"))
+    assert out.count("\n  trainfit ") + out.count("\n  torchrun ") == 3

@@ -184,7 +184,8 @@ def _describe_save_error(error: BaseException, root: Path) -> str:
     free = shutil.disk_usage(root).free if root.exists() else None
     # torch.save's zip writer reports a full disk as "unexpected pos", not ENOSPC: ask the disk.
     if isinstance(error, OSError) and error.errno == errno.ENOSPC or free is not None and free < FULL_DISK_BYTES:
-        return (f"no space left on the device ({free / 2**20:.1f} MiB free); free some space or set "
+        left = f"{free / 2**20:.1f} MiB free" if free is not None else "the disk is full"
+        return (f"no space left on the device ({left}); free some space or set "
                 "checkpoint.dir to a larger disk, then rerun the same command to resume")
     if isinstance(error, PermissionError):
         return f"permission denied: {error}; choose a checkpoint.dir you can write"
