@@ -285,3 +285,19 @@ def test_trainfit_alone_introduces_itself() -> None:
     assert out.startswith("trainfit: ") and "commands:" in out and "examples:" in out
     assert all(f"  {verb} " in out for verb in ("estimate", "train", "report", "measure", "sample", "export"))
     assert out.count("\n  trainfit ") + out.count("\n  torchrun ") == 3
+
+
+def test_another_runs_checkpoint_is_refused_with_the_choices(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Same folders, another model or optimizer: a named error, no traceback, nothing loaded; measure
+    never loads a training checkpoint at all."""
+    assert main(["train", *run_overrides(tmp_path, "--training.steps=2")]) == 0
+    for change, words in (("--model.dim=128", "model.dim=64 in the checkpoint, 128 now"),
+                          ("--optimizer.name=sgd", "optimizer.name='adamw' in the checkpoint, 'sgd' now")):
+        capsys.readouterr()
+        assert main(["train", *run_overrides(tmp_path, "--training.steps=4", change)]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "--checkpoint.resume=never" in err and "Traceback" not in err, err
+    assert main(["measure", *run_overrides(tmp_path, "--model.dim=128")]) == 0  # from fresh weights
+    capsys.readouterr()
+    assert main(["train", *run_overrides(tmp_path, "--training.steps=4", "--checkpoint.resume=must")]) == 0
+    assert "resumed from" in capsys.readouterr().err
