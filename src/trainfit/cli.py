@@ -7,7 +7,6 @@ Heavy imports (torch) happen inside the subcommands, so `trainfit --help` stays 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import signal
 import sys
@@ -43,7 +42,7 @@ def _config_parser(sub: argparse._SubParsersAction, name: str, help_text: str) -
 def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
-    from trainfit.estimate import as_json, estimate
+    from trainfit.estimate import as_json, estimate, with_traced_memory
     from trainfit.memory.report import check_figure_path, plot_breakdown, print_estimate
 
     cfg = load_config(args.config, overrides)
@@ -53,8 +52,7 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.traced:
         from trainfit.memory.traced import trace_step
 
-        traced = trace_step(cfg)
-        est = dataclasses.replace(est, memory=traced)
+        est = with_traced_memory(est, trace_step(cfg))
     if args.json:
         out = as_json(est)
         if args.traced:

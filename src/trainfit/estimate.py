@@ -55,6 +55,15 @@ def estimate(cfg: Config, layout: Layout | None = None) -> Estimate:
                     device_memory=device_spec(cfg.hardware).memory_bytes)
 
 
+def with_traced_memory(est: Estimate, traced: Any) -> Estimate:
+    """`est` with the traced step's breakdowns (memory/traced.TracedEstimate), each keeping the
+    analytic reserved margin: tracing sees tensors, not the CUDA context or the caching allocator's
+    fragmentation, so without it `fits` would promise memory the device does not have."""
+    stages = [dataclasses.replace(t, reserved_margin=a.reserved_margin)
+              for t, a in zip(traced.per_stage, est.memory.per_stage, strict=True)]
+    return dataclasses.replace(est, memory=dataclasses.replace(traced, per_stage=stages))
+
+
 def _stage_json(est: Estimate, stage: MemoryBreakdown, index: int) -> dict[str, Any]:
     return {"stage": index, **stage.as_dict(), "device_memory": est.device_memory,
             "fits": est.device_memory == 0 or est.total_bytes(stage) <= est.device_memory}
