@@ -102,6 +102,11 @@ def test_export_loads_in_transformers_with_the_same_logits(
 
     run_dir, _ = trained_run
     trainfit("export", str(run_dir / "ckpt"), "--out", str(tmp_path / "hf"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()} == {0o666 & ~umask}  # not 0600
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # written beside it, then moved in
+    trainfit("export", str(run_dir / "ckpt"), "--out", str(tmp_path / "hf"), "--force")  # replaces the files
     ours, _, _ = load_trained_model(run_dir / "ckpt", torch.device("cpu"))
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -301,3 +306,11 @@ def test_another_runs_checkpoint_is_refused_with_the_choices(tmp_path: Path, cap
     capsys.readouterr()
     assert main(["train", *run_overrides(tmp_path, "--training.steps=4", "--checkpoint.resume=must")]) == 0
     assert "resumed from" in capsys.readouterr().err
+
+
+def test_progress_prints_a_line_every_interval_off_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["train", *run_overrides(tmp_path, "--training.steps=4", "--logging.interval=2",
+                                         "--logging.progress=true")]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2/4", "4/4"]
+    assert all(re.search(r"loss \d+\.\d{4} [\d,]+ tok/s ETA \d+:\d\d$", line) for line in lines), lines
