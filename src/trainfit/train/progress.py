@@ -25,7 +25,7 @@ class TrainProgress:
             TextColumn("step"), MofNCompleteColumn(), BarColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
             TextColumn("ETA"), TimeRemainingColumn(),
-            console=self.console, disable=not self.enabled, transient=False,
+            console=self.console, disable=not self.enabled or not self.console.is_terminal, transient=False,
         )
         self._task = self._progress.add_task("train", total=total_steps, completed=start_step,
                                              loss="-", tps="-")
