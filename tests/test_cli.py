@@ -118,24 +118,34 @@ def _losses(log_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(log_dir) if "loss" in r}
 
 
-HOLD_AFTER_STEP_3 = textwrap.dedent("""
-    import sys
+def holding(module: str, attribute: str, message: str, when: str = "True") -> str:
+    """A script running `trainfit` (its arguments) with `module`'s `attribute` (e.g. Trainer.train_step)
+    patched: after the original call, once `when` (an expression of `args`) holds, it prints `message`
+    and waits until the test closes its stdin, so where a signal lands does not depend on timing."""
+    return textwrap.dedent(f"""
+        import importlib, sys
+        from trainfit.cli import main
 
-    from trainfit.cli import main
-    from trainfit.train.trainer import Trainer
+        *path, name = "{attribute}".split(".")
+        owner = importlib.import_module("{module}")
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, name)
 
-    step = Trainer.train_step
+        def held(*args, **kwargs):
+            result = original(*args, **kwargs)
+            if {when}:
+                print("{message}", flush=True)
+                sys.stdin.read()
+            return result
 
-    def step_then_hold(self):  # after step 3, wait for the test: it sends SIGTERM, then closes stdin
-        stats = step(self)
-        if self.step == 3:
-            print("HOLDING AFTER STEP 3", flush=True)
-            sys.stdin.read()
-        return stats
+        setattr(owner, name, held)
+        raise SystemExit(main(sys.argv[1:]))
+    """)
 
-    Trainer.train_step = step_then_hold
-    raise SystemExit(main(sys.argv[1:]))
-""")
+
+HOLD_AFTER_STEP_3 = holding("trainfit.train.trainer", "Trainer.train_step", "HOLDING AFTER STEP 3",
+                            when="args[0].step == 3")
 
 
 def test_sigterm_then_the_same_command_resumes_bitwise(tmp_path: Path) -> None:
@@ -255,23 +265,7 @@ def test_ctrl_c_saves_and_exits_130_a_second_one_exits_at_once(tmp_path: Path) -
     assert ckpt.verify_checkpoint(root / ckpt.step_dir_name(2)) == []
 
 
-HOLD_IN_PREPARE = textwrap.dedent("""
-    import sys
-
-    from trainfit.cli import main
-    from trainfit.train import data
-
-    write = data._write_splits
-
-    def write_then_hold(tmp, *args, **kwargs):  # the shards are half-written when the test interrupts
-        counts = write(tmp, *args, **kwargs)
-        print("HOLDING IN PREPARE", flush=True)
-        sys.stdin.read()
-        return counts
-
-    data._write_splits = write_then_hold
-    raise SystemExit(main(sys.argv[1:]))
-""")
+HOLD_IN_PREPARE = holding("trainfit.train.data", "_write_splits", "HOLDING IN PREPARE")  # shards half-written
 
 
 def test_ctrl_c_in_prepare_data_leaves_nothing_behind(tmp_path: Path) -> None:
