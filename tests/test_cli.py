@@ -102,6 +102,11 @@ def test_export_loads_in_transformers_with_the_same_logits(
 
     run_dir, _ = trained_run
     trainfit("export", str(run_dir / "ckpt"), "--out", str(tmp_path / "hf"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()} == {0o666 & ~umask}  # not 0600
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # written beside it, then moved in
+    trainfit("export", str(run_dir / "ckpt"), "--out", str(tmp_path / "hf"), "--force")  # replaces the files
     ours, _, _ = load_trained_model(run_dir / "ckpt", torch.device("cpu"))
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -113,24 +118,34 @@ def _losses(log_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(log_dir) if "loss" in r}
 
 
-HOLD_AFTER_STEP_3 = textwrap.dedent("""
-    import sys
+def holding(module: str, attribute: str, message: str, when: str = "True") -> str:
+    """A script running `trainfit` (its arguments) with `module`'s `attribute` (e.g. Trainer.train_step)
+    patched: after the original call, once `when` (an expression of `args`) holds, it prints `message`
+    and waits until the test closes its stdin, so where a signal lands does not depend on timing."""
+    return textwrap.dedent(f"""
+        import importlib, sys
+        from trainfit.cli import main
 
-    from trainfit.cli import main
-    from trainfit.train.trainer import Trainer
+        *path, name = "{attribute}".split(".")
+        owner = importlib.import_module("{module}")
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, name)
 
-    step = Trainer.train_step
+        def held(*args, **kwargs):
+            result = original(*args, **kwargs)
+            if {when}:
+                print("{message}", flush=True)
+                sys.stdin.read()
+            return result
 
-    def step_then_hold(self):  # after step 3, wait for the test: it sends SIGTERM, then closes stdin
-        stats = step(self)
-        if self.step == 3:
-            print("HOLDING AFTER STEP 3", flush=True)
-            sys.stdin.read()
-        return stats
+        setattr(owner, name, held)
+        raise SystemExit(main(sys.argv[1:]))
+    """)
 
-    Trainer.train_step = step_then_hold
-    raise SystemExit(main(sys.argv[1:]))
-""")
+
+HOLD_AFTER_STEP_3 = holding("trainfit.train.trainer", "Trainer.train_step", "HOLDING AFTER STEP 3",
+                            when="args[0].step == 3")
 
 
 def test_sigterm_then_the_same_command_resumes_bitwise(tmp_path: Path) -> None:
@@ -150,17 +165,20 @@ def test_sigterm_then_the_same_command_resumes_bitwise(tmp_path: Path) -> None:
         before.append(line)
     os.kill(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate()  # closes stdin: step 3 returns, and the run stops for the signal
-    assert line and proc.returncode == 0, "".join(before) + out
-    assert "stopped by signal" in out
+    assert line and proc.returncode == 128 + signal.SIGTERM, "".join(before) + out  # 143, the shell's convention
+    assert "stopped by SIGTERM" in out
     assert max(_losses(interrupted / "logs")) == 3
     assert ckpt.latest_checkpoint(interrupted / "ckpt").name == ckpt.step_dir_name(3)
 
-    trainfit(*args(interrupted))
+    resumed_run = trainfit(*args(interrupted)).stdout
+    assert f"{steps} / {steps} (resumed at step 3)" in resumed_run
+    again = trainfit(*args(interrupted)).stdout  # the run is complete: says so, trains nothing
+    assert "already complete at step 20" in again and "tokens/s" not in again
     straight = tmp_path / "straight"
     trainfit(*args(straight))
     assert _losses(interrupted / "logs") == _losses(straight / "logs")
     assert sorted(_losses(straight / "logs")) == list(range(1, steps + 1))
-    a = torch.load(ckpt.latest_checkpoint(interrupted / "ckpt") / ckpt.TRAINER_STATE, weights_only=False)
+    a = ckpt.load_trainer_state(ckpt.latest_checkpoint(interrupted / "ckpt"))
     assert a["step"] == steps
     from trainfit.train.sample import load_trained_model
 
@@ -203,3 +221,90 @@ def test_train_compares_the_analytic_estimate_alone_without_a_trace(
     assert warnings == ([] if tracing == "disabled" else
                         ["warning: no traced estimate (RuntimeError: a layout the tracer refuses); "
                          "comparing the analytic one only"])
+
+
+SAY_WHEN_SIGNALLED = textwrap.dedent("""
+    from trainfit.train.signals import StopOnSignal
+
+    handle = StopOnSignal._handle
+
+    def handle_and_say(self, signum, frame):  # the test sends a second signal only once the first is seen
+        handle(self, signum, frame)
+        print("SIGNAL SEEN", flush=True)
+
+    StopOnSignal._handle = handle_and_say
+""")
+
+
+def _held_run(run_dir: Path, *extra: str) -> subprocess.Popen:
+    """`trainfit train` holding after step 3 until its stdin closes (HOLD_AFTER_STEP_3)."""
+    proc = subprocess.Popen([sys.executable, "-c", SAY_WHEN_SIGNALLED + HOLD_AFTER_STEP_3, "train",
+                             *run_overrides(run_dir, "--training.steps=20", *extra)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while (line := proc.stdout.readline()) and not line.startswith("HOLDING AFTER STEP 3"):
+        pass
+    assert line, "the run ended before step 3"
+    return proc
+
+
+def test_ctrl_c_saves_and_exits_130_a_second_one_exits_at_once(tmp_path: Path) -> None:
+    once = _held_run(tmp_path / "once")
+    os.kill(once.pid, signal.SIGINT)
+    out, _ = once.communicate()  # step 3 returns, the run saves and stops
+    assert once.returncode == 130 and "stopped by SIGINT" in out, out
+    assert ckpt.latest_checkpoint(tmp_path / "once" / "ckpt").name == ckpt.step_dir_name(3)
+
+    twice = _held_run(tmp_path / "twice", "--checkpoint.interval=2")  # step 2 is saved
+    os.kill(twice.pid, signal.SIGINT)
+    assert twice.stdout.readline().startswith("SIGNAL SEEN")
+    os.kill(twice.pid, signal.SIGINT)  # the second one interrupts the held step itself
+    out, _ = twice.communicate()
+    assert twice.returncode == 130 and "interrupted: stopped at once" in out and "Traceback" not in out, out
+    root = tmp_path / "twice" / "ckpt"
+    assert [p.name for p in root.iterdir()] == [ckpt.step_dir_name(2)]  # no half-written save
+    assert ckpt.verify_checkpoint(root / ckpt.step_dir_name(2)) == []
+
+
+HOLD_IN_PREPARE = holding("trainfit.train.data", "_write_splits", "HOLDING IN PREPARE")  # shards half-written
+
+
+def test_ctrl_c_in_prepare_data_leaves_nothing_behind(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_IN_PREPARE, "prepare-data", "", "--out",
+                             str(tmp_path / "prepared")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout.readline().startswith("HOLDING IN PREPARE")
+    os.kill(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate()
+    assert proc.returncode == 130 and "Traceback" not in out, out
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor its temp sibling
+
+
+def test_trainfit_alone_introduces_itself() -> None:
+    out = trainfit().stdout
+    assert out.startswith("trainfit: ") and "commands:" in out and "examples:" in out
+    assert all(f"  {verb} " in out for verb in ("estimate", "train", "report", "measure", "sample", "export"))
+    assert out.count("\n  trainfit ") + out.count("\n  torchrun ") == 3
+
+
+def test_another_runs_checkpoint_is_refused_with_the_choices(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Same folders, another model or optimizer: a named error, no traceback, nothing loaded; measure
+    never loads a training checkpoint at all."""
+    assert main(["train", *run_overrides(tmp_path, "--training.steps=2")]) == 0
+    for change, words in (("--model.dim=128", "model.dim=64 in the checkpoint, 128 now"),
+                          ("--optimizer.name=sgd", "optimizer.name='adamw' in the checkpoint, 'sgd' now")):
+        capsys.readouterr()
+        assert main(["train", *run_overrides(tmp_path, "--training.steps=4", change)]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "--checkpoint.resume=never" in err and "Traceback" not in err, err
+    assert main(["measure", *run_overrides(tmp_path, "--model.dim=128")]) == 0  # from fresh weights
+    capsys.readouterr()
+    assert main(["train", *run_overrides(tmp_path, "--training.steps=4", "--checkpoint.resume=must")]) == 0
+    assert "resumed from" in capsys.readouterr().err
+
+
+def test_progress_prints_a_line_every_interval_off_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["train", *run_overrides(tmp_path, "--training.steps=4", "--logging.interval=2",
+                                         "--logging.progress=true")]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2/4", "4/4"]
+    assert all(re.search(r"loss \d+\.\d{4} [\d,]+ tok/s ETA \d+:\d\d$", line) for line in lines), lines

@@ -31,6 +31,11 @@ def test_traced_estimate_has_the_analytic_schema_plus_a_timeline(small: list[str
     assert len(traced["timeline"]) > 100
     assert traced["per_rank"]["peak"] == max(point[1] for point in traced["timeline"])
     assert abs(traced["per_rank"]["peak"] - analytic["per_rank"]["peak"]) < 0.1 * analytic["per_rank"]["peak"]
+    on_h100 = [*small, "--hardware.gpu=H100-SXM-80GB", "--hardware.memory_gib=0.5", "--json"]
+    traced = json.loads(trainfit("estimate", *on_h100, "--traced").stdout)["per_rank"]
+    analytic = json.loads(trainfit("estimate", *on_h100).stdout)["per_rank"]
+    assert traced["reserved_margin"] == analytic["reserved_margin"] > 0  # the CUDA context, which tracing cannot see
+    assert traced["fits"] == (traced["peak"] + traced["reserved_margin"] <= traced["device_memory"])
 
 
 def test_measure_json_compares_with_the_estimate(small: list[str]) -> None:

@@ -1,4 +1,5 @@
-"""Command line: each subcommand parses, calls one library function, prints. No logic here.
+"""The `trainfit` command: each subcommand parses its arguments, calls one library function and
+prints the result; the work lives in the library.
 
 Heavy imports (torch) happen inside the subcommands, so `trainfit --help` stays instant.
 """
@@ -6,10 +7,11 @@ Heavy imports (torch) happen inside the subcommands, so `trainfit --help` stays 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
+import signal
 import sys
 import textwrap
+import warnings
 from collections.abc import Callable
 
 from trainfit.config import Config, ConfigError, iter_fields, load_config, split_overrides
@@ -40,16 +42,17 @@ def _config_parser(sub: argparse._SubParsersAction, name: str, help_text: str) -
 def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
-    from trainfit.estimate import as_json, estimate
-    from trainfit.memory.report import plot_breakdown, print_estimate
+    from trainfit.estimate import as_json, estimate, with_traced_memory
+    from trainfit.memory.report import check_figure_path, plot_breakdown, print_estimate
 
     cfg = load_config(args.config, overrides)
+    if args.plot:
+        check_figure_path("--plot", args.plot)
     est = estimate(cfg)
     if args.traced:
         from trainfit.memory.traced import trace_step
 
-        traced = trace_step(cfg)
-        est = dataclasses.replace(est, memory=traced)
+        est = with_traced_memory(est, trace_step(cfg))
     if args.json:
         out = as_json(est)
         if args.traced:
@@ -75,6 +78,7 @@ def cmd_measure(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.train.trainer import measure_step
 
     cfg = load_config(args.config, overrides)
+    _check_steps(args.steps)
     measured = measure_step(cfg, steps=args.steps)
     est = estimate(cfg)
     if args.json:
@@ -88,6 +92,11 @@ def cmd_measure(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _check_steps(steps: int) -> None:
+    if steps < 2:
+        raise ConfigError(f"--steps {steps}: measure at least 2 steps (the first one warms up); try --steps 2")
+
+
 def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
@@ -95,10 +104,14 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from trainfit.estimate import estimate
     from trainfit.memory.compare import Comparison, comparison_table, plot_comparison
+    from trainfit.memory.report import check_figure_path
     from trainfit.memory.traced import trace_step
     from trainfit.train.trainer import measure_step
 
     cfg = load_config(args.config, overrides)
+    _check_steps(args.steps)
+    if args.plot:
+        check_figure_path("--plot", args.plot)
     traced = trace_step(cfg)  # before measuring: tracing needs the process-group slot free
     measured = measure_step(cfg, steps=args.steps)
     cmp = Comparison({"analytic": estimate(cfg).worst, "traced": traced.worst, "measured": measured.breakdown},
@@ -113,12 +126,15 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from trainfit.train.distributed import run_layout
+    from trainfit.train.distributed import pick_device, run_layout
+    from trainfit.train.preflight import preflight
     from trainfit.train.report import print_summary
     from trainfit.train.trainer import Trainer, TrainingDiverged
 
     cfg = load_config(args.config, overrides)
     layout = run_layout(cfg)
+    device = pick_device(cfg.training.device, int(os.environ.get("LOCAL_RANK", "0")))
+    preflight(cfg, layout, device.type, force=args.force)  # folders, disk and memory, before any work
     predicted = {"analytic": _warn_if_it_will_not_fit(cfg, layout)}
     if cfg.logging.traced_estimate and _is_rank_zero():
         predicted.update(_traced_estimate(cfg, layout))  # before the Trainer: tracing needs the process-group slot free
@@ -131,6 +147,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     finally:
         trainer.close()
     print_summary(cfg, result, predicted=predicted)
+    if result.stopped_by_signal:  # the shell's convention: 128 + the signal's number (130 Ctrl-C, 143 SIGTERM)
+        return 128 + (signal.SIGINT if result.signal_name == "SIGINT" else signal.SIGTERM)
     return 0
 
 
@@ -169,17 +187,32 @@ def cmd_sample(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.train.sample import sample_from_checkpoint
 
     _reject_overrides(overrides)
+    _check_sampling(args)
     text = sample_from_checkpoint(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     print(text)
     return 0
 
 
+def _check_sampling(args: argparse.Namespace) -> None:
+    """`trainfit sample`'s own options, before the checkpoint is loaded."""
+    if args.prompt == "":
+        raise ConfigError("--prompt '': give some text to continue (the default is a newline)")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    if not args.temperature >= 0 or args.temperature == float("inf"):
+        raise ConfigError(f"--temperature {args.temperature}: must be a finite number >= 0 (0 = greedy, 0.8 = default)")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k {args.top_k}: must be >= 0 (0 keeps every token)")
+    if not 0 <= args.seed < 2**63:
+        raise ConfigError(f"--seed {args.seed}: must be between 0 and 2**63 - 1")
+
+
 def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.train.sample import export_to_hf
 
     _reject_overrides(overrides)
-    out = export_to_hf(args.checkpoint, args.out)
+    out = export_to_hf(args.checkpoint, args.out, force=args.force)
     print(f"wrote {out}/model.safetensors and config.json (transformers: AutoModelForCausalLM.from_pretrained)")
     return 0
 
@@ -212,9 +245,36 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
 }
 
 
+INTRO = """\
+trainfit: will this LLM training run fit, how fast will it go, and train it.
+
+Predicts per-GPU memory (parameters, gradients, optimizer states, activations, peak), FLOPs, step
+time and MFU for a model and a parallel layout; trains the same config for real (DDP, ZeRO-1/2/3,
+HSDP, offload, bf16/fp16, activation checkpointing) and reports predicted against measured.
+
+commands:
+  estimate      predict memory and speed (no GPU needed, instant)
+  train         train a model (default: a tiny Llama on Shakespeare, on CPU, ~2 minutes)
+  report        analytic and traced predictions against a measured step
+  measure       measure a real step's memory per component
+  sample        generate text from a checkpoint
+  export        write a checkpoint as Hugging Face safetensors
+  prepare-data  tokenize text into training shards
+
+examples:
+  trainfit estimate --model.preset=llama3-8b --hardware.gpu=H100-SXM-80GB --hardware.num_gpus=8
+  trainfit train
+  torchrun --nproc_per_node 2 -m trainfit train --parallel.zero_stage=3
+
+`trainfit COMMAND --help` lists a command's options and every config field with its default."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainfit", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    about, rest = INTRO.split("\ncommands:")
+    examples = "examples:" + rest.split("examples:")[1]
+    parser = argparse.ArgumentParser(prog="trainfit", description=about, epilog=examples,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     estimate = _config_parser(sub, "estimate", "predict per-GPU memory, FLOPs, step time and MFU (no torch, instant)")
     estimate.add_argument("--json", action="store_true", help="print the estimate as one JSON object")
     estimate.add_argument("--plot", metavar="FILE.png", help="draw the memory breakdown as a stacked bar")
@@ -227,7 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true")
     report.add_argument("--steps", type=int, default=2, help="steps to run; the last one is measured")
     report.add_argument("--plot", metavar="FILE.png", help="draw the step's memory timeline and the three breakdowns")
-    _config_parser(sub, "train", "train a model from a config (default: tiny Llama on Shakespeare, CPU)")
+    train = _config_parser(sub, "train", "train a model from a config (default: tiny Llama on Shakespeare, CPU)")
+    train.add_argument("--force", action="store_true",
+                       help="start even when the memory estimate exceeds what this machine has")
 
     sample = sub.add_parser("sample", help="generate text from a trained checkpoint")
     sample.add_argument("--checkpoint", required=True, help="a checkpoint folder or a checkpoint.dir")
@@ -239,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="write a checkpoint's weights as HF safetensors + config.json")
     export.add_argument("checkpoint", help="a checkpoint folder or a checkpoint.dir")
-    export.add_argument("--out", required=True, help="output folder")
+    export.add_argument("--out", required=True, help="output folder (new, or empty; --force replaces an export)")
+    export.add_argument("--force", action="store_true", help="replace the files of an earlier export in --out")
 
     prep = sub.add_parser("prepare-data", help="tokenize text into memmap token shards with a manifest")
     prep.add_argument("input", help="a text file or a folder of .txt/.jsonl files ('' = packaged corpus)")
@@ -250,11 +313,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _format_warning(message: Warning | str, category: type[Warning], *args: object, **kwargs: object) -> str:
+    """Warnings read like errors: one line, no source path."""
+    return f"warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _format_warning
     try:
         argv, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
+        if not argv and not overrides:
+            print(INTRO)
+            return 0
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args, overrides)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `trainfit ... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside training: checkpoints are written atomically
+        print("interrupted: stopped at once; the last good checkpoint (if any) is intact", file=sys.stderr)
+        return 128 + signal.SIGINT

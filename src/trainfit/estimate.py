@@ -8,6 +8,7 @@ keys model, per_rank, per_stage, flops, time, fits.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,15 @@ def estimate(cfg: Config, layout: Layout | None = None) -> Estimate:
                     device_memory=device_spec(cfg.hardware).memory_bytes)
 
 
+def with_traced_memory(est: Estimate, traced: Any) -> Estimate:
+    """`est` with the traced step's breakdowns (memory/traced.TracedEstimate), each keeping the
+    analytic reserved margin: tracing sees tensors, not the CUDA context or the caching allocator's
+    fragmentation, so without it `fits` would promise memory the device does not have."""
+    stages = [dataclasses.replace(t, reserved_margin=a.reserved_margin)
+              for t, a in zip(traced.per_stage, est.memory.per_stage, strict=True)]
+    return dataclasses.replace(est, memory=dataclasses.replace(traced, per_stage=stages))
+
+
 def _stage_json(est: Estimate, stage: MemoryBreakdown, index: int) -> dict[str, Any]:
     return {"stage": index, **stage.as_dict(), "device_memory": est.device_memory,
             "fits": est.device_memory == 0 or est.total_bytes(stage) <= est.device_memory}
@@ -85,13 +95,13 @@ def as_json(est: Estimate) -> dict[str, Any]:
 
 
 # (what to change, how to say it); tried one at a time on a copy of the config.
-_REMEDIES: list[tuple[str, Any, str]] = [
+_REMEDIES: list[tuple[str, Any, str]] = [  # roughly cheapest in time first
     ("memory.activation_checkpointing", "selective", "selective activation checkpointing"),
-    ("memory.activation_checkpointing", "full", "full activation checkpointing"),
     ("memory.chunked_loss", True, "a chunked loss (logits never whole)"),
     ("parallel.zero_stage", 1, "ZeRO-1 (shard master weights and optimizer states)"),
     ("parallel.zero_stage", 2, "ZeRO-2 (shard optimizer states and gradients)"),
     ("parallel.zero_stage", 3, "ZeRO-3 / FSDP (shard parameters too)"),
+    ("memory.activation_checkpointing", "full", "full activation checkpointing"),
     ("memory.offload", "optimizer", "offloading optimizer states to the host"),
 ]
 
@@ -103,11 +113,11 @@ def _with(cfg: Config, key: str, value: Any) -> Config:
     return changed
 
 
-def advice(est: Estimate, limit: int = 4) -> list[str]:
-    """Concrete single changes that lower the worst rank's peak, biggest saving first."""
-    worst = est.worst
-    total = est.total_bytes(worst)
-    lines: list[tuple[int, str]] = []
+def _remedies(est: Estimate) -> list[tuple[int, str, Estimate]]:
+    """(bytes saved, words, estimate after) of each single remedy that lowers the worst rank's
+    total, in _REMEDIES order, judged against the same device memory as `est`."""
+    total = est.total_bytes(est.worst)
+    out = []
     for key, value, words in _REMEDIES:
         section, name = key.split(".")
         if getattr(getattr(est.cfg, section), name) == value:
@@ -117,13 +127,32 @@ def advice(est: Estimate, limit: int = 4) -> list[str]:
             other = estimate(changed, build_layout(changed, est.layout.world_size))
         except ValueError:  # the change is not valid for this layout (e.g. ZeRO with one rank)
             continue
+        other = dataclasses.replace(other, device_memory=est.device_memory)
         saved = total - other.total_bytes(other.worst)
-        if saved <= 0:
-            continue
-        verdict = "fits" if other.fits else "still does not fit"
-        lines.append((saved, f"{words} ({key}={value!r}) would save ~{saved / GIB:.1f} GiB -> "
-                             f"{other.total_bytes(other.worst) / GIB:.1f} GiB per GPU, {verdict}"))
+        if saved > 0:
+            out.append((saved, f"{words} ({key}={value!r})", other))
+    return out
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def advice(est: Estimate, limit: int = 4) -> list[str]:
+    """Concrete single changes that lower the worst rank's peak, biggest saving first."""
+    worst = est.worst
+    lines = [(saved, f"{words} would save ~{_size(saved)} -> {_size(other.total_bytes(other.worst))} per GPU, "
+                     f"{'fits' if other.fits else 'still does not fit'}")
+             for saved, words, other in _remedies(est)]
     lines.sort(key=lambda item: item[0], reverse=True)
     share = {name: value / worst.peak for name, value in worst.components().items()} if worst.peak else {}
     head = [f"{name} are {share[name]:.0%} of the peak" for name, _ in worst.largest(2) if share.get(name)]
     return ["; ".join(head)] + [text for _, text in lines[:limit]] if lines else ["; ".join(head)]
+
+
+def fitting_changes(est: Estimate, *, trainable: bool = False) -> list[str]:
+    """The single changes after which the run fits est.device_memory, cheapest in compute first
+    (the order of _REMEDIES), each with its total per rank; `trainable`: only those `trainfit
+    train` can run."""
+    return [f"{words} -> {_size(other.total_bytes(other.worst))}" for _, words, other in _remedies(est)
+            if other.fits and not (trainable and other.layout.untrainable_reason())]

@@ -65,7 +65,7 @@ def test_measure_trainer_step_measures_a_trainer_in_place(tmp_path: Path) -> Non
 
 
 def test_fewer_than_two_steps_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="steps=1"):
+    with pytest.raises(ValueError, match="--steps 1"):
         measure_step(run_config(tmp_path, *LLAMA), steps=1)
 
 

@@ -29,9 +29,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist: pass an existing .toml path")
         try:
-            raw = tomllib.loads(path.read_text())
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML ({err})") from err
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); a TOML config is a UTF-8 text file") from err
     others, pairs = split_overrides(overrides or [])
     if others:
         raise ConfigError(f"override {others[0]!r}: write it as --section.field=value or --section.field value, "

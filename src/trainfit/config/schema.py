@@ -93,9 +93,10 @@ class TrainingConfig:
     """Tokens per training sequence; must be <= model.max_seq_len."""
     micro_batch_size: int = 16
     """Sequences per forward/backward pass on one rank."""
-    global_batch_size: int = 16
+    global_batch_size: int = 0
     """Sequences per optimizer step across all ranks; gradient accumulation =
-    global_batch_size / (micro_batch_size x data-parallel degree)."""
+    global_batch_size / (micro_batch_size x data-parallel degree). 0 = derived: micro_batch_size x
+    data-parallel degree (no accumulation), printed when training starts."""
     lr: float = 3e-3
     """Peak learning rate, reached after warmup."""
     min_lr: float = 3e-4

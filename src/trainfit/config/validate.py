@@ -7,6 +7,10 @@ This layer imports the model presets and the hardware catalog; they import only 
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import warnings
+
 from trainfit.config.schema import Config, ModelConfig, field_error
 from trainfit.hardware import validate_hardware
 from trainfit.models.presets import resolve_model_config
@@ -15,11 +19,26 @@ from trainfit.models.presets import resolve_model_config
 def resolve_and_validate(cfg: Config) -> None:
     """Check hardware (catalog names, overrides), fill the model from its preset, then check every
     other field; in place, raising the first ConfigError."""
+    _validate_finite(cfg)
     validate_hardware(cfg.hardware)
     resolve_model_config(cfg.model)
     _validate_model(cfg.model)
     _validate_rest(cfg)
     _validate_training(cfg)
+
+
+INFINITY_ALLOWED = {"memory.moe_imbalance"}
+"""Float fields where inf means something (the ceiling); every other float must be finite."""
+
+
+def _validate_finite(cfg: Config) -> None:
+    """No NaN anywhere, no infinity where it means nothing (lr=inf would train on garbage)."""
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            name, value = f"{section.name}.{f.name}", getattr(getattr(cfg, section.name), f.name)
+            for v in value if isinstance(value, tuple) else (value,):
+                if isinstance(v, float) and (math.isnan(v) or math.isinf(v) and name not in INFINITY_ALLOWED):
+                    raise field_error(name, value, "must be a finite number")
 
 
 def _validate_model(m: ModelConfig) -> None:
@@ -48,10 +67,10 @@ def _validate_model(m: ModelConfig) -> None:
 
 def _validate_training(cfg: Config) -> None:
     t = cfg.training
-    for name in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "eval_steps"):
+    for name in ("steps", "seq_len", "micro_batch_size", "eval_steps"):
         if getattr(t, name) < 1:
             raise field_error(f"training.{name}", getattr(t, name), "must be >= 1")
-    for name in ("warmup_steps", "eval_interval"):
+    for name in ("warmup_steps", "eval_interval", "global_batch_size"):
         if getattr(t, name) < 0:
             raise field_error(f"training.{name}", getattr(t, name), "must be >= 0")
     if t.seq_len > cfg.model.max_seq_len:
@@ -64,6 +83,11 @@ def _validate_training(cfg: Config) -> None:
         raise field_error("training.weight_decay", t.weight_decay, "must be >= 0")
     if t.grad_clip < 0:
         raise field_error("training.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
+    if not 0 <= t.seed < 2**63:
+        raise field_error("training.seed", t.seed, "must be between 0 and 2**63 - 1 (torch's generator seed range)")
+    if t.warmup_steps >= t.steps:
+        warnings.warn(f"training.warmup_steps={t.warmup_steps} >= training.steps={t.steps}: the learning rate never "
+                      "reaches training.lr; lower warmup_steps (e.g. to a tenth of steps)", stacklevel=3)
 
 
 def _validate_rest(cfg: Config) -> None:

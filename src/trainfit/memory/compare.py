@@ -16,7 +16,9 @@ from rich.table import Table
 from trainfit.memory.breakdown import COMPONENTS, MemoryBreakdown
 from trainfit.memory.report import GIB, fmt_bytes, pyplot, save_figure, stack_bars
 
-PHASE_COLORS = {"forward": "#E8F1FA", "backward": "#FCEFE3", "optimizer": "#EAF5EA"}
+PHASE_COLORS = {"forward": "#C9DEF2", "backward": "#F6D5B5", "optimizer": "#C8E6C8"}
+PHASE_STRIP = 0.12
+"""Height of the band along the bottom of the timeline (axes fraction) where the phases are shaded."""
 SMALL_SHARE = 0.01
 """Components under this share of the reference peak get no error in percent."""
 
@@ -65,17 +67,22 @@ def comparison_table(cmp: Comparison, title: str = "memory per GPU: predicted vs
 
 
 def plot_comparison(cmp: Comparison, path: str | Path) -> Path:
-    """(a) the step's memory timeline with phases shaded and the peak marked; (b) stacked breakdowns."""
+    """(a) the step's memory timeline of each source, its peak marked and described in the legend
+    (labels in the plot would overlap when peaks are close), each source's phases shaded in a strip
+    of its own along the bottom (the sources' phases do not line up); (b) stacked breakdowns."""
     plt = pyplot()
     fig, (ax_time, ax_bars) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [2.2, 1]})
     peak = max(b.peak for b in cmp.sources.values())
     unit, scale = ("GiB", GIB) if peak >= GIB else ("MiB", 1024**2)
-    for i, (source, points) in enumerate(cmp.timelines.items()):
-        _plot_timeline(ax_time, points, source, scale, unit, shade=i == 0)
+    timelines = [(source, points) for source, points in cmp.timelines.items() if points]
+    strip = PHASE_STRIP / max(1, len(timelines))
+    for i, (source, points) in enumerate(timelines):
+        _plot_timeline(ax_time, points, source, scale, unit, strip=(i * strip, (i + 1) * strip))
+    ax_time.set_ylim(bottom=-PHASE_STRIP / (1 - PHASE_STRIP) * ax_time.get_ylim()[1])  # room for the strips
     ax_time.set_xlabel("progress through one training step (operators, normalised)")
     ax_time.set_ylabel(f"{unit} in use")
-    ax_time.set_title("memory over one step")
-    ax_time.legend(loc="upper right", fontsize=8)
+    ax_time.set_title("memory over one step (phases of each source along the bottom)")
+    ax_time.legend(loc="upper left", fontsize=8)
     names = list(cmp.sources)
     stack_bars(ax_bars, names, [cmp.sources[n] for n in names], COMPONENTS, scale)
     ax_bars.set_ylabel(f"{unit} at the peak")
@@ -84,23 +91,28 @@ def plot_comparison(cmp: Comparison, path: str | Path) -> Path:
     return save_figure(fig, path)
 
 
+def phase_runs(points: list[tuple[Any, int, str, str]]) -> list[tuple[int, int, str]]:
+    """(first index, last index, phase) of each run of one phase along a timeline."""
+    runs, start = [], 0
+    for i in range(1, len(points) + 1):
+        if i == len(points) or points[i][2] != points[start][2]:
+            runs.append((start, i - 1, points[start][2]))
+            start = i
+    return runs
+
+
 def _plot_timeline(ax: Any, points: list[tuple[Any, int, str, str]], label: str, scale: float, unit: str,
-                   shade: bool) -> None:
-    if not points:
-        return
+                   strip: tuple[float, float]) -> None:
     xs = [i / max(1, len(points) - 1) for i in range(len(points))]
     ys = [p[1] / scale for p in points]
-    start = 0
-    for i in range(1, len(points) + 1):  # shade each run of one phase, once per figure
-        if i == len(points) or points[i][2] != points[start][2]:
-            phase = points[start][2]
-            if shade and phase in PHASE_COLORS and i - start > len(points) // 50:
-                ax.axvspan(xs[start], xs[i - 1], color=PHASE_COLORS[phase], alpha=0.6, linewidth=0)
-                ax.text((xs[start] + xs[i - 1]) / 2, 0.02, phase, ha="center", va="bottom", fontsize=8,
-                        color="#555555", transform=ax.get_xaxis_transform())
-            start = i
-    ax.plot(xs, ys, label=label, linewidth=1.2)
     peak = max(range(len(ys)), key=ys.__getitem__)
-    ax.plot([xs[peak]], [ys[peak]], marker="v", color="red")
-    ax.annotate(f"{label} peak {ys[peak]:.3g} {unit} ({points[peak][2]}, {points[peak][3]})", (xs[peak], ys[peak]),
-                fontsize=8, textcoords="offset points", xytext=(6, 4))
+    (line,) = ax.plot(xs, ys, linewidth=1.2,
+                      label=f"{label}: peak {ys[peak]:.3g} {unit} in {points[peak][2]} ({points[peak][3]})")
+    ax.plot([xs[peak]], [ys[peak]], marker="v", color=line.get_color())
+    for first, last, phase in phase_runs(points):
+        if phase in PHASE_COLORS:
+            end = xs[min(last + 1, len(xs) - 1)]  # up to where the next phase starts
+            ax.axvspan(xs[first], end, ymin=strip[0], ymax=strip[1], color=PHASE_COLORS[phase], linewidth=0)
+            if last - first > len(points) // 8:
+                ax.text((xs[first] + xs[last]) / 2, sum(strip) / 2, f"{label} {phase}", ha="center", va="center",
+                        fontsize=7, color="#555555", transform=ax.get_xaxis_transform())

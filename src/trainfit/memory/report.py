@@ -12,9 +12,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from trainfit.config import ConfigError
 from trainfit.estimate import Estimate, advice
 from trainfit.memory.breakdown import COMPONENTS, MemoryBreakdown
-from trainfit.models.params import param_counts
+from trainfit.models.params import format_count, param_counts
 
 GIB = 1024**3
 MIB = 1024**2
@@ -78,9 +79,9 @@ def print_estimate(est: Estimate, console: Console | None = None) -> None:
     console = console or Console()
     cfg, d = est.cfg, est.layout
     counts = param_counts(cfg.model)
-    active = f", {counts.active / 1e9:.2f}B active" if counts.active != counts.total else ""
+    active = f", {format_count(counts.active)} active" if counts.active != counts.total else ""
     console.print(f"[bold]{cfg.model.preset or 'custom'}[/bold] ({cfg.model.family}): "
-                  f"{counts.total / 1e9:.3f}B params{active} on {d.world_size} x {cfg.hardware.gpu} | "
+                  f"{format_count(counts.total)} params{active} on {d.world_size} x {cfg.hardware.gpu} | "
                   f"dp {d.dp_replicate}x{d.dp_shard} (ZeRO-{d.zero_stage}) tp {d.tp} pp {d.pp} cp {d.cp} "
                   f"ep {d.ep} | {cfg.precision.mode}, {cfg.optimizer.name}, AC {cfg.memory.activation_checkpointing}"
                   f" | micro-batch {cfg.training.micro_batch_size} x {cfg.training.seq_len} tokens, "
@@ -140,6 +141,23 @@ def stack_bars(ax: Any, labels: list[str], breakdowns: Sequence[MemoryBreakdown]
         if any(heights):
             ax.bar(labels, heights, bottom=bottoms, label=name, color=COLORS[name], width=0.6)
             bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+
+
+FIGURE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "eps", "ps", "tif", "tiff")
+"""What --plot can write (matplotlib's Agg, PDF, SVG and PS backends, with Pillow for jpg/webp/tif)."""
+
+
+def check_figure_path(option: str, path: str | Path) -> None:
+    """Fail before any work when a figure could not be written there."""
+    out = Path(path)
+    suffix = out.suffix.lstrip(".").lower()
+    if suffix not in FIGURE_FORMATS:
+        raise ConfigError(f"{option} {str(path)!r}: " + (f"unknown image type .{suffix}" if suffix else "no extension")
+                          + f"; end the name with one of .{', .'.join(FIGURE_FORMATS)} (e.g. memory.png)")
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        what = "is a file" if parent.exists() else "does not exist"
+        raise ConfigError(f"{option} {str(path)!r}: the folder {str(parent)!r} {what}; create it or write elsewhere")
 
 
 def save_figure(fig: Any, path: str | Path) -> Path:

@@ -6,6 +6,8 @@ fast enough for the small models trained on a laptop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -18,12 +20,14 @@ def generate(
     temperature: float = 0.8,
     top_k: int | None = 50,
     generator: torch.Generator | None = None,
+    on_token: Callable[[int], None] | None = None,
 ) -> list[int]:
     """The prompt followed by `max_new_tokens` sampled tokens.
 
     The context is cropped to the model's max_seq_len; temperature 0 picks the argmax (greedy);
     top_k keeps only the k most likely tokens before sampling (None keeps all). Pass a seeded
-    `generator` (on the model's device) for reproducible samples.
+    `generator` (on the model's device) for reproducible samples; `on_token(i)` is called after
+    the i-th new token (progress).
     """
     if not prompt_tokens:
         raise ValueError("prompt_tokens is empty: give at least one token (e.g. a newline or BOS)")
@@ -32,7 +36,9 @@ def generate(
     device = next(model.parameters()).device
     max_seq_len = model.cfg.max_seq_len
     tokens = list(prompt_tokens)
-    for _ in range(max_new_tokens):
+    for i in range(max_new_tokens):
+        if on_token is not None and i:
+            on_token(i)
         context_1T = torch.tensor([tokens[-max_seq_len:]], dtype=torch.long, device=device)
         logits_V = model(context_1T)[0, -1].float()
         if temperature == 0:
@@ -44,4 +50,6 @@ def generate(
             logits_V = logits_V.masked_fill(logits_V < kth_best, float("-inf"))
         probs_V = torch.softmax(logits_V, dim=-1)
         tokens.append(int(torch.multinomial(probs_V, 1, generator=generator)))
+    if on_token is not None and max_new_tokens:
+        on_token(max_new_tokens)
     return tokens

@@ -45,14 +45,31 @@ def _read_json(path: str | Path) -> tuple[dict[str, Any], Path]:
         raise ConfigError(f"model.preset={str(path)!r}: no config.json there; give an HF config.json "
                           "or a folder holding one")
     try:
-        return json.loads(file.read_text()), file
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{file}: not valid JSON ({err})") from err
+        hf = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"model.preset={str(path)!r}: {file} is not valid JSON ({err}); give an HF "
+                          "config.json") from err
+    if not isinstance(hf, dict):
+        raise ConfigError(f"model.preset={str(path)!r}: {file} holds a {type(hf).__name__}, not a JSON object; "
+                          "give an HF config.json")
+    return hf, file
+
+
+_KINDS: dict[str, type | tuple[type, ...]] = {
+    "hidden_act": str, "activation_function": str, "tie_word_embeddings": bool,
+    "rms_norm_eps": (int, float), "layer_norm_epsilon": (int, float), "router_aux_loss_coef": (int, float),
+    "rope_theta": (int, float),
+}
+"""The JSON type of each key read; every other key is an integer."""
 
 
 def _get(hf: dict[str, Any], key: str, file: Path, default: Any = _REQUIRED) -> Any:
     if key in hf and hf[key] is not None:
-        return hf[key]
+        value, kind = hf[key], _KINDS.get(key, int)
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+            names = {str: "a string", bool: "true or false", int: "an integer"}
+            raise ConfigError(f"{file}: {key}={value!r}: must be {names.get(kind, 'a number')} (model.preset)")
+        return value
     if default is _REQUIRED:
         raise ConfigError(f"{file}: key {key!r} is missing; add it (model_type={hf.get('model_type')!r} "
                           "needs it) or use a complete config.json")

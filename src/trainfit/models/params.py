@@ -79,3 +79,11 @@ def param_counts(m: ModelConfig) -> ParamCounts:
         output=0 if m.tie_embeddings else m.vocab_size * d,
         num_layers=m.num_layers,
     )
+
+
+def format_count(n: int) -> str:
+    """A parameter count as people write it: 6.74B, 3.28M, 12.5K, 512."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}" if n < 100 * scale else f"{n / scale:.0f}{unit}"
+    return str(n)

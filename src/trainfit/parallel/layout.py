@@ -49,6 +49,9 @@ class Layout:
     grad_accum_steps: int
     """global_batch_size / (micro_batch_size x dp): micro-batches per rank per optimizer step."""
     micro_batch_size: int
+    global_batch_size: int
+    """Sequences per optimizer step, all ranks: training.global_batch_size, or micro_batch_size x dp
+    when that is 0 (derived)."""
     activation_checkpointing: str
     ac_every_n_layers: int
     offload: str
@@ -191,7 +194,8 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
                     "out of the data-parallel ones)",
                     f"try {nearest(p.ep, [d for d in _divisors(dp_shard * p.cp) if m.num_experts % d == 0])}")
     per_step = t.micro_batch_size * dp
-    if t.global_batch_size % per_step:
+    global_batch = t.global_batch_size or per_step
+    if global_batch % per_step:
         valid = [per_step * k for k in range(1, t.global_batch_size // per_step + 2)]
         fix = f"try {nearest(t.global_batch_size, valid)}"
         if t.global_batch_size % dp == 0:  # or a smaller micro-batch, with accumulation
@@ -199,12 +203,12 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
             fix += f", or training.micro_batch_size={micro}"
         raise _fail("training.global_batch_size", t.global_batch_size, f"must be a multiple of micro_batch_size x "
                     f"data-parallel degree = {t.micro_batch_size} x {dp} = {per_step}", fix)
-    accum = t.global_batch_size // per_step
+    accum = global_batch // per_step
     _check_memory(cfg)
     return Layout(world_size=world, dp_replicate=p.dp_replicate, dp_shard=dp_shard, cp=p.cp, tp=p.tp, pp=p.pp,
                   ep=p.ep, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel, pp_schedule=p.pp_schedule,
                   pp_virtual_stages=p.pp_virtual_stages, num_microbatches=p.num_microbatches or accum,
-                  grad_accum_steps=accum, micro_batch_size=t.micro_batch_size,
+                  grad_accum_steps=accum, micro_batch_size=t.micro_batch_size, global_batch_size=global_batch,
                   activation_checkpointing=mem.activation_checkpointing, ac_every_n_layers=mem.ac_every_n_layers,
                   offload=mem.offload, chunked_loss=mem.chunked_loss, precision=cfg.precision.mode,
                   grad_accum_dtype=cfg.optimizer.grad_accum_dtype, moe_imbalance=mem.moe_imbalance)

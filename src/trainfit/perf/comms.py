@@ -218,7 +218,7 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
     block, root = stage_params(model, layout)
     policy = layout.activation_checkpointing
     wrapped = 0 if policy == "none" else -(-layers // layout.ac_every_n_layers)
-    seqs = t.global_batch_size / (layout.dp * n_mb)  # sequences per micro-batch on a rank
+    seqs = layout.global_batch_size / (layout.dp * n_mb)  # sequences per micro-batch on a rank
     act = int(seqs * t.seq_len / layout.cp * m.dim * act_b)  # one micro-batch's hidden states, full width
     out: list[Collective] = []
 

@@ -87,7 +87,7 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> tuple[floa
     forward = layers * (mm + at) + head
     backward = layers * (2 * mm + F.FLASH_ATTENTION_BWD_FACTOR * at) + 2 * head + wrapped * (rc_mm + rc_at)
     attention = layers * at * (1 + F.FLASH_ATTENTION_BWD_FACTOR) + wrapped * rc_at
-    tokens = t.global_batch_size * t.seq_len / (layout.dp * layout.cp)  # per rank; tp ranks split its FLOPs
+    tokens = layout.global_batch_size * t.seq_len / (layout.dp * layout.cp)  # per rank; tp ranks split its FLOPs
     scale = tokens / layout.tp
     return forward * scale, backward * scale, attention * scale
 
@@ -144,7 +144,7 @@ def _exposed(timed: list[tuple[Collective, float]], fwd_s: float, bwd_s: float, 
 
 def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig) -> PerfEstimate:
     """FLOPs, step time and its parts, tokens/s and MFU of one layout of a model on its hardware."""
-    tokens_per_step = t.global_batch_size * t.seq_len
+    tokens_per_step = layout.global_batch_size * t.seq_len
     model_tok = F.training_flops_per_token(m, t.seq_len)
     hardware_tok = F.hardware_flops_per_token(m, t.seq_len, layout.activation_checkpointing, layout.ac_every_n_layers)
     recompute_tok = F.recompute_flops_per_token(m, t.seq_len, layout.activation_checkpointing, layout.ac_every_n_layers)

@@ -267,10 +267,18 @@ def load_prepared(directory: str | os.PathLike[str], verify: bool | None = None)
     if not (root / MANIFEST).is_file():
         raise ConfigError(f"data.path={str(root)!r}: no {MANIFEST}, so not prepared data; run "
                           "`trainfit prepare-data` into it or point data.path to the text instead")
-    manifest = json.loads((root / MANIFEST).read_text())
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise _damaged(root, f"its {MANIFEST} is not valid JSON ({err})") from err
+    if not isinstance(manifest, dict):
+        raise _damaged(root, f"its {MANIFEST} holds a {type(manifest).__name__}, not a JSON object")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ConfigError(f"data.path={str(root)!r}: prepared with format {manifest.get('format_version')}, "
                           f"this trainfit reads format {FORMAT_VERSION}; prepare the data again")
+    missing = [key for key in ("dtype", "num_tokens", "sha256", "vocab_size") if key not in manifest]
+    if missing:
+        raise _damaged(root, f"its {MANIFEST} lacks {', '.join(missing)}")
     dtype = np.dtype(manifest["dtype"])
     paths = {split: root / f"{split}.bin" for split in SPLITS}
     sizes = {split: path.stat().st_size if path.is_file() else -1 for split, path in paths.items()}

@@ -9,6 +9,7 @@ from rich.table import Table
 from trainfit.config import Config
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.compare import Comparison, comparison_table
+from trainfit.models.params import format_count
 from trainfit.parallel.layout import Layout
 from trainfit.train.metrics import METRICS_FILE
 from trainfit.train.trainer import TrainResult
@@ -18,8 +19,9 @@ MIB = 1024**2
 
 def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
     rows = [
-        ("model", f"{cfg.model.preset or 'custom'} ({cfg.model.family}), {result.num_params / 1e6:.2f}M params"),
-        ("steps", f"{result.steps_done} / {cfg.training.steps}"),
+        ("model", f"{cfg.model.preset or 'custom'} ({cfg.model.family}), {format_count(result.num_params)} params"),
+        ("steps", f"{result.steps_done} / {cfg.training.steps}"
+                  + (f" (resumed at step {result.started_at})" if result.started_at else "")),
         ("precision", f"{cfg.precision.mode}, activation checkpointing {cfg.memory.activation_checkpointing}"),
         ("parallel", layout_description(result.layout)),
     ]
@@ -28,10 +30,11 @@ def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
         rows.append(("train loss", f"{result.losses[last_step]:.4f} (step {last_step})"))
     if result.val_losses:
         first, last = min(result.val_losses), max(result.val_losses)
-        rows.append(("val loss", f"{result.val_losses[first]:.4f} (step {first}) -> "
-                                 f"{result.val_losses[last]:.4f} (step {last})"))
-    rows.append(("throughput", f"{result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.1%} "
-                               f"(peak from hardware.gpu={cfg.hardware.gpu!r})"))
+        shown = [f"{result.val_losses[step]:.4f} (step {step})" for step in sorted({first, last})]
+        rows.append(("val loss", " -> ".join(shown)))
+    if result.steps_run:
+        rows.append(("throughput", f"{result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.1%} "
+                                   f"(peak from hardware.gpu={cfg.hardware.gpu!r})"))
     if result.memory is not None:
         per_rank = ", rank 0" if result.world_size > 1 else ""
         rows.append(("peak memory", f"{result.memory.peak / MIB:,.1f} MiB (measured at the allocator{per_rank}), "
@@ -72,8 +75,15 @@ def print_summary(cfg: Config, result: TrainResult, console: Console | None = No
     if result.rank != 0:
         return
     console = console or Console()
-    title = "trainfit: stopped by signal (rerun the same command to resume)" if result.stopped_by_signal \
-        else "trainfit: run complete"
+    if result.stopped_by_signal:
+        title = f"trainfit: stopped by {result.signal_name or 'a signal'} (rerun the same command to resume)"
+    elif not result.steps_run:
+        print(f"trainfit: nothing to do, the run was already complete at step {result.steps_done} "
+              f"(training.steps={cfg.training.steps}, checkpoint {result.checkpoint}); raise training.steps "
+              "to train on, or set a new checkpoint.dir to start another run")
+        return
+    else:
+        title = "trainfit: run complete"
     table = Table(title=title, show_header=False)
     table.add_column(style="bold")
     table.add_column()

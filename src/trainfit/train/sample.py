@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 
-from trainfit.config import Config, config_from_dict, resolve_and_validate
+from trainfit.config import Config, ConfigError, config_from_dict, resolve_and_validate
 from trainfit.models import build_model, materialize
 from trainfit.models.generate import generate
 from trainfit.models.hf import save_hf_weights
@@ -18,6 +23,9 @@ from trainfit.train.tokenizer import Tokenizer, load_tokenizer_from_dir
 def load_trained_model(path: str | Path, device: torch.device) -> tuple[nn.Module, Config, Tokenizer]:
     """The model (eval mode), config and tokenizer of a checkpoint folder or checkpoint.dir."""
     folder = ckpt.resolve_checkpoint(path)
+    problems = ckpt.verify_checkpoint(folder)
+    if problems:
+        raise ckpt.CheckpointError(f"{folder} is damaged: {'; '.join(problems[:3])}")
     cfg = config_from_dict(ckpt.load_checkpoint_config(folder))
     resolve_and_validate(cfg)
     model = materialize(build_model(cfg.model), device)
@@ -30,15 +38,55 @@ def sample_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, tempe
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, _, tokenizer = load_trained_model(path, device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    tokens = generate(model, tokenizer.encode(prompt), max_new_tokens, temperature=temperature,
-                      top_k=top_k or None, generator=generator)
+    prompt_tokens = tokenizer.encode(prompt)
+    if not prompt_tokens:
+        raise ConfigError(f"--prompt {prompt!r}: encodes to no tokens; give some text (the default is a newline)")
+    with Progress(TextColumn("sampling"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("sample", total=max_new_tokens)
+        tokens = generate(model, prompt_tokens, max_new_tokens, temperature=temperature, top_k=top_k or None,
+                          generator=generator, on_token=lambda n: progress.update(task, completed=n))
     return tokenizer.decode(tokens)
 
 
-def export_to_hf(path: str, out_dir: str) -> Path:
-    """Write model.safetensors + config.json (loadable by transformers) and the tokenizer files."""
-    model, cfg, tokenizer = load_trained_model(path, torch.device("cpu"))
+def export_to_hf(path: str, out_dir: str, *, force: bool = False) -> Path:
+    """Write model.safetensors + config.json (loadable by transformers) and the tokenizer files.
+
+    Written into a temp folder beside `out_dir`, then moved in: a failure leaves nothing behind,
+    and `out_dir` is replaced only with `force`. Files get the usual permissions (0644 with the
+    common umask), not safetensors' 0600."""
     out = Path(out_dir)
-    save_hf_weights(model, cfg.model, out)
-    tokenizer.save(out)
+    _check_export_target(out, force)
+    model, cfg, tokenizer = load_trained_model(path, torch.device("cpu"))
+    home = out.absolute().parent
+    while not home.exists():
+        home = home.parent
+    tmp = Path(tempfile.mkdtemp(prefix=".trainfit-export-", dir=home))
+    try:
+        save_hf_weights(model, cfg.model, tmp)
+        tokenizer.save(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        for file in tmp.iterdir():
+            file.chmod(0o666 & ~umask)
+        out.mkdir(parents=True, exist_ok=True)
+        for file in tmp.iterdir():
+            os.replace(file, out / file.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _check_export_target(out: Path, force: bool) -> None:
+    existing = out.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is a file" if existing == out.absolute() else f"is inside {str(existing)!r}, a file"
+        raise ConfigError(f"--out {str(out)!r}: {where}; give a folder to write the model into")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {str(out)!r}: {str(existing)!r} is not writable; choose a folder you can write")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        names = ", ".join(sorted(p.name for p in out.iterdir())[:4])
+        raise ConfigError(f"--out {str(out)!r}: holds files already ({names}); pass --force to replace an earlier "
+                          "export, or choose a new folder")

@@ -79,7 +79,14 @@ class HFTokenizer:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], name: str | None = None) -> HFTokenizer:
-        return cls(_HFTokenizerModel.from_file(str(path)), name or str(path))
+        """Load a tokenizer.json; a malformed one is a ConfigError naming the file."""
+        try:
+            model = _HFTokenizerModel.from_file(str(path))
+        except Exception as err:  # the tokenizers library raises its own Exception subclass
+            raise ConfigError(f"data.tokenizer: {str(path)!r} is not a Hugging Face tokenizer.json "
+                              f"({str(err).splitlines()[0][:200]}); give a tokenizer.json saved by the tokenizers "
+                              "library, 'bytes' or 'train'") from err
+        return cls(model, name or str(path))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -140,10 +147,14 @@ def load_tokenizer_from_dir(directory: str | os.PathLike[str]) -> Tokenizer:
     if not spec_path.is_file():
         raise ConfigError(f"{str(directory)!r} holds no {SPEC_FILE}: point to prepared data or a "
                           "checkpoint written by trainfit, or prepare the data again")
-    spec = json.loads(spec_path.read_text())
-    if spec["kind"] == "bytes":
-        return ByteTokenizer()
-    return HFTokenizer.from_file(directory / spec["file"], name=spec["name"])
+    try:
+        spec = json.loads(spec_path.read_text())
+        if spec["kind"] == "bytes":
+            return ByteTokenizer()
+        return HFTokenizer.from_file(directory / spec["file"], name=spec["name"])
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+        raise ConfigError(f"{str(spec_path)!r} is damaged ({type(err).__name__}: {err}); prepare the data again "
+                          "(or, in a checkpoint, restore the file from the run's data folder)") from err
 
 
 def _write_spec(directory: Path, spec: dict[str, Any]) -> None:

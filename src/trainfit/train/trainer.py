@@ -13,6 +13,7 @@ known), then every `logging.memory_interval` steps.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -33,6 +34,7 @@ from trainfit.memory.attribution import Measurement, MemoryMeter, measure_traine
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.measure import current_allocated_bytes
 from trainfit.models import build_model, count_params, materialize
+from trainfit.models.init import canonical_name
 from trainfit.parallel.apply import parallelize, parallelize_optimizer
 from trainfit.parallel.data_parallel import (
     clip_grad_norm_,
@@ -45,6 +47,7 @@ from trainfit.parallel.layout import Layout, build_layout
 from trainfit.perf.flops import mfu, training_flops_per_token
 from trainfit.precision import precision_policy, step_optimizer
 from trainfit.train import checkpoint as ckpt
+from trainfit.train import manifest
 from trainfit.train.data import BatchSampler, TokenData, eval_batches, resolve_data
 from trainfit.train.distributed import World, init_world, run_layout
 from trainfit.train.metrics import MetricsWriter
@@ -84,6 +87,10 @@ class TrainResult:
     mfu: float = 0.0
     skipped_steps: int = 0
     stopped_by_signal: bool = False
+    signal_name: str | None = None
+    """SIGTERM / SIGINT when a signal stopped the run (None when it came to another rank)."""
+    started_at: int = 0
+    """The step this process started from (a resumed run's checkpoint step)."""
     checkpoint: Path | None = None
     num_params: int = 0
     layout: Layout | None = None
@@ -99,6 +106,11 @@ class TrainResult:
     def peak_memory_bytes(self) -> int | None:
         """This rank's measured peak (`memory.peak`), None before any measured step."""
         return self.memory.peak if self.memory is not None else None
+
+    @property
+    def steps_run(self) -> int:
+        """Steps this process trained (0 when it resumed a run that was already complete)."""
+        return self.steps_done - self.started_at
 
 
 def data_cache_dir() -> Path:
@@ -174,6 +186,10 @@ class Trainer:
         sampler = BatchSampler(self.data.train, t.seq_len, t.micro_batch_size, t.seed, rank=self.world.dp_rank,
                                world_size=self.world.dp_size, grad_accum_steps=self.layout.grad_accum_steps)
         self._setup_step(model, num_params, sampler, self.device.type)
+        if not t.global_batch_size:
+            self.notes.append(f"training.global_batch_size derived: micro_batch_size {t.micro_batch_size} x "
+                              f"{self.layout.dp} data-parallel rank(s) = {self.layout.global_batch_size} sequences "
+                              "per step (set it to accumulate gradients over more)")
         self.resumed_from = self._maybe_resume()
 
     def _setup_step(self, model: nn.Module, num_params: int, batches: Any, optimizer_device_type: str) -> None:
@@ -236,6 +252,10 @@ class Trainer:
         cfg = self.cfg
         model = build_model(cfg.model)
         num_params = count_params(model)
+        self.fingerprint = manifest.fingerprint(
+            {canonical_name(name): p.shape for name, p in model.named_parameters()}, cfg.optimizer.name,
+            cfg.precision.mode, config_to_dict(cfg)["model"])
+        """What this run's checkpoints hold (train/manifest.py): a checkpoint must match it to resume."""
         self.policy.prepare_model(model)
         parallelize(model, self.layout, self.world.mesh, self.policy)
         # CPU offload: FSDP2 wants the shards in host memory; buffers (RoPE) compute on the device.
@@ -251,11 +271,9 @@ class Trainer:
     # ------------------------------------------------------------ state
 
     def _maybe_resume(self) -> Path | None:
-        spec = self.cfg.checkpoint.resume
-        if spec == "never":
-            return None
-        found = ckpt.latest_checkpoint(self.cfg.checkpoint.dir) if spec == "auto" else ckpt.resolve_checkpoint(spec)
-        path = self.world.broadcast_object(found)  # rank 0 decides: every rank loads the same one
+        path, warnings_ = ckpt.choose_checkpoint(self.cfg.checkpoint.resume, self.cfg.checkpoint.dir,
+                                                 self.fingerprint, self.world)
+        self.notes.extend(warnings_)
         if path is None:
             return None
         state = ckpt.load_checkpoint(path, self.model, self.optimizer, world=self.world)
@@ -299,7 +317,8 @@ class Trainer:
         }
         return ckpt.save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, state,
                                     config_to_dict(self.cfg), write_extras=self.data.tokenizer.save,
-                                    keep_last=self.cfg.checkpoint.keep_last, world=self.world)
+                                    keep_last=self.cfg.checkpoint.keep_last, world=self.world,
+                                    fingerprint=self.fingerprint)
 
     def close(self) -> None:
         """Release the process group if this trainer created it (the end of `trainfit train`)."""
@@ -390,7 +409,7 @@ class Trainer:
         (a rank short of one reruns its last with weight 0: sharded models need every rank in
         every forward)."""
         t = self.cfg.training
-        num_batches = t.eval_steps * t.global_batch_size // t.micro_batch_size
+        num_batches = t.eval_steps * self.layout.global_batch_size // t.micro_batch_size
         batches = list(eval_batches(self.data.val, t.seq_len, t.micro_batch_size, num_batches))
         rank, size = self.world.rank, self.world.size
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # (loss sum, batches)
@@ -416,19 +435,20 @@ class Trainer:
 
     def train(self) -> TrainResult:
         cfg, t, world = self.cfg, self.cfg.training, self.world
-        result = TrainResult(steps_done=self.step, num_params=self.num_params, layout=self.layout,
+        result = TrainResult(steps_done=self.step, started_at=self.step, num_params=self.num_params, layout=self.layout,
                              world_size=world.size, rank=world.rank, skipped_steps=self.skipped_steps,
                              checkpoint=self.resumed_from)
         writer: MetricsWriter | _NoMetrics = _NoMetrics()
         if world.is_main:
             writer = MetricsWriter(cfg.logging.dir, resume_step=self.step, tensorboard=cfg.logging.tensorboard)
-        tokens_per_step = t.global_batch_size * t.seq_len
+        tokens_per_step = self.layout.global_batch_size * t.seq_len
         window_tokens, window_seconds = 0, 0.0
         last_saved = self.step if self.resumed_from else None
         first_measured = min(self.step + 2, t.steps)  # this process's second step: the first one warms up
         try:
             with StopOnSignal() as stop, \
-                    TrainProgress(t.steps, self.step, cfg.logging.progress, quiet=not world.is_main) as bar:
+                    TrainProgress(t.steps, self.step, cfg.logging.progress, quiet=not world.is_main,
+                                  line_every=cfg.logging.interval) as bar:
                 for note in self.notes:
                     bar.announce(note)
                     writer.write({"step": self.step, "note": note})
@@ -454,7 +474,7 @@ class Trainer:
                     if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                         result.checkpoint, last_saved = self.save(), self.step
                     stopping = world.any(stop.requested)  # a signal may reach one rank only
-                result.stopped_by_signal = stopping
+                result.stopped_by_signal, result.signal_name = stopping, stop.signal_name
                 if stopping:
                     bar.announce(f"received {stop.signal_name or 'a stop signal on another rank'}: "
                                  f"saving a checkpoint at step {self.step}")
@@ -499,7 +519,9 @@ def measure_step(cfg: Config, steps: int = 2, *, cuda_snapshot: str | Path | Non
     """Build a Trainer for `cfg` (joining torchrun's world when launched by it), run `steps - 1`
     warm-up steps and measure the last one on this rank (`trainfit measure`)."""
     if steps < 2:
-        raise ValueError(f"steps={steps}: measure at least 2 (the first one warms up)")
+        raise ConfigError(f"--steps {steps}: measure at least 2 steps (the first one warms up); try --steps 2")
+    # From freshly initialized weights: a training run's checkpoint in checkpoint.dir is not loaded.
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="never"))
     trainer = Trainer(cfg)
     try:
         return measure_trainer_step(trainer, warmup_steps=steps - 1, cuda_snapshot=cuda_snapshot)

@@ -34,3 +34,41 @@ def test_no_percentage_for_components_too_small_to_matter_or_unknown_sources() -
     console.print(comparison_table(cmp))
     lines = {line.split()[1]: line for line in console.export_text().splitlines() if line.startswith("│")}
     assert "+10.0%" in lines["activations"] and "%" not in lines["logits"]
+
+
+def _timeline(phases: list[tuple[str, int]], peak_at: int) -> list[tuple[float, int, str, str]]:
+    """A timeline of `count` points per phase, rising to a peak at point `peak_at`."""
+    names = [phase for phase, count in phases for _ in range(count)]
+    return [(i, (100 - abs(i - peak_at)) * MiB, phase, f"op{i}") for i, phase in enumerate(names)]
+
+
+def test_the_timeline_shades_each_sources_phases_and_keeps_peak_labels_apart(tmp_path) -> None:
+    """Two sources whose peaks sit a hair apart, with phases that do not line up: each source gets a
+    strip of its own phases, and the peaks are described in the legend, never as overlapping text."""
+    from trainfit.memory import compare
+
+    traced = _timeline([("forward", 40), ("backward", 50), ("optimizer", 10)], peak_at=45)
+    measured = _timeline([("forward", 30), ("backward", 60), ("optimizer", 10)], peak_at=46)
+    cmp = Comparison({"traced": MemoryBreakdown(peak=100 * MiB), "measured": MemoryBreakdown(peak=100 * MiB)},
+                     {"traced": traced, "measured": measured})
+    drawn = {}
+
+    def keep(fig, path):
+        drawn["fig"] = fig
+        return path
+
+    original = compare.save_figure
+    compare.save_figure = keep
+    try:
+        compare.plot_comparison(cmp, tmp_path / "report.png")
+    finally:
+        compare.save_figure = original
+    ax = drawn["fig"].axes[0]
+    assert ax.texts and all("peak" not in t.get_text() for t in ax.texts)  # no peak text in the plot
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any(t.startswith("traced: peak 100 MiB in backward (op45)") for t in legend)
+    assert any(t.startswith("measured: peak 100 MiB in backward (op46)") for t in legend)
+    assert compare.phase_runs(traced) == [(0, 39, "forward"), (40, 89, "backward"), (90, 99, "optimizer")]
+    spans = [p for p in ax.patches if p.get_facecolor()[:3] != (1.0, 1.0, 1.0)]
+    strips = {round(p.get_y(), 3) for p in spans}
+    assert len(spans) >= 6 and len(strips) == 2  # three phases per source, in two separate strips

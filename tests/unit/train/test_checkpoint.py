@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import random
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from trainfit.train import checkpoint as ckpt
+from trainfit.train import manifest
 
 
 def _model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -90,3 +95,123 @@ def test_kill_mid_save_keeps_last_good_checkpoint(tmp_path: Path) -> None:
     assert torch.equal(loaded.weight, expected.weight)
     _save(tmp_path, 3, seed=3)  # the next good save cleans the leftover temp folder
     assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------- integrity and identity
+
+FINGERPRINT = manifest.fingerprint({"0.weight": (32, 16), "2.weight": (4, 32)}, "adamw", "fp32", {"dim": 16})
+
+
+def _save_run(root: Path, step: int, fingerprint: manifest.Fingerprint = FINGERPRINT) -> Path:
+    model, optimizer = _model_and_optimizer(step)
+    return ckpt.save_checkpoint(root, step, model, optimizer, {"step": step, "rng": ckpt.rng_state()}, {},
+                                keep_last=3, fingerprint=fingerprint)
+
+
+def _shard(path: Path) -> Path:
+    return next((path / ckpt.DCP_DIR).glob("*.distcp"))
+
+
+def test_every_file_is_recorded_and_an_intact_checkpoint_verifies(tmp_path: Path) -> None:
+    path = _save_run(tmp_path, 1)
+    recorded = manifest.read_manifest(path)
+    assert recorded.step == 1 and recorded.fingerprint == FINGERPRINT
+    assert set(recorded.files) == set(manifest.checkpoint_files(path))
+    assert {ckpt.TRAINER_STATE, ckpt.CONFIG_FILE, f"{ckpt.DCP_DIR}/.metadata"} <= set(recorded.files)
+    assert ckpt.verify_checkpoint(path) == []
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("garble", "does not match its saved SHA-256"),
+    ("truncate", "were saved (truncated"),
+    ("delete", "is missing"),
+])
+def test_damage_is_named_file_and_fault(tmp_path: Path, damage: str, words: str) -> None:
+    path = _save_run(tmp_path, 1)
+    shard = _shard(path)
+    data = bytearray(shard.read_bytes())
+    if damage == "garble":  # one flipped byte, same size
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif damage == "truncate":
+        shard.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        shard.unlink()
+    problems = ckpt.verify_checkpoint(path)
+    assert len(problems) == 1 and shard.name in problems[0] and words in problems[0]
+
+
+def test_a_damaged_newest_checkpoint_gives_way_to_the_previous_one(tmp_path: Path) -> None:
+    _save_run(tmp_path, 1)
+    newest = _save_run(tmp_path, 2)
+    (newest / ckpt.TRAINER_STATE).write_bytes(b"garbage")
+    path, warnings = ckpt.choose_checkpoint("auto", tmp_path, FINGERPRINT)
+    assert path.name == "step_00000001"
+    assert len(warnings) == 1 and "step_00000002 is damaged" in warnings[0] and ckpt.TRAINER_STATE in warnings[0]
+    with pytest.raises(ckpt.CheckpointError, match=r"damaged.*--checkpoint.resume=.*step_00000001"):
+        ckpt.choose_checkpoint(str(newest), tmp_path, FINGERPRINT)  # named explicitly: refused, the good one offered
+    (tmp_path / "step_00000001" / manifest.MANIFEST).unlink()
+    with pytest.raises(ckpt.CheckpointError, match="every checkpoint is damaged"):
+        ckpt.choose_checkpoint("must", tmp_path, FINGERPRINT)
+
+
+def test_resume_modes(tmp_path: Path) -> None:
+    assert ckpt.choose_checkpoint("auto", tmp_path, FINGERPRINT) == (None, [])
+    with pytest.raises(ckpt.CheckpointError, match="checkpoint.resume=must: no checkpoint in"):
+        ckpt.choose_checkpoint("must", tmp_path, FINGERPRINT)
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint found"):
+        ckpt.choose_checkpoint(str(tmp_path / "nowhere"), tmp_path, FINGERPRINT)
+    _save_run(tmp_path, 1)
+    assert ckpt.choose_checkpoint("never", tmp_path, FINGERPRINT) == (None, [])
+    assert ckpt.choose_checkpoint("must", tmp_path, FINGERPRINT)[0].name == "step_00000001"
+
+
+def test_a_checkpoint_of_another_run_is_refused_with_what_differs(tmp_path: Path) -> None:
+    _save_run(tmp_path, 1)
+    wider = manifest.fingerprint({"0.weight": (64, 16), "2.weight": (4, 64)}, "sgd", "fp32", {"dim": 64})
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.choose_checkpoint("auto", tmp_path, wider)
+    message = str(err.value)
+    assert "model.dim=16 in the checkpoint, 64 now" in message and "0.weight [32, 16] -> [64, 16]" in message
+    assert "optimizer.name='adamw' in the checkpoint, 'sgd' now" in message
+    assert "--checkpoint.resume=never" in message and "--checkpoint.dir" in message
+    same_shapes = manifest.fingerprint({"0.weight": (32, 16), "2.weight": (4, 32)}, "adamw", "fp32", {"dim": 16,
+                                                                                                      "rope_theta": 1})
+    assert ckpt.choose_checkpoint("auto", tmp_path, same_shapes)[0] is not None  # a field that shapes nothing
+
+
+def test_a_full_disk_mid_save_leaves_no_temp_folder_and_the_last_checkpoint(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    good = _save_run(tmp_path, 1)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    with pytest.raises(ckpt.CheckpointError, match=r"no space left.*step_00000001 is intact"):
+        _save_run(tmp_path, 2)
+    assert [p.name for p in tmp_path.iterdir()] == [good.name]
+    assert ckpt.verify_checkpoint(good) == []
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_trainer_state_is_loaded_weights_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _save_run(tmp_path, 1)
+    assert ckpt.load_trainer_state(path)["step"] == 1  # the RNG streams are plain tensors and tuples
+    torch.save({"step": 1, "payload": _RunsCode()}, path / ckpt.TRAINER_STATE)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ckpt.CheckpointError, match="weights-only loading refuses"):
+        ckpt.load_trainer_state(path)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_rng_state_round_trips() -> None:
+    state = ckpt.rng_state()
+    expected = (torch.rand(3), random.random(), np.random.rand(3))
+    ckpt.set_rng_state(state)
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+    assert np.array_equal(np.random.rand(3), expected[2])
