@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import math
 import os
 import time
@@ -321,7 +322,13 @@ class Trainer:
                                     fingerprint=self.fingerprint)
 
     def close(self) -> None:
-        """Release the process group if this trainer created it (the end of `trainfit train`)."""
+        """The end of `trainfit train`: drop the model, optimizer and schedule (and their reference
+        cycles), then the process group if this trainer created it. In that order, so the process
+        groups FSDP and DDP hold die now, with their worker threads, not at interpreter exit, where
+        gloo's leftover work objects abort the process (pytorch/pytorch#179291 describes it; seen
+        here once in ~20 two-rank runs on a busy machine). The trainer is not usable afterwards."""
+        self.model = self.optimizer = self.scheduler = self.scaler = self.sampler = None
+        gc.collect()
         self.world.close()
 
     # ------------------------------------------------------------ step
