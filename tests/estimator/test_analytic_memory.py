@@ -252,8 +252,9 @@ def test_tensor_context_and_expert_parallelism_divide_what_they_shard():
 
 def test_checkpointing_chunked_loss_and_precision_move_the_peak_the_right_way():
     def peak(*extra: str) -> int:
-        return estimate_memory(cfg_of("--model.preset=llama3-8b", "--training.seq_len=4096",
-                                      "--training.micro_batch_size=2", *extra)).worst.peak
+        return estimate_memory(cfg_of("--model.preset=llama3-8b", "--training.seq_len=4096",  # 8 micro-batches
+                                      "--training.micro_batch_size=2", "--training.global_batch_size=16",
+                                      *extra)).worst.peak
 
     assert peak() > peak("--memory.activation_checkpointing=selective") > peak("--memory.activation_checkpointing=full")
     assert peak("--memory.activation_checkpointing=full", "--memory.ac_every_n_layers=2") > peak(

@@ -109,7 +109,7 @@ def test_explicit_dims_override_the_preset() -> None:
         (["--training.min_lr=1"], "training.min_lr=1.0: must be between 0 and training.lr"),
         (["--model.preset=debug-moe", "--model.capacity_factor=-1"], "model.capacity_factor=-1.0: must be >= 0"),
         (["--memory.moe_imbalance=0.5"], "memory.moe_imbalance=0.5: must be >= 1"),
-        (["--memory.moe_imbalance=nan"], "memory.moe_imbalance=nan: must be >= 1"),
+        (["--memory.moe_imbalance=nan"], "memory.moe_imbalance=nan: must be a number, not NaN"),
         (["--model.preset=llama9"], "model.preset='llama9': unknown preset"),
         (["--optimizer.betas=0.9,1.5"], "optimizer.betas=(0.9, 1.5): each beta must be in [0, 1)"),
         (["steps=3"], "write it as --section.field=value"),

@@ -103,8 +103,11 @@ def test_what_train_cannot_run_yet_is_said_apart() -> None:
 def test_the_launchers_world_size_is_resolved_once() -> None:
     cfg = load_config(None, ["--parallel.zero_stage=3"])
     assert resolve_world_size(cfg, None) == 1 and resolve_world_size(cfg, 4) == 4
+    derived = build_layout(cfg, 4)  # no global batch given: 16 sequences per rank, no accumulation
+    assert (derived.global_batch_size, derived.grad_accum_steps, build_layout(cfg, 1).global_batch_size) == (64, 1, 16)
+    given = load_config(None, ["--parallel.zero_stage=3", "--training.global_batch_size=16"])
     with pytest.raises(ConfigError, match="16 x 4 = 64; try 64, or training.micro_batch_size=4"):
-        build_layout(cfg, 4)  # the tiny run's 16 sequences a step cannot be 16 per rank on 4 ranks
+        build_layout(given, 4)  # 16 sequences a step cannot be 16 per rank on 4 ranks
     small = load_config(None, ["--parallel.zero_stage=3", "--training.micro_batch_size=4"])
     assert build_layout(small, 4).dp_shard == 4 and small.hardware.num_gpus == 1
     named = load_config(None, ["--hardware.num_gpus=8", "--training.micro_batch_size=1"])

@@ -37,7 +37,9 @@ def _validate_finite(cfg: Config) -> None:
         for f in dataclasses.fields(getattr(cfg, section.name)):
             name, value = f"{section.name}.{f.name}", getattr(getattr(cfg, section.name), f.name)
             for v in value if isinstance(value, tuple) else (value,):
-                if isinstance(v, float) and (math.isnan(v) or math.isinf(v) and name not in INFINITY_ALLOWED):
+                if isinstance(v, float) and math.isnan(v):
+                    raise field_error(name, value, "must be a number, not NaN")
+                if isinstance(v, float) and math.isinf(v) and name not in INFINITY_ALLOWED:
                     raise field_error(name, value, "must be a finite number")
 
 
