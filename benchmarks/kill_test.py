@@ -10,12 +10,13 @@ records the newest checkpoint whose manifest verifies; the restart's "resumed fr
 it. After N kills the run is left to finish; its losses (the last one logged for each step) and
 final weights must equal the uninterrupted run's exactly.
 
-    python benchmarks/kill_test.py [--trials 20] [--steps 40] [--seed 0]
+    python benchmarks/kill_test.py [--trials 20] [--steps 600] [--seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import signal
@@ -45,7 +46,7 @@ def command(run: Path, steps: int) -> list[str]:
 def start(run: Path, steps: int) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
     return subprocess.Popen(command(run, steps), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)  # its own process group: killed as a whole
+                            env=env)
 
 
 def newest_intact(root: Path) -> int:
@@ -68,13 +69,30 @@ def kill_at_random(proc: subprocess.Popen, run: Path, mid_save: bool, rng: rando
             time.sleep(0.002)
         where = "mid-save"
     else:
-        time.sleep(rng.uniform(0.0, 6.0))  # start-up takes ~3-5 s here: some kills land before step 1
+        time.sleep(rng.uniform(0.0, 8.0))  # start-up takes ~4-6 s here: some kills land before step 1
         where = "random"
     if proc.poll() is not None:
         return "finished first"
-    os.killpg(proc.pid, signal.SIGKILL)
+    for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun starts its ranks in sessions of their own
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     proc.wait()
     return where
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), children first."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
 
 
 def resumed_step(output: str) -> int | None:
@@ -101,7 +119,7 @@ def losses(run: Path) -> dict[int, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=600)  # enough that every kill lands in a live run
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
