@@ -236,11 +236,18 @@ SAY_WHEN_SIGNALLED = textwrap.dedent("""
 """)
 
 
+def default_sigint() -> None:
+    """In the child before exec: Ctrl-C's default action, as in a terminal. A test session started in
+    the background (`pytest &` in a script) has SIGINT ignored, and its children would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _held_run(run_dir: Path, *extra: str) -> subprocess.Popen:
     """`trainfit train` holding after step 3 until its stdin closes (HOLD_AFTER_STEP_3)."""
     proc = subprocess.Popen([sys.executable, "-c", SAY_WHEN_SIGNALLED + HOLD_AFTER_STEP_3, "train",
                              *run_overrides(run_dir, "--training.steps=20", *extra)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=default_sigint)
     while (line := proc.stdout.readline()) and not line.startswith("HOLDING AFTER STEP 3"):
         pass
     assert line, "the run ended before step 3"
@@ -271,7 +278,7 @@ HOLD_IN_PREPARE = holding("trainfit.train.data", "_write_splits", "HOLDING IN PR
 def test_ctrl_c_in_prepare_data_leaves_nothing_behind(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", HOLD_IN_PREPARE, "prepare-data", "", "--out",
                              str(tmp_path / "prepared")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=default_sigint)
     assert proc.stdout.readline().startswith("HOLDING IN PREPARE")
     os.kill(proc.pid, signal.SIGINT)
     out, _ = proc.communicate()

@@ -1,6 +1,7 @@
 """SIGTERM / SIGINT during training: finish the current step, save, exit cleanly.
 
-A second signal restores the default handler and re-raises, so an impatient Ctrl-C still quits.
+A second signal stops at once: Ctrl-C raises KeyboardInterrupt (the CLI exits 130), SIGTERM gets
+its default action; checkpoints are written atomically, so the last one stays intact.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ class StopOnSignal:
         return self.signal_name is not None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested:
-            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+        if self.requested:  # the second signal: stop now, whatever handler the process started with
+            if signum == signal.SIGINT:  # (a job started in the background inherits SIGINT ignored)
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
             return
         self.signal_name = signal.Signals(signum).name
