@@ -23,14 +23,20 @@ from trainfit.parallel.layout import Layout
 GIB = 1024**3
 
 
+def nearest_existing(path: str | Path) -> Path:
+    """`path` made absolute, or its closest ancestor that exists (what a write there would create under)."""
+    existing = Path(path).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    return existing
+
+
 def check_writable_folder(field: str, value: str) -> None:
     """`value` is a folder this process can write, or one it can create (nothing is created here:
     a run that fails later must not leave folders behind)."""
     path = Path(value).absolute()
     fix = f"set {field} to a folder you can write"
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
+    existing = nearest_existing(path)
     if not existing.is_dir():
         where = "is a file, not a folder" if existing == path else f"{existing} is a file, not a folder"
         raise ConfigError(f"{field}={value!r}: {where}; {fix}")
@@ -56,10 +62,7 @@ def check_disk(cfg: Config) -> None:
     """The checkpoint folder's disk has room for one more checkpoint (a save writes the new one
     before pruning the oldest)."""
     need = checkpoint_bytes(cfg)
-    existing = Path(cfg.checkpoint.dir).absolute()
-    while not existing.exists():
-        existing = existing.parent
-    free = shutil.disk_usage(existing).free
+    free = shutil.disk_usage(nearest_existing(cfg.checkpoint.dir)).free
     if free < need:
         raise ConfigError(
             f"checkpoint.dir={cfg.checkpoint.dir!r}: its disk has {free / GIB:.2f} GiB free, a checkpoint of this "

@@ -17,6 +17,7 @@ from trainfit.models import build_model, materialize
 from trainfit.models.generate import generate
 from trainfit.models.hf import save_hf_weights
 from trainfit.train import checkpoint as ckpt
+from trainfit.train.preflight import nearest_existing
 from trainfit.train.tokenizer import Tokenizer, load_tokenizer_from_dir
 
 
@@ -58,10 +59,7 @@ def export_to_hf(path: str, out_dir: str, *, force: bool = False) -> Path:
     out = Path(out_dir)
     _check_export_target(out, force)
     model, cfg, tokenizer = load_trained_model(path, torch.device("cpu"))
-    home = out.absolute().parent
-    while not home.exists():
-        home = home.parent
-    tmp = Path(tempfile.mkdtemp(prefix=".trainfit-export-", dir=home))
+    tmp = Path(tempfile.mkdtemp(prefix=".trainfit-export-", dir=nearest_existing(out.absolute().parent)))
     try:
         save_hf_weights(model, cfg.model, tmp)
         tokenizer.save(tmp)
@@ -78,9 +76,7 @@ def export_to_hf(path: str, out_dir: str, *, force: bool = False) -> Path:
 
 
 def _check_export_target(out: Path, force: bool) -> None:
-    existing = out.absolute()
-    while not existing.exists():
-        existing = existing.parent
+    existing = nearest_existing(out)
     if not existing.is_dir():
         where = "is a file" if existing == out.absolute() else f"is inside {str(existing)!r}, a file"
         raise ConfigError(f"--out {str(out)!r}: {where}; give a folder to write the model into")
