@@ -78,7 +78,7 @@ def test_an_elastic_restart_resumes_from_the_last_checkpoint(
     marker = tmp_path / "died"
     args = run_overrides(run, *DP_BATCH, f"--training.steps={ZERO3_STEPS}", *ZERO3_LAYOUT)  # saves every 3 steps
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "--max-restarts=1", str(script), str(marker), "train", *args],
+                           "--max-restarts=3", str(script), str(marker), "train", *args],
                           capture_output=True, text=True, env=subprocess_env(tmp_path_factory))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert marker.exists()  # rank 1 did die, and the group was restarted
