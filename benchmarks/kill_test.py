@@ -3,9 +3,10 @@ rerun the same command each time, and check that every rerun resumes from the ne
 checkpoint and that the run, once it finishes, is bit-identical to one never interrupted.
 
 Each of the N trials starts `torchrun --standalone --nproc_per_node 2 -m trainfit train ...` in the
-same run folder (checkpoint every step), waits for a moment chosen at random (every other trial:
-the moment a save's temp folder appears, i.e. mid-save; otherwise a random delay after the run
-first reports progress), and kills the whole process group with SIGKILL. Before every restart it
+same run folder (checkpoint every step) and kills the whole process tree with SIGKILL at one of
+three moments, in turn: during start-up (a random delay before the first step), mid-step (after a
+random number of trained steps, a random fraction of a step later) and mid-save (after a random
+number of trained steps, the moment the next save's temp folder appears). Before every restart it
 records the newest checkpoint whose manifest verifies; the restart's "resumed from" note must name
 it. After N kills the run is left to finish; its losses (the last one logged for each step) and
 final weights must equal the uninterrupted run's exactly.
@@ -23,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -57,27 +59,54 @@ def newest_intact(root: Path) -> int:
     return 0
 
 
-def kill_at_random(proc: subprocess.Popen, run: Path, mid_save: bool, rng: random.Random) -> str:
-    """Wait for this trial's moment, then SIGKILL the whole group; returns where it was killed."""
-    root = run / "ckpt"
+class Output:
+    """Reads a process's output on a thread of its own, so the test can watch the steps go by."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=lambda: self.lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+        self.thread.start()
+
+    def steps_trained(self) -> int:
+        return sum(line.startswith("step ") for line in list(self.lines))
+
+    def text(self) -> str:
+        self.thread.join()
+        return "".join(self.lines)
+
+
+MOMENTS = ("start-up", "mid-step", "mid-save")
+
+
+def kill_at(moment: str, proc: subprocess.Popen, output: Output, run: Path, rng: random.Random) -> str:
+    """Wait for this trial's moment, then SIGKILL the whole tree; returns where it was killed."""
     deadline = time.monotonic() + 120
-    if mid_save:
-        before = {p.name for p in root.glob(".tmp-*")} if root.exists() else set()
-        while time.monotonic() < deadline and proc.poll() is None:
-            if root.exists() and {p.name for p in root.glob(".tmp-*")} - before:
-                break
+
+    def wait_until(ready) -> None:
+        while time.monotonic() < deadline and proc.poll() is None and not ready():
             time.sleep(0.002)
-        where = "mid-save"
+
+    if moment == "start-up":
+        time.sleep(rng.uniform(0.0, 4.0))  # start-up takes ~4-6 s here
+        if output.steps_trained():
+            moment = "mid-step"
     else:
-        time.sleep(rng.uniform(0.0, 8.0))  # start-up takes ~4-6 s here: some kills land before step 1
-        where = "random"
+        target = rng.randint(1, 12)
+        wait_until(lambda: output.steps_trained() >= target)
+        if moment == "mid-step":
+            time.sleep(rng.uniform(0.0, 0.2))  # a step and its save take ~0.1-0.2 s here
+        else:
+            root = run / "ckpt"
+            before = {p.name for p in root.glob(".tmp-*")}
+            wait_until(lambda: bool({p.name for p in root.glob(".tmp-*")} - before))
+        moment += f" (after {output.steps_trained()} steps)"
     if proc.poll() is not None:
         return "finished first"
     for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun starts its ranks in sessions of their own
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     proc.wait()
-    return where
+    return moment
 
 
 def descendants(pid: int) -> list[int]:
@@ -148,8 +177,9 @@ def main() -> int:
         for trial in range(1, args.trials + 1):
             expected = newest_intact(run / "ckpt")
             proc = start(run, args.steps)
-            where = kill_at_random(proc, run, mid_save=trial % 2 == 0, rng=rng)
-            verify(proc.stdout.read(), expected)
+            output = Output(proc)
+            where = kill_at(MOMENTS[trial % len(MOMENTS)], proc, output, run, rng)
+            verify(output.text(), expected)
             row = [str(trial), where, "", "", ""]
             rows.append(row)
             pending.append(row)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainfit.config import Config, ConfigError
@@ -111,6 +112,21 @@ def _place() -> tuple[int, int, int] | None:
     return None
 
 
+def _attempt_rendezvous() -> dict[str, Any]:
+    """init_process_group's store for this attempt of a torchrun job: the agent's store, under a
+    prefix of the attempt's own. torchrun's agent keeps one store across the restarts of an
+    elastic job (torch 2.13, though its code says each retry gets a new one), so a restarted group
+    would read the dead attempt's gloo/NCCL addresses from it: "connection refused", or a hang in
+    connectFullMesh on a busy machine. {} outside torchrun's agent (env:// then does as usual)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=default_pg_timeout)
+    return {"store": dist.PrefixStore(f"trainfit/attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
+
+
 def run_layout(cfg: Config) -> Layout:
     """The Layout of this run: `cfg` on the world this process belongs to (the launcher's, or one)."""
     place = _place()
@@ -145,7 +161,8 @@ def init_world(cfg: Config, layout: Layout) -> World:
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if launched():
-            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
+                                    **_attempt_rendezvous())
         else:  # one process that still needs a (1-rank) group: CPU offload through FSDP2
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timedelta(minutes=5))
