@@ -59,7 +59,7 @@ def export_to_hf(path: str, out_dir: str, *, force: bool = False) -> Path:
     out = Path(out_dir)
     _check_export_target(out, force)
     model, cfg, tokenizer = load_trained_model(path, torch.device("cpu"))
-    tmp = Path(tempfile.mkdtemp(prefix=".trainfit-export-", dir=nearest_existing(out.absolute().parent)))
+    tmp = Path(tempfile.mkdtemp(prefix=".trainfit-export-", dir=nearest_existing(out.parent)))
     try:
         save_hf_weights(model, cfg.model, tmp)
         tokenizer.save(tmp)
