@@ -2,7 +2,7 @@
 
     python benchmarks/estimate_speed.py
 
-Targets (issue 3): llama3-405b on 16,384 GPUs with 4-D parallelism under 5 ms of compute; the
+Targets (issue 3): llama3.1-405b on 16,384 GPUs with 4-D parallelism under 5 ms of compute; the
 `trainfit estimate` process, start to printed table, under 0.5 s (`import torch` alone is ~1.7 s
 on these machines, which is why the analytic path never imports it).
 """
@@ -20,8 +20,8 @@ from rich.table import Table
 from trainfit.config import load_config
 from trainfit.estimate import estimate
 
-# llama3-405b: 126 layers, so pp must divide 126 (2, 3, 6, 7, ...); tp 8 in a node, cp 2, pp 2, dp 512.
-LAYOUT_405B = ["--model.preset=llama3-405b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=16384",
+# llama3.1-405b: 126 layers, so pp must divide 126 (2, 3, 6, 7, ...); tp 8 in a node, cp 2, pp 2, dp 512.
+LAYOUT_405B = ["--model.preset=llama3.1-405b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=16384",
                "--parallel.tp=8", "--parallel.pp=2", "--parallel.cp=2", "--parallel.zero_stage=3",
                "--precision.mode=bf16-mixed", "--training.seq_len=8192", "--training.micro_batch_size=1",
                "--training.global_batch_size=2048", "--memory.activation_checkpointing=selective"]
@@ -49,7 +49,7 @@ def time_command(repeats: int = 5) -> list[float]:
 
 def main() -> None:
     compute, command = time_in_process(), time_command()
-    table = Table(title="trainfit estimate speed (llama3-405b, 16,384 x H100, tp8 pp2 cp2 dp512)")
+    table = Table(title="trainfit estimate speed (llama3.1-405b, 16,384 x H100, tp8 pp2 cp2 dp512)")
     for column in ("what", "median", "best", "target"):
         table.add_column(column)
     table.add_row("one estimate, in process", f"{statistics.median(compute) * 1e3:.2f} ms",

@@ -9,7 +9,7 @@ criterion (the largest difference relative to its allowance, max(10% of the trac
 of the traced peak)), as % of the component (only for components of at least a tenth of the peak:
 smaller ones are held to the peak) and of the peak; the analytic forward-retained bytes and model
 states against the measured ones; the peak phases; then the median and worst errors, and the
-analytic estimator's speed on llama3-405b over 16,384 GPUs. Progress goes to stderr: the whole
+analytic estimator's speed on llama3.1-405b over 16,384 GPUs. Progress goes to stderr: the whole
 grid takes a few minutes.
 
     python benchmarks/estimator_accuracy.py [--only SUBSTRING ...] [--ranks 1 2 4]
@@ -69,7 +69,7 @@ PHASE = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
 
 def speed_ms(runs: int = 500) -> float:
     cfg = load_config(None, [
-        "--model.preset=llama3-405b", "--hardware.num_gpus=16384", "--hardware.gpu=H100-SXM-80GB",
+        "--model.preset=llama3.1-405b", "--hardware.num_gpus=16384", "--hardware.gpu=H100-SXM-80GB",
         "--parallel.tp=8", "--parallel.sequence_parallel=true", "--parallel.cp=2", "--parallel.pp=2",
         "--parallel.pp_schedule=interleaved-1f1b", "--parallel.pp_virtual_stages=7", "--parallel.zero_stage=3",
         "--precision.mode=bf16-mixed", "--training.seq_len=8192", "--training.micro_batch_size=1",
@@ -158,7 +158,7 @@ def main() -> None:
         table = _table(rows, Path(tmp), measure_rows(rows, Path(tmp), progress=True))
     console.print(table)
     console.print(f"{len(rows)} configurations measured, traced and estimated in {time.perf_counter() - start:.0f} s; "
-                  f"one analytic estimate of llama3-405b on 16,384 GPUs (tp 8, cp 2, pp 2 x 7 virtual, "
+                  f"one analytic estimate of llama3.1-405b on 16,384 GPUs (tp 8, cp 2, pp 2 x 7 virtual, "
                   f"ZeRO-3 over 512): {speed_ms():.3f} ms")
 
 

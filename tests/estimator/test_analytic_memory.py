@@ -285,7 +285,7 @@ def test_optimizers_and_their_step_temporaries():
 
 def test_llama3_405b_on_16384_gpus_fits():
     # 4-D: tp 8 x cp 2 x pp 2 (interleaved, 7 virtual stages each: 126 = 14 x 9 layers) x dp 512.
-    cfg = cfg_of("--model.preset=llama3-405b", "--hardware.num_gpus=16384", "--hardware.gpu=H100-SXM-80GB",
+    cfg = cfg_of("--model.preset=llama3.1-405b", "--hardware.num_gpus=16384", "--hardware.gpu=H100-SXM-80GB",
                  "--parallel.tp=8", "--parallel.sequence_parallel=true", "--parallel.cp=2", "--parallel.pp=2",
                  "--parallel.pp_schedule=interleaved-1f1b", "--parallel.pp_virtual_stages=7",
                  "--parallel.zero_stage=3", "--precision.mode=bf16-mixed", "--training.seq_len=8192",

@@ -229,37 +229,12 @@ def test_zero1_collectives_match_the_zero_optimizer(precision: str, grad_accum_d
     assert expected(cfg, dims) == log.calls
 
 
-def _tp_plan(sequence_parallel: bool) -> dict:
-    """torchtitan's per-block plan for our Llama block (input/output layouts Shard(1) under SP)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    outer = Shard(1) if sequence_parallel else Replicate()
-    plan = {
-        "attention": PrepareModuleInput(input_layouts=(outer, None, None),
-                                        desired_input_layouts=(Replicate(), None, None)),
-        "feed_forward": PrepareModuleInput(input_layouts=(outer,), desired_input_layouts=(Replicate(),)),
-        **{f"attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")},
-        "attention.wo": RowwiseParallel(output_layouts=outer),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=outer),
-    }
-    if sequence_parallel:
-        plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
-    return plan
-
-
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tensor_parallel_block_collectives_match_parallelize_module(sequence_parallel: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from trainfit.parallel.tensor_parallel import block_plan
     from trainfit.recompute import apply_activation_checkpointing
 
     for policy in ("none", "full", "selective"):
@@ -269,7 +244,8 @@ def test_tensor_parallel_block_collectives_match_parallelize_module(sequence_par
                           "--training.micro_batch_size=2", "--training.global_batch_size=2")
         with fake_world(2):
             model = materialize(build_model(cfg.model), "cpu")
-            parallelize_module(model.layers[0], init_device_mesh("cpu", (2,)), _tp_plan(sequence_parallel))
+            block = model.layers[0]
+            parallelize_module(block, init_device_mesh("cpu", (2,)), block_plan(block, sequence_parallel))
             apply_activation_checkpointing(model, policy)
             local_seq = 16 // 2 if sequence_parallel else 16
             x = torch.randn(2, local_seq, cfg.model.dim, requires_grad=True)  # the residual stream

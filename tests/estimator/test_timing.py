@@ -147,7 +147,7 @@ def test_expert_and_context_parallel_traffic_is_counted() -> None:
 
 
 def test_a_4d_layout_on_16384_gpus_has_a_sane_mfu() -> None:
-    cfg = load_config(None, [*H100, "--model.preset=llama3-405b", "--hardware.num_gpus=16384", "--parallel.tp=8",
+    cfg = load_config(None, [*H100, "--model.preset=llama3.1-405b", "--hardware.num_gpus=16384", "--parallel.tp=8",
                              "--parallel.pp=2", "--parallel.cp=2", "--parallel.zero_stage=3",
                              "--parallel.sequence_parallel=true", "--training.seq_len=8192",
                              "--training.micro_batch_size=1", "--training.global_batch_size=2048",

@@ -96,8 +96,25 @@ def test_impossible_layouts_name_the_field_the_value_and_the_nearest_valid_ones(
 def test_what_train_cannot_run_yet_is_said_apart() -> None:
     assert layout_of().untrainable_reason() is None
     assert "memory.chunked_loss=true" in layout_of("--memory.chunked_loss=true").untrainable_reason()
-    tp = layout_of("--hardware.num_gpus=2", "--parallel.tp=2", "--training.micro_batch_size=16")
-    assert "parallel.tp=2: `trainfit train` runs data parallelism only" in tp.untrainable_reason()
+    pp = layout_of("--hardware.num_gpus=2", "--parallel.pp=2", "--training.micro_batch_size=16")
+    assert "parallel.pp=2: `trainfit train` runs data, tensor and context parallelism only" in pp.untrainable_reason()
+    assert layout_of("--hardware.num_gpus=2", "--parallel.tp=2").untrainable_reason() is None
+    tp_ddp = layout_of("--hardware.num_gpus=4", "--parallel.tp=2", "--parallel.cp=2")
+    assert tp_ddp.untrainable_reason() == (
+        "parallel.zero_stage=0 with parallel.tp=2 and 1 data-parallel x 2 context-parallel ranks: tensor parallelism "
+        "composes with FSDP2's data parallelism only; set parallel.zero_stage=2 or 3")
+
+
+def test_context_parallel_ranks_shard_the_model_states_and_average_gradients() -> None:
+    """torchtitan and Megatron shard over dp_shard x cp: the cp ranks hold the same parameters."""
+    cp = layout_of("--hardware.num_gpus=8", "--parallel.cp=2", "--parallel.zero_stage=3")
+    assert (cp.dp, cp.dp_shard, cp.zero_shards) == (4, 4, 8)
+    only_cp = layout_of("--hardware.num_gpus=2", "--parallel.cp=2")
+    assert only_cp.dp == 1 and only_cp.data_parallel == "ddp"  # gradients averaged over the 2 cp ranks
+    assert layout_of("--hardware.num_gpus=2", "--parallel.cp=2", "--parallel.zero_stage=3").zero_shards == 2
+    assert layout_of("--parallel.sequence_parallel=true").ineffective_options() == [
+        "parallel.sequence_parallel=true has no effect: it shards along the sequence what tensor parallelism leaves "
+        "whole, and parallel.tp=1"]
 
 
 def test_the_launchers_world_size_is_resolved_once() -> None:

@@ -62,6 +62,17 @@ class ModelConfig:
     """Epsilon of RMSNorm / LayerNorm."""
     rope_theta: float | None = None
     """RoPE base frequency (llama family)."""
+    rope_scaling_factor: float | None = None
+    """0 = plain RoPE. >= 1: Llama 3.1's frequency-dependent RoPE scaling (HF rope_type "llama3"):
+    wavelengths longer than rope_original_max_seq_len / rope_low_freq_factor are stretched by this
+    factor, shorter than rope_original_max_seq_len / rope_high_freq_factor kept, those between
+    interpolated. Llama 3.1: 8."""
+    rope_low_freq_factor: float | None = None
+    """Llama 3.1 RoPE scaling: see rope_scaling_factor (Llama 3.1: 1)."""
+    rope_high_freq_factor: float | None = None
+    """Llama 3.1 RoPE scaling: see rope_scaling_factor (Llama 3.1: 4)."""
+    rope_original_max_seq_len: int | None = None
+    """Llama 3.1 RoPE scaling: the context the model was pre-trained at before scaling (8192)."""
     tie_embeddings: bool | None = None
     """Share the token embedding with the output projection."""
     qkv_bias: bool | None = None

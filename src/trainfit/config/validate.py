@@ -62,9 +62,26 @@ def _validate_model(m: ModelConfig) -> None:
                   f"must be between 1 and model.num_experts={m.num_experts}")
     if m.norm_eps <= 0:
         raise field_error("model.norm_eps", m.norm_eps, "must be > 0")
+    _validate_rope_scaling(m)
     if not m.capacity_factor >= 0:  # NaN too
         raise field_error("model.capacity_factor", m.capacity_factor,
                           "must be >= 0 (0 = dropless routing; e.g. 1.25 caps each expert at 1.25x its balanced share)")
+
+
+def _validate_rope_scaling(m: ModelConfig) -> None:
+    if m.rope_scaling_factor == 0:
+        return
+    if not m.rope_scaling_factor >= 1:
+        raise field_error("model.rope_scaling_factor", m.rope_scaling_factor,
+                          "must be 0 (plain RoPE) or >= 1 (Llama 3.1 scaling; its factor is 8)")
+    if m.family != "llama":
+        raise field_error("model.rope_scaling_factor", m.rope_scaling_factor, "RoPE is the llama family's; set it to 0")
+    if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+        raise field_error("model.rope_high_freq_factor", m.rope_high_freq_factor,
+                          f"must be above model.rope_low_freq_factor={m.rope_low_freq_factor} > 0 (Llama 3.1: 4 and 1)")
+    if m.rope_original_max_seq_len < 1:
+        raise field_error("model.rope_original_max_seq_len", m.rope_original_max_seq_len,
+                          "must be a positive integer (Llama 3.1: 8192)")
 
 
 def _validate_training(cfg: Config) -> None:

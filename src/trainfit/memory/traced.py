@@ -218,14 +218,14 @@ def trace_step(cfg: Config, layout: Layout | None = None) -> TracedEstimate:
         raise ConfigError(reason)
     layout = _two_micro_batches_at_most(layout)
     policy = precision_policy(cfg.precision.mode, "cpu")
-    kind = layout.data_parallel
-    world_cm = fake_process_group(layout.world_size) if kind != "none" else contextlib.nullcontext()
+    grouped = layout.needs_process_group
+    world_cm = fake_process_group(layout.world_size) if grouped else contextlib.nullcontext()
     with world_cm, warnings.catch_warnings():
         # Initialising sharded parameters on a CPU mesh warns that DTensor's RNG is incomplete there:
         # values do not matter here.
         warnings.filterwarnings("ignore", message="DTensor random operators")
         world = World(device=torch.device("cpu"), size=layout.world_size, layout=layout)
-        if kind != "none":
+        if grouped:  # the mesh outside FakeTensorMode: DTensor and FSDP2 read real device tensors there
             world.attach_mesh(build_mesh(layout, "cpu"))
         mesh = world.mesh
         model = build_model(cfg.model)

@@ -1,5 +1,5 @@
-"""Parts both model families and the MoE share: the SwiGLU MLP and the output head (the weight
-init is models/init.py).
+"""Parts both model families and the MoE share: the SwiGLU MLP, the output head and the sequence
+layout (the weight init is models/init.py).
 
 Here so that llama.py imports moe.py and gpt2.py imports nothing of llama.py: one direction only.
 """
@@ -29,3 +29,29 @@ def output_head(model: nn.Module, h_BTD: torch.Tensor) -> torch.Tensor:
     if model.norm is not None:
         h_BTD = model.norm(h_BTD)
     return model.output(h_BTD) if model.output is not None else h_BTD
+
+
+class WholeSequence:
+    """How a rank's tokens sit in the sequence, for the attention and the positions: here, the
+    whole sequence in order (one rank, or tensor parallelism). Context parallelism replaces it on
+    the model and every attention (parallel/context_parallel.py's ContextParallel)."""
+
+    def shard(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a [B, T] batch (all of them)."""
+        return tokens_BT
+
+    def rows(self, local_len: int) -> slice | torch.Tensor:
+        """The positions of this rank's `local_len` tokens: rows of a position table."""
+        return slice(0, local_len)
+
+    def attention(self, q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the queries over the keys and values (grouped-query when G < H)."""
+        return F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, is_causal=True,
+                                              enable_gqa=q_BHTK.shape[1] != k_BGTK.shape[1])
+
+
+def set_sequence_layout(model: nn.Module, layout: WholeSequence) -> None:
+    """Give `model` and each of its attention modules `layout` (they read it as `.sequence`)."""
+    for module in model.modules():
+        if hasattr(module, "sequence"):
+            module.sequence = layout

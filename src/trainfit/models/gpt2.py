@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainfit.config.schema import ModelConfig
-from trainfit.models.common import output_head
+from trainfit.models.common import WholeSequence, output_head
 from trainfit.models.init import init_parameters
 
 
@@ -30,13 +30,15 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.dim)
         self.wv = nn.Linear(cfg.dim, cfg.dim)
         self.wo = nn.Linear(cfg.dim, cfg.dim)
+        self.sequence = WholeSequence()
+        """Causal attention over the whole sequence; context parallelism swaps in its own."""
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         q_BHTK, k_BHTK, v_BHTK = (
             proj(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.wq, self.wk, self.wv)
         )
-        o_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK, is_causal=True)
+        o_BHTK = self.sequence.attention(q_BHTK, k_BHTK, v_BHTK)
         return self.wo(o_BHTK.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -83,10 +85,13 @@ class GPT2(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.aux_loss = torch.zeros(())
+        self.sequence = WholeSequence()
+        """Which positions this rank's tokens are (context parallelism: not the first T)."""
 
     def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         if self.tok_embeddings is not None:
-            pos_T = torch.arange(tokens_BT.shape[1], device=tokens_BT.device)
+            positions = torch.arange(self.cfg.max_seq_len, device=tokens_BT.device)
+            pos_T = positions[self.sequence.rows(tokens_BT.shape[1])]
             h_BTD = self.tok_embeddings(tokens_BT) + self.pos_embeddings(pos_T)
         else:
             h_BTD = tokens_BT

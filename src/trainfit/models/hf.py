@@ -109,7 +109,7 @@ def _llama_fields(hf: dict[str, Any], file: Path, model_type: str) -> dict[str, 
         ffn_dim=_get(hf, "intermediate_size", file), vocab_size=_get(hf, "vocab_size", file),
         max_seq_len=_get(hf, "max_position_embeddings", file),
         norm_eps=float(_get(hf, "rms_norm_eps", file, _DEFAULT_EPS[model_type])),
-        rope_theta=_rope_theta(hf, file, _DEFAULT_THETA[model_type]),
+        rope_theta=_rope_theta(hf, file, _DEFAULT_THETA[model_type]), **_rope_scaling(hf, file),
         tie_embeddings=bool(_get(hf, "tie_word_embeddings", file, False)),
         qkv_bias=model_type == "qwen2", num_experts=0, num_shared_experts=0,
     )
@@ -122,14 +122,36 @@ def _llama_fields(hf: dict[str, Any], file: Path, model_type: str) -> dict[str, 
 
 
 def _rope_theta(hf: dict[str, Any], file: Path, default: float) -> float:
-    if hf.get("rope_scaling") is not None:
-        raise _unsupported(file, "rope_scaling", hf["rope_scaling"], "RoPE scaling is not supported yet; "
-                           "only plain RoPE (rope_scaling: null)")
     params = hf.get("rope_parameters") or {}  # transformers >= 5 writes RoPE settings here
-    if params.get("rope_type", "default") != "default":
-        raise _unsupported(file, "rope_parameters.rope_type", params["rope_type"],
-                           "RoPE scaling is not supported yet; only rope_type 'default'")
     return float(hf.get("rope_theta") or params.get("rope_theta") or default)
+
+
+LLAMA3_ROPE_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
+                    "high_freq_factor": "rope_high_freq_factor",
+                    "original_max_position_embeddings": "rope_original_max_seq_len"}
+"""HF's rope_type "llama3" settings -> ModelConfig fields."""
+
+
+def _rope_scaling(hf: dict[str, Any], file: Path) -> dict[str, Any]:
+    """ModelConfig's RoPE-scaling fields from `rope_scaling` (transformers < 5) or
+    `rope_parameters` (>= 5): plain RoPE, or Llama 3.1's ("llama3")."""
+    where = "rope_scaling" if hf.get("rope_scaling") is not None else "rope_parameters"
+    scaling = hf.get(where) or {}
+    if not isinstance(scaling, dict):
+        raise _unsupported(file, where, scaling, "expected an object such as {\"rope_type\": \"llama3\", ...} or null")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return {"rope_scaling_factor": 0.0}
+    if kind != "llama3":
+        raise _unsupported(file, f"{where}.rope_type", kind, "only plain RoPE and Llama 3.1's scaling (llama3) are "
+                           "supported")
+    fields = {}
+    for key, name in LLAMA3_ROPE_KEYS.items():
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _unsupported(file, f"{where}.{key}", value, "rope_type llama3 is supported with a number here")
+        fields[name] = int(value) if name == "rope_original_max_seq_len" else float(value)
+    return fields
 
 
 def _check_sliding_window(hf: dict[str, Any], file: Path, model_type: str) -> None:
@@ -170,7 +192,7 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                num_key_value_heads=cfg.num_kv_heads, vocab_size=cfg.vocab_size,
                max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-               rope_theta=cfg.rope_theta, rope_scaling=None, hidden_act="silu",
+               rope_theta=cfg.rope_theta, rope_scaling=_hf_rope_scaling(cfg), hidden_act="silu",
                tie_word_embeddings=cfg.tie_embeddings, torch_dtype=dtype)
     if model_type == "mixtral":
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
@@ -178,6 +200,12 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     if model_type == "qwen2":
         out.update(use_sliding_window=False)
     return out
+
+
+def _hf_rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
+    if not cfg.rope_scaling_factor:
+        return None
+    return {"rope_type": "llama3", **{key: getattr(cfg, name) for key, name in LLAMA3_ROPE_KEYS.items()}}
 
 
 def _llama_model_type(cfg: ModelConfig) -> str:

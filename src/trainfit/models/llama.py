@@ -11,12 +11,13 @@ K head dim, F feed-forward hidden, V vocabulary.
 
 from __future__ import annotations
 
+import math
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from trainfit.config.schema import ModelConfig
-from trainfit.models.common import FeedForward, output_head
+from trainfit.models.common import FeedForward, WholeSequence, output_head
 from trainfit.models.init import init_parameters
 from trainfit.models.moe import MoE
 
@@ -35,13 +36,28 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x_BTD.dtype)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_seq_len, head_dim] in fp32, frequencies repeated twice (rotate_half layout)."""
-    inv_freq_K2 = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
-    pos_T = torch.arange(max_seq_len, dtype=torch.float32, device=device)
+def rope_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_seq_len, head_dim] in fp32, frequencies repeated twice (rotate_half
+    layout), with Llama 3.1's scaling when model.rope_scaling_factor is set."""
+    head_dim = cfg.dim // cfg.num_heads
+    inv_freq_K2 = 1.0 / cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    if cfg.rope_scaling_factor:
+        inv_freq_K2 = llama31_scaled_frequencies(inv_freq_K2, cfg)
+    pos_T = torch.arange(cfg.max_seq_len, dtype=torch.float32, device=device)
     angles_TK = torch.outer(pos_T, inv_freq_K2).repeat(1, 2)
     return angles_TK.cos(), angles_TK.sin()
+
+
+def llama31_scaled_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling (the reference implementation's apply_scaling; HF rope_type
+    "llama3"): a frequency whose wavelength is longer than original_context / low_freq_factor is
+    divided by `factor`, one shorter than original_context / high_freq_factor is kept, and those
+    between are interpolated linearly in original_context / wavelength."""
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    context = cfg.rope_original_max_seq_len
+    wavelength = 2 * math.pi / inv_freq
+    smooth = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long waves, 1: short ones
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
 
 
 def apply_rope(x_BHTK: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
@@ -64,6 +80,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.num_heads * self.head_dim, cfg.dim, bias=False)
+        self.sequence = WholeSequence()
+        """Causal attention over the whole sequence; context parallelism swaps in its own."""
 
     def forward(self, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -71,9 +89,7 @@ class Attention(nn.Module):
         k_BGTK = self.wk(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
         v_BGTK = self.wv(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
         q_BHTK, k_BGTK = apply_rope(q_BHTK, cos_TK, sin_TK), apply_rope(k_BGTK, cos_TK, sin_TK)
-        o_BHTK = F.scaled_dot_product_attention(
-            q_BHTK, k_BGTK, v_BGTK, is_causal=True, enable_gqa=q_BHTK.shape[1] != k_BGTK.shape[1]
-        )
+        o_BHTK = self.sequence.attention(q_BHTK, k_BGTK, v_BGTK)
         return self.wo(o_BHTK.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -113,16 +129,19 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos_TK, sin_TK = rope_tables(cfg.dim // cfg.num_heads, cfg.max_seq_len, cfg.rope_theta)
+        cos_TK, sin_TK = rope_tables(cfg)
         # Non-persistent: derived from the config, never saved, recomputed by init_weights().
         self.register_buffer("rope_cos", cos_TK, persistent=False)
         self.register_buffer("rope_sin", sin_TK, persistent=False)
         self.aux_loss = torch.zeros(())
+        self.sequence = WholeSequence()
+        """Which positions this rank's tokens are (context parallelism: not the first T)."""
 
     def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         h_BTD = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
-        T = h_BTD.shape[1]
-        cos_TK, sin_TK = self.rope_cos[:T], self.rope_sin[:T]
+        # tokens_BT's T, not h_BTD's: under sequence parallelism that holds 1/tp of the positions.
+        rows = self.sequence.rows(tokens_BT.shape[1])
+        cos_TK, sin_TK = self.rope_cos[rows], self.rope_sin[rows]
         for block in self.layers:
             h_BTD = block(h_BTD, cos_TK, sin_TK)
         self.aux_loss = collect_aux_loss(self.layers, h_BTD.device)
@@ -133,8 +152,7 @@ class Transformer(nn.Module):
         """Fill every parameter this rank holds from `seed` (models/init.py: the same values on every
         layout) and rebuild the RoPE tables."""
         init_parameters(self, seed=seed, num_layers=self.cfg.num_layers)
-        cos_TK, sin_TK = rope_tables(self.cfg.dim // self.cfg.num_heads, self.cfg.max_seq_len,
-                                     self.cfg.rope_theta, device=self.rope_cos.device)
+        cos_TK, sin_TK = rope_tables(self.cfg, device=self.rope_cos.device)
         self.rope_cos.copy_(cos_TK)
         self.rope_sin.copy_(sin_TK)
 

@@ -14,6 +14,10 @@ DEFAULTS: dict[str, Any] = {
     "family": "llama",
     "norm_eps": 1e-5,
     "rope_theta": 10000.0,
+    "rope_scaling_factor": 0.0,
+    "rope_low_freq_factor": 1.0,
+    "rope_high_freq_factor": 4.0,
+    "rope_original_max_seq_len": 8192,
     "tie_embeddings": False,
     "qkv_bias": False,
     "num_experts": 0,
@@ -28,6 +32,9 @@ def _gpt2(dim: int, num_layers: int, num_heads: int) -> dict[str, Any]:
     return dict(family="gpt2", dim=dim, num_layers=num_layers, num_heads=num_heads, ffn_dim=4 * dim,
                 vocab_size=50257, max_seq_len=1024, tie_embeddings=True)
 
+
+_LLAMA31_ROPE = dict(rope_scaling_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                     rope_original_max_seq_len=8192)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Defaults of `trainfit train`: a char-level Llama of ~3M parameters that learns
@@ -60,10 +67,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                       vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
     "llama3-70b": dict(dim=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_dim=28672,
                        vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
-    # meta-llama/Llama-3.1-405B. Its rope_scaling (type llama3, factor 8) is not modelled: the
-    # dimensions (and so memory and FLOPs) are exact, long-context numerics are not.
-    "llama3-405b": dict(dim=16384, num_layers=126, num_heads=128, num_kv_heads=8, ffn_dim=53248,
-                        vocab_size=128256, max_seq_len=131072, rope_theta=500000.0),
+    # meta-llama/Llama-3.1-{8B,70B,405B}: Llama 3's shapes (405B new), 131,072-token context by
+    # RoPE scaling (rope_type llama3: factor 8, low/high frequency factors 1 and 4, original 8192).
+    "llama3.1-8b": dict(dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=14336,
+                        vocab_size=128256, max_seq_len=131072, rope_theta=500000.0, **_LLAMA31_ROPE),
+    "llama3.1-70b": dict(dim=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_dim=28672,
+                         vocab_size=128256, max_seq_len=131072, rope_theta=500000.0, **_LLAMA31_ROPE),
+    "llama3.1-405b": dict(dim=16384, num_layers=126, num_heads=128, num_kv_heads=8, ffn_dim=53248,
+                          vocab_size=128256, max_seq_len=131072, rope_theta=500000.0, **_LLAMA31_ROPE),
     # mistralai/Mistral-7B-v0.1. Its 4096-token sliding window is ignored (full causal attention):
     # identical for sequences up to 4096 tokens.
     "mistral-7b": dict(dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=14336,
@@ -90,7 +101,9 @@ PUBLISHED_NUM_PARAMS: dict[str, int] = {
     "llama2-70b": 68_976_648_192,  # meta-llama/Llama-2-70b-hf
     "llama3-8b": 8_030_261_248,  # meta-llama/Meta-Llama-3-8B
     "llama3-70b": 70_553_706_496,  # meta-llama/Meta-Llama-3-70B
-    "llama3-405b": 405_853_388_800,  # meta-llama/Llama-3.1-405B
+    "llama3.1-8b": 8_030_261_248,  # meta-llama/Llama-3.1-8B
+    "llama3.1-70b": 70_553_706_496,  # meta-llama/Llama-3.1-70B
+    "llama3.1-405b": 405_853_388_800,  # meta-llama/Llama-3.1-405B
     "mistral-7b": 7_241_732_096,  # mistralai/Mistral-7B-v0.1
     "mixtral-8x7b": 46_702_792_704,  # mistralai/Mixtral-8x7B-v0.1
     "qwen2.5-7b": 7_615_616_512,  # Qwen/Qwen2.5-7B ("7.61B" on the model card)

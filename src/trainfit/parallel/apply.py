@@ -10,9 +10,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from trainfit.models.common import set_sequence_layout
 from trainfit.parallel import data_parallel as dp
+from trainfit.parallel.context_parallel import ContextParallel
 from trainfit.parallel.layout import Layout
-from trainfit.parallel.mesh import dp_mesh, fsdp_mesh
+from trainfit.parallel.mesh import ddp_mesh, fsdp_mesh, shard_mesh
+from trainfit.parallel.tensor_parallel import apply_tensor_parallel
 from trainfit.precision import PrecisionPolicy
 from trainfit.recompute import apply_activation_checkpointing
 
@@ -21,8 +24,9 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, polic
     """Apply, in this order, to `model` on the meta device, already in its parameter dtype
     (PrecisionPolicy.prepare_model); the caller then materializes it (to_empty + init_weights):
 
-    1. tensor / sequence parallel, context parallel: not built yet (Layout.untrainable_reason);
-       they would come first, changing the blocks' own parameters into DTensors.
+    1. tensor and sequence parallelism (tensor_parallel.py) on the mesh's tp axis: the blocks' own
+       parameters become DTensors; context parallelism (context_parallel.py) on the cp axis: the
+       model's positions and attention become its rank's chunks' and all-gather K and V.
     2. activation checkpointing per block (recompute.py), before data parallelism, as in
        torchtitan: fully_shard then wraps the checkpointed block, so its all-gather runs once,
        before the recomputed forward, and nothing is all-gathered again inside recomputation.
@@ -30,14 +34,21 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, polic
     4. data parallelism (data_parallel.py): DDP for zero_stage 0; fully_shard per block then root
        for 2, 3 and CPU offload, on a 2-D mesh under HSDP (dp_replicate > 1). ZeRO-1 wraps nothing:
        its engine is the optimizer (`parallelize_optimizer`), built once the model is materialized.
+       Each spans the cp ranks too (mesh.py): they shard the states and average the gradients.
 
     Returns the model to train (the same object: every technique here works in place).
     """
+    if layout.tp > 1:
+        assert mesh is not None
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=layout.sequence_parallel)
+    if layout.cp > 1:
+        assert mesh is not None
+        set_sequence_layout(model, ContextParallel(mesh["cp"]))
     apply_activation_checkpointing(model, layout.activation_checkpointing, layout.ac_every_n_layers)
     kind = layout.data_parallel
     if kind == "ddp":
         assert mesh is not None
-        dp.apply_ddp(model, dp_mesh(mesh))
+        dp.apply_ddp(model, ddp_mesh(mesh))
     elif kind == "fsdp":
         assert mesh is not None
         reshard = layout.zero_stage == 3
@@ -56,5 +67,5 @@ def parallelize_optimizer(model: nn.Module, param_groups: list[dict[str, Any]],
         return make_optimizer(param_groups)
     assert mesh is not None
     replicas = mesh["dp_replicate"].get_group() if layout.dp_replicate > 1 else None
-    return dp.apply_zero1(model, param_groups, make_optimizer, mesh["dp_shard"], policy,
+    return dp.apply_zero1(model, param_groups, make_optimizer, shard_mesh(mesh), policy,
                           grad_accum_dtype=layout.grad_accum_dtype, replicate_group=replicas)

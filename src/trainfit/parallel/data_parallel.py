@@ -191,11 +191,26 @@ def clip_grad_norm_(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm
     if isinstance(optimizer, ZeroOptimizer):
         return optimizer.clip_grad_norm_(max_norm)
     params = [p for p in model.parameters() if p.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if isinstance(total_norm, DTensor):
-        total_norm = total_norm.full_tensor()
+    total_norm = global_grad_norm([p.grad for p in params])
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
     return total_norm
+
+
+def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all of `grads`, whole. Gradients on different meshes or placements (under
+    tensor parallelism: tp-sharded weights, replicated norm gains, FSDP shards of either, plain
+    tensors) cannot be stacked together: each group's norm is reduced on its own, then combined."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+        groups.setdefault(key, []).append(grad)
+    norms = []
+    for members in groups.values():
+        norm = torch.nn.utils.get_total_norm(members)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(norms) <= 1:
+        return norms[0] if norms else torch.nn.utils.get_total_norm([])
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def init_optimizer_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -10,8 +10,9 @@ thousands of them. Torch-free.
 The world is a mesh pp x dp_replicate x dp_shard x cp x tp (outermost first: tensor parallelism
 stays inside a node, pipeline stages span nodes). The data-parallel degree is what remains after
 tp, pp and cp: dp = world_size / (tp x pp x cp) = dp_replicate x dp_shard. ZeRO stages 1-3 shard
-over dp_shard and replicate over dp_replicate (HSDP: for ZeRO-1, its shards are all-reduced across
-the replicas); stage 0 replicates over all dp ranks (DDP).
+over dp_shard x cp (the cp ranks of a replica hold the same parameters) and replicate over
+dp_replicate (HSDP: for ZeRO-1, its shards are all-reduced across the replicas); stage 0
+replicates over all dp x cp ranks (DDP).
 Expert parallelism borrows its ranks from the data-parallel ones (ep divides dp_shard x cp).
 """
 
@@ -71,8 +72,9 @@ class Layout:
 
     @property
     def zero_shards(self) -> int:
-        """Ranks over which ZeRO/FSDP shards model states (1 under DDP)."""
-        return self.dp_shard if self.zero_stage > 0 else 1
+        """Ranks over which ZeRO/FSDP shards model states (1 under DDP): dp_shard x cp, since the
+        cp ranks of a replica hold the same parameters (parallel/mesh.py's dp_shard_cp)."""
+        return self.dp_shard * self.cp if self.zero_stage > 0 else 1
 
     @property
     def num_stages(self) -> int:
@@ -84,7 +86,7 @@ class Layout:
         """How the data-parallel ranks share the model states (parallel/data_parallel.py's table)."""
         if self.offload != "none":
             return "fsdp"  # CPU offload is FSDP2's, on one rank too
-        if self.dp == 1:
+        if self.dp * self.cp == 1:  # cp ranks average their gradients like data-parallel ones
             return "none"
         return {0: "ddp", 1: "zero1"}.get(self.zero_stage, "fsdp")
 
@@ -107,6 +109,9 @@ class Layout:
         if self.zero_stage and self.zero_shards == 1 and self.offload == "none":
             found.append(f"parallel.zero_stage={self.zero_stage} has no effect: one data-parallel rank holds every "
                          "shard")
+        if self.sequence_parallel and self.tp == 1:
+            found.append("parallel.sequence_parallel=true has no effect: it shards along the sequence what tensor "
+                         "parallelism leaves whole, and parallel.tp=1")
         if self.grad_accum_dtype == "fp32" and (self.data_parallel != "zero1" or self.precision == "fp32"):
             found.append("optimizer.grad_accum_dtype='fp32' has no effect: only ZeRO-1 (parallel.zero_stage=1 on "
                          "several ranks) in 16-bit precision accumulates gradients in a dtype of its own")
@@ -114,10 +119,14 @@ class Layout:
 
     def untrainable_reason(self) -> str | None:
         """Why `trainfit train` cannot run this layout yet (the estimators can), or None."""
-        for name in ("tp", "pp", "cp", "ep"):
+        for name in ("pp", "ep"):
             if getattr(self, name) != 1:
-                return (f"parallel.{name}={getattr(self, name)}: `trainfit train` runs data parallelism only for "
-                        f"now (`trainfit estimate` knows this layout); set parallel.{name}=1")
+                return (f"parallel.{name}={getattr(self, name)}: `trainfit train` runs data, tensor and context "
+                        f"parallelism only for now (`trainfit estimate` knows this layout); set parallel.{name}=1")
+        if self.tp > 1 and self.data_parallel in ("ddp", "zero1"):
+            ranks = f"{self.dp} data-parallel" + (f" x {self.cp} context-parallel" if self.cp > 1 else "")
+            return (f"parallel.zero_stage={self.zero_stage} with parallel.tp={self.tp} and {ranks} ranks: tensor "
+                    "parallelism composes with FSDP2's data parallelism only; set parallel.zero_stage=2 or 3")
         if self.chunked_loss:
             return "memory.chunked_loss=true: not yet supported by `trainfit train`; set it to false"
         return None
@@ -186,7 +195,7 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
     if p.dp_replicate * dp_shard != dp:
         raise _fail("parallel.dp_shard", p.dp_shard, f"dp_replicate x dp_shard must equal num_gpus / (tp x pp x cp) "
                     f"= {dp}", f"set dp_shard={dp // p.dp_replicate} or -1 to derive it")
-    if p.zero_stage > 0 and dp_shard == 1 and dp > 1:
+    if p.zero_stage > 0 and dp_shard * p.cp == 1 and dp > 1:
         raise _fail("parallel.zero_stage", p.zero_stage, f"ZeRO shards over dp_shard, which is 1 here "
                     f"(dp_replicate={p.dp_replicate})", "lower dp_replicate or use zero_stage=0")
     if p.ep > 1 and (dp_shard * p.cp) % p.ep:

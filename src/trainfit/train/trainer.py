@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainfit.config import Config, ConfigError, config_to_dict
 from trainfit.hardware import peak_flops
@@ -45,6 +46,7 @@ from trainfit.parallel.data_parallel import (
     uses_autocast,
 )
 from trainfit.parallel.layout import Layout, build_layout
+from trainfit.parallel.tensor_parallel import vocabulary_parallel_loss
 from trainfit.perf.flops import mfu, training_flops_per_token
 from trainfit.precision import precision_policy, step_optimizer
 from trainfit.train import checkpoint as ckpt
@@ -204,6 +206,8 @@ class Trainer:
                                                self.layout, self.world.mesh, self.policy)
         # FSDP2 and ZeRO-1 compute with parameters in the compute dtype; autocast is the fp32-parameter form.
         self.autocast = self.policy.autocast if uses_autocast(model, self.optimizer) else contextlib.nullcontext
+        # Tensor parallelism leaves the logits sharded over the vocabulary (parallel/tensor_parallel.py).
+        self.loss_context = functools.partial(vocabulary_parallel_loss, self.layout.tp > 1)
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.scaler = self.build_grad_scaler()
         self.sampler = batches
@@ -335,9 +339,13 @@ class Trainer:
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss to backpropagate, language-model loss to report)."""
+        sequence = self.model.sequence  # context parallelism: this rank's chunks of each row
+        inputs, targets = sequence.shard(inputs), sequence.shard(targets)
         with self.autocast():
             logits = self.model(inputs)
         lm_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        if isinstance(lm_loss, DTensor):  # vocabulary-parallel logits: the loss is replicated on the tp ranks
+            lm_loss = lm_loss.to_local()
         aux = getattr(self.model, "aux_loss", None)
         if aux is not None and self.cfg.model.num_experts:
             return lm_loss + self.cfg.model.router_aux_loss_coef * aux, lm_loss
@@ -350,9 +358,10 @@ class Trainer:
         now (the step's last micro-batch). Returns the language-model loss (detached)."""
         set_gradient_sync(self.model, sync_gradients)
         self._moment("forward")
-        loss, lm_loss = self._loss(inputs, targets)
-        self._moment("backward")
-        self.scaler.scale(loss / num_microbatches).backward()
+        with self.loss_context():
+            loss, lm_loss = self._loss(inputs, targets)
+            self._moment("backward")
+            self.scaler.scale(loss / num_microbatches).backward()
         return lm_loss.detach()
 
     def optimizer_step(self) -> tuple[float, bool, float]:
@@ -412,23 +421,24 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over eval_steps global batches of fixed windows (the same windows
-        whatever the layout and micro-batch size), in micro-batches split round-robin across ranks
-        (a rank short of one reruns its last with weight 0: sharded models need every rank in
-        every forward)."""
+        whatever the layout and micro-batch size), in micro-batches split round-robin across the
+        data-parallel ranks (the tp ranks of one replica run the same ones; a rank short of one
+        reruns its last with weight 0: sharded models need every rank in every forward)."""
         t = self.cfg.training
         num_batches = t.eval_steps * self.layout.global_batch_size // t.micro_batch_size
         batches = list(eval_batches(self.data.val, t.seq_len, t.micro_batch_size, num_batches))
-        rank, size = self.world.rank, self.world.size
+        rank, size = self.world.dp_rank, self.world.dp_size
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # (loss sum, batches)
         self.model.eval()
         for first in range(0, len(batches), size):
             index = first + rank
             inputs, targets = batches[min(index, len(batches) - 1)]
-            loss = self._loss(inputs.to(self.device), targets.to(self.device))[1]
+            with self.loss_context():
+                loss = self._loss(inputs.to(self.device), targets.to(self.device))[1]
             if index < len(batches):
                 totals += torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=self.device)])
         self.model.train()
-        self.world.sum_(totals)
+        self.world.sum_(totals)  # over every rank: each batch counted tp times, in both sums
         return (totals[0] / totals[1]).item()
 
     # ------------------------------------------------------------ loop

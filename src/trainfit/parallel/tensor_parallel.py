@@ -1,0 +1,128 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism (Korthikanti et
+al. 2022) as DTensor `parallelize_module` plans, one per model family, on the mesh's tp axis.
+
+Per block:
+- attention: wq, wk, wv column-parallel (each rank computes whole heads: its slice of the query
+  and key/value heads), wo row-parallel (each rank's heads give a partial sum of the output);
+- MLP: the up/gate projections (w1, w3) column-parallel, the down projection (w2) row-parallel;
+- MoE: the whole feed-forward (router, routed and shared experts) is replicated on the tp ranks
+  and computes on the whole sequence (Megatron's expert_tensor_parallel_size=1): its gradients
+  are then identical on every tp rank, and expert parallelism is what shards the experts.
+Around the blocks, the embedding is vocabulary-parallel (each rank a slice of the vocabulary's
+rows, partial outputs summed), and the output projection column-parallel over the vocabulary,
+its logits left sharded (Shard(-1)) into `loss_parallel()`'s cross-entropy: no rank ever holds
+the whole [B, T, V] logits.
+
+Without sequence parallelism the residual stream, the norms and their inputs are whole on every
+tp rank; each row-parallel output is all-reduced. With it (parallel.sequence_parallel), they are
+sharded along the sequence (Shard(1)): each row-parallel output is reduce-scattered instead, the
+input of each column-parallel group all-gathered, and the norms compute on 1/tp of the tokens
+(their gains are replicated DTensors, whose gradients DTensor sums over the tp ranks).
+
+Applied to the meta-device model before activation checkpointing and data parallelism
+(parallel/apply.py); parameter names are untouched, so checkpoints and the layout-independent
+init (models/init.py, which fills each rank's slice) do not change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+
+def _between_blocks(sequence_parallel: bool) -> Shard | Replicate:
+    """The residual stream's placement on the tp ranks."""
+    return Shard(1) if sequence_parallel else Replicate()
+
+
+def block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The plan of one transformer block (llama dense or MoE, gpt2), keyed by submodule name."""
+    stream = _between_blocks(sequence_parallel)
+    attention_inputs = len(_forward_inputs(block.attention))  # llama: (x, cos, sin); gpt2: (x,)
+    plan: dict[str, ParallelStyle] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=stream),
+    }
+    if sequence_parallel:
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+        plan["attention"] = PrepareModuleInput(
+            input_layouts=(Shard(1), *[None] * (attention_inputs - 1)),
+            desired_input_layouts=(Replicate(), *[None] * (attention_inputs - 1)))
+    mlp = block.feed_forward
+    if hasattr(mlp, "router"):  # MoE: replicated, on the whole sequence (module docstring)
+        if sequence_parallel:
+            plan["feed_forward"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),))
+        return plan
+    if sequence_parallel:
+        plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan["feed_forward.w1"] = ColwiseParallel()
+    plan["feed_forward.w2"] = RowwiseParallel(output_layouts=stream)
+    if hasattr(mlp, "w3"):  # SwiGLU's up projection (GPT-2's MLP has none)
+        plan["feed_forward.w3"] = ColwiseParallel()
+    return plan
+
+
+def root_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Embeddings, final norm and output projection (whichever this model or pipeline stage has)."""
+    stream = _between_blocks(sequence_parallel)
+    plan: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    if getattr(model, "pos_embeddings", None) is not None and sequence_parallel:
+        # GPT-2's learned positions [T, D] are added to the sequence-sharded token embeddings:
+        # each rank keeps the rows of its own positions (a slice; the backward all-gathers).
+        plan["pos_embeddings"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
+    if model.norm is not None and sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
+    """Shard `model` (meta device, before activation checkpointing and data parallelism) over the
+    1-D `tp_mesh`, in place. A tied embedding/output weight is one parameter again afterwards
+    (both are sharded by vocabulary rows, Shard(0), so one DTensor serves both)."""
+    tied = model.output is not None and model.tok_embeddings is not None and \
+        model.output.weight is model.tok_embeddings.weight
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel))
+    parallelize_module(model, tp_mesh, root_plan(model, sequence_parallel))
+    if tied:
+        model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+@contextlib.contextmanager
+def vocabulary_parallel_loss(enabled: bool) -> Iterator[None]:
+    """Around the loss and its backward: cross-entropy on logits sharded over the vocabulary
+    (torch's loss_parallel) when tensor parallelism is on; nothing otherwise."""
+    with loss_parallel() if enabled else contextlib.nullcontext():
+        yield
+
+
+def _forward_inputs(module: nn.Module) -> list[str]:
+    """The positional parameters of `module.forward` (those a PrepareModuleInput lays out)."""
+    return [name for name, p in inspect.signature(module.forward).parameters.items()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
