@@ -100,7 +100,7 @@ SELECTIVE, FULL = "--memory.activation_checkpointing=selective", "--memory.activ
 SGD, ADAM = "--optimizer.name=sgd", "--optimizer.name=adam"
 Z0, Z1, Z2, Z3 = (f"--parallel.zero_stage={stage}" for stage in range(4))
 
-MOE_TP2, TP4, CP2, CP4 = "--parallel.tp=2", "--parallel.tp=4", "--parallel.cp=2", "--parallel.cp=4"
+TP2, TP4, CP2, CP4 = "--parallel.tp=2", "--parallel.tp=4", "--parallel.cp=2", "--parallel.cp=4"
 SP = "--parallel.sequence_parallel=true"
 
 MODEL_PARALLEL_GRID: list[Row] = [
@@ -108,7 +108,7 @@ MODEL_PARALLEL_GRID: list[Row] = [
     _row("llama-tp2-fp32", 2, LLAMA, TP2),
     _row("llama-tp2-sp-fp32", 2, LLAMA, TP2, SP),
     _row("llama-tp2-sp-bf16-mixed", 2, LLAMA, TP2, SP, BF16_MIXED),
-    _row("llama-tp2-fp16-mixed-full", 2, LLAMA, TP2, FP16_MIXED, FULL),
+    _row("llama-tp2-bf16-pure-full", 2, LLAMA, TP2, BF16_PURE, FULL),
     _row("llama-tp2-sp-selective", 2, LLAMA, TP2, SP, SELECTIVE),
     _row("llama-tp2-sp-bf16-mixed-full", 2, LLAMA, TP2, SP, BF16_MIXED, FULL),
     _row("tied-tp2-sp-bf16-pure-sgd", 2, TIED, TP2, SP, BF16_PURE, SGD),
@@ -136,7 +136,7 @@ MODEL_PARALLEL_GRID: list[Row] = [
 ]
 """Tensor, sequence and context parallel configurations, part of GRID."""
 
-GRID: list[Row] = [
+MOE_GRID: list[Row] = [
     # dropless (estimated at the default memory.moe_imbalance): top-1 with full checkpointing in 16
     # bits is where balanced-routing estimates fell short; every policy and precision, 4-16 experts
     _row("moe-top1-e4-bf16-mixed-full", 1, moe(4, 1), BF16_MIXED, FULL),

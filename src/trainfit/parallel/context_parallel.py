@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.attention.bias import causal_lower_right
 
 from trainfit.models.common import WholeSequence
 
@@ -37,7 +36,7 @@ class ContextParallel(WholeSequence):
         self.mesh = cp_mesh
         self.rank = cp_mesh.get_local_rank()
         self.size = cp_mesh.size()
-        self._cache: dict[tuple[str, int], torch.Tensor] = {}
+        self._cache: dict[tuple[str, int, ...], torch.Tensor] = {}
 
     def chunks(self) -> tuple[int, int]:
         """The indices of this rank's two chunks among the 2·cp."""
@@ -58,8 +57,7 @@ class ContextParallel(WholeSequence):
 
     def attention(self, q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor) -> torch.Tensor:
         """Each of this rank's two query chunks attends the keys from position 0 to its own chunk's
-        end, causally within its chunk: lower-right-aligned causal attention (flash or
-        memory-efficient kernels on CUDA; a mask of [chunk, end] on CPU)."""
+        end, causally within its chunk (a lower-right-aligned causal mask of [chunk, end])."""
         chunk = q_BHTK.shape[2] // 2
         k_BGSK, v_BGSK = self._gather_in_order(k_BGTK), self._gather_in_order(v_BGTK)
         gqa = q_BHTK.shape[1] != k_BGTK.shape[1]
@@ -68,15 +66,26 @@ class ContextParallel(WholeSequence):
             end = (c + 1) * chunk
             out.append(F.scaled_dot_product_attention(
                 q_BHTK[:, :, part * chunk:(part + 1) * chunk], k_BGSK[:, :, :end], v_BGSK[:, :, :end],
-                attn_mask=causal_lower_right(chunk, end), enable_gqa=gqa))
+                attn_mask=self._mask(chunk, end), enable_gqa=gqa))
         return torch.cat(out, dim=2)
+
+    def _mask(self, chunk: int, end: int) -> torch.Tensor:
+        """[chunk, end] booleans: query i (at global position end - chunk + i) may attend key j
+        when j <= end - chunk + i. Built once per shape. (torch's CausalBias would let CUDA's flash
+        kernels skip the mask, but as a tensor subclass it cannot be created under the memory
+        instruments' dispatch modes.)"""
+        key = ("mask", chunk, end)
+        if key not in self._cache:
+            rows = torch.arange(chunk)[:, None] + (end - chunk)
+            self._cache[key] = (torch.arange(end)[None, :] <= rows).to(self.mesh.device_type)
+        return self._cache[key]
 
     def _gather_in_order(self, x_BGTK: torch.Tensor) -> torch.Tensor:
         """Every rank's tokens of x, in sequence order: [B, G, 2·cp·chunk, K]. The functional
         all-gather concatenates along dim 0 in rank order (rank r: chunks r and 2·cp−1−r), so the
         sequence goes first and the chunks are put back in order (a copy, the one attention keeps)."""
         x_TBGK = x_BGTK.permute(2, 0, 1, 3).contiguous()
-        gathered = all_gather_single_autograd(x_TBGK, 0, self.mesh)
+        gathered = all_gather_single_autograd(x_TBGK, 0, self.mesh.get_group())
         pieces = gathered.chunk(2 * self.size, dim=0)  # rank r's two chunks are pieces 2r and 2r + 1
         last = 2 * self.size - 1
         ordered = [pieces[2 * c] if c < self.size else pieces[2 * (last - c) + 1] for c in range(2 * self.size)]

@@ -190,27 +190,30 @@ def clip_grad_norm_(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm
     clipping (DDP's are already whole); ZeRO-1 clips its master shards' gradients (one all-reduce)."""
     if isinstance(optimizer, ZeroOptimizer):
         return optimizer.clip_grad_norm_(max_norm)
-    params = [p for p in model.parameters() if p.grad is not None]
-    total_norm = global_grad_norm([p.grad for p in params])
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+    groups = group_by_layout([p for p in model.parameters() if p.grad is not None])
+    norms = []
+    for members in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in members])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(norms) == 1:
+        total_norm = norms[0]
+    else:
+        total_norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.nn.utils.get_total_norm([])
+    for members in groups:  # each group's norm is reduced on its own, then the norms are combined
+        torch.nn.utils.clip_grads_with_norm_(members, max_norm, total_norm)
     return total_norm
 
 
-def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all of `grads`, whole. Gradients on different meshes or placements (under
-    tensor parallelism: tp-sharded weights, replicated norm gains, FSDP shards of either, plain
-    tensors) cannot be stacked together: each group's norm is reduced on its own, then combined."""
+def group_by_layout(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`params` grouped by how they are laid out: plain tensors, and DTensors of each mesh and
+    placements. Tensor parallelism mixes them (tp-sharded weights, replicated norm gains, FSDP
+    shards of either, parameters no plan touches), and torch's foreach kernels (the optimizer's,
+    gradient clipping's) take one kind at a time."""
     groups: dict[Any, list[torch.Tensor]] = {}
-    for grad in grads:
-        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
-        groups.setdefault(key, []).append(grad)
-    norms = []
-    for members in groups.values():
-        norm = torch.nn.utils.get_total_norm(members)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if len(norms) <= 1:
-        return norms[0] if norms else torch.nn.utils.get_total_norm([])
-    return torch.linalg.vector_norm(torch.stack(norms))
+    for p in params:
+        key = (p.device_mesh, p.placements) if isinstance(p, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
 
 
 def init_optimizer_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -123,6 +123,9 @@ class Layout:
             if getattr(self, name) != 1:
                 return (f"parallel.{name}={getattr(self, name)}: `trainfit train` runs data, tensor and context "
                         f"parallelism only for now (`trainfit estimate` knows this layout); set parallel.{name}=1")
+        if self.tp > 1 and self.precision == "fp16-mixed":
+            return (f"precision.mode='fp16-mixed' with parallel.tp={self.tp}: fp16 loss scaling is not built for "
+                    "tensor-parallel gradients yet; use bf16-mixed (no loss scaling needed)")
         if self.tp > 1 and self.data_parallel in ("ddp", "zero1"):
             ranks = f"{self.dp} data-parallel" + (f" x {self.cp} context-parallel" if self.cp > 1 else "")
             return (f"parallel.zero_stage={self.zero_stage} with parallel.tp={self.tp} and {ranks} ranks: tensor "

@@ -9,18 +9,20 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainfit.config import ConfigError, OptimizerConfig, TrainingConfig
+from trainfit.parallel.data_parallel import group_by_layout
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: norms and biases (1-D) are not regularised (Loshchilov & Hutter 2019)."""
+    """Decay matrices only: norms and biases (1-D) are not regularised (Loshchilov & Hutter 2019).
+    Each of the two is split by how its parameters are laid out (data_parallel.group_by_layout:
+    one group unless tensor parallelism mixes plain tensors and DTensors)."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    return [{"params": params, "weight_decay": rate}
+            for kind, rate in ((decay, weight_decay), (no_decay, 0.0))
+            for params in (group_by_layout(kind) or [[]])]
 
 
 def build_optimizer(model: nn.Module, opt: OptimizerConfig, train: TrainingConfig,
