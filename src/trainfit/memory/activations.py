@@ -165,7 +165,7 @@ def _moe_saved(m: ModelConfig, d: ActDtypes, r: Routing) -> Terms:
     else:
         routed = r.rows * (ROUTED_INDEX_BYTES + per_row)
     shared = _swiglu_saved(d.compute, m.num_shared_experts * m.expert_ffn_dim)
-    return Terms(seq=router + routed, tp=shared)
+    return Terms(gathered=router + routed + shared)  # whole sequence, whole experts on every tp rank
 
 
 def _routed_row_saved(m: ModelConfig, d: ActDtypes) -> float:
@@ -200,8 +200,8 @@ def block_terms(m: ModelConfig, d: ActDtypes, policy: str, routing: Routing | No
             return kept + Terms(gathered=c * D, tp=2 * c * m.ffn_dim)  # w2 output; w1, w3 outputs
         E, F, rows = m.num_experts, m.expert_ffn_dim, (routing or _balanced(m)).rows
         shared = m.num_shared_experts * F
-        kept += Terms(seq=c * E + rows * c * (2 * F + D))  # router logits; each expert row: w1, w3, w2 outputs
-        return kept + Terms(gathered=c * D if shared else 0, tp=2 * c * shared)  # shared w2; shared w1, w3
+        kept += Terms(gathered=c * E + rows * c * (2 * F + D))  # router logits; each expert row: w1, w3, w2 outputs
+        return kept + Terms(gathered=(c * D if shared else 0) + 2 * c * shared)  # shared w2; shared w1, w3
     if policy != "none":
         raise ValueError(f"activation checkpointing policy {policy!r}: choose none, selective or full")
     # Block input (for RMSNorm with a 16-bit stream, its fp32 copy replaces it: see _norm) and
@@ -244,7 +244,7 @@ def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str) -> PolicyOnly:
         released += Terms(tp=c * (q_dim + kv_dim))  # wq, wk outputs (before RoPE)
     last = Terms(gathered=c * D)  # w2 / fc2 output
     if m.num_experts:
-        released += Terms(seq=c * m.num_experts)  # router logits
+        released += Terms(gathered=c * m.num_experts)  # router logits
         last = Terms(gathered=c * D if m.num_shared_experts else 0)
     return PolicyOnly(released, block_input + last)
 
@@ -260,8 +260,8 @@ def shared_experts_saved(m: ModelConfig, d: ActDtypes, policy: str) -> tuple[Ter
     saved = _swiglu_saved(d.compute, m.num_shared_experts * m.expert_ffn_dim)
     casts = 2 * d.compute * m.dim if d.autocast else 0
     kept = {"none": saved, "selective": saved / 2}.get(policy, 0.0)
-    return Terms(tp=kept, gathered=casts if policy == "none" else 0), \
-        Terms(tp=saved - kept, gathered=0 if policy == "none" else casts)
+    return Terms(gathered=kept + (casts if policy == "none" else 0)), \
+        Terms(gathered=saved - kept + (0 if policy == "none" else casts))
 
 
 @dataclass(frozen=True)
@@ -282,7 +282,7 @@ class RoutedMoment:
 
 def routed_backward_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing: Routing,
                             size: Callable[[Terms], int], *, expert_weight: int, grad_bytes: int,
-                            num_local_experts: int, tp: int) -> list[RoutedMoment]:
+                            num_local_experts: int) -> list[RoutedMoment]:
     """The candidate peaks of the routed experts' backward (the shared experts' saved tensors are
     freed by then: shared_experts_saved). `expert_weight`: elements of one stacked expert weight
     on the rank; `grad_bytes`: bytes per element of the gradients the experts' slices produce (the
@@ -294,7 +294,7 @@ def routed_backward_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing:
     full-size slice gradients and input-gradient scatter (nothing of its own freed), or the busiest
     expert's own moments (routing.dropless_loads places it third from last, after two light ones:
     one and two experts' saved tensors and casts freed; `Routing.tail`)."""
-    shared = 3 * m.num_shared_experts * m.expert_ffn_dim * m.dim // tp
+    shared = 3 * m.num_shared_experts * m.expert_ffn_dim * m.dim  # whole on the tp ranks
     shared_casts = d.compute * shared if d.autocast else 0  # freed with the shared experts' backward
     output, hidden, freed = size(t.expert_output), size(t.expert_hidden), size(t.expert_output_freed)
     if routing.capacity:
@@ -308,7 +308,7 @@ def routed_backward_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing:
     running, adding = copies * unit + input_grad, (summing - copies) * unit
     cast_expert = d.compute * 3 * expert_weight // max(1, num_local_experts) if d.autocast else 0
     busiest = max(output, hidden, adding + size(t.expert_accumulation))
-    light = size(Terms(seq=routing.tail * (ROUTED_INDEX_BYTES + _routed_row_saved(m, d))))  # one light expert's
+    light = size(Terms(gathered=routing.tail * (ROUTED_INDEX_BYTES + _routed_row_saved(m, d))))  # one light expert's
     return [RoutedMoment(shared, running + adding, light, shared_casts + cast_expert),
             RoutedMoment(shared, running + 2 * input_grad, 2 * light, shared_casts + 2 * cast_expert),
             RoutedMoment(shared, running + busiest, freed + 2 * light, shared_casts + 2 * cast_expert)]
@@ -377,16 +377,17 @@ def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | No
         # mlp_*: the shared experts' SwiGLU, whose backward runs first; expert_*: the routed ones'.
         F, busiest = m.expert_ffn_dim, (routing or _balanced(m)).busiest
         hidden, grads = m.num_shared_experts * F, 3
-        tail = Terms(seq=2 * d.stream * D + (c * D if m.num_shared_experts else 0))
-        expert = dict(expert_output=Terms(seq=3 * d.stream * D * busiest),
-                      expert_output_freed=Terms(seq=d.stream * D * busiest),
-                      expert_hidden=Terms(seq=2 * c * F * busiest), expert_accumulation=Terms(seq=c * F * busiest),
-                      expert_input_grad=Terms(seq=d.stream * D))
+        tail = Terms(gathered=2 * d.stream * D + (c * D if m.num_shared_experts else 0))
+        expert = dict(expert_output=Terms(gathered=3 * d.stream * D * busiest),
+                      expert_output_freed=Terms(gathered=d.stream * D * busiest),
+                      expert_hidden=Terms(gathered=2 * c * F * busiest),
+                      expert_accumulation=Terms(gathered=c * F * busiest), expert_input_grad=Terms(gathered=d.stream * D))
     else:
         hidden, grads = m.ffn_dim, 3
+    split = "gathered" if m.num_experts else "tp"  # an MoE's shared experts are whole on the tp ranks
     return Transient(grad_stream=Terms(seq=d.stream * D), grad_cast=grad_cast,
-                     attention=Terms(tp=c * (2 * q_dim + 2 * kv_dim)), mlp_new=Terms(tp=grads * c * hidden),
-                     mlp_freed=Terms(tp=c * hidden if grads > 1 else 0), recompute_tail=tail, **expert)
+                     attention=Terms(tp=c * (2 * q_dim + 2 * kv_dim)), mlp_new=Terms(**{split: grads * c * hidden}),
+                     mlp_freed=Terms(**{split: c * hidden if grads > 1 else 0}), recompute_tail=tail, **expert)
 
 
 # ---------------------------------------------------------------- Korthikanti et al. (2022)

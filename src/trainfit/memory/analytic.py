@@ -95,9 +95,13 @@ FSDP_REDUCE_BYTES_MIXED = 4
 LOSS_CHUNK_TOKENS = 1024
 """memory.chunked_loss: tokens per chunk of the fused output projection + cross-entropy: one
 chunk's logits, fp32 copy, log-softmax and gradient exist at a time, and nothing is saved."""
-LOSS_PARALLEL = True
-"""Under tp the output projection stays vocab-sharded into the loss (torch's loss_parallel, as
-torchtitan does), so logits and their gradient divide by tp. An assumption (TP is not built)."""
+LOSS_PARALLEL_FP32_COPIES = (2, 4)
+"""Under tp the logits stay sharded over the vocabulary into torch's loss_parallel (a rank holds
+ceil(V / tp) columns), whose log-softmax and its backward are written out op by op
+(torch/distributed/tensor/parallel/loss.py), not fused: inside the forward loss the shifted
+logits and their exp exist beside the logits (2 fp32 shards where the fused kernel has 1); the
+backward of nll + log-softmax holds the saved log-probabilities, the zeros-then-scatter gradient,
+exp(log-probabilities) and their sum (4 fp32 shards where the fused backward has 3)."""
 
 
 @dataclass(frozen=True)
@@ -207,9 +211,13 @@ def _layout(run: _Run, counts: ParamCounts, stage: int) -> _Layout:
         for chunk in range(v):  # this rank runs global chunks chunk * p + stage
             lo = (chunk * p + stage) * per_chunk
             policy_blocks += -(-(lo + per_chunk) // n) - (-(-lo // n))  # multiples of n in [lo, lo + per_chunk)
-    # tp shards every Linear of a block (norm gains stay whole); ep shards the routed experts and
-    # tp their hidden dim (torchtitan's expert tensor parallelism = tp).
-    mlp = (counts.mlp - counts.routed_experts) // tp + counts.routed_experts // (ep * tp)
+    # tp shards every Linear of a block (norm gains stay whole), except an MoE feed-forward's:
+    # router, routed and shared experts stay whole on the tp ranks (parallel/tensor_parallel.py);
+    # ep shards the routed experts.
+    if m.num_experts:
+        mlp = counts.mlp - counts.routed_experts + counts.routed_experts // ep
+    else:
+        mlp = counts.mlp // tp
     block_matmul = counts.attention // tp + mlp
     head_dim = m.dim // m.num_heads
     if m.family == "gpt2":
@@ -226,7 +234,7 @@ def _layout(run: _Run, counts: ParamCounts, stage: int) -> _Layout:
     norm_tensors = 2 if m.family == "gpt2" else 1
     tensors = per_chunk * v * per_block_tensors + norm_tensors * first  # + pos embedding (gpt2)
     tensors += (norm_tensors + (0 if tied_here else 1)) * last
-    experts_local = max(1, m.num_experts // ep) * (m.expert_ffn_dim or 0) * m.dim // tp
+    experts_local = max(1, m.num_experts // ep) * (m.expert_ffn_dim or 0) * m.dim
     largest = max(vocab_dim if (first or last) else 0, m.dim * m.dim // tp, m.ffn_dim * m.dim // tp, experts_local)
     in_flight, head_in_flight = _in_flight(run, stage)
     return _Layout(
@@ -270,14 +278,16 @@ def _logits(run: _Run, prec: _Precision, tokens: int, tp: int) -> tuple[int, int
 
     trainer._loss: logits (compute dtype) -> .float() (a copy unless fp32 already) -> cross_entropy
     = log_softmax (fp32, saved) + nll_loss. Backward starts with nll_loss's gradient (fp32) and
-    log_softmax's input gradient while its output is still held: 3 fp32 logits (measured)."""
-    V = run.model.vocab_size // (tp if LOSS_PARALLEL else 1)
+    log_softmax's input gradient while its output is still held: 3 fp32 logits (measured). Under tp,
+    loss_parallel's unfused forms (LOSS_PARALLEL_FP32_COPIES) on a rank's vocabulary shard."""
+    V = -(-run.model.vocab_size // tp)  # the largest shard: an uneven vocabulary's first ranks
     c = prec.act.compute
     copy = FP32 if c != FP32 else 0
+    inside, backward = LOSS_PARALLEL_FP32_COPIES if tp > 1 else (1, 3)
     if run.layout.chunked_loss:
         chunk = min(tokens, LOSS_CHUNK_TOKENS)
         return 0, 0, V * chunk * (c + copy + FP32), V * chunk * (c + 3 * FP32)
-    return FP32 * V * tokens, c * V * tokens, V * tokens * (c + copy + FP32), 3 * FP32 * V * tokens
+    return FP32 * V * tokens, c * V * tokens, V * tokens * (c + copy + inside * FP32), backward * FP32 * V * tokens
 
 
 @dataclass(frozen=True)
@@ -438,12 +448,12 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     shared_kept = shared_rebuilt = 0
     if routing is not None:
         m = run.model
-        shared_w2 = m.num_shared_experts * m.expert_ffn_dim * m.dim // tp
+        shared_w2 = m.num_shared_experts * m.expert_ffn_dim * m.dim
         w2 = (0, c * shared_w2, 0) if st.fsdp else (0, 0, int(autograd_bytes * shared_w2)) if bucketed else \
             (int(shared_w2 * per_param), 0, 0)
         routed_moments = routed_backward_moments(
-            m, act, transient, routing, size, expert_weight=counts.routed_experts // 3 // (run.layout.ep * tp),
-            grad_bytes=c if st.fsdp else autograd_bytes, num_local_experts=m.num_experts // run.layout.ep, tp=tp)
+            m, act, transient, routing, size, expert_weight=counts.routed_experts // 3 // run.layout.ep,
+            grad_bytes=c if st.fsdp else autograd_bytes, num_local_experts=m.num_experts // run.layout.ep)
         shared_kept, shared_rebuilt = (size(t) for t in shared_experts_saved(m, act, policy))
 
     def routed(done: int) -> tuple[int, int]:

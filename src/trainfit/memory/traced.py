@@ -106,6 +106,10 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        # DTensor's native sharding cache keys on mesh *shape*: a later trace whose meshes look the
+        # same would be handed this world's, whose process groups are gone ("Could not resolve the
+        # process group registered under the name 3"). Private (an API move breaks this line).
+        torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 @contextlib.contextmanager

@@ -85,7 +85,7 @@ class ContextParallel(WholeSequence):
         all-gather concatenates along dim 0 in rank order (rank r: chunks r and 2·cp−1−r), so the
         sequence goes first and the chunks are put back in order (a copy, the one attention keeps)."""
         x_TBGK = x_BGTK.permute(2, 0, 1, 3).contiguous()
-        gathered = all_gather_single_autograd(x_TBGK, 0, self.mesh.get_group())
+        gathered = all_gather_single_autograd(x_TBGK, 0, self.mesh)
         pieces = gathered.chunk(2 * self.size, dim=0)  # rank r's two chunks are pieces 2r and 2r + 1
         last = 2 * self.size - 1
         ordered = [pieces[2 * c] if c < self.size else pieces[2 * (last - c) + 1] for c in range(2 * self.size)]

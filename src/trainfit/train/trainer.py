@@ -343,7 +343,10 @@ class Trainer:
         inputs, targets = sequence.shard(inputs), sequence.shard(targets)
         with self.autocast():
             logits = self.model(inputs)
-        lm_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        # The loss in fp32; not .float() on fp32 logits: on a DTensor (vocabulary-parallel logits) that
+        # copies the logits shard instead of returning it.
+        logits = logits if logits.dtype == torch.float32 else logits.float()
+        lm_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         if isinstance(lm_loss, DTensor):  # vocabulary-parallel logits: the loss is replicated on the tp ranks
             lm_loss = lm_loss.to_local()
         aux = getattr(self.model, "aux_loss", None)
