@@ -381,7 +381,8 @@ def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | No
         expert = dict(expert_output=Terms(gathered=3 * d.stream * D * busiest),
                       expert_output_freed=Terms(gathered=d.stream * D * busiest),
                       expert_hidden=Terms(gathered=2 * c * F * busiest),
-                      expert_accumulation=Terms(gathered=c * F * busiest), expert_input_grad=Terms(gathered=d.stream * D))
+                      expert_accumulation=Terms(gathered=c * F * busiest),
+                      expert_input_grad=Terms(gathered=d.stream * D))
     else:
         hidden, grads = m.ffn_dim, 3
     split = "gathered" if m.num_experts else "tp"  # an MoE's shared experts are whole on the tp ranks

@@ -26,7 +26,8 @@ HF_CONFIGS = {
     # Llama 3.1's RoPE scaling, its original context shrunk to 16 so that the test's 12 positions
     # turn the scaled frequencies far enough to move the logits.
     "llama3.1": ("LlamaConfig", dict(_LLAMA_DIMS, rope_theta=500000.0, rope_scaling=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16))),
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16))),
     "mistral": ("MistralConfig", dict(_LLAMA_DIMS, sliding_window=None)),
     "mixtral": ("MixtralConfig", dict(_LLAMA_DIMS, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2": ("Qwen2Config", dict(_LLAMA_DIMS, tie_word_embeddings=True, rope_theta=1e6)),
@@ -142,7 +143,8 @@ def test_config_maps_fields_and_warns_on_sliding_window(tmp_path: Path) -> None:
         fields = model_fields_from_hf_config(tmp_path)
     assert fields == dict(family="llama", dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=96,
                           vocab_size=300, max_seq_len=64, norm_eps=1e-5, rope_theta=10000.0,
-                          rope_scaling_factor=0.0, tie_embeddings=False, qkv_bias=False, num_experts=0, num_shared_experts=0)
+                          rope_scaling_factor=0.0, tie_embeddings=False, qkv_bias=False, num_experts=0,
+                          num_shared_experts=0)
     assert path.is_file()
 
 
