@@ -64,9 +64,12 @@ def block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
     if sequence_parallel:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
-        plan["attention"] = PrepareModuleInput(
-            input_layouts=(Shard(1), *[None] * (attention_inputs - 1)),
-            desired_input_layouts=(Replicate(), *[None] * (attention_inputs - 1)))
+    # The attention's and the MLP's input becomes one replicated DTensor for all of their
+    # column-parallel projections (all-gathered first under SP): backward then sums their partial
+    # input gradients locally and reduces once, not once per projection.
+    plan["attention"] = PrepareModuleInput(
+        input_layouts=(stream, *[None] * (attention_inputs - 1)),
+        desired_input_layouts=(Replicate(), *[None] * (attention_inputs - 1)))
     mlp = block.feed_forward
     if hasattr(mlp, "router"):  # MoE: replicated, on the whole sequence (module docstring)
         if sequence_parallel:
@@ -74,8 +77,7 @@ def block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
                 output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),))
         return plan
-    if sequence_parallel:
-        plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan["feed_forward"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
     plan["feed_forward.w1"] = ColwiseParallel()
     plan["feed_forward.w2"] = RowwiseParallel(output_layouts=stream)
     if hasattr(mlp, "w3"):  # SwiGLU's up projection (GPT-2's MLP has none)
