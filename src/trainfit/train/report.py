@@ -52,21 +52,31 @@ def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
 
 
 def layout_description(layout: Layout) -> str:
-    """E.g. "2 processes: ZeRO-3 (FSDP2) over dp_shard=2, offload optimizer"."""
+    """E.g. "2 processes: ZeRO-3 (FSDP2) over dp_shard=2, offload optimizer", "4 processes: ZeRO-3
+    (FSDP2) over dp_shard=1 x cp=2, tensor parallel tp=2 + sequence parallel, context parallel cp=2"."""
     world_size = layout.world_size
     if world_size == 1 and layout.offload == "none":
         return "1 process"
-    names = {0: "DDP", 1: "ZeRO-1 (sharded master weights and optimizer)", 2: "ZeRO-2 (FSDP2)",
-             3: "ZeRO-3 (FSDP2)"}
-    stage = names[layout.zero_stage]
-    if layout.dp_replicate > 1:
-        axes = f"dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard}"
-    else:
-        axes = f"dp_shard={layout.dp_shard}" if layout.zero_stage else f"dp={layout.dp}"
-    if layout.zero_stage >= 1 and layout.dp_replicate > 1:
-        stage = f"HSDP, {stage}"
-    offload = f", offload {layout.offload}" if layout.offload != "none" else ""
-    return f"{world_size} process{'es' if world_size > 1 else ''}: {stage} over {axes}{offload}"
+    parts = []
+    if layout.data_parallel != "none":
+        names = {0: "DDP", 1: "ZeRO-1 (sharded master weights and optimizer)", 2: "ZeRO-2 (FSDP2)",
+                 3: "ZeRO-3 (FSDP2)"}
+        stage = names[layout.zero_stage]
+        if layout.dp_replicate > 1:
+            axes = f"dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard}"
+        else:
+            axes = f"dp_shard={layout.dp_shard}" if layout.zero_stage else f"dp={layout.dp}"
+        if layout.cp > 1:  # the cp ranks shard the states / average the gradients too
+            axes += f" x cp={layout.cp}"
+        if layout.zero_stage >= 1 and layout.dp_replicate > 1:
+            stage = f"HSDP, {stage}"
+        offload = f", offload {layout.offload}" if layout.offload != "none" else ""
+        parts.append(f"{stage} over {axes}{offload}")
+    if layout.tp > 1:
+        parts.append(f"tensor parallel tp={layout.tp}" + (" + sequence parallel" if layout.sequence_parallel else ""))
+    if layout.cp > 1:
+        parts.append(f"context parallel cp={layout.cp}")
+    return f"{world_size} process{'es' if world_size > 1 else ''}: {', '.join(parts)}"
 
 
 def print_summary(cfg: Config, result: TrainResult, console: Console | None = None,
