@@ -54,7 +54,7 @@ from trainfit.train import manifest
 from trainfit.train.data import BatchSampler, TokenData, eval_batches, resolve_data
 from trainfit.train.distributed import World, init_world, run_layout
 from trainfit.train.metrics import MetricsWriter
-from trainfit.train.optim import build_scheduler, make_optimizer, param_groups
+from trainfit.train.optim import build_scheduler, lr_at, make_optimizer, param_groups
 from trainfit.train.progress import TrainProgress
 from trainfit.train.signals import StopOnSignal
 
@@ -284,7 +284,6 @@ class Trainer:
         state = ckpt.load_checkpoint(path, self.model, self.optimizer, world=self.world)
         self.step = state["step"]
         self.skipped_steps = state["skipped_steps"]
-        self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         # Checkpoints are taken between steps, so the data position is the step; stored as a
         # count of this rank's micro-batches, it is converted to this layout's accumulation.
@@ -302,18 +301,20 @@ class Trainer:
         return path
 
     def _restart_schedule(self) -> None:
-        """Set the learning rate of the next step from the schedule of the *current* config (optim.lr_at).
-        The optimizer holds the saved run's value, which differs once training.steps has changed."""
-        s = self.scheduler
-        for group, base_lr, lr_lambda in zip(self.optimizer.param_groups, s.base_lrs, s.lr_lambdas, strict=True):
-            group["lr"] = base_lr * lr_lambda(s.last_epoch)
+        """Restart the learning-rate schedule at the resumed step under the *current* config
+        (optim.lr_at). The schedule is a function of the step alone, so nothing of the saved
+        scheduler is needed: its per-group lists follow the saving layout's parameter groups
+        (tensor parallelism splits them by layout) and its rates the saved training.steps."""
+        self.scheduler.last_epoch = self.step
+        lr = lr_at(self.step, self.cfg.training)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def save(self) -> Path:
         """Write a checkpoint of the current step (collective: every rank calls it)."""
         state = {
             "step": self.step,
             "skipped_steps": self.skipped_steps,
-            "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "sampler": self.sampler.state_dict(),
             "rng": self.world.gather_objects(ckpt.rng_state()),
