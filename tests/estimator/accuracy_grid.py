@@ -86,8 +86,10 @@ class Row:
 
 
 def _row(name: str, world: int, shape: list[str], *extra: str, micro: int = 4, accum: int = 1) -> Row:
-    """`shape` on `world` ranks, micro-batches of `micro` sequences, `accum` of them per step."""
-    batch = (f"--training.micro_batch_size={micro}", f"--training.global_batch_size={micro * accum * world}",
+    """`shape` on `world` ranks, micro-batches of `micro` sequences, `accum` of them per step (on
+    data-parallel ranks only: tp and cp ranks share theirs)."""
+    global_batch = micro * accum * world if accum > 1 else 0  # 0: derived, micro x data-parallel ranks
+    batch = (f"--training.micro_batch_size={micro}", f"--training.global_batch_size={global_batch}",
              f"--hardware.num_gpus={world}")
     return Row(name if world == 1 else f"x{world}-{name}", world, (*shape, *batch, *extra))
 
@@ -97,6 +99,42 @@ BF16_MIXED, FP16_MIXED, BF16_PURE = ("--precision.mode=bf16-mixed", "--precision
 SELECTIVE, FULL = "--memory.activation_checkpointing=selective", "--memory.activation_checkpointing=full"
 SGD, ADAM = "--optimizer.name=sgd", "--optimizer.name=adam"
 Z0, Z1, Z2, Z3 = (f"--parallel.zero_stage={stage}" for stage in range(4))
+
+TP2, TP4, CP2, CP4 = "--parallel.tp=2", "--parallel.tp=4", "--parallel.cp=2", "--parallel.cp=4"
+SP = "--parallel.sequence_parallel=true"
+
+MODEL_PARALLEL_GRID: list[Row] = [
+    # two ranks: tensor parallelism with and without sequence parallelism, context parallelism
+    _row("llama-tp2-fp32", 2, LLAMA, TP2),
+    _row("llama-tp2-sp-fp32", 2, LLAMA, TP2, SP),
+    _row("llama-tp2-sp-bf16-mixed", 2, LLAMA, TP2, SP, BF16_MIXED),
+    _row("llama-tp2-bf16-pure-full", 2, LLAMA, TP2, BF16_PURE, FULL),
+    _row("llama-tp2-sp-selective", 2, LLAMA, TP2, SP, SELECTIVE),
+    _row("llama-tp2-sp-bf16-mixed-full", 2, LLAMA, TP2, SP, BF16_MIXED, FULL),
+    _row("tied-tp2-sp-bf16-pure-sgd", 2, TIED, TP2, SP, BF16_PURE, SGD),
+    _row("gpt2-tp2-sp-fp32", 2, GPT2, TP2, SP),
+    _row("gpt2-tp2-bf16-mixed-selective", 2, GPT2, TP2, BF16_MIXED, SELECTIVE),
+    _row("moe-tp2-sp-fp32", 2, MOE, TP2, SP),
+    _row("moe-tp2-bf16-mixed-full", 2, MOE, TP2, BF16_MIXED, FULL),
+    _row("llama-cp2-fp32", 2, LLAMA, CP2),
+    _row("llama-cp2-z3-bf16-mixed", 2, LLAMA, CP2, Z3, BF16_MIXED),
+    _row("llama-cp2-z1-fp16-mixed-selective", 2, LLAMA, CP2, Z1, FP16_MIXED, SELECTIVE),
+    _row("llama-cp2-z2-full", 2, LLAMA, CP2, Z2, FULL),
+    _row("gpt2-cp2-z3-fp32", 2, GPT2, CP2, Z3),
+    _row("moe-cp2-z3-bf16-mixed", 2, MOE, CP2, Z3, BF16_MIXED),
+    # four ranks: tp4, tp2 x dp2 (FSDP), cp2 x tp2, cp2 x dp2, cp4
+    _row("mha-tp4-sp-fp32", 4, MHA, TP4, SP),
+    _row("llama-tp2-z3-fp32", 4, LLAMA, TP2, Z3),
+    _row("llama-tp2-sp-z2-bf16-mixed", 4, LLAMA, TP2, SP, Z2, BF16_MIXED),
+    _row("llama-tp2-sp-z3-bf16-mixed-full", 4, LLAMA, TP2, SP, Z3, BF16_MIXED, FULL),
+    _row("gpt2-tp2-z3-bf16-mixed-selective", 4, GPT2, TP2, Z3, BF16_MIXED, SELECTIVE),
+    _row("moe-tp2-sp-z3-bf16-mixed", 4, MOE, TP2, SP, Z3, BF16_MIXED),
+    _row("llama-cp2-tp2-sp-z3-fp32", 4, LLAMA, CP2, TP2, SP, Z3),
+    _row("llama-cp2-z3-bf16-mixed-selective", 4, LLAMA, CP2, Z3, BF16_MIXED, SELECTIVE),
+    _row("llama-cp2-z1-bf16-mixed", 4, LLAMA, CP2, Z1, BF16_MIXED),
+    _row("llama-cp4-z3-fp32", 4, LLAMA, CP4, Z3),
+]
+"""Tensor, sequence and context parallel configurations, part of GRID."""
 
 MOE_GRID: list[Row] = [
     # dropless (estimated at the default memory.moe_imbalance): top-1 with full checkpointing in 16

@@ -138,12 +138,41 @@ def _norm(m: ModelConfig, d: ActDtypes, consumers: int) -> Terms:
     return Terms(seq=own, gathered=out)
 
 
-def _attention_saved(m: ModelConfig, d: ActDtypes) -> Terms:
+def _attention_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
     D, q_dim, kv_dim, H, head_dim = _shapes(m)
     c = d.compute
     # SDPA saves q (after RoPE), k (after RoPE), v, out, and an fp32 logsumexp per head.
     per_position = 4 * head_dim * c if (d.autocast and m.family == "llama") else 0  # cos/sin .to(bf16), q and k
-    return Terms(tp=c * (2 * q_dim + 2 * kv_dim) + FP32 * H, per_position=per_position)
+    own = Terms(tp=c * (2 * q_dim + 2 * kv_dim) + FP32 * H, per_position=per_position)
+    return own + _context_parallel_saved(m, d, cp)
+
+
+def _context_parallel_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
+    """What an attention saves under context parallelism beyond its unsharded form, per local token
+    (parallel/context_parallel.py): its SDPAs save the all-gathered k and v of the whole sequence,
+    cp times the rank's own (which nothing saves); each query chunk's output is its own SDPA's, so
+    the output projection saves their merged copy too (unsharded, it saves a view of SDPA's)."""
+    if cp == 1:
+        return Terms()
+    _, q_dim, kv_dim, _, _ = _shapes(m)
+    return Terms(tp=d.compute * (2 * kv_dim * (cp - 1) + q_dim))
+
+
+def context_parallel_positions(m: ModelConfig, cp: int, table_bytes: int) -> Terms:
+    """Llama under context parallelism: the RoPE tables' rows of the rank's positions, gathered once
+    per forward (a copy; unsharded, a slice) and saved by every block's RoPE."""
+    if cp == 1 or m.family != "llama":
+        return Terms()
+    return Terms(per_position=2 * (m.dim // m.num_heads) * table_bytes)
+
+
+def context_parallel_mask_bytes(local_len: int, cp: int, compute: int) -> int:
+    """The additive causal masks of a rank's two query chunks, [chunk, end] each, in the queries'
+    dtype, built once and shared by every layer: their ends sum to (2 cp + 1) chunks for every rank."""
+    if cp == 1:
+        return 0
+    chunk = local_len // 2
+    return (2 * cp + 1) * chunk * chunk * compute
 
 
 def _swiglu_saved(c: int, hidden: float) -> float:
@@ -182,9 +211,10 @@ def _ffn_consumers(m: ModelConfig) -> int:
     return 2  # w1, w3
 
 
-def block_terms(m: ModelConfig, d: ActDtypes, policy: str, routing: Routing | None = None) -> Terms:
+def block_terms(m: ModelConfig, d: ActDtypes, policy: str, routing: Routing | None = None, cp: int = 1,
+                tp: int = 1) -> Terms:
     """What one block keeps from its forward to its backward, input included (MoE: `routing`, by
-    default dropless and balanced)."""
+    default dropless and balanced; `cp`, `tp`: context- and tensor-parallel degrees)."""
     D, q_dim, kv_dim, H, _ = _shapes(m)
     c, a = d.compute, d.stream
     if policy == "full":
@@ -194,6 +224,7 @@ def block_terms(m: ModelConfig, d: ActDtypes, policy: str, routing: Routing | No
         # the rest (norms, RoPE, activations, casts) is recomputed; plus the block input.
         kept = Terms(seq=a * D, tp=c * (2 * q_dim + 2 * kv_dim) + FP32 * H)  # wq, wk, wv; SDPA out, lse
         kept += Terms(gathered=c * D)  # wo output (under TP: the partial sum before the reduce-scatter)
+        kept += _row_parallel_reductions(m, d, tp)
         if m.family == "gpt2":
             return kept + Terms(gathered=c * D, tp=c * m.ffn_dim)  # fc2 output; fc1 output
         if not m.num_experts:
@@ -208,7 +239,7 @@ def block_terms(m: ModelConfig, d: ActDtypes, policy: str, routing: Routing | No
     # the mid-block residual h, each saved at 4 bytes by the norm that reads it (RMSNorm) or at
     # stream bytes (LayerNorm saves its input as is).
     residual = 2 * (a * D if m.family == "gpt2" else FP32 * D)
-    terms = Terms(seq=residual) + _norm(m, d, 3) + _attention_saved(m, d) + _norm(m, d, _ffn_consumers(m))
+    terms = Terms(seq=residual) + _norm(m, d, 3) + _attention_saved(m, d, cp) + _norm(m, d, _ffn_consumers(m))
     if m.family == "gpt2":
         return terms + Terms(tp=2 * c * m.ffn_dim)  # fc1 out (GELU input), GELU out (fc2 input)
     if m.num_experts:
@@ -224,6 +255,16 @@ class PolicyOnly:
     """Consumed by the block's recompute in backward, which frees them from the policy's cache."""
     kept: Terms
     """Alive until the block's backward ends."""
+
+
+def _row_parallel_reductions(m: ModelConfig, d: ActDtypes, tp: int) -> Terms:
+    """Tensor parallelism under `selective` (recompute._SAVE_OPS): the reduced outputs of the
+    row-parallel projections (wo; w2 / fc2 unless the feed-forward is an MoE, whole on the tp ranks),
+    the reduce-scatter's sequence shard with sequence parallelism, the all-reduce's whole tensor
+    without: the residual stream's shape (`seq`)."""
+    if tp == 1:
+        return Terms()
+    return Terms(seq=d.compute * m.dim * (1 if m.num_experts else 2))
 
 
 def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str) -> PolicyOnly:
@@ -328,6 +369,12 @@ class Transient:
     """The incoming gradient of the residual stream."""
     grad_cast: Terms
     """Under autocast, its low-precision cast for the block's branch (once the branch's backward runs)."""
+    branch_grad: Terms
+    """The gradient of the MLP's output when its backward starts (and a checkpointed block's
+    recompute with it): the stream's gradient's cast under autocast (an MoE's output is in the
+    stream's dtype: none); with sequence parallelism, its all-gather over the sequence (the
+    reduce-scatter's backward), which frees the local one. It is freed by the output matmul's
+    backward, before the MLP's peak."""
     attention: Terms
     """The attention's gradients of q, k, v and out."""
     mlp_new: Terms
@@ -335,9 +382,12 @@ class Transient:
     mlp_freed: Terms
     """...when this saved forward tensor (activation, or recompute buffer) is already released."""
     recompute_tail: Terms
-    """A checkpointed block's recompute runs past its last saved tensor when the block saves
-    something after its output (an MoE layer's load-balancing loss): the routed output, the
-    shared experts' output and their sum exist until the recompute returns."""
+    """What a checkpointed block's recompute holds at its end beyond what it rebuilds. Dense: it
+    stops when the MLP's output matmul saves its inputs (before its kernel runs), inside the MLP's
+    forward, whose input (the norm's output, in the stream's dtype) is still referenced there; under
+    sequence parallelism its all-gathered copy too. MoE: it runs past its last saved tensor, as the
+    block saves something after its output (the load-balancing loss): the routed output, the shared
+    experts' output and their sum exist until the recompute returns."""
     expert_output: Terms = Terms()
     """MoE, the largest routed computation (`Routing.busiest` rows): its backward starts with its
     rows of the layer's output gradient (index_select), their product with the routing weights (the
@@ -356,7 +406,8 @@ class Transient:
     dropless expert's index_select backward a full-size scatter of its rows) and the router's."""
 
 
-def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | None = None) -> Transient:
+def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | None = None,
+                             sequence_parallel: bool = False) -> Transient:
     """Bytes while one block runs its backward, beyond its saved activations (measured on CPU):
     the MLP's intermediate gradients (SwiGLU: the gradients of the w2 input, of silu out and of
     w3 out, 3 F, once the w2 input is freed; GELU MLP: the gradients of the GELU output and input,
@@ -368,7 +419,7 @@ def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | No
     c = d.compute
     # Under autocast the residual add (fp32 + bf16 branch) also casts the gradient for the branch.
     grad_cast = Terms(seq=c * D if d.autocast else 0)
-    tail, expert = Terms(), {}
+    tail, expert = Terms(seq=d.stream * D, gathered=d.stream * D if sequence_parallel else 0), {}
     if m.family == "gpt2":
         # fp32/16-bit: GELU's backward (its input's and output's gradients, fc2's input freed);
         # autocast: inside fc2's backward (its input's gradient, before the fp32 cast-back).
@@ -386,7 +437,10 @@ def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | No
     else:
         hidden, grads = m.ffn_dim, 3
     split = "gathered" if m.num_experts else "tp"  # an MoE's shared experts are whole on the tp ranks
-    return Transient(grad_stream=Terms(seq=d.stream * D), grad_cast=grad_cast,
+    # An MoE's output is in the stream's dtype (its fp32 routing weights promote it): no cast.
+    branch_bytes = d.stream if m.num_experts else c
+    branch_grad = Terms(gathered=branch_bytes * D) if sequence_parallel else Terms() if m.num_experts else grad_cast
+    return Transient(grad_stream=Terms(seq=d.stream * D), grad_cast=grad_cast, branch_grad=branch_grad,
                      attention=Terms(tp=c * (2 * q_dim + 2 * kv_dim)), mlp_new=Terms(**{split: grads * c * hidden}),
                      mlp_freed=Terms(**{split: c * hidden if grads > 1 else 0}), recompute_tail=tail, **expert)
 

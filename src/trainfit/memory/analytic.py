@@ -53,6 +53,8 @@ from trainfit.memory.activations import (
     Terms,
     backward_transient_terms,
     block_terms,
+    context_parallel_mask_bytes,
+    context_parallel_positions,
     final_norm_terms,
     moe_routing,
     policy_only_terms,
@@ -248,6 +250,11 @@ def _layout(run: _Run, counts: ParamCounts, stage: int) -> _Layout:
     )
 
 
+def _rope_table_bytes(run: _Run) -> int:
+    """Bytes per element of Llama's RoPE tables: fp32, bf16 once a bf16-pure model is cast."""
+    return 2 if run.layout.precision == "bf16-pure" else FP32
+
+
 def _optimizer_bytes(name: str, prec: _Precision, params: int, tensors: int, small: int) -> int:
     """States of `params` elements held in `tensors` tensors; `small` elements are norms and
     biases, which bitsandbytes keeps in 32-bit (tensors under its min_8bit_size of 4096)."""
@@ -369,12 +376,14 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
 
     # ---- activations of one micro-batch
     routing = moe_routing(run.model, st.tokens, run.layout.moe_imbalance)
-    a_none = size(block_terms(run.model, act, "none", routing))
-    a_policy = size(block_terms(run.model, act, policy, routing)) if policy != "none" else a_none
+    cp = run.layout.cp
+    a_none = size(block_terms(run.model, act, "none", routing, cp, run.layout.tp))
+    a_policy = size(block_terms(run.model, act, policy, routing, cp, run.layout.tp)) if policy != "none" else a_none
     none_blocks = lay.blocks - lay.policy_blocks
     a_blocks = none_blocks * a_none + lay.policy_blocks * a_policy
+    a_blocks += size(context_parallel_positions(run.model, cp, _rope_table_bytes(run)))
     a_final = size(final_norm_terms(run.model, act)) if lay.last else 0
-    transient = backward_transient_terms(run.model, act, routing)
+    transient = backward_transient_terms(run.model, act, routing, run.layout.sequence_parallel)
     rebuild = a_none - a_policy  # what a checkpointed block recomputes in backward
     only = policy_only_terms(run.model, act, policy)
     released = size(only.released)  # saved by the policy, freed by the recompute
@@ -394,10 +403,11 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     root_gather = c * (lay.embedding + lay.head) if zero3 else 0
     block_gather = c * lay.block if zero3 else 0
     reduce = (FSDP_REDUCE_BYTES_MIXED if prec.mixed else prec.param) if st.fsdp else 0
-    persistent_buffers = 0
-    if run.model.family == "llama":  # RoPE cos/sin tables, fp32 (bf16 once a bf16-pure model is cast)
-        persistent_buffers = 2 * run.model.max_seq_len * (run.model.dim // run.model.num_heads) * (
-            2 if run.layout.precision == "bf16-pure" else FP32)
+    # Context parallelism's causal masks, and Llama's RoPE cos/sin tables
+    persistent_buffers = context_parallel_mask_bytes(st.seq, cp, act.compute)
+    if run.model.family == "llama":
+        head_dim = run.model.dim // run.model.num_heads
+        persistent_buffers += 2 * run.model.max_seq_len * head_dim * _rope_table_bytes(run)
     kind = run.layout.data_parallel
     if kind == "ddp" and not DDP_GRADIENT_AS_BUCKET_VIEW:
         persistent_buffers += st.grads  # DDP's gradient buckets, beside the gradients
@@ -466,7 +476,8 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
         the recompute just done, or the MLP's gradients (by the attention's turn the MLP's recompute
         is freed). MoE: or a moment of the routed experts' backward."""
         t = transient
-        stream, cast = size(t.grad_stream) + tied_pending, size(t.grad_cast)
+        # With sequence parallelism the branch's cast is all-gathered (t.branch_grad) and freed.
+        stream, cast = size(t.grad_stream) + tied_pending, 0 if run.layout.sequence_parallel else size(t.grad_cast)
         if not wrapped:
             mlp = size(t.mlp_new) - size(t.mlp_freed)
             moments = [(w2[0], w2[1], a_none + stream + cast + max(size(t.attention), mlp + w2[2]), 0)]
@@ -475,7 +486,7 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
                 moments.append((*routed(r.done), acts, -r.uncast))
             return max(moments, key=sum)
         kept = a_policy - released + stream
-        recomputed = (0, rebuild + size(t.recompute_tail), kept, 0)
+        recomputed = (0, rebuild + size(t.recompute_tail), kept + size(t.branch_grad), 0)
         mlp_moment = (w2[0], w2[1] + rebuild - size(t.mlp_freed), kept + cast + size(t.mlp_new) + w2[2], 0)
         moments = [recomputed, mlp_moment]
         for r in routed_moments:
@@ -573,11 +584,12 @@ def forward_retained_bytes(model: ModelConfig, layout: Layout, training: Trainin
     def size(terms: Terms) -> int:
         return terms.bytes(st.tokens, st.seq, run.layout.tp, run.layout.sequence_parallel)
 
-    routing = moe_routing(run.model, st.tokens, run.layout.moe_imbalance)
+    routing, cp = moe_routing(run.model, st.tokens, run.layout.moe_imbalance), run.layout.cp
     none_blocks = lay.blocks - lay.policy_blocks
-    total = none_blocks * size(block_terms(run.model, act, "none", routing))
+    total = none_blocks * size(block_terms(run.model, act, "none", routing, cp, run.layout.tp))
     if lay.policy_blocks:
-        total += lay.policy_blocks * size(block_terms(run.model, act, policy, routing))
+        total += lay.policy_blocks * size(block_terms(run.model, act, policy, routing, cp, run.layout.tp))
+    total += size(context_parallel_positions(run.model, cp, _rope_table_bytes(run)))
     if lay.last:
         total += size(final_norm_terms(run.model, act)) + _logits(run, st.prec, st.tokens, run.layout.tp)[0]
     if act.autocast:

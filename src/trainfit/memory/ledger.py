@@ -22,11 +22,11 @@ The components, as memory/breakdown.py names them and analytic.py counts them:
 - activations: what the forward creates (saved for backward or in flight, the input tokens too)
   and backward's activation gradients and temporaries (a gradient autograd made before a hook
   moves it into a bucket, too).
-- buffers: operands and results of collectives and FSDP's copy-in / copy-out ops (all-gather,
-  reduce-scatter, unsharded gradients; ZeRO-1's per-bucket reduce-scatter output and all-gather
-  input and output), ZeRO-3's unsharded parameters, what activation checkpointing recomputes in
-  backward, optimizer-step temporaries, module buffers (RoPE tables) and other persistent tensors
-  (loss-scaler state).
+- buffers: operands and results of the data-parallel engines' collectives (_COMM_NAMESPACES) and
+  FSDP's copy-in / copy-out ops (all-gather, reduce-scatter, unsharded gradients; ZeRO-1's
+  per-bucket reduce-scatter output and all-gather input and output), ZeRO-3's unsharded
+  parameters, what activation checkpointing recomputes in backward, optimizer-step temporaries,
+  module buffers (RoPE tables) and other persistent tensors (loss-scaler state).
 
 A storage's component is its final one: when it is recognised later (a tensor becomes a `.grad`,
 a reduce-scatter result a sharded gradient), the figures of the peak moment are corrected too.
@@ -61,7 +61,11 @@ TimelinePoint = tuple[int, int, str, str]
 """(operator index within the step, bytes in use after it, phase, module)."""
 
 _CASTS = frozenset({aten._to_copy.default})
-_COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "fsdp"})
+_COMM_NAMESPACES = frozenset({"c10d", "fsdp"})
+"""The data-parallel engines' collectives (FSDP's, DDP's, ZeRO-1's), whose operands and results are
+buffers. The model's own (functional collectives: tensor parallelism's DTensor redistributions,
+context parallelism's K/V all-gathers) are its computation: their results are classified like any
+other operator's (the vocabulary-parallel embedding's all-reduce makes the first block's input)."""
 _FSDP_COPY_OUT = torch.ops.fsdp.split_with_sizes_copy.default if hasattr(torch.ops.fsdp, "split_with_sizes_copy") \
     else None
 HOST = "host"
@@ -267,15 +271,15 @@ class StorageLedger(TorchDispatchMode):
         self._forward_depth -= 1
 
     def grad_hooks(self, params: list[nn.Parameter]) -> None:
-        """Tag each gradient when autograd accumulates it (plain parameters; FSDP's sharded
-        gradients are tagged by `classify` and the collectives rule)."""
+        """Tag each gradient when autograd accumulates it (plain parameters and tensor parallelism's
+        DTensors; FSDP's sharded gradients, which autograd never accumulates, are tagged by
+        `classify` and the collectives rule)."""
 
         def hook(p: torch.Tensor) -> None:
             self.tag_grads([p])
 
         for p in params:
-            if not isinstance(p, DTensor):
-                self._stack.callback(p.register_post_accumulate_grad_hook(hook).remove)
+            self._stack.callback(p.register_post_accumulate_grad_hook(hook).remove)
 
     def route(self, rows_per_expert: list[int]) -> None:
         """Fake tensors only: the n-th `nonzero` returns rows_per_expert[n % num_experts] rows (an MoE

@@ -36,7 +36,7 @@ class ContextParallel(WholeSequence):
         self.mesh = cp_mesh
         self.rank = cp_mesh.get_local_rank()
         self.size = cp_mesh.size()
-        self._cache: dict[tuple[str, int, ...], torch.Tensor] = {}
+        self._cache: dict[tuple, torch.Tensor] = {}
 
     def chunks(self) -> tuple[int, int]:
         """The indices of this rank's two chunks among the 2·cp."""
@@ -66,18 +66,22 @@ class ContextParallel(WholeSequence):
             end = (c + 1) * chunk
             out.append(F.scaled_dot_product_attention(
                 q_BHTK[:, :, part * chunk:(part + 1) * chunk], k_BGSK[:, :, :end], v_BGSK[:, :, :end],
-                attn_mask=self._mask(chunk, end), enable_gqa=gqa))
+                attn_mask=self._mask(chunk, end, q_BHTK.dtype), enable_gqa=gqa))
         return torch.cat(out, dim=2)
 
-    def _mask(self, chunk: int, end: int) -> torch.Tensor:
-        """[chunk, end] booleans: query i (at global position end - chunk + i) may attend key j
-        when j <= end - chunk + i. Built once per shape. (torch's CausalBias would let CUDA's flash
-        kernels skip the mask, but as a tensor subclass it cannot be created under the memory
-        instruments' dispatch modes.)"""
-        key = ("mask", chunk, end)
+    def _mask(self, chunk: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """[chunk, end] additive mask in the queries' dtype: query i (at global position end - chunk
+        + i) may attend key j when j <= end - chunk + i (0 there, -inf elsewhere). Built once per
+        shape and dtype and shared by every layer: SDPA converts a boolean mask to this form at each
+        call, and each layer's attention would save its own copy for backward. (torch's CausalBias
+        would let CUDA's flash kernels skip the mask, but as a tensor subclass it cannot be created
+        under the memory instruments' dispatch modes.)"""
+        key = ("mask", chunk, end, dtype)
         if key not in self._cache:
             rows = torch.arange(chunk)[:, None] + (end - chunk)
-            self._cache[key] = (torch.arange(end)[None, :] <= rows).to(self.mesh.device_type)
+            hidden = torch.arange(end)[None, :] > rows
+            mask = torch.zeros(chunk, end, dtype=dtype).masked_fill_(hidden, float("-inf"))
+            self._cache[key] = mask.to(self.mesh.device_type)
         return self._cache[key]
 
     def _gather_in_order(self, x_BGTK: torch.Tensor) -> torch.Tensor:
