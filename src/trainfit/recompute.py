@@ -12,6 +12,13 @@ Policies (config: `memory.activation_checkpointing`, applied to every n-th trans
   elementwise ops are nearly free to rerun, yet each keeps a full activation alive. Measured in
   (batch, seq, dim) fp32 tensors kept per block: LayerNorm/GELU block 16 -> 11, Llama-style block
   (RMSNorm, RoPE, SwiGLU) 22 -> 12; "full" keeps 1.
+- "selective-alternate": torchtitan's op-level policy ("op" selective AC): the outputs of the
+  fused attention, of the tensor-parallel reductions and of every other matmul (the 1st, 3rd, ...
+  a block runs) are saved, the rest, the other matmuls included, recomputed. Backward reruns about
+  half of a block's matmuls (perf/flops.py counts which) and keeps about half of what "selective"
+  keeps of them. Llama block, in forward order: wq saved, wk recomputed, wv saved, (attention
+  saved), wo recomputed, w1 saved, w3 recomputed, w2 saved; GPT-2: wq, wv, fc1 saved, wk, wo, fc2
+  recomputed; MoE: the router saved, then the experts' matmuls alternate in expert order.
 
 Blocks are wrapped with PyTorch's own `checkpoint_wrapper` (what torchtitan uses): its forward is
 `torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False, ...)`, and it strips its
@@ -36,13 +43,15 @@ _aten = torch.ops.aten
 
 # Ops whose outputs selective checkpointing keeps. All are dispatch-level (post-autograd) aten
 # ops: `F.linear` never appears itself, it reaches the dispatcher as mm/addmm (plus views).
-_SAVE_OPS = frozenset({
+_MATMULS = frozenset({
     _aten.mm.default,
     _aten.addmm.default,
     _aten.bmm.default,
     _aten.baddbmm.default,
     _aten._scaled_mm.default,  # fp8 matmuls (torchao float8)
     _aten._scaled_mm_v2.default,
+})
+_SAVE_OPS = _MATMULS | frozenset({
     # Fused SDPA kernels (F.scaled_dot_product_attention picks one per device and inputs); their
     # outputs include the logsumexp the backward needs, so nothing inside attention is recomputed.
     # The math fallback decomposes into bmm (saved) and softmax (recomputed).
@@ -51,8 +60,12 @@ _SAVE_OPS = frozenset({
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_fused_attention_overrideable.default,
-    # Recomputing a collective would communicate again (tensor-parallel blocks).
+    # Recomputing a collective would communicate again: the reductions of tensor parallelism's
+    # row-parallel outputs (reduce-scatter with sequence parallelism, all-reduce without) are kept.
+    # All-gathers (sequence parallelism's inputs, context parallelism's K/V) are recomputed, as
+    # Megatron re-gathers in backward: kept, they would cost tp (cp) times their input.
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_reduce.default,
 })
 
 POLICIES: tuple[str, ...] = typing.get_args(ACPolicy)
@@ -64,6 +77,24 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
 
 def _selective_contexts() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def _alternate_contexts() -> tuple[Any, Any]:
+    """A policy for one run of one block (context_fn is called per checkpointed call): the
+    forward and the recompute count their matmuls apart, so both pick the same ones."""
+    matmuls = {False: 0, True: 0}  # by ctx.is_recompute
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in _MATMULS:
+            matmuls[ctx.is_recompute] += 1
+            odd = matmuls[ctx.is_recompute] % 2 == 1
+            return CheckpointPolicy.MUST_SAVE if odd else CheckpointPolicy.PREFER_RECOMPUTE
+        return _selective_policy(ctx, op, *args, **kwargs)
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+_CONTEXTS = {"selective": _selective_contexts, "selective-alternate": _alternate_contexts}
 
 
 def apply_activation_checkpointing(model: nn.Module, policy: str, every_n_layers: int = 1) -> int:
@@ -82,7 +113,7 @@ def apply_activation_checkpointing(model: nn.Module, policy: str, every_n_layers
     if policy == "none":
         return 0
     # Non-reentrant checkpoint: supports kwargs, autograd.grad and inputs that need no grad.
-    options: dict[str, Any] = {"context_fn": _selective_contexts} if policy == "selective" else {}
+    options: dict[str, Any] = {"context_fn": _CONTEXTS[policy]} if policy in _CONTEXTS else {}
     wrapped = 0
     for i, block in enumerate(model.layers):
         if i % every_n_layers == 0:

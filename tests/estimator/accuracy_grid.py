@@ -97,6 +97,7 @@ def _row(name: str, world: int, shape: list[str], *extra: str, micro: int = 4, a
 BF16_MIXED, FP16_MIXED, BF16_PURE = ("--precision.mode=bf16-mixed", "--precision.mode=fp16-mixed",
                                      "--precision.mode=bf16-pure")
 SELECTIVE, FULL = "--memory.activation_checkpointing=selective", "--memory.activation_checkpointing=full"
+ALTERNATE = "--memory.activation_checkpointing=selective-alternate"
 SGD, ADAM = "--optimizer.name=sgd", "--optimizer.name=adam"
 Z0, Z1, Z2, Z3 = (f"--parallel.zero_stage={stage}" for stage in range(4))
 
@@ -122,6 +123,8 @@ MODEL_PARALLEL_GRID: list[Row] = [
     _row("llama-cp2-z2-full", 2, LLAMA, CP2, Z2, FULL),
     _row("gpt2-cp2-z3-fp32", 2, GPT2, CP2, Z3),
     _row("moe-cp2-z3-bf16-mixed", 2, MOE, CP2, Z3, BF16_MIXED),
+    _row("llama-tp2-sp-bf16-mixed-alternate", 2, LLAMA, TP2, SP, BF16_MIXED, ALTERNATE),
+    _row("gpt2-cp2-z2-alternate", 2, GPT2, CP2, Z2, ALTERNATE),
     # four ranks: tp4, tp2 x dp2 (FSDP), cp2 x tp2, cp2 x dp2, cp4
     _row("mha-tp4-sp-fp32", 4, MHA, TP4, SP),
     _row("llama-tp2-z3-fp32", 4, LLAMA, TP2, Z3),
@@ -133,6 +136,7 @@ MODEL_PARALLEL_GRID: list[Row] = [
     _row("llama-cp2-z3-bf16-mixed-selective", 4, LLAMA, CP2, Z3, BF16_MIXED, SELECTIVE),
     _row("llama-cp2-z1-bf16-mixed", 4, LLAMA, CP2, Z1, BF16_MIXED),
     _row("llama-cp4-z3-fp32", 4, LLAMA, CP4, Z3),
+    _row("moe-cp2-tp2-z3-bf16-mixed-alternate", 4, MOE, CP2, TP2, Z3, BF16_MIXED, ALTERNATE),
 ]
 """Tensor, sequence and context parallel configurations, part of GRID."""
 
@@ -145,10 +149,13 @@ MOE_GRID: list[Row] = [
     _row("moe-top1-e16-fp32-full", 1, moe(16, 1), FULL),
     _row("moe-top2-e4-shared-fp32-selective", 1, moe(4, 2, 1), SELECTIVE),
     _row("moe-top2-e8-bf16-mixed-selective", 1, moe(8, 2), BF16_MIXED, SELECTIVE),
+    _row("moe-top2-e4-shared-fp32-alternate", 1, moe(4, 2, 1), ALTERNATE),
+    _row("moe-top1-e5-shared-bf16-mixed-alternate", 1, moe(5, 1, 1), BF16_MIXED, ALTERNATE),
     _row("moe-top2-e16-shared-fp16-mixed", 1, moe(16, 2, 1), FP16_MIXED),
     # capacity factor: fixed [experts, capacity] buffers, estimated exactly (0.5 drops half the pairs)
     _row("moe-cf1.25-top1-e8-bf16-mixed-full", 1, moe(8, 1, 0, 1.25), BF16_MIXED, FULL),
     _row("moe-cf1-top2-e4-shared-fp32", 1, moe(4, 2, 1, 1.0)),
+    _row("moe-cf1.25-top2-e4-shared-bf16-mixed-alternate", 1, moe(4, 2, 1, 1.25), BF16_MIXED, ALTERNATE),
     _row("moe-cf1.5-top2-e16-fp16-mixed-selective", 1, moe(16, 2, 0, 1.5), FP16_MIXED, SELECTIVE),
     _row("moe-cf0.5-top1-e4-fp32", 1, moe(4, 1, 0, 0.5)),
     # two ranks: FSDP2 (bf16 compute copies) and ZeRO-1
@@ -164,6 +171,8 @@ GRID: list[Row] = [
     _row("llama-fp16-mixed", 1, LLAMA, FP16_MIXED),
     _row("llama-bf16-pure", 1, LLAMA, BF16_PURE),
     _row("llama-selective", 1, LLAMA, SELECTIVE),
+    _row("llama-alternate", 1, LLAMA, ALTERNATE),
+    _row("llama-bf16-mixed-alternate", 1, LLAMA, BF16_MIXED, ALTERNATE),
     _row("llama-full", 1, LLAMA, FULL),
     _row("llama-bf16-mixed-full", 1, LLAMA, BF16_MIXED, FULL),
     _row("llama-fp16-mixed-selective-sgd", 1, LLAMA, FP16_MIXED, SELECTIVE, SGD),
@@ -183,6 +192,7 @@ GRID: list[Row] = [
     _row("moe-full-sgd", 1, MOE, FULL, SGD),
     _row("gpt2-fp32", 1, GPT2),
     _row("gpt2-bf16-mixed-selective", 1, GPT2, BF16_MIXED, SELECTIVE),
+    _row("gpt2-fp16-mixed-alternate", 1, GPT2, FP16_MIXED, ALTERNATE),
     _row("gpt2-fp16-mixed-full", 1, GPT2, FP16_MIXED, FULL),
     _row("tiny-seq32-micro2", 1, TINY, micro=2),
     _row("tiny-bf16-mixed-adam-seq32-micro2", 1, TINY, BF16_MIXED, ADAM, micro=2),
@@ -215,6 +225,7 @@ GRID: list[Row] = [
     _row("gpt2-z3-bf16-mixed", 4, GPT2, Z3, BF16_MIXED),
     _row("tiny-z1-bf16-mixed-seq32-micro2", 4, TINY, Z1, BF16_MIXED, micro=2),
     *MOE_GRID,
+    *MODEL_PARALLEL_GRID,
 ]
 
 

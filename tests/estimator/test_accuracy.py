@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from accuracy_grid import GRID, Measured, Row, analytic, measure_rows, problems, trace
 
-# 48 configurations measured on 1, 2 and 4 gloo ranks. The first test of each world size also runs
+# Configurations measured on 1, 2 and 4 gloo ranks. The first test of each world size also runs
 # its module-scoped measurement of every row: minutes on a busy 2-core machine, so a hang guard of
 # 30 min rather than pytest-timeout's 600 s (pyproject.toml).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]

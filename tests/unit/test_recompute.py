@@ -85,7 +85,7 @@ def grads(policy: str) -> dict[str, torch.Tensor]:
 
 def test_gradients_identical_across_policies():
     reference = grads("none")
-    for policy in ("selective", "full"):
+    for policy in ("selective", "selective-alternate", "full"):
         torch.testing.assert_close(grads(policy), reference, rtol=1e-6, atol=1e-6)
 
 
@@ -161,6 +161,9 @@ def test_selective_keeps_matmul_outputs_full_keeps_block_inputs():
     expected = NUM_LAYERS * (11 * unit + logsumexp) - unit
     assert abs(selective - expected) < slack
     assert none > 1.3 * selective
+    # selective-alternate: qkv and fc1 (the 1st and 3rd matmuls) and attention; proj and fc2 not.
+    alternate, _ = retained_bytes("selective-alternate")
+    assert abs(alternate - (expected - 2 * NUM_LAYERS * unit)) < slack
 
 
 def backward_counts(policy: str) -> tuple[int, int, Counter]:
@@ -180,6 +183,7 @@ def test_recompute_flops_and_ops():
     forward, none_bwd, none_ops = backward_counts("none")
     _, full_bwd, full_ops = backward_counts("full")
     _, selective_bwd, selective_ops = backward_counts("selective")
+    _, alternate_bwd, alternate_ops = backward_counts("selective-alternate")
     assert forward == 2 * BATCH * SEQ * DIM * DIM * 12 * NUM_LAYERS  # qkv 3 + proj 1 + mlp 8
     assert none_bwd == 2 * forward
     # full reruns the forward matmuls, except each block's last one (fc2): nothing saved depends
@@ -187,6 +191,10 @@ def test_recompute_flops_and_ops():
     fc2 = 2 * BATCH * SEQ * DIM * 4 * DIM * NUM_LAYERS
     assert full_bwd == 3 * forward - fc2
     assert selective_bwd == 2 * forward  # their outputs were saved: not rerun
+    # selective-alternate saves qkv's and fc1's outputs, reruns proj (norm2 saves what follows it)
+    # and stops before fc2, as full does.
+    proj = 2 * BATCH * SEQ * DIM * DIM * NUM_LAYERS
+    assert alternate_bwd == 2 * forward + proj
 
     sdpa = aten._scaled_dot_product_flash_attention_for_cpu.default
     cheap = (aten.native_layer_norm.default, aten.gelu.default)
@@ -196,3 +204,4 @@ def test_recompute_flops_and_ops():
     assert selective_ops[aten.addmm.default] == 0 and selective_ops[sdpa] == 0
     assert selective_ops[aten.native_layer_norm.default] == 2 * NUM_LAYERS
     assert selective_ops[aten.gelu.default] == NUM_LAYERS
+    assert alternate_ops[aten.addmm.default] == NUM_LAYERS and alternate_ops[sdpa] == 0

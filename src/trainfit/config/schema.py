@@ -15,7 +15,7 @@ from typing import Literal
 PrecisionMode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure", "fp8-mixed"]
 OptimizerName = Literal["adamw", "adam", "sgd", "adamw-8bit"]
 LRSchedule = Literal["cosine", "linear", "constant"]
-ACPolicy = Literal["none", "selective", "full"]
+ACPolicy = Literal["none", "selective", "selective-alternate", "full"]
 Device = Literal["auto", "cpu", "cuda"]
 
 
@@ -190,7 +190,9 @@ class ParallelConfig:
 @dataclass
 class MemoryConfig:
     activation_checkpointing: ACPolicy = "none"
-    """none | selective (keep matmul outputs, recompute the rest) | full (recompute whole blocks)."""
+    """none | selective (keep matmul and attention outputs, recompute the rest) | selective-alternate
+    (torchtitan's op-level policy: keep attention's and every other matmul's outputs) | full
+    (recompute whole blocks from their inputs)."""
     ac_every_n_layers: int = 1
     """Apply the checkpointing policy to every n-th block only (1 = all blocks)."""
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"

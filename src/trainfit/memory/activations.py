@@ -233,8 +233,11 @@ def block_terms(m: ModelConfig, d: ActDtypes, policy: str, routing: Routing | No
         shared = m.num_shared_experts * F
         kept += Terms(gathered=c * E + rows * c * (2 * F + D))  # router logits; each expert row: w1, w3, w2 outputs
         return kept + Terms(gathered=(c * D if shared else 0) + 2 * c * shared)  # shared w2; shared w1, w3
+    if policy == "selective-alternate":
+        return _alternate_kept(m, d, routing, tp)
     if policy != "none":
-        raise ValueError(f"activation checkpointing policy {policy!r}: choose none, selective or full")
+        raise ValueError(f"activation checkpointing policy {policy!r}: choose none, selective, "
+                         "selective-alternate or full")
     # Block input (for RMSNorm with a 16-bit stream, its fp32 copy replaces it: see _norm) and
     # the mid-block residual h, each saved at 4 bytes by the norm that reads it (RMSNorm) or at
     # stream bytes (LayerNorm saves its input as is).
@@ -255,38 +258,95 @@ class PolicyOnly:
     """Consumed by the block's recompute in backward, which frees them from the policy's cache."""
     kept: Terms
     """Alive until the block's backward ends."""
+    released_last: Terms = Terms()
+    """The part of `released` the recompute's last operator consumes, alive at its end: an MoE
+    block's shared experts' w2 output (their sum with the routed output)."""
 
 
 def _row_parallel_reductions(m: ModelConfig, d: ActDtypes, tp: int) -> Terms:
-    """Tensor parallelism under `selective` (recompute._SAVE_OPS): the reduced outputs of the
-    row-parallel projections (wo; w2 / fc2 unless the feed-forward is an MoE, whole on the tp ranks),
-    the reduce-scatter's sequence shard with sequence parallelism, the all-reduce's whole tensor
-    without: the residual stream's shape (`seq`)."""
-    if tp == 1:
-        return Terms()
-    return Terms(seq=d.compute * m.dim * (1 if m.num_experts else 2))
+    """Tensor parallelism under the selective policies (recompute._SAVE_OPS): the reduced outputs of
+    the row-parallel projections (wo; w2 / fc2 unless the feed-forward is an MoE, whole on the tp
+    ranks), the reduce-scatter's sequence shard with sequence parallelism, the all-reduce's whole
+    tensor without: the residual stream's shape (`seq`)."""
+    return _reduction(m, d, tp) + (Terms() if m.num_experts else _reduction(m, d, tp))
 
 
-def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str) -> PolicyOnly:
+def _reduction(m: ModelConfig, d: ActDtypes, tp: int) -> Terms:
+    """One row-parallel projection's reduced output (see _row_parallel_reductions)."""
+    return Terms(seq=d.compute * m.dim) if tp > 1 else Terms()
+
+
+def _shared_experts_first_matmul(m: ModelConfig, r: Routing) -> int:
+    """The 1-based position of the shared experts' w1 among an MoE block's matmuls: wq, wk, wv, wo,
+    the router, then the routed experts' (w1, w3, w2 per expert, dropless; one batched matmul per
+    weight with a capacity factor)."""
+    return 9 if r.capacity else 6 + 3 * m.num_experts
+
+
+def _policy_keeps_shared_output(m: ModelConfig, r: Routing, policy: str) -> bool:
+    """Whether a checkpointing policy saves the shared experts' w2 output (selective: every matmul's;
+    selective-alternate: when w2 is an odd-numbered matmul)."""
+    if policy == "selective-alternate":
+        return _shared_experts_first_matmul(m, r) % 2 == 1
+    return policy == "selective"
+
+
+def _alternate_kept(m: ModelConfig, d: ActDtypes, routing: Routing | None, tp: int) -> Terms:
+    """`selective-alternate` (recompute._alternate_contexts): the block input, the outputs of the
+    fused attention, of tp's reductions and of the odd-numbered matmuls in forward order: wq (1st)
+    and wv (3rd), not wk or wo; Llama's w1 (5th) and w2 (7th), not w3; GPT-2's fc1 (5th), not fc2.
+    MoE: the router (5th); dropless expert e runs matmuls 6 + 3e to 8 + 3e, so even-numbered experts
+    keep w3, odd-numbered ones w1 and w2 (counted as if the rows split between them as the experts
+    do); with a capacity factor the batched w3 (7th); the shared experts by their position."""
+    D, q_dim, kv_dim, H, _ = _shapes(m)
+    c = d.compute
+    kept = Terms(seq=d.stream * D, tp=c * (2 * q_dim + kv_dim) + FP32 * H)  # wq, wv; attention out, lse
+    kept += _row_parallel_reductions(m, d, tp)
+    if m.family == "gpt2":
+        return kept + Terms(tp=c * m.ffn_dim)
+    if not m.num_experts:
+        return kept + Terms(tp=c * m.ffn_dim, gathered=c * D)
+    E, F, r = m.num_experts, m.expert_ffn_dim, routing or _balanced(m)
+    if r.capacity:
+        routed = r.rows * c * F
+    else:
+        even = -(-E // 2) / E  # the share of experts (and, balanced, of rows) numbered 0, 2, 4, ...
+        routed = r.rows * c * (even * F + (1 - even) * (F + D))
+    shared = m.num_shared_experts * F
+    shared_kept = c * (shared + D) if _policy_keeps_shared_output(m, r, "selective-alternate") else c * shared
+    return kept + Terms(gathered=c * E + routed + (shared_kept if shared else 0))
+
+
+def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str, tp: int = 1,
+                      routing: Routing | None = None) -> PolicyOnly:
     """Tensors a checkpointed block keeps that the unwrapped block does not save, so that its
     recompute rebuilds (unwrapped - policy) + released + kept:
     - the block input in a 16-bit stream, for Llama: unwrapped, RMSNorm saves only its fp32 copy;
     - selective: matmul outputs whose consumers keep nothing of them: wo's and w2's (fc2's) feed
       residual adds; Llama's wq and wk outputs feed RoPE, whose outputs are what SDPA saves; an
-      MoE router's logits feed a softmax, which saves its output. The recompute consumes all but
-      the last matmul's (w2 / fc2 / the shared experts' w2), where it stops."""
+      MoE router's logits feed a softmax, which saves its output; tp's reduced outputs of wo and
+      w2 (fc2) feed residual adds. The recompute consumes all but the last matmul's (w2 / fc2)
+      and its reduction, where it stops; an MoE block's it consumes all (it runs to the end).
+    - selective-alternate: the same among what it keeps: Llama's wq (not wk), w2 and the
+      reductions; GPT-2's reductions; an MoE's router and, when kept, its shared experts' w2."""
     D, q_dim, kv_dim, _, _ = _shapes(m)
     c = d.compute
     block_input = Terms(seq=d.stream * D if m.family == "llama" and d.stream != FP32 else 0)
-    if policy != "selective":
+    if policy not in ("selective", "selective-alternate"):
         return PolicyOnly(Terms(), block_input)
-    released = Terms(gathered=c * D)  # wo output
+    alternate = policy == "selective-alternate"
+    released = _reduction(m, d, tp) + Terms(gathered=0 if alternate else c * D)  # wo's reduction, output
     if m.family == "llama":
-        released += Terms(tp=c * (q_dim + kv_dim))  # wq, wk outputs (before RoPE)
-    last = Terms(gathered=c * D)  # w2 / fc2 output
+        released += Terms(tp=c * (q_dim + (0 if alternate else kv_dim)))  # wq, wk outputs (before RoPE)
     if m.num_experts:
-        released += Terms(gathered=c * m.num_experts)  # router logits
-        last = Terms(gathered=c * D if m.num_shared_experts else 0)
+        # The recompute runs to the block's end (the load-balancing loss is saved after the output):
+        # it consumes the router's logits and, when kept, the shared experts' w2 output.
+        shared_w2 = m.num_shared_experts and _policy_keeps_shared_output(m, routing or _balanced(m), policy)
+        last = Terms(gathered=c * D if shared_w2 else 0)
+        return PolicyOnly(released + Terms(gathered=c * m.num_experts) + last, block_input, last)
+    last = _reduction(m, d, tp)  # w2's / fc2's reduction, and w2's (fc2's) output unless recomputed
+    if not (alternate and m.family == "gpt2"):
+        last += Terms(gathered=c * D)
     return PolicyOnly(released, block_input + last)
 
 
@@ -294,13 +354,14 @@ def shared_experts_saved(m: ModelConfig, d: ActDtypes, policy: str) -> tuple[Ter
     """(kept by the policy, rebuilt by the recompute) of what the shared experts save: their
     backward runs before the routed experts' (their sum is the layer's last op), so by the routed
     experts' backward these are freed. The SwiGLU's 4 tensors (selective keeps the matmul outputs,
-    w1 and w3, and recomputes silu and the product; full recomputes all four) and under autocast
-    the casts of their input that w1 and w3 save (recomputed by both policies)."""
+    w1 and w3, and recomputes silu and the product; selective-alternate keeps one of w1 and w3;
+    full recomputes all four) and under autocast the casts of their input that w1 and w3 save
+    (recomputed by every policy)."""
     if not m.num_shared_experts:
         return Terms(), Terms()
     saved = _swiglu_saved(d.compute, m.num_shared_experts * m.expert_ffn_dim)
     casts = 2 * d.compute * m.dim if d.autocast else 0
-    kept = {"none": saved, "selective": saved / 2}.get(policy, 0.0)
+    kept = {"none": saved, "selective": saved / 2, "selective-alternate": saved / 4}.get(policy, 0.0)
     return Terms(gathered=kept + (casts if policy == "none" else 0)), \
         Terms(gathered=saved - kept + (0 if policy == "none" else casts))
 
@@ -385,9 +446,11 @@ class Transient:
     """What a checkpointed block's recompute holds at its end beyond what it rebuilds. Dense: it
     stops when the MLP's output matmul saves its inputs (before its kernel runs), inside the MLP's
     forward, whose input (the norm's output, in the stream's dtype) is still referenced there; under
-    sequence parallelism its all-gathered copy too. MoE: it runs past its last saved tensor, as the
-    block saves something after its output (the load-balancing loss): the routed output, the shared
-    experts' output and their sum exist until the recompute returns."""
+    sequence parallelism its all-gathered copy too (under autocast: otherwise the matmuls save
+    them, and they are rebuilt). MoE: the same input, and as the block saves
+    something after its output (the load-balancing loss), the recompute runs to the end: the routed
+    output, the shared experts' output (unless the policy kept it) and their sum exist until it
+    returns."""
     expert_output: Terms = Terms()
     """MoE, the largest routed computation (`Routing.busiest` rows): its backward starts with its
     rows of the layer's output gradient (index_select), their product with the routing weights (the
@@ -407,7 +470,7 @@ class Transient:
 
 
 def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | None = None,
-                             sequence_parallel: bool = False) -> Transient:
+                             sequence_parallel: bool = False, policy: str = "none") -> Transient:
     """Bytes while one block runs its backward, beyond its saved activations (measured on CPU):
     the MLP's intermediate gradients (SwiGLU: the gradients of the w2 input, of silu out and of
     w3 out, 3 F, once the w2 input is freed; GELU MLP: the gradients of the GELU output and input,
@@ -419,7 +482,9 @@ def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | No
     c = d.compute
     # Under autocast the residual add (fp32 + bf16 branch) also casts the gradient for the branch.
     grad_cast = Terms(seq=c * D if d.autocast else 0)
-    tail, expert = Terms(seq=d.stream * D, gathered=d.stream * D if sequence_parallel else 0), {}
+    # The MLP's input held by its forward: saved itself (so rebuilt) unless autocast saves its casts.
+    tail = Terms(seq=d.stream * D, gathered=d.stream * D if sequence_parallel else 0) if d.autocast else Terms()
+    expert = {}
     if m.family == "gpt2":
         # fp32/16-bit: GELU's backward (its input's and output's gradients, fc2's input freed);
         # autocast: inside fc2's backward (its input's gradient, before the fp32 cast-back).
@@ -428,7 +493,9 @@ def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | No
         # mlp_*: the shared experts' SwiGLU, whose backward runs first; expert_*: the routed ones'.
         F, busiest = m.expert_ffn_dim, (routing or _balanced(m)).busiest
         hidden, grads = m.num_shared_experts * F, 3
-        tail = Terms(gathered=2 * d.stream * D + (c * D if m.num_shared_experts else 0))
+        # The routed output; with shared experts their sum, and their output unless the policy kept it.
+        shared_output = 0 if _policy_keeps_shared_output(m, routing or _balanced(m), policy) else c * D
+        tail += Terms(gathered=d.stream * D + (d.stream * D + shared_output if m.num_shared_experts else 0))
         expert = dict(expert_output=Terms(gathered=3 * d.stream * D * busiest),
                       expert_output_freed=Terms(gathered=d.stream * D * busiest),
                       expert_hidden=Terms(gathered=2 * c * F * busiest),

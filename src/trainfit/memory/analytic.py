@@ -383,9 +383,9 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     a_blocks = none_blocks * a_none + lay.policy_blocks * a_policy
     a_blocks += size(context_parallel_positions(run.model, cp, _rope_table_bytes(run)))
     a_final = size(final_norm_terms(run.model, act)) if lay.last else 0
-    transient = backward_transient_terms(run.model, act, routing, run.layout.sequence_parallel)
+    transient = backward_transient_terms(run.model, act, routing, run.layout.sequence_parallel, policy)
     rebuild = a_none - a_policy  # what a checkpointed block recomputes in backward
-    only = policy_only_terms(run.model, act, policy)
+    only = policy_only_terms(run.model, act, policy, run.layout.tp, routing)
     released = size(only.released)  # saved by the policy, freed by the recompute
     rebuild += released + size(only.kept)
 
@@ -486,7 +486,7 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
                 moments.append((*routed(r.done), acts, -r.uncast))
             return max(moments, key=sum)
         kept = a_policy - released + stream
-        recomputed = (0, rebuild + size(t.recompute_tail), kept + size(t.branch_grad), 0)
+        recomputed = (0, rebuild + size(t.recompute_tail), kept + size(t.branch_grad) + size(only.released_last), 0)
         mlp_moment = (w2[0], w2[1] + rebuild - size(t.mlp_freed), kept + cast + size(t.mlp_new) + w2[2], 0)
         moments = [recomputed, mlp_moment]
         for r in routed_moments:

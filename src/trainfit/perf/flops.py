@@ -19,7 +19,9 @@ Hardware FLOPs are what the GPUs execute: model FLOPs plus
   matmuls and attention -- except its last matmul: non-reentrant checkpoint stops once every tensor
   backward needs is back, and nothing saves the MLP down projection's output. In a MoE block the
   load-balancing loss is computed after the experts from saved router outputs, so recomputation runs
-  to the end of the block and nothing is skipped. Every-n-layers wraps ceil(L / n) blocks.
+  to the end of the block and nothing is skipped. selective-alternate: the matmuls whose outputs
+  it does not keep (the even-numbered ones in forward order, `alternate_recompute_params`), but a
+  dense block's last, as full. Every-n-layers wraps ceil(L / n) blocks.
 Checked against torch.utils.flop_counter.FlopCounterMode on our models (tests/estimator/test_flops.py).
 """
 
@@ -85,8 +87,34 @@ def num_checkpointed_blocks(num_layers: int, every_n_layers: int) -> int:
     return (num_layers + every_n_layers - 1) // every_n_layers
 
 
+def alternate_recompute_params(m: ModelConfig, even_share: float | None = None) -> float:
+    """Weights per token whose matmuls selective-alternate reruns in backward (trainfit.recompute):
+    wk and wo; Llama's w3 (w1 and w2 kept), not GPT-2's fc2 (the block's last, skipped as under full).
+    MoE (the router is kept): dropless expert e's w1, w3, w2 are matmuls 6 + 3e to 8 + 3e, so
+    even-numbered experts rerun w1 and w2, odd-numbered ones w3, weighted by `even_share`, the share
+    of routed tokens on even-numbered experts (default: balanced routing, their share of the
+    experts); with a capacity factor the batched w1 and w2; the shared experts' w3, or w1 and w2,
+    by the parity of their first matmul."""
+    head_dim = m.dim // m.num_heads
+    attention = m.dim * (m.num_kv_heads + m.num_heads) * head_dim  # wk, wo
+    if m.family == "gpt2":
+        return attention
+    if not m.num_experts:
+        return attention + m.dim * m.ffn_dim  # w3
+    E, expert = m.num_experts, m.dim * m.expert_ffn_dim  # one weight of one expert
+    if m.capacity_factor:
+        routed, first_shared = 2.0, 9
+    else:
+        even = -(-E // 2) / E if even_share is None else even_share
+        routed, first_shared = even * 2 + (1 - even), 6 + 3 * E
+    shared = m.num_shared_experts * (1 if first_shared % 2 else 2)
+    return attention + (m.experts_per_token * routed + shared) * expert
+
+
 def block_recompute_flops(m: ModelConfig, seq_len: int, policy: str) -> tuple[int, int]:
     """(matmul, attention) FLOPs per token that one wrapped block reruns in backward."""
+    if policy == "selective-alternate":
+        return int(2 * alternate_recompute_params(m)), 0
     if policy != "full":
         return 0, 0
     return 2 * (block_matmul_params(m) - skipped_recompute_params(m)), block_attention_flops(m, seq_len)
