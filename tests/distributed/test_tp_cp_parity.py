@@ -38,6 +38,7 @@ class TwoRanks(GlooTestCase):
             (("--parallel.tp=2", SP, "--model.preset=debug-moe"), MOE),
             (("--parallel.tp=2", SP, "--memory.activation_checkpointing=full"), TP_FP32),
             (("--parallel.tp=2", SP, "--precision.mode=bf16-mixed"), AUTOCAST),
+            (("--parallel.tp=2", "--model.vocab_size=511"), TP_FP32),  # uneven vocabulary shards
         ]}, self.check_case)
 
     @with_comms

@@ -109,9 +109,9 @@ MODEL_PARALLEL_GRID: list[Row] = [
     _row("llama-tp2-fp32", 2, LLAMA, TP2),
     _row("llama-tp2-sp-fp32", 2, LLAMA, TP2, SP),
     _row("llama-tp2-sp-bf16-mixed", 2, LLAMA, TP2, SP, BF16_MIXED),
-    _row("llama-tp2-bf16-pure-full", 2, LLAMA, TP2, BF16_PURE, FULL),
+    _row("llama-tp2-bf16-pure-full", 2, LLAMA, TP2, BF16_PURE, FULL, micro=8),
     _row("llama-tp2-sp-selective", 2, LLAMA, TP2, SP, SELECTIVE),
-    _row("llama-tp2-sp-bf16-mixed-full", 2, LLAMA, TP2, SP, BF16_MIXED, FULL),
+    _row("llama-tp2-sp-bf16-mixed-full", 2, LLAMA, TP2, SP, BF16_MIXED, FULL, micro=8),
     _row("tied-tp2-sp-bf16-pure-sgd", 2, TIED, TP2, SP, BF16_PURE, SGD),
     _row("gpt2-tp2-sp-fp32", 2, GPT2, TP2, SP),
     _row("gpt2-tp2-bf16-mixed-selective", 2, GPT2, TP2, BF16_MIXED, SELECTIVE),
@@ -129,14 +129,14 @@ MODEL_PARALLEL_GRID: list[Row] = [
     _row("mha-tp4-sp-fp32", 4, MHA, TP4, SP),
     _row("llama-tp2-z3-fp32", 4, LLAMA, TP2, Z3),
     _row("llama-tp2-sp-z2-bf16-mixed", 4, LLAMA, TP2, SP, Z2, BF16_MIXED),
-    _row("llama-tp2-sp-z3-bf16-mixed-full", 4, LLAMA, TP2, SP, Z3, BF16_MIXED, FULL),
+    _row("llama-tp2-sp-z3-bf16-mixed-full", 4, LLAMA, TP2, SP, Z3, BF16_MIXED, FULL, micro=8),
     _row("gpt2-tp2-z3-bf16-mixed-selective", 4, GPT2, TP2, Z3, BF16_MIXED, SELECTIVE),
     _row("moe-tp2-sp-z3-bf16-mixed", 4, MOE, TP2, SP, Z3, BF16_MIXED),
     _row("llama-cp2-tp2-sp-z3-fp32", 4, LLAMA, CP2, TP2, SP, Z3),
     _row("llama-cp2-z3-bf16-mixed-selective", 4, LLAMA, CP2, Z3, BF16_MIXED, SELECTIVE),
     _row("llama-cp2-z1-bf16-mixed", 4, LLAMA, CP2, Z1, BF16_MIXED),
     _row("llama-cp4-z3-fp32", 4, LLAMA, CP4, Z3),
-    _row("moe-cp2-tp2-z3-bf16-mixed-alternate", 4, MOE, CP2, TP2, Z3, BF16_MIXED, ALTERNATE),
+    _row("moe-cp2-tp2-z3-bf16-mixed-alternate", 4, MOE, CP2, TP2, Z3, BF16_MIXED, ALTERNATE, micro=16),
 ]
 """Tensor, sequence and context parallel configurations, part of GRID."""
 

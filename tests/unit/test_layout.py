@@ -10,6 +10,7 @@ import pytest
 
 from trainfit.config import ConfigError, load_config
 from trainfit.parallel.layout import build_layout, launch_command, nearest, resolve_world_size
+from trainfit.parallel.tensor_parallel import uneven_vocabulary
 
 
 def layout_of(*overrides: str, world_size: int | None = None):
@@ -142,3 +143,10 @@ def test_nearest_valid_values() -> None:
     assert nearest(3, [1, 2, 4, 8]) == "2 or 4"
     assert nearest(12, [1, 2, 4, 8]) == "4 or 8"
     assert nearest(5, [5]) == "5"
+
+
+def test_an_uneven_vocabulary_is_named_with_its_largest_shard_and_the_even_size() -> None:
+    assert uneven_vocabulary(512, 2) is None and uneven_vocabulary(511, 1) is None
+    note = uneven_vocabulary(50257, 4)  # GPT-2's vocabulary on 4 tensor-parallel ranks
+    assert note is not None and "model.vocab_size=50257" in note and "12565 on the first ranks" in note
+    assert "model.vocab_size=50260" in note

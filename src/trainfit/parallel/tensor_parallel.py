@@ -116,6 +116,18 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     return model
 
 
+def uneven_vocabulary(vocab_size: int, tp: int) -> str | None:
+    """What a user should know when tp does not divide the vocabulary: DTensor shards its rows
+    unevenly (torch.chunk's split: the first ranks one row more), which works, but those ranks
+    hold the largest shard (what the estimators count) and the others wait on them."""
+    if tp == 1 or vocab_size % tp == 0:
+        return None
+    padded = -(-vocab_size // tp) * tp
+    return (f"model.vocab_size={vocab_size} is not divisible by parallel.tp={tp}: the embedding and output "
+            f"rows are split unevenly ({-(-vocab_size // tp)} on the first ranks, estimated at that size); "
+            f"model.vocab_size={padded} would split them evenly")
+
+
 @contextlib.contextmanager
 def vocabulary_parallel_loss(enabled: bool) -> Iterator[None]:
     """Around the loss and its backward: cross-entropy on logits sharded over the vocabulary

@@ -46,7 +46,7 @@ from trainfit.parallel.data_parallel import (
     uses_autocast,
 )
 from trainfit.parallel.layout import Layout, build_layout
-from trainfit.parallel.tensor_parallel import vocabulary_parallel_loss
+from trainfit.parallel.tensor_parallel import uneven_vocabulary, vocabulary_parallel_loss
 from trainfit.perf.flops import mfu, training_flops_per_token
 from trainfit.precision import precision_policy, step_optimizer
 from trainfit.train import checkpoint as ckpt
@@ -166,7 +166,8 @@ class Trainer:
         else:
             self.layout = layout or world.layout or build_layout(cfg, world.size)
             self.world = world
-        for message in self.layout.ineffective_options():
+        uneven = uneven_vocabulary(cfg.model.vocab_size, self.layout.tp)
+        for message in [*self.layout.ineffective_options(), *([uneven] if uneven else [])]:
             warnings.warn(message, stacklevel=2)
         self.cfg = cfg
         self.device = self.world.device
