@@ -185,6 +185,8 @@ CONFIG_FILES = [  # what a config file can hold
     ("latin-1 text", "[model]\npreset = \"caf\xe9\"\n".encode("latin-1"), ("cfg.toml",)),
     ("empty preset", '[model]\npreset = ""\n', ("model.",)),
     ("unknown preset", '[model]\npreset = "gpt5"\n', ("model.preset", "gpt5")),
+    ("gpt2 with grouped kv heads", '[model]\npreset = "gpt2"\nnum_kv_heads = 4\n',
+     ("model.num_kv_heads", "4", "set it to 12")),
     ("folder as config", None, ("cfgdir",)),
 ]
 

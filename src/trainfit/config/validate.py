@@ -52,6 +52,9 @@ def _validate_model(m: ModelConfig) -> None:
         raise field_error("model.num_heads", m.num_heads, f"must divide model.dim={m.dim}")
     if m.num_heads % m.num_kv_heads:
         raise field_error("model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads={m.num_heads}")
+    if m.family == "gpt2" and m.num_kv_heads != m.num_heads:
+        raise field_error("model.num_kv_heads", m.num_kv_heads,
+                          f"GPT-2 attention has one key/value head per query head: set it to {m.num_heads}")
     if (m.dim // m.num_heads) % 2 and m.family == "llama":
         raise field_error("model.num_heads", m.num_heads, "dim / num_heads must be even for RoPE")
     if m.num_experts:
