@@ -4,8 +4,10 @@ allocator (memory/attribution.py), traced (memory/traced.py) and estimated (memo
 
 Ground truth on CPU: the step's growth in glibc's in-use bytes on top of the tensors alive at its
 start. What no tensor explains (autograd's graph objects, tensor headers: ~0.1-0.3 MiB on these
-models) is the measured side's extra, so models are sized for peaks of 10-60 MiB; small enough
-that a 4-rank step costs a few seconds on 2 cores.
+models; with tensor parallelism's DTensors and gloo collectives 0.2-0.5 MiB, more under load) is
+the measured side's extra, so models are sized for peaks of 10-60 MiB (tensor-parallel rows with
+checkpointing, whose steps are small, for 20 MiB or more); small enough that a 4-rank step costs
+a few seconds on 2 cores.
 
 Several ranks: one `torch.multiprocessing.spawn` per world size joins a gloo world once and
 measures all of that world's rows in sequence (each rank measures itself and writes one JSON file
@@ -109,9 +111,9 @@ MODEL_PARALLEL_GRID: list[Row] = [
     _row("llama-tp2-fp32", 2, LLAMA, TP2),
     _row("llama-tp2-sp-fp32", 2, LLAMA, TP2, SP),
     _row("llama-tp2-sp-bf16-mixed", 2, LLAMA, TP2, SP, BF16_MIXED),
-    _row("llama-tp2-bf16-pure-full", 2, LLAMA, TP2, BF16_PURE, FULL, micro=8),
+    _row("llama-tp2-bf16-pure-full", 2, LLAMA, TP2, BF16_PURE, FULL, micro=16),
     _row("llama-tp2-sp-selective", 2, LLAMA, TP2, SP, SELECTIVE),
-    _row("llama-tp2-sp-bf16-mixed-full", 2, LLAMA, TP2, SP, BF16_MIXED, FULL, micro=8),
+    _row("llama-tp2-sp-bf16-mixed-full", 2, LLAMA, TP2, SP, BF16_MIXED, FULL, micro=16),
     _row("tied-tp2-sp-bf16-pure-sgd", 2, TIED, TP2, SP, BF16_PURE, SGD),
     _row("gpt2-tp2-sp-fp32", 2, GPT2, TP2, SP),
     _row("gpt2-tp2-bf16-mixed-selective", 2, GPT2, TP2, BF16_MIXED, SELECTIVE),
@@ -129,7 +131,7 @@ MODEL_PARALLEL_GRID: list[Row] = [
     _row("mha-tp4-sp-fp32", 4, MHA, TP4, SP),
     _row("llama-tp2-z3-fp32", 4, LLAMA, TP2, Z3),
     _row("llama-tp2-sp-z2-bf16-mixed", 4, LLAMA, TP2, SP, Z2, BF16_MIXED),
-    _row("llama-tp2-sp-z3-bf16-mixed-full", 4, LLAMA, TP2, SP, Z3, BF16_MIXED, FULL, micro=8),
+    _row("llama-tp2-sp-z3-bf16-mixed-full", 4, LLAMA, TP2, SP, Z3, BF16_MIXED, FULL, micro=16),
     _row("gpt2-tp2-z3-bf16-mixed-selective", 4, GPT2, TP2, Z3, BF16_MIXED, SELECTIVE),
     _row("moe-tp2-sp-z3-bf16-mixed", 4, MOE, TP2, SP, Z3, BF16_MIXED),
     _row("llama-cp2-tp2-sp-z3-fp32", 4, LLAMA, CP2, TP2, SP, Z3),

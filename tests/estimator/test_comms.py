@@ -230,11 +230,15 @@ def test_zero1_collectives_match_the_zero_optimizer(precision: str, grad_accum_d
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tensor_parallel_block_collectives_match_parallelize_module(sequence_parallel: bool) -> None:
+def test_tensor_parallel_collectives_match_parallelize_module(sequence_parallel: bool) -> None:
+    """The whole model as parallel/tensor_parallel.py plans it: blocks, the vocabulary-parallel
+    embedding and output projection, and loss_parallel's cross-entropy (the block alone was checked
+    before; tests/distributed/test_comm_counts.py checks a real step). Selective recomputation
+    without sequence parallelism now repeats no all-reduce: recompute.py saves all-reduce outputs
+    (the expectation of one dated from before all_reduce joined its _SAVE_OPS)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
 
-    from trainfit.parallel.tensor_parallel import block_plan
+    from trainfit.parallel.tensor_parallel import apply_tensor_parallel, vocabulary_parallel_loss
     from trainfit.recompute import apply_activation_checkpointing
 
     for policy in ("none", "full", "selective"):
@@ -243,13 +247,12 @@ def test_tensor_parallel_block_collectives_match_parallelize_module(sequence_par
                           f"--memory.activation_checkpointing={policy}", "--training.seq_len=16",
                           "--training.micro_batch_size=2", "--training.global_batch_size=2")
         with fake_world(2):
-            model = materialize(build_model(cfg.model), "cpu")
-            block = model.layers[0]
-            parallelize_module(block, init_device_mesh("cpu", (2,)), block_plan(block, sequence_parallel))
+            model = build_model(cfg.model)
+            apply_tensor_parallel(model, init_device_mesh("cpu", (2,)), sequence_parallel=sequence_parallel)
             apply_activation_checkpointing(model, policy)
-            local_seq = 16 // 2 if sequence_parallel else 16
-            x = torch.randn(2, local_seq, cfg.model.dim, requires_grad=True)  # the residual stream
-            with CollectiveLog() as log:
-                model.layers[0](x, model.rope_cos[:16], model.rope_sin[:16]).sum().backward()
+            materialize(model, "cpu")
+            tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
+            with CollectiveLog() as log, vocabulary_parallel_loss(True):
+                torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
         assert log.calls == expected(cfg, dims), policy
         assert observed_total(log) == sum(log.calls.values())

@@ -173,15 +173,48 @@ def stage_params(model: ModelConfig, layout: Layout) -> tuple[int, int]:
 def _tp_recompute_calls(sequence_parallel: bool, policy: str) -> tuple[int, int, int]:
     """(all-gather, reduce-scatter, all-reduce) calls one wrapped block's recomputation repeats.
 
-    Forward per block: [AR, AR] without sequence parallelism, [AG, RS, AG, RS] with it. Full
-    recomputation reruns them all but the last (nothing saves its output); selective saves
-    reduce-scatter outputs (trainfit.recompute._SAVE_OPS) and reruns the rest but the last.
+    Forward per dense block: [AR, AR] without sequence parallelism, [AG, RS, AG, RS] with it (MoE:
+    [AR], [AG, RS, AG]). Full recomputation reruns them all but a dense block's last (nothing saves
+    its output); selective saves the reductions' outputs (trainfit.recompute._SAVE_OPS: reduce-scatter
+    and all-reduce) and reruns the all-gathers.
     """
     if policy == "none":
         return 0, 0, 0
     if not sequence_parallel:
-        return 0, 0, 1
+        return (0, 0, 1) if policy == "full" else (0, 0, 0)
     return (2, 1, 0) if policy == "full" else (2, 0, 0)
+
+
+def _tp_calls(model: ModelConfig, layout: Layout, wrapped: int) -> dict[tuple[str, str, str], int]:
+    """Tensor-parallel calls per micro-batch, keyed (kind, phase, what moves): "out" a row-parallel
+    output (or its gradient), "stream" the residual stream (a norm's or the embedding's output, or the
+    gradient into one), "loss" loss_parallel's per-token statistics, "pos" GPT-2's learned positions,
+    "gain" a sequence-parallel norm parameter's gradient (step_collectives says which plan issues which).
+    """
+    layers = model.num_layers // layout.pp
+    outs = 1 if model.num_experts else 2  # row-parallel outputs per block (MoE: attention's wo only)
+    output = 1  # the busiest stage is the last: the output projection and the loss ...
+    embedding = int(layout.pp == 1)  # ... and the embedding when there is one stage
+    ag, rs, ar = _tp_recompute_calls(layout.sequence_parallel, layout.activation_checkpointing)
+    loss = {("all_reduce", "forward", "loss"): 3 * output}
+    if not layout.sequence_parallel:
+        return {**loss,
+                ("all_reduce", "forward", "out"): outs * layers,
+                ("all_reduce", "forward", "stream"): embedding,
+                ("all_reduce", "backward", "stream"): outs * layers + output,
+                ("all_reduce", "backward", "out"): ar * wrapped}
+    c = param_counts(model)  # one all-reduce per gain (and bias) tensor of dim elements, under FSDP2 only
+    gains = (c.norms * layers + c.final_norm * output) // model.dim if layout.data_parallel == "fsdp" else 0
+    return {**loss,
+            ("all_gather", "forward", "stream"): 2 * layers + output,
+            ("reduce_scatter", "forward", "out"): outs * layers,
+            ("reduce_scatter", "forward", "stream"): embedding,
+            ("all_gather", "backward", "out"): outs * layers,
+            ("all_gather", "backward", "stream"): (2 - outs) * layers + embedding + ag * wrapped,
+            ("reduce_scatter", "backward", "stream"): outs * layers + output,
+            ("reduce_scatter", "backward", "out"): rs * wrapped,
+            ("all_gather", "backward", "pos"): embedding * (model.family == "gpt2"),
+            ("all_reduce", "backward", "gain"): gains}
 
 
 def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfig) -> list[Collective]:
@@ -202,14 +235,34 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
       Parameter all-gathers over dp_shard, every micro-batch: each unit in forward, and under
       ZeRO-3 each block again in backward (the root is never resharded after forward; ZeRO-2 is
       reshard_after_forward=False, so no block is either).
-    Model parallel, per block and micro-batch: tp 2 all-reduces forward + 2 backward, or with
-    sequence parallelism 2 all-gathers + 2 reduce-scatters each way, plus what recomputation repeats;
-    cp an all-gather of K and V forward, an all-gather and a reduce-scatter (dK, dV) backward, plus the
-    forward one again under full recomputation; ep a dispatch and a combine all-to-all each way
-    (twice forward under full recomputation); pp one activation send forward and one gradient send
-    backward per micro-batch and virtual stage.
-    Not modelled: TP of embeddings/output and loss parallelism, the gradient-norm all-reduce, the
-    loss all-reduce for logging, sharding padding.
+    Tensor parallel (parallel/tensor_parallel.py's DTensor plans), per micro-batch on the tp group:
+    - each row-parallel output (a dense block's wo and w2; an MoE block's wo: its feed-forward is
+      replicated) all-reduced forward, and the input gradient of each column-parallel group (attention,
+      MLP) backward; the vocabulary-parallel embedding's partial output all-reduced forward, the output
+      projection's input gradient backward;
+    - with sequence parallelism, all-gathers of the attention, MLP (MoE) and output inputs, and
+      reduce-scatters of the row-parallel and embedding outputs, forward; backward, the dual of each
+      (a reduce-scatter for an all-gather and vice versa; an MoE's output, sliced forward, is
+      all-gathered; GPT-2's positions, sliced forward, too). Under FSDP2 the norms' replicated gains'
+      partial gradients are all-reduced in each micro-batch's backward, one call per parameter;
+    - loss_parallel's cross-entropy: 3 all-reduces of one fp32 number per token (max, sum of exps,
+      target logit) forward;
+    - recomputation repeats what _tp_recompute_calls says;
+    - bytes: the hidden states (the whole sequence) in the activation dtype, except under autocast
+      (a *-mixed mode without FSDP2/ZeRO-1: fp32 parameters), where the residual stream, the norms'
+      and embedding's outputs and the gradients into them stay fp32 and only the row-parallel outputs
+      and their gradients are 16-bit.
+    Context parallel (parallel/context_parallel.py), per attention layer and micro-batch on the cp
+    group: K and V of the whole sequence all-gathered forward, two calls, and their gradients
+    reduce-scattered backward, two calls; no all-gather in backward except recomputation's, which
+    repeats both under every checkpointing policy (selective too: all-gathers are not saved).
+    Expert parallel: a dispatch and a combine all-to-all each way (twice forward under full
+    recomputation). Pipeline parallel: one activation send forward and one gradient send backward per
+    micro-batch and virtual stage.
+    Not modelled: the gradient-norm all-reduces (one per layout group of DTensor gradients) and the
+    loss all-reduce for logging, both after the last backward; without data parallelism, the sequence-
+    parallel gains' partial gradients, which DTensor all-reduces at each use (clipping, the optimizer)
+    after the backward; sharding padding.
     """
     m, t = model, training
     param_b, grad_b, act_b = precision_bytes(layout.precision)
@@ -220,6 +273,7 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
     wrapped = 0 if policy == "none" else -(-layers // layout.ac_every_n_layers)
     seqs = layout.global_batch_size / (layout.dp * n_mb)  # sequences per micro-batch on a rank
     act = int(seqs * t.seq_len / layout.cp * m.dim * act_b)  # one micro-batch's hidden states, full width
+    calls = n_mb * layers
     out: list[Collective] = []
 
     def add(kind: str, purpose: str, axes: tuple[str, ...], size: int, nbytes: float, count: int, phase: str,
@@ -260,29 +314,26 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
             per_microbatch=False)
 
     # Tensor parallel.
-    calls = n_mb * layers
-    ag, rs, ar = _tp_recompute_calls(layout.sequence_parallel, policy)
-    if layout.sequence_parallel:
-        add("all_gather", "tp", ("tp",), layout.tp, act, 2 * calls, "forward")
-        add("reduce_scatter", "tp", ("tp",), layout.tp, act, 2 * calls, "forward")
-        add("all_gather", "tp", ("tp",), layout.tp, act, (2 * layers + ag * wrapped) * n_mb, "backward")
-        add("reduce_scatter", "tp", ("tp",), layout.tp, act, (2 * layers + rs * wrapped) * n_mb, "backward")
-    else:
-        add("all_reduce", "tp", ("tp",), layout.tp, act, 2 * calls, "forward")
-        add("all_reduce", "tp", ("tp",), layout.tp, act, (2 * layers + ar * wrapped) * n_mb, "backward")
+    autocast = layout.precision.endswith("-mixed") and layout.data_parallel in ("none", "ddp")
+    stream_b = FP32_BYTES if autocast else act_b
+    tokens = seqs * t.seq_len / layout.cp
+    moved = {"out": act, "stream": act / act_b * stream_b, "loss": tokens * FP32_BYTES,
+             "pos": t.seq_len / layout.cp * m.dim * stream_b, "gain": m.dim * param_b}
+    for (kind, phase, what), count in _tp_calls(m, layout, wrapped).items():
+        add(kind, "tp", ("tp",), layout.tp, moved[what], count * n_mb, phase)
 
-    # Context parallel: K and V of the whole sequence (their heads are split by tp).
-    kv = int(2 * seqs * t.seq_len * m.num_kv_heads * (m.dim // m.num_heads) / layout.tp * act_b)
-    recompute_kv = wrapped if policy == "full" else 0
-    add("all_gather", "cp", ("cp",), layout.cp, kv, calls, "forward")
-    add("all_gather", "cp", ("cp",), layout.cp, kv, (layers + recompute_kv) * n_mb, "backward")
-    add("reduce_scatter", "cp", ("cp",), layout.cp, kv, calls, "backward")
+    # Context parallel: K, then V, of the whole sequence (their heads are split by tp).
+    kv = int(seqs * t.seq_len * m.num_kv_heads * (m.dim // m.num_heads) / layout.tp * act_b)
+    add("all_gather", "cp", ("cp",), layout.cp, kv, 2 * calls, "forward")
+    add("all_gather", "cp", ("cp",), layout.cp, kv, 2 * wrapped * n_mb, "backward")
+    add("reduce_scatter", "cp", ("cp",), layout.cp, kv, 2 * calls, "backward")
 
     # Expert parallel: each token's hidden state goes to top-k experts and comes back.
     if m.num_experts:
         routed = act * m.experts_per_token
         add("all_to_all", "ep", ("ep",), layout.ep, routed, 2 * calls, "forward")
-        add("all_to_all", "ep", ("ep",), layout.ep, routed, (2 * layers + 2 * recompute_kv) * n_mb, "backward")
+        recomputed = wrapped if policy == "full" else 0
+        add("all_to_all", "ep", ("ep",), layout.ep, routed, (2 * layers + 2 * recomputed) * n_mb, "backward")
 
     # Pipeline parallel: a stage boundary per micro-batch and virtual stage, each way.
     boundary = act / layout.tp if layout.sequence_parallel else act

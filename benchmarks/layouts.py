@@ -1,5 +1,10 @@
-"""Per-rank memory and throughput of every data-parallel layout: a ~50M-parameter Llama on 4 CPU
-ranks (gloo), the same global batch for each layout.
+"""Per-rank memory and throughput of the layouts trainfit trains: a ~50M-parameter Llama on CPU ranks
+(gloo), the same global batch for each layout of a family.
+
+- `--family data` (4 ranks): DDP, ZeRO-1/2/3, HSDP, offload; 4 sequences per step, one per rank.
+- `--family model` (2 ranks): data parallelism (DDP, ZeRO-3) beside tensor parallelism (with and
+  without sequence parallelism) and context parallelism, 2 sequences per step: the data-parallel
+  ranks read one each, the tensor- and context-parallel ranks share both.
 
 For each layout, every rank runs a watched warm-up step, one measured step as `trainfit train` does
 (Trainer.measured_step: the tensors alive at the step's start + glibc in-use growth sampled after
@@ -10,7 +15,7 @@ gradients). "estimate" is memory/analytic.py's model states at that moment (mode
 peak (estimate_memory) for the same config. On a CPU "offload" moves nothing (host and device are
 the same memory): its row shows the cost of the offload code path, not its saving.
 
-    python benchmarks/dp_memory.py [--steps 2] [--nproc 4]
+    python benchmarks/layouts.py [--family data|model] [--steps 2]
 
 (re-launches itself under torchrun; the table is printed by rank 0).
 """
@@ -31,7 +36,7 @@ MIB = 1024**2
 MODEL = ["--model.preset=", "--model.family=llama", "--model.dim=640", "--model.num_layers=10",
          "--model.num_heads=10", "--model.num_kv_heads=10", "--model.ffn_dim=1792", "--model.vocab_size=256",
          "--model.max_seq_len=128"]
-LAYOUTS = {
+DATA_LAYOUTS = {
     "DDP (ZeRO-0)": ["--parallel.zero_stage=0"],
     "ZeRO-1": ["--parallel.zero_stage=1"],
     "ZeRO-1 bf16-mixed": ["--parallel.zero_stage=1", "--precision.mode=bf16-mixed"],
@@ -40,6 +45,16 @@ LAYOUTS = {
     "HSDP 2x2 (ZeRO-3)": ["--parallel.zero_stage=3", "--parallel.dp_replicate=2"],
     "ZeRO-3 + offload": ["--parallel.zero_stage=3", "--memory.offload=optimizer+params"],
 }
+SHARED_BATCH = "--training.micro_batch_size=2"  # tp and cp ranks read the same 2 sequences
+MODEL_LAYOUTS = {
+    "dp2 DDP": ["--parallel.zero_stage=0"],
+    "dp2 ZeRO-3": ["--parallel.zero_stage=3"],
+    "tp2": ["--parallel.tp=2", SHARED_BATCH],
+    "tp2 + SP": ["--parallel.tp=2", "--parallel.sequence_parallel=true", SHARED_BATCH],
+    "cp2 (DDP over cp)": ["--parallel.cp=2", "--parallel.zero_stage=0", SHARED_BATCH],
+    "cp2 ZeRO-3": ["--parallel.cp=2", "--parallel.zero_stage=3", SHARED_BATCH],
+}
+FAMILIES = {"data": (DATA_LAYOUTS, 4), "model": (MODEL_LAYOUTS, 2)}
 
 
 def overrides(run_dir: Path, nproc: int, layout: list[str]) -> list[str]:
@@ -65,7 +80,7 @@ def run_rank(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore")
     rows, worlds = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, layout in LAYOUTS.items():
+        for name, layout in FAMILIES[args.family][0].items():
             gc.collect()
             cfg = load_config(None, overrides(Path(tmp), args.nproc, layout))
             trainer = Trainer(cfg)
@@ -93,7 +108,7 @@ def print_table(rows: list, nproc: int) -> None:
 
     num_params = rows[0][-1]
     table = Table(title=f"{num_params / 1e6:.1f}M-parameter Llama, AdamW (fp32 unless named), {nproc} CPU ranks "
-                        f"(gloo), global batch {nproc} x 128 tokens; MiB per rank")
+                        f"(gloo), global batch {nproc} x 128 tokens; MiB per rank, tokens/s of the whole job")
     for column in ("layout", "params", "master", "grads", "optimizer", "model states", "estimate (states)", "peak",
                    "estimate (peak)", "tokens/s"):
         table.add_column(column, justify="left" if column == "layout" else "right")
@@ -108,9 +123,10 @@ def print_table(rows: list, nproc: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="data", help="which layouts to compare")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per layout")
-    parser.add_argument("--nproc", type=int, default=4, help="ranks (HSDP needs 4)")
     args = parser.parse_args()
+    args.nproc = FAMILIES[args.family][1]
     if "RANK" in os.environ:
         run_rank(args)
         return
