@@ -62,6 +62,7 @@ class FourRanks(GlooTestCase):
         self.run_subtests({"case": [
             (("--parallel.tp=4", SP, "--model.num_kv_heads=4"), TP_FP32),
             (("--parallel.tp=2", "--parallel.zero_stage=3"), TP_FP32),  # tp2 x dp2
+            (("--parallel.tp=2", "--parallel.zero_stage=3", "--memory.offload=optimizer+params"), TP_FP32),
             (("--parallel.tp=2", SP, "--parallel.zero_stage=2", "--model.preset=debug-gpt2"), TP_FP32),
             (("--parallel.cp=2", "--parallel.tp=2", SP, "--parallel.zero_stage=3"), TP_FP32),
             (("--parallel.cp=2", "--parallel.zero_stage=2"), TP_FP32),  # cp2 x dp2

@@ -169,6 +169,10 @@ def test_our_gpt2_block_is_korthikantis_block_with_flash_attention_and_no_dropou
     # Tensor + sequence parallelism divides everything but the all-gathered inputs of the
     # column-parallel matmuls, which torch's DTensor plans save whole (Megatron re-gathers them).
     t = 4
+    # Tensor parallelism alone divides what Korthikanti's 24/t term holds (and our per-head logsumexp).
+    tp_only = block_terms(m, bf16, "none").bytes(tokens=s * b, seq_len=s, tp=t)
+    assert tp_only == pytest.approx(korthikanti_layer_bytes(s, b, h, a, t, recompute="selective")
+                                    - 2 * s * b * h + s * b * (4 * a / t + 2 * 2 * 2), abs=1)
     sharded = block_terms(m, bf16, "none").bytes(tokens=s * b, seq_len=s, tp=t, sequence_parallel=True)
     gathered = 2 * 2 * s * b * h  # the two LayerNorm outputs, 16-bit
     assert sharded == pytest.approx((ours - gathered) / t + gathered, abs=1)
