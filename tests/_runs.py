@@ -32,3 +32,23 @@ def run_config(run_dir: Path, *overrides: str, base: tuple[str, ...] = DEBUG_RUN
 def seeded_model(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
     """A materialized model whose weights depend on `seed` only."""
     return materialize(build_model(cfg), "cpu", seed)
+
+
+def assert_export_matches(ckpt_dir: Path, out: Path) -> None:
+    """`trainfit export` of the checkpoint in `ckpt_dir` writes HF weights that, loaded into a fresh
+    model, give exactly the logits of the checkpoint's own model."""
+    import subprocess
+    import sys
+
+    from trainfit.models.hf import load_hf_weights
+    from trainfit.train.sample import load_trained_model
+
+    proc = subprocess.run([sys.executable, "-m", "trainfit", "export", str(ckpt_dir), "--out", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    ours, cfg, _ = load_trained_model(ckpt_dir, torch.device("cpu"))
+    exported = materialize(build_model(cfg.model), "cpu")
+    load_hf_weights(exported, cfg.model, out)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported.eval()(tokens), ours(tokens), rtol=0, atol=0)

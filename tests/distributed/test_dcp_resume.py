@@ -30,13 +30,13 @@ from _dist import (
     torchrun,
     with_comms,
 )
-from _runs import run_config, run_overrides
+from _runs import assert_export_matches, run_config, run_overrides
 from trainfit.models import build_model, materialize
 from trainfit.models.hf import load_hf_weights
 from trainfit.train import checkpoint as ckpt
 from trainfit.train.distributed import World
 from trainfit.train.metrics import read_metrics
-from trainfit.train.sample import export_to_hf, load_trained_model
+from trainfit.train.sample import export_to_hf
 from trainfit.train.trainer import Trainer
 
 LOSS_RTOL = 1e-5
@@ -80,15 +80,7 @@ def test_resume_on_one_process_continues_the_same_losses(zero3_run: tuple[Path, 
 
 def test_export_of_a_sharded_checkpoint(zero3_run: tuple[Path, subprocess.CompletedProcess], tmp_path: Path) -> None:
     run_dir, _ = zero3_run
-    proc = subprocess.run([sys.executable, "-m", "trainfit", "export", str(run_dir / "ckpt"), "--out",
-                           str(tmp_path / "hf")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    ours, cfg, _ = load_trained_model(run_dir / "ckpt", torch.device("cpu"))
-    exported = materialize(build_model(cfg.model), "cpu")
-    load_hf_weights(exported, cfg.model, tmp_path / "hf")
-    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(exported.eval()(tokens), ours(tokens), rtol=0, atol=0)
+    assert_export_matches(run_dir / "ckpt", tmp_path / "hf")
 
 
 def test_zero1_run_trains_as_zero3_does_and_resumes_on_one_process(

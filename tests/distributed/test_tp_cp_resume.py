@@ -6,20 +6,15 @@ parity tests'), and `trainfit export` writes its whole weights as HF safetensors
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from _dist import DP_BATCH, ZERO3_STEPS, GlooTestCase, subprocess_env, torchrun, with_comms
-from _runs import run_config, run_overrides
-from trainfit.models import build_model, materialize
-from trainfit.models.hf import load_hf_weights
+from _runs import assert_export_matches, run_config, run_overrides
 from trainfit.train.distributed import World
 from trainfit.train.metrics import read_metrics
-from trainfit.train.sample import load_trained_model
 from trainfit.train.trainer import Trainer
 
 TP_DP_RUN_ENV = "TRAINFIT_TEST_TP_DP_RUN"
@@ -64,15 +59,7 @@ def test_resume_on_one_process(tp_dp_run: Path, tmp_path: Path) -> None:
 
 
 def test_export_writes_the_whole_weights(tp_dp_run: Path, tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "trainfit", "export", str(tp_dp_run / "ckpt"), "--out",
-                           str(tmp_path / "hf")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    ours, cfg, _ = load_trained_model(tp_dp_run / "ckpt", torch.device("cpu"))
-    exported = materialize(build_model(cfg.model), "cpu")
-    load_hf_weights(exported, cfg.model, tmp_path / "hf")
-    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(exported.eval()(tokens), ours(tokens), rtol=0, atol=0)
+    assert_export_matches(tp_dp_run / "ckpt", tmp_path / "hf")
 
 
 @pytest.mark.usefixtures("tp_dp_run_env")
