@@ -264,6 +264,24 @@ def _optimizer_bytes(name: str, prec: _Precision, params: int, tensors: int, sma
     return OPTIMIZER_STATES[name] * prec.param * params + steps
 
 
+def _largest_layout_group(run: _Run, lay: _Layout, decay: int) -> int:
+    """The largest of the optimizer's weight-decay groups (elements on the rank): one, unless tensor
+    parallelism splits it by layout (train/optim.param_groups, data_parallel.group_by_layout), as
+    torch's foreach kernels take one kind of tensor at a time: the column-parallel weights with the
+    vocabulary-parallel embedding and output (Shard(0)), the row-parallel ones (Shard(1): wo, w2),
+    and what no plan shards (an MoE feed-forward)."""
+    tp, m = run.layout.tp, run.model
+    if tp == 1:
+        return decay
+    head_dim = m.dim // m.num_heads
+    q, kv = m.num_heads * head_dim, m.num_kv_heads * head_dim
+    mlp = 0 if m.num_experts else m.dim * m.ffn_dim
+    column = lay.blocks * (m.dim * (q + 2 * kv) + (1 if m.family == "gpt2" else 2) * mlp) // tp
+    column += lay.embedding + lay.output_matmul * (not lay.tied_here)
+    row = lay.blocks * (q * m.dim + mlp) // tp
+    return max(column, row, decay - column - row)
+
+
 def _optimizer_step_temporaries(run: _Run, prec: _Precision, decay: int, largest: int) -> int:
     """What torch.optim allocates inside step() (torch 2.13 source, measured on CPU). foreach
     Adam/AdamW: `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, a state-sized list per
@@ -338,8 +356,8 @@ def _stage(run: _Run, counts: ParamCounts, stage: int) -> _Stage:
     resident = 0 if offload else n * prec.param // param_shards
     optimizer = 0 if offload else _optimizer_bytes(run.optimizer.name, prec, n // state_shards, lay.tensors,
                                                    no_decay // state_shards)
-    temp = 0 if offload else _optimizer_step_temporaries(run, prec, (n - no_decay) // state_shards,
-                                                         lay.largest_tensor)
+    temp = 0 if offload else _optimizer_step_temporaries(
+        run, prec, _largest_layout_group(run, lay, n - no_decay) // state_shards, lay.largest_tensor)
     seq = run.training.seq_len // run.layout.cp
     return _Stage(lay, prec, n, resident, resident, optimizer, temp, fsdp, run.training.micro_batch_size * seq, seq)
 
