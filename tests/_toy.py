@@ -1,10 +1,12 @@
-"""A small block-structured model (no trainfit model code) for recompute and memory tests."""
+"""A small block-structured model (of trainfit, only the LayerStack that holds the blocks) for recompute and memory tests."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from trainfit.models.common import LayerStack
 
 
 class Block(nn.Module):
@@ -31,7 +33,7 @@ class Net(nn.Module):
 
     def __init__(self, dim: int, num_layers: int, num_heads: int = 4) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Block(dim, num_heads) for _ in range(num_layers))
+        self.layers = LayerStack([Block(dim, num_heads) for _ in range(num_layers)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:

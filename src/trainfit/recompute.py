@@ -115,7 +115,7 @@ def apply_activation_checkpointing(model: nn.Module, policy: str, every_n_layers
     # Non-reentrant checkpoint: supports kwargs, autograd.grad and inputs that need no grad.
     options: dict[str, Any] = {"context_fn": _CONTEXTS[policy]} if policy in _CONTEXTS else {}
     wrapped = 0
-    for i, block in enumerate(model.layers):
+    for i, block in model.layers.indexed():  # global indices: a pipeline stage holds some of them
         if i % every_n_layers == 0:
             model.layers[i] = checkpoint_wrapper(block, **options)
             wrapped += 1

@@ -31,6 +31,34 @@ def output_head(model: nn.Module, h_BTD: torch.Tensor) -> torch.Tensor:
     return model.output(h_BTD) if model.output is not None else h_BTD
 
 
+class LayerStack(nn.ModuleDict):
+    """The transformer blocks under their global indices ("layers.7" whatever the stage): a pipeline
+    stage keeps some of them and drops the rest, and its parameter names, weight init and
+    checkpoint keys stay those of the whole model. Iterates over the blocks, in order, like the
+    nn.ModuleList it replaces; `stack[i]` is block i."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__({str(i): block for i, block in enumerate(blocks)})
+
+    def __iter__(self):  # type: ignore[override]
+        return iter(self.values())
+
+    def __getitem__(self, index: int | str) -> nn.Module:
+        return super().__getitem__(str(index))
+
+    def __setitem__(self, index: int | str, block: nn.Module) -> None:
+        super().__setitem__(str(index), block)
+
+    def indexed(self) -> list[tuple[int, nn.Module]]:
+        """(global layer index, block) pairs, in order."""
+        return [(int(key), block) for key, block in self.items()]
+
+    def keep(self, indices: range) -> None:
+        """Drop every block whose global index is outside `indices` (a pipeline stage's)."""
+        for key in [k for k in self.keys() if int(k) not in indices]:
+            del self[key]
+
+
 class WholeSequence:
     """How a rank's tokens sit in the sequence, for the attention and the positions: here, the
     whole sequence in order (one rank, or tensor parallelism). Context parallelism replaces it on

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainfit.config.schema import ModelConfig
-from trainfit.models.common import WholeSequence, output_head
+from trainfit.models.common import LayerStack, WholeSequence, output_head
 from trainfit.models.init import init_parameters
 
 
@@ -79,7 +79,7 @@ class GPT2(nn.Module):
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_embeddings: nn.Embedding | None = nn.Embedding(cfg.max_seq_len, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = LayerStack([Block(cfg) for _ in range(cfg.num_layers)])
         self.norm: nn.LayerNorm | None = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from trainfit.config.schema import ModelConfig
-from trainfit.models.common import FeedForward, WholeSequence, output_head
+from trainfit.models.common import FeedForward, LayerStack, WholeSequence, output_head
 from trainfit.models.init import init_parameters
 from trainfit.models.moe import MoE
 
@@ -124,7 +124,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
+        self.layers = LayerStack([TransformerBlock(cfg) for _ in range(cfg.num_layers)])
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -157,7 +157,7 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(sin_TK)
 
 
-def collect_aux_loss(layers: nn.ModuleList, device: torch.device) -> torch.Tensor:
+def collect_aux_loss(layers: LayerStack, device: torch.device) -> torch.Tensor:
     """Sum of the per-layer MoE auxiliary losses of the last forward (zero when there is none)."""
     total = torch.zeros((), device=device)
     for block in layers:
