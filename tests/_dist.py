@@ -118,8 +118,14 @@ def full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     """The trained weights, whole, on every rank, by name (collective for sharded layouts): the
     model state dict a checkpoint saves (ZeRO-1: the master weights)."""
     state = state_dicts(trainer.model, trainer.optimizer)[0]
-    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu()
-            for name, t in state.items()}
+    params = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu()
+              for name, t in state.items()}
+    if trainer.layout.pp == 1:
+        return params
+    merged: dict[str, torch.Tensor] = {}
+    for stage_params in trainer.world.gather_objects(params):  # each pipeline rank holds its stages'
+        merged.update(stage_params)
+    return merged
 
 
 @contextlib.contextmanager

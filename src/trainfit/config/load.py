@@ -97,6 +97,10 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         if value not in args:
             raise field_error(key, value, "choose one of " + " | ".join(str(a) for a in args))
         return value
+    if origin is tuple and args[-1] is Ellipsis:  # any length
+        if not isinstance(value, (list, tuple)):
+            raise field_error(key, value, "give a list, e.g. [4, 5, 5, 4]")
+        return tuple(_coerce(key, v, args[0]) for v in value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise field_error(key, value, f"give {len(args)} values, e.g. [0.9, 0.95]")

@@ -56,7 +56,8 @@ def parse_override_value(key: str, text: str, hint: Any) -> Any:
         literal_types = {type(a) for a in typing.get_args(base)}
         return int(text) if literal_types == {int} and text.lstrip("-").isdigit() else text
     if typing.get_origin(base) is tuple:
-        return [_parse_scalar(key, part, float) for part in text.split(",")]
+        element = typing.get_args(base)[0]
+        return [_parse_scalar(key, part, element) for part in text.split(",") if part.strip()]
     return _parse_scalar(key, text, base)
 
 

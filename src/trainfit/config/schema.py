@@ -160,6 +160,10 @@ class OptimizerConfig:
     fp32) nor under fp32 training."""
 
 
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble",
+                           "zbv-zero-bubble", "dualpipev"]
+
+
 @dataclass
 class ParallelConfig:
     dp_replicate: int = 1
@@ -174,13 +178,21 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence under tensor parallelism."""
     pp: int = 1
-    """Pipeline-parallel degree."""
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
-    """Pipeline schedule."""
-    pp_virtual_stages: int = 1
-    """Stages per pipeline rank (interleaved-1f1b only): more stages, a smaller bubble."""
+    """Pipeline-parallel degree: ranks the layers are split over, stage after stage."""
+    pp_schedule: PipelineSchedule = "1f1b"
+    """gpipe | 1f1b | interleaved-1f1b | looped-bfs | interleaved-zero-bubble (stages r, r + pp, ... per
+    rank) | zbv-zero-bubble | dualpipev (two stages per rank in a V: r and 2 pp - 1 - r): torch's
+    schedules of those names (torch.distributed.pipelining)."""
+    pp_virtual_stages: int = 0
+    """Stages per pipeline rank; 0 derives it: 1 for gpipe and 1f1b, 2 for the others (the V schedules
+    take exactly 2)."""
+    pp_layers_per_stage: tuple[int, ...] = ()
+    """Blocks of each stage, first to last (pp x virtual stages entries summing to model.num_layers);
+    empty derives a split that balances compute and parameters, the embedding on the first stage and
+    the output head and loss on the last (parallel/stage_split.py)."""
     num_microbatches: int = 0
-    """Pipeline micro-batches per step; 0 derives it from the gradient accumulation."""
+    """Pipeline micro-batches per step and data-parallel rank (>= pp); 0 derives it: the gradient
+    accumulation steps, raised to the smallest split of the rank's rows with at least pp."""
     cp: int = 1
     """Context-parallel degree (the sequence split across ranks)."""
     ep: int = 1

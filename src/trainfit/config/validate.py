@@ -121,9 +121,14 @@ def _validate_rest(cfg: Config) -> None:
     if not 0 <= o.momentum < 1:
         raise field_error("optimizer.momentum", o.momentum, "must be in [0, 1)")
     p = cfg.parallel
-    for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_virtual_stages"):
+    for name in ("dp_replicate", "tp", "pp", "cp", "ep"):
         if getattr(p, name) < 1:
             raise field_error(f"parallel.{name}", getattr(p, name), "must be >= 1")
+    if p.pp_virtual_stages < 0:
+        raise field_error("parallel.pp_virtual_stages", p.pp_virtual_stages, "must be >= 1, or 0 to derive it")
+    if any(n < 1 for n in p.pp_layers_per_stage):
+        raise field_error("parallel.pp_layers_per_stage", list(p.pp_layers_per_stage),
+                          "every stage needs at least one block")
     if p.dp_shard < 1 and p.dp_shard != -1:
         raise field_error("parallel.dp_shard", p.dp_shard, "must be >= 1, or -1 to derive it from hardware.num_gpus")
     if p.num_microbatches < 0:

@@ -57,6 +57,17 @@ from trainfit.precision import PrecisionPolicy
 
 aten = torch.ops.aten
 
+
+class _StageSafeModTracker(ModTracker):
+    """torch's ModTracker, minus its gradient hooks on leaf inputs: a pipeline stage's received
+    activations are leaves, and the schedule's input-gradient pass (autograd.grad) refuses hooks
+    on leaves. Its backward then leaves the stage's own module on the parent stack, where the
+    stage's root is anyway."""
+
+    def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
+        args, _ = tree_flatten(input)
+        super()._fw_pre_hook(mod, [a for a in args if not (isinstance(a, torch.Tensor) and a.is_leaf)])
+
 TimelinePoint = tuple[int, int, str, str]
 """(operator index within the step, bytes in use after it, phase, module)."""
 
@@ -126,7 +137,7 @@ class StorageLedger(TorchDispatchMode):
         self._forward_depth = 0
         self._nonzero_calls = 0
         self._route: list[int] | None = None
-        self._mods = ModTracker()
+        self._mods = _StageSafeModTracker()
         self._stack = contextlib.ExitStack()
         self._orig_resize = torch.UntypedStorage.resize_
 

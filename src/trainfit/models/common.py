@@ -37,8 +37,10 @@ class LayerStack(nn.ModuleDict):
     checkpoint keys stay those of the whole model. Iterates over the blocks, in order, like the
     nn.ModuleList it replaces; `stack[i]` is block i."""
 
-    def __init__(self, blocks: list[nn.Module]) -> None:
-        super().__init__({str(i): block for i, block in enumerate(blocks)})
+    def __init__(self, blocks: list[nn.Module] | dict[int, nn.Module]) -> None:
+        """`blocks`: all of them (indices 0, 1, ...), or some under their global indices."""
+        indexed = blocks.items() if isinstance(blocks, dict) else enumerate(blocks)
+        super().__init__({str(i): block for i, block in indexed})
 
     def __iter__(self):  # type: ignore[override]
         return iter(self.values())

@@ -15,13 +15,19 @@ from trainfit.parallel import data_parallel as dp
 from trainfit.parallel.context_parallel import ContextParallel
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.mesh import ddp_mesh, fsdp_mesh, shard_mesh
+from trainfit.parallel.pipeline import StageParts, split_stages
+from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES
 from trainfit.parallel.tensor_parallel import apply_tensor_parallel
 from trainfit.precision import PrecisionPolicy
 from trainfit.recompute import apply_activation_checkpointing
 
 
 def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, policy: PrecisionPolicy) -> nn.Module:
-    """Apply, in this order, to `model` on the meta device, already in its parameter dtype
+    """The model this rank trains: `model` parallelized in place, or under pipeline parallelism the
+    StageParts of this rank's stages (parallel/pipeline.py), each cut from `model` and parallelized
+    as a model of its own (an FSDP root each, as torchtitan's model parts).
+
+    Applies, in this order, to `model` on the meta device, already in its parameter dtype
     (PrecisionPolicy.prepare_model); the caller then materializes it (to_empty + init_weights):
 
     1. tensor and sequence parallelism (tensor_parallel.py) on the mesh's tp axis: the blocks' own
@@ -35,9 +41,18 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, polic
        for 2, 3 and CPU offload, on a 2-D mesh under HSDP (dp_replicate > 1). ZeRO-1 wraps nothing:
        its engine is the optimizer (`parallelize_optimizer`), built once the model is materialized.
        Each spans the cp ranks too (mesh.py): they shard the states and average the gradients.
-
-    Returns the model to train (the same object: every technique here works in place).
     """
+    if layout.pp > 1:
+        assert mesh is not None
+        stages = split_stages(model, layout, mesh["pp"].get_local_rank())
+        for stage in stages:
+            _parallelize_part(stage, layout, mesh, policy)
+        return StageParts(stages)
+    return _parallelize_part(model, layout, mesh, policy)
+
+
+def _parallelize_part(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, policy: PrecisionPolicy
+                      ) -> nn.Module:
     if layout.tp > 1:
         assert mesh is not None
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=layout.sequence_parallel)
@@ -51,7 +66,8 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, polic
         dp.apply_ddp(model, ddp_mesh(mesh))
     elif kind == "fsdp":
         assert mesh is not None
-        reshard = layout.zero_stage == 3
+        # The zero-bubble schedules' weight-gradient passes need the parameters still unsharded.
+        reshard = layout.zero_stage == 3 and not (layout.pp > 1 and layout.pp_schedule in ZERO_BUBBLE_SCHEDULES)
         dp.apply_fsdp(model, fsdp_mesh(mesh), mp_policy=dp.mixed_precision_policy(policy),
                       reshard_after_forward=reshard, offload=layout.offload != "none")
     return model

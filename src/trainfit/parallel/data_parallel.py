@@ -142,7 +142,8 @@ def apply_zero1(model: nn.Module, param_groups: list[dict[str, Any]],
 
 
 def is_fully_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    """FSDP2 holds the model's parameters (a pipeline rank's StageParts: its stages' blocks)."""
+    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def uses_autocast(model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
@@ -151,14 +152,16 @@ def uses_autocast(model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
     return not (is_fully_sharded(model) or isinstance(optimizer, ZeroOptimizer))
 
 
-def grad_scaler(policy: PrecisionPolicy, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.amp.GradScaler:
-    """fp16 loss scaling; on sharded gradients (FSDP, ZeRO-1's shards) the inf/nan check is
-    all-reduced, so that a step is skipped on every rank or on none (each rank sees only its shard)."""
+def grad_scaler(policy: PrecisionPolicy, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                pipelined: bool = False) -> torch.amp.GradScaler:
+    """fp16 loss scaling; on sharded gradients (FSDP, ZeRO-1's shards, a pipeline stage's) the
+    inf/nan check is all-reduced, so that a step is skipped on every rank or on none (each rank sees
+    only its shard or stage)."""
     if not policy.uses_loss_scaling:
         return policy.make_grad_scaler()
     if isinstance(optimizer, ZeroOptimizer):
         return ShardedGradScaler(policy.device_type, process_group=optimizer.group)
-    if is_fully_sharded(model):
+    if is_fully_sharded(model) or pipelined:  # over the whole world
         return ShardedGradScaler(policy.device_type)
     return policy.make_grad_scaler()
 
@@ -184,10 +187,13 @@ def reduce_gradients(optimizer: torch.optim.Optimizer) -> None:
         optimizer.reduce_gradients()
 
 
-def clip_grad_norm_(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
+                    pp_group: torch.distributed.ProcessGroup | None = None) -> torch.Tensor:
     """torch's clip_grad_norm_ over the gradients the optimizer steps on, correct on sharded ones
     too: the norm of DTensor gradients is a partial result that is reduced across the shards before
-    clipping (DDP's are already whole); ZeRO-1 clips its master shards' gradients (one all-reduce)."""
+    clipping (DDP's are already whole); ZeRO-1 clips its master shards' gradients (one all-reduce).
+    `pp_group`: the pipeline ranks, each holding other stages' gradients; the global norm sums their
+    squared norms (one more all-reduce)."""
     if isinstance(optimizer, ZeroOptimizer):
         return optimizer.clip_grad_norm_(max_norm)
     groups = group_by_layout([p for p in model.parameters() if p.grad is not None])
@@ -199,6 +205,10 @@ def clip_grad_norm_(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm
         total_norm = norms[0]
     else:
         total_norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.nn.utils.get_total_norm([])
+    if pp_group is not None:
+        squared = total_norm.float() ** 2
+        torch.distributed.all_reduce(squared, group=pp_group)
+        total_norm = squared.sqrt()
     for members in groups:  # each group's norm is reduced on its own, then the norms are combined
         torch.nn.utils.clip_grads_with_norm_(members, max_norm, total_norm)
     return total_norm

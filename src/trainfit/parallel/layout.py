@@ -24,6 +24,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainfit.config import Config, ConfigError
+from trainfit.parallel.stage_split import (
+    V_SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    balanced_split,
+    default_virtual_stages,
+    rank_stages,
+)
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh axes, outermost first: the one definition of the axis order (mesh.py and perf/comms.py)."""
@@ -45,11 +52,17 @@ class Layout:
     sequence_parallel: bool
     pp_schedule: str
     pp_virtual_stages: int
+    """Stages per pipeline rank (parallel.pp_virtual_stages, derived when 0)."""
+    pp_layers: tuple[int, ...]
+    """Blocks of each pipeline stage, first to last (parallel/stage_split.py); (num_layers,) without pp."""
     num_microbatches: int
     """Micro-batches one rank runs per optimizer step (the pipeline schedule's m)."""
     grad_accum_steps: int
-    """global_batch_size / (micro_batch_size x dp): micro-batches per rank per optimizer step."""
+    """global_batch_size / (micro_batch_size x dp): micro-batches per rank per optimizer step; under
+    pipeline parallelism the schedule's micro-batches (= num_microbatches)."""
     micro_batch_size: int
+    """Sequences per micro-batch: training.micro_batch_size, or under pipeline parallelism the rows
+    of a pipeline micro-batch (global_batch_size / (dp x num_microbatches))."""
     global_batch_size: int
     """Sequences per optimizer step, all ranks: training.global_batch_size, or micro_batch_size x dp
     when that is 0 (derived)."""
@@ -80,6 +93,10 @@ class Layout:
     def num_stages(self) -> int:
         """Pipeline stages in all (virtual stages included)."""
         return self.pp * self.pp_virtual_stages
+
+    def rank_stages(self, pp_rank: int) -> list[int]:
+        """The pipeline stages rank `pp_rank` of the pp axis runs, in model order."""
+        return rank_stages(pp_rank, self.pp, self.pp_virtual_stages, self.pp_schedule)
 
     @property
     def data_parallel(self) -> DataParallel:
@@ -112,6 +129,10 @@ class Layout:
         if self.sequence_parallel and self.tp == 1:
             found.append("parallel.sequence_parallel=true has no effect: it shards along the sequence what tensor "
                          "parallelism leaves whole, and parallel.tp=1")
+        if self.pp > 1 and self.zero_stage == 3 and self.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+            found.append(f"parallel.zero_stage=3 keeps the parameters whole from forward to backward (as ZeRO-2) "
+                         f"under parallel.pp_schedule={self.pp_schedule!r}: its split backward needs them "
+                         "unsharded (FSDP2's reshard_after_forward=False)")
         if self.grad_accum_dtype == "fp32" and (self.data_parallel != "zero1" or self.precision == "fp32"):
             found.append("optimizer.grad_accum_dtype='fp32' has no effect: only ZeRO-1 (parallel.zero_stage=1 on "
                          "several ranks) in 16-bit precision accumulates gradients in a dtype of its own")
@@ -119,10 +140,16 @@ class Layout:
 
     def untrainable_reason(self) -> str | None:
         """Why `trainfit train` cannot run this layout yet (the estimators can), or None."""
-        for name in ("pp", "ep"):
-            if getattr(self, name) != 1:
-                return (f"parallel.{name}={getattr(self, name)}: `trainfit train` runs data, tensor and context "
-                        f"parallelism only for now (`trainfit estimate` knows this layout); set parallel.{name}=1")
+        if self.ep != 1:
+            return (f"parallel.ep={self.ep}: `trainfit train` does not run expert parallelism yet "
+                    "(`trainfit estimate` knows this layout); set parallel.ep=1")
+        if self.pp > 1 and self.data_parallel in ("ddp", "zero1"):
+            return (f"parallel.zero_stage={self.zero_stage} with parallel.pp={self.pp} and {self.dp} data-parallel "
+                    "ranks: pipeline stages compose with FSDP2's data parallelism only; set parallel.zero_stage=2 "
+                    "or 3")
+        if self.pp > 1 and (self.tp > 1 or self.cp > 1):
+            return (f"parallel.pp={self.pp} with tp={self.tp}, cp={self.cp}: pipeline stages do not compose with "
+                    "tensor or context parallelism in `trainfit train` yet; set tp=1 and cp=1")
         if self.tp > 1 and self.precision == "fp16-mixed":
             return (f"precision.mode='fp16-mixed' with parallel.tp={self.tp}: fp16 loss scaling is not built for "
                     "tensor-parallel gradients yet; use bf16-mixed (no loss scaling needed)")
@@ -207,6 +234,11 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
                     f"try {nearest(p.ep, [d for d in _divisors(dp_shard * p.cp) if m.num_experts % d == 0])}")
     per_step = t.micro_batch_size * dp
     global_batch = t.global_batch_size or per_step
+    # Under pipeline parallelism with parallel.num_microbatches, that count sets the micro-batch.
+    per_step = dp if p.pp > 1 and p.num_microbatches else per_step
+    if global_batch % per_step and per_step == dp:
+        raise _fail("training.global_batch_size", global_batch, f"must be a multiple of the data-parallel degree "
+                    f"{dp}", f"try {nearest(global_batch, [dp * k for k in range(1, global_batch // dp + 2)])}")
     if global_batch % per_step:
         valid = [per_step * k for k in range(1, t.global_batch_size // per_step + 2)]
         fix = f"try {nearest(t.global_batch_size, valid)}"
@@ -216,11 +248,17 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
         raise _fail("training.global_batch_size", t.global_batch_size, f"must be a multiple of micro_batch_size x "
                     f"data-parallel degree = {t.micro_batch_size} x {dp} = {per_step}", fix)
     accum = global_batch // per_step
+    micro, virtual = t.micro_batch_size, 1
+    if p.pp > 1:
+        virtual = p.pp_virtual_stages or default_virtual_stages(p.pp_schedule)
+        accum = _pipeline_microbatches(p.pp, p.num_microbatches, accum, global_batch, dp)
+        micro = global_batch // dp // accum
     _check_memory(cfg)
     return Layout(world_size=world, dp_replicate=p.dp_replicate, dp_shard=dp_shard, cp=p.cp, tp=p.tp, pp=p.pp,
                   ep=p.ep, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel, pp_schedule=p.pp_schedule,
-                  pp_virtual_stages=p.pp_virtual_stages, num_microbatches=p.num_microbatches or accum,
-                  grad_accum_steps=accum, micro_batch_size=t.micro_batch_size, global_batch_size=global_batch,
+                  pp_virtual_stages=virtual, num_microbatches=accum,
+                  pp_layers=_stage_layers(cfg, virtual) if p.pp > 1 else (m.num_layers,),
+                  grad_accum_steps=accum, micro_batch_size=micro, global_batch_size=global_batch,
                   activation_checkpointing=mem.activation_checkpointing, ac_every_n_layers=mem.ac_every_n_layers,
                   offload=mem.offload, chunked_loss=mem.chunked_loss, precision=cfg.precision.mode,
                   grad_accum_dtype=cfg.optimizer.grad_accum_dtype, moe_imbalance=mem.moe_imbalance)
@@ -236,13 +274,10 @@ def _check_model_split(cfg: Config) -> None:
     if p.tp > 1 and m.ffn_dim % p.tp:
         raise _fail("parallel.tp", p.tp, f"must divide model.ffn_dim={m.ffn_dim}",
                     f"try {nearest(p.tp, _divisors(m.ffn_dim))}")
-    stages = p.pp * p.pp_virtual_stages
-    if m.num_layers % stages:
-        raise _fail("parallel.pp", p.pp, f"pp x pp_virtual_stages = {stages} must divide model.num_layers="
-                    f"{m.num_layers}", f"try pp={nearest(p.pp, _divisors(m.num_layers // p.pp_virtual_stages or 1))}")
-    if p.pp_virtual_stages > 1 and p.pp_schedule != "interleaved-1f1b":
-        raise _fail("parallel.pp_virtual_stages", p.pp_virtual_stages, "virtual stages are interleaved 1F1B's",
-                    "set parallel.pp_schedule='interleaved-1f1b' or pp_virtual_stages=1")
+    if p.pp > 1 and m.tie_embeddings:
+        raise _fail("model.tie_embeddings", True, f"with parallel.pp={p.pp} the embedding lives on the first stage "
+                    "and the output projection on the last, which cannot share a weight",
+                    "set model.tie_embeddings=false or parallel.pp=1")
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         raise _fail("parallel.cp", p.cp, f"2 x cp must divide training.seq_len={t.seq_len} (load-balanced causal "
                     "sharding gives each rank two chunks)",
@@ -254,6 +289,55 @@ def _check_model_split(cfg: Config) -> None:
         if m.num_experts % p.ep:
             raise _fail("parallel.ep", p.ep, f"must divide model.num_experts={m.num_experts}",
                         f"try {nearest(p.ep, _divisors(m.num_experts))}")
+
+
+def _stage_layers(cfg: Config, virtual: int) -> tuple[int, ...]:
+    """Blocks per pipeline stage: parallel.pp_layers_per_stage checked, or the balanced split."""
+    p, m = cfg.parallel, cfg.model
+    if p.pp_schedule in V_SCHEDULES and virtual != 2:
+        raise _fail("parallel.pp_virtual_stages", p.pp_virtual_stages, f"{p.pp_schedule} runs exactly two stages "
+                    "per rank (a V)", "set it to 2 or 0")
+    if p.pp_schedule in ("gpipe", "1f1b") and virtual != 1:
+        raise _fail("parallel.pp_virtual_stages", p.pp_virtual_stages, f"{p.pp_schedule} runs one stage per rank",
+                    "set it to 1 or 0, or use parallel.pp_schedule='interleaved-1f1b' for several")
+    stages = p.pp * virtual
+    if p.pp_layers_per_stage:
+        given = list(p.pp_layers_per_stage)
+        if len(given) != stages or sum(given) != m.num_layers:
+            raise _fail("parallel.pp_layers_per_stage", given, f"give {stages} entries (pp x pp_virtual_stages = "
+                        f"{p.pp} x {virtual}) summing to model.num_layers={m.num_layers}",
+                        "or leave it empty to derive a balanced split")
+        return tuple(given)
+    if stages > m.num_layers:
+        raise _fail("parallel.pp", p.pp, f"pp x pp_virtual_stages = {p.pp} x {virtual} = {stages} stages for "
+                    f"model.num_layers={m.num_layers} blocks (each stage runs at least one)",
+                    f"try pp={nearest(p.pp, [d for d in range(1, m.num_layers + 1) if d * virtual <= m.num_layers])}")
+    return balanced_split(m, cfg.training.seq_len, stages)
+
+
+def _pipeline_microbatches(pp: int, wanted: int, accum: int, global_batch: int, dp: int) -> int:
+    """Pipeline micro-batches per step: parallel.num_microbatches (it must split the sequences each
+    data-parallel rank runs per step), else the accumulation steps, raised to the smallest split with
+    at least pp."""
+    rows = global_batch // dp
+    if wanted:
+        if rows % wanted:
+            raise _fail("parallel.num_microbatches", wanted, f"must divide the {rows} sequences each data-parallel "
+                        "rank runs per step (training.global_batch_size / dp)",
+                        f"try {nearest(wanted, _divisors(rows))}")
+        if wanted < pp:
+            valid = [d for d in _divisors(rows) if d >= pp] or [pp]
+            raise _fail("parallel.num_microbatches", wanted, f"fewer micro-batches than the {pp} pipeline ranks "
+                        "leaves one idle the whole step", f"try {nearest(pp, valid)}")
+        return wanted
+    if accum >= pp:
+        return accum
+    splits = [d for d in _divisors(rows) if d >= pp]
+    if not splits:
+        raise _fail("training.global_batch_size", global_batch, f"each of the {dp} data-parallel ranks runs {rows} "
+                    f"sequences per step, fewer than the {pp} pipeline stages need (one micro-batch each)",
+                    f"set it to at least {pp * dp}")
+    return splits[0]
 
 
 def _check_memory(cfg: Config) -> None:

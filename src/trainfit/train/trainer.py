@@ -46,6 +46,7 @@ from trainfit.parallel.data_parallel import (
     uses_autocast,
 )
 from trainfit.parallel.layout import Layout, build_layout
+from trainfit.parallel.pipeline import PipelineStep, carry_aux_loss
 from trainfit.parallel.tensor_parallel import uneven_vocabulary, vocabulary_parallel_loss
 from trainfit.perf.flops import mfu, training_flops_per_token
 from trainfit.precision import precision_policy, step_optimizer
@@ -187,7 +188,7 @@ class Trainer:
         """In use before the model exists: what a measured step's reserved_margin counts from."""
         model, num_params = self._build_model()
         t = cfg.training
-        sampler = BatchSampler(self.data.train, t.seq_len, t.micro_batch_size, t.seed, rank=self.world.dp_rank,
+        sampler = BatchSampler(self.data.train, t.seq_len, self.layout.micro_batch_size, t.seed, rank=self.world.dp_rank,
                                world_size=self.world.dp_size, grad_accum_steps=self.layout.grad_accum_steps)
         self._setup_step(model, num_params, sampler, self.device.type)
         if not t.global_batch_size:
@@ -211,6 +212,8 @@ class Trainer:
         self.loss_context = functools.partial(vocabulary_parallel_loss, self.layout.tp > 1)
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.scaler = self.build_grad_scaler()
+        self.pipeline = self._build_pipeline() if self.layout.pp > 1 else None
+        """Pipeline parallelism: the schedule that runs this rank's stages (parallel/pipeline.py)."""
         self.sampler = batches
         """Anything with next_batch() -> (inputs, targets) of one micro-batch."""
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.training.seq_len)
@@ -222,7 +225,26 @@ class Trainer:
 
     def build_grad_scaler(self) -> torch.amp.GradScaler:
         """The loss scaler (fp16: dynamic scaling; otherwise a disabled one). Subclasses may wrap it."""
-        return grad_scaler(self.policy, self.model, self.optimizer)
+        return grad_scaler(self.policy, self.model, self.optimizer, pipelined=self.layout.pp > 1)
+
+    def _build_pipeline(self) -> PipelineStep:
+        """The schedule of this rank's stages, with the loss it computes on the last stage: each
+        micro-batch's language-model loss (kept in `_pipeline_losses` for the report) over the
+        micro-batches, scaled under fp16; MoE stages add their auxiliary losses' gradients."""
+        m = self.layout.num_microbatches
+        self._pipeline_losses: list[torch.Tensor] = []
+
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            lm_loss = self._lm_loss(logits, targets)
+            self._pipeline_losses.append(lm_loss.detach())
+            return self.scaler.scale(lm_loss) / m
+
+        if self.cfg.model.num_experts:
+            coefficient = self.cfg.model.router_aux_loss_coef
+            scale = self.scaler.get_scale if self.scaler.is_enabled() else lambda: 1.0
+            for stage in self.model.stages:
+                carry_aux_loss(stage, lambda: coefficient * scale() / m)
+        return PipelineStep(self.model, self.layout, self.world.mesh["pp"], self.device, loss_fn, self._moment)
 
     @contextlib.contextmanager
     def listening(self, listener: StepListener) -> Iterator[None]:
@@ -263,7 +285,7 @@ class Trainer:
             cfg.precision.mode, config_to_dict(cfg)["model"])
         """What this run's checkpoints hold (train/manifest.py): a checkpoint must match it to resume."""
         self.policy.prepare_model(model)
-        parallelize(model, self.layout, self.world.mesh, self.policy)
+        model = parallelize(model, self.layout, self.world.mesh, self.policy)
         # CPU offload: FSDP2 wants the shards in host memory; buffers (RoPE) compute on the device.
         offload = self.layout.offload != "none"
         materialize(model, "cpu" if offload else self.device, cfg.training.seed)
@@ -345,16 +367,22 @@ class Trainer:
         inputs, targets = sequence.shard(inputs), sequence.shard(targets)
         with self.autocast():
             logits = self.model(inputs)
-        # The loss in fp32; not .float() on fp32 logits: on a DTensor (vocabulary-parallel logits) that
-        # copies the logits shard instead of returning it.
-        logits = logits if logits.dtype == torch.float32 else logits.float()
-        lm_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        if isinstance(lm_loss, DTensor):  # vocabulary-parallel logits: the loss is replicated on the tp ranks
-            lm_loss = lm_loss.to_local()
+        lm_loss = self._lm_loss(logits, targets)
         aux = getattr(self.model, "aux_loss", None)
         if aux is not None and self.cfg.model.num_experts:
             return lm_loss + self.cfg.model.router_aux_loss_coef * aux, lm_loss
         return lm_loss, lm_loss
+
+    @staticmethod
+    def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of a micro-batch, in fp32."""
+        # Not .float() on fp32 logits: on a DTensor (vocabulary-parallel logits) that copies the
+        # logits shard instead of returning it.
+        logits = logits if logits.dtype == torch.float32 else logits.float()
+        lm_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        if isinstance(lm_loss, DTensor):  # vocabulary-parallel logits: the loss is replicated on the tp ranks
+            lm_loss = lm_loss.to_local()
+        return lm_loss
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, num_microbatches: int,
                          sync_gradients: bool) -> torch.Tensor:
@@ -369,6 +397,24 @@ class Trainer:
             self.scaler.scale(loss / num_microbatches).backward()
         return lm_loss.detach()
 
+    def pipeline_forward_backward(self) -> torch.Tensor:
+        """The step's micro-batches through the pipeline schedule (forward, loss on the last stage,
+        backward, in the schedule's order). Returns the sum of their language-model losses on the
+        ranks of the last stage, 0 elsewhere."""
+        assert self.pipeline is not None
+        batches = [self.sampler.next_batch() for _ in range(self.layout.grad_accum_steps)]
+        inputs, targets = (torch.cat(parts).to(self.device) for parts in zip(*batches, strict=True))
+        self._pipeline_losses.clear()
+        with self.autocast(), self.loss_context():
+            self.pipeline.run(inputs, targets)
+        losses = self._step_losses()
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+
+    def _step_losses(self) -> list[torch.Tensor]:
+        """The losses of the schedule's last run: its micro-batches' (the first run's metadata
+        inference computes one more, on the first micro-batch, before them)."""
+        return self._pipeline_losses[-self.layout.num_microbatches:]
+
     def optimizer_step(self) -> tuple[float, bool, float]:
         """Reduce the gradients (ZeRO-1's reduce-scatter; other engines reduced them in backward),
         unscale, clip by the global norm, step (unless fp16 found inf/nan), clear gradients, advance
@@ -377,7 +423,8 @@ class Trainer:
         reduce_gradients(self.optimizer)
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.training.grad_clip or math.inf
-        grad_norm = clip_grad_norm_(self.model, self.optimizer, clip)
+        pp_group = self.world.mesh["pp"].get_group() if self.layout.pp > 1 else None
+        grad_norm = clip_grad_norm_(self.model, self.optimizer, clip, pp_group)
         lr = self.optimizer.param_groups[0]["lr"]
         self._moment("update")
         skipped = not step_optimizer(self.optimizer, self.scaler)
@@ -391,12 +438,15 @@ class Trainer:
         start = time.perf_counter()
         accum = self.layout.grad_accum_steps
         total = torch.zeros((), device=self.device)
-        for i in range(accum):
+        if self.pipeline is not None:
+            total += self.pipeline_forward_backward()
+        for i in range(accum if self.pipeline is None else 0):
             inputs, targets = (t.to(self.device, non_blocking=True) for t in self.sampler.next_batch())
             total += self.forward_backward(inputs, targets, num_microbatches=accum, sync_gradients=i == accum - 1)
         # Every micro-batch holds micro_batch_size x seq_len tokens (no padding), so the mean over
-        # all tokens of the global batch is the mean of the micro-batch means over all ranks.
-        loss_value = self.world.sum_(total).item() / (accum * self.world.size)
+        # all tokens of the global batch is the mean of the micro-batch means over all ranks (under
+        # pipeline parallelism, the ranks of the last stage: the others add 0).
+        loss_value = self.world.sum_(total).item() / (accum * self.world.size // self.layout.pp)
         if not math.isfinite(loss_value) and not self.policy.uses_loss_scaling:  # the same on every rank
             raise TrainingDiverged(
                 f"step {self.step + 1}: the loss is {loss_value}; stopping without saving "
@@ -429,6 +479,8 @@ class Trainer:
         whatever the layout and micro-batch size), in micro-batches split round-robin across the
         data-parallel ranks (the tp ranks of one replica run the same ones; a rank short of one
         reruns its last with weight 0: sharded models need every rank in every forward)."""
+        if self.pipeline is not None:
+            return self._pipeline_evaluate()
         t = self.cfg.training
         num_batches = t.eval_steps * self.layout.global_batch_size // t.micro_batch_size
         batches = list(eval_batches(self.data.val, t.seq_len, t.micro_batch_size, num_batches))
@@ -444,6 +496,26 @@ class Trainer:
                 totals += torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=self.device)])
         self.model.train()
         self.world.sum_(totals)  # over every rank: each batch counted tp times, in both sums
+        return (totals[0] / totals[1]).item()
+
+    def _pipeline_evaluate(self) -> float:
+        """evaluate() through the pipeline: the same windows, a step's rows of each data-parallel
+        rank at a time (the schedule's micro-batches), forward only."""
+        assert self.pipeline is not None
+        t, layout = self.cfg.training, self.layout
+        rows = layout.global_batch_size // layout.dp
+        batches = list(eval_batches(self.data.val, t.seq_len, rows, t.eval_steps * layout.dp))
+        losses = []
+        self.model.eval()
+        for inputs, targets in batches[self.world.dp_rank::self.world.dp_size]:
+            self._pipeline_losses.clear()
+            with self.autocast(), self.loss_context():
+                self.pipeline.evaluate(inputs.to(self.device), targets.to(self.device))
+            losses += self._pipeline_losses
+        self.model.train()
+        totals = torch.tensor([sum(loss.item() for loss in losses), len(losses)], dtype=torch.float64,
+                              device=self.device)
+        self.world.sum_(totals)  # the ranks of the last stage hold the losses
         return (totals[0] / totals[1]).item()
 
     # ------------------------------------------------------------ loop

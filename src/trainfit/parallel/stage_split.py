@@ -1,0 +1,74 @@
+"""Which blocks each pipeline stage runs, and which stages each pipeline rank holds. Torch-free:
+the Layout (and so the estimators and the planner) decide the split, the trainer only applies it.
+
+Default split: contiguous blocks per stage, the embedding on the first stage, the final norm, the
+output projection and the loss on the last. It minimizes the largest stage's share of the model,
+where a stage's share is the larger of its share of the forward FLOPs per token (its blocks' matmuls
+and attention; the output projection's matmul, 2 x dim x vocab; an embedding lookup costs no
+FLOPs) and its share of the parameters (the embedding and output weights count where they live).
+Compute sets the pipeline's pace (every stage waits for the slowest), parameters set the model
+states each stage keeps. So with a large vocabulary the first and last stages get fewer blocks
+(Llama 3.1 405B on 16 stages: 7 blocks on the first and last, 8 on the others: the 2.1B-parameter
+embedding and head each weigh about 0.65 of a 3.2B block). The in-flight activations, which
+depend on the schedule (1F1B's first stage keeps pp micro-batches, its last one), are not
+balanced: `parallel.pp_layers_per_stage` sets any split by hand.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from trainfit.config.schema import ModelConfig
+from trainfit.models.params import param_counts
+from trainfit.perf.flops import block_attention_flops, block_matmul_params, head_matmul_params
+
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+V_SCHEDULES = ("zbv-zero-bubble", "dualpipev")
+"""Two stages per rank in a V: rank r runs stages r and 2 pp - 1 - r."""
+ZERO_BUBBLE_SCHEDULES = ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
+"""Schedules that split backward into input and weight gradients (run apart)."""
+
+
+def default_virtual_stages(schedule: str) -> int:
+    """Stages per rank when parallel.pp_virtual_stages is 0: 1 for gpipe and 1f1b, else 2."""
+    return 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
+
+
+def rank_stages(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
+    """The stages pipeline rank `pp_rank` runs, in model order: r, r + pp, ... (looped), or r and
+    2 pp - 1 - r (V schedules)."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(virtual_stages)]
+
+
+def stage_ranges(layers_per_stage: tuple[int, ...]) -> list[range]:
+    """Global block indices of each stage."""
+    starts = [sum(layers_per_stage[:i]) for i in range(len(layers_per_stage))]
+    return [range(start, start + n) for start, n in zip(starts, layers_per_stage, strict=True)]
+
+
+def balanced_split(m: ModelConfig, seq_len: int, num_stages: int) -> tuple[int, ...]:
+    """Blocks per stage minimizing the largest stage's share (the module docstring's cost)."""
+    counts = param_counts(m)
+    block = (2 * block_matmul_params(m) + block_attention_flops(m, seq_len), counts.per_layer)
+    first = (0, counts.embedding)
+    last = (2 * head_matmul_params(m), counts.final_norm + counts.output)
+    total = tuple(m.num_layers * b + f + l for b, f, l in zip(block, first, last, strict=True))
+
+    def share(start: int, end: int) -> float:
+        extra = [(first if start == 0 else (0, 0)), (last if end == m.num_layers else (0, 0))]
+        return max(((end - start) * block[i] + extra[0][i] + extra[1][i]) / total[i] for i in range(2))
+
+    @cache
+    def best(start: int, stages: int) -> tuple[float, tuple[int, ...]]:
+        """(largest share, split) of blocks start.. over `stages` stages."""
+        if stages == 1:
+            return share(start, m.num_layers), (m.num_layers - start,)
+        options = []
+        for end in range(start + 1, m.num_layers - stages + 2):
+            cost, rest = best(end, stages - 1)
+            options.append((max(share(start, end), cost), (end - start, *rest)))
+        return min(options)  # ties: the split with fewer blocks early (tuples compare in order)
+
+    return best(0, num_stages)[1]

@@ -1,0 +1,81 @@
+"""Pipeline-parallel layouts train like one process: AdamW steps on 2 and 4 gloo ranks against one
+process taking the same global batches (tests/_dist.py's check_parity: the loss of every step and
+both evaluations, and the final weights relative to how far training moved them).
+
+The issue's layouts: pp2 with every schedule, pp4 with an uneven split, pp2 x dp2 (FSDP) train 20
+steps; compositions beside them (checkpointing, bf16, clipping, more micro-batches) fewer; MoE's auxiliary
+losses across stages 20. The debug model has 2 blocks: two-stage-per-rank schedules on pp2 need 4 stages, so those
+cases give the model 4 blocks (one per stage) and the others 2 or 6.
+
+Tolerance, the issue's: fp32 loss and parameters within 1e-4 relative (bf16-mixed: _dist.AUTOCAST,
+as for data parallelism). The measured errors are printed (pytest -s).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from _dist import AUTOCAST, GlooTestCase, with_comms
+
+PP_FP32 = {"loss_rtol": 1e-4, "update_rtol": 1e-4}
+STEPS, COMPOSITION_STEPS = 20, 4
+FOUR_BLOCKS = "--model.num_layers=4"
+pytestmark = pytest.mark.slow  # each layout trained on the ranks and on one process
+
+Case = tuple[tuple[str, ...], dict[str, float], int]
+"""(overrides, tolerances, steps)."""
+
+
+def schedule(name: str) -> tuple[str, ...]:
+    """The overrides of parallel.pp_schedule=`name` on pp2 (4 blocks: every schedule has its stages)."""
+    return ("--parallel.pp=2", f"--parallel.pp_schedule={name}", FOUR_BLOCKS)
+
+
+class TwoRanks(GlooTestCase):
+    def check_case(self, case: Case) -> None:
+        overrides, tolerances, steps = case
+        errors = self.check_parity(overrides, tolerances, steps=steps)
+        if errors:  # pytest -s shows the measured errors
+            print(f"world {self.world_size}, {steps} steps, {' '.join(overrides)}: loss {errors[0]:.1e}, "
+                  f"parameters {errors[1]:.1e}")
+
+    @with_comms
+    def test_every_schedule(self) -> None:
+        self.run_subtests({"case": [
+            (("--parallel.pp=2", "--parallel.pp_schedule=gpipe"), PP_FP32, STEPS),
+            (("--parallel.pp=2", "--parallel.pp_schedule=1f1b"), PP_FP32, STEPS),
+            (schedule("interleaved-1f1b"), PP_FP32, STEPS),
+            (schedule("looped-bfs"), PP_FP32, STEPS),
+            (schedule("interleaved-zero-bubble"), PP_FP32, STEPS),
+            (schedule("zbv-zero-bubble"), PP_FP32, STEPS),
+            (schedule("dualpipev"), PP_FP32, STEPS),
+        ]}, self.check_case)
+
+    @with_comms
+    def test_compositions(self) -> None:
+        self.run_subtests({"case": [
+            # The auxiliary losses of both stages reach their routers. The reference accumulates the same
+            # 2-row micro-batches (the load-balancing loss of 8 rows at once is another function).
+            (("--parallel.pp=2", "--model.preset=debug-moe", "--training.micro_batch_size=2"), PP_FP32, STEPS),
+            (("--parallel.pp=2", "--memory.activation_checkpointing=full"), PP_FP32, COMPOSITION_STEPS),
+            (("--parallel.pp=2", "--precision.mode=bf16-mixed"), AUTOCAST, COMPOSITION_STEPS),
+            (("--parallel.pp=2", "--training.grad_clip=0.05"), PP_FP32, COMPOSITION_STEPS),  # clips every step
+            (("--parallel.pp=2", "--parallel.num_microbatches=8"), PP_FP32, COMPOSITION_STEPS),
+        ]}, self.check_case)
+
+
+class FourRanks(GlooTestCase):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    check_case = TwoRanks.check_case
+
+    @with_comms
+    def test_four_ranks(self) -> None:
+        self.run_subtests({"case": [
+            (("--parallel.pp=4", "--model.num_layers=6", "--parallel.pp_layers_per_stage=1,2,2,1"), PP_FP32, STEPS),
+            (("--parallel.pp=2", "--parallel.zero_stage=3"), PP_FP32, STEPS),  # pp2 x dp2
+            (("--parallel.pp=2", "--parallel.zero_stage=2", "--parallel.pp_schedule=zbv-zero-bubble", FOUR_BLOCKS),
+             PP_FP32, COMPOSITION_STEPS),
+        ]}, self.check_case)
