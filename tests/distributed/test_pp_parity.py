@@ -3,7 +3,8 @@ process taking the same global batches (tests/_dist.py's check_parity: the loss 
 both evaluations, and the final weights relative to how far training moved them).
 
 The issue's layouts: pp2 with every schedule, pp4 with an uneven split, pp2 x dp2 (FSDP) train 20
-steps; compositions beside them (checkpointing, bf16, clipping, more micro-batches) fewer; MoE's auxiliary
+steps, and pp2 x tp2; compositions beside them (checkpointing, bf16, fp16, clipping, more micro-batches,
+sequence parallelism, context parallelism, ZeRO-2 under a zero-bubble schedule) 4; MoE's auxiliary
 losses across stages 20. The debug model has 2 blocks: two-stage-per-rank schedules on pp2 need 4 stages, so those
 cases give the model 4 blocks (one per stage) and the others 2 or 6.
 
@@ -61,6 +62,8 @@ class TwoRanks(GlooTestCase):
             (("--parallel.pp=2", "--precision.mode=bf16-mixed"), AUTOCAST, COMPOSITION_STEPS),
             (("--parallel.pp=2", "--training.grad_clip=0.05"), PP_FP32, COMPOSITION_STEPS),  # clips every step
             (("--parallel.pp=2", "--parallel.num_microbatches=8"), PP_FP32, COMPOSITION_STEPS),
+            # fp16 loss scaling: the scale is the same on both stages, the inf check spans them
+            (("--parallel.pp=2", "--precision.mode=fp16-mixed"), AUTOCAST, COMPOSITION_STEPS),
         ]}, self.check_case)
 
 
@@ -76,6 +79,10 @@ class FourRanks(GlooTestCase):
         self.run_subtests({"case": [
             (("--parallel.pp=4", "--model.num_layers=6", "--parallel.pp_layers_per_stage=1,2,2,1"), PP_FP32, STEPS),
             (("--parallel.pp=2", "--parallel.zero_stage=3"), PP_FP32, STEPS),  # pp2 x dp2
+            (("--parallel.pp=2", "--parallel.tp=2"), PP_FP32, STEPS),
+            # sequence-sharded activations between the stages
+            (("--parallel.pp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"), PP_FP32, COMPOSITION_STEPS),
+            (("--parallel.pp=2", "--parallel.cp=2", "--parallel.zero_stage=3"), PP_FP32, COMPOSITION_STEPS),
             (("--parallel.pp=2", "--parallel.zero_stage=2", "--parallel.pp_schedule=zbv-zero-bubble", FOUR_BLOCKS),
              PP_FP32, COMPOSITION_STEPS),
         ]}, self.check_case)

@@ -136,11 +136,14 @@ class Transformer(nn.Module):
         self.aux_loss = torch.zeros(())
         self.sequence = WholeSequence()
         """Which positions this rank's tokens are (context parallelism: not the first T)."""
+        self.input_shards = 1
+        """How many ranks share the positions of the input: tp for a pipeline stage that takes hidden
+        states sharded along the sequence (sequence parallelism), else 1."""
 
     def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         h_BTD = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
-        # tokens_BT's T, not h_BTD's: under sequence parallelism that holds 1/tp of the positions.
-        rows = self.sequence.rows(tokens_BT.shape[1])
+        # The input's T, not h_BTD's: under sequence parallelism that holds 1/tp of the positions.
+        rows = self.sequence.rows(tokens_BT.shape[1] * self.input_shards)
         cos_TK, sin_TK = self.rope_cos[rows], self.rope_sin[rows]
         for block in self.layers:
             h_BTD = block(h_BTD, cos_TK, sin_TK)

@@ -56,6 +56,8 @@ def _parallelize_part(model: nn.Module, layout: Layout, mesh: DeviceMesh | None,
     if layout.tp > 1:
         assert mesh is not None
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=layout.sequence_parallel)
+        if layout.sequence_parallel and model.tok_embeddings is None:  # a later pipeline stage
+            model.input_shards = layout.tp
     if layout.cp > 1:
         assert mesh is not None
         set_sequence_layout(model, ContextParallel(mesh["cp"]))

@@ -144,12 +144,9 @@ class Layout:
             return (f"parallel.ep={self.ep}: `trainfit train` does not run expert parallelism yet "
                     "(`trainfit estimate` knows this layout); set parallel.ep=1")
         if self.pp > 1 and self.data_parallel in ("ddp", "zero1"):
-            return (f"parallel.zero_stage={self.zero_stage} with parallel.pp={self.pp} and {self.dp} data-parallel "
-                    "ranks: pipeline stages compose with FSDP2's data parallelism only; set parallel.zero_stage=2 "
-                    "or 3")
-        if self.pp > 1 and (self.tp > 1 or self.cp > 1):
-            return (f"parallel.pp={self.pp} with tp={self.tp}, cp={self.cp}: pipeline stages do not compose with "
-                    "tensor or context parallelism in `trainfit train` yet; set tp=1 and cp=1")
+            ranks = f"{self.dp} data-parallel" + (f" x {self.cp} context-parallel" if self.cp > 1 else "")
+            return (f"parallel.zero_stage={self.zero_stage} with parallel.pp={self.pp} and {ranks} ranks: pipeline "
+                    "stages compose with FSDP2's data parallelism only; set parallel.zero_stage=2 or 3")
         if self.tp > 1 and self.precision == "fp16-mixed":
             return (f"precision.mode='fp16-mixed' with parallel.tp={self.tp}: fp16 loss scaling is not built for "
                     "tensor-parallel gradients yet; use bf16-mixed (no loss scaling needed)")

@@ -53,7 +53,8 @@ def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
 
 def layout_description(layout: Layout) -> str:
     """E.g. "2 processes: ZeRO-3 (FSDP2) over dp_shard=2, offload optimizer", "4 processes: ZeRO-3
-    (FSDP2) over dp_shard=1 x cp=2, tensor parallel tp=2 + sequence parallel, context parallel cp=2"."""
+    (FSDP2) over dp_shard=1 x cp=2, tensor parallel tp=2 + sequence parallel, context parallel cp=2", "2 processes: pipeline pp=2 (1f1b,
+    2 stages of 2-2 blocks, 4 micro-batches)"."""
     world_size = layout.world_size
     if world_size == 1 and layout.offload == "none":
         return "1 process"
@@ -76,6 +77,10 @@ def layout_description(layout: Layout) -> str:
         parts.append(f"tensor parallel tp={layout.tp}" + (" + sequence parallel" if layout.sequence_parallel else ""))
     if layout.cp > 1:
         parts.append(f"context parallel cp={layout.cp}")
+    if layout.pp > 1:
+        split = "-".join(str(n) for n in layout.pp_layers)
+        parts.append(f"pipeline pp={layout.pp} ({layout.pp_schedule}, {layout.num_stages} stages of {split} blocks, "
+                     f"{layout.num_microbatches} micro-batches)")
     return f"{world_size} process{'es' if world_size > 1 else ''}: {', '.join(parts)}"
 
 

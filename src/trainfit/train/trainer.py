@@ -403,8 +403,10 @@ class Trainer:
         ranks of the last stage, 0 elsewhere."""
         assert self.pipeline is not None
         batches = [self.sampler.next_batch() for _ in range(self.layout.grad_accum_steps)]
-        inputs, targets = (torch.cat(parts).to(self.device) for parts in zip(*batches, strict=True))
+        sequence = self.model.sequence  # context parallelism: this rank's chunks of each row
+        inputs, targets = (sequence.shard(torch.cat(parts)).to(self.device) for parts in zip(*batches, strict=True))
         self._pipeline_losses.clear()
+        self.scaler.scale(torch.zeros((), device=self.device))  # fp16: sets the scale where no loss is computed
         with self.autocast(), self.loss_context():
             self.pipeline.run(inputs, targets)
         losses = self._step_losses()
@@ -510,7 +512,8 @@ class Trainer:
         for inputs, targets in batches[self.world.dp_rank::self.world.dp_size]:
             self._pipeline_losses.clear()
             with self.autocast(), self.loss_context():
-                self.pipeline.evaluate(inputs.to(self.device), targets.to(self.device))
+                sequence = self.model.sequence
+                self.pipeline.evaluate(sequence.shard(inputs).to(self.device), sequence.shard(targets).to(self.device))
             losses += self._pipeline_losses
         self.model.train()
         totals = torch.tensor([sum(loss.item() for loss in losses), len(losses)], dtype=torch.float64,
