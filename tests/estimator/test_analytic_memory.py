@@ -205,7 +205,8 @@ def test_reserved_margin_only_on_gpus():
 
 def test_pipeline_stages_hold_their_layers_and_in_flight_micro_batches():
     base = ("--model.preset=llama3-8b", "--hardware.num_gpus=4", "--parallel.pp=4", "--training.seq_len=2048",
-            "--training.micro_batch_size=1", "--training.global_batch_size=16", "--precision.mode=bf16-mixed")
+            "--training.micro_batch_size=1", "--training.global_batch_size=16", "--precision.mode=bf16-mixed",
+            "--parallel.pp_layers_per_stage=8,8,8,8")  # even: the in-flight micro-batches alone differ
     one_f_one_b = estimate_memory(cfg_of(*base))
     # 1F1B: rank i keeps p - i micro-batches; the first stage is the worst.
     assert one_f_one_b.worst_stage == 0
@@ -221,7 +222,7 @@ def test_pipeline_stages_hold_their_layers_and_in_flight_micro_batches():
     assert states[3].master_params - states[1].master_params == 4 * (counts.output + counts.final_norm)
     # Interleaved 1F1B: rank 0 keeps L (1 + (p - 1)/(pv)) layers' worth (Korthikanti Sec. 4.2.3).
     cfg = cfg_of(*base, "--parallel.pp_schedule=interleaved-1f1b", "--parallel.pp_virtual_stages=2",
-                 "--parallel.num_microbatches=16")
+                 "--parallel.num_microbatches=16", "--parallel.pp_layers_per_stage=" + ",".join(["4"] * 8))
     run = analytic._Run(cfg.model, build_layout(cfg), cfg.training, cfg.hardware, cfg.optimizer)
     in_flight, _ = analytic._in_flight(run, 0)
     assert in_flight * (32 / 4) == pytest.approx(32 * (1 + 3 / 8))

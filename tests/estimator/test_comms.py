@@ -56,7 +56,7 @@ def _dims(*args: str):
 
 def test_each_axis_gets_the_link_of_its_span() -> None:
     cfg, dims = _dims("--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=64", "--parallel.tp=4", "--parallel.cp=2",
-                      "--parallel.pp=2", "--training.seq_len=128", "--training.global_batch_size=4",
+                      "--parallel.pp=2", "--training.seq_len=128", "--training.global_batch_size=8",
                       "--training.micro_batch_size=1")
     hw = cfg.hardware
     assert comms.axis_stride(dims, "tp") == 1 and comms.axis_stride(dims, "cp") == 4

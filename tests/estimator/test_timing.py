@@ -47,7 +47,9 @@ def test_pipeline_bubble_shrinks_with_microbatches_and_virtual_stages() -> None:
     assert bubble_fraction("1f1b", pp=4, num_microbatches=8) == pytest.approx(3 / 8)
     assert bubble_fraction("gpipe", pp=4, num_microbatches=8) == bubble_fraction("1f1b", 4, 8)
     assert bubble_fraction("interleaved-1f1b", pp=4, num_microbatches=8, virtual_stages=2) == pytest.approx(3 / 16)
-    assert bubble_fraction("zero-bubble", pp=4, num_microbatches=8) == 0.0
+    assert bubble_fraction("looped-bfs", pp=4, num_microbatches=8, virtual_stages=2) == pytest.approx(3 / 16)
+    for zero_bubble in ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev"):
+        assert bubble_fraction(zero_bubble, pp=4, num_microbatches=8, virtual_stages=2) == 0.0
     assert bubble_fraction("1f1b", pp=1, num_microbatches=1) == 0.0
     base = (*H100, "--model.preset=llama2-7b", "--hardware.num_gpus=8", "--parallel.pp=4", "--parallel.tp=2",
             "--training.seq_len=4096", "--training.micro_batch_size=1")

@@ -70,7 +70,21 @@ def test_the_same_config_lays_out_on_any_world() -> None:
     (["--training.global_batch_size=20"], "training.global_batch_size=20: must be a multiple of micro_batch_size x "
      "data-parallel degree = 16 x 1 = 16; try 16 or 32, or training.micro_batch_size=20"),
     (["--parallel.tp=3"], "parallel.tp=3: must divide model.num_heads=8 (each rank holds whole heads); try 2 or 4"),
-    (["--parallel.pp=3"], "parallel.pp=3: pp x pp_virtual_stages = 3 must divide model.num_layers=4; try pp=2 or 4"),
+    (["--hardware.num_gpus=8", "--parallel.pp=8"], "parallel.pp=8: pp x pp_virtual_stages = 8 x 1 = 8 stages for "
+     "model.num_layers=4 blocks (each stage runs at least one); try pp=3 or 4"),
+    (["--hardware.num_gpus=2", "--parallel.pp=2", "--parallel.pp_layers_per_stage=1,2"], "parallel.pp_layers_per_stage="
+     "[1, 2]: give 2 entries (pp x pp_virtual_stages = 2 x 1) summing to model.num_layers=4"),
+    (["--hardware.num_gpus=2", "--parallel.pp=2", "--parallel.pp_schedule=zbv-zero-bubble",
+      "--parallel.pp_virtual_stages=3"], "zbv-zero-bubble runs exactly two stages per rank (a V); set it to 2 or 0"),
+    (["--hardware.num_gpus=2", "--parallel.pp=2", "--parallel.num_microbatches=3"], "parallel.num_microbatches=3: "
+     "must divide the 16 sequences each data-parallel rank runs per step"),
+    (["--hardware.num_gpus=4", "--parallel.pp=4", "--parallel.num_microbatches=2"], "parallel.num_microbatches=2: "
+     "fewer micro-batches than the 4 pipeline ranks leaves one idle the whole step; try 4"),
+    (["--hardware.num_gpus=2", "--parallel.pp=2", "--parallel.pp_schedule=dualpipev", "--parallel.num_microbatches=2",
+      "--model.num_layers=4"], "parallel.num_microbatches=2: dualpipev needs at least one micro-batch per stage (4)"),
+    (["--hardware.num_gpus=4", "--parallel.pp=4", "--training.global_batch_size=2", "--training.micro_batch_size=1"],
+     "training.global_batch_size=2: each of the 1 data-parallel ranks runs 2 sequences per step, fewer than the 4 "
+     "micro-batches parallel.pp_schedule='1f1b' needs on 4 pipeline ranks; set it to at least 4"),
     (["--parallel.tp=2"], "hardware.num_gpus=1: must be a multiple of tp x pp x cp = 2 x 1 x 1 = 2"),
     (["--hardware.num_gpus=8", "--parallel.dp_shard=3"],
      "parallel.dp_shard=3: dp_replicate x dp_shard must equal num_gpus / (tp x pp x cp) = 8; set dp_shard=8"),
@@ -80,7 +94,8 @@ def test_the_same_config_lays_out_on_any_world() -> None:
     (["--model.preset=debug-moe", "--hardware.num_gpus=8", "--parallel.ep=3", "--training.micro_batch_size=2"],
      "parallel.ep=3: must divide model.num_experts=4; try 2 or 4"),
     (["--hardware.num_gpus=2", "--parallel.cp=2", "--training.seq_len=126"], "parallel.cp=2: 2 x cp must divide"),
-    (["--parallel.pp_virtual_stages=2"], "set parallel.pp_schedule='interleaved-1f1b'"),
+    (["--hardware.num_gpus=2", "--parallel.pp=2", "--parallel.pp_virtual_stages=2"],
+     "1f1b runs one stage per rank; set it to 1 or 0, or use parallel.pp_schedule='interleaved-1f1b'"),
     (["--memory.offload=optimizer", "--parallel.zero_stage=1"], "set parallel.zero_stage=2 or 3"),
     (["--memory.offload=optimizer+params", "--parallel.zero_stage=2"], "only under parallel.zero_stage=3"),
     (["--hardware.num_gpus=4", "--parallel.dp_replicate=4", "--parallel.zero_stage=3", "--training.micro_batch_size=4"],
@@ -97,8 +112,11 @@ def test_impossible_layouts_name_the_field_the_value_and_the_nearest_valid_ones(
 def test_what_train_cannot_run_yet_is_said_apart() -> None:
     assert layout_of().untrainable_reason() is None
     assert "memory.chunked_loss=true" in layout_of("--memory.chunked_loss=true").untrainable_reason()
-    pp = layout_of("--hardware.num_gpus=2", "--parallel.pp=2", "--training.micro_batch_size=16")
-    assert "parallel.pp=2: `trainfit train` runs data, tensor and context parallelism only" in pp.untrainable_reason()
+    assert layout_of("--hardware.num_gpus=2", "--parallel.pp=2").untrainable_reason() is None
+    pp_ddp = layout_of("--hardware.num_gpus=4", "--parallel.pp=2", "--training.micro_batch_size=8")
+    assert pp_ddp.untrainable_reason() == (
+        "parallel.zero_stage=0 with parallel.pp=2 and 2 data-parallel ranks: pipeline stages compose with FSDP2's "
+        "data parallelism only; set parallel.zero_stage=2 or 3")
     assert layout_of("--hardware.num_gpus=2", "--parallel.tp=2").untrainable_reason() is None
     tp_ddp = layout_of("--hardware.num_gpus=4", "--parallel.tp=2", "--parallel.cp=2")
     assert tp_ddp.untrainable_reason() == (
@@ -150,3 +168,35 @@ def test_an_uneven_vocabulary_is_named_with_its_largest_shard_and_the_even_size(
     note = uneven_vocabulary(50257, 4)  # GPT-2's vocabulary on 4 tensor-parallel ranks
     assert note is not None and "model.vocab_size=50257" in note and "12565 on the first ranks" in note
     assert "model.vocab_size=50260" in note
+
+
+def test_pipeline_stages_split_the_blocks_by_compute_and_parameters() -> None:
+    """The default split (parallel/stage_split.py): Llama 3.1 405B's 126 blocks on 16 stages give the
+    first and last stage a block less (the embedding and the output projection each weigh ~0.65 of
+    a block), the others 8; a small-vocabulary model splits evenly."""
+    big = layout_of("--model.preset=llama3.1-405b", "--hardware.num_gpus=128", "--parallel.tp=8", "--parallel.pp=16",
+                    "--training.micro_batch_size=1", "--training.global_batch_size=16", "--training.seq_len=8192")
+    assert big.pp_layers == (7, *[8] * 14, 7) and big.num_microbatches == 16
+    assert big.rank_blocks(0) == list(range(7)) and big.rank_blocks(15) == list(range(119, 126))
+    even = layout_of("--hardware.num_gpus=2", "--parallel.pp=2", "--model.num_layers=8", "--model.vocab_size=64")
+    assert even.pp_layers == (4, 4)
+    given = layout_of("--hardware.num_gpus=4", "--parallel.pp=4", "--model.num_layers=6",
+                      "--parallel.pp_layers_per_stage=1,2,2,1")
+    assert given.pp_layers == (1, 2, 2, 1) and given.busiest_rank_blocks() == 2
+
+
+def test_schedules_place_their_stages_on_the_ranks() -> None:
+    """Looped schedules: rank r runs stages r, r + pp, ...; V schedules r and 2 pp - 1 - r; the
+    micro-batch count is derived from the accumulation, raised to at least pp."""
+    looped = layout_of("--hardware.num_gpus=4", "--parallel.pp=4", "--parallel.pp_schedule=interleaved-1f1b",
+                       "--model.num_layers=8", "--training.micro_batch_size=2", "--training.global_batch_size=16")
+    assert looped.pp_virtual_stages == 2 and looped.rank_stages(1) == [1, 5] and looped.num_stages == 8
+    assert (looped.num_microbatches, looped.micro_batch_size) == (8, 2)  # the accumulation's 8 micro-batches
+    v = layout_of("--hardware.num_gpus=4", "--parallel.pp=4", "--parallel.pp_schedule=dualpipev", "--model.num_layers=8")
+    assert v.rank_stages(0) == [0, 7] and v.rank_stages(3) == [3, 4] and v.rank_blocks(0) == [0, 7]
+    assert (v.num_microbatches, v.micro_batch_size) == (8, 2)  # 16 rows: one micro-batch per stage at least
+    assert layout_of("--hardware.num_gpus=4", "--parallel.pp=2", "--parallel.zero_stage=3", "--model.num_layers=4",
+                     "--parallel.pp_schedule=zbv-zero-bubble").ineffective_options() == [
+        "parallel.zero_stage=3 keeps the parameters whole from forward to backward (as ZeRO-2) under "
+        "parallel.pp_schedule='zbv-zero-bubble': its split backward needs them unsharded (FSDP2's "
+        "reshard_after_forward=False)"]

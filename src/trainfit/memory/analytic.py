@@ -179,22 +179,32 @@ class _Layout:
 
 
 def _in_flight(run: _Run, stage: int) -> tuple[float, int]:
-    """Micro-batches of activations alive on pipeline rank `stage` at its peak, and of the head.
+    """Micro-batches of activations alive on pipeline rank `stage` at its peak (in units of one
+    micro-batch through all of the rank's blocks), and of the head.
 
-    gpipe runs every forward before any backward (m). 1F1B (Narayanan et al., arXiv 2104.04473):
-    rank i keeps p - i. Interleaved 1F1B (Megatron's and torch.distributed.pipelining's warm-up):
-    rank i runs (v - 1) p + 2 (p - 1 - i) chunk forwards before its first backward, so keeps that
-    plus one chunk of L/(pv) layers: for rank 0, Korthikanti's L (1 + (p - 1)/(pv)) layers (arXiv
-    2205.05198, Sec. 4.2.3). Zero-bubble (ZB-H1, Qi et al., arXiv 2401.10241) peaks as 1F1B does.
+    gpipe runs every forward before any backward: m; looped-bfs too, one local stage after the
+    other (Lamy-Poirier 2023, arXiv 2211.05953). 1F1B (Narayanan et al., arXiv 2104.04473): rank i
+    keeps p - i. Interleaved 1F1B (Megatron's and torch.distributed.pipelining's warm-up): rank i
+    runs (v - 1) p + 2 (p - 1 - i) chunk forwards before its first backward, so keeps that plus
+    one chunk of its v: for rank 0, Korthikanti's L (1 + (p - 1)/(pv)) layers (arXiv 2205.05198,
+    Sec. 4.2.3). Interleaved zero-bubble (torch's): a warm-up of (v - 1) p + (p - 1 - i) chunk
+    forwards plus one, and i micro-batches whose weight gradients wait with their inputs saved:
+    v p chunks, p micro-batches, on every rank. ZB-V (Qi et al., arXiv 2401.10241, Sec. 6): 1F1B's
+    first-rank peak, p, on every rank (the V balances it). DualPipeV: p + 1 (DeepSeek-V3 report,
+    arXiv 2412.19437, Table 2).
     """
-    p, v = run.layout.pp, run.layout.pp_virtual_stages
+    layout = run.layout
+    p, v, m, schedule = layout.pp, layout.pp_virtual_stages, layout.num_microbatches, layout.pp_schedule
     if p == 1:
         return 1.0, 1
-    m = run.layout.num_microbatches
-    if run.layout.pp_schedule == "gpipe":
+    if schedule in ("gpipe", "looped-bfs"):
         return float(m), m
-    if run.layout.pp_schedule == "interleaved-1f1b":
+    if schedule == "interleaved-1f1b":
         return min(m * v, (v - 1) * p + 2 * (p - 1 - stage) + 1) / v, 1
+    if schedule in ("interleaved-zero-bubble", "zbv-zero-bubble"):
+        return float(min(p, m)), 1
+    if schedule == "dualpipev":
+        return float(min(p + 1, m)), 1
     return float(min(p - stage, m)), 1
 
 
@@ -204,15 +214,12 @@ def _wrapped(index: int, n: int) -> bool:
 
 def _layout(run: _Run, counts: ParamCounts, stage: int) -> _Layout:
     m, mem, tp, ep = run.model, run.layout, run.layout.tp, run.layout.ep
-    p, v = run.layout.pp, run.layout.pp_virtual_stages
-    first, last = stage == 0, stage == p - 1
-    per_chunk = m.num_layers // (p * v)
+    stages = run.layout.rank_stages(stage)
+    first, last = 0 in stages, run.layout.num_stages - 1 in stages
+    blocks = run.layout.rank_blocks(stage)  # global indices, model order
     n = mem.ac_every_n_layers
-    policy_blocks, first_index, last_index = 0, stage * per_chunk, ((v - 1) * p + stage + 1) * per_chunk - 1
-    if mem.activation_checkpointing != "none":
-        for chunk in range(v):  # this rank runs global chunks chunk * p + stage
-            lo = (chunk * p + stage) * per_chunk
-            policy_blocks += -(-(lo + per_chunk) // n) - (-(-lo // n))  # multiples of n in [lo, lo + per_chunk)
+    first_index, last_index = blocks[0], blocks[-1]
+    policy_blocks = sum(_wrapped(i, n) for i in blocks) if mem.activation_checkpointing != "none" else 0
     # tp shards every Linear of a block (norm gains stay whole), except an MoE feed-forward's:
     # router, routed and shared experts stay whole on the tp ranks (parallel/tensor_parallel.py);
     # ep shards the routed experts.
@@ -234,13 +241,13 @@ def _layout(run: _Run, counts: ParamCounts, stage: int) -> _Layout:
     tied_here = first and last and bool(m.tie_embeddings)
     head = counts.final_norm + (0 if tied_here else vocab_dim) if last else 0
     norm_tensors = 2 if m.family == "gpt2" else 1
-    tensors = per_chunk * v * per_block_tensors + norm_tensors * first  # + pos embedding (gpt2)
+    tensors = len(blocks) * per_block_tensors + norm_tensors * first  # + pos embedding (gpt2)
     tensors += (norm_tensors + (0 if tied_here else 1)) * last
     experts_local = max(1, m.num_experts // ep) * (m.expert_ffn_dim or 0) * m.dim
     largest = max(vocab_dim if (first or last) else 0, m.dim * m.dim // tp, m.ffn_dim * m.dim // tp, experts_local)
     in_flight, head_in_flight = _in_flight(run, stage)
     return _Layout(
-        blocks=per_chunk * v, policy_blocks=policy_blocks,
+        blocks=len(blocks), policy_blocks=policy_blocks,
         last_wrapped=policy_blocks > 0 and _wrapped(last_index, n),
         first_wrapped=policy_blocks > 0 and _wrapped(first_index, n),
         in_flight=in_flight, head_in_flight=head_in_flight, first=first, last=last,
@@ -359,7 +366,7 @@ def _stage(run: _Run, counts: ParamCounts, stage: int) -> _Stage:
     temp = 0 if offload else _optimizer_step_temporaries(
         run, prec, _largest_layout_group(run, lay, n - no_decay) // state_shards, lay.largest_tensor)
     seq = run.training.seq_len // run.layout.cp
-    return _Stage(lay, prec, n, resident, resident, optimizer, temp, fsdp, run.training.micro_batch_size * seq, seq)
+    return _Stage(lay, prec, n, resident, resident, optimizer, temp, fsdp, run.layout.micro_batch_size * seq, seq)
 
 
 def _zero1_stage(run: _Run, prec: _Precision, lay: _Layout, counts: ParamCounts) -> _Stage:
@@ -380,7 +387,7 @@ def _zero1_stage(run: _Run, prec: _Precision, lay: _Layout, counts: ParamCounts)
     return _Stage(lay, prec, n, persistent, n * grad,
                   _optimizer_bytes(run.optimizer.name, prec, n // shards, lay.tensors, no_decay // shards),
                   _optimizer_step_temporaries(run, prec, (n - no_decay) // shards, lay.largest_tensor // shards),
-                  False, run.training.micro_batch_size * seq, seq, compute_params=params if prec.mixed else 0,
+                  False, run.layout.micro_batch_size * seq, seq, compute_params=params if prec.mixed else 0,
                   master_grads=n * master // shards if grad != master else 0)
 
 

@@ -220,6 +220,9 @@ def trace_step(cfg: Config, layout: Layout | None = None) -> TracedEstimate:
     reason = layout.untrainable_reason()
     if reason:
         raise ConfigError(reason)
+    if layout.pp > 1:
+        raise ConfigError(f"parallel.pp={layout.pp}: the traced estimate does not trace pipeline stages yet; use the "
+                          "analytic estimate (`trainfit estimate` without --traced, memory.trace=false)")
     layout = _two_micro_batches_at_most(layout)
     policy = precision_policy(cfg.precision.mode, "cpu")
     grouped = layout.needs_process_group

@@ -30,6 +30,7 @@ from trainfit.parallel.stage_split import (
     balanced_split,
     default_virtual_stages,
     rank_stages,
+    stage_ranges,
 )
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -97,6 +98,15 @@ class Layout:
     def rank_stages(self, pp_rank: int) -> list[int]:
         """The pipeline stages rank `pp_rank` of the pp axis runs, in model order."""
         return rank_stages(pp_rank, self.pp, self.pp_virtual_stages, self.pp_schedule)
+
+    def rank_blocks(self, pp_rank: int) -> list[int]:
+        """Global indices of the blocks rank `pp_rank` of the pp axis runs, in model order."""
+        ranges = stage_ranges(self.pp_layers)
+        return [i for stage in self.rank_stages(pp_rank) for i in ranges[stage]]
+
+    def busiest_rank_blocks(self) -> int:
+        """Blocks of the pipeline rank that runs the most (all of them without pipeline parallelism)."""
+        return max(len(self.rank_blocks(r)) for r in range(self.pp))
 
     @property
     def data_parallel(self) -> DataParallel:
@@ -248,7 +258,7 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
     micro, virtual = t.micro_batch_size, 1
     if p.pp > 1:
         virtual = p.pp_virtual_stages or default_virtual_stages(p.pp_schedule)
-        accum = _pipeline_microbatches(p.pp, p.num_microbatches, accum, global_batch, dp)
+        accum = _pipeline_microbatches(p.pp_schedule, p.pp, virtual, p.num_microbatches, accum, global_batch, dp)
         micro = global_batch // dp // accum
     _check_memory(cfg)
     return Layout(world_size=world, dp_replicate=p.dp_replicate, dp_shard=dp_shard, cp=p.cp, tp=p.tp, pp=p.pp,
@@ -271,10 +281,6 @@ def _check_model_split(cfg: Config) -> None:
     if p.tp > 1 and m.ffn_dim % p.tp:
         raise _fail("parallel.tp", p.tp, f"must divide model.ffn_dim={m.ffn_dim}",
                     f"try {nearest(p.tp, _divisors(m.ffn_dim))}")
-    if p.pp > 1 and m.tie_embeddings:
-        raise _fail("model.tie_embeddings", True, f"with parallel.pp={p.pp} the embedding lives on the first stage "
-                    "and the output projection on the last, which cannot share a weight",
-                    "set model.tie_embeddings=false or parallel.pp=1")
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         raise _fail("parallel.cp", p.cp, f"2 x cp must divide training.seq_len={t.seq_len} (load-balanced causal "
                     "sharding gives each rank two chunks)",
@@ -312,29 +318,41 @@ def _stage_layers(cfg: Config, virtual: int) -> tuple[int, ...]:
     return balanced_split(m, cfg.training.seq_len, stages)
 
 
-def _pipeline_microbatches(pp: int, wanted: int, accum: int, global_batch: int, dp: int) -> int:
+def _schedule_takes(schedule: str, pp: int, virtual: int, m: int) -> str | None:
+    """Why torch's `schedule` refuses m micro-batches on pp ranks, or None: every schedule needs
+    m >= pp; dualpipev m >= its 2 pp stages; the interleaved ones whole rounds (m a multiple of
+    m // pp)."""
+    if m < pp:
+        return f"fewer micro-batches than the {pp} pipeline ranks leaves one idle the whole step"
+    if schedule == "dualpipev" and m < pp * virtual:
+        return f"dualpipev needs at least one micro-batch per stage ({pp * virtual})"
+    if schedule in ("interleaved-1f1b", "interleaved-zero-bubble") and m % (m // pp):
+        return f"{schedule} runs whole rounds: a multiple of m // pp = {m // pp} micro-batches"
+    return None
+
+
+def _pipeline_microbatches(schedule: str, pp: int, virtual: int, wanted: int, accum: int, global_batch: int,
+                           dp: int) -> int:
     """Pipeline micro-batches per step: parallel.num_microbatches (it must split the sequences each
-    data-parallel rank runs per step), else the accumulation steps, raised to the smallest split with
-    at least pp."""
+    data-parallel rank runs per step, and the schedule must take it), else the accumulation steps,
+    or failing that the smallest split of those sequences the schedule takes."""
     rows = global_batch // dp
+    valid = [d for d in _divisors(rows) if _schedule_takes(schedule, pp, virtual, d) is None]
     if wanted:
-        if rows % wanted:
-            raise _fail("parallel.num_microbatches", wanted, f"must divide the {rows} sequences each data-parallel "
-                        "rank runs per step (training.global_batch_size / dp)",
-                        f"try {nearest(wanted, _divisors(rows))}")
-        if wanted < pp:
-            valid = [d for d in _divisors(rows) if d >= pp] or [pp]
-            raise _fail("parallel.num_microbatches", wanted, f"fewer micro-batches than the {pp} pipeline ranks "
-                        "leaves one idle the whole step", f"try {nearest(pp, valid)}")
+        why = (f"must divide the {rows} sequences each data-parallel rank runs per step (training.global_batch_size "
+               "/ dp)") if rows % wanted else _schedule_takes(schedule, pp, virtual, wanted)
+        if why:
+            raise _fail("parallel.num_microbatches", wanted, why, f"try {nearest(wanted, valid)}" if valid else
+                        "raise training.global_batch_size")
         return wanted
-    if accum >= pp:
+    if _schedule_takes(schedule, pp, virtual, accum) is None:
         return accum
-    splits = [d for d in _divisors(rows) if d >= pp]
-    if not splits:
+    if not valid:
+        least = pp * virtual if schedule == "dualpipev" else pp
         raise _fail("training.global_batch_size", global_batch, f"each of the {dp} data-parallel ranks runs {rows} "
-                    f"sequences per step, fewer than the {pp} pipeline stages need (one micro-batch each)",
-                    f"set it to at least {pp * dp}")
-    return splits[0]
+                    f"sequences per step, fewer than the {least} micro-batches parallel.pp_schedule={schedule!r} "
+                    f"needs on {pp} pipeline ranks", f"set it to at least {least * dp}")
+    return valid[0]
 
 
 def _check_memory(cfg: Config) -> None:

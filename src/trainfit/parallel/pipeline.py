@@ -37,6 +37,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+from trainfit.config import ConfigError
 from trainfit.models.common import LayerStack
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import stage_ranges
@@ -60,6 +61,11 @@ _EMBEDDINGS = ("tok_embeddings", "pos_embeddings")  # pos_embeddings: GPT-2's
 
 def split_stages(model: nn.Module, layout: Layout, pp_rank: int) -> list[nn.Module]:
     """This rank's stages of the meta-device `model`, in model order (`model` is left whole)."""
+    if model.output is not None and model.tok_embeddings is not None and model.output.weight is model.tok_embeddings.weight:
+        raise ConfigError(f"model.tie_embeddings=True: with parallel.pp={layout.pp} the embedding lives on the first "
+                          "stage and the output projection on the last, and training does not keep the two copies "
+                          "in step (Megatron all-reduces their gradients; the estimators count that copy); set "
+                          "model.tie_embeddings=false or parallel.pp=1")
     ranges = stage_ranges(layout.pp_layers)
     stages = []
     for stage_id in layout.rank_stages(pp_rank):

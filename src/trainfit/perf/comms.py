@@ -191,7 +191,7 @@ def _tp_calls(model: ModelConfig, layout: Layout, wrapped: int) -> dict[tuple[st
     gradient into one), "loss" loss_parallel's per-token statistics, "pos" GPT-2's learned positions,
     "gain" a sequence-parallel norm parameter's gradient (step_collectives says which plan issues which).
     """
-    layers = model.num_layers // layout.pp
+    layers = layout.busiest_rank_blocks()
     outs = 1 if model.num_experts else 2  # row-parallel outputs per block (MoE: attention's wo only)
     output = 1  # the busiest stage is the last: the output projection and the loss ...
     embedding = int(layout.pp == 1)  # ... and the embedding when there is one stage
@@ -267,7 +267,7 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
     m, t = model, training
     param_b, grad_b, act_b = precision_bytes(layout.precision)
     n_mb = layout.num_microbatches
-    layers = m.num_layers // layout.pp
+    layers = layout.busiest_rank_blocks()
     block, root = stage_params(model, layout)
     policy = layout.activation_checkpointing
     wrapped = 0 if policy == "none" else -(-layers // layout.ac_every_n_layers)

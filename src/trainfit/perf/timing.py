@@ -30,9 +30,11 @@ Overlapped traffic is assumed not to slow the compute it hides behind, and colle
 links not to contend. Pipeline bubble: the fraction of an ideal step each rank idles, times its
 compute plus its per-micro-batch exposed communication:
 (pp - 1) / num_microbatches for gpipe and 1f1b (Narayanan et al. 2021), divided by the virtual
-stages for interleaved-1f1b, and 0 for zero-bubble (ZB-V, Qi et al. 2024: no bubble with 1F1B's
-memory when forward, input-gradient and weight-gradient passes take equal time; the residual from
-unequal passes is not modelled).
+stages for interleaved-1f1b and looped-bfs (Lamy-Poirier 2023), and 0 for the zero-bubble family
+(interleaved-zero-bubble, zbv-zero-bubble, dualpipev; Qi et al. 2024: no bubble when forward,
+input-gradient and weight-gradient passes take equal time; the residual from unequal passes is
+not modelled). The busiest pipeline rank (most blocks, plus the output projection on the last
+stage) sets the step.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any
 from trainfit.config import HardwareConfig, ModelConfig, TrainingConfig
 from trainfit.hardware import compute_efficiency, device_spec, peak_flops
 from trainfit.parallel.layout import Layout
+from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES
 from trainfit.perf import flops as F
 from trainfit.perf.comms import KINDS, Collective, collective_link, collective_time, step_collectives
 
@@ -69,24 +72,30 @@ def bubble_fraction(schedule: str, pp: int, num_microbatches: int, virtual_stage
     if pp <= 1:
         return 0.0
     base = (pp - 1) / num_microbatches
-    if schedule == "interleaved-1f1b":
+    if schedule in ("interleaved-1f1b", "looped-bfs"):
         return base / virtual_stages
-    if schedule == "zero-bubble":
+    if schedule in ZERO_BUBBLE_SCHEDULES:
         return base * ZERO_BUBBLE_FRACTION
     return base
 
 
 def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> tuple[float, float, float]:
     """(forward, backward incl. recomputation, attention share) hardware FLOPs of the busiest rank per step."""
-    layers = m.num_layers // layout.pp
-    policy = layout.activation_checkpointing
-    wrapped = 0 if policy == "none" else F.num_checkpointed_blocks(layers, layout.ac_every_n_layers)
     mm, at = 2 * F.block_matmul_params(m), F.block_attention_flops(m, t.seq_len)
     rc_mm, rc_at = F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing)
-    head = 2 * F.head_matmul_params(m)  # the last stage (or the only one) holds the output projection
-    forward = layers * (mm + at) + head
-    backward = layers * (2 * mm + F.FLASH_ATTENTION_BWD_FACTOR * at) + 2 * head + wrapped * (rc_mm + rc_at)
-    attention = layers * at * (1 + F.FLASH_ATTENTION_BWD_FACTOR) + wrapped * rc_at
+
+    def rank(pp_rank: int) -> tuple[float, float, float]:
+        blocks = layout.rank_blocks(pp_rank)
+        layers = len(blocks)
+        wrapped = 0 if layout.activation_checkpointing == "none" else \
+            sum(i % layout.ac_every_n_layers == 0 for i in blocks)
+        # the last stage's rank (or the only one) holds the output projection
+        head = 2 * F.head_matmul_params(m) * (layout.num_stages - 1 in layout.rank_stages(pp_rank))
+        forward = layers * (mm + at) + head
+        backward = layers * (2 * mm + F.FLASH_ATTENTION_BWD_FACTOR * at) + 2 * head + wrapped * (rc_mm + rc_at)
+        return forward, backward, layers * at * (1 + F.FLASH_ATTENTION_BWD_FACTOR) + wrapped * rc_at
+
+    forward, backward, attention = max((rank(r) for r in range(layout.pp)), key=lambda f: f[0] + f[1])
     tokens = layout.global_batch_size * t.seq_len / (layout.dp * layout.cp)  # per rank; tp ranks split its FLOPs
     scale = tokens / layout.tp
     return forward * scale, backward * scale, attention * scale
