@@ -235,7 +235,17 @@ def run(model: list[str], hw: Hardware, *, gpus: int, seq: int, mbs: int, gbs: i
            f"--parallel.pp_schedule={'interleaved-1f1b' if vpp > 1 else '1f1b'}", f"--parallel.zero_stage={zero}",
            f"--precision.mode={precision}", f"--memory.activation_checkpointing={ac}"]
     memory = [f"--hardware.memory_gib={hw.memory_gib}"] if hw.memory_gib else []
-    return (*out, *memory)
+    return (*out, *memory, *even_split(model, pp * vpp))
+
+
+def even_split(model: list[str], stages: int) -> list[str]:
+    """Megatron and torchtitan split the blocks evenly over the stages when they divide (trainfit's
+    default balances the embedding and the head too, parallel/stage_split.py): the published runs'
+    split, pinned."""
+    layers = load_config(None, model).model.num_layers
+    if stages == 1 or layers % stages:
+        return []
+    return ["--parallel.pp_layers_per_stage=" + ",".join([str(layers // stages)] * stages)]
 
 
 def when(condition: bool, *keys: str) -> tuple[str, ...]:
