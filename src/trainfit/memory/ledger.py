@@ -258,7 +258,9 @@ class StorageLedger(TorchDispatchMode):
     # ------------------------------------------------------------ hooks
 
     def watch_model(self, model: nn.Module) -> None:
-        """Mark the loss region: from the model's output (which becomes `logits`) to its gradient."""
+        """Mark the loss region: from the model's output (which becomes `logits`) to its gradient.
+        A pipeline rank's model (parallel/pipeline.StageParts) is never called: its stages are, and
+        only the last stage's output is logits."""
 
         def pre(module: nn.Module, args: Any) -> None:
             self.in_loss = self.in_prologue = False
@@ -269,8 +271,11 @@ class StorageLedger(TorchDispatchMode):
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(self._logits_grad)
 
-        self._stack.callback(model.register_forward_pre_hook(pre).remove)
-        self._stack.callback(model.register_forward_hook(post).remove)
+        stages = getattr(model, "stages", None)
+        for module in stages or (model,):
+            self._stack.callback(module.register_forward_pre_hook(pre).remove)
+            if stages is None or module.output is not None:
+                self._stack.callback(module.register_forward_hook(post).remove)
 
     def _logits_grad(self, grad: torch.Tensor) -> None:
         self.in_loss = False
