@@ -126,7 +126,7 @@ SEMANTIC = [  # values of the right type that make no sense, each with the words
     ("--parallel.dp_replicate=3", ("parallel.dp_replicate", "3")),
     ("--parallel.zero_stage=4", ("parallel.zero_stage", "4")),
     ("--parallel.num_microbatches=-1", ("parallel.num_microbatches", "-1")),
-    ("--parallel.pp_virtual_stages=0", ("parallel.pp_virtual_stages", "0")),
+    ("--parallel.pp_virtual_stages=-1", ("parallel.pp_virtual_stages", "-1")),
     ("--memory.ac_every_n_layers=0", ("memory.ac_every_n_layers", ">= 1")),
     ("--memory.moe_imbalance=0.5", ("memory.moe_imbalance", ">= 1")),
     ("--data.val_fraction=1", ("data.val_fraction", "between 0 and 1")),

@@ -192,7 +192,8 @@ def test_schedules_place_their_stages_on_the_ranks() -> None:
                        "--model.num_layers=8", "--training.micro_batch_size=2", "--training.global_batch_size=16")
     assert looped.pp_virtual_stages == 2 and looped.rank_stages(1) == [1, 5] and looped.num_stages == 8
     assert (looped.num_microbatches, looped.micro_batch_size) == (8, 2)  # the accumulation's 8 micro-batches
-    v = layout_of("--hardware.num_gpus=4", "--parallel.pp=4", "--parallel.pp_schedule=dualpipev", "--model.num_layers=8")
+    v = layout_of("--hardware.num_gpus=4", "--parallel.pp=4", "--parallel.pp_schedule=dualpipev",
+                  "--model.num_layers=8")
     assert v.rank_stages(0) == [0, 7] and v.rank_stages(3) == [3, 4] and v.rank_blocks(0) == [0, 7]
     assert (v.num_microbatches, v.micro_batch_size) == (8, 2)  # 16 rows: one micro-batch per stage at least
     assert layout_of("--hardware.num_gpus=4", "--parallel.pp=2", "--parallel.zero_stage=3", "--model.num_layers=4",

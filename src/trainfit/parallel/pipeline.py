@@ -61,7 +61,8 @@ _EMBEDDINGS = ("tok_embeddings", "pos_embeddings")  # pos_embeddings: GPT-2's
 
 def split_stages(model: nn.Module, layout: Layout, pp_rank: int) -> list[nn.Module]:
     """This rank's stages of the meta-device `model`, in model order (`model` is left whole)."""
-    if model.output is not None and model.tok_embeddings is not None and model.output.weight is model.tok_embeddings.weight:
+    embedding, output = model.tok_embeddings, model.output
+    if output is not None and embedding is not None and output.weight is embedding.weight:
         raise ConfigError(f"model.tie_embeddings=True: with parallel.pp={layout.pp} the embedding lives on the first "
                           "stage and the output projection on the last, and training does not keep the two copies "
                           "in step (Megatron all-reduces their gradients; the estimators count that copy); set "

@@ -54,7 +54,7 @@ def balanced_split(m: ModelConfig, seq_len: int, num_stages: int) -> tuple[int, 
     block = (2 * block_matmul_params(m) + block_attention_flops(m, seq_len), counts.per_layer)
     first = (0, counts.embedding)
     last = (2 * head_matmul_params(m), counts.final_norm + counts.output)
-    total = tuple(m.num_layers * b + f + l for b, f, l in zip(block, first, last, strict=True))
+    total = tuple(m.num_layers * b + f + h for b, f, h in zip(block, first, last, strict=True))
 
     def share(start: int, end: int) -> float:
         extra = [(first if start == 0 else (0, 0)), (last if end == m.num_layers else (0, 0))]

@@ -53,8 +53,8 @@ def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
 
 def layout_description(layout: Layout) -> str:
     """E.g. "2 processes: ZeRO-3 (FSDP2) over dp_shard=2, offload optimizer", "4 processes: ZeRO-3
-    (FSDP2) over dp_shard=1 x cp=2, tensor parallel tp=2 + sequence parallel, context parallel cp=2", "2 processes: pipeline pp=2 (1f1b,
-    2 stages of 2-2 blocks, 4 micro-batches)"."""
+    (FSDP2) over dp_shard=1 x cp=2, tensor parallel tp=2 + sequence parallel, context parallel cp=2",
+    "2 processes: pipeline pp=2 (1f1b, 2 stages of 2-2 blocks, 4 micro-batches)"."""
     world_size = layout.world_size
     if world_size == 1 and layout.offload == "none":
         return "1 process"

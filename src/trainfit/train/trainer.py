@@ -188,8 +188,9 @@ class Trainer:
         """In use before the model exists: what a measured step's reserved_margin counts from."""
         model, num_params = self._build_model()
         t = cfg.training
-        sampler = BatchSampler(self.data.train, t.seq_len, self.layout.micro_batch_size, t.seed, rank=self.world.dp_rank,
-                               world_size=self.world.dp_size, grad_accum_steps=self.layout.grad_accum_steps)
+        sampler = BatchSampler(self.data.train, t.seq_len, self.layout.micro_batch_size, t.seed,
+                               rank=self.world.dp_rank, world_size=self.world.dp_size,
+                               grad_accum_steps=self.layout.grad_accum_steps)
         self._setup_step(model, num_params, sampler, self.device.type)
         if not t.global_batch_size:
             self.notes.append(f"training.global_batch_size derived: micro_batch_size {t.micro_batch_size} x "
