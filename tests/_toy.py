@@ -1,4 +1,5 @@
-"""A small block-structured model (of trainfit, only the LayerStack that holds the blocks) for recompute and memory tests."""
+"""A small block-structured model (of trainfit, only the LayerStack that holds the blocks) for recompute and
+memory tests."""
 
 from __future__ import annotations
 
