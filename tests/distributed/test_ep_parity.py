@@ -18,12 +18,15 @@ The measured errors are printed (pytest -s) and quoted in README's parallelism s
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from _dist import DP_BATCH, LAYOUT_FIELDS, GlooTestCase, with_comms
-from _runs import run_config
+from _runs import assert_export_matches, run_config
 from trainfit.models.init import canonical_name
 from trainfit.train.distributed import World
 from trainfit.train.trainer import Trainer
@@ -41,7 +44,9 @@ Case = tuple[tuple[str, ...], int]
 """(overrides, steps)."""
 
 
-class TwoRanks(GlooTestCase):
+class ExpertParallelParity(GlooTestCase):
+    """The checks; the classes below run them on 2 and 4 ranks."""
+
     def check_case(self, case: Case) -> None:
         overrides, steps = case
         errors = self.check_parity((*MOE, *overrides), FP32, steps=steps)
@@ -62,6 +67,8 @@ class TwoRanks(GlooTestCase):
                 error = float((parallel[key] - grad).norm() / grad.norm())
                 self.assertLess(error, GRAD_RTOL, key)
 
+
+class TwoRanks(ExpertParallelParity):
     @with_comms
     def test_expert_parallel(self) -> None:
         self.run_subtests({"case": [
@@ -76,8 +83,32 @@ class TwoRanks(GlooTestCase):
         ]}, self.check_case)
         self.run_subtests({"overrides": [EP2, (*EP2, CAPACITY)]}, self.check_gradients)
 
+    @with_comms
+    def test_checkpoint_resumes_on_one_process_and_exports(self) -> None:
+        """Saved at step 3 of 6 under ep2 (ZeRO-3), resumed by one process (DCP gathers the expert
+        shards): the same losses for steps 4-6; `trainfit export` of it writes every expert whole.
+        No shared expert: HF's Mixtral format, the export's, has none."""
+        run = (*DP_BATCH, *MOE, "--model.num_shared_experts=0", "--training.steps=6")
+        saved = self.shared_dir / "ep2-run"
+        expected = Trainer(run_config(saved, *run, *EP2, "--checkpoint.interval=3")).train().losses
+        if self.rank != 0:
+            return
+        resumed = Trainer(run_config(self.shared_dir / "resumed", *run,
+                                     f"--checkpoint.resume={saved / 'ckpt' / 'step_00000003'}"), world=World())
+        self.assertIn("saved by 2 ranks, resharded to 1", resumed.notes[0])
+        losses = resumed.train().losses
+        self.assertEqual(sorted(losses), [4, 5, 6])
+        for step, loss in losses.items():
+            self.assertAlmostEqual(loss, expected[step], delta=FP32["loss_rtol"] * expected[step], msg=str(step))
+        assert_export_matches(saved / "ckpt", self.shared_dir / "hf")
+        exported = load_file(self.shared_dir / "hf" / "model.safetensors")
+        for layer, expert, w in itertools.product(range(2), range(4), ("w1", "w2", "w3")):
+            shape = (64, 64)  # debug-moe: dim 64, expert_ffn_dim 64
+            self.assertEqual(exported[f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{w}.weight"].shape,
+                             shape)
 
-class FourRanks(TwoRanks):
+
+class FourRanks(ExpertParallelParity):
     @property
     def world_size(self) -> int:
         return 4
