@@ -274,8 +274,9 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
     selective policies keep them), each sending expert_rows hidden states; dropless also exchanges
     the per-expert counts first (forward, and in full recomputation). A dropless rank sends exactly
     its pairs in the dispatch and the combine's reverse; the combine and the dispatch's reverse
-    send what it received, the routing's, on average the same. Pipeline parallel: one activation send forward and one gradient send backward per
-    micro-batch and virtual stage.
+    send what it received, the routing's, on average the same.
+    Pipeline parallel: one activation send forward and one gradient send backward per micro-batch
+    and virtual stage.
     Not modelled: the gradient-norm all-reduces (one per layout group of DTensor gradients) and the
     loss all-reduce for logging, both after the last backward; without data parallelism, the sequence-
     parallel gains' partial gradients, which DTensor all-reduces at each use (clipping, the optimizer)
