@@ -25,6 +25,8 @@ every rank whose mean loss the step averages (dp_shard x cp), not by edp (apply.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
@@ -34,8 +36,26 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from trainfit.models.moe import GroupedExperts, dispatch_slots, swiglu_experts, swiglu_hidden
 
 
+@dataclass(frozen=True)
+class Routes:
+    """Where a rank's dropless pairs go and what it receives: the one step that reads the routing's
+    values (the traced estimator stands in for it: memory/traced.py)."""
+
+    order_P: torch.Tensor
+    """The rank's (token, choice) pairs, token-major, sorted by expert (stably: by token within one)."""
+    send: list[int]
+    """Rows to each rank of the group."""
+    receive: list[int]
+    """Rows from each rank of the group."""
+    rows_L: list[int]
+    """Rows received for each local expert, from every source rank."""
+    by_expert_R: torch.Tensor
+    """The received rows, expert by expert (expert_major)."""
+
+
 class ExpertParallel:
-    """GroupedExperts.dispatch over one expert group (the module docstring's two forms)."""
+    """GroupedExperts.dispatch over one expert group (the module docstring's two forms). Buffers die
+    as soon as they are consumed: nothing outlives its step but what autograd saves."""
 
     def __init__(self, ep_mesh: DeviceMesh) -> None:
         self.group = ep_mesh.get_group()
@@ -47,40 +67,56 @@ class ExpertParallel:
         weights = tuple(w.to_local() for w in (experts.w1, experts.w2, experts.w3))
         num_experts = experts.w1.shape[0]
         if capacity:
-            y_SD, token_S, weight_S = self._capacity(x_ND, expert_NK, weight_NK, num_experts, capacity, weights)
+            token_S, weight_S = dispatch_slots(expert_NK, weight_NK, num_experts, capacity)
+            y_SD = self._capacity(x_ND, token_S, capacity, weights)
         else:
-            y_SD, token_S, weight_S = self._dropless(x_ND, expert_NK, weight_NK, num_experts, weights)
+            routes = self.routes(expert_NK, num_experts)
+            token_S = routes.order_P // expert_NK.shape[1]
+            weight_S = weight_NK.reshape(-1).index_select(0, routes.order_P)
+            y_SD = self._dropless(x_ND, token_S, routes, weights)
         return torch.zeros_like(x_ND).index_add_(0, token_S, y_SD * weight_S[:, None].to(x_ND.dtype))
 
-    def _dropless(self, x_ND: torch.Tensor, expert_NK: torch.Tensor, weight_NK: torch.Tensor, num_experts: int,
-                  weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(expert output of every pair, its token, its routing weight), pairs sorted by expert."""
-        local = num_experts // self.size
+    def routes(self, expert_NK: torch.Tensor, num_experts: int) -> Routes:
+        """This rank's Routes: its pairs by expert, and every rank's counts per expert exchanged (an
+        all-to-all of num_experts int64), which the feature all-to-alls need as split sizes."""
         expert_P = expert_NK.reshape(-1)  # token-major: pair p is token p // K's choice p % K
-        order_P = torch.argsort(expert_P, stable=True)
         sent_E = torch.bincount(expert_P, minlength=num_experts)
-        received_SL = all_to_all_single(sent_E, None, None, self.group).view(self.size, local)
-        send, receive = sent_E.view(self.size, local).sum(1).tolist(), received_SL.sum(1).tolist()
-        token_P = order_P // expert_NK.shape[1]
-        x_RD = all_to_all_single_autograd(x_ND.index_select(0, token_P), receive, send, self.group)
-        by_expert_R = expert_major(received_SL)
-        y_RD = swiglu_experts(x_RD.index_select(0, by_expert_R), received_SL.sum(0).tolist(), *weights)
-        y_RD = y_RD.index_select(0, torch.argsort(by_expert_R))  # back to the order received
-        y_PD = all_to_all_single_autograd(y_RD, send, receive, self.group)
-        return y_PD, token_P, weight_NK.reshape(-1).index_select(0, order_P)
+        rows_SL = all_to_all_single(sent_E, None, None, self.group).view(self.size, -1)
+        return Routes(torch.argsort(expert_P, stable=True), sent_E.view(self.size, -1).sum(1).tolist(),
+                      rows_SL.sum(1).tolist(), rows_SL.sum(0).tolist(), expert_major(rows_SL))
 
-    def _capacity(self, x_ND: torch.Tensor, expert_NK: torch.Tensor, weight_NK: torch.Tensor, num_experts: int,
-                  capacity: int, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(expert output of every slot, its token, its routing weight); see moe.dispatch_slots."""
-        local, D = num_experts // self.size, x_ND.shape[1]
-        token_S, weight_S = dispatch_slots(expert_NK, weight_NK, num_experts, capacity)
-        x_RD = all_to_all_single_autograd(x_ND.index_select(0, token_S), None, None, self.group)
-        # Received: [source rank, local expert, capacity]; each local expert takes all sources' rows.
-        x_LCD = x_RD.view(self.size, local, capacity, D).transpose(0, 1).reshape(local, self.size * capacity, D)
+    def _dropless(self, x_ND: torch.Tensor, token_P: torch.Tensor, routes: Routes,
+                  weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The experts' outputs for the rank's pairs (their tokens token_P, sorted by expert)."""
+        x_RD = self._send(x_ND.index_select(0, token_P), routes.receive, routes.send).index_select(
+            0, routes.by_expert_R)
+        # x_RD is the experts' input, which autograd keeps anyway; their outputs go back in received order
+        y_RD = swiglu_experts(x_RD, routes.rows_L, *weights).index_select(0, torch.argsort(routes.by_expert_R))
+        return self._send(y_RD, routes.send, routes.receive)
+
+    def _capacity(self, x_ND: torch.Tensor, token_S: torch.Tensor, capacity: int,
+                  weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The experts' outputs for the rank's slots (their tokens token_S, [experts x capacity])."""
         w1, w2, w3 = weights
-        y_LCD = torch.bmm(swiglu_hidden(x_LCD, w1, w3), w2.transpose(1, 2))
-        y_RD = y_LCD.view(local, self.size, capacity, D).transpose(0, 1).reshape(-1, D)
-        return all_to_all_single_autograd(y_RD, None, None, self.group), token_S, weight_S
+        x_LCD = self._by_expert(self._send(x_ND.index_select(0, token_S)), capacity)
+        return self._send(self._by_source(torch.bmm(swiglu_hidden(x_LCD, w1, w3), w2.transpose(1, 2)), capacity))
+
+    def _send(self, x: torch.Tensor, receive: list[int] | None = None, send: list[int] | None = None
+              ) -> torch.Tensor:
+        """All-to-all of x's rows: `send` to each rank, `receive` from each (None: equal splits).
+        Called on temporaries, so that each buffer dies with its all-to-all."""
+        return all_to_all_single_autograd(x, receive, send, self.group)
+
+    def _by_expert(self, x_RD: torch.Tensor, capacity: int) -> torch.Tensor:
+        """Received capacity slots [source rank, local expert, capacity] -> [local expert, every
+        source's capacity]: each local expert takes all its rows at once."""
+        D = x_RD.shape[-1]
+        return x_RD.view(self.size, -1, capacity, D).transpose(0, 1).reshape(-1, self.size * capacity, D)
+
+    def _by_source(self, y_LCD: torch.Tensor, capacity: int) -> torch.Tensor:
+        """_by_expert's inverse, flattened to rows for the all-to-all back."""
+        D = y_LCD.shape[-1]
+        return y_LCD.view(-1, self.size, capacity, D).transpose(0, 1).reshape(-1, D)
 
 
 def expert_major(rows_SL: torch.Tensor) -> torch.Tensor:
