@@ -21,6 +21,9 @@ of a rank's tokens travels to the rank holding its expert and back, by all-to-al
 Gradients: backward runs the same all-to-alls in reverse, so an expert-weight gradient sums the
 contributions of the tokens its group routed to it; FSDP2 sums those over edp and must divide by
 every rank whose mean loss the step averages (dp_shard x cp), not by edp (apply.py sets it).
+
+Shape suffixes (moe.py's, and): P the rank's (token, choice) pairs, R rows it receives, G ranks of
+its expert group, L its local experts.
 """
 
 from __future__ import annotations
@@ -68,22 +71,20 @@ class ExpertParallel:
         num_experts = experts.w1.shape[0]
         if capacity:
             token_S, weight_S = dispatch_slots(expert_NK, weight_NK, num_experts, capacity)
-            y_SD = self._capacity(x_ND, token_S, capacity, weights)
-        else:
-            routes = self.routes(expert_NK, num_experts)
-            token_S = routes.order_P // expert_NK.shape[1]
-            weight_S = weight_NK.reshape(-1).index_select(0, routes.order_P)
-            y_SD = self._dropless(x_ND, token_S, routes, weights)
-        return torch.zeros_like(x_ND).index_add_(0, token_S, y_SD * weight_S[:, None].to(x_ND.dtype))
+            return _combine(x_ND, token_S, weight_S, self._capacity(x_ND, token_S, capacity, weights))
+        routes = self.routes(expert_NK, num_experts)
+        token_P = routes.order_P // expert_NK.shape[1]
+        weight_P = weight_NK.reshape(-1).index_select(0, routes.order_P)
+        return _combine(x_ND, token_P, weight_P, self._dropless(x_ND, token_P, routes, weights))
 
     def routes(self, expert_NK: torch.Tensor, num_experts: int) -> Routes:
         """This rank's Routes: its pairs by expert, and every rank's counts per expert exchanged (an
         all-to-all of num_experts int64), which the feature all-to-alls need as split sizes."""
         expert_P = expert_NK.reshape(-1)  # token-major: pair p is token p // K's choice p % K
         sent_E = torch.bincount(expert_P, minlength=num_experts)
-        rows_SL = all_to_all_single(sent_E, None, None, self.group).view(self.size, -1)
+        rows_GL = all_to_all_single(sent_E, None, None, self.group).view(self.size, -1)
         return Routes(torch.argsort(expert_P, stable=True), sent_E.view(self.size, -1).sum(1).tolist(),
-                      rows_SL.sum(1).tolist(), rows_SL.sum(0).tolist(), expert_major(rows_SL))
+                      rows_GL.sum(1).tolist(), rows_GL.sum(0).tolist(), expert_major(rows_GL))
 
     def _dropless(self, x_ND: torch.Tensor, token_P: torch.Tensor, routes: Routes,
                   weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -119,17 +120,23 @@ class ExpertParallel:
         return y_LCD.view(-1, self.size, capacity, D).transpose(0, 1).reshape(-1, D)
 
 
-def expert_major(rows_SL: torch.Tensor) -> torch.Tensor:
-    """Where, among rows received from each source rank s for each local expert l (rows_SL[s, l] of
+def _combine(x_ND: torch.Tensor, token_X: torch.Tensor, weight_X: torch.Tensor, y_XD: torch.Tensor) -> torch.Tensor:
+    """Each expert output row (X: slots, or pairs) times its routing weight, summed into its token,
+    as GroupedExperts does on one rank."""
+    return torch.zeros_like(x_ND).index_add_(0, token_X, y_XD * weight_X[:, None].to(x_ND.dtype))
+
+
+def expert_major(rows_GL: torch.Tensor) -> torch.Tensor:
+    """Where, among rows received from each source rank s for each local expert l (rows_GL[s, l] of
     them, in that order: source-major), the rows of expert 0 then expert 1 ... are (each expert's
     rows from every source together, sources in order)."""
-    S, L = rows_SL.shape
-    counts = rows_SL.reshape(-1)
-    start_LS = (counts.cumsum(0) - counts).view(S, L).t().reshape(-1)
-    rows_LS = rows_SL.t().reshape(-1)
+    G, L = rows_GL.shape
+    counts = rows_GL.reshape(-1)
+    start_LG = (counts.cumsum(0) - counts).view(G, L).t().reshape(-1)
+    rows_LG = rows_GL.t().reshape(-1)
     total = int(counts.sum())
-    offset_LS = start_LS - (rows_LS.cumsum(0) - rows_LS)  # source position minus expert-major position
-    return torch.arange(total, device=rows_SL.device) + torch.repeat_interleave(offset_LS, rows_LS,
+    offset_LG = start_LG - (rows_LG.cumsum(0) - rows_LG)  # source position minus expert-major position
+    return torch.arange(total, device=rows_GL.device) + torch.repeat_interleave(offset_LG, rows_LG,
                                                                                 output_size=total)
 
 
