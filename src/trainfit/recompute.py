@@ -66,6 +66,9 @@ _SAVE_OPS = _MATMULS | frozenset({
     # Megatron re-gathers in backward: kept, they would cost tp (cp) times their input.
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_reduce.default,
+    # Expert parallelism's all-to-alls (the split sizes' exchange, the dispatch and the combine) are
+    # kept too, as torchtitan's op-level policy does: each moves top-k x the block's tokens.
+    torch.ops._c10d_functional.all_to_all_single.default,
 })
 
 POLICIES: tuple[str, ...] = typing.get_args(ACPolicy)

@@ -1,6 +1,9 @@
 """perf/comms.py's model-parallel collectives against one real training step on gloo ranks: the calls
-and bytes of every tensor- and context-parallel collective torch's CommDebugMode sees the Trainer
-issue, per kind, equal what comms.step_collectives predicts for purposes "tp" and "cp".
+and bytes of every tensor-, context- and expert-parallel collective torch's CommDebugMode sees the
+Trainer issue, per kind, equal what comms.step_collectives predicts for purposes "tp", "cp" and "ep".
+Expert parallelism's dropless all-to-alls are the routing's: a rank sends exactly its (token, choice)
+pairs in the dispatch and in the combine's backward, but the combine and the dispatch's backward send
+what it received; those are compared as calls per rank and bytes summed over the expert group.
 
 What is compared, by a named rule: the functional collectives (torch.ops._c10d_functional: DTensor's
 and context_parallel.py's) over the ranks of the mesh's tp and cp axes issued inside
@@ -25,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from _dist import GlooTestCase, with_comms
 from _runs import run_config
+from trainfit.models.moe import GroupedExperts
 from trainfit.perf import comms
 from trainfit.train.trainer import Trainer
 
@@ -32,8 +36,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 
 STEP = ("--training.seq_len=64", "--training.micro_batch_size=2", "--training.global_batch_size=2")
 """One micro-batch of 2 rows of 64 tokens per data-parallel rank (debug model: 2 layers, dim 64)."""
+EP2 = ("--model.preset=debug-moe", "--parallel.ep=2", "--parallel.zero_stage=3", "--training.global_batch_size=0")
+"""Expert parallelism on every rank's own micro-batch (the global batch derived: 2 rows per rank)."""
 POLICIES = ("none", "selective", "selective-alternate", "full")
-MODEL_PARALLEL = ("tp", "cp")
+MODEL_PARALLEL = ("tp", "cp", "ep")
 Tally = Counter[tuple[str, str, int]]
 """Calls by (purpose, kind, bytes of one call as comms defines them)."""
 
@@ -71,7 +77,7 @@ def _describe(func: Any, args: tuple, kwargs: dict) -> tuple[str, tuple[int, ...
     nbytes = bound["input"].nbytes
     if name == "all_gather_into_tensor":
         return "all_gather", ranks, nbytes * bound["group_size"]
-    kinds = {"reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
+    kinds = {"reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}
     return kinds.get(name, name), ranks, nbytes
 
 
@@ -95,6 +101,8 @@ def counted_step(trainer: Trainer) -> Tally:
     mesh = trainer.world.mesh
     axes = {tuple(dist.get_process_group_ranks(mesh[a].get_group())): a
             for a in MODEL_PARALLEL if a in (mesh.mesh_dim_names or ())}
+    axes.update({tuple(dist.get_process_group_ranks(m.dispatch.group)): "ep" for m in trainer.model.modules()
+                 if isinstance(m, GroupedExperts) and m.dispatch is not None})
     tally: Tally = Counter((axes[ranks], kind, nbytes) for inside_, kind, ranks, nbytes in log.seen
                            if inside_ and ranks in axes and not kind.startswith("c10d."))
     return tally
@@ -134,6 +142,25 @@ class CommCounts(GlooTestCase):
     def run_cases(self, cases: list[tuple[str, ...]]) -> None:
         self.run_subtests({"overrides": cases}, self.check)
 
+    def check_expert(self, overrides: tuple[str, ...]) -> None:
+        """Capacity: as check. Dropless: the calls per rank, the counts' exchange, and the routed
+        bytes summed over the expert group (the module docstring says why)."""
+        if "--model.capacity_factor=0" not in overrides:
+            return self.check(overrides)
+        name = "_".join(o.split(".")[-1] for o in overrides).replace("=", "-")
+        trainer = Trainer(run_config(self.shared_dir / name, *STEP, *overrides))
+        try:
+            counted, expected = counted_step(trainer), predicted(trainer)
+        finally:
+            trainer.close()
+        said = f"{overrides}: counted {by_kind(counted)}, predicted {by_kind(expected)}"
+        counts = trainer.cfg.model.num_experts * comms.COUNT_BYTES
+        self.assertEqual(sum(counted.values()), sum(expected.values()), said)
+        self.assertEqual(counted["ep", "all_to_all", counts], expected["ep", "all_to_all", counts], said)
+        group_bytes = [0] * self.world_size
+        dist.all_gather_object(group_bytes, by_kind(counted)["ep", "all_to_all"][1])
+        self.assertEqual(sum(group_bytes), self.world_size * by_kind(expected)["ep", "all_to_all"][1], said)
+
     @with_comms
     def test_tensor_and_context_parallel(self) -> None:
         sp = "--parallel.sequence_parallel=true"
@@ -147,6 +174,13 @@ class CommCounts(GlooTestCase):
         ])
 
 
+    @with_comms
+    def test_expert_parallel(self) -> None:
+        self.run_subtests({"overrides": [
+            (*EP2, f"--model.capacity_factor={factor}", f"--memory.activation_checkpointing={policy}")
+            for factor in (0, 1.0) for policy in ("none", "selective", "full")]}, self.check_expert)
+
+
 @pytest.mark.slow  # 12-24 s on its own: 4 processes on 2 busy cores (the 2-rank class takes 10-15 s)
 class FourRanks(CommCounts):
     @property
@@ -158,4 +192,9 @@ class FourRanks(CommCounts):
         # FSDP2 over the cp ranks: the gains' partial gradients are all-reduced in backward
         self.run_cases([("--parallel.tp=2", "--parallel.cp=2", "--parallel.sequence_parallel=true",
                          "--parallel.zero_stage=2", "--memory.activation_checkpointing=selective")])
+
+    @with_comms
+    def test_expert_parallel(self) -> None:  # ep2 x dp2: the expert groups {0, 1} and {2, 3}
+        self.run_subtests({"overrides": [(*EP2, f"--model.capacity_factor={factor}") for factor in (0, 1.0)]},
+                          self.check_expert)
 

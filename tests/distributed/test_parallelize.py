@@ -45,3 +45,29 @@ def test_fully_shard_groups_blocks_then_root_and_keeps_ties(tmp_path, stage: int
         assert isinstance(block.offload_policy, CPUOffloadPolicy)
         assert block.mp_policy.param_dtype == torch.bfloat16 and block.mp_policy.reduce_dtype == torch.float32
         assert hasattr(model.layers[0], "_checkpoint_wrapped_module")  # AC first, then FSDP around it
+
+
+def test_expert_parallel_splits_the_experts_over_consecutive_ranks(tmp_path) -> None:
+    """ep2 on 4 ranks (dp_shard=4): expert groups {0, 1} and {2, 3}; rank 2 holds experts 0-1 of 4
+    (ep) and, of those, FSDP2 keeps expert 1 on it (edp {0, 2}); the names stay the model's."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from trainfit.models import build_model
+
+    cfg = run_config(tmp_path, *DP_BATCH, "--model.preset=debug-moe", "--hardware.num_gpus=4",
+                     "--training.micro_batch_size=2", "--parallel.zero_stage=3", "--parallel.ep=2")
+    layout = build_layout(cfg)
+    with fake_world(4, rank=2):
+        model = build_model(cfg.model)
+        parallelize(model, layout, build_mesh(layout, "cpu"), precision_policy(cfg.precision.mode, "cpu"))
+        w1 = dict(model.named_parameters())["layers.0.feed_forward.experts.w1"]
+        assert isinstance(w1, DTensor) and w1.shape == (4, 64, 64) and w1.to_local().shape == (1, 64, 64)
+        edp, ep = w1.device_mesh.mesh_dim_names
+        assert (edp, ep) == ("edp", "ep")
+        assert dist.get_process_group_ranks(w1.device_mesh.get_group("ep")) == [2, 3]
+        assert dist.get_process_group_ranks(w1.device_mesh.get_group("edp")) == [0, 2]
+        assert compute_local_shape_and_global_offset(w1.shape, w1.device_mesh, w1.placements)[1][0] == 1
+        router = dict(model.named_parameters())["layers.0.feed_forward.router.weight"]
+        assert router.device_mesh.mesh_dim_names == ("dp_shard",)  # dense: over every rank

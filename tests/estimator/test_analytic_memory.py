@@ -325,3 +325,18 @@ def test_moe_imbalance_grows_only_the_busiest_experts_transients(policy: str):
     assert peaks[-2] == peaks[-1]  # top-1 of 8: the ceiling is 8
     assert len({retained for _, retained in dropless}) == 1
     assert len({at(x, "--model.capacity_factor=1.25") for x in ("1", "inf")}) == 1
+
+
+def test_expert_states_are_divided_by_ep_and_edp():
+    """parallel/expert.py: ep splits the routed experts, FSDP2 shards each rank's over the edp ranks
+    (dp_shard x cp / ep): expert states end divided by dp_shard x cp as without ep, the dense ones
+    too. Without ZeRO (an estimate only: training refuses it) ep alone divides them."""
+    moe = ("--model.preset=mixtral-8x7b", "--hardware.num_gpus=16", "--training.micro_batch_size=1",
+           "--training.global_batch_size=16")
+    counts = param_counts(cfg_of(*moe).model)
+    experts = counts.num_layers * counts.routed_experts
+    for stage, shards in ((3, 16), (0, 1)):
+        ep1 = model_states(cfg_of(*moe, f"--parallel.zero_stage={stage}"))
+        ep8 = model_states(cfg_of(*moe, f"--parallel.zero_stage={stage}", "--parallel.ep=8"))
+        assert ep1.params == pytest.approx(4 * counts.total / shards, rel=1e-6)  # fp32
+        assert ep1.params - ep8.params == (0 if shards > 1 else 4 * experts * 7 // 8)

@@ -126,6 +126,22 @@ def test_what_train_cannot_run_yet_is_said_apart() -> None:
     assert "fp16 loss scaling is not built for tensor-parallel gradients yet" in fp16.untrainable_reason()
 
 
+def test_expert_parallel_trains_under_fsdp2_only() -> None:
+    moe = ("--model.preset=debug-moe", "--parallel.ep=2", "--training.micro_batch_size=2")
+    assert layout_of(*moe, "--hardware.num_gpus=2", "--parallel.zero_stage=3").untrainable_reason() is None
+    assert layout_of(*moe, "--hardware.num_gpus=2", "--parallel.cp=2", "--parallel.zero_stage=2",
+                     ).untrainable_reason() is None
+    for stage in (0, 1):
+        reason = layout_of(*moe, "--hardware.num_gpus=2", f"--parallel.zero_stage={stage}").untrainable_reason()
+        assert reason.startswith(f"parallel.zero_stage={stage} with parallel.ep=2: expert parallelism composes with "
+                                 "FSDP2's data parallelism only")
+        assert reason.endswith("set parallel.zero_stage=2 or 3")
+    tp = layout_of(*moe, "--hardware.num_gpus=4", "--parallel.tp=2", "--parallel.zero_stage=3")
+    assert tp.untrainable_reason().startswith("parallel.ep=2 with parallel.tp=2: not built with tensor parallelism")
+    hsdp = layout_of(*moe, "--hardware.num_gpus=4", "--parallel.dp_replicate=2", "--parallel.zero_stage=3")
+    assert "set parallel.dp_replicate=1 (dp_shard=4" in hsdp.untrainable_reason()
+
+
 def test_context_parallel_ranks_shard_the_model_states_and_average_gradients() -> None:
     """torchtitan and Megatron shard over dp_shard x cp: the cp ranks hold the same parameters."""
     cp = layout_of("--hardware.num_gpus=8", "--parallel.cp=2", "--parallel.zero_stage=3")

@@ -27,6 +27,9 @@ measured training steps. Conventions:
   large ONE expert's computation is, which is what its backward's transient gradients scale with:
   sized for the busiest expert at memory.moe_imbalance. With a capacity factor every expert runs
   on a [capacity] buffer, so everything is sized by E x capacity rows, exactly.
+- Expert parallelism (parallel/expert.py): a rank runs its experts on the rows it receives and
+  gets back its own pairs (dropless: what each side saves is sized by its own count; the busiest
+  rank receives routing.expert_parallel_loads' rows); capacity buffers keep their size.
 - Not counted: autograd's own graph (nodes, saved-variable records), ~0.1-0.2 MiB in the C heap
   for the test models, negligible at scale.
 """
@@ -37,13 +40,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainfit.config import ModelConfig
-from trainfit.models.routing import dropless_loads, expert_capacity
+from trainfit.models.routing import dropless_loads, expert_capacity, expert_parallel_loads
 
 FP32 = 4
 INDEX = 8  # int64 (token ids, top-k expert ids, torch.nonzero results)
 # torch.nonzero(as_tuple=True) returns views of one (M, 2) int64 result, which both the
 # index_select and the gather of routing weights save: 16 bytes per routed token.
 ROUTED_INDEX_BYTES = 2 * INDEX
+# Dropless expert parallelism: per received row the expert-major order and its inverse (int64,
+# each saved by an index_select); per own pair its token and its place in the expert order.
+EP_RECEIVED_INDEX_BYTES = EP_PAIR_INDEX_BYTES = 2 * INDEX
 ROUTED_WEIGHT_GRAD_COPIES = (3, 5)
 """Dropless MoE backward, in stacked expert weights ([E, F, D] each): moe.GroupedExperts uses
 expert e's slice `w1[e]`, whose backward (select_backward) returns a zero-filled full-size gradient
@@ -67,17 +73,36 @@ class Routing:
     tail: float = 0.0
     """Dropless: rows of each of the two experts whose backward runs first (the last two; as light
     as the imbalance allows, routing.dropless_loads), whose saved tensors are freed by then."""
+    pairs: float = 0.0
+    """Dropless expert parallelism: the rank's own (token, choice) pairs (top_k), which its experts'
+    outputs come back as; `rows` are then the rows its experts receive. 0 without it."""
+    ep: int = 1
+    """Expert-parallel degree: the rank runs num_experts / ep experts, between two all-to-alls."""
+
+    @property
+    def returned(self) -> float:
+        """Rows per token the combine all-to-all brings back: the pairs (dropless), the slots (capacity)."""
+        return self.pairs or self.rows
+
+    def local_experts(self, num_experts: int) -> int:
+        return num_experts // self.ep
 
 
-def moe_routing(m: ModelConfig, num_tokens: int, imbalance: float) -> Routing | None:
+def moe_routing(m: ModelConfig, num_tokens: int, imbalance: float, ep: int = 1) -> Routing | None:
     """The routing of one MoE layer on `num_tokens` tokens (a rank's micro-batch), None for dense
-    models; `imbalance` is memory.moe_imbalance (dropless only)."""
+    models; `imbalance` is memory.moe_imbalance (dropless only); `ep` the expert-parallel degree
+    (capacity: a rank's experts take ep sources' buffers of their capacity, E x capacity rows in
+    all; dropless: the busiest rank's)."""
     if not m.num_experts:
         return None
     E, k = m.num_experts, m.experts_per_token
     if m.capacity_factor:
         rows = E * expert_capacity(num_tokens, k, E, m.capacity_factor) / num_tokens
-        return Routing(rows=rows, busiest=rows, capacity=True)
+        return Routing(rows=rows, busiest=rows, capacity=True, ep=ep)
+    if ep > 1:
+        loads = expert_parallel_loads(num_tokens, k, E, ep, imbalance)
+        return Routing(rows=sum(loads) / num_tokens, busiest=max(loads) / num_tokens, capacity=False,
+                       tail=loads[-1] / num_tokens, pairs=k, ep=ep)
     loads = dropless_loads(num_tokens, k, E, imbalance)
     return Routing(rows=k, busiest=max(loads) / num_tokens, capacity=False, tail=loads[-1] / num_tokens)
 
@@ -191,6 +216,9 @@ def _moe_saved(m: ModelConfig, d: ActDtypes, r: Routing) -> Terms:
     per_row = _routed_row_saved(m, d)
     if r.capacity:
         routed = r.rows * (INDEX + per_row) + k * INDEX
+    elif r.pairs:  # expert parallelism: the experts' side per received row, the combine's per own pair
+        routed = r.rows * (EP_RECEIVED_INDEX_BYTES + _expert_row_saved(m, d)) + \
+            r.pairs * (EP_PAIR_INDEX_BYTES + _combine_row_saved(m, d))
     else:
         routed = r.rows * (ROUTED_INDEX_BYTES + per_row)
     shared = _swiglu_saved(d.compute, m.num_shared_experts * m.expert_ffn_dim)
@@ -199,8 +227,18 @@ def _moe_saved(m: ModelConfig, d: ActDtypes, r: Routing) -> Terms:
 
 def _routed_row_saved(m: ModelConfig, d: ActDtypes) -> float:
     """What one expert row saves, its token index aside (see _moe_saved)."""
+    return _expert_row_saved(m, d) + _combine_row_saved(m, d)
+
+
+def _expert_row_saved(m: ModelConfig, d: ActDtypes) -> float:
+    """The expert's side of a row: its input (or autocast's two casts of it) and the SwiGLU's four."""
     x_in = 2 * d.compute * m.dim if d.autocast else d.stream * m.dim
-    return x_in + _swiglu_saved(d.compute, m.expert_ffn_dim) + d.stream + d.compute * m.dim + d.stream * m.dim
+    return x_in + _swiglu_saved(d.compute, m.expert_ffn_dim)
+
+
+def _combine_row_saved(m: ModelConfig, d: ActDtypes) -> float:
+    """The combine's side of a row: its routing weight, the w2 output and the weighted output."""
+    return d.stream + d.compute * m.dim + d.stream * m.dim
 
 
 def _ffn_consumers(m: ModelConfig) -> int:
@@ -232,6 +270,7 @@ def block_terms(m: ModelConfig, d: ActDtypes, policy: str, routing: Routing | No
         E, F, rows = m.num_experts, m.expert_ffn_dim, (routing or _balanced(m)).rows
         shared = m.num_shared_experts * F
         kept += Terms(gathered=c * E + rows * c * (2 * F + D))  # router logits; each expert row: w1, w3, w2 outputs
+        kept += _all_to_all_outputs(m, d, routing or _balanced(m))
         return kept + Terms(gathered=(c * D if shared else 0) + 2 * c * shared)  # shared w2; shared w1, w3
     if policy == "selective-alternate":
         return _alternate_kept(m, d, routing, tp)
@@ -280,7 +319,7 @@ def _shared_experts_first_matmul(m: ModelConfig, r: Routing) -> int:
     """The 1-based position of the shared experts' w1 among an MoE block's matmuls: wq, wk, wv, wo,
     the router, then the routed experts' (w1, w3, w2 per expert, dropless; one batched matmul per
     weight with a capacity factor)."""
-    return 9 if r.capacity else 6 + 3 * m.num_experts
+    return 9 if r.capacity else 6 + 3 * r.local_experts(m.num_experts)
 
 
 def _policy_keeps_shared_output(m: ModelConfig, r: Routing, policy: str) -> bool:
@@ -289,6 +328,19 @@ def _policy_keeps_shared_output(m: ModelConfig, r: Routing, policy: str) -> bool
     if policy == "selective-alternate":
         return _shared_experts_first_matmul(m, r) % 2 == 1
     return policy == "selective"
+
+
+def _odd_experts(m: ModelConfig, r: Routing) -> float:
+    """Dropless: the share of a rank's experts (and, balanced, of their rows) numbered 1, 3, 5, ...
+    among those it runs, whose w1 and w2 outputs selective-alternate keeps."""
+    local = r.local_experts(m.num_experts)
+    return (local // 2) / local
+
+
+def _all_to_all_outputs(m: ModelConfig, d: ActDtypes, r: Routing) -> Terms:
+    """Expert parallelism under the selective policies (recompute._SAVE_OPS keeps collectives): the
+    dispatch all-to-all's output (the rows received) and the combine's (the rows returned)."""
+    return Terms(gathered=(r.rows + r.returned) * d.compute * m.dim if r.ep > 1 else 0)
 
 
 def _alternate_kept(m: ModelConfig, d: ActDtypes, routing: Routing | None, tp: int) -> Terms:
@@ -306,15 +358,16 @@ def _alternate_kept(m: ModelConfig, d: ActDtypes, routing: Routing | None, tp: i
         return kept + Terms(tp=c * m.ffn_dim)
     if not m.num_experts:
         return kept + Terms(tp=c * m.ffn_dim, gathered=c * D)
-    E, F, r = m.num_experts, m.expert_ffn_dim, routing or _balanced(m)
+    F, r = m.expert_ffn_dim, routing or _balanced(m)
     if r.capacity:
         routed = r.rows * c * F
     else:
-        even = -(-E // 2) / E  # the share of experts (and, balanced, of rows) numbered 0, 2, 4, ...
-        routed = r.rows * c * (even * F + (1 - even) * (F + D))
+        odd = _odd_experts(m, r)  # each keeps w1 and w2, the even-numbered ones w3
+        routed = r.rows * c * ((1 - odd) * F + odd * (F + D))
     shared = m.num_shared_experts * F
     shared_kept = c * (shared + D) if _policy_keeps_shared_output(m, r, "selective-alternate") else c * shared
-    return kept + Terms(gathered=c * E + routed + (shared_kept if shared else 0))
+    return kept + _all_to_all_outputs(m, d, r) + Terms(gathered=c * m.num_experts + routed +
+                                                      (shared_kept if shared else 0))
 
 
 def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str, tp: int = 1,
@@ -341,13 +394,26 @@ def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str, tp: int = 1,
     if m.num_experts:
         # The recompute runs to the block's end (the load-balancing loss is saved after the output):
         # it consumes the router's logits and, when kept, the shared experts' w2 output.
-        shared_w2 = m.num_shared_experts and _policy_keeps_shared_output(m, routing or _balanced(m), policy)
+        r = routing or _balanced(m)
+        shared_w2 = m.num_shared_experts and _policy_keeps_shared_output(m, r, policy)
         last = Terms(gathered=c * D if shared_w2 else 0)
-        return PolicyOnly(released + Terms(gathered=c * m.num_experts) + last, block_input, last)
+        return PolicyOnly(released + Terms(gathered=c * m.num_experts) + _expert_parallel_released(m, d, r, policy)
+                          + last, block_input, last)
     last = _reduction(m, d, tp)  # w2's / fc2's reduction, and w2's (fc2's) output unless recomputed
     if not (alternate and m.family == "gpt2"):
         last += Terms(gathered=c * D)
     return PolicyOnly(released, block_input + last)
+
+
+def _expert_parallel_released(m: ModelConfig, d: ActDtypes, r: Routing, policy: str) -> Terms:
+    """Expert parallelism under the selective policies: kept tensors the unwrapped block does not save,
+    so its recompute consumes them: the dispatch all-to-all's output (reordered by expert, or by
+    expert and source) and the experts' w2 outputs the policy keeps (concatenated, or reordered by
+    source, into the combine's input; on one rank the routing weights' product saves them)."""
+    if r.ep == 1:
+        return Terms()
+    w2_kept = 1.0 if policy == "selective" else 0.0 if r.capacity else _odd_experts(m, r)
+    return Terms(gathered=r.rows * d.compute * m.dim * (1 + w2_kept))
 
 
 def shared_experts_saved(m: ModelConfig, d: ActDtypes, policy: str) -> tuple[Terms, Terms]:
@@ -380,11 +446,14 @@ class RoutedMoment:
     activations, or from the recompute of a checkpointed block."""
     uncast: int
     """16-bit weight casts already freed (autocast: each dropless expert frees its slices' own)."""
+    freed_kept: int = 0
+    """The part of `freed` that a checkpointed block's policy kept (not rebuilt by its recompute):
+    expert parallelism's returned rows under the selective policies."""
 
 
 def routed_backward_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing: Routing,
                             size: Callable[[Terms], int], *, expert_weight: int, grad_bytes: int,
-                            num_local_experts: int) -> list[RoutedMoment]:
+                            num_local_experts: int, policy: str = "none") -> list[RoutedMoment]:
     """The candidate peaks of the routed experts' backward (the shared experts' saved tensors are
     freed by then: shared_experts_saved). `expert_weight`: elements of one stacked expert weight
     on the rank; `grad_bytes`: bytes per element of the gradients the experts' slices produce (the
@@ -405,6 +474,9 @@ def routed_backward_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing:
         return [RoutedMoment(shared, pending + output, freed, shared_casts),
                 RoutedMoment(shared + expert_weight, pending + hidden, freed, shared_casts)]
     unit = expert_weight * grad_bytes
+    if routing.pairs:
+        return _expert_parallel_moments(m, d, t, routing, size, shared=shared, shared_casts=shared_casts,
+                                        expert_weight=expert_weight, unit=unit, policy=policy)
     copies, summing = ROUTED_WEIGHT_GRAD_COPIES
     input_grad = size(t.expert_input_grad)
     running, adding = copies * unit + input_grad, (summing - copies) * unit
@@ -414,6 +486,36 @@ def routed_backward_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing:
     return [RoutedMoment(shared, running + adding, light, shared_casts + cast_expert),
             RoutedMoment(shared, running + 2 * input_grad, 2 * light, shared_casts + 2 * cast_expert),
             RoutedMoment(shared, running + busiest, freed + 2 * light, shared_casts + 2 * cast_expert)]
+
+
+def _expert_parallel_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing: Routing,
+                             size: Callable[[Terms], int], *, shared: int, shared_casts: int, expert_weight: int,
+                             unit: int, policy: str) -> list[RoutedMoment]:
+    """Dropless expert parallelism's routed backward (parallel/expert.py, in reverse): the combine's
+    product with the routing weights (3 x the rank's pairs; the weighted output freed), its
+    all-to-all (pairs + the rows received; the returned outputs freed), the return to expert order
+    (2 x received); the experts one at a time under their output gradients (received), the busiest
+    first at worst, before any other's is summed; then, every expert's weights done and saved rows
+    freed, their input gradients concatenated and put back in received order (2 x received), before
+    the dispatch's all-to-all (received + pairs). The shared experts' input gradient, if any, waits.
+    The selective policies keep the returned rows (collectives' outputs), so a checkpointed block
+    frees those from what it kept, not from its recompute."""
+    D, s = m.dim, d.stream
+    pairs, received = (size(Terms(gathered=rows * s * D)) for rows in (routing.pairs, routing.rows))
+    pending = size(t.expert_input_grad) if m.num_shared_experts else 0
+    copies, summing = ROUTED_WEIGHT_GRAD_COPIES
+    busiest = max(size(t.expert_hidden), (summing - copies) * unit + size(t.expert_accumulation))
+    experts_saved = size(Terms(gathered=routing.rows * (EP_RECEIVED_INDEX_BYTES + _expert_row_saved(m, d))))
+
+    kept = pairs if policy in ("selective", "selective-alternate") else 0
+
+    def at(added: int, freed: int, done: int = 0) -> RoutedMoment:
+        return RoutedMoment(shared + done, pending + added, freed, shared_casts, min(freed - pairs, kept))
+
+    return [at(3 * pairs, pairs), at(pairs + received, 2 * pairs), at(2 * received, 2 * pairs),
+            at(received + copies * unit + busiest, 2 * pairs),
+            at(2 * received, 2 * pairs + experts_saved, done=3 * expert_weight),
+            at(received + pairs, 2 * pairs + experts_saved, done=3 * expert_weight)]
 
 
 def final_norm_terms(m: ModelConfig, d: ActDtypes) -> Terms:

@@ -26,7 +26,8 @@ of model-state forms per ZeRO stage):
 - logits: logits, their fp32 copy, log-softmax and the logits' gradient (train/trainer.py:
   `F.cross_entropy(logits.float(), ...)`), on the last stage.
 - buffers: FSDP all-gather / reduce-scatter buffers (ZeRO-1's collectives run in place in its
-  gradient buffers: none), expert-parallel all-to-all buffers, optimizer-step temporaries, the
+  gradient buffers: none), expert-parallel all-to-all buffers (in backward: activations.py's
+  routed moments), optimizer-step temporaries, the
   recompute buffer of a checkpointed block (what it rebuilds in backward beyond what it kept),
   and module buffers (RoPE tables).
 - memory.offload (FSDP2's CPUOffloadPolicy, either setting): the sharded parameters, their
@@ -167,6 +168,8 @@ class _Layout:
     block: int
     block_matmul: int
     """Weights and biases of a block's Linears (what autocast casts; norms are not cast)."""
+    block_experts: int
+    """A block's routed-expert weights on the rank (its 1/ep of them): part of block_matmul."""
     block_no_decay: int
     mlp_out: int
     embedding: int
@@ -251,7 +254,8 @@ def _layout(run: _Run, counts: ParamCounts, stage: int) -> _Layout:
         last_wrapped=policy_blocks > 0 and _wrapped(last_index, n),
         first_wrapped=policy_blocks > 0 and _wrapped(first_index, n),
         in_flight=in_flight, head_in_flight=head_in_flight, first=first, last=last,
-        block=block_matmul + counts.norms, block_matmul=block_matmul, block_no_decay=counts.norms + biases // tp,
+        block=block_matmul + counts.norms, block_matmul=block_matmul, block_experts=counts.routed_experts // ep,
+        block_no_decay=counts.norms + biases // tp,
         mlp_out=mlp_out, embedding=counts.embedding // tp if first else 0, head=head,
         output_matmul=vocab_dim if last else 0, tied_here=tied_here, tensors=tensors, largest_tensor=largest,
     )
@@ -269,6 +273,30 @@ def _optimizer_bytes(name: str, prec: _Precision, params: int, tensors: int, sma
         return int((params - small) * (2 + 2 * FP32 / EIGHT_BIT_BLOCK) + small * 2 * FP32)
     steps = ADAM_STEP_TENSOR_BYTES * tensors if name in ("adam", "adamw") else 0
     return OPTIMIZER_STATES[name] * prec.param * params + steps
+
+
+# ---- expert parallelism (parallel/expert.py): the routed experts' ZeRO shards
+
+
+def _on_shard(n: int, experts: int, shards: int, ep: int) -> int:
+    """Elements of `n` on one of `shards` ZeRO shards (dp_shard x cp), where `experts` of them are
+    routed experts already split over ep: FSDP2 shards those over the edp ranks (shards / ep) only,
+    so expert states end divided by ep x edp, the rest by the shards (1: nothing sharded)."""
+    if shards == 1:
+        return n
+    return (n - experts) // shards + experts * ep // shards
+
+
+def _largest_sharded_group(run: _Run, lay: _Layout, decay: int, experts: int, shards: int) -> int:
+    """The largest weight-decay layout group on a shard: _largest_layout_group's, and under expert
+    parallelism the experts' (DTensors of their own mesh: a group apart)."""
+    if run.layout.ep == 1:
+        return _largest_layout_group(run, lay, decay) // shards
+    dense = _largest_layout_group(run, lay, decay - experts) // shards
+    return max(dense, _on_shard(experts, experts, shards, run.layout.ep))
+
+
+# ---- end of expert parallelism
 
 
 def _largest_layout_group(run: _Run, lay: _Layout, decay: int) -> int:
@@ -360,11 +388,12 @@ def _stage(run: _Run, counts: ParamCounts, stage: int) -> _Stage:
     no_decay = lay.blocks * lay.block_no_decay + (counts.final_norm if lay.last else 0)
     param_shards = run.layout.zero_shards if fsdp else 1
     state_shards = run.layout.zero_shards if run.layout.zero_stage >= 1 else 1
-    resident = 0 if offload else n * prec.param // param_shards
-    optimizer = 0 if offload else _optimizer_bytes(run.optimizer.name, prec, n // state_shards, lay.tensors,
-                                                   no_decay // state_shards)
+    experts, ep = lay.blocks * lay.block_experts, run.layout.ep
+    resident = 0 if offload else _on_shard(n, experts, param_shards, ep) * prec.param
+    optimizer = 0 if offload else _optimizer_bytes(run.optimizer.name, prec, _on_shard(n, experts, state_shards, ep),
+                                                   lay.tensors, no_decay // state_shards)
     temp = 0 if offload else _optimizer_step_temporaries(
-        run, prec, _largest_layout_group(run, lay, n - no_decay) // state_shards, lay.largest_tensor)
+        run, prec, _largest_sharded_group(run, lay, n - no_decay, experts, state_shards), lay.largest_tensor)
     seq = run.training.seq_len // run.layout.cp
     return _Stage(lay, prec, n, resident, resident, optimizer, temp, fsdp, run.layout.micro_batch_size * seq, seq)
 
@@ -382,13 +411,14 @@ def _zero1_stage(run: _Run, prec: _Precision, lay: _Layout, counts: ParamCounts)
     grad = FP32 if run.layout.grad_accum_dtype == "fp32" else c
     master = prec.param  # fp32 masters under *-mixed; the parameters themselves otherwise
     params = n * c
-    persistent = n * master // shards if prec.mixed else params
+    on_shard = _on_shard(n, lay.blocks * lay.block_experts, shards, run.layout.ep)
+    persistent = on_shard * master if prec.mixed else params
     seq = run.training.seq_len // run.layout.cp
     return _Stage(lay, prec, n, persistent, n * grad,
-                  _optimizer_bytes(run.optimizer.name, prec, n // shards, lay.tensors, no_decay // shards),
+                  _optimizer_bytes(run.optimizer.name, prec, on_shard, lay.tensors, no_decay // shards),
                   _optimizer_step_temporaries(run, prec, (n - no_decay) // shards, lay.largest_tensor // shards),
                   False, run.layout.micro_batch_size * seq, seq, compute_params=params if prec.mixed else 0,
-                  master_grads=n * master // shards if grad != master else 0)
+                  master_grads=on_shard * master if grad != master else 0)
 
 
 def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakdown:
@@ -400,7 +430,7 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
         return terms.bytes(st.tokens, st.seq, tp, run.layout.sequence_parallel)
 
     # ---- activations of one micro-batch
-    routing = moe_routing(run.model, st.tokens, run.layout.moe_imbalance)
+    routing = moe_routing(run.model, st.tokens, run.layout.moe_imbalance, run.layout.ep)
     cp = run.layout.cp
     a_none = size(block_terms(run.model, act, "none", routing, cp, run.layout.tp))
     a_policy = size(block_terms(run.model, act, policy, routing, cp, run.layout.tp)) if policy != "none" else a_none
@@ -436,8 +466,6 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     kind = run.layout.data_parallel
     if kind == "ddp" and not DDP_GRADIENT_AS_BUCKET_VIEW:
         persistent_buffers += st.grads  # DDP's gradient buckets, beside the gradients
-    if run.layout.ep > 1:  # all-to-all dispatch and combine of each routed token (send + receive)
-        persistent_buffers += 2 * st.tokens * run.model.experts_per_token * run.model.dim * c
     fwd_buffers = persistent_buffers + root_gather
     # FSDP's unsharded gradients of the root (output projection, final norm; a tied embedding's
     # too), reduce-scattered when the backward ends; a block's own are in in_backward below.
@@ -488,7 +516,8 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
             (int(shared_w2 * per_param), 0, 0)
         routed_moments = routed_backward_moments(
             m, act, transient, routing, size, expert_weight=counts.routed_experts // 3 // run.layout.ep,
-            grad_bytes=c if st.fsdp else autograd_bytes, num_local_experts=m.num_experts // run.layout.ep)
+            grad_bytes=c if st.fsdp else autograd_bytes, num_local_experts=m.num_experts // run.layout.ep,
+            policy=policy)
         shared_kept, shared_rebuilt = (size(t) for t in shared_experts_saved(m, act, policy))
 
     def routed(done: int) -> tuple[int, int]:
@@ -516,8 +545,8 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
         moments = [recomputed, mlp_moment]
         for r in routed_moments:
             grads, buffers = routed(r.done)
-            acts = kept - shared_kept + r.added
-            moments.append((grads, buffers + rebuild - shared_rebuilt - r.freed, acts, -r.uncast))
+            acts = kept - shared_kept + r.added - r.freed_kept
+            moments.append((grads, buffers + rebuild - shared_rebuilt - (r.freed - r.freed_kept), acts, -r.uncast))
         return max(moments, key=sum)
 
     last_grads, last_buffers, last_acts, last_casts = in_backward(lay.last_wrapped)
@@ -609,7 +638,7 @@ def forward_retained_bytes(model: ModelConfig, layout: Layout, training: Trainin
     def size(terms: Terms) -> int:
         return terms.bytes(st.tokens, st.seq, run.layout.tp, run.layout.sequence_parallel)
 
-    routing, cp = moe_routing(run.model, st.tokens, run.layout.moe_imbalance), run.layout.cp
+    routing, cp = moe_routing(run.model, st.tokens, run.layout.moe_imbalance, run.layout.ep), run.layout.cp
     none_blocks = lay.blocks - lay.policy_blocks
     total = none_blocks * size(block_terms(run.model, act, "none", routing, cp, run.layout.tp))
     if lay.policy_blocks:

@@ -17,7 +17,9 @@ busiest expert at memory.moe_imbalance x the balanced load, third from last afte
 light as the others allow (models/routing.dropless_loads says why that is the worst place). Every
 expert's tensors scale with its rows and all are alive together at the end of the forward, so
 saved activations are exact whatever the real split; the transients of the experts' backward are
-those of the worst split at that imbalance. With a capacity factor the experts' shapes are fixed
+those of the worst split at that imbalance. Under expert parallelism the dispatch reads its routing
+to size its all-to-alls (parallel/expert.py's Routes): traced as the busiest rank of its group,
+receiving routing.expert_parallel_loads' rows. With a capacity factor the experts' shapes are fixed
 by the config and nothing is stood in for. `.item()` reads 1 (an fp16 loss scaler never skips the
 traced step). DDP's construction-time shape check and broadcast, and its C++ all-reduce hook, read
 tensor data: skipped and replaced by an in-place hook. DTensor's output-shape propagation on
@@ -46,14 +48,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import FSDPModule
 
 from trainfit.config import Config, ConfigError
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.ledger import StorageLedger, TimelinePoint, phase_listener, unsharded_component
 from trainfit.models import build_model, count_params, materialize
-from trainfit.models.routing import dropless_loads
+from trainfit.models.moe import GroupedExperts
+from trainfit.models.routing import dropless_loads, expert_parallel_loads
 from trainfit.parallel.apply import parallelize
 from trainfit.parallel.data_parallel import init_optimizer_states, local_state_bytes
+from trainfit.parallel.expert import Routes
 from trainfit.parallel.layout import Layout, build_layout
 from trainfit.parallel.mesh import build_mesh
 from trainfit.precision import precision_policy
@@ -177,6 +182,36 @@ class _TracedTrainer(Trainer):
         return _TakenStepScaler(scaler) if scaler.is_enabled() else scaler
 
 
+def _modeled_expert_routes(model: torch.nn.Module, cfg: Config, layout: Layout) -> None:
+    """Dropless expert parallelism: each dispatch's Routes, which read the routing's values, become
+    the busiest rank's (routing.expert_parallel_loads; shapes only, all from and to itself: the fake
+    all-to-alls move nothing)."""
+    m, t = cfg.model, cfg.training
+    pairs = t.micro_batch_size * t.seq_len // layout.cp * m.experts_per_token
+    loads = expert_parallel_loads(pairs // m.experts_per_token, m.experts_per_token, m.num_experts, layout.ep,
+                                  layout.moe_imbalance)
+    others = [0] * (layout.ep - 1)
+
+    def routes(expert_NK: torch.Tensor, num_experts: int) -> Routes:
+        received = sum(loads)
+        return Routes(torch.arange(pairs), [pairs, *others], [received, *others], loads, torch.arange(received))
+
+    for module in model.modules():
+        if isinstance(module, GroupedExperts) and module.dispatch is not None:
+            module.dispatch.routes = routes
+
+
+def _allocate_unsharded_parameters(model: torch.nn.Module) -> None:
+    """Unshard and reshard every FSDP2 unit once, as a trained step's previous one did. A group of one
+    rank (expert parallelism's experts when ep covers every shard rank) creates its unsharded copy
+    at its first unshard with torch.empty, where the ledger would see an activation; from then on
+    FSDP2 reallocates it by resizing the storage, which the ledger attributes to the parameters."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.unshard()
+            module.reshard()
+
+
 def _two_micro_batches_at_most(layout: Layout) -> Layout:
     """Gradient accumulation: every micro-batch after the first runs with the gradients already
     allocated, so the second is the last one memory can tell apart (it also syncs gradients)."""
@@ -239,6 +274,8 @@ def trace_step(cfg: Config, layout: Layout | None = None) -> TracedEstimate:
         num_params = count_params(model)
         policy.prepare_model(model)
         parallelize(model, layout, mesh, policy)
+        if layout.ep > 1 and not cfg.model.capacity_factor:
+            _modeled_expert_routes(model, cfg, layout)
         if hasattr(model, "register_comm_hook"):  # DDP (replicate), zero_stage 0 and 1
             model.register_comm_hook(None, _fake_allreduce_hook)
         with _ddp_without_init_sync(), FakeTensorMode(allow_non_fake_inputs=True), \
@@ -255,6 +292,7 @@ def trace_step(cfg: Config, layout: Layout | None = None) -> TracedEstimate:
             ledger.watch_model(model)
             ledger.grad_hooks(list(model.parameters()))
             _create_optimizer_states(trainer)
+            _allocate_unsharded_parameters(model)
             state_bytes: dict[str, int] = {}
             with trainer.listening(phase_listener(ledger, trainer)), \
                     trainer.listening(_state_counter(trainer, state_bytes)):

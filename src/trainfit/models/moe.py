@@ -18,12 +18,18 @@ Two ways to run the experts (models/routing.py sizes both for the estimators):
   tokens keep only the residual (Switch Transformer, GShard). All experts run as one batched matmul
   on [E, C] buffers; empty rows read token 0 with weight 0 and contribute nothing.
 
+Expert parallelism (parallel/expert.py) keeps the routing here as it is and swaps only where the
+routed pairs run: `GroupedExperts.dispatch`, None on one rank, sends each pair to the rank holding
+its expert and back (the module's own forward, so FSDP2 gathers the experts' weights around it).
+
 Shape suffixes: B batch, T sequence, N tokens (B*T), D model dim, E experts, K experts per token,
 F expert hidden, M tokens routed to one expert, C expert capacity, S expert slots (E*C), P
 (token, choice) pairs (K*N, choice-major).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -42,12 +48,16 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.dispatch: ExpertDispatch | None = None
+        """Runs the routed pairs on experts spread over ranks (parallel/expert.py); None: all here."""
 
     def forward(self, x_ND: torch.Tensor, expert_NK: torch.Tensor, weight_NK: torch.Tensor,
                 capacity: int = 0) -> torch.Tensor:
         """Dropless (capacity 0): each expert runs on exactly the tokens routed to it, one after the
         other; index_add_ is deterministic on CPU. Capacity > 0: every expert on a [capacity] buffer
         of its kept tokens (see the module docstring), all in one batched matmul."""
+        if self.dispatch is not None:
+            return self.dispatch(self, x_ND, expert_NK, weight_NK, capacity)
         if capacity:
             return self._forward_capacity(x_ND, expert_NK, weight_NK, capacity)
         out_ND = torch.zeros_like(x_ND)
@@ -71,6 +81,27 @@ class GroupedExperts(nn.Module):
         """SwiGLU hidden of all experts; the gathered input dies on return (under autocast only its
         casts are saved)."""
         return F.silu(torch.bmm(x_ECD, self.w1.transpose(1, 2))) * torch.bmm(x_ECD, self.w3.transpose(1, 2))
+
+
+class ExpertDispatch(Protocol):
+    """What replaces GroupedExperts' own loop when its experts are spread over ranks: the output
+    [N, D] of `experts` for the routed pairs, as GroupedExperts.forward computes it on one rank."""
+
+    def __call__(self, experts: GroupedExperts, x_ND: torch.Tensor, expert_NK: torch.Tensor,
+                 weight_NK: torch.Tensor, capacity: int) -> torch.Tensor: ...
+
+
+def swiglu_experts(x_MD: torch.Tensor, rows: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+                   ) -> torch.Tensor:
+    """Experts w*[i] each on its block of `rows[i]` consecutive rows of x, one after the other (a
+    loop: torch._grouped_mm has no CPU backward in torch 2.13)."""
+    return torch.cat([F.linear(F.silu(F.linear(x, w1[i])) * F.linear(x, w3[i]), w2[i])
+                      for i, x in enumerate(x_MD.split(rows))])
+
+
+def swiglu_hidden(x_ECD: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """SwiGLU hidden [E, C, F] of every expert e on its rows x[e], in batched matmuls."""
+    return F.silu(torch.bmm(x_ECD, w1.transpose(1, 2))) * torch.bmm(x_ECD, w3.transpose(1, 2))
 
 
 @torch.no_grad()

@@ -83,6 +83,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": dict(dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=14336,
                          vocab_size=32000, max_seq_len=32768, rope_theta=1e6, num_experts=8,
                          experts_per_token=2, expert_ffn_dim=14336, router_aux_loss_coef=0.02),
+    # allenai/OLMoE-1B-7B-0924 (its config.json: 64 experts of width 1024, 8 per token, every layer
+    # MoE, no shared expert; Muennighoff et al. 2024, arXiv 2409.02060): fine-grained experts, where
+    # Mixtral has 8 wide ones. Our Llama-style block has no QK-norm (OLMoE's RMSNorm on the query
+    # and key projections: 65,536 parameters in all), the one difference in shape. In routing, OLMoE
+    # keeps the top-8 softmax probabilities as they are (norm_topk_prob false); our MoE renormalises
+    # them to sum to 1, as Mixtral does.
+    "olmoe-1b-7b": dict(dim=2048, num_layers=16, num_heads=16, num_kv_heads=16, ffn_dim=1024,
+                        vocab_size=50304, max_seq_len=4096, num_experts=64, experts_per_token=8,
+                        expert_ffn_dim=1024, router_aux_loss_coef=0.01),
     # Qwen/Qwen2.5-7B.
     "qwen2.5-7b": dict(dim=3584, num_layers=28, num_heads=28, num_kv_heads=4, ffn_dim=18944,
                        vocab_size=152064, max_seq_len=131072, rope_theta=1e6, norm_eps=1e-6,
@@ -107,6 +116,7 @@ PUBLISHED_NUM_PARAMS: dict[str, int] = {
     "mistral-7b": 7_241_732_096,  # mistralai/Mistral-7B-v0.1
     "mixtral-8x7b": 46_702_792_704,  # mistralai/Mixtral-8x7B-v0.1
     "qwen2.5-7b": 7_615_616_512,  # Qwen/Qwen2.5-7B ("7.61B" on the model card)
+    "olmoe-1b-7b": 6_919_161_856,  # allenai/OLMoE-1B-7B-0924 safetensors metadata; QK-norm included
 }
 
 

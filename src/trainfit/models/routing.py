@@ -6,6 +6,8 @@ estimator (memory/activations.py) and the traced one (memory/traced.py) get it f
 - Dropless (capacity_factor = 0): each expert runs on the tokens routed to it. Their total is always
   tokens x top_k; the split is the router's. Memory is estimated with the busiest expert at
   memory.moe_imbalance times the balanced load, placed where it costs most (dropless_loads).
+- Expert parallelism (parallel/expert.py): a rank runs its num_experts / ep experts on the rows
+  every rank of its group sends them; dropless, the busiest rank's (expert_parallel_loads).
 """
 
 from __future__ import annotations
@@ -46,3 +48,14 @@ def dropless_loads(num_tokens: int, top_k: int, num_experts: int, imbalance: flo
 
 def _even(total: int, parts: int) -> list[int]:
     return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def expert_parallel_loads(num_tokens: int, top_k: int, num_experts: int, ep: int, imbalance: float) -> list[int]:
+    """Dropless expert parallelism: rows each local expert of the busiest rank of an expert group
+    receives, in the order it runs them, when every rank's micro-batch of num_tokens routes as
+    dropless_loads says (one router: their busiest expert is the same one) and the busiest rank holds
+    the num_experts / ep experts loaded most (in dropless_loads' order). Balanced (imbalance 1): the
+    rank's own tokens x top_k; at the ceiling, ep times its experts' whole load."""
+    loads = dropless_loads(num_tokens, top_k, num_experts, imbalance)
+    heaviest = sorted(range(num_experts), key=lambda e: -loads[e])[:num_experts // ep]
+    return [ep * loads[e] for e in sorted(heaviest)]

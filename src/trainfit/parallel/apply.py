@@ -13,8 +13,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from trainfit.models.common import set_sequence_layout
 from trainfit.parallel import data_parallel as dp
 from trainfit.parallel.context_parallel import ContextParallel
+from trainfit.parallel.expert import apply_expert_parallel
 from trainfit.parallel.layout import Layout
-from trainfit.parallel.mesh import ddp_mesh, fsdp_mesh, shard_mesh
+from trainfit.parallel.mesh import ddp_mesh, expert_mesh, fsdp_mesh, shard_mesh
 from trainfit.parallel.pipeline import StageParts, split_stages
 from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES
 from trainfit.parallel.tensor_parallel import apply_tensor_parallel
@@ -32,7 +33,9 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, polic
 
     1. tensor and sequence parallelism (tensor_parallel.py) on the mesh's tp axis: the blocks' own
        parameters become DTensors; context parallelism (context_parallel.py) on the cp axis: the
-       model's positions and attention become its rank's chunks' and all-gather K and V.
+       model's positions and attention become its rank's chunks' and all-gather K and V; expert
+       parallelism (expert.py) on the ep axis of expert_mesh: the routed experts become DTensors
+       split over the expert group, and their tokens travel by all-to-all.
     2. activation checkpointing per block (recompute.py), before data parallelism, as in
        torchtitan: fully_shard then wraps the checkpointed block, so its all-gather runs once,
        before the recomputed forward, and nothing is all-gathered again inside recomputation.
@@ -41,6 +44,8 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, polic
        for 2, 3 and CPU offload, on a 2-D mesh under HSDP (dp_replicate > 1). ZeRO-1 wraps nothing:
        its engine is the optimizer (`parallelize_optimizer`), built once the model is materialized.
        Each spans the cp ranks too (mesh.py): they shard the states and average the gradients.
+       Under expert parallelism (FSDP2 only: Layout.untrainable_reason) the routed experts are
+       sharded over expert_mesh's edp axis (data_parallel.ExpertShards).
     """
     if layout.pp > 1:
         assert mesh is not None
@@ -61,6 +66,13 @@ def _parallelize_part(model: nn.Module, layout: Layout, mesh: DeviceMesh | None,
     if layout.cp > 1:
         assert mesh is not None
         set_sequence_layout(model, ContextParallel(mesh["cp"]))
+    experts = None
+    if layout.ep > 1:
+        assert mesh is not None
+        sparse = expert_mesh(mesh, layout)
+        modules = apply_expert_parallel(model, sparse["ep"])
+        experts = dp.ExpertShards(frozenset(p for m in modules for p in m.parameters()), sparse["edp"],
+                                  divide_factor=layout.dp_shard * layout.cp)
     apply_activation_checkpointing(model, layout.activation_checkpointing, layout.ac_every_n_layers)
     kind = layout.data_parallel
     if kind == "ddp":
@@ -71,7 +83,7 @@ def _parallelize_part(model: nn.Module, layout: Layout, mesh: DeviceMesh | None,
         # The zero-bubble schedules' weight-gradient passes need the parameters still unsharded.
         reshard = layout.zero_stage == 3 and not (layout.pp > 1 and layout.pp_schedule in ZERO_BUBBLE_SCHEDULES)
         dp.apply_fsdp(model, fsdp_mesh(mesh), mp_policy=dp.mixed_precision_policy(policy),
-                      reshard_after_forward=reshard, offload=layout.offload != "none")
+                      reshard_after_forward=reshard, offload=layout.offload != "none", experts=experts)
     return model
 
 

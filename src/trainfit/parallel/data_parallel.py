@@ -35,6 +35,12 @@ meta-device model like fully_shard, and state-dict keys carry no "module." prefi
 HSDP is a ZeRO stage on a 2-D mesh (dp_replicate x dp_shard): sharded within a dp_shard group,
 replicated across groups (reduce-scatter, then an all-reduce of the shards across replicas).
 
+Expert parallelism (parallel/expert.py) composes with FSDP2 (zero_stage 2, 3, offload) only: the
+routed experts are DTensors split over an expert group before data parallelism sees them, and
+their gradients are reduced over the other groups (edp) with a divide factor of their own
+(ExpertShards). DDP and the ZeRO-1 engine take plain tensors and one reduction group: refused by
+Layout.untrainable_reason.
+
 Why ZeRO-1 is its own engine and not FSDP2: every FSDP2 layout reduce-scatters the gradients
 during backward and keeps only shards, so an FSDP2 "ZeRO-1" would be ZeRO-2 under another name.
 ZeRO-1's gradients are whole until the step; its point is the 1/N masters and states.
@@ -67,6 +73,7 @@ model_state_tensors / local_state_bytes), never by testing which engine it has.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,7 +83,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from trainfit.parallel.zero import ZeroOptimizer
 from trainfit.precision import PrecisionPolicy
@@ -105,19 +112,49 @@ def mixed_precision_policy(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
+@dataclass(frozen=True)
+class ExpertShards:
+    """Expert parallelism's routed-expert weights (parallel/expert.py): in their block's FSDP2 unit,
+    but sharded over the edp ranks (`mesh`), a parameter group of their own. Their gradients already
+    sum the tokens of a whole expert group, so their block's reduction divides by `divide_factor`,
+    every rank whose mean loss the step averages (dp_shard x cp), where FSDP2 would divide the
+    experts' by the edp ranks (the dense weights' group is that large: the same factor)."""
+
+    params: frozenset[nn.Parameter]
+    mesh: DeviceMesh
+    divide_factor: int
+
+    def placement_fn(self) -> Callable[[nn.Parameter], Any]:
+        """fully_shard's shard_placement_fn: the experts' weights on `mesh`, the others as given.
+        Private (torch 2.13's per-parameter mesh; torchtitan uses it so): an API move breaks here."""
+        from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+
+        on_mesh = ShardPlacementResult(Shard(0), FSDPMeshInfo(self.mesh, shard_mesh_dim=0))
+        return lambda param: on_mesh if param in self.params else None
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy,
-               reshard_after_forward: bool, offload: bool) -> nn.Module:
+               reshard_after_forward: bool, offload: bool, experts: ExpertShards | None = None) -> nn.Module:
     """fully_shard every block of `model.layers`, then the root (embeddings, final norm, output:
-    one group, so a tied embedding/output weight stays one parameter).
+    one group, so a tied embedding/output weight stays one parameter). Under expert parallelism a
+    block's routed experts are sharded on their own mesh (ExpertShards), within the block's unit:
+    one unit per block, whose hooks stay outside activation checkpointing's region.
 
     With reshard_after_forward, each block also prefetches explicitly: the next block's all-gather
     is issued when a block starts its forward, the previous block's when it starts its backward.
     """
     offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     options = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload_policy}
+    placement = experts.placement_fn() if experts is not None else None
     blocks = list(model.layers)
     for block in blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, shard_placement_fn=placement, **options)
+        if experts is not None:
+            block.set_gradient_divide_factor(experts.divide_factor)
+            # A plain sum, then the division: gloo has no pre-multiplied sum (FSDP2's way to divide
+            # by a factor other than the group's size). Not on one edp rank, where FSDP2 (torch
+            # 2.13) would divide twice: in place of the reduce-scatter, and after it.
+            block.set_force_sum_reduction_for_comms(experts.mesh.size() > 1)
     # The root's parameters are needed again as soon as backward starts: never reshard them.
     fully_shard(model, reshard_after_forward=False, **options)
     if reshard_after_forward:

@@ -150,13 +150,21 @@ class Layout:
 
     def untrainable_reason(self) -> str | None:
         """Why `trainfit train` cannot run this layout yet (the estimators can), or None."""
-        if self.ep != 1:
-            return (f"parallel.ep={self.ep}: `trainfit train` does not run expert parallelism yet "
-                    "(`trainfit estimate` knows this layout); set parallel.ep=1")
         if self.pp > 1 and self.data_parallel in ("ddp", "zero1"):
             ranks = f"{self.dp} data-parallel" + (f" x {self.cp} context-parallel" if self.cp > 1 else "")
             return (f"parallel.zero_stage={self.zero_stage} with parallel.pp={self.pp} and {ranks} ranks: pipeline "
                     "stages compose with FSDP2's data parallelism only; set parallel.zero_stage=2 or 3")
+        if self.ep > 1 and self.tp > 1:
+            return (f"parallel.ep={self.ep} with parallel.tp={self.tp}: not built with tensor parallelism yet "
+                    "(the MoE is whole on every tp rank, and each would send the same tokens); set parallel.tp=1")
+        if self.ep > 1 and self.dp_replicate > 1:
+            return (f"parallel.ep={self.ep} with parallel.dp_replicate={self.dp_replicate}: the experts' HSDP mesh is "
+                    f"not built yet; set parallel.dp_replicate=1 (dp_shard={self.dp}: FSDP over every rank)")
+        if self.ep > 1 and self.data_parallel != "fsdp":
+            return (f"parallel.zero_stage={self.zero_stage} with parallel.ep={self.ep}: expert parallelism composes "
+                    "with FSDP2's data parallelism only (the experts are DTensors over the expert group, whose "
+                    "gradients are reduced over the other groups: DDP and ZeRO-1 take plain tensors); set "
+                    "parallel.zero_stage=2 or 3")
         if self.tp > 1 and self.precision == "fp16-mixed":
             return (f"precision.mode='fp16-mixed' with parallel.tp={self.tp}: fp16 loss scaling is not built for "
                     "tensor-parallel gradients yet; use bf16-mixed (no loss scaling needed)")

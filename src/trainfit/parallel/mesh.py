@@ -8,6 +8,10 @@ out, dp_shard always kept). Three groupings of the data-parallel ranks are also 
   ranks of a replica hold the same parameters, so they shard them too;
 - "dp_cp" (dp_replicate x dp_shard x cp): the ranks over which DDP averages the gradients.
 Each exists only when it differs from an axis already there.
+
+Expert parallelism cuts the shard ranks (dp_shard x cp) once more, into a 2-D mesh of its own
+(`expert_mesh`): "ep", consecutive blocks of ep ranks that split the experts between them, and
+"edp", the ranks holding the same experts, over which FSDP2 shards those (torchtitan's "efsdp").
 """
 
 from __future__ import annotations
@@ -50,6 +54,15 @@ def ddp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if _has(mesh, "cp"):
         return mesh["dp_cp"] if _has(mesh, "dp_replicate") else mesh["dp_shard_cp"]
     return dp_mesh(mesh)
+
+
+def expert_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
+    """The 2-D (edp, ep) mesh over shard_mesh's ranks, in their order: ep fastest, so an expert group
+    is ep consecutive shard ranks (perf/comms.py's expert_link assumes it). Built from the Layout
+    and this rank's own (pipeline stage's) mesh. Collective: it creates process groups, so build it
+    once per model (parallel/apply.py does)."""
+    shards = shard_mesh(mesh)
+    return shards._unflatten(0, (shards.size() // layout.ep, layout.ep), ("edp", "ep"))
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from trainfit.config import HardwareConfig, ModelConfig, TrainingConfig
 from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link, inter_node_link, intra_node_link
 from trainfit.models.params import param_counts
+from trainfit.models.routing import expert_capacity
 from trainfit.parallel.layout import AXES, Layout
 
 KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
@@ -41,6 +42,8 @@ holds at least this many bytes of gradients."""
 ZERO1_BUCKET_BYTES = DDP_BUCKET_BYTES
 """parallel/zero.py's BUCKET_BYTES: ZeRO-1 reduce-scatters and all-gathers bucket by bucket, each
 at most this many bytes in the wider of its gradient and parameter dtypes."""
+COUNT_BYTES = 8
+"""Dropless expert parallelism exchanges its per-expert row counts as int64 first."""
 FP32_BYTES, LOW_BYTES = 4, 2
 """Gradients are reduced in fp32 under the *-mixed modes by FSDP2 (MixedPrecisionPolicy(reduce_dtype=
 float32), as torchtitan configures it) and DDP (the fp32 gradients of fp32 parameters); ZeRO-1
@@ -151,6 +154,16 @@ class Collective:
     """The calls repeat in every micro-batch (count includes the micro-batches), else once per step."""
 
 
+def expert_rows(model: ModelConfig, num_tokens: int) -> int:
+    """Rows one rank sends per expert-parallel all-to-all (parallel/expert.py) for a micro-batch of
+    num_tokens: dropless, one per (token, choice) pair (what it receives varies with the routing,
+    that on average); capacity, every expert's whole slot buffer, used or not."""
+    if model.capacity_factor:
+        return model.num_experts * expert_capacity(num_tokens, model.experts_per_token, model.num_experts,
+                                                   model.capacity_factor)
+    return num_tokens * model.experts_per_token
+
+
 def precision_bytes(mode: str) -> tuple[int, int, int]:
     """(gathered parameter, reduced gradient, activation) bytes per element of a precision mode."""
     if mode == "fp32":
@@ -256,9 +269,14 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
     group: K and V of the whole sequence all-gathered forward, two calls, and their gradients
     reduce-scattered backward, two calls; no all-gather in backward except recomputation's, which
     repeats both under every checkpointing policy (selective too: all-gathers are not saved).
-    Expert parallel: a dispatch and a combine all-to-all each way (twice forward under full
-    recomputation). Pipeline parallel: one activation send forward and one gradient send backward per
-    micro-batch and virtual stage.
+    Expert parallel (parallel/expert.py), per MoE layer and micro-batch on the ep group: the dispatch
+    and combine all-to-alls forward and their reverses backward (rerun under full recomputation; the
+    selective policies keep them), each sending expert_rows hidden states; dropless also exchanges
+    the per-expert counts first (forward, and in full recomputation). A dropless rank sends exactly
+    its pairs in the dispatch and the combine's reverse; the combine and the dispatch's reverse
+    send what it received, the routing's, on average the same.
+    Pipeline parallel: one activation send forward and one gradient send backward per micro-batch
+    and virtual stage.
     Not modelled: the gradient-norm all-reduces (one per layout group of DTensor gradients) and the
     loss all-reduce for logging, both after the last backward; without data parallelism, the sequence-
     parallel gains' partial gradients, which DTensor all-reduces at each use (clipping, the optimizer)
@@ -328,12 +346,15 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
     add("all_gather", "cp", ("cp",), layout.cp, kv, 2 * wrapped * n_mb, "backward")
     add("reduce_scatter", "cp", ("cp",), layout.cp, kv, 2 * calls, "backward")
 
-    # Expert parallel: each token's hidden state goes to top-k experts and comes back.
+    # Expert parallel: each (token, choice) pair's hidden state goes to its expert's rank and back.
     if m.num_experts:
-        routed = act * m.experts_per_token
-        add("all_to_all", "ep", ("ep",), layout.ep, routed, 2 * calls, "forward")
+        routed = expert_rows(m, int(tokens)) * m.dim * act_b
         recomputed = wrapped if policy == "full" else 0
-        add("all_to_all", "ep", ("ep",), layout.ep, routed, (2 * layers + 2 * recomputed) * n_mb, "backward")
+        add("all_to_all", "ep", ("ep",), layout.ep, routed, 2 * calls, "forward")
+        add("all_to_all", "ep", ("ep",), layout.ep, routed, 2 * (layers + recomputed) * n_mb, "backward")
+        if not m.capacity_factor:  # the per-expert counts, exchanged first
+            add("all_to_all", "ep", ("ep",), layout.ep, m.num_experts * COUNT_BYTES, calls, "forward")
+            add("all_to_all", "ep", ("ep",), layout.ep, m.num_experts * COUNT_BYTES, recomputed * n_mb, "backward")
 
     # Pipeline parallel: a stage boundary per micro-batch and virtual stage, each way.
     boundary = act / layout.tp if layout.sequence_parallel else act

@@ -54,7 +54,8 @@ def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
 def layout_description(layout: Layout) -> str:
     """E.g. "2 processes: ZeRO-3 (FSDP2) over dp_shard=2, offload optimizer", "4 processes: ZeRO-3
     (FSDP2) over dp_shard=1 x cp=2, tensor parallel tp=2 + sequence parallel, context parallel cp=2",
-    "2 processes: pipeline pp=2 (1f1b, 2 stages of 2-2 blocks, 4 micro-batches)"."""
+    "2 processes: pipeline pp=2 (1f1b, 2 stages of 2-2 blocks, 4 micro-batches)", "4 processes: ZeRO-3 (FSDP2)
+    over dp_shard=4, expert parallel ep=2 (experts FSDP-sharded over edp=2)"."""
     world_size = layout.world_size
     if world_size == 1 and layout.offload == "none":
         return "1 process"
@@ -81,6 +82,9 @@ def layout_description(layout: Layout) -> str:
         split = "-".join(str(n) for n in layout.pp_layers)
         parts.append(f"pipeline pp={layout.pp} ({layout.pp_schedule}, {layout.num_stages} stages of {split} blocks, "
                      f"{layout.num_microbatches} micro-batches)")
+    if layout.ep > 1:
+        parts.append(f"expert parallel ep={layout.ep} (experts FSDP-sharded over edp="
+                     f"{layout.dp_shard * layout.cp // layout.ep})")
     return f"{world_size} process{'es' if world_size > 1 else ''}: {', '.join(parts)}"
 
 

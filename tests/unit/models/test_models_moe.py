@@ -12,7 +12,7 @@ from _runs import seeded_model
 from trainfit.config import ModelConfig
 from trainfit.models.moe import MoE, dispatch_slots, load_balancing_loss
 from trainfit.models.presets import resolve_model_config
-from trainfit.models.routing import dropless_loads, expert_capacity
+from trainfit.models.routing import dropless_loads, expert_capacity, expert_parallel_loads
 
 
 def tokens(seed: int = 1) -> torch.Tensor:
@@ -142,3 +142,13 @@ def test_dropless_loads_put_the_busiest_third_from_last() -> None:
     for args in [(1000, 2, 8, 2.5), (7, 1, 3, 1.0), (64, 2, 2, math.inf), (10, 1, 1, 3.0)]:
         loads = dropless_loads(*args)
         assert sum(loads) == args[0] * args[1] and max(loads) <= args[0]
+
+
+def test_expert_parallel_loads_are_the_busiest_ranks() -> None:
+    """Every rank routes as dropless_loads; the busiest rank holds the experts loaded most and
+    receives their rows from every rank of its group."""
+    assert expert_parallel_loads(1024, 2, 4, 1, 1.3) == dropless_loads(1024, 2, 4, 1.3)  # one rank: as before
+    assert expert_parallel_loads(1024, 2, 4, 2, 1.0) == [1024, 1024]  # balanced: its own pairs' worth
+    assert expert_parallel_loads(1024, 2, 4, 2, 1.3) == [1332, 1332]  # busiest 666 of 2048 pairs, and its peer
+    assert expert_parallel_loads(1024, 2, 4, 2, math.inf) == [2048, 2048]  # the ceiling: both ranks' every pair
+    assert sum(expert_parallel_loads(1024, 1, 16, 4, 6.0)) == 4 * (384 + 3 * 50)  # the heaviest 4 of 16

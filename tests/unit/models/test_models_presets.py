@@ -71,3 +71,12 @@ def test_closed_form_counts_equal_the_built_model(name: str) -> None:
         assert counts.active == counts.total - cfg.num_layers * (cfg.num_experts - cfg.experts_per_token) * expert
     else:
         assert counts.active == counts.total
+
+
+def test_olmoe_matches_the_papers_total_and_active_counts() -> None:
+    """OLMoE-1B-7B: 6.9B parameters, 1.3B active per token (Muennighoff et al. 2024, arXiv 2409.02060,
+    Table 1), figures rounded to 0.1B: ours within half of that (6.919B and 1.282B)."""
+    counts = param_counts(load_config(None, ["--model.preset=olmoe-1b-7b"]).model)
+    assert abs(counts.total - 6.9e9) <= 0.05e9, counts.total
+    assert abs(counts.active - 1.3e9) <= 0.05e9, counts.active
+    assert counts.routed_experts == 64 * 3 * 2048 * 1024  # one layer's 64 experts: 403M of its 420M
