@@ -114,3 +114,24 @@ def test_timeline_runs_through_the_phases_and_holds_the_peak() -> None:
     assert set(worst.phase_peaks) == set(PHASES) and max(worst.phase_peaks.values()) == worst.peak
     assert sum(worst.components().values()) == worst.peak
     assert est.peak_module and est.seconds > 0 and est.peak_rss_bytes > 0
+
+
+@pytest.mark.parametrize("routing", ["--model.capacity_factor=0", "--model.capacity_factor=1.0"])
+def test_expert_parallelism_is_traced_as_its_busiest_rank(routing: str) -> None:
+    """ep2 over 2 ranks (ZeRO-3, the accuracy grid's MoE shape): the dispatch's all-to-alls run on the
+    fake backend. Dropless, its routes are routing.expert_parallel_loads' (at the ceiling the rank
+    receives both ranks' every pair: more than balanced), which the analytic estimate assumes too;
+    capacity fixes them (the imbalance changes nothing). The rank holds half the experts' states."""
+    from _analytic import memory_of, states_of
+
+    def config(imbalance: str) -> Config:
+        return load_config(None, ["--model.preset=debug-moe", "--model.dim=128", "--model.expert_ffn_dim=128",
+                                  "--model.vocab_size=512", "--model.max_seq_len=256",
+                                  "--hardware.num_gpus=2", "--parallel.ep=2", "--parallel.zero_stage=3",
+                                  "--training.micro_batch_size=4", "--training.seq_len=256",
+                                  f"--memory.moe_imbalance={imbalance}", routing])
+
+    ceiling, balanced = trace_step(config("inf")), trace_step(config("1"))
+    assert (ceiling.worst.peak > balanced.worst.peak) == routing.endswith("=0")
+    assert sum(ceiling.state_bytes.values()) == states_of(config("inf")).model_states
+    assert ceiling.worst.peak == pytest.approx(memory_of(config("inf")).worst.peak, rel=0.01)
