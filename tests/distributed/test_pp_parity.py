@@ -3,7 +3,7 @@ process taking the same global batches (tests/_dist.py's check_parity: the loss 
 both evaluations, and the final weights relative to how far training moved them).
 
 The issue's layouts: pp2 with every schedule, pp4 with an uneven split, pp2 x dp2 (FSDP) train 20
-steps, and pp2 x tp2; compositions beside them (checkpointing, bf16, fp16, clipping, more micro-batches,
+steps, and pp2 x tp2 and pp2 x ep2; compositions beside them (checkpointing, bf16, fp16, clipping, more micro-batches,
 sequence parallelism, context parallelism, ZeRO-2 under a zero-bubble schedule) 4; MoE's auxiliary
 losses across stages 20. The debug model has 2 blocks: two-stage-per-rank schedules on pp2 need 4 stages, so those
 cases give the model 4 blocks (one per stage) and the others 2 or 6.
@@ -80,6 +80,9 @@ class FourRanks(GlooTestCase):
             (("--parallel.pp=4", "--model.num_layers=6", "--parallel.pp_layers_per_stage=1,2,2,1"), PP_FP32, STEPS),
             (("--parallel.pp=2", "--parallel.zero_stage=3"), PP_FP32, STEPS),  # pp2 x dp2
             (("--parallel.pp=2", "--parallel.tp=2"), PP_FP32, STEPS),
+            # experts split over the 2 ranks of each stage (ep2 x pp2), auxiliary losses carried across stages
+            (("--parallel.pp=2", "--parallel.ep=2", "--parallel.zero_stage=3", "--model.preset=debug-moe",
+              "--training.micro_batch_size=2"), PP_FP32, STEPS),
             # sequence-sharded activations between the stages
             (("--parallel.pp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"), PP_FP32, COMPOSITION_STEPS),
             (("--parallel.pp=2", "--parallel.cp=2", "--parallel.zero_stage=3"), PP_FP32, COMPOSITION_STEPS),
