@@ -33,26 +33,41 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1e3:,.1f} ms" if s < 1 else f"{s:,.2f} s"
 
 
+MAX_RANK_COLUMNS = 4
+"""Pipeline ranks shown side by side; with more, the first, the worst and the last (--json has all)."""
+
+
+def _shown_ranks(est: Estimate) -> list[int]:
+    count, worst = len(est.memory.per_stage), est.memory.worst_stage
+    return list(range(count)) if count <= MAX_RANK_COLUMNS else sorted({0, worst, count - 1})
+
+
 def _memory_table(est: Estimate) -> Table:
-    stages = est.memory.per_stage
     worst = est.worst
-    table = Table(title="memory per GPU" + (f" (worst stage: {est.memory.worst_stage})" if len(stages) > 1 else ""))
+    count = len(est.memory.per_stage)
+    shown = _shown_ranks(est)
+    stages = [est.memory.per_stage[i] for i in shown]
+    title = "memory per GPU"
+    if count > 1:
+        title += f" (worst: pp rank {est.memory.worst_stage}"
+        title += ")" if len(shown) == count else f"; {len(shown)} of {count} pp ranks shown, all in --json)"
+    table = Table(title=title)
     table.add_column("component")
-    if len(stages) > 1:
-        for i in range(len(stages)):
-            table.add_column(f"stage {i}", justify="right")
+    if count > 1:
+        for i in shown:
+            table.add_column(f"pp rank {i}", justify="right")
     else:
         table.add_column("bytes", justify="right")
         table.add_column("share of peak", justify="right")
     for name in (*COMPONENTS, "peak", "reserved_margin"):
-        if len(stages) > 1:
+        if count > 1:
             table.add_row(name, *(fmt_bytes(getattr(s, name)) for s in stages))
         else:
             value = getattr(worst, name)
             share = f"{value / worst.peak:.0%}" if worst.peak and name in COMPONENTS else ""
             table.add_row(name, fmt_bytes(value), share, style="bold" if name == "peak" else None)
     device = fmt_bytes(est.device_memory) if est.device_memory else "n/a (cpu)"
-    table.add_row("device memory", *([device] * (len(stages) if len(stages) > 1 else 1)))
+    table.add_row("device memory", *([device] * (len(stages) if count > 1 else 1)))
     return table
 
 
