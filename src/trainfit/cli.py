@@ -158,7 +158,8 @@ def _is_rank_zero() -> bool:
 
 
 def _warn_if_it_will_not_fit(cfg: Config, layout: Layout) -> MemoryBreakdown:
-    """The analytic estimate, before anything is allocated; a warning when it exceeds the device."""
+    """The analytic estimate of rank 0 (the rank whose measured step the summary shows: pipeline
+    rank 0's stages), before anything is allocated; a warning when the worst rank exceeds the device."""
     from trainfit.estimate import advice, estimate
 
     est = estimate(cfg, layout)
@@ -168,7 +169,7 @@ def _warn_if_it_will_not_fit(cfg: Config, layout: Layout) -> MemoryBreakdown:
               f"{est.device_memory / 2**30:.1f} GiB of {cfg.hardware.gpu}:", file=sys.stderr)
         for line in advice(est):
             print(f"  - {line}", file=sys.stderr)
-    return est.worst
+    return est.memory.per_stage[0]
 
 
 def _traced_estimate(cfg: Config, layout: Layout) -> dict[str, MemoryBreakdown]:

@@ -196,6 +196,11 @@ class Trainer:
             self.notes.append(f"training.global_batch_size derived: micro_batch_size {t.micro_batch_size} x "
                               f"{self.layout.dp} data-parallel rank(s) = {self.layout.global_batch_size} sequences "
                               "per step (set it to accumulate gradients over more)")
+        if self.layout.pp > 1:
+            rows = self.layout.global_batch_size // self.layout.dp
+            self.notes.append(f"pipeline: {rows} sequences per step and data-parallel rank, in "
+                              f"{self.layout.num_microbatches} micro-batches of {self.layout.micro_batch_size}"
+                              + ("" if cfg.parallel.num_microbatches else " (derived: parallel.num_microbatches)"))
         self.resumed_from = self._maybe_resume()
 
     def _setup_step(self, model: nn.Module, num_params: int, batches: Any, optimizer_device_type: str) -> None:
