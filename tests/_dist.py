@@ -28,8 +28,8 @@ from trainfit.train.distributed import World
 from trainfit.train.trainer import Trainer, TrainResult
 
 __all__ = ["AUTOCAST", "DP_BATCH", "FP32", "LOW", "MOE", "STEPS", "ZERO1_LAYOUT", "ZERO1_RUN_ENV", "ZERO3_LAYOUT",
-           "ZERO3_RUN_ENV", "ZERO3_STEPS", "GlooTestCase", "fake_world", "full_params", "spawn_gloo", "subprocess_env",
-           "torchrun", "with_comms"]
+           "ZERO3_RUN_ENV", "ZERO3_STEPS", "FourRankGlooTestCase", "GlooTestCase", "fake_world", "full_params",
+           "spawn_gloo", "subprocess_env", "torchrun", "with_comms"]
 
 
 # Parity with one process (tests/distributed/test_dp_parity.py explains the measures and tolerances).
@@ -70,12 +70,12 @@ class GlooTestCase(DTensorTestBase):
         path.mkdir(exist_ok=True)
         return path
 
-    def check_parity(self, overrides: tuple[str, ...], tolerances: dict[str, float], steps: int = STEPS
-                     ) -> tuple[float, float] | None:
+    def check_parity(self, overrides: tuple[str, ...], tolerances: dict[str, float], steps: int = STEPS) -> None:
         """Train `steps` steps with `overrides` on this world and, on rank 0, compare the losses and the
         final weights (the ones the optimizer updates: ZeRO-1's fp32 masters, not its 16-bit
         parameters) with one process given the same global batches (tolerances: see FP32...).
-        Returns, on rank 0, the largest relative loss error and the parameters' relative error."""
+        Rank 0 prints the largest relative loss error and the parameters' relative error (pytest -s
+        shows them: the figures the README's parity tables quote)."""
         name = "_".join(o.split(".")[-1] for o in overrides).replace("=", "-").replace("+", "-") + f"-{steps}"
         evaluation = (f"--training.eval_interval={steps}", "--training.eval_steps=2")  # at steps 0 and `steps`
         trainer = Trainer(run_config(self.shared_dir / name, *DP_BATCH, f"--training.steps={steps}", *evaluation,
@@ -83,7 +83,7 @@ class GlooTestCase(DTensorTestBase):
         result = trainer.train()
         params = full_params(trainer)
         if self.rank != 0:
-            return None
+            return
         reference_overrides = tuple(o for o in overrides if not o.startswith(LAYOUT_FIELDS))
         initial, expected, final = self._reference(name, reference_overrides, steps)
         self.assertEqual(sorted(result.losses), list(range(1, steps + 1)))
@@ -96,7 +96,12 @@ class GlooTestCase(DTensorTestBase):
         error = sum(((params[key] - value) ** 2).sum() for key, value in final.items()).sqrt()
         moved = sum(((value - initial[key]) ** 2).sum() for key, value in final.items()).sqrt()
         self.assertLess(float(error / moved), tolerances["update_rtol"])
-        return loss_error, float(error / moved)
+        print(f"world {self.world_size}, {steps} steps, {' '.join(overrides)}: loss {loss_error:.1e}, "
+              f"parameters {float(error / moved):.1e}")
+
+    def check_cases(self, cases: list[tuple[tuple[str, ...], dict[str, float], int]]) -> None:
+        """check_parity of every (overrides, tolerances, steps), in this one spawn."""
+        self.run_subtests({"case": cases}, lambda case: self.check_parity(case[0], case[1], steps=case[2]))
 
     def _reference(self, name: str, overrides: tuple[str, ...], steps: int) -> tuple[dict, TrainResult, dict]:
         """One process's run of `overrides` (initial weights, result, final weights), trained once
@@ -113,6 +118,14 @@ class GlooTestCase(DTensorTestBase):
             cache[overrides, steps] = initial, result, final
         return cache[overrides, steps]
 
+
+
+class FourRankGlooTestCase(GlooTestCase):
+    """World of 4 CPU processes on gloo."""
+
+    @property
+    def world_size(self) -> int:
+        return 4
 
 def full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     """The trained weights, whole, on every rank, by name (collective for sharded layouts): the

@@ -26,7 +26,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._pytree import tree_flatten
 
-from _dist import GlooTestCase, with_comms
+from _dist import FourRankGlooTestCase, GlooTestCase, with_comms
 from _runs import run_config
 from trainfit.models.moe import GroupedExperts
 from trainfit.perf import comms
@@ -182,11 +182,7 @@ class CommCounts(GlooTestCase):
 
 
 @pytest.mark.slow  # 12-24 s on its own: 4 processes on 2 busy cores (the 2-rank class takes 10-15 s)
-class FourRanks(CommCounts):
-    @property
-    def world_size(self) -> int:
-        return 4
-
+class FourRanks(CommCounts, FourRankGlooTestCase):
     @with_comms
     def test_tensor_and_context_parallel(self) -> None:
         # FSDP2 over the cp ranks: the gains' partial gradients are all-reduced in backward

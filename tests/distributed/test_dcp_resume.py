@@ -24,6 +24,7 @@ from _dist import (
     ZERO1_RUN_ENV,
     ZERO3_RUN_ENV,
     ZERO3_STEPS,
+    FourRankGlooTestCase,
     GlooTestCase,
     full_params,
     subprocess_env,
@@ -159,13 +160,9 @@ class CrossLayout(GlooTestCase):
 
 
 @pytest.mark.usefixtures("zero3_run_env")
-class FourRanks(GlooTestCase):
+class FourRanks(FourRankGlooTestCase):
     """HSDP (2 replicas x 2 shards) trains like one process and resumes the 2-rank checkpoint, as
     ZeRO-3 and as ZeRO-1 (its shards all-reduced across the replicas)."""
-
-    @property
-    def world_size(self) -> int:
-        return 4
 
     @with_comms
     def test_hsdp(self) -> None:

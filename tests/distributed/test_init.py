@@ -9,7 +9,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from _dist import GlooTestCase, full_params, with_comms
+from _dist import FourRankGlooTestCase, GlooTestCase, full_params, with_comms
 from _runs import run_config
 from trainfit.models import build_model, materialize
 from trainfit.train.trainer import Trainer
@@ -29,11 +29,7 @@ class InitOnTwoRanks(GlooTestCase):
         check_init(self, model, layout)
 
 
-class InitOnFourRanks(GlooTestCase):
-    @property
-    def world_size(self) -> int:
-        return 4
-
+class InitOnFourRanks(FourRankGlooTestCase):
     @with_comms
     def test_hsdp_starts_from_the_one_process_weights(self) -> None:
         check_init(self, "--model.preset=debug", ("--parallel.dp_replicate=2", "--parallel.zero_stage=3"))

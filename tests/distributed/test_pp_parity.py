@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import pytest
 
-from _dist import AUTOCAST, GlooTestCase, with_comms
+from _dist import AUTOCAST, FourRankGlooTestCase, GlooTestCase, with_comms
 
 PP_FP32 = {"loss_rtol": 1e-4, "update_rtol": 1e-4}
 STEPS, COMPOSITION_STEPS = 20, 4
 FOUR_BLOCKS = "--model.num_layers=4"
 pytestmark = pytest.mark.slow  # each layout trained on the ranks and on one process
-
-Case = tuple[tuple[str, ...], dict[str, float], int]
-"""(overrides, tolerances, steps)."""
 
 
 def schedule(name: str) -> tuple[str, ...]:
@@ -33,16 +30,9 @@ def schedule(name: str) -> tuple[str, ...]:
 
 
 class TwoRanks(GlooTestCase):
-    def check_case(self, case: Case) -> None:
-        overrides, tolerances, steps = case
-        errors = self.check_parity(overrides, tolerances, steps=steps)
-        if errors:  # pytest -s shows the measured errors
-            print(f"world {self.world_size}, {steps} steps, {' '.join(overrides)}: loss {errors[0]:.1e}, "
-                  f"parameters {errors[1]:.1e}")
-
     @with_comms
     def test_every_schedule(self) -> None:
-        self.run_subtests({"case": [
+        self.check_cases([
             (("--parallel.pp=2", "--parallel.pp_schedule=gpipe"), PP_FP32, STEPS),
             (("--parallel.pp=2", "--parallel.pp_schedule=1f1b"), PP_FP32, STEPS),
             (schedule("interleaved-1f1b"), PP_FP32, STEPS),
@@ -50,11 +40,11 @@ class TwoRanks(GlooTestCase):
             (schedule("interleaved-zero-bubble"), PP_FP32, STEPS),
             (schedule("zbv-zero-bubble"), PP_FP32, STEPS),
             (schedule("dualpipev"), PP_FP32, STEPS),
-        ]}, self.check_case)
+        ])
 
     @with_comms
     def test_compositions(self) -> None:
-        self.run_subtests({"case": [
+        self.check_cases([
             # The auxiliary losses of both stages reach their routers. The reference accumulates the same
             # 2-row micro-batches (the load-balancing loss of 8 rows at once is another function).
             (("--parallel.pp=2", "--model.preset=debug-moe", "--training.micro_batch_size=2"), PP_FP32, STEPS),
@@ -64,19 +54,13 @@ class TwoRanks(GlooTestCase):
             (("--parallel.pp=2", "--parallel.num_microbatches=8"), PP_FP32, COMPOSITION_STEPS),
             # fp16 loss scaling: the scale is the same on both stages, the inf check spans them
             (("--parallel.pp=2", "--precision.mode=fp16-mixed"), AUTOCAST, COMPOSITION_STEPS),
-        ]}, self.check_case)
+        ])
 
 
-class FourRanks(GlooTestCase):
-    @property
-    def world_size(self) -> int:
-        return 4
-
-    check_case = TwoRanks.check_case
-
+class FourRanks(FourRankGlooTestCase):
     @with_comms
     def test_four_ranks(self) -> None:
-        self.run_subtests({"case": [
+        self.check_cases([
             (("--parallel.pp=4", "--model.num_layers=6", "--parallel.pp_layers_per_stage=1,2,2,1"), PP_FP32, STEPS),
             (("--parallel.pp=2", "--parallel.zero_stage=3"), PP_FP32, STEPS),  # pp2 x dp2
             (("--parallel.pp=2", "--parallel.tp=2"), PP_FP32, STEPS),
@@ -88,4 +72,4 @@ class FourRanks(GlooTestCase):
             (("--parallel.pp=2", "--parallel.cp=2", "--parallel.zero_stage=3"), PP_FP32, COMPOSITION_STEPS),
             (("--parallel.pp=2", "--parallel.zero_stage=2", "--parallel.pp_schedule=zbv-zero-bubble", FOUR_BLOCKS),
              PP_FP32, COMPOSITION_STEPS),
-        ]}, self.check_case)
+        ])

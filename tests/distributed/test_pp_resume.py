@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _dist import DP_BATCH, GlooTestCase, subprocess_env, torchrun, with_comms
+from _dist import DP_BATCH, FourRankGlooTestCase, subprocess_env, torchrun, with_comms
 from _runs import assert_export_matches, run_config, run_overrides
 from trainfit.train.distributed import World
 from trainfit.train.metrics import read_metrics
@@ -74,11 +74,7 @@ def chain_env(chain: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("chain_env")
-class FourRanks(GlooTestCase):
-    @property
-    def world_size(self) -> int:
-        return 4
-
+class FourRanks(FourRankGlooTestCase):
     @with_comms
     def test_pp4_then_tp2_pp2_continue(self) -> None:
         torch.set_num_threads(1)  # one per rank: the ranks share the machine's cores

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from _dist import AUTOCAST, MOE, GlooTestCase, with_comms
+from _dist import AUTOCAST, MOE, FourRankGlooTestCase, GlooTestCase, with_comms
 
 TP_FP32 = {"loss_rtol": 1e-4, "update_rtol": 1e-4}
 STEPS, COMPOSITION_STEPS = 20, 4
@@ -23,21 +23,10 @@ SP = "--parallel.sequence_parallel=true"
 pytestmark = pytest.mark.slow  # each layout trained on the ranks and on one process
 
 
-Case = tuple[tuple[str, ...], dict[str, float], int]
-"""(overrides, tolerances, steps)."""
-
-
 class TwoRanks(GlooTestCase):
-    def check_case(self, case: Case) -> None:
-        overrides, tolerances, steps = case
-        errors = self.check_parity(overrides, tolerances, steps=steps)
-        if errors:  # pytest -s shows the measured errors
-            print(f"world {self.world_size}, {steps} steps, {' '.join(overrides)}: loss {errors[0]:.1e}, "
-                  f"parameters {errors[1]:.1e}")
-
     @with_comms
     def test_tensor_parallel(self) -> None:
-        self.run_subtests({"case": [
+        self.check_cases([
             (("--parallel.tp=2",), TP_FP32, STEPS),
             (("--parallel.tp=2", SP), TP_FP32, STEPS),
             (("--parallel.tp=2", SP, "--model.preset=debug-gpt2"), TP_FP32, COMPOSITION_STEPS),  # tied, positions
@@ -49,27 +38,21 @@ class TwoRanks(GlooTestCase):
             # them in the matmul's fp32), a 16-bit rounding that weighs on the few steps' update more
             (("--parallel.tp=2", SP, "--precision.mode=bf16-mixed"), AUTOCAST, STEPS),
             (("--parallel.tp=2", "--model.vocab_size=511"), TP_FP32, COMPOSITION_STEPS),  # uneven shards
-        ]}, self.check_case)
+        ])
 
     @with_comms
     def test_context_parallel(self) -> None:
-        self.run_subtests({"case": [
+        self.check_cases([
             (("--parallel.cp=2",), TP_FP32, STEPS),  # gradients averaged over the cp ranks by DDP
             (("--parallel.cp=2", "--parallel.zero_stage=3"), TP_FP32, COMPOSITION_STEPS),  # states over cp
             (("--parallel.cp=2", "--parallel.zero_stage=1", "--model.preset=debug-gpt2"), TP_FP32, COMPOSITION_STEPS),
-        ]}, self.check_case)
+        ])
 
 
-class FourRanks(GlooTestCase):
-    @property
-    def world_size(self) -> int:
-        return 4
-
-    check_case = TwoRanks.check_case
-
+class FourRanks(FourRankGlooTestCase):
     @with_comms
     def test_four_ranks(self) -> None:
-        self.run_subtests({"case": [
+        self.check_cases([
             (("--parallel.tp=4", SP, "--model.num_kv_heads=4"), TP_FP32, STEPS),
             (("--parallel.tp=2", "--parallel.zero_stage=3"), TP_FP32, STEPS),  # tp2 x dp2
             (("--parallel.tp=2", "--parallel.zero_stage=3", "--memory.offload=optimizer+params"), TP_FP32,
@@ -78,4 +61,4 @@ class FourRanks(GlooTestCase):
              COMPOSITION_STEPS),
             (("--parallel.cp=2", "--parallel.tp=2", SP, "--parallel.zero_stage=3"), TP_FP32, STEPS),
             (("--parallel.cp=2", "--parallel.zero_stage=2"), TP_FP32, STEPS),  # cp2 x dp2
-        ]}, self.check_case)
+        ])

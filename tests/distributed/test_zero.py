@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim.lr_scheduler import LambdaLR
 
-from _dist import GlooTestCase, with_comms
+from _dist import FourRankGlooTestCase, GlooTestCase, with_comms
 from trainfit.config import load_config
 from trainfit.parallel.zero import ZeroOptimizer
 from trainfit.precision import step_optimizer
@@ -286,11 +286,7 @@ class ZeroWorld2(ZeroParity, GlooTestCase):
             self.assertTrue(torch.equal(value, expected[name]), name)
 
 
-class ZeroWorld4(ZeroParity, GlooTestCase):
-    @property
-    def world_size(self) -> int:
-        return 4
-
+class ZeroWorld4(ZeroParity, FourRankGlooTestCase):
     @with_comms
     def test_parity(self) -> None:
         torch.set_num_threads(1)  # one per rank: the ranks share the machine's cores
