@@ -448,9 +448,10 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         if self.pipeline is not None:
             total += self.pipeline_forward_backward()
-        for i in range(accum if self.pipeline is None else 0):
-            inputs, targets = (t.to(self.device, non_blocking=True) for t in self.sampler.next_batch())
-            total += self.forward_backward(inputs, targets, num_microbatches=accum, sync_gradients=i == accum - 1)
+        else:
+            for i in range(accum):
+                inputs, targets = (t.to(self.device, non_blocking=True) for t in self.sampler.next_batch())
+                total += self.forward_backward(inputs, targets, num_microbatches=accum, sync_gradients=i == accum - 1)
         # Every micro-batch holds micro_batch_size x seq_len tokens (no padding), so the mean over
         # all tokens of the global batch is the mean of the micro-batch means over all ranks (under
         # pipeline parallelism, the ranks of the last stage: the others add 0).
