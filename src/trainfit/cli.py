@@ -173,11 +173,12 @@ def _warn_if_it_will_not_fit(cfg: Config, layout: Layout) -> MemoryBreakdown:
 
 
 def _traced_estimate(cfg: Config, layout: Layout) -> dict[str, MemoryBreakdown]:
-    """{"traced": the traced estimate}, or {} with a warning when tracing fails (the run goes on)."""
+    """{"traced": rank 0's traced estimate (pipeline rank 0's, as the analytic one)}, or {} with a
+    warning when tracing fails (the run goes on)."""
     from trainfit.memory.traced import trace_step
 
     try:
-        return {"traced": trace_step(cfg, layout).worst}
+        return {"traced": trace_step(cfg, layout).per_stage[0]}
     except Exception as err:  # a layout the tracer refuses must not stop the training run
         print(f"warning: no traced estimate ({type(err).__name__}: {err}); comparing the analytic one only",
               file=sys.stderr)

@@ -26,6 +26,12 @@ tensor data: skipped and replaced by an in-place hook. DTensor's output-shape pr
 global-size fakes is not counted. Gradient accumulation traces two micro-batches at most: later
 ones repeat the second's memory.
 
+Pipeline parallelism: every pipeline rank is traced (as the first rank of its stage group), its
+stages run by torch's own schedule over all the step's micro-batches, in the schedule's order, on
+the fake world: the stages take static metadata (pipeline.StageBoundary) and the schedule's
+metadata vote is skipped (_run_unvoted). A whole step runs before the traced one, so the receive
+buffers torch allocates at the first step and keeps are there, as in a trained step.
+
 Fidelity limits: a CPU build runs the CPU kernels' output shapes, torch.amp's CPU autocast op list
 and CPU fused attention; CUDA's caching-allocator rounding and fragmentation are not modelled
 (analytic.py's reserved_margin is). On CPU, traced peaks land within 3% of measured ones
@@ -61,6 +67,7 @@ from trainfit.parallel.data_parallel import init_optimizer_states, local_state_b
 from trainfit.parallel.expert import Routes
 from trainfit.parallel.layout import Layout, build_layout
 from trainfit.parallel.mesh import build_mesh
+from trainfit.parallel.pipeline import PipelineStep
 from trainfit.precision import precision_policy
 from trainfit.train.distributed import World
 from trainfit.train.trainer import StepParts, Trainer
@@ -100,13 +107,13 @@ class TracedEstimate:
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int) -> Iterator[None]:
-    """This process as rank 0 of `world_size` ranks on torch's "fake" backend (collectives return
-    at once, moving nothing); destroyed on exit, so tracing can run again in the same process."""
+def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
+    """This process as rank `rank` of `world_size` ranks on torch's "fake" backend (collectives
+    return at once, moving nothing); destroyed on exit, so tracing can run again in the same process."""
     if dist.is_initialized():
         raise RuntimeError("trace_step needs a process without a default process group (it creates a fake one "
                            "of hardware.num_gpus ranks); run `trainfit estimate --traced` outside torchrun")
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=_fake_store())
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=_fake_store())
     try:
         yield
     finally:
@@ -186,8 +193,8 @@ def _modeled_expert_routes(model: torch.nn.Module, cfg: Config, layout: Layout) 
     """Dropless expert parallelism: each dispatch's Routes, which read the routing's values, become
     the busiest rank's (routing.expert_parallel_loads; shapes only, all from and to itself: the fake
     all-to-alls move nothing)."""
-    m, t = cfg.model, cfg.training
-    pairs = t.micro_batch_size * t.seq_len // layout.cp * m.experts_per_token
+    m = cfg.model
+    pairs = layout.micro_batch_size * cfg.training.seq_len // layout.cp * m.experts_per_token
     loads = expert_parallel_loads(pairs // m.experts_per_token, m.experts_per_token, m.num_experts, layout.ep,
                                   layout.moe_imbalance)
     others = [0] * (layout.ep - 1)
@@ -239,6 +246,19 @@ def _state_counter(trainer: Trainer, out: dict[str, int]) -> Any:
     return listen
 
 
+def _run_unvoted(pipeline: PipelineStep) -> None:
+    """Torch's schedule starts with a vote over the pipeline's ranks on whether every stage's
+    metadata is static (p2p of a tensor, which the fake world leaves at zero: "dynamic", then a
+    metadata exchange it cannot do). The trainer gives every stage static metadata
+    (pipeline.StageBoundary), which is the vote's result in a real world; set it and skip the vote.
+    Private attributes of torch.distributed.pipelining (an API move breaks this one function)."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    for stage in pipeline.stages:
+        stage._inference_mode = InferenceMode.STATIC
+    pipeline.schedule._warmup_p2p = lambda *args, **kwargs: None
+
+
 def _target_device_type(cfg: Config) -> str:
     """The device the traced run stands for (it executes on fake CPU tensors either way)."""
     return "cpu" if cfg.hardware.gpu == "cpu" else "cuda"
@@ -249,31 +269,53 @@ def _target_device_type(cfg: Config) -> str:
 
 def trace_step(cfg: Config, layout: Layout | None = None) -> TracedEstimate:
     """Trace one training step of `cfg` (validated) on `layout` (default: its own on
-    hardware.num_gpus ranks) as rank 0 of its world; see the module docstring."""
+    hardware.num_gpus ranks) as rank 0 of its world, and under pipeline parallelism as the first
+    rank of every pipeline stage; see the module docstring."""
     start = time.perf_counter()
     layout = layout or build_layout(cfg)
     reason = layout.untrainable_reason()
     if reason:
         raise ConfigError(reason)
-    if layout.pp > 1:
-        raise ConfigError(f"parallel.pp={layout.pp}: the traced estimate does not trace pipeline stages yet; use the "
-                          "analytic estimate (`trainfit estimate` without --traced, memory.trace=false)")
-    layout = _two_micro_batches_at_most(layout)
+    ranks_per_stage = layout.world_size // layout.pp  # pp is the mesh's outermost axis (layout.AXES)
+    traces = [_trace_rank(cfg, layout, pp_rank * ranks_per_stage) for pp_rank in range(layout.pp)]
+    worst = max(range(len(traces)), key=lambda i: traces[i].breakdown.peak)
+    at = traces[worst]
+    return TracedEstimate(per_stage=[trace.breakdown for trace in traces], worst_stage=worst, timeline=at.timeline,
+                          peak_module=at.peak_module, seconds=time.perf_counter() - start,
+                          peak_rss_bytes=peak_rss_bytes(), num_ops=sum(trace.num_ops for trace in traces),
+                          state_bytes=traces[0].state_bytes)
+
+
+@dataclass
+class _RankTrace:
+    breakdown: MemoryBreakdown
+    timeline: list[TimelinePoint]
+    peak_module: str
+    num_ops: int
+    state_bytes: dict[str, int]
+
+
+def _trace_rank(cfg: Config, layout: Layout, rank: int) -> _RankTrace:
+    """One step of global rank `rank`, traced."""
+    pipelined = layout.pp > 1
+    if not pipelined:
+        layout = _two_micro_batches_at_most(layout)
     policy = precision_policy(cfg.precision.mode, "cpu")
     grouped = layout.needs_process_group
-    world_cm = fake_process_group(layout.world_size) if grouped else contextlib.nullcontext()
+    world_cm = fake_process_group(layout.world_size, rank) if grouped else contextlib.nullcontext()
+    rows, seq_len = layout.micro_batch_size, cfg.training.seq_len
     with world_cm, warnings.catch_warnings():
         # Initialising sharded parameters on a CPU mesh warns that DTensor's RNG is incomplete there:
         # values do not matter here.
         warnings.filterwarnings("ignore", message="DTensor random operators")
-        world = World(device=torch.device("cpu"), size=layout.world_size, layout=layout)
+        world = World(device=torch.device("cpu"), rank=rank, size=layout.world_size, layout=layout)
         if grouped:  # the mesh outside FakeTensorMode: DTensor and FSDP2 read real device tensors there
             world.attach_mesh(build_mesh(layout, "cpu"))
         mesh = world.mesh
         model = build_model(cfg.model)
         num_params = count_params(model)
         policy.prepare_model(model)
-        parallelize(model, layout, mesh, policy)
+        model = parallelize(model, layout, mesh, policy)
         if layout.ep > 1 and not cfg.model.capacity_factor:
             _modeled_expert_routes(model, cfg, layout)
         if hasattr(model, "register_comm_hook"):  # DDP (replicate), zero_stage 0 and 1
@@ -282,17 +324,23 @@ def trace_step(cfg: Config, layout: Layout | None = None) -> TracedEstimate:
                 StorageLedger(fake=True, unsharded_component=unsharded_component(layout),
                               host_states=layout.offload != "none") as ledger:
             if cfg.model.num_experts and not cfg.model.capacity_factor:
-                tokens = cfg.training.micro_batch_size * cfg.training.seq_len // layout.cp
+                tokens = rows * seq_len // layout.cp
                 ledger.route(dropless_loads(tokens, cfg.model.experts_per_token, cfg.model.num_experts,
                                             layout.moe_imbalance))
             materialize(model, "cpu")
-            batches = _FakeBatches(cfg.training.micro_batch_size, cfg.training.seq_len)
+            batches = _FakeBatches(rows, seq_len)
             trainer = _TracedTrainer(cfg, layout, world, parts=StepParts(model, num_params, batches,
                                                                           _target_device_type(cfg)))
             ledger.watch_model(model)
             ledger.grad_hooks(list(model.parameters()))
-            _create_optimizer_states(trainer)
-            _allocate_unsharded_parameters(model)
+            if trainer.pipeline is not None:
+                _run_unvoted(trainer.pipeline)
+                # A whole step first: the stages' receive buffers, which torch allocates at the
+                # schedule's first step and keeps, exist before the traced one, as in a trained step.
+                trainer.train_step()
+            else:
+                _create_optimizer_states(trainer)
+                _allocate_unsharded_parameters(model)
             state_bytes: dict[str, int] = {}
             with trainer.listening(phase_listener(ledger, trainer)), \
                     trainer.listening(_state_counter(trainer, state_bytes)):
@@ -301,12 +349,9 @@ def trace_step(cfg: Config, layout: Layout | None = None) -> TracedEstimate:
                 trainer.train_step()
             ledger.recording = ledger.in_loss = False
             ledger.classify(model, trainer.optimizer, policy)
-            breakdown = ledger.breakdown()
-            timeline, module, num_ops = ledger.timeline, ledger.peak_module, ledger.op
+            trace = _RankTrace(ledger.breakdown(), ledger.timeline, ledger.peak_module, ledger.op, state_bytes)
             del trainer, model
-    return TracedEstimate(per_stage=[breakdown], worst_stage=0, timeline=timeline, peak_module=module,
-                          seconds=time.perf_counter() - start, peak_rss_bytes=peak_rss_bytes(), num_ops=num_ops,
-                          state_bytes=state_bytes)
+    return trace
 
 
 def peak_rss_bytes() -> int:

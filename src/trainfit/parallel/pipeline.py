@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,10 +38,11 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from trainfit.config import ConfigError
+from trainfit.config import ConfigError, ModelConfig
 from trainfit.models.common import LayerStack
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import stage_ranges
+from trainfit.precision import PrecisionPolicy
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -120,6 +122,50 @@ class StageParts(nn.Module):
             stage.init_weights(seed)
 
 
+@dataclass(frozen=True)
+class StageBoundary:
+    """What crosses a stage boundary, per micro-batch: handed to torch's PipelineStage up front
+    (static metadata), so no stage runs a metadata-inference forward at the first step and every
+    step, the first included, allocates what later ones do (the traced estimator's fake world can
+    run no inference exchange at all)."""
+
+    tokens: tuple[int, ...]
+    """The first stage's input: token ids [micro-batch, positions of this rank]."""
+    hidden: tuple[int, ...]
+    """Hidden states between stages: [micro-batch, positions, dim] (1/tp of the positions under
+    sequence parallelism)."""
+    hidden_dtype: torch.dtype
+    logits: tuple[int, ...]
+    logits_dtype: torch.dtype
+
+    def examples(self, stage_id: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input, output) example tensors of stage `stage_id`, on the meta device. The last
+        stage's output goes to the loss, never to a peer: torch reads only how many there are (so
+        its local logits stand for tensor parallelism's vocabulary-sharded DTensor too)."""
+        if stage_id == 0:
+            inputs = torch.empty(self.tokens, dtype=torch.long, device="meta")
+        else:
+            inputs = torch.empty(self.hidden, dtype=self.hidden_dtype, device="meta", requires_grad=True)
+        last = stage_id == num_stages - 1
+        shape, dtype = (self.logits, self.logits_dtype) if last else (self.hidden, self.hidden_dtype)
+        return inputs, torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+
+
+def stage_boundary(model: ModelConfig, seq_len: int, layout: Layout, policy: PrecisionPolicy) -> StageBoundary:
+    """The boundary of `layout`'s stages. Hidden states travel in the dtype the residual stream has:
+    FSDP2's compute copies under mixed precision make it the low dtype (blocks' inputs are cast to
+    it); autocast leaves the residual adds in the parameters' fp32; bf16-pure is bf16 throughout.
+    The logits are the output projection's: autocast's or the parameters' dtype."""
+    positions = seq_len // layout.cp
+    shards = layout.tp if layout.sequence_parallel else 1
+    fsdp_mixed = layout.data_parallel == "fsdp" and policy.keeps_master_weights
+    hidden_dtype = policy.autocast_dtype if fsdp_mixed and policy.autocast_dtype else policy.param_dtype
+    rows = layout.micro_batch_size
+    return StageBoundary(tokens=(rows, positions), hidden=(rows, positions // shards, model.dim),
+                         hidden_dtype=hidden_dtype, logits=(rows, positions, model.vocab_size // layout.tp),
+                         logits_dtype=policy.autocast_dtype or policy.param_dtype)
+
+
 class _AuxLossGrad(torch.autograd.Function):
     """Identity on a stage's output whose backward also returns d(aux)/d(aux) = 1 for the stage's
     weighted auxiliary loss, so that loss's backward runs inside the stage's."""
@@ -164,7 +210,7 @@ class PipelineStep:
     """The schedule of this rank's stages; `run` steps one optimizer step's micro-batches."""
 
     def __init__(self, parts: StageParts, layout: Layout, pp_mesh: DeviceMesh, device: torch.device,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 boundary: StageBoundary, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  on_moment: Callable[[str], None]) -> None:
         """`loss_fn(logits, targets)` -> the micro-batch's loss to backpropagate; `on_moment` is
         called with "forward" before each stage forward and "backward" when its backward starts."""
@@ -172,8 +218,11 @@ class PipelineStep:
         for stage in parts.stages:
             _announce_moments(stage, on_moment)
         group = pp_mesh.get_group()
-        self.stages = [PipelineStage(stage, stage.stage_id, layout.num_stages, device, group=group)
-                       for stage in parts.stages]
+        self.stages = []
+        for stage in parts.stages:
+            inputs, outputs = boundary.examples(stage.stage_id, layout.num_stages)
+            self.stages.append(PipelineStage(stage, stage.stage_id, layout.num_stages, device, input_args=inputs,
+                                             output_args=outputs, group=group))
         self.has_first = any(stage.is_first for stage in self.stages)
         self.has_last = any(stage.is_last for stage in self.stages)
         schedule_class = SCHEDULES[layout.pp_schedule]

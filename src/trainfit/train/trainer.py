@@ -46,7 +46,7 @@ from trainfit.parallel.data_parallel import (
     uses_autocast,
 )
 from trainfit.parallel.layout import Layout, build_layout
-from trainfit.parallel.pipeline import PipelineStep, carry_aux_loss
+from trainfit.parallel.pipeline import PipelineStep, carry_aux_loss, stage_boundary
 from trainfit.parallel.tensor_parallel import uneven_vocabulary, vocabulary_parallel_loss
 from trainfit.perf.flops import mfu, training_flops_per_token
 from trainfit.precision import precision_policy, step_optimizer
@@ -250,7 +250,9 @@ class Trainer:
             scale = self.scaler.get_scale if self.scaler.is_enabled() else lambda: 1.0
             for stage in self.model.stages:
                 carry_aux_loss(stage, lambda: coefficient * scale() / m)
-        return PipelineStep(self.model, self.layout, self.world.mesh["pp"], self.device, loss_fn, self._moment)
+        boundary = stage_boundary(self.cfg.model, self.cfg.training.seq_len, self.layout, self.policy)
+        return PipelineStep(self.model, self.layout, self.world.mesh["pp"], self.device, boundary, loss_fn,
+                            self._moment)
 
     @contextlib.contextmanager
     def listening(self, listener: StepListener) -> Iterator[None]:
@@ -415,13 +417,8 @@ class Trainer:
         self.scaler.scale(torch.zeros((), device=self.device))  # fp16: sets the scale where no loss is computed
         with self.autocast(), self.loss_context():
             self.pipeline.run(inputs, targets)
-        losses = self._step_losses()
+        losses = self._pipeline_losses
         return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
-
-    def _step_losses(self) -> list[torch.Tensor]:
-        """The losses of the schedule's last run: its micro-batches' (the first run's metadata
-        inference computes one more, on the first micro-batch, before them)."""
-        return self._pipeline_losses[-self.layout.num_microbatches:]
 
     def optimizer_step(self) -> tuple[float, bool, float]:
         """Reduce the gradients (ZeRO-1's reduce-scatter; other engines reduced them in backward),
