@@ -2,8 +2,9 @@
 
 Runs the grid of tests/estimator/accuracy_grid.py (1, 2 and 4 gloo ranks; precision, optimizer,
 activation checkpointing, ZeRO stage, HSDP, batch shape, dense and MoE models, MoE held to
-asymmetric peak bounds): each configuration is measured at the allocator (rank 0's figures; every
-world size is one spawn), traced, and estimated. Prints the peaks and their errors against the
+asymmetric peak bounds; pipeline schedules, one line per stage against the stage's first rank):
+each configuration is measured at the allocator (rank 0's figures; every world size is one spawn),
+traced, and estimated. Prints the peaks and their errors against the
 measured one; the analytic estimate's worst component against the traced one, by the test's
 criterion (the largest difference relative to its allowance, max(10% of the traced component, 1%
 of the traced peak)), as % of the component (only for components of at least a tenth of the peak:
@@ -38,6 +39,7 @@ from accuracy_grid import (  # noqa: E402
     COMPONENT_TOLERANCE,
     GRID,
     TRACED_PEAK_TOLERANCE,
+    Analytic,
     Measured,
     MiB,
     Row,
@@ -50,6 +52,7 @@ from accuracy_grid import (  # noqa: E402
 
 from trainfit.config import load_config  # noqa: E402
 from trainfit.memory.analytic import estimate_memory  # noqa: E402
+from trainfit.memory.breakdown import MemoryBreakdown  # noqa: E402
 from trainfit.parallel.layout import build_layout  # noqa: E402
 
 COLUMNS = {  # key: (header, right-aligned)
@@ -94,43 +97,50 @@ def _percent(x: float, tolerance: float | tuple[float, float] | None = None) -> 
     return f"[{style}]{x:+.1%}[/{style}]"
 
 
-def _errors(row: Row, tmp: Path, measured: Measured) -> tuple[dict[str, float], dict[str, str]]:
-    """The row's errors (ERRORS) and its other cells."""
-    traced, estimate = trace(row, tmp), analytic(row, tmp)
-    rank0, ours = measured.breakdown, estimate.breakdown
+def _stage_errors(row: Row, stage: int, measured: Measured, traced: MemoryBreakdown, estimate: Analytic
+                  ) -> tuple[dict[str, float], dict[str, str]]:
+    """A pipeline stage's errors (ERRORS) and its other cells, against the stage's first rank (pp is
+    the mesh's outermost axis); without pipeline parallelism, stage 0 and rank 0."""
+    first = measured.ranks[stage * row.world // len(estimate.per_stage)]
+    measured_peak, ours = first.breakdown, estimate.per_stage[stage]
     gaps = component_gaps(ours, traced)
     worst = max(gaps, key=lambda name: abs(gaps[name][0]) / gaps[name][1])
     gap, allowed = gaps[worst]
     component = getattr(traced, worst)
     large = COMPONENT_TOLERANCE * component >= COMPONENT_FLOOR * traced.peak  # else judged against the peak
+    pipelined = len(estimate.per_stage) > 1
     errors = {
-        "traced error": traced.peak / rank0.peak - 1, "analytic error": ours.peak / rank0.peak - 1,
+        "traced error": traced.peak / measured_peak.peak - 1, "analytic error": ours.peak / measured_peak.peak - 1,
         "of component": gap / component if large else math.nan, "of peak": gap / traced.peak,
-        "retained error": estimate.forward_retained / measured.ranks[0].forward_retained - 1,
-        "states error": estimate.model_states / sum(measured.ranks[0].state_bytes.values()) - 1,
+        # a pipeline's first forward is not followed by its own backward: no forward-retained figure
+        "retained error": math.nan if pipelined else estimate.forward_retained / first.forward_retained - 1,
+        "states error": estimate.model_states[stage] / sum(first.state_bytes.values()) - 1,
     }
     style = "green" if abs(gap) <= allowed else "red"
-    cells = {"config": row.name, "ranks": str(row.world), "measured": f"{rank0.peak / MiB:.2f}",
-             "traced": f"{traced.peak / MiB:.2f}", "analytic": f"{ours.peak / MiB:.2f}",
-             "component": f"[{style}]{worst} {gap / MiB:+.2f}[/{style}]",
-             "phase": "/".join(PHASE[b.peak_phase] for b in (rank0, traced, ours))}
+    cells = {"config": row.name + (f" stage {stage}" if pipelined else ""), "ranks": str(row.world),
+             "measured": f"{measured_peak.peak / MiB:.2f}", "traced": f"{traced.peak / MiB:.2f}",
+             "analytic": f"{ours.peak / MiB:.2f}", "component": f"[{style}]{worst} {gap / MiB:+.2f}[/{style}]",
+             "phase": "/".join(PHASE[b.peak_phase] for b in (measured_peak, traced, ours))}
     return errors, cells
 
 
 def _table(rows: list[Row], tmp: Path, measured: dict[str, Measured]) -> Table:
-    table = Table(title="memory estimators vs a measured CPU step (MiB, rank 0; error = estimate / measured - 1)")
+    table = Table(title="memory estimators vs a measured CPU step (MiB; rank 0, and under pipeline parallelism each "
+                        "stage's first rank; error = estimate / measured - 1)")
     for header, right in COLUMNS.values():
         table.add_column(header, justify="right" if right else "left")
     columns: dict[str, list[float]] = {name: [] for name in ERRORS}
     for row in rows:
         print(f"tracing and estimating {row.name}", file=sys.stderr, flush=True)
-        errors, cells = _errors(row, tmp, measured[row.name])
-        traced_bounds, analytic_bounds = peak_bounds(row)  # MoE rows: asymmetric
-        bounds = {"traced error": traced_bounds, "analytic error": analytic_bounds}
-        for name, value in errors.items():
-            columns[name].append(value)
-            cells[name] = _percent(value, bounds.get(name, TOLERANCES.get(name)))
-        table.add_row(*(cells[key] for key in COLUMNS))
+        traced, estimate = trace(row, tmp), analytic(row, tmp)
+        for stage, stage_traced in enumerate(traced):
+            errors, cells = _stage_errors(row, stage, measured[row.name], stage_traced, estimate)
+            traced_bounds, analytic_bounds = peak_bounds(row)  # MoE rows: asymmetric
+            bounds = {"traced error": traced_bounds, "analytic error": analytic_bounds}
+            for name, value in errors.items():
+                columns[name].append(value)
+                cells[name] = _percent(value, bounds.get(name, TOLERANCES.get(name)))
+            table.add_row(*(cells[key] for key in COLUMNS))
     table.add_section()
     picks: dict[str, Callable[[list[float]], float]] = {
         "median |error|": lambda e: statistics.median(abs(x) for x in e),

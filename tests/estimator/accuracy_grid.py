@@ -190,6 +190,42 @@ EXPERT_PARALLEL_GRID: list[Row] = [
 ]
 """Expert-parallel configurations (parallel/expert.py), part of GRID (MoE bounds)."""
 
+PP2 = ("--parallel.pp=2", "--model.num_layers=4")
+"""Two pipeline ranks of two Llama blocks each (default split: stage_split.balanced_split)."""
+SCHEDULE = {name: f"--parallel.pp_schedule={name}" for name in (
+    "gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")}
+
+
+def _pp_row(name: str, world: int, shape: list[str], *extra: str, micro: int, m: int, dp: int = 1) -> Row:
+    """A pipeline row: `m` micro-batches of `micro` sequences per step on each of `dp` data-parallel
+    ranks (the pipeline's micro-batches: Layout.num_microbatches)."""
+    return _row(name, world, shape, *extra, f"--training.global_batch_size={micro * m * dp}", micro=micro)
+
+
+PIPELINE_GRID: list[Row] = [
+    # two ranks, m = 4 micro-batches of 2 (8 rows per step): every schedule
+    *(_pp_row(f"llama-pp2-{name}", 2, LLAMA, *PP2, flag, micro=2, m=4) for name, flag in SCHEDULE.items()),
+    # precision, checkpointing, micro-batch count, uneven stages, other models
+    _pp_row("llama-pp2-1f1b-bf16-mixed", 2, LLAMA, *PP2, BF16_MIXED, micro=2, m=4),
+    _pp_row("llama-pp2-1f1b-full", 2, LLAMA, *PP2, FULL, micro=2, m=4),
+    _pp_row("llama-pp2-interleaved-1f1b-bf16-pure-selective", 2, LLAMA, *PP2, SCHEDULE["interleaved-1f1b"], BF16_PURE,
+            SELECTIVE, micro=2, m=4),
+    _pp_row("llama-pp2-gpipe-m8-fp16-mixed", 2, LLAMA, *PP2, SCHEDULE["gpipe"], FP16_MIXED, micro=1, m=8),
+    _pp_row("llama-pp2-1f1b-3-1", 2, LLAMA, *PP2, "--parallel.pp_layers_per_stage=3,1", micro=2, m=4),
+    _pp_row("gpt2-pp2-zbv-selective", 2, GPT2, *PP2, "--model.tie_embeddings=false", SCHEDULE["zbv-zero-bubble"],
+            SELECTIVE, micro=2, m=4),
+    _pp_row("moe-pp2-1f1b-cf1", 2, moe(4, 2, 1, 1.0), *PP2, micro=2, m=4),
+    # four ranks: pp4 uneven, pp2 x FSDP, pp2 x tp2, pp2 x ep2
+    _pp_row("llama-pp4-1f1b-1-2-2-1", 4, LLAMA, "--parallel.pp=4", "--model.num_layers=6",
+            "--parallel.pp_layers_per_stage=1,2,2,1", micro=1, m=4),
+    _pp_row("llama-pp2-z3-bf16-mixed", 4, LLAMA, *PP2, Z3, BF16_MIXED, micro=2, m=2, dp=2),
+    _pp_row("llama-pp2-z2-zbv", 4, LLAMA, *PP2, Z2, SCHEDULE["zbv-zero-bubble"], micro=1, m=4, dp=2),
+    _pp_row("llama-pp2-tp2-sp", 4, LLAMA, *PP2, TP2, SP, micro=2, m=4),
+    _pp_row("moe-pp2-ep2-z3-cf1", 4, moe(4, 2, 1, 1.0), *PP2, EP2, Z3, micro=2, m=2, dp=2),
+]
+"""Pipeline-parallel configurations (parallel/pipeline.py), part of GRID: each pipeline stage's
+traced and analytic estimates against its first rank's measured step."""
+
 GRID: list[Row] = [
     # one process: precision x optimizer x checkpointing x batch shape x model
     _row("llama-fp32", 1, LLAMA),
@@ -253,6 +289,7 @@ GRID: list[Row] = [
     *MOE_GRID,
     *MODEL_PARALLEL_GRID,
     *EXPERT_PARALLEL_GRID,
+    *PIPELINE_GRID,
 ]
 
 
@@ -308,35 +345,51 @@ def measure(cfg: Config) -> Measurement:
 
 @dataclass(frozen=True)
 class RankFigures:
-    """One rank's measured step, as the checks that do not need the components see it."""
+    """One rank's measured step."""
 
-    peak: int
+    breakdown: MemoryBreakdown
     forward_retained: int
     state_bytes: dict[str, int]
+
+    @property
+    def peak(self) -> int:
+        return self.breakdown.peak
 
 
 @dataclass(frozen=True)
 class Measured:
-    breakdown: MemoryBreakdown
-    """Rank 0's components, peak and peak phase."""
     ranks: list[RankFigures]
+
+    @property
+    def breakdown(self) -> MemoryBreakdown:
+        """Rank 0's components, peak and peak phase."""
+        return self.ranks[0].breakdown
 
 
 @dataclass(frozen=True)
 class Analytic:
-    breakdown: MemoryBreakdown
+    per_stage: list[MemoryBreakdown]
     forward_retained: int
-    model_states: int
+    """Pipeline rank 0's."""
+    model_states: list[int]
+    """Per pipeline stage."""
+
+    @property
+    def breakdown(self) -> MemoryBreakdown:
+        """Pipeline rank 0's."""
+        return self.per_stage[0]
 
 
-def trace(row: Row, tmp: Path) -> MemoryBreakdown:
-    """Rank 0's traced step (fake tensors, fake process group: call with no process group)."""
-    return trace_step(row_config(row, tmp)).worst
+def trace(row: Row, tmp: Path) -> list[MemoryBreakdown]:
+    """The traced step of every pipeline rank (one without pipeline parallelism), each as the first
+    rank of its stage (fake tensors, fake process group: call with no process group)."""
+    return trace_step(row_config(row, tmp)).per_stage
 
 
 def analytic(row: Row, tmp: Path) -> Analytic:
     cfg = row_config(row, tmp)
-    return Analytic(memory_of(cfg).worst, retained_of(cfg), states_of(cfg).model_states)
+    stages = memory_of(cfg).per_stage
+    return Analytic(stages, retained_of(cfg), [states_of(cfg, stage=s).model_states for s in range(len(stages))])
 
 
 def _figures(m: Measurement) -> dict:
@@ -344,8 +397,8 @@ def _figures(m: Measurement) -> dict:
 
 
 def _measured(per_rank: list[dict]) -> Measured:
-    ranks = [RankFigures(r["breakdown"]["peak"], r["forward_retained"], r["state_bytes"]) for r in per_rank]
-    return Measured(MemoryBreakdown(**per_rank[0]["breakdown"]), ranks)
+    return Measured([RankFigures(MemoryBreakdown(**r["breakdown"]), r["forward_retained"], r["state_bytes"])
+                     for r in per_rank])
 
 
 def _measure_each(rows: list[Row], tmp: Path, progress: bool) -> Iterator[tuple[Row, Measurement]]:
@@ -424,27 +477,41 @@ def _symmetric(tolerance: float) -> tuple[float, float]:
     return -tolerance, tolerance
 
 
-def problems(row: Row, measured: Measured, traced: MemoryBreakdown, estimate: Analytic) -> list[str]:
-    """Everything wrong with a row's estimates (see tests/estimator/test_accuracy.py)."""
+def problems(row: Row, measured: Measured, traced: list[MemoryBreakdown], estimate: Analytic) -> list[str]:
+    """Everything wrong with a row's estimates (see tests/estimator/test_accuracy.py), per pipeline
+    stage: each stage's estimates against its ranks (pp is the mesh's outermost axis, so stage s
+    holds ranks s * world / pp onwards)."""
+    found: list[str | None] = []
+    per_stage = row.world // len(traced)
+    for stage, (stage_traced, stage_analytic, states) in enumerate(
+            zip(traced, estimate.per_stage, estimate.model_states, strict=True)):
+        ranks = measured.ranks[stage * per_stage:(stage + 1) * per_stage]
+        label = f"stage {stage}: " if len(traced) > 1 else ""
+        found += [f"{label}{p}" for p in _stage_problems(row, ranks, stage_traced, stage_analytic, states) if p]
+    if len(traced) == 1:  # a pipeline's first forward is not followed by its own loss and backward
+        found.append(_within("analytic forward_retained_bytes", estimate.forward_retained,
+                             measured.ranks[0].forward_retained, _symmetric(ANALYTIC_TOLERANCE)))
+    return [p for p in found if p]
+
+
+def _stage_problems(row: Row, ranks: list[RankFigures], traced: MemoryBreakdown, estimate: MemoryBreakdown,
+                    model_states: int) -> list[str | None]:
     traced_bounds, analytic_bounds = peak_bounds(row)
     flipped = (-traced_bounds[1], -traced_bounds[0])  # a rank's peak against the traced one
-    rank0 = measured.ranks[0]
+    first = ranks[0]
     if busiest_rank_traced(row):  # the estimates are the busiest rank's; no rank may exceed them
-        rank0 = max(measured.ranks, key=lambda figures: figures.peak)
+        first = max(ranks, key=lambda figures: figures.peak)
         flipped = (-1.0, flipped[1])
-    found = [
-        _within("traced peak", traced.peak, rank0.peak, traced_bounds),
+    return [
+        _within("traced peak", traced.peak, first.peak, traced_bounds),
         *(_within(f"rank {rank}'s measured peak", figures.peak, traced.peak, flipped, "traced")
-          for rank, figures in enumerate(measured.ranks)),
-        None if traced.peak_phase == measured.breakdown.peak_phase else
-        f"peak phase: traced {traced.peak_phase}, measured {measured.breakdown.peak_phase}",
-        _within("analytic peak", estimate.breakdown.peak, rank0.peak, analytic_bounds),
-        _within("analytic forward_retained_bytes", estimate.forward_retained, rank0.forward_retained,
-                _symmetric(ANALYTIC_TOLERANCE)),
-        _within("analytic model_states", estimate.model_states, sum(rank0.state_bytes.values()),
+          for rank, figures in enumerate(ranks)),
+        None if traced.peak_phase == first.breakdown.peak_phase else
+        f"peak phase: traced {traced.peak_phase}, measured {first.breakdown.peak_phase}",
+        _within("analytic peak", estimate.peak, first.peak, analytic_bounds),
+        _within("analytic model_states", model_states, sum(first.state_bytes.values()),
                 _symmetric(ANALYTIC_TOLERANCE)),
         *(f"analytic {name}: {(getattr(traced, name) + gap) / MiB:.2f} MiB vs traced "
           f"{getattr(traced, name) / MiB:.2f} MiB (off by {gap / MiB:+.2f} MiB, allowed {allowed / MiB:.2f})"
-          for name, (gap, allowed) in component_gaps(estimate.breakdown, traced).items() if abs(gap) > allowed),
+          for name, (gap, allowed) in component_gaps(estimate, traced).items() if abs(gap) > allowed),
     ]
-    return [p for p in found if p]

@@ -126,6 +126,21 @@ def test_what_train_cannot_run_yet_is_said_apart() -> None:
     assert "fp16 loss scaling is not built for tensor-parallel gradients yet" in fp16.untrainable_reason()
 
 
+@pytest.mark.parametrize("schedule", ["interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev"])
+def test_selective_checkpointing_and_split_backward_are_said_apart(schedule: str) -> None:
+    """torch's selective checkpointing refuses a second backward through a region (seen on gloo),
+    and these schedules run the input and the weight gradients apart; full checkpointing trains."""
+    pp = ("--hardware.num_gpus=2", "--parallel.pp=2", f"--parallel.pp_schedule={schedule}", "--model.num_layers=4",
+          "--training.micro_batch_size=2", "--training.global_batch_size=8")
+    assert layout_of(*pp, "--memory.activation_checkpointing=full").untrainable_reason() is None
+    for policy in ("selective", "selective-alternate"):
+        reason = layout_of(*pp, f"--memory.activation_checkpointing={policy}").untrainable_reason()
+        assert reason.startswith(f"memory.activation_checkpointing={policy!r} with parallel.pp_schedule={schedule!r}")
+        assert "use activation_checkpointing='full' or 'none'" in reason
+    assert layout_of(*pp[:2], "--parallel.pp_schedule=1f1b", "--model.num_layers=4",
+                     "--memory.activation_checkpointing=selective").untrainable_reason() is None
+
+
 def test_expert_parallel_trains_under_fsdp2_only() -> None:
     moe = ("--model.preset=debug-moe", "--parallel.ep=2", "--training.micro_batch_size=2")
     assert layout_of(*moe, "--hardware.num_gpus=2", "--parallel.zero_stage=3").untrainable_reason() is None

@@ -144,7 +144,7 @@ class MemoryMeter:
     def _watching(self, trainer: Trainer, on_forward: Callable[[str], None] | None = None) -> Iterator[StorageLedger]:
         ledger = self.ledger
         with ledger, trainer.listening(phase_listener(ledger, trainer, on_forward)):
-            ledger.watch_model(trainer.model)
+            ledger.watch_model(trainer.model, split_backward=trainer.layout.splits_backward)
             ledger.grad_hooks(list(trainer.model.parameters()))
             try:
                 yield ledger

@@ -62,11 +62,23 @@ class _StageSafeModTracker(ModTracker):
     """torch's ModTracker, minus its gradient hooks on leaf inputs: a pipeline stage's received
     activations are leaves, and the schedule's input-gradient pass (autograd.grad) refuses hooks
     on leaves. Its backward then leaves the stage's own module on the parent stack, where the
-    stage's root is anyway."""
+    stage's root is anyway.
+
+    `backward_hooks=False` registers no gradient hooks at all (modules are then named in forward
+    only): a schedule that splits backward (input gradients with retain_graph, weight gradients
+    later, through other nodes) never runs the input path's nodes again, and a hook registered in
+    such a node holds it through a reference cycle via C++ that Python's collector cannot see, so
+    the node and its saved activations would outlive the step, and pile up step after step."""
+
+    backward_hooks = True
 
     def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
         args, _ = tree_flatten(input)
-        super()._fw_pre_hook(mod, [a for a in args if not (isinstance(a, torch.Tensor) and a.is_leaf)])
+        kept = [a for a in args if not (isinstance(a, torch.Tensor) and a.is_leaf)] if self.backward_hooks else []
+        super()._fw_pre_hook(mod, kept)
+
+    def _fw_post_hook(self, mod: nn.Module, input: Any, output: Any) -> None:
+        super()._fw_post_hook(mod, input, output if self.backward_hooks else ())
 
 TimelinePoint = tuple[int, int, str, str]
 """(operator index within the step, bytes in use after it, phase, module)."""
@@ -257,10 +269,13 @@ class StorageLedger(TorchDispatchMode):
 
     # ------------------------------------------------------------ hooks
 
-    def watch_model(self, model: nn.Module) -> None:
+    def watch_model(self, model: nn.Module, *, split_backward: bool = False) -> None:
         """Mark the loss region: from the model's output (which becomes `logits`) to its gradient.
         A pipeline rank's model (parallel/pipeline.StageParts) is never called: its stages are, and
-        only the last stage's output is logits."""
+        only the last stage's output is logits. `split_backward`: a schedule that runs input and
+        weight gradients apart (Layout.splits_backward), where modules are named in forward only
+        (_StageSafeModTracker)."""
+        self._mods.backward_hooks = not split_backward
 
         def pre(module: nn.Module, args: Any) -> None:
             self.in_loss = self.in_prologue = False

@@ -331,7 +331,7 @@ def _trace_rank(cfg: Config, layout: Layout, rank: int) -> _RankTrace:
             batches = _FakeBatches(rows, seq_len)
             trainer = _TracedTrainer(cfg, layout, world, parts=StepParts(model, num_params, batches,
                                                                           _target_device_type(cfg)))
-            ledger.watch_model(model)
+            ledger.watch_model(model, split_backward=layout.splits_backward)
             ledger.grad_hooks(list(model.parameters()))
             if trainer.pipeline is not None:
                 _run_unvoted(trainer.pipeline)

@@ -17,7 +17,6 @@ from trainfit.parallel.expert import apply_expert_parallel
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.mesh import ddp_mesh, expert_mesh, fsdp_mesh, shard_mesh
 from trainfit.parallel.pipeline import StageParts, split_stages
-from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES
 from trainfit.parallel.tensor_parallel import apply_tensor_parallel
 from trainfit.precision import PrecisionPolicy
 from trainfit.recompute import apply_activation_checkpointing
@@ -81,7 +80,7 @@ def _parallelize_part(model: nn.Module, layout: Layout, mesh: DeviceMesh | None,
     elif kind == "fsdp":
         assert mesh is not None
         # The zero-bubble schedules' weight-gradient passes need the parameters still unsharded.
-        reshard = layout.zero_stage == 3 and not (layout.pp > 1 and layout.pp_schedule in ZERO_BUBBLE_SCHEDULES)
+        reshard = layout.zero_stage == 3 and not layout.splits_backward
         dp.apply_fsdp(model, fsdp_mesh(mesh), mp_policy=dp.mixed_precision_policy(policy),
                       reshard_after_forward=reshard, offload=layout.offload != "none", experts=experts)
     return model

@@ -118,6 +118,11 @@ class Layout:
         return {0: "ddp", 1: "zero1"}.get(self.zero_stage, "fsdp")
 
     @property
+    def splits_backward(self) -> bool:
+        """The pipeline schedule runs each micro-batch's input and weight gradients apart."""
+        return self.pp > 1 and self.pp_schedule in ZERO_BUBBLE_SCHEDULES
+
+    @property
     def needs_process_group(self) -> bool:
         return self.data_parallel != "none" or self.world_size > 1
 
@@ -139,7 +144,7 @@ class Layout:
         if self.sequence_parallel and self.tp == 1:
             found.append("parallel.sequence_parallel=true has no effect: it shards along the sequence what tensor "
                          "parallelism leaves whole, and parallel.tp=1")
-        if self.pp > 1 and self.zero_stage == 3 and self.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+        if self.zero_stage == 3 and self.splits_backward:
             found.append(f"parallel.zero_stage=3 keeps the parameters whole from forward to backward (as ZeRO-2) "
                          f"under parallel.pp_schedule={self.pp_schedule!r}: its split backward needs them "
                          "unsharded (FSDP2's reshard_after_forward=False)")
@@ -154,6 +159,12 @@ class Layout:
             ranks = f"{self.dp} data-parallel" + (f" x {self.cp} context-parallel" if self.cp > 1 else "")
             return (f"parallel.zero_stage={self.zero_stage} with parallel.pp={self.pp} and {ranks} ranks: pipeline "
                     "stages compose with FSDP2's data parallelism only; set parallel.zero_stage=2 or 3")
+        if self.splits_backward and self.activation_checkpointing.startswith("selective"):
+            return (f"memory.activation_checkpointing={self.activation_checkpointing!r} with parallel.pp_schedule="
+                    f"{self.pp_schedule!r}: torch's selective checkpointing allows one backward through each region, "
+                    "and zero-bubble schedules run two (input gradients, then weight gradients); use "
+                    "activation_checkpointing='full' or 'none', or a schedule without split backward (1f1b, "
+                    "interleaved-1f1b, gpipe, looped-bfs)")
         if self.ep > 1 and self.tp > 1:
             return (f"parallel.ep={self.ep} with parallel.tp={self.tp}: not built with tensor parallelism yet "
                     "(the MoE is whole on every tp rank, and each would send the same tokens); set parallel.tp=1")
