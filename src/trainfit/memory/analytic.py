@@ -43,8 +43,8 @@ Also here: `model_states` (a rank's resident model states after backward), `forw
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from trainfit.config import HardwareConfig, ModelConfig, OptimizerConfig, TrainingConfig
