@@ -43,6 +43,7 @@ Also here: `model_states` (a rank's resident model states after backward), `forw
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -57,10 +58,13 @@ from trainfit.memory.activations import (
     context_parallel_mask_bytes,
     context_parallel_positions,
     final_norm_terms,
+    head_weight_pass_pending_terms,
     moe_routing,
     policy_only_terms,
     routed_backward_moments,
     shared_experts_saved,
+    stage_boundary_terms,
+    weight_pass_pending_terms,
 )
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import ParamCounts, param_counts
@@ -106,6 +110,16 @@ logits and their exp exist beside the logits (2 fp32 shards where the fused kern
 backward of nll + log-softmax holds the saved log-probabilities, the zeros-then-scatter gradient,
 exp(log-probabilities) and their sum (4 fp32 shards where the fused backward has 3)."""
 
+PIPELINE_RUNTIME_SCHEDULES = frozenset({"interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble",
+                                        "zbv-zero-bubble", "dualpipev"})
+"""torch's multi-stage schedules run through _PipelineScheduleRuntime._step_microbatches
+(torch/distributed/pipelining/schedules.py), which appends every SEND_F / SEND_B's Work to one
+`send_ops` list and waits on them only after the step's last action: each stage output and input
+gradient sent to another rank lives (in its Work) until the step ends. Schedule1F1B and
+ScheduleGPipe wait on theirs as they go."""
+WEIGHT_PASS_SCHEDULES = frozenset({"interleaved-zero-bubble", "zbv-zero-bubble"})
+"""Schedules whose backward is split into an input pass (I) and a later weight pass (W) at their
+peak (torch's ScheduleDualPipeV splits only its cooldown, after its peak)."""
 
 @dataclass(frozen=True)
 class MemoryEstimate:
@@ -193,8 +207,12 @@ def _in_flight(run: _Run, stage: int) -> tuple[float, int]:
     Sec. 4.2.3). Interleaved zero-bubble (torch's): a warm-up of (v - 1) p + (p - 1 - i) chunk
     forwards plus one, and i micro-batches whose weight gradients wait with their inputs saved:
     v p chunks, p micro-batches, on every rank. ZB-V (Qi et al., arXiv 2401.10241, Sec. 6): 1F1B's
-    first-rank peak, p, on every rank (the V balances it). DualPipeV: p + 1 (DeepSeek-V3 report,
-    arXiv 2412.19437, Table 2).
+    first-rank peak, p, on every rank (the V balances it). DualPipeV: torch's ScheduleDualPipeV
+    order reaches 2p + 1 of the rank's chunks (its two stages) before its first backward, on every
+    rank: p + 1/2 micro-batches (the DeepSeek-V3 report's "PP + 1" counts chunks of a DualPipe
+    device, arXiv 2412.19437, Table 2). Zero-bubble micro-batches whose input pass has run keep
+    their activations (retain_graph) until their weight pass: counted here, as the chunk orders
+    show (tests/estimator/test_pipeline_memory.py walks torch's own orders).
     """
     layout = run.layout
     p, v, m, schedule = layout.pp, layout.pp_virtual_stages, layout.num_microbatches, layout.pp_schedule
@@ -207,7 +225,7 @@ def _in_flight(run: _Run, stage: int) -> tuple[float, int]:
     if schedule in ("interleaved-zero-bubble", "zbv-zero-bubble"):
         return float(min(p, m)), 1
     if schedule == "dualpipev":
-        return float(min(p + 1, m)), 1
+        return min(2 * p + 1, 2 * m) / 2, 1
     return float(min(p - stage, m)), 1
 
 
@@ -421,6 +439,76 @@ def _zero1_stage(run: _Run, prec: _Precision, lay: _Layout, counts: ParamCounts)
                   master_grads=on_shard * master if grad != master else 0)
 
 
+@dataclass(frozen=True)
+class _PipelineHeld:
+    """What torch.distributed.pipelining holds on one pipeline rank beyond its micro-batches' saved
+    activations (bytes; all 0 without pp)."""
+
+    slots: int = 0
+    """Receive slots, all step long and across steps (buffers): stage.py's
+    `_setup_forward_recv_info` allocates, for every non-first stage, one input buffer per
+    micro-batch (`_make_tensor_from_meta`, m of them), and `_create_grad_recv_info` (through
+    `_setup_backward_recv_info(num_microbatches)`) one output-gradient buffer per micro-batch for
+    every non-last stage. Between two stages of one rank (the V schedules) `set_local_fwd_input` /
+    `set_local_bwd_input` replace them with the neighbour's output / input gradient: m each still."""
+    sent: int = 0
+    """Stage outputs and input gradients at the peak that no slot holds (buffers): the outputs of
+    the in-flight micro-batches (`fwd_cache`, until their backward); Schedule1F1B's `send_work`,
+    which keeps its next-to-last warm-up forward's send (and so that output) until the cooldown;
+    the runtime schedules' sent tensors (PIPELINE_RUNTIME_SCHEDULES), at the end of the
+    activation plateau: every forward sent, and the input gradients of the backwards done. The
+    zero-bubble input pass also stores each input gradient in the input's `.grad`
+    (stage_backward_input) until the next step's clear_runtime_states: the same tensor it sends."""
+    pending: int = 0
+    """Zero-bubble: the gradients the input pass keeps for the weight pass
+    (activations.weight_pass_pending_terms), and on the last stage the head's saved activations,
+    of the micro-batches awaiting their weight pass at the peak (activations)."""
+    logits: int = 0
+    """The last stage's output, the logits ([mb, T, V] in the compute dtype), of one micro-batch:
+    the stage keeps it in `fwd_cache` from its forward, and backward_one_chunk in a local through
+    its backward (logits; counted for every micro-batch in flight)."""
+
+
+def _pipeline_held(run: _Run, lay: _Layout, stage: int, act: ActDtypes, size: Callable[[Terms], int],
+                   head_saved: int, logits: int) -> _PipelineHeld:
+    layout = run.layout
+    if layout.pp == 1:
+        return _PipelineHeld()
+    p, v, m, n, schedule = layout.pp, layout.pp_virtual_stages, layout.num_microbatches, layout.num_stages, \
+        layout.pp_schedule
+    owner = {s: r for r in range(p) for s in layout.rank_stages(r)}
+    local = layout.rank_stages(stage)
+    boundary = size(stage_boundary_terms(run.model, act))
+    slots = m * boundary * sum((s > 0) + (s < n - 1) for s in local)
+    cross_next = sum(s < n - 1 and owner[s + 1] != stage for s in local)
+    cross_prev = sum(s > 0 and owner[s - 1] != stage for s in local)
+    # Chunks (one micro-batch through one local stage) awaiting their weight pass at the peak, in
+    # torch's orders: interleaved zero-bubble rank i, i + 1; ZB-V, 1; they are the rank's later
+    # stage's (its backward runs first).
+    pending_chunks = 0
+    if schedule in WEIGHT_PASS_SCHEDULES:
+        pending_chunks = min(m, stage + 1 if schedule == "interleaved-zero-bubble" else 1)
+    if schedule in PIPELINE_RUNTIME_SCHEDULES:
+        # At the end of the plateau every forward is done, and every backward (input pass) but
+        # those of the chunks still alive.
+        chunks_alive = lay.in_flight * v
+        backwards_done = max(0.0, m * v - chunks_alive + pending_chunks)
+        sent = (m * cross_next + backwards_done * cross_prev / v) * boundary
+    else:
+        sent = lay.in_flight * cross_next * boundary
+        if schedule == "1f1b" and cross_next and min(m, p - stage) >= 2:
+            sent += boundary
+    pending = 0
+    if pending_chunks:
+        later = local[-1]
+        blocks = layout.pp_layers[later]
+        per_chunk = blocks * size(weight_pass_pending_terms(run.model, act)) if later > 0 else 0
+        if later == n - 1:
+            per_chunk += size(head_weight_pass_pending_terms(run.model, act)) + head_saved
+        pending = pending_chunks * per_chunk
+    return _PipelineHeld(int(slots), int(sent), int(pending), logits if lay.last else 0)
+
+
 def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakdown:
     st = _stage(run, counts, stage)
     lay, prec, act, tp = st.lay, st.prec, st.prec.act, run.layout.tp
@@ -463,14 +551,16 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     if run.model.family == "llama":
         head_dim = run.model.dim // run.model.num_heads
         persistent_buffers += 2 * run.model.max_seq_len * head_dim * _rope_table_bytes(run)
+    pipe = _pipeline_held(run, lay, stage, act, size, a_final + saved_logits, logits_tensor)
+    persistent_buffers += pipe.slots
     kind = run.layout.data_parallel
     if kind == "ddp" and not DDP_GRADIENT_AS_BUCKET_VIEW:
         persistent_buffers += st.grads  # DDP's gradient buckets, beside the gradients
-    fwd_buffers = persistent_buffers + root_gather
+    fwd_buffers = persistent_buffers + root_gather + pipe.sent
     # FSDP's unsharded gradients of the root (output projection, final norm; a tied embedding's
     # too), reduce-scattered when the backward ends; a block's own are in in_backward below.
     root_grads = lay.head + (lay.embedding if lay.tied_here else 0)
-    bwd_buffers = persistent_buffers + root_gather + (c * root_grads if st.fsdp else 0)
+    bwd_buffers = persistent_buffers + root_gather + (c * root_grads if st.fsdp else 0) + pipe.sent
     # ZeRO-3 in a block's backward: the block gathered, and the next one prefetched unless this is
     # the first block (the last to run); FSDP2 also holds the previous block's reduce-scatter input
     # until it issues the next one.
@@ -558,26 +648,31 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
 
     n_if, h_if = lay.in_flight, lay.head_in_flight
     older = (n_if - 1) * a_blocks + (h_if - 1) * (a_final + saved_logits)  # other micro-batches in flight
+    older += pipe.pending
+    # The pipeline's last stage holds each in-flight micro-batch's logits (the current one's through
+    # its backward too), where one process frees them once the loss is computed.
+    older_logits, own_logits = (h_if - 1) * pipe.logits, pipe.logits
     older_casts = (n_if - 1) * (none_blocks * cast_block + cast_head)
     saved_casts = older_casts + none_blocks * cast_block + cast_head
     acts = older + a_blocks + a_final
     moments = [  # (phase, params: compute copies, activations, logits, grads, buffers)
         # End of the model's forward: autocast's cache still holds checkpointed blocks' casts.
-        ("forward", held + older_casts + lay.blocks * cast_block + cast_head, acts, logits_tensor, before,
-         fwd_buffers),
-        ("forward", held + saved_casts, acts, logits_fwd, before, fwd_buffers),
-        ("backward", held + saved_casts, acts, logits_bwd, before, fwd_buffers),
+        ("forward", held + older_casts + lay.blocks * cast_block + cast_head, acts, older_logits + logits_tensor,
+         before, fwd_buffers),
+        ("forward", held + saved_casts, acts, older_logits + logits_fwd, before, fwd_buffers),
+        ("backward", held + saved_casts, acts, older_logits + own_logits + logits_bwd, before, fwd_buffers),
         # Bucketed gradients: the output projection's backward, its weight gradient just made (under
         # autocast also its 16-bit form) beside the logits' gradient in the compute dtype, until the
         # bucket's hook takes it (a large vocabulary makes this the backward's peak).
-        *([("backward", held + saved_casts, acts + head_grad, logits_tensor, before, fwd_buffers)]
-          if head_grad else []),
+        *([("backward", held + saved_casts, acts + head_grad, older_logits + max(own_logits, logits_tensor), before,
+            fwd_buffers)] if head_grad else []),
         ("backward", held + saved_casts - cast_head + (cast_block if lay.last_wrapped else 0) + last_casts,
-         older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, 0,
+         older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, older_logits + own_logits,
          max(before, output_grads + last_grads), bwd_buffers + last_comms + last_buffers),
         ("backward", (c * (lay.block + lay.embedding + lay.head) if held else 0) + older_casts + cast_block
          + first_casts,
-         older + first_acts, 0, max(before, later_grads) + first_grads, bwd_buffers + first_comms + first_buffers),
+         older + first_acts, older_logits + own_logits, max(before, later_grads) + first_grads,
+         bwd_buffers + first_comms + first_buffers),
         # The step: every gradient (ZeRO-1's master gradients too) and the optimizer's temporaries.
         ("optimizer", 0, 0, 0, st.grads + st.master_grads, persistent_buffers + st.optimizer_temp),
     ]
