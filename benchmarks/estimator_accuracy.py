@@ -38,6 +38,8 @@ from accuracy_grid import (  # noqa: E402
     COMPONENT_FLOOR,
     COMPONENT_TOLERANCE,
     GRID,
+    PIPELINE_COMPONENT_FLOOR,
+    PIPELINE_GRID,
     TRACED_PEAK_TOLERANCE,
     Analytic,
     Measured,
@@ -103,11 +105,11 @@ def _stage_errors(row: Row, stage: int, measured: Measured, traced: MemoryBreakd
     the mesh's outermost axis); without pipeline parallelism, stage 0 and rank 0."""
     first = measured.ranks[stage * row.world // len(estimate.per_stage)]
     measured_peak, ours = first.breakdown, estimate.per_stage[stage]
-    gaps = component_gaps(ours, traced)
+    gaps = component_gaps(ours, traced, PIPELINE_COMPONENT_FLOOR if row in PIPELINE_GRID else COMPONENT_FLOOR)
     worst = max(gaps, key=lambda name: abs(gaps[name][0]) / gaps[name][1])
     gap, allowed = gaps[worst]
     component = getattr(traced, worst)
-    large = COMPONENT_TOLERANCE * component >= COMPONENT_FLOOR * traced.peak  # else judged against the peak
+    large = COMPONENT_TOLERANCE * component >= COMPONENT_FLOOR * traced.peak  # else shown against the peak
     pipelined = len(estimate.per_stage) > 1
     errors = {
         "traced error": traced.peak / measured_peak.peak - 1, "analytic error": ours.peak / measured_peak.peak - 1,

@@ -15,7 +15,12 @@ batch shape, dense and MoE models). Per configuration:
   model-state bytes (rank 0);
 - analytic against traced per component: the allowed absolute difference is the larger of 10% of
   the traced component and 1% of the traced peak, so a component under a tenth of the peak is held
-  to 1% of the peak.
+  to 1% of the peak;
+- pipeline rows (accuracy_grid.PIPELINE_GRID: every schedule, uneven stages, micro-batch counts,
+  precisions, checkpointing, FSDP, tp + SP, MoE with ep): all of the above per pipeline stage,
+  against the stage's ranks, except the forward-retained bytes (a pipeline's first forward is not
+  followed by its own backward) and, under zero-bubble schedules, the per-component check
+  (accuracy_grid._stage_problems says why).
 
 Each world size is measured once, by a module-scoped fixture (one spawn of all its rows); the
 trace and the analytic estimate run per test. `python benchmarks/estimator_accuracy.py` prints the

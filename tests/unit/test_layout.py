@@ -132,7 +132,10 @@ def test_selective_checkpointing_and_split_backward_are_said_apart(schedule: str
     and these schedules run the input and the weight gradients apart; full checkpointing trains."""
     pp = ("--hardware.num_gpus=2", "--parallel.pp=2", f"--parallel.pp_schedule={schedule}", "--model.num_layers=4",
           "--training.micro_batch_size=2", "--training.global_batch_size=8")
-    assert layout_of(*pp, "--memory.activation_checkpointing=full").untrainable_reason() is None
+    full = layout_of(*pp, "--memory.activation_checkpointing=full")
+    assert full.untrainable_reason() is None
+    assert any(o.startswith("memory.activation_checkpointing='full' under parallel.pp_schedule=") and
+               "saves no memory" in o for o in full.ineffective_options())
     for policy in ("selective", "selective-alternate"):
         reason = layout_of(*pp, f"--memory.activation_checkpointing={policy}").untrainable_reason()
         assert reason.startswith(f"memory.activation_checkpointing={policy!r} with parallel.pp_schedule={schedule!r}")

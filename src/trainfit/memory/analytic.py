@@ -455,7 +455,8 @@ class _PipelineHeld:
     """Stage outputs and input gradients at the peak that no slot holds (buffers): the outputs of
     the in-flight micro-batches (`fwd_cache`, until their backward); Schedule1F1B's `send_work`,
     which keeps its next-to-last warm-up forward's send (and so that output) until the cooldown;
-    the runtime schedules' sent tensors (PIPELINE_RUNTIME_SCHEDULES), at the end of the
+    Schedule1F1B's last input gradient sent (its `bwd_sends` ops list); the runtime schedules'
+    sent tensors (PIPELINE_RUNTIME_SCHEDULES), at the end of the
     activation plateau: every forward sent, and the input gradients of the backwards done. The
     zero-bubble input pass also stores each input gradient in the input's `.grad`
     (stage_backward_input) until the next step's clear_runtime_states: the same tensor it sends."""
@@ -498,6 +499,10 @@ def _pipeline_held(run: _Run, lay: _Layout, stage: int, act: ActDtypes, size: Ca
         sent = lay.in_flight * cross_next * boundary
         if schedule == "1f1b" and cross_next and min(m, p - stage) >= 2:
             sent += boundary
+        if schedule == "1f1b" and m > 1:
+            # Schedule1F1B's `bwd_sends` (the P2P ops of the last backward's send) keeps that input
+            # gradient until the next backward replaces it.
+            sent += cross_prev * boundary
     pending = 0
     if pending_chunks:
         later = local[-1]
@@ -539,10 +544,12 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     c = prec.compute
     cast_block = c * lay.block_matmul if act.autocast else 0
     cast_head = c * lay.output_matmul if act.autocast else 0
-    held = c * st.params if (st.fsdp and run.layout.zero_stage == 2) else 0  # reshard_after_forward=False
+    # ZeRO-2, and ZeRO-3 under a split-backward schedule (parallel/apply.py): reshard_after_forward=False
+    kept_unsharded = st.fsdp and (run.layout.zero_stage == 2 or run.layout.splits_backward)
+    held = c * st.params if kept_unsharded else 0
     # ZeRO-3: FSDP2 never reshards the root (embeddings, final norm, output); every block reshards
     # after its forward, so blocks are gathered only while one runs (with its prefetched neighbour).
-    zero3 = st.fsdp and run.layout.zero_stage == 3
+    zero3 = st.fsdp and not kept_unsharded
     root_gather = c * (lay.embedding + lay.head) if zero3 else 0
     block_gather = c * lay.block if zero3 else 0
     reduce = (FSDP_REDUCE_BYTES_MIXED if prec.mixed else prec.param) if st.fsdp else 0
@@ -566,6 +573,14 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     # until it issues the next one.
     last_comms = block_gather * (1 + FSDP_PREFETCH_BLOCKS)
     first_comms = block_gather + (reduce * lay.block if st.fsdp and lay.blocks > 1 else 0)
+    # FSDP under a pipeline schedule: torch's stage runs every backward with gradient sync and
+    # resharding after backward off (stage.py backward_maybe_with_nosync) and reduce-scatters once,
+    # after the step's last micro-batch (perform_reduce_grad). Each unit's gradients accumulate
+    # unsharded in the reduce dtype (FSDP2's unsharded_accumulated_grad) from its first backward,
+    # and its parameters stay gathered after each backward until its next forward reshards them.
+    pp_fsdp = st.fsdp and run.layout.pp > 1
+    if pp_fsdp:
+        first_comms = c * lay.blocks * lay.block if zero3 else 0  # every block backwarded: still gathered
 
     # ---- gradients present before this micro-batch's backward: accumulation or pipelining
     m = run.layout.num_microbatches
@@ -575,6 +590,16 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     # else of a parameter's gradient outlives its own backward.
     bucketed = kind == "zero1" or (kind == "ddp" and DDP_GRADIENT_AS_BUCKET_VIEW)
     before = st.grads if accumulating or bucketed else 0
+    # FSDP under a pipeline schedule: no sharded gradient exists before the step's reduce-scatter;
+    # the accumulated unsharded ones do, those of the blocks already backwarded in this micro-batch,
+    # or of all of them once a micro-batch is done: the parameters' own `.grad` (grads) when they
+    # are in the reduce dtype, else FSDP2's reduce-dtype copy (buffers, as its other staging).
+    accumulated = reduce * st.params if pp_fsdp and accumulating else 0
+    if pp_fsdp:
+        before = 0 if prec.mixed else accumulated
+        if prec.mixed:
+            fwd_buffers += accumulated
+            bwd_buffers += accumulated
     # Bytes per element of the gradients autograd makes (the module's parameters' dtype) and of
     # those held in `.grad` until the step (none beyond the buckets when bucketed).
     autograd_bytes = c if st.fsdp or kind == "zero1" else st.grads / st.params if st.params else 0
@@ -586,6 +611,11 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     output_grads = 0 if st.fsdp or bucketed else int(root_grads * per_param) - tied_pending
     later = st.params - lay.block - (0 if lay.tied_here else lay.embedding) - (root_grads if st.fsdp else 0)
     later_grads = 0 if bucketed else int(later * per_param) - tied_pending
+    if pp_fsdp and not accumulating:
+        if prec.mixed:
+            first_comms += reduce * (later + root_grads)
+        else:
+            later_grads = reduce * (later + root_grads)
     # The MLP's output matmul (w2 / fc2) has its weight gradient by the MLP's backward peak: in
     # .grad after SwiGLU's w2 (under FSDP an unsharded gradient, until the block's reduce-scatter);
     # GELU's peak is inside fc2's backward, where under autocast the 16-bit weight gradient is not
@@ -647,17 +677,21 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
         head_grad = int(autograd_bytes * lay.output_matmul) + (c * lay.output_matmul if act.autocast else 0)
 
     n_if, h_if = lay.in_flight, lay.head_in_flight
-    older = (n_if - 1) * a_blocks + (h_if - 1) * (a_final + saved_logits)  # other micro-batches in flight
+    older = (n_if - 1) * a_blocks + (h_if - 1) * a_final  # other micro-batches in flight
     older += pipe.pending
     # The pipeline's last stage holds each in-flight micro-batch's logits (the current one's through
-    # its backward too), where one process frees them once the loss is computed.
-    older_logits, own_logits = (h_if - 1) * pipe.logits, pipe.logits
-    older_casts = (n_if - 1) * (none_blocks * cast_block + cast_head)
-    saved_casts = older_casts + none_blocks * cast_block + cast_head
+    # its backward too), where one process frees them once the loss is computed, and what its loss
+    # saved (the loss region's: logits).
+    older_logits, own_logits = (h_if - 1) * (pipe.logits + saved_logits), pipe.logits
+    # Autocast caches one cast per parameter for its whole block, and a pipeline step runs every
+    # micro-batch in one (Trainer.pipeline_forward_backward): the other micro-batches add none.
+    # Its backward runs inside the block too, where one process's runs after it: every cast stays.
+    saved_casts = none_blocks * cast_block + cast_head
+    all_casts, pipelined = lay.blocks * cast_block + cast_head, run.layout.pp > 1
     acts = older + a_blocks + a_final
     moments = [  # (phase, params: compute copies, activations, logits, grads, buffers)
         # End of the model's forward: autocast's cache still holds checkpointed blocks' casts.
-        ("forward", held + older_casts + lay.blocks * cast_block + cast_head, acts, older_logits + logits_tensor,
+        ("forward", held + all_casts, acts, older_logits + logits_tensor,
          before, fwd_buffers),
         ("forward", held + saved_casts, acts, older_logits + logits_fwd, before, fwd_buffers),
         ("backward", held + saved_casts, acts, older_logits + own_logits + logits_bwd, before, fwd_buffers),
@@ -666,11 +700,13 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
         # bucket's hook takes it (a large vocabulary makes this the backward's peak).
         *([("backward", held + saved_casts, acts + head_grad, older_logits + max(own_logits, logits_tensor), before,
             fwd_buffers)] if head_grad else []),
-        ("backward", held + saved_casts - cast_head + (cast_block if lay.last_wrapped else 0) + last_casts,
+        ("backward", held + (all_casts if pipelined else saved_casts - cast_head + (cast_block if lay.last_wrapped
+                                                                                    else 0)) + last_casts,
          older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, older_logits + own_logits,
          max(before, output_grads + last_grads), bwd_buffers + last_comms + last_buffers),
-        ("backward", (c * (lay.block + lay.embedding + lay.head) if held else 0) + older_casts + cast_block
-         + first_casts,
+        # (under a pipeline schedule FSDP keeps every backwarded block gathered: all of them, held)
+        ("backward", (held if pp_fsdp else c * (lay.block + lay.embedding + lay.head) if held else 0)
+         + (all_casts if pipelined else cast_block) + first_casts,
          older + first_acts, older_logits + own_logits, max(before, later_grads) + first_grads,
          bwd_buffers + first_comms + first_buffers),
         # The step: every gradient (ZeRO-1's master gradients too) and the optimizer's temporaries.

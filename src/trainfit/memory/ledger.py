@@ -451,9 +451,10 @@ def _untracked_sharding_propagation(ledger: StorageLedger) -> Iterator[None]:
 
 
 def unsharded_component(layout: Layout) -> str:
-    """FSDP's unsharded parameters: compute copies kept from forward to backward under ZeRO-2
-    (params), per-block all-gather buffers under ZeRO-3 (buffers), as analytic.py counts them."""
-    return "params" if layout.zero_stage == 2 else "buffers"
+    """FSDP's unsharded parameters: compute copies kept from forward to backward under ZeRO-2 and
+    under a split-backward schedule (params), per-block all-gather buffers under ZeRO-3 (buffers),
+    as analytic.py counts them."""
+    return "params" if layout.zero_stage == 2 or layout.splits_backward else "buffers"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

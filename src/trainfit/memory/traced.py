@@ -246,6 +246,42 @@ def _state_counter(trainer: Trainer, out: dict[str, int]) -> Any:
     return listen
 
 
+class _HoldingWork:
+    """A fake-world Work that keeps its operation's tensor alive as long as it lives, as gloo's and
+    NCCL's do (the fake process group's Work holds nothing): the schedules keep their send Works
+    (the multi-stage ones until the step ends), and with them every tensor sent."""
+
+    def __init__(self, work: dist.Work, tensor: torch.Tensor | list[torch.Tensor]) -> None:
+        self._work, self._tensor = work, tensor
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+@contextlib.contextmanager
+def _works_hold_tensors() -> Iterator[None]:
+    """Within the block, the pipeline schedules' point-to-point Works hold their tensors. Private:
+    torch.distributed.pipelining.schedules._batch_p2p (an API move breaks this one function)."""
+    from torch.distributed.pipelining import schedules
+
+    original = schedules._batch_p2p
+
+    def batch_p2p(ops: list[dist.P2POp], desc: str | None = None) -> list[Any]:
+        works = original(ops, desc)
+        if len(works) != len(ops):  # coalesced (a mixed batch): one Work for every op
+            return [_HoldingWork(work, [op.tensor for op in ops]) for work in works]
+        return [_HoldingWork(work, op.tensor) for work, op in zip(works, ops, strict=True)]
+
+    schedules._batch_p2p = batch_p2p
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = original
+
+
 def _run_unvoted(pipeline: PipelineStep) -> None:
     """Torch's schedule starts with a vote over the pipeline's ranks on whether every stage's
     metadata is static (p2p of a tensor, which the fake world leaves at zero: "dynamic", then a
@@ -320,7 +356,7 @@ def _trace_rank(cfg: Config, layout: Layout, rank: int) -> _RankTrace:
             _modeled_expert_routes(model, cfg, layout)
         if hasattr(model, "register_comm_hook"):  # DDP (replicate), zero_stage 0 and 1
             model.register_comm_hook(None, _fake_allreduce_hook)
-        with _ddp_without_init_sync(), FakeTensorMode(allow_non_fake_inputs=True), \
+        with _ddp_without_init_sync(), _works_hold_tensors(), FakeTensorMode(allow_non_fake_inputs=True), \
                 StorageLedger(fake=True, unsharded_component=unsharded_component(layout),
                               host_states=layout.offload != "none") as ledger:
             if cfg.model.num_experts and not cfg.model.capacity_factor:
