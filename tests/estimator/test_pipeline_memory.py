@@ -57,10 +57,11 @@ def test_receive_slots_one_per_micro_batch(tmp_path: Path) -> None:
 
 def test_held_outputs_and_sends(tmp_path: Path) -> None:
     """1F1B rank 0: its 2 in-flight outputs (fwd_cache) and the warm-up send Schedule1F1B's
-    `send_work` keeps; the last stage sends nothing forward. Looped BFS (a runtime schedule, its
-    sends waited only at the step's end) at its peak, the end of its forwards: all 2 x 4 outputs."""
+    `send_work` keeps; the last stage sends nothing forward, and keeps its last backward's input
+    gradient (Schedule1F1B's `bwd_sends`). Looped BFS (a runtime schedule, its sends waited only
+    at the step's end) at its peak, the end of its forwards: all 2 x 4 outputs."""
     assert _held(tmp_path, 0).sent == 3 * BOUNDARY
-    assert _held(tmp_path, 1).sent == 0
+    assert _held(tmp_path, 1).sent == BOUNDARY
     assert _held(tmp_path, 0, "--parallel.pp_schedule=looped-bfs").sent == 2 * M * BOUNDARY
     assert _held(tmp_path, 1, "--parallel.pp_schedule=looped-bfs").sent == M * BOUNDARY  # stage 3 sends no output
 
