@@ -1,6 +1,7 @@
 """The analytic estimator's pipeline terms (memory/analytic.py `_PipelineHeld`), each checked against
-the tensor torch.distributed.pipelining holds (stage.py, schedules.py, _backward.py of torch 2.13),
-and two pp2 rows against measured steps on 2 gloo ranks."""
+the tensor torch.distributed.pipelining holds (stage.py, schedules.py, _backward.py of torch 2.13).
+Every stage against measured steps: the pipeline rows of the accuracy grid
+(tests/estimator/test_accuracy.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from accuracy_grid import LLAMA, _row, measure_rows, row_config
+from accuracy_grid import LLAMA, _row, row_config
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from _analytic import memory_of
 from _runs import run_config
 from trainfit.memory import analytic
 from trainfit.memory.activations import FP32
@@ -124,17 +124,3 @@ def test_in_flight_from_torch_orders(name: str, p: int, m: int) -> None:
         assert worst[0] == in_flight * 2, (rank, worst)
         expected_pending = {"interleaved-zero-bubble": rank + 1, "zbv-zero-bubble": 1, "dualpipev": 0}[name]
         assert worst[1] == expected_pending, (rank, worst)
-
-
-ROWS = [_row("pp2-1f1b", 2, LLAMA, *PP2),
-        _row("pp2-interleaved", 2, LLAMA, *PP2, "--parallel.pp_schedule=interleaved-1f1b")]
-
-
-def test_measured_pipeline_peaks(tmp_path: Path) -> None:
-    """Each pp rank's analytic peak within 10% of its measured step (2 gloo ranks, ~10 s)."""
-    measured = measure_rows(ROWS, tmp_path)
-    for row in ROWS:
-        estimate = memory_of(row_config(row, tmp_path))
-        for rank, figures in enumerate(measured[row.name].ranks):
-            error = estimate.per_stage[rank].peak / figures.peak - 1
-            assert abs(error) <= 0.10, f"{row.name} rank {rank}: {error:+.1%}"
