@@ -500,9 +500,10 @@ def problems(row: Row, measured: Measured, traced: list[MemoryBreakdown], estima
         label = f"stage {stage}: " if len(traced) > 1 else ""
         found += [f"{label}{p}" for p in _stage_problems(row, ranks, stage_traced, stage_analytic, states) if p]
     if len(traced) == 1:  # a pipeline's first forward is not followed by its own loss and backward
-        # the peak's bounds: under dropless routing the retained activations are the routing's too
+        # dropless expert parallelism: the estimate is the busiest rank's, as for the peak
+        ranks = measured.ranks if busiest_rank_traced(row) else measured.ranks[:1]
         found.append(_within("analytic forward_retained_bytes", estimate.forward_retained,
-                             measured.ranks[0].forward_retained, peak_bounds(row)[1]))
+                             max(r.forward_retained for r in ranks), _symmetric(ANALYTIC_TOLERANCE)))
     return [p for p in found if p]
 
 

@@ -11,7 +11,8 @@ batch shape, dense and MoE models). Per configuration:
   ZeRO-1 (parallel/zero.py) splits every parameter by rows, so its ranks hold equal shards
   wherever N divides the rows (every row of this grid); the traced peak phase equals the measured one;
 - analytic peak within 10% of the measured peak; `forward_retained_bytes` within 10% of what the
-  first forward + loss left allocated (MoE rows: the peak's bounds, for the same reason), `model_states` within 10% of the trainer's own count of its
+  first forward + loss left allocated (dropless expert parallelism: the busiest rank's, as the
+  estimate is), `model_states` within 10% of the trainer's own count of its
   model-state bytes (rank 0);
 - analytic against traced per component: the allowed absolute difference is the larger of 10% of
   the traced component and 1% of the traced peak, so a component under a tenth of the peak is held

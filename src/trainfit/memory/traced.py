@@ -29,8 +29,10 @@ ones repeat the second's memory.
 Pipeline parallelism: every pipeline rank is traced (as the first rank of its stage group), its
 stages run by torch's own schedule over all the step's micro-batches, in the schedule's order, on
 the fake world: the stages take static metadata (pipeline.StageBoundary) and the schedule's
-metadata vote is skipped (_run_unvoted). A whole step runs before the traced one, so the receive
-buffers torch allocates at the first step and keeps are there, as in a trained step.
+metadata vote is skipped (_run_unvoted), and the schedules' point-to-point Works hold their tensors
+as gloo's and NCCL's do (_works_hold_tensors: the fake world's hold nothing). A whole step runs
+before the traced one, so the receive buffers torch allocates at the first step and keeps are
+there, as in a trained step.
 
 Fidelity limits: a CPU build runs the CPU kernels' output shapes, torch.amp's CPU autocast op list
 and CPU fused attention; CUDA's caching-allocator rounding and fragmentation are not modelled
@@ -76,7 +78,8 @@ from trainfit.train.trainer import StepParts, Trainer
 @dataclass
 class TracedEstimate:
     per_stage: list[MemoryBreakdown]
-    """One breakdown per pipeline stage (one without pipeline parallelism), rank 0's figures."""
+    """One breakdown per pipeline rank (one without pipeline parallelism): the figures of the first
+    rank of its stage group (rank 0's without pipeline parallelism)."""
     worst_stage: int
     timeline: list[TimelinePoint]
     """In-use bytes after every operator of the traced step."""
