@@ -69,6 +69,7 @@ from trainfit.memory.activations import (
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import ParamCounts, param_counts
 from trainfit.parallel.layout import Layout
+from trainfit.parallel.stage_split import SINGLE_STAGE_SCHEDULES
 
 MIB = 1024**2
 
@@ -110,13 +111,6 @@ logits and their exp exist beside the logits (2 fp32 shards where the fused kern
 backward of nll + log-softmax holds the saved log-probabilities, the zeros-then-scatter gradient,
 exp(log-probabilities) and their sum (4 fp32 shards where the fused backward has 3)."""
 
-PIPELINE_RUNTIME_SCHEDULES = frozenset({"interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble",
-                                        "zbv-zero-bubble", "dualpipev"})
-"""torch's multi-stage schedules run through _PipelineScheduleRuntime._step_microbatches
-(torch/distributed/pipelining/schedules.py), which appends every SEND_F / SEND_B's Work to one
-`send_ops` list and waits on them only after the step's last action: each stage output and input
-gradient sent to another rank lives (in its Work) until the step ends. Schedule1F1B and
-ScheduleGPipe wait on theirs as they go."""
 WEIGHT_PASS_SCHEDULES = frozenset({"interleaved-zero-bubble", "zbv-zero-bubble"})
 """Schedules whose backward is split into an input pass (I) and a later weight pass (W) at their
 peak (torch's ScheduleDualPipeV splits only its cooldown, after its peak)."""
@@ -456,7 +450,9 @@ class _PipelineHeld:
     the in-flight micro-batches (`fwd_cache`, until their backward); Schedule1F1B's `send_work`,
     which keeps its next-to-last warm-up forward's send (and so that output) until the cooldown;
     Schedule1F1B's last input gradient sent (its `bwd_sends` ops list); the runtime schedules'
-    sent tensors (PIPELINE_RUNTIME_SCHEDULES), at the end of the
+    sent tensors (every schedule but stage_split.SINGLE_STAGE_SCHEDULES: torch runs them through
+    _PipelineScheduleRuntime._step_microbatches, which keeps every SEND_F / SEND_B Work in one
+    `send_ops` list until the step ends), at the end of the
     activation plateau: every forward sent, and the input gradients of the backwards done. The
     zero-bubble input pass also stores each input gradient in the input's `.grad`
     (stage_backward_input) until the next step's clear_runtime_states: the same tensor it sends."""
@@ -489,7 +485,7 @@ def _pipeline_held(run: _Run, lay: _Layout, stage: int, act: ActDtypes, size: Ca
     pending_chunks = 0
     if schedule in WEIGHT_PASS_SCHEDULES:
         pending_chunks = min(m, stage + 1 if schedule == "interleaved-zero-bubble" else 1)
-    if schedule in PIPELINE_RUNTIME_SCHEDULES:
+    if schedule not in SINGLE_STAGE_SCHEDULES:  # torch's runtime schedules
         # At the end of the plateau every forward is done, and every backward (input pass) but
         # those of the chunks still alive.
         chunks_alive = lay.in_flight * v
