@@ -128,6 +128,7 @@ SEMANTIC = [  # values of the right type that make no sense, each with the words
     ("--parallel.num_microbatches=-1", ("parallel.num_microbatches", "-1")),
     ("--parallel.pp_virtual_stages=-1", ("parallel.pp_virtual_stages", "-1")),
     ("--memory.ac_every_n_layers=0", ("memory.ac_every_n_layers", ">= 1")),
+    ("--memory.loss_chunk_tokens=0", ("memory.loss_chunk_tokens", ">= 1")),
     ("--memory.moe_imbalance=0.5", ("memory.moe_imbalance", ">= 1")),
     ("--data.val_fraction=1", ("data.val_fraction", "between 0 and 1")),
     ("--data.val_fraction=0", ("data.val_fraction", "between 0 and 1")),

@@ -232,6 +232,22 @@ PIPELINE_GRID: list[Row] = [
 """Pipeline-parallel configurations (parallel/pipeline.py), part of GRID: each pipeline stage's
 traced and analytic estimates against its first rank's measured step."""
 
+CHUNKED = ("--memory.chunked_loss=true", "--memory.loss_chunk_tokens=256")
+"""memory.chunked_loss in chunks of 256 tokens: a quarter of the grid's 1,024-token micro-batches."""
+WIDE_VOCABULARY = [*LLAMA, "--model.vocab_size=4096"]
+"""The Llama shape with 8x the vocabulary: logits near the size of the blocks' activations."""
+
+CHUNKED_LOSS_GRID: list[Row] = [
+    _row("llama-v4096-chunked-fp32", 1, WIDE_VOCABULARY, *CHUNKED),
+    _row("llama-v4096-chunked-bf16-mixed-full", 1, WIDE_VOCABULARY, *CHUNKED, BF16_MIXED, FULL),
+    _row("tied-chunked-bf16-pure-selective", 1, TIED, *CHUNKED, BF16_PURE, SELECTIVE),
+    _row("gpt2-chunked-fp16-mixed", 1, GPT2, *CHUNKED, FP16_MIXED),
+    _row("llama-v4096-chunked-z3-bf16-mixed", 2, WIDE_VOCABULARY, *CHUNKED, Z3, BF16_MIXED),
+    _row("llama-v4096-chunked-tp2-sp", 2, WIDE_VOCABULARY, *CHUNKED, TP2, SP),
+    _pp_row("llama-v4096-chunked-pp2-1f1b", 2, WIDE_VOCABULARY, *CHUNKED, *PP2, micro=2, m=4),
+]
+"""The chunked loss (train/loss.py) on every layout it composes with, part of GRID."""
+
 GRID: list[Row] = [
     # one process: precision x optimizer x checkpointing x batch shape x model
     _row("llama-fp32", 1, LLAMA),
@@ -296,6 +312,7 @@ GRID: list[Row] = [
     *MODEL_PARALLEL_GRID,
     *EXPERT_PARALLEL_GRID,
     *PIPELINE_GRID,
+    *CHUNKED_LOSS_GRID,
 ]
 
 

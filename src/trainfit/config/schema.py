@@ -210,7 +210,11 @@ class MemoryConfig:
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"
     """Keep optimizer states (and parameters) in host memory."""
     chunked_loss: bool = False
-    """Compute logits and cross-entropy in sequence chunks so full logits never exist at once."""
+    """Project the final hidden states to logits and score them in chunks of loss_chunk_tokens tokens,
+    each recomputed in backward, so the whole [tokens, vocabulary] logits never exist (train/loss.py)."""
+    loss_chunk_tokens: int = 1024
+    """Tokens per chunk of the chunked loss: one chunk's logits (and their fp32 forms and gradient)
+    exist at a time, so a smaller chunk lowers the peak and runs more, smaller matmuls."""
     moe_imbalance: float = MOE_IMBALANCE
     """Dropless MoE (model.capacity_factor = 0): the busiest expert's load over the balanced load
     (tokens x experts_per_token / num_experts) at which memory is estimated, capped at the ceiling

@@ -136,6 +136,9 @@ def _validate_rest(cfg: Config) -> None:
     if not cfg.memory.moe_imbalance >= 1:  # NaN too
         raise field_error("memory.moe_imbalance", cfg.memory.moe_imbalance,
                           "must be >= 1 (the busiest expert's load over the balanced load; 1 = perfectly balanced)")
+    if cfg.memory.loss_chunk_tokens < 1:
+        raise field_error("memory.loss_chunk_tokens", cfg.memory.loss_chunk_tokens,
+                          "must be >= 1 (tokens per chunk of the chunked loss; 1024 is the default)")
     if cfg.memory.ac_every_n_layers < 1:
         raise field_error("memory.ac_every_n_layers", cfg.memory.ac_every_n_layers, "must be >= 1")
     if not 0 < cfg.data.val_fraction < 1:

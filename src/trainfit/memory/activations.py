@@ -518,10 +518,13 @@ def _expert_parallel_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing
             at(received + pairs, 2 * pairs + experts_saved, done=3 * expert_weight)]
 
 
-def final_norm_terms(m: ModelConfig, d: ActDtypes) -> Terms:
-    """The final norm: its input (the last block's output) and what the output projection saves."""
+def final_norm_terms(m: ModelConfig, d: ActDtypes, projected: bool = True) -> Terms:
+    """The final norm: its input (the last block's output) and what the output projection saves of
+    its output. `projected` False: the chunked loss projects it (train/loss.py), and its output is
+    the model's, which the loss holds (analytic._chunked_loss: logits)."""
     residual = d.stream * m.dim if m.family == "gpt2" else FP32 * m.dim
-    return Terms(seq=residual) + _norm(m, d, 1)
+    norm = _norm(m, d, 1)
+    return Terms(seq=residual) + (norm if projected else Terms(seq=norm.seq))
 
 
 def stage_boundary_terms(m: ModelConfig, d: ActDtypes) -> Terms:

@@ -23,8 +23,9 @@ of model-state forms per ZeRO stage):
   ZeRO-1's flat buffers in the parameters' dtype (optimizer.grad_accum_dtype='fp32': fp32) plus,
   in the optimizer step, its master shards' fp32 gradients (4Ψ/N). Where the gradients are
   buckets (DDP's, as `.grad` views: gradient_as_bucket_view; ZeRO-1's) they exist all step long.
-- logits: logits, their fp32 copy, log-softmax and the logits' gradient (train/trainer.py:
-  `F.cross_entropy(logits.float(), ...)`), on the last stage.
+- logits: logits, their fp32 copy, log-softmax and the logits' gradient (train/loss.py:
+  `F.cross_entropy(logits.float(), ...)`), on the last stage; under memory.chunked_loss the model's
+  output (the final hidden states) and one chunk's logits, log-softmax and gradients (`_logits`).
 - buffers: FSDP all-gather / reduce-scatter buffers (ZeRO-1's collectives run in place in its
   gradient buffers: none), expert-parallel all-to-all buffers (in backward: activations.py's
   routed moments), optimizer-step temporaries, the
@@ -100,9 +101,6 @@ FSDP_PREFETCH_BLOCKS = 1
 block starts its forward (the previous one's in backward)."""
 FSDP_REDUCE_BYTES_MIXED = 4
 """*-mixed under FSDP2 reduces gradients in fp32 (MixedPrecisionPolicy(reduce_dtype=float32))."""
-LOSS_CHUNK_TOKENS = 1024
-"""memory.chunked_loss: tokens per chunk of the fused output projection + cross-entropy: one
-chunk's logits, fp32 copy, log-softmax and gradient exist at a time, and nothing is saved."""
 LOSS_PARALLEL_FP32_COPIES = (2, 4)
 """Under tp the logits stay sharded over the vocabulary into torch's loss_parallel (a rank holds
 ceil(V / tp) columns), whose log-softmax and its backward are written out op by op
@@ -345,21 +343,56 @@ def _optimizer_step_temporaries(run: _Run, prec: _Precision, decay: int, largest
     return max(sqrt, l2_copy) if o.foreach else sqrt + l2_copy
 
 
-def _logits(run: _Run, prec: _Precision, tokens: int, tp: int) -> tuple[int, int, int, int]:
-    """(saved after the loss, the logits alone, peak inside the loss, peak at the backward start).
+class _Loss(NamedTuple):
+    """The loss region's bytes on the last stage (the logits component)."""
 
-    trainer._loss: logits (compute dtype) -> .float() (a copy unless fp32 already) -> cross_entropy
-    = log_softmax (fp32, saved) + nll_loss. Backward starts with nll_loss's gradient (fp32) and
-    log_softmax's input gradient while its output is still held: 3 fp32 logits (measured). Under tp,
-    loss_parallel's unfused forms (LOSS_PARALLEL_FP32_COPIES) on a rank's vocabulary shard."""
+    saved: int
+    """What the loss saves for its backward beside the model's output (the log-probabilities;
+    chunked: sequence parallelism's all-gathered hidden states)."""
+    output: int
+    """The model's output: the logits, or under memory.chunked_loss the final hidden states."""
+    forward: int
+    """Peak inside the loss's forward, the output included."""
+    backward: int
+    """Peak at the loss's backward, without the output."""
+    keeps_output: bool = False
+    """The loss holds the output through its backward (the chunked loss's checkpoint inputs)."""
+
+
+def _logits(run: _Run, prec: _Precision, tokens: int, tp: int) -> _Loss:
+    """train/loss.py's loss of one micro-batch of `tokens` tokens: logits (compute dtype) ->
+    .float() (a copy unless fp32 already) -> cross_entropy = log_softmax (fp32, saved) + nll_loss.
+    Backward starts with nll_loss's gradient (fp32) and log_softmax's input gradient while its
+    output is still held: 3 fp32 logits (measured). Under tp, loss_parallel's unfused forms
+    (LOSS_PARALLEL_FP32_COPIES) on a rank's vocabulary shard. Chunked: `_chunked_loss`."""
     V = -(-run.model.vocab_size // tp)  # the largest shard: an uneven vocabulary's first ranks
     c = prec.act.compute
     copy = FP32 if c != FP32 else 0
     inside, backward = LOSS_PARALLEL_FP32_COPIES if tp > 1 else (1, 3)
     if run.layout.chunked_loss:
-        chunk = min(tokens, LOSS_CHUNK_TOKENS)
-        return 0, 0, V * chunk * (c + copy + FP32), V * chunk * (c + 3 * FP32)
-    return FP32 * V * tokens, c * V * tokens, V * tokens * (c + copy + inside * FP32), backward * FP32 * V * tokens
+        return _chunked_loss(run, prec, tokens, V, inside, backward)
+    return _Loss(saved=FP32 * V * tokens, output=c * V * tokens, forward=V * tokens * (c + copy + inside * FP32),
+                 backward=backward * FP32 * V * tokens)
+
+
+def _chunked_loss(run: _Run, prec: _Precision, tokens: int, V: int, inside: int, backward: int) -> _Loss:
+    """memory.chunked_loss (train/loss.py): the model returns the final norm's output [tokens, D] in
+    the stream's dtype, which the loss's checkpointed chunks keep as their inputs through its
+    backward (under sequence parallelism its all-gathered, whole-sequence copy too). A chunk of q
+    tokens then holds, in forward, its fp32 logits (the 16-bit ones are cast and dropped: nothing
+    saves them) and log-softmax, and under tp loss_parallel's extra fp32 forms; in backward, the
+    recomputed log-softmax and the two gradients (4 under tp). From the second chunk on, autograd
+    also sums the chunks' gradients in its input buffers before passing them on: the output
+    weight's (the matmul's dtype, one vocabulary shard) and the hidden states' (whole tokens: each
+    chunk's slice gradient is full-size)."""
+    D, act = run.model.dim, prec.act
+    sequence_parallel = run.layout.sequence_parallel
+    output = Terms(seq=act.stream * D).bytes(tokens, 0, run.layout.tp, sequence_parallel)
+    gathered = act.stream * D * tokens if sequence_parallel and run.layout.tp > 1 else 0
+    chunk = min(tokens, run.layout.loss_chunk_tokens)
+    sums = V * D * act.compute + tokens * D * act.stream if tokens > chunk else 0
+    return _Loss(saved=gathered, output=output, forward=output + gathered + (1 + inside) * FP32 * V * chunk,
+                 backward=gathered + backward * FP32 * V * chunk + sums, keeps_output=True)
 
 
 @dataclass(frozen=True)
@@ -526,15 +559,15 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     none_blocks = lay.blocks - lay.policy_blocks
     a_blocks = none_blocks * a_none + lay.policy_blocks * a_policy
     a_blocks += size(context_parallel_positions(run.model, cp, _rope_table_bytes(run)))
-    a_final = size(final_norm_terms(run.model, act)) if lay.last else 0
+    chunked = run.layout.chunked_loss
+    a_final = size(final_norm_terms(run.model, act, projected=not chunked)) if lay.last else 0
     transient = backward_transient_terms(run.model, act, routing, run.layout.sequence_parallel, policy)
     rebuild = a_none - a_policy  # what a checkpointed block recomputes in backward
     only = policy_only_terms(run.model, act, policy, run.layout.tp, routing)
     released = size(only.released)  # saved by the policy, freed by the recompute
     rebuild += released + size(only.kept)
 
-    saved_logits, logits_tensor, logits_fwd, logits_bwd = (
-        _logits(run, prec, st.tokens, tp) if lay.last else (0, 0, 0, 0))
+    loss = _logits(run, prec, st.tokens, tp) if lay.last else _Loss(0, 0, 0, 0)
 
     # ---- compute copies, communication and module buffers
     c = prec.compute
@@ -554,7 +587,7 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     if run.model.family == "llama":
         head_dim = run.model.dim // run.model.num_heads
         persistent_buffers += 2 * run.model.max_seq_len * head_dim * _rope_table_bytes(run)
-    pipe = _pipeline_held(run, lay, stage, act, size, a_final + saved_logits, logits_tensor)
+    pipe = _pipeline_held(run, lay, stage, act, size, a_final + loss.saved, loss.output)
     persistent_buffers += pipe.slots
     kind = run.layout.data_parallel
     if kind == "ddp" and not DDP_GRADIENT_AS_BUCKET_VIEW:
@@ -669,7 +702,7 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     first_grads, first_buffers, first_acts, first_casts = in_backward(lay.first_wrapped)
 
     head_grad = 0
-    if bucketed and lay.last and not run.layout.chunked_loss:
+    if bucketed and lay.last and not chunked:
         head_grad = int(autograd_bytes * lay.output_matmul) + (c * lay.output_matmul if act.autocast else 0)
 
     n_if, h_if = lay.in_flight, lay.head_in_flight
@@ -678,7 +711,9 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     # The pipeline's last stage holds each in-flight micro-batch's logits (the current one's through
     # its backward too), where one process frees them once the loss is computed, and what its loss
     # saved (the loss region's: logits).
-    older_logits, own_logits = (h_if - 1) * (pipe.logits + saved_logits), pipe.logits
+    older_logits, own_logits = (h_if - 1) * (pipe.logits + loss.saved), pipe.logits
+    # The chunked loss holds the output through its own backward (one process: only then).
+    loss_bwd = loss.backward + (loss.output if loss.keeps_output and not own_logits else 0)
     # Autocast caches one cast per parameter for its whole block, and a pipeline step runs every
     # micro-batch in one (Trainer.pipeline_forward_backward): the other micro-batches add none.
     # Its backward runs inside the block too, where one process's runs after it: every cast stays.
@@ -687,14 +722,14 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     acts = older + a_blocks + a_final
     moments = [  # (phase, params: compute copies, activations, logits, grads, buffers)
         # End of the model's forward: autocast's cache still holds checkpointed blocks' casts.
-        ("forward", held + all_casts, acts, older_logits + logits_tensor,
+        ("forward", held + all_casts, acts, older_logits + loss.output,
          before, fwd_buffers),
-        ("forward", held + saved_casts, acts, older_logits + logits_fwd, before, fwd_buffers),
-        ("backward", held + saved_casts, acts, older_logits + own_logits + logits_bwd, before, fwd_buffers),
+        ("forward", held + saved_casts, acts, older_logits + loss.forward, before, fwd_buffers),
+        ("backward", held + saved_casts, acts, older_logits + own_logits + loss_bwd, before, fwd_buffers),
         # Bucketed gradients: the output projection's backward, its weight gradient just made (under
         # autocast also its 16-bit form) beside the logits' gradient in the compute dtype, until the
         # bucket's hook takes it (a large vocabulary makes this the backward's peak).
-        *([("backward", held + saved_casts, acts + head_grad, older_logits + max(own_logits, logits_tensor), before,
+        *([("backward", held + saved_casts, acts + head_grad, older_logits + max(own_logits, loss.output), before,
             fwd_buffers)] if head_grad else []),
         ("backward", held + (all_casts if pipelined else saved_casts - cast_head + (cast_block if lay.last_wrapped
                                                                                     else 0)) + last_casts,
@@ -771,10 +806,13 @@ def forward_retained_bytes(model: ModelConfig, layout: Layout, training: Trainin
     if lay.policy_blocks:
         total += lay.policy_blocks * size(block_terms(run.model, act, policy, routing, cp, run.layout.tp))
     total += size(context_parallel_positions(run.model, cp, _rope_table_bytes(run)))
+    chunked = run.layout.chunked_loss
     if lay.last:
-        total += size(final_norm_terms(run.model, act)) + _logits(run, st.prec, st.tokens, run.layout.tp)[0]
-    if act.autocast:
-        total += st.prec.compute * (none_blocks * lay.block_matmul + lay.output_matmul)
+        loss = _logits(run, st.prec, st.tokens, run.layout.tp)
+        total += size(final_norm_terms(run.model, act, projected=not chunked)) + loss.saved
+        total += loss.output if loss.keeps_output else 0
+    if act.autocast:  # the chunked loss's output-weight cast is recomputed in backward, not saved
+        total += st.prec.compute * (none_blocks * lay.block_matmul + (0 if chunked else lay.output_matmul))
     if st.fsdp:  # unsharded parameters gathered in the forward and kept for backward
         zero = run.layout.zero_stage
         kept = st.params if zero == 2 else lay.embedding + lay.head if zero == 3 else 0

@@ -25,10 +25,11 @@ class FeedForward(nn.Module):
 
 
 def output_head(model: nn.Module, h_BTD: torch.Tensor) -> torch.Tensor:
-    """Final norm and output projection, each skipped when a pipeline stage has none."""
+    """Final norm and output projection, each skipped when a pipeline stage has none; the projection
+    also when the loss applies it itself (`model.project_logits` False: memory.chunked_loss)."""
     if model.norm is not None:
         h_BTD = model.norm(h_BTD)
-    return model.output(h_BTD) if model.output is not None else h_BTD
+    return model.output(h_BTD) if model.output is not None and model.project_logits else h_BTD
 
 
 class LayerStack(nn.ModuleDict):

@@ -85,6 +85,9 @@ class GPT2(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.aux_loss = torch.zeros(())
+        self.project_logits = True
+        """False: forward returns the final norm's output and the loss projects it chunk by chunk
+        (memory.chunked_loss, train/loss.py), so the whole logits never exist."""
         self.sequence = WholeSequence()
         """Which positions this rank's tokens are (context parallelism: not the first T)."""
 

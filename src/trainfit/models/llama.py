@@ -134,6 +134,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos_TK, persistent=False)
         self.register_buffer("rope_sin", sin_TK, persistent=False)
         self.aux_loss = torch.zeros(())
+        self.project_logits = True
+        """False: forward returns the final norm's output and the loss projects it chunk by chunk
+        (memory.chunked_loss, train/loss.py), so the whole logits never exist."""
         self.sequence = WholeSequence()
         """Which positions this rank's tokens are (context parallelism: not the first T)."""
         self.input_shards = 1

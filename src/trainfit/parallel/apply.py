@@ -73,6 +73,7 @@ def _parallelize_part(model: nn.Module, layout: Layout, mesh: DeviceMesh | None,
         experts = dp.ExpertShards(frozenset(p for m in modules for p in m.parameters()), sparse["edp"],
                                   divide_factor=layout.dp_shard * layout.cp)
     apply_activation_checkpointing(model, layout.activation_checkpointing, layout.ac_every_n_layers)
+    model.project_logits = not layout.chunked_loss  # the chunked loss projects the hidden states itself
     kind = layout.data_parallel
     if kind == "ddp":
         assert mesh is not None

@@ -75,6 +75,8 @@ class Layout:
     """precision.mode: the dtypes the step computes, communicates and keeps its states in."""
     grad_accum_dtype: str = "param"
     """optimizer.grad_accum_dtype: ZeRO-1's gradient buffers in the parameters' dtype or fp32."""
+    loss_chunk_tokens: int = 1024
+    """memory.loss_chunk_tokens: tokens per chunk of the chunked loss (when chunked_loss)."""
     moe_imbalance: float = 1.0
     """memory.moe_imbalance: the busiest expert's load over the balanced one that memory estimates
     assume for dropless routing (the estimators' assumption; training does not read it)."""
@@ -188,8 +190,6 @@ class Layout:
             ranks = f"{self.dp} data-parallel" + (f" x {self.cp} context-parallel" if self.cp > 1 else "")
             return (f"parallel.zero_stage={self.zero_stage} with parallel.tp={self.tp} and {ranks} ranks: tensor "
                     "parallelism composes with FSDP2's data parallelism only; set parallel.zero_stage=2 or 3")
-        if self.chunked_loss:
-            return "memory.chunked_loss=true: not yet supported by `trainfit train`; set it to false"
         return None
 
 
@@ -292,7 +292,8 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
                   grad_accum_steps=accum, micro_batch_size=micro, global_batch_size=global_batch,
                   activation_checkpointing=mem.activation_checkpointing, ac_every_n_layers=mem.ac_every_n_layers,
                   offload=mem.offload, chunked_loss=mem.chunked_loss, precision=cfg.precision.mode,
-                  grad_accum_dtype=cfg.optimizer.grad_accum_dtype, moe_imbalance=mem.moe_imbalance)
+                  grad_accum_dtype=cfg.optimizer.grad_accum_dtype, moe_imbalance=mem.moe_imbalance,
+                  loss_chunk_tokens=mem.loss_chunk_tokens)
 
 
 def _check_model_split(cfg: Config) -> None:

@@ -136,6 +136,8 @@ class StageBoundary:
     sequence parallelism)."""
     hidden_dtype: torch.dtype
     logits: tuple[int, ...]
+    """The last stage's output, to the loss: logits [micro-batch, positions, vocabulary / tp], or under
+    memory.chunked_loss the final hidden states (shaped as `hidden`)."""
     logits_dtype: torch.dtype
 
     def examples(self, stage_id: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,15 +157,20 @@ def stage_boundary(model: ModelConfig, seq_len: int, layout: Layout, policy: Pre
     """The boundary of `layout`'s stages. Hidden states travel in the dtype the residual stream has:
     FSDP2's compute copies under mixed precision make it the low dtype (blocks' inputs are cast to
     it); autocast leaves the residual adds in the parameters' fp32; bf16-pure is bf16 throughout.
-    The logits are the output projection's: autocast's or the parameters' dtype."""
+    The logits are the output projection's: autocast's or the parameters' dtype; under
+    memory.chunked_loss the last stage returns the final norm's output, in the residual's dtype
+    (the loss projects it, train/loss.py)."""
     positions = seq_len // layout.cp
     shards = layout.tp if layout.sequence_parallel else 1
     fsdp_mixed = layout.data_parallel == "fsdp" and policy.keeps_master_weights
     hidden_dtype = policy.autocast_dtype if fsdp_mixed and policy.autocast_dtype else policy.param_dtype
     rows = layout.micro_batch_size
-    return StageBoundary(tokens=(rows, positions), hidden=(rows, positions // shards, model.dim),
-                         hidden_dtype=hidden_dtype, logits=(rows, positions, model.vocab_size // layout.tp),
-                         logits_dtype=policy.autocast_dtype or policy.param_dtype)
+    hidden = (rows, positions // shards, model.dim)
+    logits, logits_dtype = (rows, positions, model.vocab_size // layout.tp), policy.autocast_dtype or policy.param_dtype
+    if layout.chunked_loss:
+        logits, logits_dtype = hidden, hidden_dtype
+    return StageBoundary(tokens=(rows, positions), hidden=hidden, hidden_dtype=hidden_dtype, logits=logits,
+                         logits_dtype=logits_dtype)
 
 
 class _AuxLossGrad(torch.autograd.Function):

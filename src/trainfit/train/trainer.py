@@ -26,9 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from trainfit.config import Config, ConfigError, config_to_dict
 from trainfit.hardware import peak_flops
@@ -54,6 +52,7 @@ from trainfit.train import checkpoint as ckpt
 from trainfit.train import manifest
 from trainfit.train.data import BatchSampler, TokenData, eval_batches, resolve_data
 from trainfit.train.distributed import World, init_world, run_layout
+from trainfit.train.loss import loss_function
 from trainfit.train.metrics import MetricsWriter
 from trainfit.train.optim import build_scheduler, lr_at, make_optimizer, param_groups
 from trainfit.train.progress import TrainProgress
@@ -216,6 +215,9 @@ class Trainer:
         self.autocast = self.policy.autocast if uses_autocast(model, self.optimizer) else contextlib.nullcontext
         # Tensor parallelism leaves the logits sharded over the vocabulary (parallel/tensor_parallel.py).
         self.loss_context = functools.partial(vocabulary_parallel_loss, self.layout.tp > 1)
+        self.lm_loss = loss_function(self.layout.loss_chunk_tokens if self.layout.chunked_loss else 0,
+                                     lambda: self.model.output)
+        """(model output, targets) -> the micro-batch's mean cross-entropy (train/loss.py)."""
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.scaler = self.build_grad_scaler()
         self.pipeline = self._build_pipeline() if self.layout.pp > 1 else None
@@ -241,7 +243,7 @@ class Trainer:
         self._pipeline_losses: list[torch.Tensor] = []
 
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            lm_loss = self._lm_loss(logits, targets)
+            lm_loss = self.lm_loss(logits, targets)
             self._pipeline_losses.append(lm_loss.detach())
             return self.scaler.scale(lm_loss) / m
 
@@ -373,24 +375,12 @@ class Trainer:
         """(loss to backpropagate, language-model loss to report)."""
         sequence = self.model.sequence  # context parallelism: this rank's chunks of each row
         inputs, targets = sequence.shard(inputs), sequence.shard(targets)
-        with self.autocast():
-            logits = self.model(inputs)
-        lm_loss = self._lm_loss(logits, targets)
+        with self.autocast():  # the chunked loss projects the logits, in the forward's precision
+            lm_loss = self.lm_loss(self.model(inputs), targets)
         aux = getattr(self.model, "aux_loss", None)
         if aux is not None and self.cfg.model.num_experts:
             return lm_loss + self.cfg.model.router_aux_loss_coef * aux, lm_loss
         return lm_loss, lm_loss
-
-    @staticmethod
-    def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of a micro-batch, in fp32."""
-        # Not .float() on fp32 logits: on a DTensor (vocabulary-parallel logits) that copies the
-        # logits shard instead of returning it.
-        logits = logits if logits.dtype == torch.float32 else logits.float()
-        lm_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        if isinstance(lm_loss, DTensor):  # vocabulary-parallel logits: the loss is replicated on the tp ranks
-            lm_loss = lm_loss.to_local()
-        return lm_loss
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, num_microbatches: int,
                          sync_gradients: bool) -> torch.Tensor:

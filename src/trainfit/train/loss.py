@@ -1,0 +1,92 @@
+"""The language-model loss of a micro-batch: mean next-token cross-entropy in fp32, from the model's
+logits, or under memory.chunked_loss from its final hidden states, projected and scored a chunk of
+tokens at a time so that the [tokens, vocabulary] logits never exist whole.
+
+The chunked form runs each chunk (output projection, fp32 cast, cross-entropy summed over its
+tokens) under non-reentrant activation checkpointing: the forward keeps nothing of a chunk but its
+inputs (the hidden rows, already alive, and the weight), and the backward recomputes one chunk's
+logits at a time. Its peak is one chunk's logits and their gradients instead of the whole micro-
+batch's (memory/analytic.py's _logits prices both). Liger-Kernel's fused linear cross-entropy does
+the same in one Triton kernel on GPUs; it is not used: it cannot run here (no Triton on CPU), and
+it takes plain tensors, where tensor parallelism's vocabulary-sharded weight is a DTensor whose
+cross-entropy torch's loss_parallel computes without gathering the vocabulary.
+
+Under tensor parallelism the output weight is a DTensor sharded over the vocabulary (Shard(0)); the
+hidden states become one replicated DTensor first (all-gathered along the sequence under sequence
+parallelism; their gradient is reduced in backward), exactly what the output projection's
+ColwiseParallel does to its input, and each chunk's logits stay sharded into loss_parallel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.checkpoint import checkpoint
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of [B, T, V] logits (or [N, V]) against their targets, in fp32."""
+    # Not .float() on fp32 logits: on a DTensor (vocabulary-parallel logits) that copies the
+    # logits shard instead of returning it.
+    logits = logits if logits.dtype == torch.float32 else logits.float()
+    loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+    return _local(loss)
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, output: nn.Linear,
+                          chunk_tokens: int) -> torch.Tensor:
+    """cross_entropy(output(hidden), targets) without the whole logits: `hidden` [B, T, D] (the final
+    norm's output), projected by `output`'s weight `chunk_tokens` tokens at a time. Call it inside
+    the forward's autocast region (if any): each chunk projects as the model's own forward would, and
+    checkpointing re-enters that autocast state when it recomputes the chunk in backward."""
+    if output.bias is not None:
+        raise ValueError("chunked_cross_entropy: the output projection has a bias; no model of trainfit's has one")
+    weight = output.weight
+    if isinstance(weight, DTensor):  # vocabulary-parallel output (module docstring)
+        if isinstance(hidden, DTensor):
+            hidden = hidden.redistribute(placements=[Replicate()])
+        else:
+            hidden = DTensor.from_local(hidden, weight.device_mesh, [Replicate()], run_check=False)
+    rows, labels = hidden.flatten(0, 1), targets.flatten()
+    total = None
+    for start in range(0, rows.shape[0], chunk_tokens):
+        chunk = slice(start, start + chunk_tokens)
+        if torch.is_grad_enabled():
+            part = checkpoint(_chunk_loss_sum, rows[chunk], weight, labels[chunk], use_reentrant=False)
+        else:
+            part = _chunk_loss_sum(rows[chunk], weight, labels[chunk])
+        total = part if total is None else total + part
+    assert total is not None, "an empty micro-batch"
+    return _local(total) / labels.numel()
+
+
+def _chunk_loss_sum(rows: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed fp32 cross-entropy of one chunk of rows."""
+    logits = F.linear(rows, weight)
+    logits = logits if logits.dtype == torch.float32 else logits.float()
+    return F.cross_entropy(logits, labels, reduction="sum")
+
+
+def loss_function(chunk_tokens: int, output: Callable[[], nn.Linear | None]
+                  ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss of a model's output and its targets: `cross_entropy` of logits, or with
+    `chunk_tokens` > 0 (memory.chunked_loss) `chunked_cross_entropy` of the final hidden states by
+    the weight of `output()` (looked up at each call: it is FSDP's unsharded one during the step)."""
+    if not chunk_tokens:
+        return cross_entropy
+
+    def chunked(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        head = output()
+        assert head is not None, "the chunked loss runs where the output projection lives"
+        return chunked_cross_entropy(hidden, targets, output=head, chunk_tokens=chunk_tokens)
+
+    return chunked
+
+
+def _local(loss: torch.Tensor) -> torch.Tensor:
+    """Vocabulary-parallel logits give a loss replicated on the tp ranks: its local value."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss
