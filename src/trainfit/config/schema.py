@@ -128,6 +128,10 @@ class TrainingConfig:
     """Validation global batches averaged per evaluation (the same windows whatever the layout)."""
     device: Device = "auto"
     """Where to train: auto picks cuda when available, else cpu."""
+    compile: bool = False
+    """torch.compile each transformer block (inductor; after activation checkpointing, before FSDP):
+    the steps that compile are timed apart ("compile: 31.2 s") and left out of tokens/s. Fused
+    pointwise kernels save fewer activations than eager (memory/analytic.py: compiled_activation_note)."""
 
 
 @dataclass
