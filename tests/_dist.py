@@ -41,8 +41,9 @@ MOE = {"loss_rtol": 1e-3, "update_rtol": 0.2}
 DP_BATCH = ("--training.micro_batch_size=2", "--training.global_batch_size=8")
 """The data-parallel tests' batch (after _runs.DEBUG_RUN, which they run): global batch 8, on 2 ranks 2
 micro-batches of 2 rows each per rank, so gradient accumulation is part of every layout's test."""
-# Only the layout differs from the reference: these fields are dropped from its config.
-LAYOUT_FIELDS = ("--parallel.", "--memory.offload", "--hardware.num_gpus")
+# Only the layout differs from the reference: these fields are dropped from its config (and
+# training.compile: compiled runs are compared with one eager process).
+LAYOUT_FIELDS = ("--parallel.", "--memory.offload", "--hardware.num_gpus", "--training.compile")
 
 
 # A spawned test method is killed after TIMEOUT_DEFAULT seconds (300 unless the environment's
