@@ -28,7 +28,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, tuple[TrainResu
     for compiled in (False, True):
         run_dir = tmp_path_factory.mktemp(f"compile-{compiled}")
         torch._dynamo.reset()
-        out[compiled] = Trainer(run_config(run_dir, *RUN, f"--training.compile={str(compiled).lower()}")).train(), run_dir
+        cfg = run_config(run_dir, *RUN, f"--training.compile={str(compiled).lower()}")
+        out[compiled] = Trainer(cfg).train(), run_dir
     return out
 
 

@@ -131,7 +131,8 @@ class TrainingConfig:
     compile: bool = False
     """torch.compile each transformer block (inductor; after activation checkpointing, before FSDP):
     the steps that compile are timed apart ("compile: 31.2 s") and left out of tokens/s. Fused
-    pointwise kernels save fewer activations than eager (memory/analytic.py: compiled_activation_note)."""
+    pointwise kernels keep fewer activations than eager, which both estimators model (measured gaps:
+    benchmarks/compile.py). Tested with FSDP2 and activation checkpointing; not yet with tp/pp."""
 
 
 @dataclass
