@@ -29,7 +29,7 @@ from trainfit.train.trainer import Trainer, TrainResult
 
 __all__ = ["AUTOCAST", "DP_BATCH", "FP32", "LOW", "MOE", "STEPS", "ZERO1_LAYOUT", "ZERO1_RUN_ENV", "ZERO3_LAYOUT",
            "ZERO3_RUN_ENV", "ZERO3_STEPS", "FourRankGlooTestCase", "GlooTestCase", "fake_world", "full_params",
-           "spawn_gloo", "subprocess_env", "torchrun", "with_comms"]
+           "parity_name", "spawn_gloo", "subprocess_env", "torchrun", "with_comms"]
 
 
 # Parity with one process (tests/distributed/test_dp_parity.py explains the measures and tolerances).
@@ -42,9 +42,10 @@ DP_BATCH = ("--training.micro_batch_size=2", "--training.global_batch_size=8")
 """The data-parallel tests' batch (after _runs.DEBUG_RUN, which they run): global batch 8, on 2 ranks 2
 micro-batches of 2 rows each per rank, so gradient accumulation is part of every layout's test."""
 # Only the layout differs from the reference: these fields are dropped from its config (the chunked
-# loss too: the reference computes the whole logits, so its parity is the plain loss's).
+# loss too: the reference computes the whole logits, so its parity is the plain loss's; and
+# training.compile: compiled runs are compared with one eager process).
 LAYOUT_FIELDS = ("--parallel.", "--memory.offload", "--hardware.num_gpus", "--memory.chunked_loss",
-                 "--memory.loss_chunk_tokens")
+                 "--memory.loss_chunk_tokens", "--training.compile")
 
 
 # A spawned test method is killed after TIMEOUT_DEFAULT seconds (300 unless the environment's
@@ -72,20 +73,22 @@ class GlooTestCase(DTensorTestBase):
         path.mkdir(exist_ok=True)
         return path
 
-    def check_parity(self, overrides: tuple[str, ...], tolerances: dict[str, float], steps: int = STEPS) -> None:
+    def check_parity(self, overrides: tuple[str, ...], tolerances: dict[str, float], steps: int = STEPS
+                     ) -> TrainResult:
         """Train `steps` steps with `overrides` on this world and, on rank 0, compare the losses and the
         final weights (the ones the optimizer updates: ZeRO-1's fp32 masters, not its 16-bit
         parameters) with one process given the same global batches (tolerances: see FP32...).
+        Returns this rank's result (its run's folder: shared_dir / parity_name(overrides, steps)).
         Rank 0 prints the largest relative loss error and the parameters' relative error (pytest -s
         shows them: the figures the README's parity tables quote)."""
-        name = "_".join(o.split(".")[-1] for o in overrides).replace("=", "-").replace("+", "-") + f"-{steps}"
+        name = parity_name(overrides, steps)
         evaluation = (f"--training.eval_interval={steps}", "--training.eval_steps=2")  # at steps 0 and `steps`
         trainer = Trainer(run_config(self.shared_dir / name, *DP_BATCH, f"--training.steps={steps}", *evaluation,
                                      *overrides))
         result = trainer.train()
         params = full_params(trainer)
         if self.rank != 0:
-            return
+            return result
         reference_overrides = tuple(o for o in overrides if not o.startswith(LAYOUT_FIELDS))
         initial, expected, final = self._reference(name, reference_overrides, steps)
         self.assertEqual(sorted(result.losses), list(range(1, steps + 1)))
@@ -100,6 +103,7 @@ class GlooTestCase(DTensorTestBase):
         self.assertLess(float(error / moved), tolerances["update_rtol"])
         print(f"world {self.world_size}, {steps} steps, {' '.join(overrides)}: loss {loss_error:.1e}, "
               f"parameters {float(error / moved):.1e}")
+        return result
 
     def check_cases(self, cases: list[tuple[tuple[str, ...], dict[str, float], int]]) -> None:
         """check_parity of every (overrides, tolerances, steps), in this one spawn."""
@@ -120,6 +124,11 @@ class GlooTestCase(DTensorTestBase):
             cache[overrides, steps] = initial, result, final
         return cache[overrides, steps]
 
+
+
+def parity_name(overrides: tuple[str, ...], steps: int) -> str:
+    """The folder (under GlooTestCase.shared_dir) of check_parity's run of `overrides`."""
+    return "_".join(o.split(".")[-1] for o in overrides).replace("=", "-").replace("+", "-") + f"-{steps}"
 
 
 class FourRankGlooTestCase(GlooTestCase):

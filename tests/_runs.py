@@ -16,6 +16,12 @@ DEBUG_RUN = ("--model.preset=debug", "--training.seq_len=32", "--training.micro_
 micro-batch of 4 rows per step (one process), a 2-step warm-up."""
 
 
+COMPILE_SHAPE = ("--model.num_layers=1", "--model.dim=128", "--model.ffn_dim=384", "--training.seq_len=128",
+                 "--memory.activation_checkpointing=full")
+"""The training.compile tests' model (after DEBUG_RUN): one block, whose activations outweigh its weights,
+fully checkpointed (compiled recomputation); one shape, so inductor compiles it once for all of them."""
+
+
 def run_overrides(run_dir: Path, *overrides: str, base: tuple[str, ...] = DEBUG_RUN) -> list[str]:
     """Overrides for a quiet run of `base` writing only under run_dir: no evaluation, a checkpoint at the
     end only, metrics every step, no progress bar. `overrides` come last and win; `base=()` keeps the

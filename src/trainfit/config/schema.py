@@ -128,6 +128,12 @@ class TrainingConfig:
     """Validation global batches averaged per evaluation (the same windows whatever the layout)."""
     device: Device = "auto"
     """Where to train: auto picks cuda when available, else cpu."""
+    compile: bool = False
+    """torch.compile each transformer block (inductor; after activation checkpointing, before FSDP):
+    the steps that compile are timed apart ("compile: 31.2 s") and left out of tokens/s. Fused
+    pointwise kernels keep fewer tensors than eager: both estimators predict the eager step, which
+    overestimates a compiled one's peak by 2-31% (measured on CPU: benchmarks/compile.py). Tested
+    with FSDP2 and activation checkpointing."""
 
 
 @dataclass

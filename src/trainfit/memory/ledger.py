@@ -35,6 +35,7 @@ a reduce-scatter result a sharded gradient), the figures of the peak moment are 
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch._guards import active_fake_mode
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mod_tracker import ModTracker
@@ -286,6 +288,10 @@ class StorageLedger(TorchDispatchMode):
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(self._logits_grad)
 
+        for module in model.modules():
+            if isinstance(module, OptimizedModule):
+                self._stack.callback(module.register_forward_pre_hook(_hide_global_hooks).remove)
+                self._stack.callback(module.register_forward_hook(_restore_global_hooks, always_call=True).remove)
         stages = getattr(model, "stages", None)
         for module in stages or (model,):
             self._stack.callback(module.register_forward_pre_hook(pre).remove)
@@ -319,6 +325,18 @@ class StorageLedger(TorchDispatchMode):
 
     # ------------------------------------------------------------ mode
 
+    supports_higher_order_operators = True
+    """Compiled blocks call higher-order operators (full checkpointing's run_and_save_rng_state): run
+    them as any operator, their outputs tracked, their insides unseen."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let torch.compile'd blocks (training.compile) run compiled under the ledger: dynamo
+        otherwise skips every frame while a dispatch mode is active, and the step runs eager. The
+        ledger then sees the compiled code's dispatcher calls only (extern kernels: matmuls,
+        attention); what a fused kernel allocates it never sees created (`track_inputs`)."""
+        return True
+
     def __enter__(self) -> StorageLedger:
         self._fake_on_entry = active_fake_mode()
         self._stack.callback(register_module_forward_pre_hook(self._module_pre).remove)
@@ -338,6 +356,9 @@ class StorageLedger(TorchDispatchMode):
         if self.fake:
             self._stack.enter_context(_untracked_sharding_propagation(self))
         self._stack.enter_context(self._mods)
+        # Compiled blocks (training.compile) see the global hooks hidden (_hide_global_hooks), not absent.
+        self._stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
         super().__enter__()
         return self
 
@@ -455,6 +476,28 @@ def unsharded_component(layout: Layout) -> str:
     under a split-backward schedule (params), per-block all-gather buffers under ZeRO-3 (buffers),
     as analytic.py counts them."""
     return "params" if layout.zero_stage == 2 or layout.splits_backward else "buffers"
+
+
+_GLOBAL_MODULE_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
+                        "_global_forward_hooks_with_kwargs", "_global_backward_pre_hooks", "_global_backward_hooks")
+_hidden_hooks: list[list[dict[int, Any]]] = []
+
+
+def _hide_global_hooks(module: nn.Module, args: Any) -> None:
+    """Before a torch.compile'd block (training.compile) runs: empty the global module hooks (the
+    ledger's and ModTracker's), which dynamo would otherwise trace into the block's graph and guard
+    on (their handles' ids), compiling the block again for every watched or measured step. The
+    block itself is still seen, from outside (its OptimizedModule); the modules inside it are not."""
+    dicts = [getattr(torch.nn.modules.module, name) for name in _GLOBAL_MODULE_HOOKS]
+    _hidden_hooks.append([dict(d) for d in dicts])
+    for d in dicts:
+        d.clear()
+
+
+def _restore_global_hooks(module: nn.Module, args: Any, output: Any) -> None:
+    saved = _hidden_hooks.pop()
+    for name, hooks in zip(_GLOBAL_MODULE_HOOKS, saved, strict=True):
+        getattr(torch.nn.modules.module, name).update(hooks)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

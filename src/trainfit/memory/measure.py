@@ -122,6 +122,14 @@ def _wait_for_collective(func: Any, out: Any) -> None:
 class _CollectivesCompleted(TorchDispatchMode):
     # Runs every operator as given, tensor subclasses' too: returning NotImplemented for them breaks
     # DTensor's sharding propagation, which runs operators on FakeTensors through the mode stack.
+    supports_higher_order_operators = True
+    """Compiled blocks call higher-order operators (full checkpointing's run_and_save_rng_state): run
+    them as any operator, their outputs tracked, their insides unseen."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:  # compiled blocks run compiled (memory/ledger.py)
+        return True
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         _wait_for_collective(func, out)
@@ -142,6 +150,14 @@ class _AllocatorSampler(TorchDispatchMode):
         super().__init__()
         self.result = result
         self.max_in_use = result.baseline_bytes
+
+    supports_higher_order_operators = True
+    """Compiled blocks call higher-order operators (full checkpointing's run_and_save_rng_state): run
+    them as any operator, their outputs tracked, their insides unseen."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:  # compiled blocks run compiled (memory/ledger.py)
+        return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))

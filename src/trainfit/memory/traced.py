@@ -309,9 +309,15 @@ def _target_device_type(cfg: Config) -> str:
 def trace_step(cfg: Config, layout: Layout | None = None) -> TracedEstimate:
     """Trace one training step of `cfg` (validated) on `layout` (default: its own on
     hardware.num_gpus ranks) as rank 0 of its world, and under pipeline parallelism as the first
-    rank of every pipeline stage; see the module docstring."""
+    rank of every pipeline stage; see the module docstring.
+
+    training.compile: the eager step is traced. Dynamo under FakeTensorMode and the fake process
+    group crashed the process (segmentation fault, torch 2.13 CPU), and a compiled graph's fused
+    kernels allocate outside the dispatcher, where the ledger cannot see them. Compiled blocks
+    save fewer activations than eager ones: benchmarks/compile.py measures by how much (the
+    trace is that much above a compiled step's peak)."""
     start = time.perf_counter()
-    layout = layout or build_layout(cfg)
+    layout = dataclasses.replace(layout or build_layout(cfg), compile=False)
     reason = layout.untrainable_reason()
     if reason:
         raise ConfigError(reason)

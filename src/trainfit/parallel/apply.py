@@ -38,7 +38,10 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, polic
     2. activation checkpointing per block (recompute.py), before data parallelism, as in
        torchtitan: fully_shard then wraps the checkpointed block, so its all-gather runs once,
        before the recomputed forward, and nothing is all-gathered again inside recomputation.
-    3. torch.compile per block: not built yet.
+    3. torch.compile per block (`compile_blocks`), when layout.compile: after checkpointing, so
+       that dynamo traces the checkpoint and inductor's partitioner sees its policy (what to save,
+       what to recompute) in the joint graph; before data parallelism, so that FSDP's hooks sit on
+       the compiled module and run outside the graph (torchtitan's order).
     4. data parallelism (data_parallel.py): DDP for zero_stage 0; fully_shard per block then root
        for 2, 3 and CPU offload, on a 2-D mesh under HSDP (dp_replicate > 1). ZeRO-1 wraps nothing:
        its engine is the optimizer (`parallelize_optimizer`), built once the model is materialized.
@@ -74,6 +77,8 @@ def _parallelize_part(model: nn.Module, layout: Layout, mesh: DeviceMesh | None,
                                   divide_factor=layout.dp_shard * layout.cp)
     apply_activation_checkpointing(model, layout.activation_checkpointing, layout.ac_every_n_layers)
     model.project_logits = not layout.chunked_loss  # the chunked loss projects the hidden states itself
+    if layout.compile:
+        compile_blocks(model)
     kind = layout.data_parallel
     if kind == "ddp":
         assert mesh is not None
@@ -85,6 +90,18 @@ def _parallelize_part(model: nn.Module, layout: Layout, mesh: DeviceMesh | None,
         dp.apply_fsdp(model, fsdp_mesh(mesh), mp_policy=dp.mixed_precision_policy(policy),
                       reshard_after_forward=reshard, offload=layout.offload != "none", experts=experts)
     return model
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """torch.compile each block of `model.layers` in place (inductor, whole graph: a graph break
+    inside a block is an error, not a silent fallback); returns how many. Identical blocks share
+    one compiled graph (dynamo guards on the code and shapes, not on the parameters' values), so
+    the first forward and backward compile once per distinct block, not once per layer. The block
+    becomes an OptimizedModule whose `_orig_mod.` level state dicts skip (DCP's get_state_dict,
+    models/init.WRAPPER_PREFIXES)."""
+    for i, block in model.layers.indexed():
+        model.layers[i] = torch.compile(block, fullgraph=True)
+    return len(model.layers)
 
 
 def parallelize_optimizer(model: nn.Module, param_groups: list[dict[str, Any]],

@@ -80,6 +80,8 @@ class Layout:
     moe_imbalance: float = 1.0
     """memory.moe_imbalance: the busiest expert's load over the balanced one that memory estimates
     assume for dropless routing (the estimators' assumption; training does not read it)."""
+    compile: bool = False
+    """training.compile: each transformer block torch.compile'd (parallel/apply.py)."""
 
     @property
     def dp(self) -> int:
@@ -293,7 +295,7 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
                   activation_checkpointing=mem.activation_checkpointing, ac_every_n_layers=mem.ac_every_n_layers,
                   offload=mem.offload, chunked_loss=mem.chunked_loss, precision=cfg.precision.mode,
                   grad_accum_dtype=cfg.optimizer.grad_accum_dtype, moe_imbalance=mem.moe_imbalance,
-                  loss_chunk_tokens=mem.loss_chunk_tokens)
+                  loss_chunk_tokens=mem.loss_chunk_tokens, compile=t.compile)
 
 
 def _check_model_split(cfg: Config) -> None:

@@ -35,6 +35,9 @@ def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
     if result.steps_run:
         rows.append(("throughput", f"{result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.1%} "
                                    f"(peak from hardware.gpu={cfg.hardware.gpu!r})"))
+    if result.compile_seconds:
+        rows.append(("compile", f"{result.compile_seconds:,.1f} s (torch.compile: the steps that compiled, "
+                                 "left out of the throughput)"))
     if result.memory is not None:
         per_rank = ", rank 0" if result.world_size > 1 else ""
         rows.append(("peak memory", f"{result.memory.peak / MIB:,.1f} MiB (measured at the allocator{per_rank}), "

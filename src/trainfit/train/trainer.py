@@ -74,6 +74,9 @@ class StepStats:
     """This rank's model-state bytes (params, grads, optimizer), on measured steps."""
     memory: MemoryBreakdown | None = None
     """This rank's components at the peak, peak phase, phase peaks and reserved_margin, on measured steps."""
+    compiled: bool = False
+    """torch.compile compiled something during this step (training.compile: the first step, and any
+    recompilation): its time is compile time, reported apart and left out of tokens/s."""
 
     @property
     def peak_memory_bytes(self) -> int | None:
@@ -104,6 +107,8 @@ class TrainResult:
     """Rank `rank`'s model-state bytes (params, grads, optimizer) on its last measured step."""
     memory: MemoryBreakdown | None = None
     """Rank `rank`'s memory breakdown on its last measured step."""
+    compile_seconds: float = 0.0
+    """Wall time of the steps during which torch.compile compiled (training.compile), left out of tokens_per_s."""
 
     @property
     def peak_memory_bytes(self) -> int | None:
@@ -430,6 +435,7 @@ class Trainer:
 
     def train_step(self) -> StepStats:
         """One optimizer step over `grad_accum_steps` micro-batches of this rank's rows."""
+        compiles = _compile_events()
         start = time.perf_counter()
         accum = self.layout.grad_accum_steps
         total = torch.zeros((), device=self.device)
@@ -450,7 +456,8 @@ class Trainer:
                 "enable training.grad_clip, or use bf16-mixed instead of a pure low-precision mode")
         grad_norm, skipped, lr = self.optimizer_step()
         self.step += 1
-        return StepStats(loss_value, grad_norm, skipped, time.perf_counter() - start, lr)
+        return StepStats(loss_value, grad_norm, skipped, time.perf_counter() - start, lr,
+                         compiled=_compile_events() != compiles)
 
     @functools.cached_property
     def memory_meter(self) -> MemoryMeter:
@@ -551,9 +558,15 @@ class Trainer:
                     result.losses[self.step] = stats.loss
                     result.state_bytes = stats.state_bytes or result.state_bytes
                     result.memory = stats.memory or result.memory
-                    window_tokens += tokens_per_step
-                    window_seconds += stats.seconds
-                    tokens_per_s = window_tokens / window_seconds
+                    if stats.compiled:  # compile time is no training throughput
+                        result.compile_seconds += stats.seconds
+                        note = f"compile: {stats.seconds:.1f} s (step {self.step}, left out of tokens/s)"
+                        bar.announce(note)
+                        writer.write({"step": self.step, "note": note, "compile_seconds": stats.seconds})
+                    else:
+                        window_tokens += tokens_per_step
+                        window_seconds += stats.seconds
+                    tokens_per_s = window_tokens / window_seconds if window_seconds else result.tokens_per_s
                     bar.update(self.step, stats.loss, tokens_per_s)
                     if self.step % cfg.logging.interval == 0 or self.step == t.steps or stats.memory is not None:
                         result.tokens_per_s = tokens_per_s
@@ -604,6 +617,14 @@ class Trainer:
         writer.write({"step": self.step, "val_loss": val_loss})
         bar.note(f"step {self.step}: val loss {val_loss:.4f}")
         return val_loss
+
+
+def _compile_events() -> int:
+    """How many compilations torch.compile has timed in this process (dynamo frames, inductor's
+    forward and backward graphs): a step that changes it compiled something."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(len(times) for times in compilation_time_metrics.values())
 
 
 def measure_step(cfg: Config, steps: int = 2, *, cuda_snapshot: str | Path | None = None) -> Measurement:
