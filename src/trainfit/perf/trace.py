@@ -4,13 +4,16 @@
 splits the time of its `ProfilerStep#<n>` ranges (the steps) into
 
 - compute: something other than communication runs. On a GPU (the trace has `kernel` events):
-  kernels other than NCCL's, memcpys and memsets, on any stream. On CPU: an operator (aten,
-  autograd, optimizer) is the innermost event running on some thread of the process.
+  kernels other than NCCL's, memcpys and memsets, on any stream. On CPU: the innermost event
+  running on some thread of the process is an operator (aten, autograd, optimizer), not a
+  collective: an event's self time (its time minus its children's) is classified by its own name.
 - communication: a collective is in flight. On a GPU: NCCL kernels (`ncclDevKernel_*`,
   `ncclKernel_*`). On CPU: events named as the process group names them, `gloo:<collective>` on
-  gloo's worker threads (the transfer, including the wait for the slowest peer) and the calls that
+  gloo's worker threads (the transfer, including the wait for the slowest peer), and the calls that
   launch or wait for them on the training thread (`c10d::allreduce_`, `_c10d_functional::wait_tensor`,
-  `record_param_comms`, `nccl:<collective>`; what runs inside them counts as communication too).
+  `record_param_comms`, `nccl:<collective>`, and FSDP2's `FSDP::all_gather`,
+  `FSDP::post_backward_reduce`, `FSDP::post_backward_rs_wait`, whose self time is launching and waiting;
+  the copies inside them are compute). A wait outside any such event (DDP's, in C++) shows as idle.
 - exposed communication: communication while no compute runs (what a faster network would save).
 - idle: neither (on CPU: Python between operators and waits outside a collective; on a GPU: the
   devices starved by the host, or waiting on each other outside NCCL's kernels).
@@ -40,7 +43,10 @@ from trainfit.config import ConfigError
 Interval = tuple[float, float]
 """(start, end) in the trace's microseconds."""
 
-HOST_COMM_PREFIXES = ("gloo:", "nccl:", "c10d::", "_c10d_functional::", "c10d_functional::", "record_param_comms")
+HOST_COMM = re.compile(r"(gloo:|nccl:|c10d::|_c10d_functional::|c10d_functional::|record_param_comms)"
+                       r"|FSDP::(all_gather|post_backward_reduce|post_backward_rs_wait)( \(|$)")
+"""Host events that are communication: process groups' own, and FSDP2's ranges around its collectives
+(torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py), whose self time is the launch and the wait."""
 DEVICE_COMPUTE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATEGORIES = ("cpu_op", "user_annotation")
 STEP_PREFIX = "ProfilerStep#"
@@ -135,22 +141,21 @@ def total(intervals: list[Interval]) -> float:
 
 
 def is_host_comm(name: str) -> bool:
-    return name.startswith(HOST_COMM_PREFIXES)
+    return HOST_COMM.match(name) is not None
 
 
 def is_device_comm(name: str) -> bool:
     return name.startswith("nccl")
 
 
-def _self_intervals(events: list[dict]) -> list[tuple[dict, list[Interval], bool]]:
-    """(event, its time minus its children's, communication?) for the nested events of one thread;
-    an event inside a communication event is communication."""
+def _self_intervals(events: list[dict]) -> list[tuple[dict, list[Interval]]]:
+    """(event, its time minus its children's) for the nested events of one thread."""
     out = []
-    stack: list[tuple[dict, float, list[Interval], bool]] = []  # event, end, children's intervals, comm
+    stack: list[tuple[dict, float, list[Interval]]] = []  # event, end, children's intervals
 
     def pop() -> None:
-        event, end, children, comm = stack.pop()
-        out.append((event, subtract([(event["ts"], end)], union(children)), comm))
+        event, end, children = stack.pop()
+        out.append((event, subtract([(event["ts"], end)], union(children))))
 
     for event in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
         start = event["ts"]
@@ -160,8 +165,7 @@ def _self_intervals(events: list[dict]) -> list[tuple[dict, list[Interval], bool
         if stack:
             end = min(end, stack[-1][1])  # rounding: a child never outlives its parent
             stack[-1][2].append((start, end))
-        comm = is_host_comm(event["name"]) or (bool(stack) and stack[-1][3])
-        stack.append((event, end, [], comm))
+        stack.append((event, end, []))
     while stack:
         pop()
     return out
@@ -209,8 +213,8 @@ def summarise(trace: dict[str, Any], *, rank: int | None = None) -> RankProfile:
             if e.get("cat") in HOST_CATEGORIES and not e["name"].startswith(STEP_PREFIX):
                 threads[e.get("pid"), e.get("tid")].append(e)
         for thread_events in threads.values():
-            for event, intervals, is_comm in _self_intervals(thread_events):
-                (comm if is_comm else compute).extend(intervals)
+            for event, intervals in _self_intervals(thread_events):
+                (comm if is_host_comm(event["name"]) else compute).extend(intervals)
                 _count(self_time, event, intervals, windows)
     compute, comm = intersect(union(compute), windows), intersect(union(comm), windows)
     busy = union(compute + comm)
