@@ -98,6 +98,8 @@ def _check_steps(steps: int) -> None:
 
 
 def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.profile:  # reads traces only: no torch
+        return _report_profile(args, overrides)
     import json
 
     from rich.console import Console
@@ -108,8 +110,6 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.memory.traced import trace_step
     from trainfit.train.trainer import measure_step
 
-    if args.profile:
-        return _report_profile(args, overrides)
     cfg = load_config(args.config, overrides)
     _check_steps(args.steps)
     if args.plot:

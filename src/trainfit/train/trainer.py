@@ -565,8 +565,8 @@ class Trainer:
                     with profiler.step(self.step + 1):
                         stats = self._next_step(first_measured)
                     if profiler.written and self.step == profiler.window[1]:
-                        bar.announce(f"profiled step(s) {profiler.window_text}: wrote {profiler.written[0]} "
-                                 f"(every rank its own); summary: trainfit report --profile {profiler.out_dir}")
+                        bar.announce(f"profiled step(s) {profiler.window_text}: one trace per rank in "
+                                     f"{profiler.out_dir}; summary: trainfit report --profile {profiler.out_dir}")
                     result.losses[self.step] = stats.loss
                     result.state_bytes = stats.state_bytes or result.state_bytes
                     result.memory = stats.memory or result.memory
