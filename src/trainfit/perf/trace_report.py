@@ -27,6 +27,11 @@ def _steps(profile: RankProfile) -> str:
     return str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
 
 
+def _shorten(name: str, width: int = 32) -> str:
+    """Long names cut in the middle: their ends tell apart forward and backward kernels."""
+    return name if len(name) <= width else name[:width // 2 - 1] + "…" + name[-(width - width // 2):]
+
+
 def time_table(profiles: list[RankProfile]) -> Table:
     """One row per rank: where its profiled steps' wall time went."""
     first = profiles[0]
@@ -54,14 +59,14 @@ def operator_table(profiles: list[RankProfile], top: int = TOP_OPERATORS) -> Tab
     wall = sum(p.wall_us for p in profiles) / n
     kind = "kernels" if profiles[0].device == "cuda" else "operators"
     table = Table(title=f"top {len(ranked)} {kind} by self time (mean over {n} rank{'s' if n > 1 else ''})")
-    table.add_column(kind[:-1], overflow="ellipsis", no_wrap=True, max_width=36)
+    table.add_column(kind[:-1], no_wrap=True)
     for name in ("calls", "self ms", "% of\nwall", *(["busiest\nrank: ms"] if n > 1 else [])):
         table.add_column(name, justify="right", no_wrap=True)
     for name, rows in ranked:
         mean = sum(us for us, _, _ in rows) / n
         busiest = max(rows)
         busiest_cell = [f"{busiest[2]}: {busiest[0] / 1e3:,.2f}"] if n > 1 else []
-        table.add_row(name, f"{sum(c for _, c, _ in rows) / n:g}", f"{mean / 1e3:,.2f}",
+        table.add_row(_shorten(name), f"{sum(c for _, c, _ in rows) / n:g}", f"{mean / 1e3:,.2f}",
                       f"{mean / wall:.1%}" if wall else "-", *busiest_cell)
     return table
 
