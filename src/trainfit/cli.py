@@ -302,7 +302,7 @@ HSDP, offload, bf16/fp16, activation checkpointing) and reports predicted agains
 commands:
   estimate      predict memory and speed (no GPU needed, instant)
   train         train a model (default: a tiny Llama on Shakespeare, on CPU, ~2 minutes)
-  report        analytic and traced predictions against a measured step
+  report        analytic and traced predictions against a measured step (--profile: a profiled run)
   measure       measure a real step's memory per component
   sample        generate text from a checkpoint
   export        write a checkpoint as Hugging Face safetensors
@@ -312,6 +312,7 @@ examples:
   trainfit estimate --model.preset=llama3-8b --hardware.gpu=H100-SXM-80GB --hardware.num_gpus=8
   trainfit train
   torchrun --nproc_per_node 2 -m trainfit train --parallel.zero_stage=3
+  trainfit train --profile=4-5 && trainfit report --profile runs/default/profile
 
 `trainfit COMMAND --help` lists a command's options and every config field with its default."""
 
