@@ -1,6 +1,6 @@
 """2-rank ZeRO-3 and ZeRO-1 runs launched as users do (`torchrun ... -m trainfit train`), shared by
 the tests of resuming their checkpoints elsewhere: on 1 process, on 4 ranks (HSDP), in the other
-layout, and exported to HF. The ZeRO-3 run also profiles one step (tests/distributed/test_profile.py);
+layout, and exported to HF. The ZeRO-3 run also profiles one step (tests/distributed/test_profile_ranks.py);
 the profiler does not change what a step computes."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`trainfit train --profile=STEPS` on one process and `trainfit report --profile`: the trace is
 written, parses, and its summary has compute and no communication (the 2-rank run, with
-communication, is tests/distributed/test_profile.py)."""
+communication, is tests/distributed/test_profile_ranks.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`torchrun --nproc_per_node 2 -m trainfit train --profile=STEPS`: every rank writes its trace, and
-each summary shows the collectives that one process (tests/integration/test_profile.py) has none of."""
+each summary shows the collectives that one process (tests/integration/test_profiled_run.py) has none of."""
 
 from __future__ import annotations
 
