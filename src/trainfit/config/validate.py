@@ -159,7 +159,7 @@ def profile_window(steps: str, num_steps: int) -> tuple[int, int] | None:
     first, _, last = steps.partition("-")
     fix = (f"give one step (3) or a range (3-5) within 1..training.steps={num_steps} "
            "(--profile=STEPS on `trainfit train`)")
-    if not (first.isdigit() and (last.isdigit() or "-" not in steps)):
+    if not (first.isdecimal() and (last.isdecimal() or "-" not in steps)):
         raise field_error("logging.profile_steps", steps, fix)
     window = int(first), int(last or first)
     if not 1 <= window[0] <= window[1] <= num_steps:
