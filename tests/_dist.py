@@ -197,6 +197,9 @@ def _gloo_rank(rank: int, world_size: int, port: int, fn: Callable[..., None], a
 ZERO3_STEPS = 6
 ZERO3_LAYOUT = ("--parallel.zero_stage=3", "--checkpoint.interval=3", "--training.eval_interval=3")
 ZERO3_RUN_ENV = "TRAINFIT_TEST_ZERO3_RUN"
+ZERO3_PROFILED_STEP = 4
+"""The step of the ZeRO-3 run that `trainfit train --profile` traces (tests/distributed/test_profile_ranks.py):
+neither the memory meter's (1-2) nor a checkpoint's or evaluation's."""
 ZERO1_LAYOUT = ("--parallel.zero_stage=1", "--checkpoint.interval=3", "--training.eval_interval=3")
 ZERO1_RUN_ENV = "TRAINFIT_TEST_ZERO1_RUN"
 

@@ -136,6 +136,8 @@ SEMANTIC = [  # values of the right type that make no sense, each with the words
     ("--checkpoint.interval=-1", ("checkpoint.interval", ">= 0")),
     ("--checkpoint.keep_last=0", ("checkpoint.keep_last", ">= 1")),
     ("--logging.interval=0", ("logging.interval", ">= 1")),
+    ("--logging.profile_steps=0", ("logging.profile_steps", "'0'", "3-5")),
+    ("--logging.profile_steps=5-2", ("logging.profile_steps", "5-2", "training.steps")),
     ("--hardware.gpu=H900", ("hardware.gpu", "H900")),
     ("--hardware.num_gpus=0", ("hardware.num_gpus", "0")),
     ("--hardware.num_gpus=-8", ("hardware.num_gpus", "-8")),
@@ -161,6 +163,8 @@ ARGUMENTS = [  # the command line itself
     (("measure", "--steps", "1", "--training.steps=2"), ("--steps 1", "at least 2")),
     (("measure", "--steps", "x"), ("--steps", "x")),
     (("report", "--steps", "0"), ("--steps 0",)),
+    (("report", "--profile", "{tmp}/none"), ("--profile", "none", "does not exist")),
+    (("train", "--profile=first"), ("logging.profile_steps", "first")),
     (("sample",), ("--checkpoint",)),
     (("export", "--out", "x"), ("checkpoint",)),
     (("sample", "--checkpoint", "ckpt", "--training.steps=3"), ("--training.steps=3", "no config overrides")),
@@ -266,6 +270,7 @@ PLOTS = [
     (("estimate", "--plot", "{tmp}/plot.xyz"), ("--plot", "xyz")),
     (("estimate", "--plot", "{tmp}/plot"), ("--plot",)),
     (("estimate", "--plot", "{tmp}/afile/plot.png"), ("--plot", "afile")),
+    (("report", "--profile", "{tmp}/afile"), ("--profile", "afile", "not a JSON trace")),
 ]
 
 

@@ -98,6 +98,8 @@ def _check_steps(steps: int) -> None:
 
 
 def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.profile:  # reads traces only: no torch
+        return _report_profile(args, overrides)
     import json
 
     from rich.console import Console
@@ -125,12 +127,55 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _report_profile(args: argparse.Namespace, overrides: list[str]) -> int:
+    """`trainfit report --profile TRACE`: the per-rank table of a `trainfit train --profile` run and
+    its timeline picture (--plot, default timeline.png beside the traces)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from trainfit.memory.report import check_figure_path
+    from trainfit.perf.trace import load_profiles
+    from trainfit.perf.trace_report import operator_table, plot_timeline, time_table
+
+    if args.config or overrides:
+        raise ConfigError(f"--profile {args.profile!r} summarises traces and takes no config; drop "
+                          f"{' '.join(filter(None, [args.config, *overrides]))}")
+    trace = Path(args.profile)
+    plot = args.plot or str((trace if trace.is_dir() else trace.parent) / "timeline.png")
+    check_figure_path("--plot", plot)
+    if importlib.util.find_spec("matplotlib") is None:
+        if args.plot:
+            raise ConfigError("--plot needs matplotlib: pip install 'trainfit[plot]'")
+        plot = ""
+    profiles = load_profiles(trace)
+    out = sys.stderr if args.json else sys.stdout
+    if args.json:
+        print(json.dumps({"ranks": [p.as_dict() for p in profiles]}, indent=2))
+    else:
+        console = Console()
+        console.print(time_table(profiles))
+        console.print(operator_table(profiles))
+    missing = sorted(set(range(profiles[0].world_size)) - {p.rank for p in profiles})
+    if missing:
+        print(f"warning: no trace of rank(s) {', '.join(map(str, missing))} of {profiles[0].world_size}", file=out)
+    if plot:
+        print(f"wrote {plot_timeline(profiles, plot)}", file=out)
+    else:
+        print("no timeline picture: it needs matplotlib (pip install 'trainfit[plot]')", file=out)
+    return 0
+
+
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.train.distributed import pick_device, run_layout
     from trainfit.train.preflight import preflight
     from trainfit.train.report import print_summary
     from trainfit.train.trainer import Trainer, TrainingDiverged
 
+    if args.profile is not None:  # every rank parses the same command line, so every rank profiles
+        overrides = [*overrides, f"--logging.profile_steps={args.profile}"]
     cfg = load_config(args.config, overrides)
     layout = run_layout(cfg)
     device = pick_device(cfg.training.device, int(os.environ.get("LOCAL_RANK", "0")))
@@ -257,7 +302,7 @@ HSDP, offload, bf16/fp16, activation checkpointing) and reports predicted agains
 commands:
   estimate      predict memory and speed (no GPU needed, instant)
   train         train a model (default: a tiny Llama on Shakespeare, on CPU, ~2 minutes)
-  report        analytic and traced predictions against a measured step
+  report        analytic and traced predictions against a measured step (--profile: a profiled run)
   measure       measure a real step's memory per component
   sample        generate text from a checkpoint
   export        write a checkpoint as Hugging Face safetensors
@@ -267,6 +312,7 @@ examples:
   trainfit estimate --model.preset=llama3-8b --hardware.gpu=H100-SXM-80GB --hardware.num_gpus=8
   trainfit train
   torchrun --nproc_per_node 2 -m trainfit train --parallel.zero_stage=3
+  trainfit train --profile=4-5 && trainfit report --profile runs/default/profile
 
 `trainfit COMMAND --help` lists a command's options and every config field with its default."""
 
@@ -288,10 +334,16 @@ def build_parser() -> argparse.ArgumentParser:
     report = _config_parser(sub, "report", "analytic and traced predictions against a measured step")
     report.add_argument("--json", action="store_true")
     report.add_argument("--steps", type=int, default=2, help="steps to run; the last one is measured")
-    report.add_argument("--plot", metavar="FILE.png", help="draw the step's memory timeline and the three breakdowns")
+    report.add_argument("--plot", metavar="FILE.png", help="draw the step's memory timeline and the three breakdowns "
+                        "(with --profile: the per-rank timeline, by default timeline.png beside the traces)")
+    report.add_argument("--profile", metavar="TRACE",
+                        help="summarise a `trainfit train --profile` run instead (its <logging.dir>/profile folder, "
+                        "or one trace): per rank compute, communication, exposed communication, idle, top operators")
     train = _config_parser(sub, "train", "train a model from a config (default: tiny Llama on Shakespeare, CPU)")
     train.add_argument("--force", action="store_true",
                        help="start even when the memory estimate exceeds what this machine has")
+    train.add_argument("--profile", metavar="STEPS",
+                       help="torch.profiler trace of these steps on every rank: 3 or 3-5 (= --logging.profile_steps)")
 
     sample = sub.add_parser("sample", help="generate text from a trained checkpoint")
     sample.add_argument("--checkpoint", required=True, help="a checkpoint folder or a checkpoint.dir")

@@ -1,6 +1,7 @@
 """2-rank ZeRO-3 and ZeRO-1 runs launched as users do (`torchrun ... -m trainfit train`), shared by
 the tests of resuming their checkpoints elsewhere: on 1 process, on 4 ranks (HSDP), in the other
-layout, and exported to HF."""
+layout, and exported to HF. The ZeRO-3 run also profiles one step (tests/distributed/test_profile_ranks.py);
+the profiler does not change what a step computes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from _dist import (
     ZERO1_LAYOUT,
     ZERO1_RUN_ENV,
     ZERO3_LAYOUT,
+    ZERO3_PROFILED_STEP,
     ZERO3_RUN_ENV,
     ZERO3_STEPS,
     subprocess_env,
@@ -34,7 +36,7 @@ def _cli_run(tmp_path_factory: pytest.TempPathFactory, name: str, layout: tuple[
 
 @pytest.fixture(scope="session")
 def zero3_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
-    return _cli_run(tmp_path_factory, "zero3_cli", ZERO3_LAYOUT)
+    return _cli_run(tmp_path_factory, "zero3_cli", (*ZERO3_LAYOUT, f"--profile={ZERO3_PROFILED_STEP}"))
 
 
 @pytest.fixture(scope="session")

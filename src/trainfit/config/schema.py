@@ -314,6 +314,12 @@ class LoggingConfig:
     step; it costs ~0.3 s for the default model, tens of seconds for 70B-class models."""
     progress: bool = True
     """Show a progress bar."""
+    profile_steps: str = ""
+    """Profile these training steps with torch.profiler on every rank: one step ("3") or a range
+    ("3-5"), counted from 1 as the log counts them; "" = off (`trainfit train --profile=STEPS` sets it).
+    Writes <logging.dir>/profile/rank<r>.pt.trace.json (Perfetto, chrome://tracing, TensorBoard's
+    profiler plugin; on CUDA also a memory snapshot for pytorch.org/memory_viz), summarised by
+    `trainfit report --profile <logging.dir>/profile`. Steps 1-2 are the memory meter's (slower)."""
 
 
 @dataclass

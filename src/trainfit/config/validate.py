@@ -151,3 +151,20 @@ def _validate_rest(cfg: Config) -> None:
         raise field_error("checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
     if cfg.logging.interval < 1:
         raise field_error("logging.interval", cfg.logging.interval, "must be >= 1")
+    profile_window(cfg.logging.profile_steps, cfg.training.steps)
+
+
+def profile_window(steps: str, num_steps: int) -> tuple[int, int] | None:
+    """(first, last) training step to profile, both counted from 1, from `logging.profile_steps`
+    ("3" or "3-5"); None when it is empty."""
+    if not steps:
+        return None
+    first, _, last = steps.partition("-")
+    fix = (f"give one step (3) or a range (3-5) within 1..training.steps={num_steps} "
+           "(--profile=STEPS on `trainfit train`)")
+    if not (first.isdecimal() and (last.isdecimal() or "-" not in steps)):
+        raise field_error("logging.profile_steps", steps, fix)
+    window = int(first), int(last or first)
+    if not 1 <= window[0] <= window[1] <= num_steps:
+        raise field_error("logging.profile_steps", steps, fix)
+    return window

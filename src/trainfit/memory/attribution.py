@@ -119,7 +119,7 @@ class _Probe:
 
 
 @contextlib.contextmanager
-def _cuda_history(path: Path | None) -> Iterator[None]:
+def cuda_history(path: Path | None) -> Iterator[None]:
     """CUDA only: record allocator history and dump a snapshot (pytorch.org/memory_viz) to `path`."""
     if path is None:
         yield
@@ -206,7 +206,7 @@ def _sampled_step(trainer: Trainer, ledger: StorageLedger, probe: _Probe,
     then the collector paused; model states classified; CUDA's peak statistics reset)."""
     cuda = trainer.device.type == "cuda"
     gc.collect()
-    with measure.gc_paused(), _cuda_history(Path(cuda_snapshot) if cuda and cuda_snapshot else None):
+    with measure.gc_paused(), cuda_history(Path(cuda_snapshot) if cuda and cuda_snapshot else None):
         ledger.classify(trainer.model, trainer.optimizer, trainer.policy, others="buffers")
         if cuda:
             torch.cuda.synchronize(trainer.device)

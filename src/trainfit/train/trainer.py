@@ -55,6 +55,7 @@ from trainfit.train.distributed import World, init_world, run_layout
 from trainfit.train.loss import loss_function
 from trainfit.train.metrics import MetricsWriter
 from trainfit.train.optim import build_scheduler, lr_at, make_optimizer, param_groups
+from trainfit.train.profile import StepProfiler
 from trainfit.train.progress import TrainProgress
 from trainfit.train.signals import StopOnSignal
 
@@ -543,18 +544,26 @@ class Trainer:
         window_tokens, window_seconds = 0, 0.0
         last_saved = self.step if self.resumed_from else None
         first_measured = min(self.step + 2, t.steps)  # this process's second step: the first one warms up
+        profiler = StepProfiler.from_config(cfg, rank=world.rank, world_size=world.size, device=self.device)
+        interval = cfg.logging.memory_interval  # the memory meter's steps (_next_step), slower than the others
+        instrumented = {*range(self.step + 1, first_measured + 1), *(range(interval, t.steps + 1, interval)
+                                                                     if interval else ())}
         try:
             with StopOnSignal() as stop, \
                     TrainProgress(t.steps, self.step, cfg.logging.progress, quiet=not world.is_main,
                                   line_every=cfg.logging.interval) as bar:
-                for note in self.notes:
+                for note in self.notes + profiler.notes(self.step, instrumented):
                     bar.announce(note)
                     writer.write({"step": self.step, "note": note})
                 if self.step == 0 and t.eval_interval:
                     result.val_losses[0] = self._log_eval(writer, bar)
                 stopping = world.any(stop.requested)
                 while self.step < t.steps and not stopping:
-                    stats = self._next_step(first_measured)
+                    with profiler.step(self.step + 1):
+                        stats = self._next_step(first_measured)
+                    if profiler.written and self.step == profiler.window[1]:
+                        bar.announce(f"profiled step(s) {profiler.window_text}: one trace per rank in "
+                                     f"{profiler.out_dir}; summary: trainfit report --profile {profiler.out_dir}")
                     result.losses[self.step] = stats.loss
                     result.state_bytes = stats.state_bytes or result.state_bytes
                     result.memory = stats.memory or result.memory
@@ -586,6 +595,7 @@ class Trainer:
                 result.checkpoint = self.save()
             world.barrier()  # leave together: a rank exiting early tears down connections others still use
         finally:
+            profiler.close()
             writer.close()
         result.steps_done = self.step
         result.skipped_steps = self.skipped_steps
