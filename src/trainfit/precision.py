@@ -13,8 +13,9 @@
   one per tensor or one per row) and run torch._scaled_mm. The output projection stays in bf16
   (as torchtitan keeps it: the logits are where fp8's error would land undiluted), and so do
   linears whose dims are not multiples of 16 (_scaled_mm's constraint) and anything that is not an
-  nn.Linear (MoE's grouped experts); float8.py converts; `float8_notes` lists what stays bf16 when training starts. Under FSDP2,
-  precision.fp8_all_gather all-gathers the float8 weights in fp8 (tensorwise only).
+  nn.Linear (MoE's grouped experts). float8.py converts (parallel/apply.py calls it) and lists what
+  stays bf16 when training starts. Under FSDP2, precision.fp8_all_gather all-gathers the float8
+  weights in fp8 (tensorwise only).
 
 Under FSDP2 the same split is expressed by MixedPrecisionPolicy(param_dtype=autocast_dtype), under
 ZeRO-1 by parallel/zero.py (16-bit parameters, fp32 master shards; bf16-pure: bf16 shards and

@@ -239,13 +239,10 @@ WIDE_MLP = [*LLAMA, "--model.ffn_dim=1024"]
 
 FP8_GRID: list[Row] = [
     # torchao float8 linears (every block linear; the output projection stays bf16): all dims multiples of 16
-    _row("llama-fp8-tensorwise", 1, LLAMA, FP8),
-    _row("llama-fp8-rowwise", 1, LLAMA, FP8, ROWWISE),
     _row("wide-mlp-fp8-tensorwise", 1, WIDE_MLP, FP8),
     _row("wide-mlp-fp8-rowwise-selective", 1, WIDE_MLP, FP8, ROWWISE, SELECTIVE),
     _row("llama-fp8-full", 1, LLAMA, FP8, FULL, micro=8),
     _row("llama-z3-fp8-all-gather", 2, LLAMA, Z3, FP8, FP8_ALL_GATHER),
-    _row("wide-mlp-z2-fp8-rowwise", 2, WIDE_MLP, Z2, FP8, ROWWISE),
 ]
 """fp8-mixed configurations (trainfit/float8.py), part of GRID."""
 

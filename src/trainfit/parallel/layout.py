@@ -200,6 +200,10 @@ class Layout:
             ranks = f"{self.dp} data-parallel" + (f" x {self.cp} context-parallel" if self.cp > 1 else "")
             return (f"parallel.zero_stage={self.zero_stage} with parallel.tp={self.tp} and {ranks} ranks: tensor "
                     "parallelism composes with FSDP2's data parallelism only; set parallel.zero_stage=2 or 3")
+        if self.tp > 1 and self.precision == "fp8-mixed":
+            return (f"precision.mode='fp8-mixed' with parallel.tp={self.tp}: float8 linears need torchao's float8 "
+                    "tensor-parallel styles (Float8ColwiseParallel, ...), which trainfit's plans do not use yet; "
+                    "set parallel.tp=1 or use bf16-mixed")
         if self.chunked_loss:
             return "memory.chunked_loss=true: not yet supported by `trainfit train`; set it to false"
         return None
