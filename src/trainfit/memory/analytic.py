@@ -157,8 +157,9 @@ class _Precision:
 
 
 def _precision(mode: str, low_precision_model: bool) -> _Precision:
-    """precision.py's modes. fp8-mixed is counted as bf16-mixed (torchao's Float8Linear saves the
-    high-precision matmul inputs; its fp8 casts are transient). `low_precision_model`: under *-mixed
+    """precision.py's modes. fp8-mixed's dtypes are bf16-mixed's (torchao's Float8Linear saves its bf16
+    input and its high-precision weight, never their fp8 casts); what its float8 linears change is
+    priced apart (_Layout.block_float8, _float8_backward_bytes). `low_precision_model`: under *-mixed
     the module's parameters are in the 16-bit dtype (FSDP2's MixedPrecisionPolicy, ZeRO-1)."""
     if mode == "fp32":
         return _Precision(4, 4, False, ActDtypes(4, 4, False))
