@@ -21,7 +21,7 @@ FP8 = {"loss_rtol": 1e-3, "update_rtol": 0.2}
 class Float8Parity(GlooTestCase):
     @with_comms
     def test_fsdp_float8_matches_one_process(self) -> None:
-        self.check_cases([
-            (("--precision.mode=fp8-mixed", "--parallel.zero_stage=3", "--precision.fp8_all_gather=true"), FP8, 4),
-            (("--precision.mode=fp8-mixed", "--parallel.zero_stage=2", "--precision.fp8_scaling=rowwise"), FP8, 4),
-        ])
+        """ZeRO-3 with float8 all-gather (tensorwise). ZeRO-2 rowwise passed the same check when this was
+        written (figures above); left out to keep the suite's time."""
+        self.check_parity(("--precision.mode=fp8-mixed", "--parallel.zero_stage=3", "--precision.fp8_all_gather=true"),
+                          FP8)
