@@ -86,14 +86,15 @@ GPUS: dict[str, DeviceSpec] = {
 }
 
 # Nominal CPU peak per core: AVX2, 2 FMA units x 8 fp32 lanes x 2 FLOP x ~3 GHz = 96 GFLOP/s.
-# A nominal figure for MFU on laptops and CI; override it with hardware.peak_tflops.
+# A nominal figure for MFU on laptops and CI; override it with hardware.peak_tflops. fp8 too: a CPU
+# has no fp8 units (torch._scaled_mm upcasts), so fp8-mixed trains there at no more than this.
 CPU_FLOPS_PER_CORE = 96e9
 
 
 def cpu_spec() -> DeviceSpec:
     cores = os.cpu_count() or 1
     peak = cores * CPU_FLOPS_PER_CORE
-    return DeviceSpec("cpu", 0, {k: peak for k in ("fp32", "tf32", "bf16", "fp16")}, 20e9, "loopback")
+    return DeviceSpec("cpu", 0, {k: peak for k in ("fp32", "tf32", "bf16", "fp16", "fp8")}, 20e9, "loopback")
 
 
 # ---------------------------------------------------------------- links

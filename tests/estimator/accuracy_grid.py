@@ -248,6 +248,20 @@ CHUNKED_LOSS_GRID: list[Row] = [
 ]
 """The chunked loss (train/loss.py) on every layout it composes with, part of GRID."""
 
+FP8 = "--precision.mode=fp8-mixed"
+ROWWISE, FP8_ALL_GATHER = "--precision.fp8_scaling=rowwise", "--precision.fp8_all_gather=true"
+WIDE_MLP = [*LLAMA, "--model.ffn_dim=1024"]
+"""LLAMA with a 1024-wide SwiGLU: its backward, where float8's transient casts are largest, holds the peak."""
+
+FP8_GRID: list[Row] = [
+    # torchao float8 linears (every block linear; the output projection stays bf16): all dims multiples of 16
+    _row("wide-mlp-fp8-tensorwise", 1, WIDE_MLP, FP8),
+    _row("wide-mlp-fp8-rowwise-selective", 1, WIDE_MLP, FP8, ROWWISE, SELECTIVE),
+    _row("llama-fp8-full", 1, LLAMA, FP8, FULL, micro=8),
+    _row("llama-z3-fp8-all-gather", 2, LLAMA, Z3, FP8, FP8_ALL_GATHER),
+]
+"""fp8-mixed configurations (trainfit/float8.py), part of GRID."""
+
 GRID: list[Row] = [
     # one process: precision x optimizer x checkpointing x batch shape x model
     _row("llama-fp32", 1, LLAMA),
@@ -309,6 +323,7 @@ GRID: list[Row] = [
     _row("gpt2-z3-bf16-mixed", 4, GPT2, Z3, BF16_MIXED),
     _row("tiny-z1-bf16-mixed-seq32-micro2", 4, TINY, Z1, BF16_MIXED, micro=2),
     *MOE_GRID,
+    *FP8_GRID,
     *MODEL_PARALLEL_GRID,
     *EXPERT_PARALLEL_GRID,
     *PIPELINE_GRID,

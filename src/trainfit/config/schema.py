@@ -16,6 +16,7 @@ PrecisionMode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure", "fp8-mi
 OptimizerName = Literal["adamw", "adam", "sgd", "adamw-8bit"]
 LRSchedule = Literal["cosine", "linear", "constant"]
 ACPolicy = Literal["none", "selective", "selective-alternate", "full"]
+Fp8Scaling = Literal["tensorwise", "rowwise"]
 Device = Literal["auto", "cpu", "cuda"]
 
 
@@ -140,7 +141,17 @@ class TrainingConfig:
 class PrecisionConfig:
     mode: PrecisionMode = "fp32"
     """fp32 | bf16-mixed (fp32 master weights, bf16 autocast) | fp16-mixed (plus dynamic loss
-    scaling, inf/nan steps skipped) | bf16-pure (bf16 weights and optimizer) | fp8-mixed."""
+    scaling, inf/nan steps skipped) | bf16-pure (bf16 weights and optimizer) | fp8-mixed (bf16-mixed
+    with torchao float8 linears; the output projection and layers whose dims are not multiples of
+    16 stay bf16, listed when training starts)."""
+    fp8_scaling: Fp8Scaling = "tensorwise"
+    """fp8-mixed only: torchao's float8 recipe. tensorwise: one dynamic scale per tensor (e4m3
+    inputs and weights, e5m2 gradients); rowwise: one scale per row (all e4m3, power-of-2 scales),
+    more accurate with outliers, slower kernels."""
+    fp8_all_gather: bool = False
+    """fp8-mixed under FSDP2 (parallel.zero_stage 2 or 3): all-gather the converted linears' weights
+    in fp8 (half the bytes of bf16), their scales precomputed after each optimizer step; tensorwise
+    only."""
 
 
 @dataclass

@@ -120,6 +120,10 @@ def _validate_rest(cfg: Config) -> None:
         raise field_error("optimizer.eps", o.eps, "must be > 0")
     if not 0 <= o.momentum < 1:
         raise field_error("optimizer.momentum", o.momentum, "must be in [0, 1)")
+    pr = cfg.precision
+    if pr.fp8_all_gather and pr.fp8_scaling == "rowwise":
+        raise field_error("precision.fp8_all_gather", True, "torchao's float8 all-gather casts weights with one "
+                          "scale per tensor; set precision.fp8_scaling='tensorwise' or fp8_all_gather=false")
     p = cfg.parallel
     for name in ("dp_replicate", "tp", "pp", "cp", "ep"):
         if getattr(p, name) < 1:

@@ -109,6 +109,16 @@ logits and their exp exist beside the logits (2 fp32 shards where the fused kern
 backward of nll + log-softmax holds the saved log-probabilities, the zeros-then-scatter gradient,
 exp(log-probabilities) and their sum (4 fp32 shards where the fused backward has 3)."""
 
+FLOAT8_DIM_MULTIPLE = 16
+"""fp8-mixed converts a Linear whose in and out features are multiples of 16 (trainfit/float8.py's
+DIM_MULTIPLE; that module imports torchao, this one stays torch-free); the output projection never."""
+FLOAT8_CAST_BYTES = 9
+"""Bytes per element while torchao 0.18 casts a tensor to fp8 (float8_training_tensor.
+_ToFloat8ConstrFunc, float8_utils.to_fp8_saturated): `tensor.to(float32) * scale` (fp32; the bf16
+input's fp32 copy is freed once multiplied), then its clamp (fp32) while the product is still
+referenced, then the fp8 bits of the clamp: 4 + 4 + 1. The amax's abs() (the input's dtype) is freed
+before. The same for tensorwise and rowwise scales (one fp32 per tensor, or per row: negligible)."""
+
 WEIGHT_PASS_SCHEDULES = frozenset({"interleaved-zero-bubble", "zbv-zero-bubble"})
 """Schedules whose backward is split into an input pass (I) and a later weight pass (W) at their
 peak (torch's ScheduleDualPipeV splits only its cooldown, after its peak)."""
@@ -145,8 +155,9 @@ class _Precision:
 
 
 def _precision(mode: str, low_precision_model: bool) -> _Precision:
-    """precision.py's modes. fp8-mixed is counted as bf16-mixed (torchao's Float8Linear saves the
-    high-precision matmul inputs; its fp8 casts are transient). `low_precision_model`: under *-mixed
+    """precision.py's modes. fp8-mixed's dtypes are bf16-mixed's (torchao's Float8Linear saves its bf16
+    input and its high-precision weight, never their fp8 casts); what its float8 linears change is
+    priced apart (_Layout.block_float8, _float8_backward_bytes). `low_precision_model`: under *-mixed
     the module's parameters are in the 16-bit dtype (FSDP2's MixedPrecisionPolicy, ZeRO-1)."""
     if mode == "fp32":
         return _Precision(4, 4, False, ActDtypes(4, 4, False))
@@ -174,6 +185,10 @@ class _Layout:
     block: int
     block_matmul: int
     """Weights and biases of a block's Linears (what autocast casts; norms are not cast)."""
+    block_float8: int
+    """fp8-mixed: the elements of block_matmul in float8 Linears (_float8_linears), which autocast does
+    not cast (the weight goes to fp8 in the Linear, the bias to bf16, neither kept) and which FSDP2's
+    float8 all-gather gathers in fp8; 0 otherwise."""
     block_experts: int
     """A block's routed-expert weights on the rank (its 1/ep of them): part of block_matmul."""
     block_no_decay: int
@@ -221,6 +236,43 @@ def _in_flight(run: _Run, stage: int) -> tuple[float, int]:
     return float(min(p - stage, m)), 1
 
 
+def _float8_linears(m: ModelConfig) -> dict[str, tuple[int, int, int]]:
+    """fp8-mixed: a block's Linears that float8.convert_to_float8 swaps, as name -> (in features, out
+    features, bias elements); dims must be multiples of FLOAT8_DIM_MULTIPLE. MoE's routed experts
+    are stacked weights, not Linears: they stay bf16."""
+    D, head_dim = m.dim, m.dim // m.num_heads
+    q, kv = m.num_heads * head_dim, m.num_kv_heads * head_dim
+    if m.family == "gpt2":
+        dims = {"wq": (D, D, D), "wk": (D, D, D), "wv": (D, D, D), "wo": (D, D, D), "w1": (D, m.ffn_dim, m.ffn_dim),
+                "w2": (m.ffn_dim, D, D)}
+    else:
+        b = 1 if m.qkv_bias else 0
+        dims = {"wq": (D, q, b * q), "wk": (D, kv, b * kv), "wv": (D, kv, b * kv), "wo": (q, D, 0)}
+        if m.num_experts:
+            shared = m.num_shared_experts * m.expert_ffn_dim
+            dims["router"] = (D, m.num_experts, 0)
+            if shared:
+                dims.update({"shared_w1": (D, shared, 0), "shared_w3": (D, shared, 0), "shared_w2": (shared, D, 0)})
+        else:
+            dims.update({"w1": (D, m.ffn_dim, 0), "w3": (D, m.ffn_dim, 0), "w2": (m.ffn_dim, D, 0)})
+    return {name: d for name, d in dims.items() if not (d[0] % FLOAT8_DIM_MULTIPLE or d[1] % FLOAT8_DIM_MULTIPLE)}
+
+
+def _float8_backward_bytes(linear: tuple[int, int, int], tokens: int, casts_weight: bool) -> int:
+    """What one float8 Linear's backward allocates beyond its saved input and incoming gradient, at its
+    largest moment (torchao 0.18, float8_linear.matmul_with_hp_or_float8_args.backward, whose locals
+    live until it returns): the output gradient cast to fp8 for the input gradient (G8), the weight
+    cast (unless FSDP2 gathered it in fp8), the input gradient (bf16), the output gradient cast again
+    for the weight gradient, the input cast; each cast at FLOAT8_CAST_BYTES while it runs. Moments:
+    casting the weight, the second output-gradient cast, the input cast. The weight gradient's matmul
+    comes after, with the casts' temporaries freed (bf16 weight gradient: <= what the input cast held)."""
+    k, n, _ = linear
+    w = k * n if casts_weight else 0
+    return max(tokens * n + FLOAT8_CAST_BYTES * w,
+               tokens * (n + 2 * k + FLOAT8_CAST_BYTES * n) + w,
+               tokens * (2 * n + 2 * k + FLOAT8_CAST_BYTES * k) + w)
+
+
 def _wrapped(index: int, n: int) -> bool:
     return index % n == 0  # recompute.apply_activation_checkpointing
 
@@ -265,6 +317,8 @@ def _layout(run: _Run, counts: ParamCounts, stage: int) -> _Layout:
         first_wrapped=policy_blocks > 0 and _wrapped(first_index, n),
         in_flight=in_flight, head_in_flight=head_in_flight, first=first, last=last,
         block=block_matmul + counts.norms, block_matmul=block_matmul, block_experts=counts.routed_experts // ep,
+        block_float8=sum(k * n + b for k, n, b in _float8_linears(m).values()) // tp
+        if run.layout.precision == "fp8-mixed" else 0,
         block_no_decay=counts.norms + biases // tp,
         mlp_out=mlp_out, embedding=counts.embedding // tp if first else 0, head=head,
         output_matmul=vocab_dim if last else 0, tied_here=tied_here, tensors=tensors, largest_tensor=largest,
@@ -571,16 +625,18 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
 
     # ---- compute copies, communication and module buffers
     c = prec.compute
-    cast_block = c * lay.block_matmul if act.autocast else 0
-    cast_head = c * lay.output_matmul if act.autocast else 0
+    cast_block = c * (lay.block_matmul - lay.block_float8) if act.autocast else 0
+    cast_head = c * lay.output_matmul if act.autocast else 0  # fp8-mixed: the output projection stays bf16
+    # FSDP2 float8 all-gather: a block's float8 weights are gathered (and kept) in fp8, 1 byte each.
+    fp8_gathered = lay.block_float8 * (c - 1) if run.layout.fp8_gathers else 0
     # ZeRO-2, and ZeRO-3 under a split-backward schedule (parallel/apply.py): reshard_after_forward=False
     kept_unsharded = st.fsdp and (run.layout.zero_stage == 2 or run.layout.splits_backward)
-    held = c * st.params if kept_unsharded else 0
+    held = c * st.params - lay.blocks * fp8_gathered if kept_unsharded else 0
     # ZeRO-3: FSDP2 never reshards the root (embeddings, final norm, output); every block reshards
     # after its forward, so blocks are gathered only while one runs (with its prefetched neighbour).
     zero3 = st.fsdp and not kept_unsharded
     root_gather = c * (lay.embedding + lay.head) if zero3 else 0
-    block_gather = c * lay.block if zero3 else 0
+    block_gather = c * lay.block - fp8_gathered if zero3 else 0
     reduce = (FSDP_REDUCE_BYTES_MIXED if prec.mixed else prec.param) if st.fsdp else 0
     # Context parallelism's causal masks, and Llama's RoPE cos/sin tables
     persistent_buffers = context_parallel_mask_bytes(st.seq, cp, act.compute)
@@ -673,6 +729,13 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
         """(grads, buffers) of `done` gradient elements (FSDP: unsharded compute copies, buffers)."""
         return (0, c * done) if st.fsdp else (int(done * per_param), 0)
 
+    # fp8-mixed: the largest float8 backward's own allocations (_float8_backward_bytes), at the start
+    # of the block's backward (its saved activations all there): the MLP's output Linear (w2) or the
+    # attention's (wo), the first of each branch to run backward. MoE: wo and the shared experts' w2.
+    float8 = _float8_linears(run.model) if lay.block_float8 else {}
+    fp8_backward = max((_float8_backward_bytes(float8[name], st.tokens, not run.layout.fp8_gathers)
+                        for name in ("w2", "wo", "shared_w2") if name in float8), default=0)
+
     def in_backward(wrapped: bool) -> tuple[int, int, int, int]:
         """(grads, buffers, activations, 16-bit casts) a block adds at its backward's peak.
         Unwrapped: its saved activations with the attention's or the MLP's gradients. Checkpointed:
@@ -684,6 +747,8 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
         if not wrapped:
             mlp = size(t.mlp_new) - size(t.mlp_freed)
             moments = [(w2[0], w2[1], a_none + stream + cast + max(size(t.attention), mlp + w2[2]), 0)]
+            if fp8_backward:  # before any of the block's weight gradients exists
+                moments.append((0, 0, a_none + stream + cast + fp8_backward, 0))
             for r in routed_moments:
                 acts = a_none - shared_kept - shared_rebuilt - r.freed + stream + r.added
                 moments.append((*routed(r.done), acts, -r.uncast))
@@ -692,6 +757,8 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
         recomputed = (0, rebuild + size(t.recompute_tail), kept + size(t.branch_grad) + size(only.released_last), 0)
         mlp_moment = (w2[0], w2[1] + rebuild - size(t.mlp_freed), kept + cast + size(t.mlp_new) + w2[2], 0)
         moments = [recomputed, mlp_moment]
+        if fp8_backward:
+            moments.append((0, rebuild, kept + cast + fp8_backward, 0))
         for r in routed_moments:
             grads, buffers = routed(r.done)
             acts = kept - shared_kept + r.added - r.freed_kept
@@ -812,11 +879,14 @@ def forward_retained_bytes(model: ModelConfig, layout: Layout, training: Trainin
         total += size(final_norm_terms(run.model, act, projected=not chunked)) + loss.saved
         total += loss.output if loss.keeps_output else 0
     if act.autocast:  # the chunked loss's output-weight cast is recomputed in backward, not saved
-        total += st.prec.compute * (none_blocks * lay.block_matmul + (0 if chunked else lay.output_matmul))
+        total += st.prec.compute * (none_blocks * (lay.block_matmul - lay.block_float8)
+                                     + (0 if chunked else lay.output_matmul))
     if st.fsdp:  # unsharded parameters gathered in the forward and kept for backward
         zero = run.layout.zero_stage
         kept = st.params if zero == 2 else lay.embedding + lay.head if zero == 3 else 0
         total += st.prec.compute * kept
+        if zero == 2 and run.layout.fp8_gathers:  # the float8 weights gathered in fp8
+            total -= (st.prec.compute - 1) * lay.blocks * lay.block_float8
     return total
 
 

@@ -345,7 +345,8 @@ def _trace_rank(cfg: Config, layout: Layout, rank: int) -> _RankTrace:
     pipelined = layout.pp > 1
     if not pipelined:
         layout = _two_micro_batches_at_most(layout)
-    policy = precision_policy(cfg.precision.mode, "cpu")
+    policy = precision_policy(cfg.precision.mode, "cpu", fp8_scaling=cfg.precision.fp8_scaling,
+                              fp8_all_gather=cfg.precision.fp8_all_gather)
     grouped = layout.needs_process_group
     world_cm = fake_process_group(layout.world_size, rank) if grouped else contextlib.nullcontext()
     rows, seq_len = layout.micro_batch_size, cfg.training.seq_len

@@ -30,6 +30,9 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, polic
     Applies, in this order, to `model` on the meta device, already in its parameter dtype
     (PrecisionPolicy.prepare_model); the caller then materializes it (to_empty + init_weights):
 
+    0. fp8-mixed: torchao float8 linears (float8.py), first, as torchtitan converts before
+       parallelizing: FSDP2 then shards (and with precision.fp8_all_gather gathers in fp8) the
+       float8 weights; the output projection stays bf16.
     1. tensor and sequence parallelism (tensor_parallel.py) on the mesh's tp axis: the blocks' own
        parameters become DTensors; context parallelism (context_parallel.py) on the cp axis: the
        model's positions and attention become its rank's chunks' and all-gather K and V; expert
@@ -60,6 +63,10 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, polic
 
 def _parallelize_part(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, policy: PrecisionPolicy
                       ) -> nn.Module:
+    if policy.fp8_scaling is not None:
+        from trainfit.float8 import convert_to_float8  # torchao: imported by fp8 runs only
+
+        convert_to_float8(model, policy)
     if layout.tp > 1:
         assert mesh is not None
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=layout.sequence_parallel)

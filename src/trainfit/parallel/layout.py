@@ -73,6 +73,10 @@ class Layout:
     chunked_loss: bool
     precision: str
     """precision.mode: the dtypes the step computes, communicates and keeps its states in."""
+    fp8_scaling: str = "tensorwise"
+    """precision.fp8_scaling: torchao's float8 recipe under fp8-mixed (tensorwise | rowwise)."""
+    fp8_all_gather: bool = False
+    """precision.fp8_all_gather: FSDP2 all-gathers the float8 linears' weights in fp8 (fp8-mixed, FSDP)."""
     grad_accum_dtype: str = "param"
     """optimizer.grad_accum_dtype: ZeRO-1's gradient buffers in the parameters' dtype or fp32."""
     loss_chunk_tokens: int = 1024
@@ -160,7 +164,15 @@ class Layout:
         if self.grad_accum_dtype == "fp32" and (self.data_parallel != "zero1" or self.precision == "fp32"):
             found.append("optimizer.grad_accum_dtype='fp32' has no effect: only ZeRO-1 (parallel.zero_stage=1 on "
                          "several ranks) in 16-bit precision accumulates gradients in a dtype of its own")
+        if self.fp8_all_gather and (self.precision != "fp8-mixed" or self.data_parallel != "fsdp"):
+            found.append("precision.fp8_all_gather=true has no effect: it all-gathers fp8-mixed's float8 weights "
+                         "under FSDP2 (parallel.zero_stage 2 or 3 on several ranks, or memory.offload)")
         return found
+
+    @property
+    def fp8_gathers(self) -> bool:
+        """FSDP2 all-gathers the float8 linears' weights in fp8 (precision.fp8_all_gather in effect)."""
+        return self.fp8_all_gather and self.precision == "fp8-mixed" and self.data_parallel == "fsdp"
 
     def untrainable_reason(self) -> str | None:
         """Why `trainfit train` cannot run this layout yet (the estimators can), or None."""
@@ -192,6 +204,10 @@ class Layout:
             ranks = f"{self.dp} data-parallel" + (f" x {self.cp} context-parallel" if self.cp > 1 else "")
             return (f"parallel.zero_stage={self.zero_stage} with parallel.tp={self.tp} and {ranks} ranks: tensor "
                     "parallelism composes with FSDP2's data parallelism only; set parallel.zero_stage=2 or 3")
+        if self.tp > 1 and self.precision == "fp8-mixed":
+            return (f"precision.mode='fp8-mixed' with parallel.tp={self.tp}: float8 linears need torchao's float8 "
+                    "tensor-parallel styles (Float8ColwiseParallel, ...), which trainfit's plans do not use yet; "
+                    "set parallel.tp=1 or use bf16-mixed")
         return None
 
 
@@ -294,6 +310,7 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
                   grad_accum_steps=accum, micro_batch_size=micro, global_batch_size=global_batch,
                   activation_checkpointing=mem.activation_checkpointing, ac_every_n_layers=mem.ac_every_n_layers,
                   offload=mem.offload, chunked_loss=mem.chunked_loss, precision=cfg.precision.mode,
+                  fp8_scaling=cfg.precision.fp8_scaling, fp8_all_gather=cfg.precision.fp8_all_gather,
                   grad_accum_dtype=cfg.optimizer.grad_accum_dtype, moe_imbalance=mem.moe_imbalance,
                   loss_chunk_tokens=mem.loss_chunk_tokens, compile=t.compile)
 

@@ -177,7 +177,8 @@ class Trainer:
             warnings.warn(message, stacklevel=2)
         self.cfg = cfg
         self.device = self.world.device
-        self.policy = precision_policy(cfg.precision.mode, self.device.type)
+        self.policy = precision_policy(cfg.precision.mode, self.device.type, fp8_scaling=cfg.precision.fp8_scaling,
+                                       fp8_all_gather=cfg.precision.fp8_all_gather)
         self._listeners: list[StepListener] = []
         if parts is not None:
             self.memory_floor = 0
@@ -206,6 +207,10 @@ class Trainer:
             self.notes.append(f"pipeline: {rows} sequences per step and data-parallel rank, in "
                               f"{self.layout.num_microbatches} micro-batches of {self.layout.micro_batch_size}"
                               + ("" if cfg.parallel.num_microbatches else " (derived: parallel.num_microbatches)"))
+        if self.policy.fp8_scaling is not None:
+            from trainfit.float8 import float8_notes  # torchao: imported by fp8 runs only
+
+            self.notes.extend(float8_notes(model))
         self.resumed_from = self._maybe_resume()
 
     def _setup_step(self, model: nn.Module, num_params: int, batches: Any, optimizer_device_type: str) -> None:
@@ -431,6 +436,10 @@ class Trainer:
         skipped = not step_optimizer(self.optimizer, self.scaler)
         self.skipped_steps += int(skipped)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.policy.fp8_all_gather:
+            from trainfit.float8 import precompute_scales  # torchao: imported by fp8 runs only
+
+            precompute_scales(self.model, self.policy)
         self.scheduler.step()
         return float(grad_norm), skipped, lr
 
