@@ -127,6 +127,10 @@ class _CollectivesCompleted(TorchDispatchMode):
         _wait_for_collective(func, out)
         return out
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # torch.compile'd code runs compiled beneath, as one call (ledger.StorageLedger's)
+
 
 def collectives_completed() -> TorchDispatchMode:
     """A dispatch mode that waits for every collective as it is issued (see the module docstring).
@@ -142,6 +146,12 @@ class _AllocatorSampler(TorchDispatchMode):
         super().__init__()
         self.result = result
         self.max_in_use = result.baseline_bytes
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile'd code (torchao's 8-bit optimizer update) runs compiled beneath the sampler, as
+        one call: the buffers its kernel frees before returning are workspace, unseen (module docstring)."""
+        return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
