@@ -72,7 +72,7 @@ model_state_tensors / local_state_bytes), never by testing which engine it has.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,9 +84,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from trainfit.parallel.zero import ZeroOptimizer
+from trainfit.parallel.zero import ZeroOptimizer, plain_tensors
 from trainfit.precision import PrecisionPolicy
 
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -326,19 +325,10 @@ def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     # buffer); by storage object, not address: fake tensors (the traced step) have none.
     seen: dict[tuple[int, int], int] = {}
     for t in tensors:
-        for local in _plain_tensors(t.to_local() if isinstance(t, DTensor) else t):
+        for local in plain_tensors(t.to_local() if isinstance(t, DTensor) else t):
             seen[id(local.untyped_storage()), local.storage_offset()] = local.numel() * local.element_size()
     return sum(seen.values())
 
-
-def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """`t`, or the tensors a tensor subclass is made of (torchao's 8-bit optimizer states: uint8
-    codes, fp32 scales and code table, under an fp32 appearance whose element size is not theirs)."""
-    if not is_traceable_wrapper_subclass(t):
-        yield t
-        return
-    for name in t.__tensor_flatten__()[0]:
-        yield from _plain_tensors(getattr(t, name))
 
 
 def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -342,7 +342,10 @@ class Trainer:
         self.scheduler.last_epoch = self.step
         lr = lr_at(self.step, self.cfg.training)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):  # torchao's AdamW8bit: a tensor, which it requires
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
 
     def save(self) -> Path:
         """Write a checkpoint of the current step (collective: every rank calls it)."""
