@@ -44,6 +44,7 @@ Also here: `model_states` (a rank's resident model states after backward), `forw
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -83,12 +84,24 @@ training memory snapshots. An assumption; 0 on CPU, where glibc's in-use bytes a
 ADAM_STEP_TENSOR_BYTES = 4
 """torch.optim.Adam/AdamW keep `state["step"]` as a 0-dim fp32 tensor per parameter tensor
 (torch/optim/adam.py with capturable=False; measured)."""
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "adamw-8bit": 2}
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "adamw-8bit": 2, "adafactor": 1}
 """exp_avg and exp_avg_sq; SGD's momentum_buffer. torch creates them like the parameter
-(`torch.zeros_like`), so they follow its dtype (bf16 under bf16-pure)."""
-EIGHT_BIT_BLOCK = 2048
-"""bitsandbytes 8-bit Adam quantizes each state block-wise, one fp32 absmax per 2048 values
-(Dettmers et al., arXiv 2110.02861)."""
+(`torch.zeros_like`), so they follow its dtype (bf16 under bf16-pure). adamw-8bit's two are 8-bit and
+adafactor's one is factored (_optimizer_bytes prices both exactly); the counts are what a whole-size
+state of each would be, for train/preflight's rough weights."""
+FUSED_DEVICES = ("cuda", "cpu")
+"""Devices with torch's fused Adam/AdamW kernel (torch/optim/adam.py, _get_fused_kernels_supported_devices);
+train/optim.py runs it there unless optimizer.fused=false."""
+EIGHT_BIT_BLOCK = 256
+"""adamw-8bit (torchao.optim.AdamW8bit, torchao/optim/subclass_8bit.py): each state is uint8 codes of
+the parameter's (local) shape plus one fp32 absmax scale per block of this many values (torchao's
+default, passed explicitly by train/optim.py), and a 256-entry fp32 code table per state tensor."""
+EIGHT_BIT_MIN_SIZE = 4096
+"""torchao keeps plain states (torch.zeros_like: the parameter's dtype) for a tensor whose local
+shard has fewer values than this, or a number of values no multiple of EIGHT_BIT_BLOCK (adam.py's
+_new_buffer)."""
+EIGHT_BIT_TABLE_BYTES = 256 * 4
+"""The code table (qmap) each 8-bit state tensor carries: 2**8 fp32 values."""
 DDP_GRADIENT_AS_BUCKET_VIEW = True
 """parallel/data_parallel.apply_ddp passes gradient_as_bucket_view=True to DDP (torch's default is
 False): DDP's flat all-reduce buckets (25 MiB each), allocated when DDP is built and alive as long
@@ -330,13 +343,64 @@ def _rope_table_bytes(run: _Run) -> int:
     return 2 if run.layout.precision == "bf16-pure" else FP32
 
 
-def _optimizer_bytes(name: str, prec: _Precision, params: int, tensors: int, small: int) -> int:
+def _optimizer_bytes(name: str, prec: _Precision, params: int, tensors: int, small: int,
+                     matrices: list[tuple[int, ...]] = ()) -> int:
     """States of `params` elements held in `tensors` tensors; `small` elements are norms and
-    biases, which bitsandbytes keeps in 32-bit (tensors under its min_8bit_size of 4096)."""
+    biases (1-D), `matrices` the local shapes of the others (_matrix_shapes), which adamw-8bit and
+    adafactor price tensor by tensor. Every Adam-like and Adafactor state has a 0-dim fp32 `step`
+    per tensor (torch's and torchao's `torch.tensor(0.0)`)."""
+    steps = ADAM_STEP_TENSOR_BYTES * tensors if name in ("adam", "adamw", "adamw-8bit", "adafactor") else 0
     if name == "adamw-8bit":
-        return int((params - small) * (2 + 2 * FP32 / EIGHT_BIT_BLOCK) + small * 2 * FP32)
-    steps = ADAM_STEP_TENSOR_BYTES * tensors if name in ("adam", "adamw") else 0
+        eight_bit = sum(_eight_bit_state_bytes(prec, math.prod(shape)) for shape in matrices)
+        return steps + eight_bit + 2 * small * prec.param
+    if name == "adafactor":
+        # torch/optim/_adafactor.py: >= 2-D: row_var (last dim 1) and col_var (second-to-last 1);
+        # 1-D: a whole `variance`; all in the gradient's dtype (the updated parameters').
+        factored = sum(math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1] for shape in matrices)
+        return steps + (factored + small) * prec.param
     return OPTIMIZER_STATES[name] * prec.param * params + steps
+
+
+def _eight_bit_state_bytes(prec: _Precision, n: int) -> int:
+    """adamw-8bit's two states of a tensor with `n` local values (EIGHT_BIT_* above)."""
+    if n < EIGHT_BIT_MIN_SIZE or n % EIGHT_BIT_BLOCK:
+        return 2 * n * prec.param
+    return 2 * (n + FP32 * n // EIGHT_BIT_BLOCK + EIGHT_BIT_TABLE_BYTES)
+
+
+def _matrix_shapes(run: _Run, lay: _Layout, shards: int) -> list[tuple[int, ...]]:
+    """The >= 2-D parameters of a rank (train/optim.param_groups' decay group), as local shapes: after
+    tp (column-parallel: rows / tp; row-parallel: columns / tp; vocabulary-parallel embedding and
+    output), ep (routed experts: their first dim / ep) and ZeRO sharding over `shards` ranks, which
+    splits dim 0 with torch.chunk (rank 0's, the largest chunk: ceil; routed experts over the edp
+    ranks, shards / ep). The tp x ZeRO-sharded row-parallel weights take rows / shards of whole
+    columns / tp (FSDP2's second mesh dimension)."""
+    m, tp, ep = run.model, run.layout.tp, run.layout.ep
+    head_dim = m.dim // m.num_heads
+    q, kv = m.num_heads * head_dim, m.num_kv_heads * head_dim
+    block: list[tuple[int, ...]] = [(q // tp, m.dim), (kv // tp, m.dim), (kv // tp, m.dim), (m.dim, q // tp)]
+    experts: list[tuple[int, ...]] = []
+    if m.num_experts:
+        f, e = m.expert_ffn_dim, max(1, m.num_experts // ep)
+        block.append((m.num_experts, m.dim))
+        experts = [(e, f, m.dim), (e, m.dim, f), (e, f, m.dim)]
+        if m.num_shared_experts:
+            s = m.num_shared_experts * f
+            block += [(s, m.dim), (m.dim, s), (s, m.dim)]
+    elif m.family == "gpt2":
+        block += [(m.ffn_dim // tp, m.dim), (m.dim, m.ffn_dim // tp)]
+    else:
+        block += [(m.ffn_dim // tp, m.dim), (m.dim, m.ffn_dim // tp), (m.ffn_dim // tp, m.dim)]
+    vocab = (-(-m.vocab_size // tp), m.dim)
+    ends = [vocab] * lay.first + [(m.max_seq_len, m.dim)] * (lay.first and m.family == "gpt2")
+    ends += [vocab] * (lay.last and not lay.tied_here)
+
+    def local(shape: tuple[int, ...], over: int) -> tuple[int, ...]:
+        return (-(-shape[0] // over), *shape[1:])
+
+    edp = max(1, shards // ep) if ep > 1 else shards
+    return ([local(shape, shards) for shape in block] * lay.blocks + [local(shape, edp) for shape in experts]
+            * lay.blocks + [local(shape, shards) for shape in ends])
 
 
 # ---- expert parallelism (parallel/expert.py): the routed experts' ZeRO shards
@@ -381,20 +445,36 @@ def _largest_layout_group(run: _Run, lay: _Layout, decay: int) -> int:
     return max(column, row, decay - column - row)
 
 
-def _optimizer_step_temporaries(run: _Run, prec: _Precision, decay: int, largest: int) -> int:
-    """What torch.optim allocates inside step() (torch 2.13 source, measured on CPU). foreach
-    Adam/AdamW: `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, a state-sized list per
-    parameter group (the largest is the weight-decay group); Adam's L2 decay first makes `grads =
-    torch._foreach_add(grads, params, alpha=wd)`, deleted before the sqrt; foreach SGD with decay,
-    the same copy. A single-tensor loop (foreach=False) holds both for one tensor; fused (CUDA)
-    and bitsandbytes kernels allocate nothing of note."""
+def _optimizer_step_temporaries(run: _Run, prec: _Precision, decay: int, largest: int,
+                                matrices: list[tuple[int, ...]] = ()) -> int:
+    """What the optimizer allocates inside step() (torch 2.13 / torchao 0.18 source, measured on CPU).
+    Fused Adam/AdamW (train/optim.py: where FUSED_DEVICES have it, unless optimizer.fused=false):
+    nothing. foreach Adam/AdamW: `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, a state-sized
+    list per parameter group (the largest is the weight-decay group); Adam's L2 decay first makes
+    `grads = torch._foreach_add(grads, params, alpha=wd)`, deleted before the sqrt; foreach SGD with
+    decay, the same copy. foreach Adafactor: `var_estimates = [row_var @ col_var ...]`, a
+    parameter-sized list of the group, updated in place into the update. A single-tensor loop
+    (foreach=False) holds all that for one tensor. adamw-8bit: torchao compiles each parameter's
+    update; its kernel holds two fp32 buffers of the parameter's local shape and two of one value per
+    block for a parameter with 8-bit states, nothing for plain states: on CUDA (triton's kernel
+    assumed alike); on CPU inside one call no operator boundary sees (memory/traced.py's
+    _eight_bit_update_as_compiled): 0."""
     o = run.optimizer
-    if o.name == "adamw-8bit" or (o.fused and run.hardware.gpu != "cpu"):
+    if o.name == "adamw-8bit":
+        if _device(run) == "cpu":
+            return 0
+        quantized = [n for n in map(math.prod, matrices) if _eight_bit_state_bytes(prec, n) < 2 * n * prec.param]
+        return max((2 * FP32 * (n + n // EIGHT_BIT_BLOCK) for n in quantized), default=0)
+    if o.name in ("adam", "adamw") and (o.fused if o.fused is not None else _device(run) in FUSED_DEVICES):
         return 0
     size = decay if o.foreach else largest
     l2_copy = size * prec.param if run.training.weight_decay > 0 and o.name in ("adam", "sgd") else 0
-    sqrt = size * prec.param if o.name in ("adam", "adamw") else 0
+    sqrt = size * prec.param if o.name in ("adam", "adamw", "adafactor") else 0
     return max(sqrt, l2_copy) if o.foreach else sqrt + l2_copy
+
+
+def _device(run: _Run) -> str:
+    return "cpu" if run.hardware.gpu == "cpu" else "cuda"
 
 
 class _Loss(NamedTuple):
@@ -489,10 +569,11 @@ def _stage(run: _Run, counts: ParamCounts, stage: int) -> _Stage:
     state_shards = run.layout.zero_shards if run.layout.zero_stage >= 1 else 1
     experts, ep = lay.blocks * lay.block_experts, run.layout.ep
     resident = 0 if offload else _on_shard(n, experts, param_shards, ep) * prec.param
+    matrices = _matrix_shapes(run, lay, state_shards)
     optimizer = 0 if offload else _optimizer_bytes(run.optimizer.name, prec, _on_shard(n, experts, state_shards, ep),
-                                                   lay.tensors, no_decay // state_shards)
+                                                   lay.tensors, no_decay // state_shards, matrices)
     temp = 0 if offload else _optimizer_step_temporaries(
-        run, prec, _largest_sharded_group(run, lay, n - no_decay, experts, state_shards), lay.largest_tensor)
+        run, prec, _largest_sharded_group(run, lay, n - no_decay, experts, state_shards), lay.largest_tensor, matrices)
     seq = run.training.seq_len // run.layout.cp
     return _Stage(lay, prec, n, resident, resident, optimizer, temp, fsdp, run.layout.micro_batch_size * seq, seq)
 
@@ -511,11 +592,13 @@ def _zero1_stage(run: _Run, prec: _Precision, lay: _Layout, counts: ParamCounts)
     master = prec.param  # fp32 masters under *-mixed; the parameters themselves otherwise
     params = n * c
     on_shard = _on_shard(n, lay.blocks * lay.block_experts, shards, run.layout.ep)
+    matrices = _matrix_shapes(run, lay, shards)
     persistent = on_shard * master if prec.mixed else params
     seq = run.training.seq_len // run.layout.cp
     return _Stage(lay, prec, n, persistent, n * grad,
-                  _optimizer_bytes(run.optimizer.name, prec, on_shard, lay.tensors, no_decay // shards),
-                  _optimizer_step_temporaries(run, prec, (n - no_decay) // shards, lay.largest_tensor // shards),
+                  _optimizer_bytes(run.optimizer.name, prec, on_shard, lay.tensors, no_decay // shards, matrices),
+                  _optimizer_step_temporaries(run, prec, (n - no_decay) // shards, lay.largest_tensor // shards,
+                                              matrices),
                   False, run.layout.micro_batch_size * seq, seq, compute_params=params if prec.mixed else 0,
                   master_grads=on_shard * master if grad != master else 0)
 

@@ -223,6 +223,13 @@ class StorageLedger(TorchDispatchMode):
                     else:
                         self._move(entry, component)
 
+    def ignore_compile_internals(self) -> bool:
+        """On real tensors (a measured step) torch.compile'd code runs compiled under the ledger, as one
+        opaque call (torchao's 8-bit optimizer update, compiled with fullgraph=True, refuses to run
+        otherwise): its kernel's buffers live and die inside the call, unseen like any operator's
+        workspace (memory/measure.py). Fake tensors cannot run compiled code (memory/traced.py stands in)."""
+        return not self.fake
+
     def classify(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy,
                  *, others: str | None = None) -> None:
         """Tag the model states; with `others`, every other live storage gets that component."""

@@ -135,6 +135,10 @@ class _CollectivesCompleted(TorchDispatchMode):
         _wait_for_collective(func, out)
         return out
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # torch.compile'd code runs compiled beneath, as one call (ledger.StorageLedger's)
+
 
 def collectives_completed() -> TorchDispatchMode:
     """A dispatch mode that waits for every collective as it is issued (see the module docstring).
@@ -156,7 +160,9 @@ class _AllocatorSampler(TorchDispatchMode):
     them as any operator, their outputs tracked, their insides unseen."""
 
     @classmethod
-    def ignore_compile_internals(cls) -> bool:  # compiled blocks run compiled (memory/ledger.py)
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile'd code (compiled blocks, torchao's 8-bit optimizer update) runs compiled beneath
+        the sampler, as one call: the buffers its kernels free before returning are workspace, unseen."""
         return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from trainfit.config import Config, ConfigError
 from trainfit.memory.breakdown import MemoryBreakdown
@@ -285,6 +286,44 @@ def _works_hold_tensors() -> Iterator[None]:
         schedules._batch_p2p = original
 
 
+@contextlib.contextmanager
+def _eight_bit_update_as_compiled(active: bool, device_type: str) -> Iterator[None]:
+    """torchao's AdamW8bit (optimizer.name=adamw-8bit) runs each parameter's update through
+    `torch.compile(single_param_adam, fullgraph=True)`, which cannot run on fake tensors, and whose
+    eager form would allocate a dozen temporaries (int64 codes of its binary search among them) the
+    compiled kernel never does. Within the block torch.compile runs eagerly
+    (torch.compiler.set_stance("force_eager")) and the update is a stand-in allocating what the
+    compiled kernel holds at the allocator (torch 2.13 + torchao 0.18, read from inductor's generated
+    code, TORCH_LOGS=output_code): for a parameter with 8-bit states, two fp32 buffers of its (local)
+    shape and two of one value per block, alive while the kernel runs; for plain states nothing. On
+    CPU the kernel is one call whose buffers no operator boundary sees (a measured CPU step cannot,
+    memory/measure.py), so the stand-in holds them for a CUDA target only (`device_type`), where
+    max_memory_allocated counts them (CUDA's triton kernel assumed to hold what the CPU one does).
+    Values are not computed: fake tensors have none. Private: torchao.optim.adam.single_param_adam
+    (an API move breaks this one function). Inactive (another optimizer) it does nothing."""
+    if not active:
+        yield
+        return
+    from torchao.optim import adam
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    def compiled_allocations(p: torch.Tensor, grad: torch.Tensor, step: torch.Tensor, exp_avg: torch.Tensor,
+                             *args: Any) -> None:
+        state = exp_avg.to_local() if isinstance(exp_avg, DTensor) else exp_avg
+        if device_type == "cuda" and isinstance(state, OptimState8bit):
+            held = [torch.empty(shape, dtype=torch.float32) for shape in (state.shape, state.shape,
+                                                                         state.scale.shape, state.scale.shape)]
+            del held
+
+    original = adam.single_param_adam
+    adam.single_param_adam = compiled_allocations
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    finally:
+        adam.single_param_adam = original
+
+
 def _run_unvoted(pipeline: PipelineStep) -> None:
     """Torch's schedule starts with a vote over the pipeline's ranks on whether every stage's
     metadata is static (p2p of a tensor, which the fake world leaves at zero: "dynamic", then a
@@ -366,7 +405,8 @@ def _trace_rank(cfg: Config, layout: Layout, rank: int) -> _RankTrace:
             _modeled_expert_routes(model, cfg, layout)
         if hasattr(model, "register_comm_hook"):  # DDP (replicate), zero_stage 0 and 1
             model.register_comm_hook(None, _fake_allreduce_hook)
-        with _ddp_without_init_sync(), _works_hold_tensors(), FakeTensorMode(allow_non_fake_inputs=True), \
+        eight_bit = _eight_bit_update_as_compiled(cfg.optimizer.name == "adamw-8bit", _target_device_type(cfg))
+        with _ddp_without_init_sync(), _works_hold_tensors(), eight_bit, FakeTensorMode(allow_non_fake_inputs=True), \
                 StorageLedger(fake=True, unsharded_component=unsharded_component(layout),
                               host_states=layout.offload != "none") as ledger:
             if cfg.model.num_experts and not cfg.model.capacity_factor:

@@ -86,7 +86,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from trainfit.parallel.zero import ZeroOptimizer
+from trainfit.parallel.zero import ZeroOptimizer, plain_tensors
 from trainfit.precision import PrecisionPolicy
 
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -326,18 +326,10 @@ def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     # buffer); by storage object, not address: fake tensors (the traced step) have none.
     seen: dict[tuple[int, int], int] = {}
     for t in tensors:
-        for local in _inner_tensors(t.to_local() if isinstance(t, DTensor) else t):
+        for local in plain_tensors(t.to_local() if isinstance(t, DTensor) else t):
             seen[id(local.untyped_storage()), local.storage_offset()] = local.numel() * local.element_size()
     return sum(seen.values())
 
-
-def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors holding `t`'s bytes: itself, or a wrapper subclass's inner tensors (torchao's float8
-    weights under FSDP2 float8 all-gather wrap the fp32 shard; the wrapper's own storage is a placeholder)."""
-    if not is_traceable_wrapper_subclass(t):
-        return [t]
-    names, _ = t.__tensor_flatten__()
-    return [inner for name in names for inner in _inner_tensors(getattr(t, name))]
 
 
 def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -97,6 +97,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 BUCKET_BYTES = 25 * 2**20
 """Largest bucket (its N chunks together, in the wider of gradient and parameter dtype): DDP's
@@ -157,6 +158,14 @@ def _row_pairs(chunks: torch.Tensor, rows: torch.Tensor) -> list[tuple[torch.Ten
     if split < rows.shape[0]:
         pairs.append((chunks[num_full, :rows.shape[0] - split], rows[split:]))
     return pairs
+
+
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """`t`, or the tensors a tensor subclass is made of (torchao's 8-bit optimizer states: uint8
+    codes, fp32 scales and code table, under an fp32 appearance whose element size is not theirs)."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    return [inner for name in t.__tensor_flatten__()[0] for inner in plain_tensors(getattr(t, name))]
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -463,8 +472,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads, lrs = [m.grad for m in masters], [g["lr"] for g in self.inner.param_groups]
         for m in masters:
             m.grad = torch.zeros_like(m)
-        for group in self.inner.param_groups:
-            group["lr"] = 0.0
+        for group in self.inner.param_groups:  # torchao's AdamW8bit keeps lr a tensor, and refuses a float
+            group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
         self.inner.step()
         for m, grad in zip(masters, grads, strict=True):
             m.grad = grad
@@ -482,8 +491,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "grads": [b.grads for b in self._buckets],
             "master_params": [s.master for s in self._shards.values()],
             "master_grads": [s.master.grad for s in self._shards.values() if s.master.grad is not None],
-            "optimizer": [v for state in self.inner.state.values() for v in state.values()
-                          if isinstance(v, torch.Tensor)],
+            # torchao's 8-bit states by the tensors they are made of (uint8 codes, fp32 scales and table)
+            "optimizer": [t for state in self.inner.state.values() for v in state.values()
+                          if isinstance(v, torch.Tensor) for t in plain_tensors(v)],
         }
         seen: set[int] = set()
         out = {}

@@ -218,6 +218,9 @@ class Trainer:
         optimizer, schedule, loss scaler, batches, counters."""
         cfg = self.cfg
         self.model, self.num_params = model, num_params
+        if cfg.optimizer.name == "adafactor" and self.layout.data_parallel == "zero1":
+            raise ConfigError("optimizer.name='adafactor' with parallel.zero_stage=1: Adafactor's factored statistics "
+                              "span whole parameters, ZeRO-1 shards them by rows; use parallel.zero_stage=0")
         make = functools.partial(make_optimizer, opt=cfg.optimizer, train=cfg.training,
                                  device_type=optimizer_device_type)
         self.optimizer = parallelize_optimizer(model, param_groups(model, cfg.training.weight_decay), make,
@@ -352,7 +355,10 @@ class Trainer:
         self.scheduler.last_epoch = self.step
         lr = lr_at(self.step, self.cfg.training)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):  # torchao's AdamW8bit: a tensor, which it requires
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
 
     def save(self) -> Path:
         """Write a checkpoint of the current step (collective: every rank calls it)."""
