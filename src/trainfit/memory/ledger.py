@@ -224,10 +224,13 @@ class StorageLedger(TorchDispatchMode):
                         self._move(entry, component)
 
     def ignore_compile_internals(self) -> bool:
-        """On real tensors (a measured step) torch.compile'd code runs compiled under the ledger, as one
-        opaque call (torchao's 8-bit optimizer update, compiled with fullgraph=True, refuses to run
-        otherwise): its kernel's buffers live and die inside the call, unseen like any operator's
-        workspace (memory/measure.py). Fake tensors cannot run compiled code (memory/traced.py stands in)."""
+        """On real tensors (a measured step) torch.compile'd code runs compiled under the ledger: dynamo
+        otherwise skips every frame while a dispatch mode is active, and the step runs eager (torchao's
+        8-bit optimizer update, compiled with fullgraph=True, refuses to). Compiled blocks
+        (training.compile) then show the ledger their dispatcher calls only (extern kernels: matmuls,
+        attention): what a fused kernel allocates it never sees created (`track_inputs`); the 8-bit
+        update's buffers live and die inside one call, unseen like any operator's workspace (memory/
+        measure.py). Fake tensors cannot run compiled code (memory/traced.py traces the eager step)."""
         return not self.fake
 
     def classify(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy,
@@ -335,14 +338,6 @@ class StorageLedger(TorchDispatchMode):
     supports_higher_order_operators = True
     """Compiled blocks call higher-order operators (full checkpointing's run_and_save_rng_state): run
     them as any operator, their outputs tracked, their insides unseen."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        """Let torch.compile'd blocks (training.compile) run compiled under the ledger: dynamo
-        otherwise skips every frame while a dispatch mode is active, and the step runs eager. The
-        ledger then sees the compiled code's dispatcher calls only (extern kernels: matmuls,
-        attention); what a fused kernel allocates it never sees created (`track_inputs`)."""
-        return True
 
     def __enter__(self) -> StorageLedger:
         self._fake_on_entry = active_fake_mode()
