@@ -127,17 +127,13 @@ class _CollectivesCompleted(TorchDispatchMode):
     them as any operator, their outputs tracked, their insides unseen."""
 
     @classmethod
-    def ignore_compile_internals(cls) -> bool:  # compiled blocks run compiled (memory/ledger.py)
+    def ignore_compile_internals(cls) -> bool:  # compiled code runs compiled (memory/ledger.py)
         return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         _wait_for_collective(func, out)
         return out
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True  # torch.compile'd code runs compiled beneath, as one call (ledger.StorageLedger's)
 
 
 def collectives_completed() -> TorchDispatchMode:
