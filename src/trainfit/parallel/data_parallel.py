@@ -84,7 +84,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from trainfit.parallel.zero import ZeroOptimizer, plain_tensors
 from trainfit.precision import PrecisionPolicy
