@@ -17,6 +17,7 @@ OptimizerName = Literal["adamw", "adam", "sgd", "adamw-8bit"]
 LRSchedule = Literal["cosine", "linear", "constant"]
 ACPolicy = Literal["none", "selective", "selective-alternate", "full"]
 Device = Literal["auto", "cpu", "cuda"]
+AttentionBackend = Literal["auto", "flash", "efficient", "cudnn", "math"]
 
 
 MOE_IMBALANCE = math.inf
@@ -128,6 +129,12 @@ class TrainingConfig:
     """Validation global batches averaged per evaluation (the same windows whatever the layout)."""
     device: Device = "auto"
     """Where to train: auto picks cuda when available, else cpu."""
+    attention_backend: AttentionBackend = "auto"
+    """The kernel behind every attention (torch's scaled_dot_product_attention backends): auto (torch picks
+    per call: flash, else memory-efficient, else math on CUDA; its flash kernel on CPU) | flash (FlashAttention;
+    on CPU torch's own flash kernel) | efficient (memory-efficient, CUDA) | cudnn (cuDNN, CUDA) | math (the
+    unfused reference: it keeps the [heads, seq, seq] fp32 attention probabilities for backward). A kernel that
+    cannot run the run's attention (device, dtype, head dim, mask) stops the run before its first step."""
 
 
 @dataclass
