@@ -23,7 +23,8 @@ def estimate(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def test_json_schema_for_the_gpu_example() -> None:
     out = json.loads(estimate(str(EXAMPLES / "llama3-8b-8xh100.toml"), "--json").stdout)
-    assert set(out) == {"model", "per_rank", "per_stage", "flops", "time", "fits"}
+    assert set(out) == {"model", "per_rank", "per_stage", "flops", "time", "fits", "attention_kernel"}
+    assert out["attention_kernel"] == "fused"
     assert out["model"]["num_params"] == 8_030_261_248
     rank = out["per_rank"]
     for key in BYTE_KEYS:

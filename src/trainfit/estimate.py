@@ -2,7 +2,7 @@
 
 Pure arithmetic, no torch import: the answer comes in milliseconds and the planner can call it
 thousands of times a second. The JSON schema (documented in README) is the dict `as_json` returns:
-keys model, per_rank, per_stage, flops, time, fits.
+keys model, per_rank, per_stage, flops, time, fits, attention_kernel.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from trainfit.config import Config
 from trainfit.hardware import device_spec
-from trainfit.memory.analytic import MemoryEstimate, estimate_memory
+from trainfit.memory.analytic import MemoryEstimate, assumed_attention_kernel, estimate_memory
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import Layout, build_layout
@@ -38,6 +38,21 @@ class Estimate:
     def total_bytes(self, stage: MemoryBreakdown) -> int:
         """What the device must hold: the peak plus the margin shown apart."""
         return stage.peak + stage.reserved_margin
+
+    @property
+    def attention_kernel(self) -> str:
+        """"fused" or "math": the attention kernel the memory estimate assumes (analytic.py)."""
+        return assumed_attention_kernel(self.cfg.model, self.layout, self.cfg.training, self.cfg.hardware)
+
+    def attention_note(self) -> str:
+        """Which attention kernel the estimate assumes, and why, in one line."""
+        backend = self.cfg.training.attention_backend
+        why = "torch's choice for these inputs" if backend == "auto" else "asked"
+        if self.attention_kernel == "math":
+            return (f"attention: math kernel assumed ({why}, training.attention_backend={backend}): "
+                    "fp32 heads x seq x seq probabilities saved per block")
+        return (f"attention: a fused kernel assumed ({why}, training.attention_backend={backend}): "
+                "no seq x seq term")
 
     @property
     def fits(self) -> bool:
@@ -88,6 +103,7 @@ def as_json(est: Estimate) -> dict[str, Any]:
         "flops": dict(est.perf.flops),
         "time": dict(est.perf.time),
         "fits": est.fits,
+        "attention_kernel": est.attention_kernel,
     }
 
 

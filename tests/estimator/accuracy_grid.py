@@ -274,6 +274,19 @@ OPTIMIZER_GRID: list[Row] = [
 parameters: data parallelism is DDP's (ZeRO-0). adamw-8bit under FSDP2 (ZeRO-2, bf16-mixed) is not
 here yet: its measured backward peaks 2.5 MiB (10%) above the trace, not explained so far."""
 
+MATH, FLASH = "--training.attention_backend=math", "--training.attention_backend=flash"
+
+ATTENTION_GRID: list[Row] = [
+    _row("llama-math-fp32", 1, LLAMA, MATH),
+    _row("llama-math-bf16-mixed", 1, LLAMA, MATH, BF16_MIXED),
+    _row("mha-math-alternate", 1, MHA, MATH, ALTERNATE),
+    _row("gpt2-math-fp16-mixed-full", 1, GPT2, MATH, FP16_MIXED, FULL),
+    _row("llama-math-tp2-sp-bf16-mixed", 2, LLAMA, MATH, TP2, SP, BF16_MIXED),
+    _row("llama-flash-bf16-pure", 1, LLAMA, FLASH, BF16_PURE),
+]
+"""training.attention_backend: the math kernel (its fp32 probabilities, [heads, seq, seq] per sequence, saved
+for backward) and the flash kernel named explicitly, part of GRID."""
+
 GRID: list[Row] = [
     # one process: precision x optimizer x checkpointing x batch shape x model
     _row("llama-fp32", 1, LLAMA),
@@ -341,6 +354,7 @@ GRID: list[Row] = [
     *EXPERT_PARALLEL_GRID,
     *PIPELINE_GRID,
     *CHUNKED_LOSS_GRID,
+    *ATTENTION_GRID,
 ]
 
 

@@ -18,6 +18,7 @@ LRSchedule = Literal["cosine", "linear", "constant"]
 ACPolicy = Literal["none", "selective", "selective-alternate", "full"]
 Fp8Scaling = Literal["tensorwise", "rowwise"]
 Device = Literal["auto", "cpu", "cuda"]
+AttentionBackend = Literal["auto", "flash", "efficient", "cudnn", "math"]
 
 
 MOE_IMBALANCE = math.inf
@@ -135,6 +136,12 @@ class TrainingConfig:
     pointwise kernels keep fewer tensors than eager: both estimators predict the eager step, which
     overestimates a compiled one's peak by 2-31% (measured on CPU: benchmarks/compile.py). Tested
     with FSDP2 and activation checkpointing."""
+    attention_backend: AttentionBackend = "auto"
+    """The kernel behind every attention (torch's scaled_dot_product_attention backends): auto (torch picks
+    per call: flash, else memory-efficient, else math on CUDA; its flash kernel on CPU) | flash (FlashAttention;
+    on CPU torch's own flash kernel) | efficient (memory-efficient, CUDA) | cudnn (cuDNN, CUDA) | math (the
+    unfused reference: it keeps the [heads, seq, seq] fp32 attention probabilities for backward). A kernel that
+    cannot run the run's attention (device, dtype, head dim, mask) stops the run before its first step."""
 
 
 @dataclass

@@ -22,6 +22,8 @@ measured training steps. Conventions:
   of its input (4 bytes) instead of the input itself.
 - SDPA is the fused (flash / memory-efficient, CPU flash) kernel: it saves q, k, v, the output and
   an fp32 logsumexp of (batch, heads, seq): no seq^2 term. GQA keeps k, v at kv-head width.
+  `ActDtypes.math_attention`: torch's math kernel instead (training.attention_backend=math), which
+  saves fp32 copies and the [heads, seq, keys] fp32 probabilities (`_math_attention_saved`).
 - MoE routing (`Routing`, models/routing.py): dropless experts save one pass per routed token,
   k per token whatever the split between experts (exact in total); the split only decides how
   large ONE expert's computation is, which is what its backward's transient gradients scale with:
@@ -120,6 +122,8 @@ class ActDtypes:
     """Bytes per element of matmul and attention outputs."""
     autocast: bool
     """torch.amp: each matmul casts (and saves) its fp32 input itself."""
+    math_attention: bool = False
+    """SDPA runs torch's math kernel (analytic.assumed_attention_kernel), not a fused one."""
 
 
 @dataclass(frozen=True)
@@ -131,15 +135,20 @@ class Terms:
     tp: float = 0.0
     per_position: float = 0.0
     """Bytes per position of the (local) sequence, independent of the batch (RoPE table casts)."""
+    per_key: float = 0.0
+    """Bytes per token and position of the local sequence, head-sharded like `tp`: the math attention
+    kernel's [heads, queries, keys] scores and probabilities (keys per query: the local sequence,
+    scaled under context parallelism by _keys_per_query)."""
 
     def __add__(self, other: Terms) -> Terms:
         return Terms(self.seq + other.seq, self.gathered + other.gathered, self.tp + other.tp,
-                     self.per_position + other.per_position)
+                     self.per_position + other.per_position, self.per_key + other.per_key)
 
     def bytes(self, tokens: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False) -> int:
         """Total for `tokens` tokens (micro-batch x local sequence) of a local sequence `seq_len`."""
         seq = self.seq / tp if sequence_parallel else self.seq
-        return int(tokens * (seq + self.gathered + self.tp / tp) + seq_len * self.per_position)
+        return int(tokens * (seq + self.gathered + self.tp / tp + seq_len * self.per_key / tp)
+                   + seq_len * self.per_position)
 
 
 def _shapes(m: ModelConfig) -> tuple[int, int, int, int, int]:
@@ -166,10 +175,43 @@ def _norm(m: ModelConfig, d: ActDtypes, consumers: int) -> Terms:
 def _attention_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
     D, q_dim, kv_dim, H, head_dim = _shapes(m)
     c = d.compute
-    # SDPA saves q (after RoPE), k (after RoPE), v, out, and an fp32 logsumexp per head.
     per_position = 4 * head_dim * c if (d.autocast and m.family == "llama") else 0  # cos/sin .to(bf16), q and k
+    if d.math_attention:
+        return _math_attention_saved(m, d, cp) + Terms(per_position=per_position)
+    # SDPA saves q (after RoPE), k (after RoPE), v, out, and an fp32 logsumexp per head.
     own = Terms(tp=c * (2 * q_dim + 2 * kv_dim) + FP32 * H, per_position=per_position)
     return own + _context_parallel_saved(m, d, cp)
+
+
+def _keys_per_query(cp: int) -> tuple[float, float]:
+    """(keys each query attends, keys each SDPA call reads), per local token and in units of the
+    local sequence: 1 and 1 on one rank (one [T, T] call). Under context parallelism a rank's two
+    query chunks (local / 2 each) run one call each over the keys up to their chunk's end, chunks
+    c + 1 and 2 cp - c: (2 cp + 1) chunks of keys in all (parallel/context_parallel.py)."""
+    if cp == 1:
+        return 1.0, 1.0
+    return (2 * cp + 1) / 4, (2 * cp + 1) / 2
+
+
+def _math_attention_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
+    """torch 2.13's math SDPA (aten/src/ATen/native/transformers/attention.cpp,
+    _scaled_dot_product_attention_math): 16-bit q, k, v are first copied to fp32 (unless
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True); off by default, CUDA and CPU alike);
+    q and k are each multiplied by sqrt(scale) and k, v expanded to the query heads (a copy when
+    G < H); scores = q k^T (bmm), + the causal mask, _safe_softmax, out = probs v (bmm), cast back.
+    Saved for backward: the scaled q (by the first bmm), the scaled, expanded k (H heads), v (by the
+    second bmm: the expanded fp32 copy under GQA; else its fp32 copy, or v itself when fp32) and the
+    probabilities (softmax's output, fp32 [H, queries, keys]). Not the output nor a logsumexp: the
+    output projection saves its own copy of the output (c x q_dim, the transposed bmm output made
+    contiguous), as the fused kernel's `out` term counts it. Under context parallelism each query
+    chunk's call reads its keys up to the chunk's end (_keys_per_query): its k, v copies are that
+    long; under fp32 without GQA v is a view of the gathered v, all of it kept."""
+    D, q_dim, kv_dim, H, _ = _shapes(m)
+    gqa = m.num_kv_heads != m.num_heads
+    per_query, per_call = _keys_per_query(cp)
+    v_view = not gqa and d.compute == FP32
+    v = FP32 * (q_dim if gqa else kv_dim) * (cp if v_view else per_call)
+    return Terms(tp=d.compute * q_dim + FP32 * (q_dim + q_dim * per_call) + v, per_key=FP32 * H * per_query)
 
 
 def _context_parallel_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
@@ -260,7 +302,7 @@ def block_terms(m: ModelConfig, d: ActDtypes, policy: str, routing: Routing | No
     if policy == "selective":
         # recompute._SAVE_OPS: the outputs of every matmul and of the fused attention are stored,
         # the rest (norms, RoPE, activations, casts) is recomputed; plus the block input.
-        kept = Terms(seq=a * D, tp=c * (2 * q_dim + 2 * kv_dim) + FP32 * H)  # wq, wk, wv; SDPA out, lse
+        kept = Terms(seq=a * D, tp=c * (q_dim + 2 * kv_dim)) + _attention_kept(m, d, cp, policy)  # wq, wk, wv
         kept += Terms(gathered=c * D)  # wo output (under TP: the partial sum before the reduce-scatter)
         kept += _row_parallel_reductions(m, d, tp)
         if m.family == "gpt2":
@@ -273,7 +315,7 @@ def block_terms(m: ModelConfig, d: ActDtypes, policy: str, routing: Routing | No
         kept += _all_to_all_outputs(m, d, routing or _balanced(m))
         return kept + Terms(gathered=(c * D if shared else 0) + 2 * c * shared)  # shared w2; shared w1, w3
     if policy == "selective-alternate":
-        return _alternate_kept(m, d, routing, tp)
+        return _alternate_kept(m, d, routing, tp, cp)
     if policy != "none":
         raise ValueError(f"activation checkpointing policy {policy!r}: choose none, selective, "
                          "selective-alternate or full")
@@ -343,7 +385,21 @@ def _all_to_all_outputs(m: ModelConfig, d: ActDtypes, r: Routing) -> Terms:
     return Terms(gathered=(r.rows + r.returned) * d.compute * m.dim if r.ep > 1 else 0)
 
 
-def _alternate_kept(m: ModelConfig, d: ActDtypes, routing: Routing | None, tp: int) -> Terms:
+def _attention_kept(m: ModelConfig, d: ActDtypes, cp: int, policy: str) -> Terms:
+    """What the selective policies keep of the attention itself (recompute._SAVE_OPS). The fused
+    kernel: its output and fp32 logsumexp. The math kernel is two bmms among the block's matmuls:
+    selective keeps both outputs, the fp32 scores [H, queries, keys] and the fp32 output, and
+    recomputes the mask, the softmax and the casts; selective-alternate counts them as the 4th and
+    5th matmuls (after wq, wk, wv), so it keeps the output only and the block's other matmuls keep
+    their parity (the same projections are kept as with a fused kernel)."""
+    _, q_dim, _, H, _ = _shapes(m)
+    if not d.math_attention:
+        return Terms(tp=d.compute * q_dim + FP32 * H)
+    scores = Terms(per_key=FP32 * H * _keys_per_query(cp)[0]) if policy == "selective" else Terms()
+    return Terms(tp=FP32 * q_dim) + scores
+
+
+def _alternate_kept(m: ModelConfig, d: ActDtypes, routing: Routing | None, tp: int, cp: int = 1) -> Terms:
     """`selective-alternate` (recompute._alternate_contexts): the block input, the outputs of the
     fused attention, of tp's reductions and of the odd-numbered matmuls in forward order: wq (1st)
     and wv (3rd), not wk or wo; Llama's w1 (5th) and w2 (7th), not w3; GPT-2's fc1 (5th), not fc2.
@@ -352,7 +408,7 @@ def _alternate_kept(m: ModelConfig, d: ActDtypes, routing: Routing | None, tp: i
     do); with a capacity factor the batched w3 (7th); the shared experts by their position."""
     D, q_dim, kv_dim, H, _ = _shapes(m)
     c = d.compute
-    kept = Terms(seq=d.stream * D, tp=c * (2 * q_dim + kv_dim) + FP32 * H)  # wq, wv; attention out, lse
+    kept = Terms(seq=d.stream * D, tp=c * (q_dim + kv_dim)) + _attention_kept(m, d, cp, "selective-alternate")  # wq, wv
     kept += _row_parallel_reductions(m, d, tp)
     if m.family == "gpt2":
         return kept + Terms(tp=c * m.ffn_dim)
@@ -371,7 +427,7 @@ def _alternate_kept(m: ModelConfig, d: ActDtypes, routing: Routing | None, tp: i
 
 
 def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str, tp: int = 1,
-                      routing: Routing | None = None) -> PolicyOnly:
+                      routing: Routing | None = None, cp: int = 1) -> PolicyOnly:
     """Tensors a checkpointed block keeps that the unwrapped block does not save, so that its
     recompute rebuilds (unwrapped - policy) + released + kept:
     - the block input in a 16-bit stream, for Llama: unwrapped, RMSNorm saves only its fp32 copy;
@@ -381,7 +437,10 @@ def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str, tp: int = 1,
       w2 (fc2) feed residual adds. The recompute consumes all but the last matmul's (w2 / fc2)
       and its reduction, where it stops; an MoE block's it consumes all (it runs to the end).
     - selective-alternate: the same among what it keeps: Llama's wq (not wk), w2 and the
-      reductions; GPT-2's reductions; an MoE's router and, when kept, its shared experts' w2."""
+      reductions; GPT-2's reductions; an MoE's router and, when kept, its shared experts' w2.
+    - the math attention kernel's kept bmm outputs (_attention_kept): the unwrapped block saves
+      neither (softmax's output and the output projection's contiguous copy instead); the
+      recompute consumes both."""
     D, q_dim, kv_dim, _, _ = _shapes(m)
     c = d.compute
     block_input = Terms(seq=d.stream * D if m.family == "llama" and d.stream != FP32 else 0)
@@ -389,6 +448,8 @@ def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str, tp: int = 1,
         return PolicyOnly(Terms(), block_input)
     alternate = policy == "selective-alternate"
     released = _reduction(m, d, tp) + Terms(gathered=0 if alternate else c * D)  # wo's reduction, output
+    if d.math_attention:
+        released += _attention_kept(m, d, cp, policy)
     if m.family == "llama":
         released += Terms(tp=c * (q_dim + (0 if alternate else kv_dim)))  # wq, wk outputs (before RoPE)
     if m.num_experts:
@@ -606,8 +667,36 @@ class Transient:
     dropless expert's index_select backward a full-size scatter of its rows) and the router's."""
 
 
+def _attention_backward(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
+    """The attention's backward at its peak, beyond what it saved. Fused: the gradients of q, k, v
+    and out. Math: inside softmax's backward, the gradients of the probabilities (from the second
+    bmm's backward) and of the scores (its output), both fp32 [H, queries, keys], while the fp32
+    gradient of v (expanded under GQA) waits for its own path (its nodes were made earlier, so
+    the engine runs them later)."""
+    _, q_dim, kv_dim, H, _ = _shapes(m)
+    if not d.math_attention:
+        return Terms(tp=d.compute * (2 * q_dim + 2 * kv_dim))
+    per_query, per_call = _keys_per_query(cp)
+    v = q_dim if m.num_kv_heads != m.num_heads else kv_dim
+    return Terms(tp=FP32 * v * per_call, per_key=2 * FP32 * H * per_query)
+
+
+def attention_backward_freed(m: ModelConfig, d: ActDtypes) -> Terms:
+    """What a dense block has freed of what it saved (or its recompute rebuilt) when its attention's
+    backward runs, after its MLP's and output projection's: the MLP's tensors, its norm's, the
+    mid-block residual the norm saved, and the output projection's input. MoE blocks: none counted
+    (their experts' tensors are freed expert by expert, routed_backward_moments)."""
+    if m.num_experts:
+        return Terms()
+    _, q_dim, _, _, _ = _shapes(m)
+    c = d.compute
+    residual = d.stream * m.dim if m.family == "gpt2" else FP32 * m.dim
+    mlp = 2 * c * m.ffn_dim if m.family == "gpt2" else _swiglu_saved(c, m.ffn_dim)
+    return Terms(seq=residual, tp=mlp + c * q_dim) + _norm(m, d, _ffn_consumers(m))
+
+
 def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | None = None,
-                             sequence_parallel: bool = False, policy: str = "none") -> Transient:
+                             sequence_parallel: bool = False, policy: str = "none", cp: int = 1) -> Transient:
     """Bytes while one block runs its backward, beyond its saved activations (measured on CPU):
     the MLP's intermediate gradients (SwiGLU: the gradients of the w2 input, of silu out and of
     w3 out, 3 F, once the w2 input is freed; GELU MLP: the gradients of the GELU output and input,
@@ -645,7 +734,7 @@ def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | No
     branch_bytes = d.stream if m.num_experts else c
     branch_grad = Terms(gathered=branch_bytes * D) if sequence_parallel else Terms() if m.num_experts else grad_cast
     return Transient(grad_stream=Terms(seq=d.stream * D), grad_cast=grad_cast, branch_grad=branch_grad,
-                     attention=Terms(tp=c * (2 * q_dim + 2 * kv_dim)), mlp_new=Terms(**{split: grads * c * hidden}),
+                     attention=_attention_backward(m, d, cp), mlp_new=Terms(**{split: grads * c * hidden}),
                      mlp_freed=Terms(**{split: c * hidden if grads > 1 else 0}), recompute_tail=tail, **expert)
 
 

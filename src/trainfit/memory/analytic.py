@@ -44,6 +44,7 @@ Also here: `model_states` (a rank's resident model states after backward), `forw
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from trainfit.memory.activations import (
     ActDtypes,
     RoutedMoment,
     Terms,
+    attention_backward_freed,
     backward_transient_terms,
     block_terms,
     context_parallel_mask_bytes,
@@ -179,6 +181,27 @@ def _precision(mode: str, low_precision_model: bool) -> _Precision:
     # torch.amp (one process, DDP): fp32 residual stream, per-op casts. FSDP2's MixedPrecisionPolicy
     # and ZeRO-1 run the module itself in bf16 (autocast off): the activations are a bf16 model's.
     return _Precision(4, 2, True, ActDtypes(2, 2, False) if low_precision_model else ActDtypes(4, 2, True))
+
+
+def assumed_attention_kernel(model: ModelConfig, layout: Layout, training: TrainingConfig,
+                             hardware: HardwareConfig) -> str:
+    """"fused" or "math": the SDPA kernel the estimate assumes (training.attention_backend). math
+    when asked; a named fused kernel as asked (the trainer stops before training if it cannot run).
+    auto follows torch's choice (aten/src/ATen/native/transformers): on CPU its flash kernel takes
+    every dense float input (sdp_utils_cpp.cpp); on CUDA (cuda/sdp_utils.cpp) flash takes fp16/bf16
+    with head dim <= 256 and no explicit mask (context parallelism passes one), the memory-efficient
+    kernel fp32 too and masks, with head dim a multiple of 8 in 16 bits, 4 in fp32 (sm80 and later),
+    and only what neither takes falls back to math."""
+    backend = training.attention_backend
+    if backend != "auto":
+        return "math" if backend == "math" else "fused"
+    if hardware.gpu == "cpu":
+        return "fused"
+    head_dim = model.dim // model.num_heads
+    half = layout.precision != "fp32"
+    if half and layout.cp == 1 and head_dim <= 256:
+        return "fused"
+    return "fused" if head_dim % (8 if half else 4) == 0 else "math"
 
 
 @dataclass(frozen=True)
@@ -560,6 +583,8 @@ def _stage(run: _Run, counts: ParamCounts, stage: int) -> _Stage:
     fsdp = run.layout.zero_stage >= 2 or offload
     zero1 = run.layout.data_parallel == "zero1"
     prec = _precision(run.layout.precision, fsdp or zero1)
+    if assumed_attention_kernel(run.model, run.layout, run.training, run.hardware) == "math":
+        prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, math_attention=True))
     lay = _layout(run, counts, stage)
     if zero1:
         return _zero1_stage(run, prec, lay, counts)
@@ -698,9 +723,9 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     a_blocks += size(context_parallel_positions(run.model, cp, _rope_table_bytes(run)))
     chunked = run.layout.chunked_loss
     a_final = size(final_norm_terms(run.model, act, projected=not chunked)) if lay.last else 0
-    transient = backward_transient_terms(run.model, act, routing, run.layout.sequence_parallel, policy)
+    transient = backward_transient_terms(run.model, act, routing, run.layout.sequence_parallel, policy, cp)
     rebuild = a_none - a_policy  # what a checkpointed block recomputes in backward
-    only = policy_only_terms(run.model, act, policy, run.layout.tp, routing)
+    only = policy_only_terms(run.model, act, policy, run.layout.tp, routing, cp)
     released = size(only.released)  # saved by the policy, freed by the recompute
     rebuild += released + size(only.kept)
 
@@ -827,9 +852,15 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
         t = transient
         # With sequence parallelism the branch's cast is all-gathered (t.branch_grad) and freed.
         stream, cast = size(t.grad_stream) + tied_pending, 0 if run.layout.sequence_parallel else size(t.grad_cast)
+        # The math attention kernel's backward (S²-sized gradients) comes after the MLP's and the
+        # output projection's, whose saved (or rebuilt) tensors are freed by then.
+        freed = size(attention_backward_freed(run.model, act)) if act.math_attention else 0
+        attention = (w2[0], w2[1], a_none - freed + stream + cast + size(t.attention), 0)
         if not wrapped:
             mlp = size(t.mlp_new) - size(t.mlp_freed)
-            moments = [(w2[0], w2[1], a_none + stream + cast + max(size(t.attention), mlp + w2[2]), 0)]
+            fused_attention = 0 if act.math_attention else size(t.attention)
+            moments = [(w2[0], w2[1], a_none + stream + cast + max(fused_attention, mlp + w2[2]), 0)]
+            moments += [attention] if act.math_attention else []
             if fp8_backward:  # before any of the block's weight gradients exists
                 moments.append((0, 0, a_none + stream + cast + fp8_backward, 0))
             for r in routed_moments:
@@ -842,6 +873,8 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
         moments = [recomputed, mlp_moment]
         if fp8_backward:
             moments.append((0, rebuild, kept + cast + fp8_backward, 0))
+        if act.math_attention:  # the kept tensors and the recompute's, less what the MLP's backward freed
+            moments.append((w2[0], w2[1] + max(0, rebuild - freed), kept + cast + size(t.attention), 0))
         for r in routed_moments:
             grads, buffers = routed(r.done)
             acts = kept - shared_kept + r.added - r.freed_kept

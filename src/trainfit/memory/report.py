@@ -101,6 +101,7 @@ def print_estimate(est: Estimate, console: Console | None = None) -> None:
                   f"ep {d.ep} | {cfg.precision.mode}, {cfg.optimizer.name}, AC {cfg.memory.activation_checkpointing}"
                   f" | micro-batch {cfg.training.micro_batch_size} x {cfg.training.seq_len} tokens, "
                   f"{d.grad_accum_steps} accumulation steps")
+    console.print(est.attention_note())
     console.print(_memory_table(est))
     worst = est.worst
     top = ", ".join(f"{name} {fmt_bytes(value)}" for name, value in worst.largest(3))

@@ -6,9 +6,12 @@ Here so that llama.py imports moe.py and gpt2.py imports nothing of llama.py: on
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class FeedForward(nn.Module):
@@ -67,6 +70,16 @@ class WholeSequence:
     whole sequence in order (one rank, or tensor parallelism). Context parallelism replaces it on
     the model and every attention (parallel/context_parallel.py's ContextParallel)."""
 
+    backends: list[SDPBackend] | None = None
+    """The SDPA kernels the attention may use (training.attention_backend, set by trainfit.attention);
+    None lets torch choose. Applied around each SDPA call, not around the step: the call is where
+    torch picks the kernel (the recompute of a checkpointed block calls it again, inside backward),
+    and the backward of a fused kernel is its own node, fixed by the forward's choice."""
+
+    def kernel(self) -> contextlib.AbstractContextManager[object]:
+        """The context an SDPA call of this layout runs in: the chosen backends, or torch's choice."""
+        return sdpa_kernel(self.backends) if self.backends is not None else contextlib.nullcontext()
+
     def shard(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a [B, T] batch (all of them)."""
         return tokens_BT
@@ -77,8 +90,9 @@ class WholeSequence:
 
     def attention(self, q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor) -> torch.Tensor:
         """Causal attention of the queries over the keys and values (grouped-query when G < H)."""
-        return F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, is_causal=True,
-                                              enable_gqa=q_BHTK.shape[1] != k_BGTK.shape[1])
+        with self.kernel():
+            return F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, is_causal=True,
+                                                  enable_gqa=q_BHTK.shape[1] != k_BGTK.shape[1])
 
 
 def set_sequence_layout(model: nn.Module, layout: WholeSequence) -> None:

@@ -64,9 +64,10 @@ class ContextParallel(WholeSequence):
         out = []
         for part, c in enumerate(self.chunks()):
             end = (c + 1) * chunk
-            out.append(F.scaled_dot_product_attention(
-                q_BHTK[:, :, part * chunk:(part + 1) * chunk], k_BGSK[:, :, :end], v_BGSK[:, :, :end],
-                attn_mask=self._mask(chunk, end, q_BHTK.dtype), enable_gqa=gqa))
+            with self.kernel():
+                out.append(F.scaled_dot_product_attention(
+                    q_BHTK[:, :, part * chunk:(part + 1) * chunk], k_BGSK[:, :, :end], v_BGSK[:, :, :end],
+                    attn_mask=self._mask(chunk, end, q_BHTK.dtype), enable_gqa=gqa))
         return torch.cat(out, dim=2)
 
     def _mask(self, chunk: int, end: int, dtype: torch.dtype) -> torch.Tensor:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainfit.attention import AttentionKernel, probe_attention_kernel, set_attention_backend
 from trainfit.config import Config, ConfigError, config_to_dict
 from trainfit.hardware import peak_flops
 from trainfit.memory.attribution import Measurement, MemoryMeter, measure_trainer_step
@@ -244,6 +245,19 @@ class Trainer:
         self.skipped_steps = 0
         self.notes: list[str] = []
         """Messages for the log, printed when training starts (resume, schedule changes)."""
+        self.attention_kernel = self._choose_attention_kernel()
+        self.notes.append(self.attention_kernel.note())
+
+    def _choose_attention_kernel(self) -> AttentionKernel:
+        """Apply training.attention_backend to every attention and probe which kernel it runs: the
+        run's compute dtype and device, a rank's heads (tensor parallelism splits them), causal, or
+        under context parallelism an explicit mask (trainfit.attention)."""
+        cfg, layout = self.cfg, self.layout
+        set_attention_backend(self.model, cfg.training.attention_backend)
+        m = cfg.model
+        dtype = self.policy.autocast_dtype or self.policy.param_dtype
+        return probe_attention_kernel(cfg.training.attention_backend, self.device, dtype, m.num_heads // layout.tp,
+                                      m.num_kv_heads // layout.tp, m.dim // m.num_heads, masked=layout.cp > 1)
 
     def build_grad_scaler(self) -> torch.amp.GradScaler:
         """The loss scaler (fp16: dynamic scaling; otherwise a disabled one). Subclasses may wrap it."""
@@ -570,6 +584,8 @@ class Trainer:
                 for note in self.notes + profiler.notes(self.step, instrumented):
                     bar.announce(note)
                     writer.write({"step": self.step, "note": note})
+                writer.write({"step": self.step, "attention_kernel": self.attention_kernel.name,
+                              "attention_op": self.attention_kernel.op})
                 if self.step == 0 and t.eval_interval:
                     result.val_losses[0] = self._log_eval(writer, bar)
                 stopping = world.any(stop.requested)
