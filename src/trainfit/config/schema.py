@@ -135,7 +135,8 @@ class TrainingConfig:
     the steps that compile are timed apart ("compile: 31.2 s") and left out of tokens/s. Fused
     pointwise kernels keep fewer tensors than eager: both estimators predict the eager step, which
     overestimates a compiled one's peak by 2-31% (measured on CPU: benchmarks/compile.py). Tested
-    with FSDP2 and activation checkpointing."""
+    with FSDP2 and activation checkpointing; pipeline and context parallelism ran by hand (2 gloo
+    ranks, 4 steps: the eager process's losses); not with tensor parallelism (a named error)."""
     attention_backend: AttentionBackend = "auto"
     """The kernel behind every attention (torch's scaled_dot_product_attention backends): auto (torch picks
     per call: flash, else memory-efficient, else math on CUDA; its flash kernel on CPU) | flash (FlashAttention;
