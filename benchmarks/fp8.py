@@ -17,19 +17,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from techniques import tokens_per_s  # beside this script
 from trainfit.config import Config, load_config
 from trainfit.memory.analytic import estimate_memory
 from trainfit.memory.traced import trace_step
 from trainfit.parallel.layout import build_layout
-from trainfit.train.distributed import World
-from trainfit.train.trainer import Trainer, measure_step
+from trainfit.train.trainer import measure_step
 
 MiB = 2**20
 VARIANTS = {"bf16-mixed": ("--precision.mode=bf16-mixed",),
@@ -46,19 +45,6 @@ def config(run_dir: Path, args: argparse.Namespace, precision: tuple[str, ...]) 
         "--training.device=cpu", "--training.eval_interval=0", "--checkpoint.interval=0",
         "--checkpoint.resume=never", f"--checkpoint.dir={run_dir / 'ckpt'}", f"--logging.dir={run_dir / 'logs'}",
         "--logging.progress=false", *precision])
-
-
-def tokens_per_s(cfg: Config, steps: int) -> float:
-    """Steady-state training throughput: `steps` steps after two warm-up steps, one process."""
-    trainer = Trainer(cfg, world=World())
-    for _ in range(2):
-        trainer.train_step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step()
-    seconds = time.perf_counter() - start
-    trainer.close()
-    return steps * cfg.training.micro_batch_size * cfg.training.seq_len / seconds
 
 
 def main() -> None:
