@@ -93,7 +93,20 @@ adafactor's one is factored (_optimizer_bytes prices both exactly); the counts a
 state of each would be, for train/preflight's rough weights."""
 FUSED_DEVICES = ("cuda", "cpu")
 """Devices with torch's fused Adam/AdamW kernel (torch/optim/adam.py, _get_fused_kernels_supported_devices);
-train/optim.py runs it there unless optimizer.fused=false."""
+train/optim.py runs it there unless optimizer.fused=false (`uses_fused_adam`)."""
+
+
+def uses_fused_adam(optimizer: OptimizerConfig, device_type: str, sharded_loss_scaling: bool = False) -> bool:
+    """Whether adamw / adam run torch's fused kernel (train/optim.py builds what this says; the step's
+    temporaries follow it): optimizer.fused, or by default where FUSED_DEVICES have it, except under
+    `sharded_loss_scaling` (fp16-mixed under FSDP2): its ShardedGradScaler hands the fused step a
+    [1]-shaped inf flag that torch 2.13's fused kernel cannot take ("output with shape [] doesn't match
+    the broadcast shape [1]", measured on CPU with ZeRO-2 and ZeRO-3), so those runs take foreach."""
+    if optimizer.name not in ("adamw", "adam"):
+        return False
+    if optimizer.fused is not None:
+        return optimizer.fused
+    return device_type in FUSED_DEVICES and not sharded_loss_scaling
 EIGHT_BIT_BLOCK = 256
 """adamw-8bit (torchao.optim.AdamW8bit, torchao/optim/subclass_8bit.py): each state is uint8 codes of
 the parameter's (local) shape plus one fp32 absmax scale per block of this many values (torchao's
@@ -471,9 +484,8 @@ def _largest_layout_group(run: _Run, lay: _Layout, decay: int) -> int:
 def _optimizer_step_temporaries(run: _Run, prec: _Precision, decay: int, largest: int,
                                 matrices: list[tuple[int, ...]] = ()) -> int:
     """What the optimizer allocates inside step() (torch 2.13 / torchao 0.18 source, measured on CPU).
-    Fused Adam/AdamW (train/optim.py: where FUSED_DEVICES have it, unless optimizer.fused=false):
-    nothing. foreach Adam/AdamW: `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, a state-sized
-    list per parameter group (the largest is the weight-decay group); Adam's L2 decay first makes
+    Fused Adam/AdamW (`uses_fused_adam`): nothing. foreach Adam/AdamW:
+    `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, a state-sized list per parameter group (the largest is the weight-decay group); Adam's L2 decay first makes
     `grads = torch._foreach_add(grads, params, alpha=wd)`, deleted before the sqrt; foreach SGD with
     decay, the same copy. foreach Adafactor: `var_estimates = [row_var @ col_var ...]`, a
     parameter-sized list of the group, updated in place into the update. A single-tensor loop
@@ -488,7 +500,8 @@ def _optimizer_step_temporaries(run: _Run, prec: _Precision, decay: int, largest
             return 0
         quantized = [n for n in map(math.prod, matrices) if _eight_bit_state_bytes(prec, n) < 2 * n * prec.param]
         return max((2 * FP32 * (n + n // EIGHT_BIT_BLOCK) for n in quantized), default=0)
-    if o.name in ("adam", "adamw") and (o.fused if o.fused is not None else _device(run) in FUSED_DEVICES):
+    sharded_loss_scaling = run.layout.data_parallel == "fsdp" and run.layout.precision == "fp16-mixed"
+    if uses_fused_adam(o, _device(run), sharded_loss_scaling):
         return 0
     size = decay if o.foreach else largest
     l2_copy = size * prec.param if run.training.weight_decay > 0 and o.name in ("adam", "sgd") else 0

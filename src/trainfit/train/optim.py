@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainfit.config import ConfigError, OptimizerConfig, TrainingConfig
-from trainfit.memory.analytic import EIGHT_BIT_BLOCK, FUSED_DEVICES
+from trainfit.memory.analytic import EIGHT_BIT_BLOCK, uses_fused_adam
 from trainfit.parallel.data_parallel import group_by_layout
 
 
@@ -62,9 +62,11 @@ def build_optimizer(model: nn.Module, opt: OptimizerConfig, train: TrainingConfi
 
 
 def make_optimizer(groups: list[dict], opt: OptimizerConfig, train: TrainingConfig,
-                   device_type: str) -> torch.optim.Optimizer:
-    """The configured optimizer over `groups` (model parameters, or ZeRO-1's master shards of them)."""
-    impl = {"fused": True} if uses_fused(opt, device_type) else {"foreach": opt.foreach}
+                   device_type: str, sharded_loss_scaling: bool = False) -> torch.optim.Optimizer:
+    """The configured optimizer over `groups` (model parameters, or ZeRO-1's master shards of them).
+    `sharded_loss_scaling`: fp16-mixed under FSDP2 (memory/analytic.uses_fused_adam says why it matters)."""
+    fused = uses_fused_adam(opt, device_type, sharded_loss_scaling)
+    impl = {"fused": True} if fused else {"foreach": opt.foreach}
     if opt.name == "adamw":
         return torch.optim.AdamW(groups, lr=train.lr, betas=opt.betas, eps=opt.eps, **impl)
     if opt.name == "adam":
@@ -80,13 +82,6 @@ def make_optimizer(groups: list[dict], opt: OptimizerConfig, train: TrainingConf
     if opt.name == "adamw-8bit":
         return _adamw_8bit(groups, opt, train)
     raise ConfigError(f"optimizer.name={opt.name!r}: not supported; use adamw, adam, sgd, adafactor or adamw-8bit")
-
-
-def uses_fused(opt: OptimizerConfig, device_type: str) -> bool:
-    """Whether adamw / adam run torch's fused kernel on `device_type` (see the module docstring)."""
-    if opt.name not in ("adamw", "adam"):
-        return False
-    return opt.fused if opt.fused is not None else device_type in FUSED_DEVICES
 
 
 def _adamw_8bit(groups: list[dict], opt: OptimizerConfig, train: TrainingConfig) -> torch.optim.Optimizer:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from trainfit.config import load_config
-from trainfit.train.optim import build_optimizer, lr_at, param_groups, uses_fused
+from trainfit.memory.analytic import uses_fused_adam
+from trainfit.train.optim import build_optimizer, lr_at, param_groups
 
 
 def test_no_decay_on_norms_and_biases() -> None:
@@ -48,11 +49,19 @@ def test_build_optimizer_uses_config(name: str) -> None:
     (None, "cpu", True), (None, "cuda", True), (None, "mps", False), (False, "cpu", False), (True, "cpu", True)])
 def test_fused_adamw_by_device_unless_forced(fused: bool | None, device: str, expect: bool) -> None:
     cfg = load_config(None, [] if fused is None else [f"--optimizer.fused={str(fused).lower()}"])
-    assert uses_fused(cfg.optimizer, device) is expect
+    assert uses_fused_adam(cfg.optimizer, device) is expect
     if device == "cpu":
         opt = build_optimizer(torch.nn.Linear(4, 4), cfg.optimizer, cfg.training, device)
         assert opt.defaults["fused"] is (True if expect else None)
         assert opt.defaults["foreach"] is (None if expect else True)
+
+
+def test_fp16_under_fsdp_takes_foreach_unless_forced() -> None:
+    """ShardedGradScaler's [1]-shaped inf flag breaks torch 2.13's fused step (analytic.uses_fused_adam)."""
+    cfg = load_config(None, [])
+    assert uses_fused_adam(cfg.optimizer, "cpu", sharded_loss_scaling=True) is False
+    forced = load_config(None, ["--optimizer.fused=true"]).optimizer
+    assert uses_fused_adam(forced, "cpu", sharded_loss_scaling=True) is True
 
 
 def test_adafactor_maps_the_config() -> None:
