@@ -485,7 +485,8 @@ def _optimizer_step_temporaries(run: _Run, prec: _Precision, decay: int, largest
                                 matrices: list[tuple[int, ...]] = ()) -> int:
     """What the optimizer allocates inside step() (torch 2.13 / torchao 0.18 source, measured on CPU).
     Fused Adam/AdamW (`uses_fused_adam`): nothing. foreach Adam/AdamW:
-    `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, a state-sized list per parameter group (the largest is the weight-decay group); Adam's L2 decay first makes
+    `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, a state-sized list per parameter group
+    (the largest is the weight-decay group); Adam's L2 decay first makes
     `grads = torch._foreach_add(grads, params, alpha=wd)`, deleted before the sqrt; foreach SGD with
     decay, the same copy. foreach Adafactor: `var_estimates = [row_var @ col_var ...]`, a
     parameter-sized list of the group, updated in place into the update. A single-tensor loop
