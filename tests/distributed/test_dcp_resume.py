@@ -74,7 +74,7 @@ def test_resume_on_one_process_continues_the_same_losses(zero3_run: tuple[Path, 
     trainer = Trainer(run_config(tmp_path, *DP_BATCH, f"--training.steps={ZERO3_STEPS}",
                                  f"--checkpoint.resume={saved}"))
     assert trainer.step == 3 and trainer.world.size == 1
-    assert "saved by 2 ranks, resharded to 1" in trainer.notes[0]
+    assert any("saved by 2 ranks, resharded to 1" in note for note in trainer.notes)
     result = trainer.train()
     assert_same_losses(result.losses, logged_losses(run_dir), range(4, ZERO3_STEPS + 1))
 
@@ -95,7 +95,7 @@ def test_zero1_run_trains_as_zero3_does_and_resumes_on_one_process(
     saved = run_dir / "ckpt" / "step_00000003"
     trainer = Trainer(run_config(tmp_path, *DP_BATCH, f"--training.steps={ZERO3_STEPS}",
                                  f"--checkpoint.resume={saved}"))
-    assert trainer.step == 3 and "saved by 2 ranks, resharded to 1" in trainer.notes[0]
+    assert trainer.step == 3 and any("saved by 2 ranks, resharded to 1" in note for note in trainer.notes)
     assert_same_losses(trainer.train().losses, logged_losses(run_dir), range(4, ZERO3_STEPS + 1))
 
 

@@ -92,7 +92,7 @@ class TwoRanks(ExpertParallelParity):
             return
         resumed = Trainer(run_config(self.shared_dir / "resumed", *run,
                                      f"--checkpoint.resume={saved / 'ckpt' / 'step_00000003'}"), world=World())
-        self.assertIn("saved by 2 ranks, resharded to 1", resumed.notes[0])
+        self.assertTrue(any("saved by 2 ranks, resharded to 1" in note for note in resumed.notes), resumed.notes)
         losses = resumed.train().losses
         self.assertEqual(sorted(losses), [4, 5, 6])
         for step, loss in losses.items():

@@ -52,7 +52,7 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> Path:
     said = " ".join(proc.stdout.replace("│", " ").split())
     assert "2 processes: pipeline pp=2 (1f1b, 2 stages of 2-2 blocks, 4 micro-batches)" in said
     trainer = resumed(root / "one", checkpoint(root / "pp2", 2), 4, world=World())
-    assert trainer.step == 2 and "saved by 2 ranks, resharded to 1" in trainer.notes[0]
+    assert trainer.step == 2 and any("saved by 2 ranks, resharded to 1" in note for note in trainer.notes)
     check_continuation(trainer.train().losses, logged_losses(root / "pp2"))
     return root
 

@@ -52,7 +52,7 @@ def tp_dp_run_env(tp_dp_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_resume_on_one_process(tp_dp_run: Path, tmp_path: Path) -> None:
     trainer = Trainer(run_config(tmp_path, *DP_BATCH, f"--training.steps={ZERO3_STEPS}",
                                  f"--checkpoint.resume={saved_at_step_3(tp_dp_run)}"), world=World())
-    assert trainer.step == 3 and "saved by 4 ranks, resharded to 1" in trainer.notes[0]
+    assert trainer.step == 3 and any("saved by 4 ranks, resharded to 1" in note for note in trainer.notes)
     expected = logged_losses(tp_dp_run)
     for step, loss in trainer.train().losses.items():
         assert loss == pytest.approx(expected[step], rel=LOSS_RTOL), step

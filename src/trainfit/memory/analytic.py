@@ -99,9 +99,10 @@ train/optim.py runs it there unless optimizer.fused=false (`uses_fused_adam`).""
 def uses_fused_adam(optimizer: OptimizerConfig, device_type: str, sharded_loss_scaling: bool = False) -> bool:
     """Whether adamw / adam run torch's fused kernel (train/optim.py builds what this says; the step's
     temporaries follow it): optimizer.fused, or by default where FUSED_DEVICES have it, except under
-    `sharded_loss_scaling` (fp16-mixed under FSDP2): its ShardedGradScaler hands the fused step a
-    [1]-shaped inf flag that torch 2.13's fused kernel cannot take ("output with shape [] doesn't match
-    the broadcast shape [1]", measured on CPU with ZeRO-2 and ZeRO-3), so those runs take foreach."""
+    `sharded_loss_scaling` (Layout.sharded_loss_scaling: fp16-mixed under FSDP2 or a pipeline): torch's
+    ShardedGradScaler hands the fused step a [1]-shaped inf flag that torch 2.13's fused kernel cannot
+    take ("output with shape [] doesn't match the broadcast shape [1]", measured on CPU with ZeRO-2,
+    ZeRO-3 and pp2), so those runs take foreach."""
     if optimizer.name not in ("adamw", "adam"):
         return False
     if optimizer.fused is not None:
@@ -501,8 +502,7 @@ def _optimizer_step_temporaries(run: _Run, prec: _Precision, decay: int, largest
             return 0
         quantized = [n for n in map(math.prod, matrices) if _eight_bit_state_bytes(prec, n) < 2 * n * prec.param]
         return max((2 * FP32 * (n + n // EIGHT_BIT_BLOCK) for n in quantized), default=0)
-    sharded_loss_scaling = run.layout.data_parallel == "fsdp" and run.layout.precision == "fp16-mixed"
-    if uses_fused_adam(o, _device(run), sharded_loss_scaling):
+    if uses_fused_adam(o, _device(run), run.layout.sharded_loss_scaling):
         return 0
     size = decay if o.foreach else largest
     l2_copy = size * prec.param if run.training.weight_decay > 0 and o.name in ("adam", "sgd") else 0

@@ -131,6 +131,12 @@ class Layout:
         return self.pp > 1 and self.pp_schedule in ZERO_BUBBLE_SCHEDULES
 
     @property
+    def sharded_loss_scaling(self) -> bool:
+        """fp16-mixed's inf/nan check is all-reduced by torch's ShardedGradScaler (data_parallel.grad_scaler:
+        FSDP2's gradient shards, a pipeline stage's gradients)."""
+        return self.precision == "fp16-mixed" and (self.data_parallel == "fsdp" or self.pp > 1)
+
+    @property
     def needs_process_group(self) -> bool:
         return self.data_parallel != "none" or self.world_size > 1
 

@@ -222,9 +222,9 @@ class Trainer:
         if cfg.optimizer.name == "adafactor" and self.layout.data_parallel == "zero1":
             raise ConfigError("optimizer.name='adafactor' with parallel.zero_stage=1: Adafactor's factored statistics "
                               "span whole parameters, ZeRO-1 shards them by rows; use parallel.zero_stage=0")
-        sharded_loss_scaling = self.layout.data_parallel == "fsdp" and self.policy.uses_loss_scaling
         make = functools.partial(make_optimizer, opt=cfg.optimizer, train=cfg.training,
-                                 device_type=optimizer_device_type, sharded_loss_scaling=sharded_loss_scaling)
+                                 device_type=optimizer_device_type,
+                                 sharded_loss_scaling=self.layout.sharded_loss_scaling)
         self.optimizer = parallelize_optimizer(model, param_groups(model, cfg.training.weight_decay), make,
                                                self.layout, self.world.mesh, self.policy)
         # FSDP2 and ZeRO-1 compute with parameters in the compute dtype; autocast is the fp32-parameter form.
