@@ -6,8 +6,8 @@ compositions beside them (other models, precisions, checkpointing, ZeRO stages, 
 vocabulary) 4, as the data-parallel parity tests do: enough for every code path to run and for an
 error to show, at a fifth of the time.
 
-Tolerance, the issue's: fp32 loss and parameters within 1e-4 relative (bf16-mixed: _dist.AUTOCAST, TP_BF16 over 20 steps;
-MoE: _dist.MOE, as for data parallelism).
+Tolerance, the issue's: fp32 loss and parameters within 1e-4 relative (bf16-mixed: _dist.AUTOCAST,
+TP_BF16 over 20 steps; MoE: _dist.MOE, as for data parallelism).
 The measured errors are printed (pytest -s) and quoted in README's parallelism section.
 """
 
