@@ -109,16 +109,16 @@ def trainfit_loop(cfg: Config, stamp: Callable[[], None] = lambda: None) -> list
     return [result.losses[step] for step in range(1, cfg.training.steps + 1)]
 
 
-def steady_step_seconds(loop: Callable[..., list[float]], cfg: Config, skip: int) -> tuple[float, float]:
+def timed_run(loop: Callable[..., list[float]], cfg: Config, skip: int) -> tuple[float, float, list[float]]:
     """(CPU, wall) seconds from one step's start to the next, each the median over the steps after
-    the first `skip`. CPU time is the process's own (all its threads): on a shared machine it does
-    not count the time other processes hold the cores."""
+    the first `skip`, and the loop's losses. CPU time is the process's own (all its threads): on a
+    shared machine it does not count the time other processes hold the cores."""
     stamps: list[tuple[float, float]] = []
-    loop(cfg, lambda: stamps.append((time.process_time(), time.perf_counter())))
+    losses = loop(cfg, lambda: stamps.append((time.process_time(), time.perf_counter())))
     steady = stamps[skip:]
     assert len(steady) >= 4, "too few steps: raise --steps"
-    return tuple(statistics.median(b[i] - a[i] for a, b in zip(steady, steady[1:], strict=False))  # type: ignore[return-value]
-                 for i in (0, 1))
+    cpu, wall = (statistics.median(b[i] - a[i] for a, b in zip(steady, steady[1:], strict=False)) for i in (0, 1))
+    return cpu, wall, losses
 
 
 def main() -> None:
@@ -147,7 +147,7 @@ def main() -> None:
                 for repeat in range(args.repeats):
                     pair = [(hand, hand_loop), (ours, trainfit_loop)]
                     for times, loop in pair if repeat % 2 == 0 else reversed(pair):
-                        times.append(steady_step_seconds(loop, cfg, args.skip))
+                        times.append(timed_run(loop, cfg, args.skip)[:2])
             tokens = cfg.training.micro_batch_size * cfg.training.seq_len
             row = [f"{name} ({count_params(build_model(cfg.model)) / 1e6:.1f}M)", precision]
             for clock in (0, 1):
