@@ -6,16 +6,18 @@ AdamW (foreach, weight decay on matrices only), learning-rate schedule, gradient
 precision, in one process. The hand loop does only what any loop must: batch, forward (under
 autocast for bf16-mixed), fp32 cross-entropy, backward, clip, step, zero_grad, schedule, loss.item().
 
-What is timed, the same way for both: the wall time from one step's start to the next step's start
-(so everything a loop does between steps counts), median over the steady-state steps. trainfit runs
-its real `Trainer.train()`: a listener stamps each step at its "forward" moment, so its progress
-bookkeeping, stop-signal check and metrics line every logging.interval steps are inside the interval.
-Left out, for both loops: the first `--skip` steps (warm-up; trainfit's 1st step is its memory-watched
-one and its 2nd the allocator-measured one, diagnostics a run pays once), evaluation and periodic
-checkpoints (off: training.eval_interval=0, checkpoint.interval=0; the final checkpoint comes after
-the last stamp), and building the model. Each repeat runs the hand loop and trainfit in turn (the
-order alternating) on a fresh model; the table gives the median over repeats of each loop's tokens/s
-and of the pairwise step-time ratio trainfit/hand.
+What is timed, the same way for both: the CPU time of the process and the wall time from one step's
+start to the next step's start (so everything a loop does between steps counts), median over the
+steady-state steps. On a shared machine compare the CPU times: the wall clock also counts the time
+other processes hold the cores. trainfit runs its real `Trainer.train()`: a listener stamps each step
+at its "forward" moment, so its progress bookkeeping, stop-signal check and metrics line every
+logging.interval steps are inside the interval. Left out, for both loops: the first `--skip` steps
+(warm-up; trainfit's 1st step is its memory-watched one and its 2nd the allocator-measured one,
+diagnostics a run pays once), evaluation and periodic checkpoints (off: training.eval_interval=0,
+checkpoint.interval=0; the final checkpoint comes after the last stamp), and building the model.
+Each repeat runs the hand loop and trainfit in turn (the order alternating) on a fresh model; the
+table gives the median over repeats of each loop's tokens/s and of the step-time ratio trainfit/hand,
+taken repeat by repeat.
 
     python benchmarks/training_overhead.py                    # tiny and 25M, fp32 and bf16-mixed, 3 repeats
     python benchmarks/training_overhead.py --models tiny --precisions fp32 --repeats 5 --threads 2
