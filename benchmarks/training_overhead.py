@@ -62,7 +62,9 @@ def run_config(run_dir: Path, model: tuple[str, ...], precision: str, steps: int
     args = [*model, f"--precision.mode={precision}", f"--training.steps={steps}", "--training.eval_interval=0",
             "--checkpoint.interval=0", "--checkpoint.resume=never", f"--checkpoint.dir={run_dir / 'ckpt'}",
             f"--logging.dir={run_dir / 'logs'}", "--logging.progress=false",
-            f"--training.warmup_steps={max(1, steps // 10)}", *extra]
+            f"--training.warmup_steps={max(1, steps // 10)}",
+            "--optimizer.fused=false",  # foreach AdamW, as the hand loop and HF's Trainer here: one kernel for all
+            *extra]
     batch = load_config(None, args).training.micro_batch_size
     return load_config(None, [*args, f"--training.global_batch_size={batch}"])
 
