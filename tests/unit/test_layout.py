@@ -112,8 +112,10 @@ def test_impossible_layouts_name_the_field_the_value_and_the_nearest_valid_ones(
 def test_what_train_cannot_run_yet_is_said_apart() -> None:
     assert layout_of().untrainable_reason() is None
     assert layout_of("--memory.chunked_loss=true").untrainable_reason() is None
-    compiled_tp = layout_of("--hardware.num_gpus=2", "--parallel.tp=2", "--training.compile=true")
-    assert "training.compile=true with parallel.tp=2" in compiled_tp.untrainable_reason()
+    compiled_tp = ("--hardware.num_gpus=2", "--parallel.tp=2", "--training.compile=true")
+    assert layout_of(*compiled_tp, "--memory.activation_checkpointing=selective").untrainable_reason() is None
+    recomputed_rng = layout_of(*compiled_tp, "--memory.activation_checkpointing=full").untrainable_reason()
+    assert "use memory.activation_checkpointing='selective'" in recomputed_rng
     assert layout_of("--hardware.num_gpus=2", "--parallel.pp=2", "--training.compile=true").untrainable_reason() is None
     assert layout_of("--hardware.num_gpus=2", "--parallel.pp=2").untrainable_reason() is None
     pp_ddp = layout_of("--hardware.num_gpus=4", "--parallel.pp=2", "--training.micro_batch_size=8")

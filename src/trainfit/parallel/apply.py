@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainfit.models.common import set_sequence_layout
@@ -108,7 +109,31 @@ def compile_blocks(model: nn.Module) -> int:
     models/init.WRAPPER_PREFIXES)."""
     for i, block in model.layers.indexed():
         model.layers[i] = torch.compile(block, fullgraph=True)
+        model.layers[i].register_forward_pre_hook(_awaited_inputs)
     return len(model.layers)
+
+
+class _Awaited(torch.autograd.Function):
+    """An AsyncCollectiveTensor's waited local tensor, with its gradient passed through unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, pending: AsyncCollectiveTensor) -> torch.Tensor:
+        return pending.wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _awaited_inputs(block: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A compiled block's inputs with each pending collective's result waited for, in eager, before
+    the compiled region. Tensor parallelism's embedding returns an AsyncCollectiveTensor (its
+    RowwiseParallel output is redistributed with async_op=True) into the first block, and torch
+    2.13's AOTAutograd unwraps such an input with `trigger_wait()` into its grad-less inner tensor
+    (torch/_functorch/_aot_autograd/frontend_utils.py, pytorch#179849): the compiled block would then
+    return no gradient for it, and the embedding's redistribute backward fail on the missing one
+    (pytorch#191113 proposes the upstream fix: keep requires_grad when unwrapping)."""
+    return tuple(_Awaited.apply(a) if isinstance(a, AsyncCollectiveTensor) else a for a in args)
 
 
 def parallelize_optimizer(model: nn.Module, param_groups: list[dict[str, Any]],

@@ -210,12 +210,13 @@ class Layout:
             ranks = f"{self.dp} data-parallel" + (f" x {self.cp} context-parallel" if self.cp > 1 else "")
             return (f"parallel.zero_stage={self.zero_stage} with parallel.tp={self.tp} and {ranks} ranks: tensor "
                     "parallelism composes with FSDP2's data parallelism only; set parallel.zero_stage=2 or 3")
-        if self.tp > 1 and self.compile:
-            return (f"training.compile=true with parallel.tp={self.tp}: torch 2.13's compiled blocks return plain "
-                    "gradients where the tensor-parallel plan's DTensor hooks expect DTensors (backward fails in "
-                    "DTensor's redistribute; with checkpointing, dynamo refuses the saved device mesh), measured "
-                    "on gloo; set training.compile=false or parallel.tp=1 (pipeline and context parallelism "
-                    "compose with it)")
+        if self.tp > 1 and self.compile and self.activation_checkpointing == "full":
+            return (f"training.compile=true with parallel.tp={self.tp} and memory.activation_checkpointing='full': "
+                    "torch 2.13's partitioner saves the recomputed attention's RNG state after the device mesh "
+                    "among a compiled block's saved values (torch/_functorch/partitioners.py "
+                    "functionalize_rng_ops), and the block's forward fails; use "
+                    "memory.activation_checkpointing='selective' (it keeps the attention's output, so nothing "
+                    "random is recomputed) or 'none'")
         if self.tp > 1 and self.precision == "fp8-mixed":
             return (f"precision.mode='fp8-mixed' with parallel.tp={self.tp}: float8 linears need torchao's float8 "
                     "tensor-parallel styles (Float8ColwiseParallel, ...), which trainfit's plans do not use yet; "
