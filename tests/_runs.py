@@ -3,7 +3,10 @@ temp folder), and seeded models."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -33,6 +36,18 @@ def run_overrides(run_dir: Path, *overrides: str, base: tuple[str, ...] = DEBUG_
 def run_config(run_dir: Path, *overrides: str, base: tuple[str, ...] = DEBUG_RUN) -> Config:
     """The Config of `run_overrides(run_dir, *overrides, base=base)`."""
     return load_config(None, run_overrides(run_dir, *overrides, base=base))
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/`name`.py as a module (benchmarks/ is not a package). It is registered first, because
+    dataclasses look their module up in sys.modules."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def seeded_model(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:

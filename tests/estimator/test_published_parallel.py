@@ -5,28 +5,13 @@ test to bound."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from _runs import load_benchmark
 
-def _load_script() -> ModuleType:
-    """The benchmark script as a module (benchmarks/ is not a package). It is registered first,
-    because dataclasses look their module up in sys.modules."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "published_parallel.py"
-    spec = importlib.util.spec_from_file_location("published_parallel", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-published = _load_script()
+published = load_benchmark("published_parallel")
 EXPRESSIBLE = [row for row in published.CONFIGS if row.overrides]
 
 

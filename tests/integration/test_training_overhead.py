@@ -6,26 +6,13 @@ groups, schedule, autocast) would change the losses from the second step on."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from _runs import load_benchmark
 
-def _load_script() -> ModuleType:
-    """The benchmark script as a module (benchmarks/ is not a package)."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "training_overhead.py"
-    spec = importlib.util.spec_from_file_location("training_overhead", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_script()
+bench = load_benchmark("training_overhead")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
