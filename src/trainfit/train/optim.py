@@ -1,7 +1,7 @@
 """Optimizers and learning-rate schedules built from the config.
 
 adamw / adam: torch's, fused where torch has a fused kernel for the device (CUDA, and CPU since torch
-2.4: on this 2-core CPU 5.5x faster than foreach, 80.7 -> 14.7 ms per step (tiny preset, benchmarks/optimizers.py);
+2.4: on this 2-core CPU 5.5x faster than foreach, 80.7 -> 14.7 ms per step for the tiny preset;
 benchmarks/optimizers.py), foreach otherwise; optimizer.fused forces either way.
 
 adafactor: torch.optim.Adafactor (Shazeer & Stern 2018, arXiv 1804.04235). No first moment; the
