@@ -18,6 +18,9 @@ driver reports as the device total (nvidia-smi memory.total: H100 80GB 81559 MiB
 A100 80GB 81920 MiB, A100 40GB 40960 MiB, L40S 46068 MiB, RTX 4090 24564 MiB; rocm-smi for MI300X:
 205,822,885,888 B). The CUDA context and allocator slack come out of it as `reserved_margin`.
 
+Host links (CPU offload's copies): the datasheets' host interface, PCIe Gen5 x16 (128 GB/s
+bidirectional) on H100 SXM/PCIe, H200 and MI300X; Gen4 x16 (64 GB/s) on A100, L40S and RTX 4090.
+
 Links are per direction and per GPU. Latencies are per ring step of NCCL's Simple protocol, the one
 large messages use (NCCL src/graph/tuning.cc, hwLat Ring/Simple: NVLink 3.4 us, PCIe 5.7 us, network
 9.6 us, plus a base of 8.4 us per collective).
@@ -47,6 +50,11 @@ COMPUTE_EFFICIENCY = 0.5
 # GB/s; PCIe peer traffic often less. 0.8 is the round middle; override with hardware.comm_efficiency.
 COMM_EFFICIENCY = 0.8
 
+# Host memory bandwidth one GPU's share of a node reaches: the optimizer step of CPU offload runs there.
+# A DGX/HGX H100 node has 2 Xeon 8480C sockets x 8 DDR5-4800 channels x 38.4 GB/s = 614 GB/s for 8 GPUs,
+# 77 GB/s each; STREAM-type kernels reach ~75% of nominal DRAM bandwidth: ~58 GB/s.
+HOST_MEMORY_BYTES_PER_S_PER_GPU = 58e9
+
 # NCCL's fixed cost of launching one collective (tuning.cc baseLat, Ring/Simple), in seconds.
 COLLECTIVE_BASE_LATENCY_S = 8.4e-6
 
@@ -61,27 +69,29 @@ class DeviceSpec:
     hbm_bytes_per_s: float
     default_link: str
     """The intra-node link such devices usually sit on (a key of LINKS)."""
+    host_link: str = ""
+    """The device's link to host memory (a key of LINKS; "" for the CPU, which is the host)."""
 
 
 def _gpu(name: str, mem_mib: int, fp32: float, tf32: float, bf16: float, fp8: float | None,
-         hbm_tb_s: float, link: str) -> DeviceSpec:
+         hbm_tb_s: float, link: str, host: str) -> DeviceSpec:
     flops = {"fp32": fp32 * TERA, "tf32": tf32 * TERA, "bf16": bf16 * TERA, "fp16": bf16 * TERA}
     if fp8 is not None:
         flops["fp8"] = fp8 * TERA
-    return DeviceSpec(name, mem_mib * MIB, flops, hbm_tb_s * 1e12, link)
+    return DeviceSpec(name, mem_mib * MIB, flops, hbm_tb_s * 1e12, link, host)
 
 
 GPUS: dict[str, DeviceSpec] = {
     s.name: s
     for s in (
-        _gpu("H100-SXM-80GB", 81559, 67.0, 494.7, 989.4, 1978.9, 3.35, "nvlink4"),
-        _gpu("H100-PCIe-80GB", 81559, 51.0, 378.0, 756.0, 1513.0, 2.0, "pcie5"),
-        _gpu("H200-141GB", 143771, 67.0, 494.7, 989.4, 1978.9, 4.8, "nvlink4"),
-        _gpu("A100-SXM-80GB", 81920, 19.5, 156.0, 312.0, None, 2.039, "nvlink3"),
-        _gpu("A100-40GB", 40960, 19.5, 156.0, 312.0, None, 1.555, "nvlink3"),
-        _gpu("L40S", 46068, 91.6, 183.0, 362.05, 733.0, 0.864, "pcie4"),
-        _gpu("RTX-4090", 24564, 82.6, 82.6, 165.2, 330.3, 1.008, "pcie4"),
-        _gpu("MI300X", 205_822_885_888 // MIB, 163.4, 653.7, 1307.4, 2614.9, 5.3, "infinity-fabric"),
+        _gpu("H100-SXM-80GB", 81559, 67.0, 494.7, 989.4, 1978.9, 3.35, "nvlink4", "pcie5"),
+        _gpu("H100-PCIe-80GB", 81559, 51.0, 378.0, 756.0, 1513.0, 2.0, "pcie5", "pcie5"),
+        _gpu("H200-141GB", 143771, 67.0, 494.7, 989.4, 1978.9, 4.8, "nvlink4", "pcie5"),
+        _gpu("A100-SXM-80GB", 81920, 19.5, 156.0, 312.0, None, 2.039, "nvlink3", "pcie4"),
+        _gpu("A100-40GB", 40960, 19.5, 156.0, 312.0, None, 1.555, "nvlink3", "pcie4"),
+        _gpu("L40S", 46068, 91.6, 183.0, 362.05, 733.0, 0.864, "pcie4", "pcie4"),
+        _gpu("RTX-4090", 24564, 82.6, 82.6, 165.2, 330.3, 1.008, "pcie4", "pcie4"),
+        _gpu("MI300X", 205_822_885_888 // MIB, 163.4, 653.7, 1307.4, 2614.9, 5.3, "infinity-fabric", "pcie5"),
     )
 }
 
@@ -240,3 +250,12 @@ def inter_node_link(hw: HardwareConfig) -> Link:
         bandwidth = preset.bytes_per_s * nics / hw.gpus_per_node if preset.per_nic else preset.bytes_per_s
     latency = hw.inter_node_latency_us * 1e-6 if hw.inter_node_latency_us else preset.latency_s
     return Link(hw.inter_node_link, bandwidth * (hw.comm_efficiency or COMM_EFFICIENCY), latency)
+
+
+def host_link(hw: HardwareConfig) -> Link | None:
+    """The link between one device and host memory (CPU offload's copies), or None on the CPU."""
+    name = _catalog_spec(hw.gpu).host_link
+    if not name:
+        return None
+    preset = LINKS[name]
+    return Link(name, preset.bytes_per_s * (hw.comm_efficiency or COMM_EFFICIENCY), preset.latency_s)

@@ -23,6 +23,7 @@ from trainfit.models.params import param_counts
 from trainfit.models.presets import PRESETS, resolve_model_config
 from trainfit.perf import flops
 from trainfit.recompute import apply_activation_checkpointing
+from trainfit.train.loss import chunked_cross_entropy
 
 
 def model_config(preset: str, **fields: int) -> ModelConfig:
@@ -127,3 +128,24 @@ def test_flop_counter_on_our_models(preset: str) -> None:
 
 def test_mfu() -> None:
     assert flops.mfu(tokens_per_s=1000.0, flops_per_token=6e9, peak_flops=1.2e13) == pytest.approx(0.5)
+
+
+def test_chunked_loss_recompute_matches_flop_counter() -> None:
+    """The chunked loss reruns its output projection in backward: 2 x dim x vocab more FLOPs per token."""
+    m = model_config("debug")
+    tokens, chunk = 48, 16
+    hidden = torch.randn(2, tokens // 2, m.dim, requires_grad=True)
+    targets = torch.randint(0, m.vocab_size, (2, tokens // 2))
+    output = torch.nn.Linear(m.dim, m.vocab_size, bias=False)
+
+    def counted(chunked: bool) -> int:
+        with FlopCounterMode(display=False) as counter:
+            if chunked:
+                loss = chunked_cross_entropy(hidden, targets, output=output, chunk_tokens=chunk)
+            else:
+                loss = F.cross_entropy(output(hidden).flatten(0, 1), targets.flatten())
+            loss.backward()
+        return counter.get_total_flops()
+
+    assert counted(True) - counted(False) == tokens * flops.loss_recompute_flops_per_token(m, chunked_loss=True)
+    assert flops.loss_recompute_flops_per_token(m, chunked_loss=False) == 0

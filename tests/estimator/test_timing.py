@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from trainfit import hardware
 from trainfit.config import ConfigError, load_config
 from trainfit.hardware import COMPUTE_EFFICIENCY, peak_flops
+from trainfit.models.params import param_counts
 from trainfit.parallel.layout import build_layout
 from trainfit.perf import comms
 from trainfit.perf.timing import bubble_fraction, estimate_perf
@@ -159,3 +161,44 @@ def test_a_4d_layout_on_16384_gpus_has_a_sane_mfu() -> None:
                              "--memory.activation_checkpointing=full"])
     est = estimate_perf(cfg.model, build_layout(cfg), cfg.training, cfg.hardware)  # speed: benchmarks/
     assert 0 < est.time["mfu"] < 1
+
+
+def test_cpu_offload_costs_host_copies_and_the_host_optimizer_step() -> None:
+    llama8b = (*H100, "--model.preset=llama3-8b", "--hardware.num_gpus=8", "--parallel.zero_stage=3",
+               "--training.seq_len=4096", "--training.micro_batch_size=1", "--training.global_batch_size=32")
+    _, dims, on_device = perf(*llama8b)
+    cfg, _, offloaded = perf(*llama8b, "--memory.offload=optimizer")
+    t = offloaded.time
+    assert on_device.time["offload_s"] == {} and on_device.time["exposed_offload_s"] == 0
+    shard = 8.03e9 / 8  # parameters per rank, each an fp32 master on the host
+    # AdamW on the host: 28 bytes per parameter at one GPU's share of the node's DRAM bandwidth
+    assert t["offload_s"]["host_optimizer"] == pytest.approx(shard * 28 / hardware.HOST_MEMORY_BYTES_PER_S_PER_GPU,
+                                                             rel=0.01)
+    link = hardware.host_link(cfg.hardware)
+    assert link is not None and link.name == "pcie5"
+    # fp32 shards copied in before each forward and backward gather (ZeRO-3), fp32 gradients out, 4 micro-batches
+    blocks = 32 * param_counts(cfg.model).per_layer / 8
+    assert t["offload_s"]["h2d"] == pytest.approx(4 * (2 * blocks + (shard - blocks)) * 4 / link.bytes_per_s, rel=0.02)
+    assert t["offload_s"]["d2h"] == pytest.approx(4 * shard * 4 / link.bytes_per_s, rel=0.01)
+    assert t["exposed_offload_s"] >= t["offload_s"]["host_optimizer"]
+    assert t["step_time_s"] == pytest.approx(t["compute_s"] + t["exposed_comm_s"] + t["exposed_offload_s"]
+                                             + t["bubble_s"])
+    # on a CPU the host is the device: only the optimizer's own time remains
+    _, _, cpu = perf("--hardware.num_gpus=2", "--parallel.zero_stage=3", "--memory.offload=optimizer")
+    assert cpu.time["offload_s"]["h2d"] == cpu.time["offload_s"]["d2h"] == 0
+
+
+def test_chunked_loss_reruns_the_output_projection() -> None:
+    _, _, whole = perf(*LLAMA70B_64)
+    cfg, dims, chunked = perf(*LLAMA70B_64, "--memory.chunked_loss=true")
+    head = 2 * cfg.model.dim * cfg.model.vocab_size  # forward FLOPs per token of the output projection
+    tokens = 64 * 4096
+    assert chunked.flops["recompute_flops_per_step"] - whole.flops["recompute_flops_per_step"] == head * tokens
+    assert chunked.flops["hardware_flops_per_step"] - whole.flops["hardware_flops_per_step"] == head * tokens
+    # the output projection lives on every rank of the 8 tp ranks' last (only) stage, split 8 ways
+    assert chunked.flops["flops_per_rank_per_step"] - whole.flops["flops_per_rank_per_step"] == pytest.approx(
+        head * tokens / 64)
+    assert chunked.time["compute_s"] > whole.time["compute_s"]
+    # here the extra compute hides as much of FSDP's exposed traffic: never a faster step
+    assert chunked.time["step_time_s"] >= whole.time["step_time_s"]
+    assert chunked.flops["model_flops_per_step"] == whole.flops["model_flops_per_step"]  # MFU gets no credit

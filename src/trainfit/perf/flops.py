@@ -21,7 +21,9 @@ Hardware FLOPs are what the GPUs execute: model FLOPs plus
   load-balancing loss is computed after the experts from saved router outputs, so recomputation runs
   to the end of the block and nothing is skipped. selective-alternate: the matmuls whose outputs
   it does not keep (the even-numbered ones in forward order, `alternate_recompute_params`), but a
-  dense block's last, as full. Every-n-layers wraps ceil(L / n) blocks.
+  dense block's last, as full. Every-n-layers wraps ceil(L / n) blocks;
+- the chunked loss (memory.chunked_loss, train/loss.py): each chunk of the output projection and
+  cross-entropy is checkpointed, so backward reruns the projection once, 2 x dim x vocab per token.
 Checked against torch.utils.flop_counter.FlopCounterMode on our models (tests/estimator/test_flops.py).
 """
 
@@ -126,15 +128,23 @@ def recompute_flops_per_token(m: ModelConfig, seq_len: int, policy: str, every_n
     return num_checkpointed_blocks(m.num_layers, every_n_layers) * (matmul + attention)
 
 
+def loss_recompute_flops_per_token(m: ModelConfig, chunked_loss: bool) -> int:
+    """Forward FLOPs per token the chunked loss reruns in backward: its output projection."""
+    return 2 * head_matmul_params(m) if chunked_loss else 0
+
+
 def flash_backward_extra_flops_per_token(m: ModelConfig, seq_len: int) -> int:
     """What the fused attention backward executes beyond the 2x-forward of model FLOPs."""
     return int((FLASH_ATTENTION_BWD_FACTOR - 2) * attention_flops_per_token(m, seq_len))
 
 
-def hardware_flops_per_token(m: ModelConfig, seq_len: int, policy: str = "none", every_n_layers: int = 1) -> int:
-    """FLOPs the devices execute per token: model FLOPs + fused-attention backward + recomputation."""
+def hardware_flops_per_token(m: ModelConfig, seq_len: int, policy: str = "none", every_n_layers: int = 1, *,
+                             chunked_loss: bool = False) -> int:
+    """FLOPs the devices execute per token: model FLOPs + fused-attention backward + recomputation
+    (activation checkpointing's, and the chunked loss's output projection)."""
     return (training_flops_per_token(m, seq_len) + flash_backward_extra_flops_per_token(m, seq_len)
-            + recompute_flops_per_token(m, seq_len, policy, every_n_layers))
+            + recompute_flops_per_token(m, seq_len, policy, every_n_layers)
+            + loss_recompute_flops_per_token(m, chunked_loss))
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:

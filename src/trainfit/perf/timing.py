@@ -26,6 +26,14 @@ its mesh axes. What of it lengthens the step is decided here, and only here:
 | expert parallel all-to-all                   | all of it                                                    |
 | pipeline send/recv                           | all of it, at every micro-batch boundary                     |
 
+CPU offload (memory.offload, FSDP2's CPUOffloadPolicy): every parameter all-gather first copies the
+rank's fp32 shard (bf16-pure: bf16) from host to device, and every gradient reduce-scatter's output
+(in the reduce dtype) goes back; both run on the host link behind compute as the gathers and
+reductions do (what exceeds a micro-batch's forward, or its backward, is exposed, as is the last
+micro-batch's final copy), and the optimizer steps the shard in host memory, fully exposed: AdamW
+reads and writes the fp32 parameter and both states and reads the gradient,
+OFFLOAD_OPTIMIZER_BYTES_PER_PARAM bytes, at hardware.HOST_MEMORY_BYTES_PER_S_PER_GPU.
+
 Overlapped traffic is assumed not to slow the compute it hides behind, and collectives on different
 links not to contend. Pipeline bubble: the fraction of an ideal step each rank idles, times its
 compute plus its per-micro-batch exposed communication:
@@ -43,14 +51,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainfit.config import HardwareConfig, ModelConfig, TrainingConfig
-from trainfit.hardware import compute_efficiency, device_spec, peak_flops
+from trainfit.hardware import HOST_MEMORY_BYTES_PER_S_PER_GPU, compute_efficiency, device_spec, host_link, peak_flops
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES
 from trainfit.perf import flops as F
-from trainfit.perf.comms import KINDS, Collective, collective_link, collective_time, step_collectives
+from trainfit.perf.comms import (
+    KINDS,
+    Collective,
+    collective_link,
+    collective_time,
+    precision_bytes,
+    stage_params,
+    step_collectives,
+)
 
 # Bubble of zero-bubble schedules as a fraction of 1F1B's (ZB-V with equal F, B, W passes).
 ZERO_BUBBLE_FRACTION = 0.0
+# AdamW on the host, per parameter: the fp32 parameter, exp_avg and exp_avg_sq read and written, the gradient read.
+OFFLOAD_OPTIMIZER_BYTES_PER_PARAM = 3 * 2 * 4 + 4
 # Collectives whose every call waits on the critical path.
 EXPOSED_PURPOSES = frozenset({"tp", "cp", "ep", "pp", "zero1_params"})
 
@@ -62,7 +80,8 @@ class PerfEstimate:
     recompute_flops_per_step, flops_per_rank_per_step (hardware FLOPs of the busiest rank)."""
     time: dict[str, Any]
     """step_time_s, compute_s, comm_s {kind: total s}, exposed_comm_s, exposed_comm_by_kind_s {kind: s},
-    bubble_s, bubble_fraction, num_microbatches, tokens_per_second (whole job), mfu, hfu."""
+    offload_s {h2d, d2h, host_optimizer: s per step; empty without offload}, exposed_offload_s, bubble_s,
+    bubble_fraction, num_microbatches, tokens_per_second (whole job), mfu, hfu."""
     collectives: tuple[tuple[Collective, float], ...] = field(default=())
     """Every collective kind a rank issues, with the time of one call."""
 
@@ -92,7 +111,8 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> tuple[floa
         # the last stage's rank (or the only one) holds the output projection
         head = 2 * F.head_matmul_params(m) * (layout.num_stages - 1 in layout.rank_stages(pp_rank))
         forward = layers * (mm + at) + head
-        backward = layers * (2 * mm + F.FLASH_ATTENTION_BWD_FACTOR * at) + 2 * head + wrapped * (rc_mm + rc_at)
+        backward = (layers * (2 * mm + F.FLASH_ATTENTION_BWD_FACTOR * at) + 2 * head + wrapped * (rc_mm + rc_at)
+                    + head * layout.chunked_loss)  # the chunked loss reruns the output projection
         return forward, backward, layers * at * (1 + F.FLASH_ATTENTION_BWD_FACTOR) + wrapped * rc_at
 
     forward, backward, attention = max((rank(r) for r in range(layout.pp)), key=lambda f: f[0] + f[1])
@@ -151,12 +171,37 @@ def _exposed(timed: list[tuple[Collective, float]], fwd_s: float, bwd_s: float, 
     return exposed, per_microbatch
 
 
+def _offload(m: ModelConfig, layout: Layout, hw: HardwareConfig, fwd_s: float, bwd_s: float
+             ) -> tuple[dict[str, float], float]:
+    """({h2d, d2h, host_optimizer}: seconds per step, exposed seconds) of CPU offload (module docstring)."""
+    if layout.offload == "none":
+        return {}, 0.0
+    block, root = stage_params(m, layout)
+    layers, n_mb = layout.busiest_rank_blocks(), layout.num_microbatches
+    blocks, root = layers * block / layout.zero_shards, root / layout.zero_shards  # this rank's shard
+    master_b = 2 if layout.precision == "bf16-pure" else 4
+    grad_b = precision_bytes(layout.precision)[1]
+    link = host_link(hw)
+    rate = link.bytes_per_s if link else float("inf")  # on a CPU the host is the device: nothing moves
+    h2d_fwd = (blocks + root) * master_b / rate
+    h2d_bwd = blocks * master_b / rate if layout.zero_stage == 3 else 0.0
+    d2h = (blocks + root) * grad_b / rate
+    optimizer = (blocks + root) * OFFLOAD_OPTIMIZER_BYTES_PER_PARAM / HOST_MEMORY_BYTES_PER_S_PER_GPU
+    fwd_mb, bwd_mb = fwd_s / n_mb, bwd_s / n_mb
+    exposed = (n_mb * (max(0.0, h2d_fwd - fwd_mb) + max(0.0, h2d_bwd + d2h - bwd_mb))
+               + root * grad_b / rate + optimizer)
+    return {"h2d": n_mb * (h2d_fwd + h2d_bwd), "d2h": n_mb * d2h, "host_optimizer": optimizer}, exposed
+
+
 def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig) -> PerfEstimate:
     """FLOPs, step time and its parts, tokens/s and MFU of one layout of a model on its hardware."""
     tokens_per_step = layout.global_batch_size * t.seq_len
     model_tok = F.training_flops_per_token(m, t.seq_len)
-    hardware_tok = F.hardware_flops_per_token(m, t.seq_len, layout.activation_checkpointing, layout.ac_every_n_layers)
-    recompute_tok = F.recompute_flops_per_token(m, t.seq_len, layout.activation_checkpointing, layout.ac_every_n_layers)
+    hardware_tok = F.hardware_flops_per_token(m, t.seq_len, layout.activation_checkpointing, layout.ac_every_n_layers,
+                                              chunked_loss=layout.chunked_loss)
+    recompute_tok = (F.recompute_flops_per_token(m, t.seq_len, layout.activation_checkpointing,
+                                                 layout.ac_every_n_layers)
+                     + F.loss_recompute_flops_per_token(m, layout.chunked_loss))
     fwd, bwd, attention = _rank_flops(m, layout, t)
     fwd_s, bwd_s = _compute_seconds(hw, layout.precision, fwd, bwd, attention)
     compute_s = fwd_s + bwd_s
@@ -169,9 +214,10 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
         comm[c.kind] += one * c.count
     exposed, per_microbatch = _exposed(timed, fwd_s, bwd_s, n_mb)
     exposed_s = sum(exposed.values())
+    offload, offload_exposed_s = _offload(m, layout, hw, fwd_s, bwd_s)
     frac = bubble_fraction(layout.pp_schedule, layout.pp, n_mb, layout.pp_virtual_stages)
     bubble_s = frac * (compute_s + per_microbatch)
-    step_s = compute_s + exposed_s + bubble_s
+    step_s = compute_s + exposed_s + offload_exposed_s + bubble_s
 
     peak = peak_flops(hw, layout.precision)
     flops = {
@@ -188,6 +234,8 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
         "comm_s": comm,
         "exposed_comm_s": exposed_s,
         "exposed_comm_by_kind_s": exposed,
+        "offload_s": offload,
+        "exposed_offload_s": offload_exposed_s,
         "bubble_s": bubble_s,
         "bubble_fraction": frac,
         "num_microbatches": n_mb,
