@@ -70,6 +70,50 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    from trainfit.config import config_from_dict, read_raw, resolve_and_validate, write_atomic
+    from trainfit.memory.report import check_figure_path
+    from trainfit.plan.explain import plan_json, plan_table, plot_plan, search_summary, winner_toml
+    from trainfit.plan.search import search
+
+    raw = read_raw(args.config, overrides)
+    cfg = config_from_dict(raw)
+    resolve_and_validate(cfg)
+    if args.top < 1:
+        raise ConfigError(f"--top {args.top}: show at least 1 candidate; try --top 10")
+    if args.plot:
+        check_figure_path("--plot", args.plot)
+    precisions = tuple(p for p in (args.precisions or "").split(",") if p)
+    for mode in precisions:
+        cfg_check = config_from_dict({**raw, "precision": {**raw.get("precision", {}), "mode": mode}})
+        resolve_and_validate(cfg_check)  # names precision.mode and the valid modes when one is wrong
+    fixed = frozenset(f"{section}.{name}" for section, values in raw.items() for name in values)
+    plan = search(cfg, fixed, top=args.top, precisions=precisions, exhaustive=bool(args.plot))
+    out = sys.stderr if args.json else sys.stdout
+    if not plan.candidates:
+        reasons = ", ".join(f"{n:,} {why}" for why, n in plan.stats.rejected.most_common(5))
+        print(f"error: no layout of this model fits {cfg.hardware.num_gpus} x {cfg.hardware.gpu} with global batch "
+              f"{cfg.training.global_batch_size} ({reasons or 'no valid layout'}); add GPUs (hardware.num_gpus), a "
+              "device with more memory (hardware.gpu), or unfix fields that you set", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(plan_json(plan), indent=2))
+    else:
+        from rich.console import Console
+
+        console = Console()
+        console.print(plan_table(plan))
+        console.print(search_summary(plan))
+    if args.out:
+        write_atomic(args.out, winner_toml(raw, plan.candidates[0]))
+        print(f"wrote {args.out}: the fastest layout as a config (trainfit train {args.out})", file=out)
+    if args.plot:
+        print(f"wrote {plot_plan(plan, args.plot)}", file=out)
+    return 0
+
+
 def cmd_measure(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
@@ -283,6 +327,7 @@ def _reject_overrides(overrides: list[str]) -> None:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "estimate": cmd_estimate,
+    "plan": cmd_plan,
     "measure": cmd_measure,
     "report": cmd_report,
     "train": cmd_train,
@@ -301,6 +346,7 @@ HSDP, offload, bf16/fp16, activation checkpointing) and reports predicted agains
 
 commands:
   estimate      predict memory and speed (no GPU needed, instant)
+  plan          search every layout that fits a cluster, rank by predicted speed, write the fastest
   train         train a model (default: a tiny Llama on Shakespeare, on CPU, ~2 minutes)
   report        analytic and traced predictions against a measured step (--profile: a profiled run)
   measure       measure a real step's memory per component
@@ -310,6 +356,8 @@ commands:
 
 examples:
   trainfit estimate --model.preset=llama3-8b --hardware.gpu=H100-SXM-80GB --hardware.num_gpus=8
+  trainfit plan --model.preset=llama3-70b --hardware.gpu=H100-SXM-80GB --hardware.num_gpus=64 \\
+      --training.seq_len=8192 --training.global_batch_size=512 --out plan.toml
   trainfit train
   torchrun --nproc_per_node 2 -m trainfit train --parallel.zero_stage=3
   trainfit train --profile=4-5 && trainfit report --profile runs/default/profile
@@ -328,6 +376,15 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--plot", metavar="FILE.png", help="draw the memory breakdown as a stacked bar")
     estimate.add_argument("--traced", action="store_true",
                           help="run the real step on fake tensors and a fake process group (exact, slower)")
+    plan = _config_parser(sub, "plan", "search the layouts that fit and rank them by predicted step time (no torch); "
+                          "fields set in CONFIG or on the command line stay fixed, the others are searched")
+    plan.add_argument("--top", type=int, default=10, help="how many candidates to show (default 10)")
+    plan.add_argument("--out", metavar="FILE.toml", help="write the fastest layout as a config trainfit train runs")
+    plan.add_argument("--json", action="store_true", help="print the candidates and the search as one JSON object")
+    plan.add_argument("--plot", metavar="FILE.png", help="draw tokens/s against memory for every candidate that fits "
+                      "(searches exhaustively, without the bound)")
+    plan.add_argument("--precisions", metavar="MODES", help="precision modes the plan may choose, comma-separated "
+                      "(e.g. bf16-mixed,fp8-mixed; default: the config's, bf16-mixed on a GPU when unset)")
     measure = _config_parser(sub, "measure", "run real steps and measure memory at the allocator, per component")
     measure.add_argument("--json", action="store_true", help="print the estimate's schema (model, per_rank, per_stage)")
     measure.add_argument("--steps", type=int, default=2, help="steps to run; the last one is measured")

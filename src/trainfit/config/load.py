@@ -23,6 +23,14 @@ from trainfit.config.validate import resolve_and_validate
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read a TOML file (or the defaults), apply `--section.field=value` / `--section.field value`
     overrides, resolve, validate."""
+    cfg = config_from_dict(read_raw(path, overrides))
+    resolve_and_validate(cfg)
+    return cfg
+
+
+def read_raw(path: str | Path | None = None, overrides: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """What the user wrote: the TOML file's tables with the overrides applied, as nested dicts
+    (`trainfit plan` keeps these fields and searches the rest)."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -42,9 +50,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         key, text = item[2:].split("=", 1)
         section, name = key.split(".", 1)
         raw.setdefault(section, {})[name] = parse_override_value(key, text, _field_hint(section, name, text))
-    cfg = config_from_dict(raw)
-    resolve_and_validate(cfg)
-    return cfg
+    return raw
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:

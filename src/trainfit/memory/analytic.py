@@ -682,7 +682,7 @@ def _pipeline_held(run: _Run, lay: _Layout, stage: int, act: ActDtypes, size: Ca
         return _PipelineHeld()
     p, v, m, n, schedule = layout.pp, layout.pp_virtual_stages, layout.num_microbatches, layout.num_stages, \
         layout.pp_schedule
-    owner = {s: r for r in range(p) for s in layout.rank_stages(r)}
+    owner = layout.stage_owners()
     local = layout.rank_stages(stage)
     boundary = size(stage_boundary_terms(run.model, act))
     slots = m * boundary * sum((s > 0) + (s < n - 1) for s in local)
@@ -967,6 +967,13 @@ def estimate_memory(model: ModelConfig, layout: Layout, training: TrainingConfig
     stages = [_stage_breakdown(run, counts, s) for s in range(layout.pp)]
     worst = max(range(len(stages)), key=lambda i: stages[i].peak)
     return MemoryEstimate(per_stage=stages, worst_stage=worst)
+
+
+def stage_memory(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
+                 optimizer: OptimizerConfig, stage: int) -> MemoryBreakdown:
+    """One pipeline rank's breakdown (estimate_memory's per_stage[stage]), for callers that can stop
+    at the first rank that does not fit (plan/search.py)."""
+    return _stage_breakdown(_Run(model, layout, training, hardware, optimizer), param_counts(model), stage)
 
 
 def model_states(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,

@@ -29,8 +29,9 @@ from trainfit.parallel.stage_split import (
     ZERO_BUBBLE_SCHEDULES,
     balanced_split,
     default_virtual_stages,
+    rank_blocks,
     rank_stages,
-    stage_ranges,
+    stage_owners,
 )
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -103,14 +104,17 @@ class Layout:
         """Pipeline stages in all (virtual stages included)."""
         return self.pp * self.pp_virtual_stages
 
-    def rank_stages(self, pp_rank: int) -> list[int]:
+    def rank_stages(self, pp_rank: int) -> tuple[int, ...]:
         """The pipeline stages rank `pp_rank` of the pp axis runs, in model order."""
         return rank_stages(pp_rank, self.pp, self.pp_virtual_stages, self.pp_schedule)
 
-    def rank_blocks(self, pp_rank: int) -> list[int]:
+    def stage_owners(self) -> tuple[int, ...]:
+        """The pipeline rank running each stage, first stage to last."""
+        return stage_owners(self.pp, self.pp_virtual_stages, self.pp_schedule)
+
+    def rank_blocks(self, pp_rank: int) -> tuple[int, ...]:
         """Global indices of the blocks rank `pp_rank` of the pp axis runs, in model order."""
-        ranges = stage_ranges(self.pp_layers)
-        return [i for stage in self.rank_stages(pp_rank) for i in ranges[stage]]
+        return rank_blocks(pp_rank, self.pp_layers, self.pp, self.pp_virtual_stages, self.pp_schedule)
 
     def busiest_rank_blocks(self) -> int:
         """Blocks of the pipeline rank that runs the most (all of them without pipeline parallelism)."""

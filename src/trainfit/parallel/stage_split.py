@@ -16,6 +16,9 @@ balanced: `parallel.pp_layers_per_stage` sets any split by hand.
 
 from __future__ import annotations
 
+import functools
+import itertools
+from collections.abc import Callable
 from functools import cache
 
 from trainfit.config.schema import ModelConfig
@@ -34,18 +37,38 @@ def default_virtual_stages(schedule: str) -> int:
     return 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
 
 
-def rank_stages(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
+# The functions below are cached: the estimators ask them per stage of thousands of layouts (plan/search.py).
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_stages(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> tuple[int, ...]:
     """The stages pipeline rank `pp_rank` runs, in model order: r, r + pp, ... (looped), or r and
     2 pp - 1 - r (V schedules)."""
     if schedule in V_SCHEDULES:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(virtual_stages)]
+        return (pp_rank, 2 * pp - 1 - pp_rank)
+    return tuple(pp_rank + k * pp for k in range(virtual_stages))
 
 
-def stage_ranges(layers_per_stage: tuple[int, ...]) -> list[range]:
+@functools.lru_cache(maxsize=1024)
+def stage_owners(pp: int, virtual_stages: int, schedule: str) -> tuple[int, ...]:
+    """The pipeline rank that runs each stage, first stage to last."""
+    owner = {s: r for r in range(pp) for s in rank_stages(r, pp, virtual_stages, schedule)}
+    return tuple(owner[s] for s in range(len(owner)))
+
+
+@functools.lru_cache(maxsize=1024)
+def stage_ranges(layers_per_stage: tuple[int, ...]) -> tuple[range, ...]:
     """Global block indices of each stage."""
-    starts = [sum(layers_per_stage[:i]) for i in range(len(layers_per_stage))]
-    return [range(start, start + n) for start, n in zip(starts, layers_per_stage, strict=True)]
+    starts = itertools.accumulate(layers_per_stage, initial=0)
+    return tuple(range(start, start + n) for start, n in zip(starts, layers_per_stage, strict=False))
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_blocks(pp_rank: int, layers_per_stage: tuple[int, ...], pp: int, virtual_stages: int, schedule: str
+                ) -> tuple[int, ...]:
+    """Global indices of the blocks pipeline rank `pp_rank` runs, in model order."""
+    ranges = stage_ranges(layers_per_stage)
+    return tuple(i for stage in rank_stages(pp_rank, pp, virtual_stages, schedule) for i in ranges[stage])
 
 
 def balanced_split(m: ModelConfig, seq_len: int, num_stages: int) -> tuple[int, ...]:
@@ -54,21 +77,28 @@ def balanced_split(m: ModelConfig, seq_len: int, num_stages: int) -> tuple[int, 
     block = (2 * block_matmul_params(m) + block_attention_flops(m, seq_len), counts.per_layer)
     first = (0, counts.embedding)
     last = (2 * head_matmul_params(m), counts.final_norm + counts.output)
-    total = tuple(m.num_layers * b + f + h for b, f, h in zip(block, first, last, strict=True))
+    return _split_solver(m.num_layers, block, first, last)(0, num_stages)[1]
+
+
+@functools.lru_cache(maxsize=16)
+def _split_solver(num_layers: int, block: tuple[int, int], first: tuple[int, int], last: tuple[int, int]
+                  ) -> Callable[[int, int], tuple[float, tuple[int, ...]]]:
+    """best(start, stages): (largest share, split) of blocks start.. over `stages` stages, memoized
+    across stage counts of one model (the planner asks for many)."""
+    total = tuple(num_layers * b + f + h for b, f, h in zip(block, first, last, strict=True))
 
     def share(start: int, end: int) -> float:
-        extra = [(first if start == 0 else (0, 0)), (last if end == m.num_layers else (0, 0))]
+        extra = [(first if start == 0 else (0, 0)), (last if end == num_layers else (0, 0))]
         return max(((end - start) * block[i] + extra[0][i] + extra[1][i]) / total[i] for i in range(2))
 
     @cache
     def best(start: int, stages: int) -> tuple[float, tuple[int, ...]]:
-        """(largest share, split) of blocks start.. over `stages` stages."""
         if stages == 1:
-            return share(start, m.num_layers), (m.num_layers - start,)
+            return share(start, num_layers), (num_layers - start,)
         options = []
-        for end in range(start + 1, m.num_layers - stages + 2):
+        for end in range(start + 1, num_layers - stages + 2):
             cost, rest = best(end, stages - 1)
             options.append((max(share(start, end), cost), (end - start, *rest)))
         return min(options)  # ties: the split with fewer blocks early (tuples compare in order)
 
-    return best(0, num_stages)[1]
+    return best

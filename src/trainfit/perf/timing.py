@@ -51,7 +51,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainfit.config import HardwareConfig, ModelConfig, TrainingConfig
-from trainfit.hardware import HOST_MEMORY_BYTES_PER_S_PER_GPU, compute_efficiency, device_spec, host_link, peak_flops
+from trainfit.hardware import (
+    HOST_MEMORY_BYTES_PER_S_PER_GPU,
+    Link,
+    compute_efficiency,
+    device_spec,
+    host_link,
+    peak_flops,
+)
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES
 from trainfit.perf import flops as F
@@ -131,6 +138,21 @@ def _compute_seconds(hw: HardwareConfig, mode: str, fwd: float, bwd: float, atte
     return fwd / rate + fwd * slowdown, bwd / rate + bwd * slowdown
 
 
+def compute_time_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig) -> float:
+    """The busiest rank's forward and backward compute per step (estimate_perf's compute_s), alone:
+    part of the lower bounds plan/search.py computes before whole estimates."""
+    return sum(_compute_seconds(hw, layout.precision, *_rank_flops(m, layout, t)))
+
+
+def model_parallel_comm_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig) -> float:
+    """Tensor, context and pipeline parallelism's traffic per step, all of it exposed (the module
+    docstring's table): the other part of those bounds."""
+    links: dict[tuple[str, ...], Link] = {}
+    return sum(collective_time(c.kind, c.nbytes, c.group_size,
+                               links.get(c.axes) or links.setdefault(c.axes, collective_link(c, layout, hw))) * c.count
+               for c in step_collectives(m, layout, t) if c.purpose in ("tp", "cp", "pp"))
+
+
 def _exposed(timed: list[tuple[Collective, float]], fwd_s: float, bwd_s: float, n_mb: int
              ) -> tuple[dict[str, float], float]:
     """Exposed seconds per kind (the module docstring's table), and the part that recurs every micro-batch."""
@@ -207,7 +229,9 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
     compute_s = fwd_s + bwd_s
 
     n_mb = layout.num_microbatches
-    timed = [(c, collective_time(c.kind, c.nbytes, c.group_size, collective_link(c, layout, hw)))
+    links: dict[tuple[str, ...], Link] = {}  # one link per group of mesh axes
+    timed = [(c, collective_time(c.kind, c.nbytes, c.group_size,
+                                 links.get(c.axes) or links.setdefault(c.axes, collective_link(c, layout, hw))))
              for c in step_collectives(m, layout, t)]
     comm = dict.fromkeys(KINDS, 0.0)
     for c, one in timed:

@@ -1,0 +1,138 @@
+"""What a plan found, in words and a table: each candidate's layout, memory, speed, and what it gives
+up against the one above it. Torch-free; rich renders the table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from trainfit.config import dump_toml
+from trainfit.plan.search import Candidate, Plan, model_summary
+
+GIB = 1024**3
+
+
+def layout_words(c: Candidate) -> str:
+    """The parallel layout in a few words: 'tp8+sp cp2 pp4 zbv-zero-bubble | FSDP 16 (ZeRO-3)'."""
+    d = c.layout
+    model = [f"tp{d.tp}" + ("+sp" if d.sequence_parallel else "")] if d.tp > 1 else []
+    model += [f"cp{d.cp}"] if d.cp > 1 else []
+    model += [f"ep{d.ep}"] if d.ep > 1 else []
+    if d.pp > 1:
+        virtual = f" x{d.pp_virtual_stages}" if d.pp_virtual_stages > 1 else ""
+        model.append(f"pp{d.pp} {d.pp_schedule}{virtual}")
+    data = {"none": "one replica", "ddp": f"DDP {d.dp}", "zero1": f"ZeRO-1 {d.dp}"}.get(d.data_parallel)
+    if data is None:
+        data = (f"HSDP {d.dp_replicate}x{d.dp_shard}" if d.dp_replicate > 1 else f"FSDP {d.dp_shard}") + \
+            f" (ZeRO-{d.zero_stage})"
+    return " ".join(model + ["|", data]) if model else data
+
+
+def memory_words(c: Candidate) -> str:
+    """The memory knobs: checkpointing, offload, chunked loss."""
+    d = c.layout
+    ac = d.activation_checkpointing
+    words = [ac + (f" every {d.ac_every_n_layers}" if d.ac_every_n_layers > 1 and ac != "none" else "")
+             if ac != "none" else "no checkpointing"]
+    words += [f"offload {d.offload}"] if d.offload != "none" else []
+    words += ["chunked loss"] if d.chunked_loss else []
+    return ", ".join(words)
+
+
+def _time_parts(c: Candidate) -> dict[str, float]:
+    """Where a candidate's step time goes: compute, each exposed collective kind, offload, bubble."""
+    t = c.perf.time
+    parts = {"compute": t["compute_s"], "bubble": t["bubble_s"], "host offload": t["exposed_offload_s"]}
+    parts.update({f"exposed {kind.replace('_', '-')}": s for kind, s in t["exposed_comm_by_kind_s"].items()})
+    return parts
+
+
+def versus(above: Candidate, c: Candidate) -> str:
+    """What `c` gives up against the faster `above`, and what it gains, in words."""
+    slower = c.step_time_s / above.step_time_s - 1
+    words = [f"{slower:.1%} slower" if slower > 5e-4 else "as fast"]
+    a, b = _time_parts(above), _time_parts(c)
+    costs = sorted(((b[k] - a[k], k) for k in b), reverse=True)
+    words += [f"+{delta:.2f} s {name}" for delta, name in costs[:2] if delta > 0.005 * above.step_time_s]
+    saved = above.memory_bytes - c.memory_bytes
+    words.append(f"{saved / GIB:.1f} GiB less memory" if saved > 0 else f"{-saved / GIB:.1f} GiB more memory")
+    return "; ".join(words)
+
+
+def plan_table(plan: Plan) -> Table:
+    first = plan.candidates[0]
+    table = Table(title=f"trainfit plan: {model_summary(first.cfg)}\nthe fastest layout that fits, then each "
+                        "next fastest that needs less memory", title_justify="left")
+    for column, justify in (("#", "right"), ("layout", "left"), ("micro-batch x n", "right"),
+                            ("memory techniques", "left"), ("GiB/GPU", "right"), ("tokens/s", "right"),
+                            ("MFU", "right"), ("against the one above", "left")):
+        table.add_column(column, justify=justify, overflow="fold")
+    device = first.device_memory
+    for i, c in enumerate(plan.candidates):
+        memory = f"{c.memory_bytes / GIB:.1f}" + (f" / {device / GIB:.0f}" if device and i == 0 else "")
+        table.add_row(str(i + 1), layout_words(c), f"{c.layout.micro_batch_size} x {c.layout.num_microbatches}",
+                      memory_words(c), memory, f"{c.tokens_per_second:,.0f}", f"{c.mfu:.1%}",
+                      "" if i == 0 else versus(plan.candidates[i - 1], c))
+    return table
+
+
+def search_summary(plan: Plan) -> str:
+    s = plan.stats
+    rejected = ", ".join(f"{n:,} {why}" for why, n in s.rejected.most_common(4))
+    return (f"searched {s.groups:,} layouts ({s.groups_visited:,} with every memory technique, the rest bounded out "
+            f"by their best case) with {s.memory_estimates:,} memory and {s.time_estimates:,} time estimates in "
+            f"{plan.seconds:.2f} s; left out: {rejected or 'none'}")
+
+
+def candidate_json(c: Candidate) -> dict[str, Any]:
+    t = c.perf.time
+    return {"settings": c.settings(), "layout": layout_words(c), "memory_techniques": memory_words(c),
+            "memory_bytes": c.memory_bytes, "device_memory": c.device_memory,
+            "peak_bytes": max(s.peak for s in c.memory.per_stage),
+            "step_time_s": t["step_time_s"], "tokens_per_second": t["tokens_per_second"], "mfu": t["mfu"],
+            "compute_s": t["compute_s"], "exposed_comm_s": t["exposed_comm_s"], "bubble_s": t["bubble_s"],
+            "exposed_offload_s": t["exposed_offload_s"], "grad_accum_steps": c.layout.grad_accum_steps,
+            "num_microbatches": c.layout.num_microbatches}
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    s = plan.stats
+    return {"candidates": [candidate_json(c) for c in plan.candidates],
+            "search": {"layouts": s.groups, "visited": s.groups_visited, "memory_estimates": s.memory_estimates,
+                       "time_estimates": s.time_estimates, "rejected": dict(s.rejected), "seconds": plan.seconds}}
+
+
+def winner_toml(raw: dict[str, dict[str, Any]], c: Candidate) -> str:
+    """The user's own fields with the winner's choices written in: a config `trainfit train` runs as is."""
+    merged = {section: dict(values) for section, values in raw.items()}
+    for key, value in c.settings().items():
+        section, name = key.split(".")
+        merged.setdefault(section, {})[name] = list(value) if isinstance(value, tuple) else value
+    header = (f"written by trainfit plan: {model_summary(c.cfg)}\n{layout_words(c)}; {memory_words(c)}\n"
+              f"predicted: {c.memory_bytes / GIB:.1f} GiB per GPU, {c.tokens_per_second:,.0f} tokens/s, "
+              f"MFU {c.mfu:.1%}")
+    return dump_toml(merged, header)
+
+
+def plot_plan(plan: Plan, path: str | Path) -> Path:
+    """Tokens/s against memory per GPU for every fitting candidate the search evaluated, the top ones marked."""
+    from trainfit.memory.report import pyplot, save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.scatter([c.memory_bytes / GIB for c in plan.fitting], [c.tokens_per_second for c in plan.fitting], s=12,
+               alpha=0.5, label=f"{len(plan.fitting)} layouts that fit")
+    top = plan.candidates
+    ax.scatter([c.memory_bytes / GIB for c in top], [c.tokens_per_second for c in top], s=40, marker="*",
+               color="tab:red", label=f"the {len(top)} fastest")
+    ax.annotate("1", (top[0].memory_bytes / GIB, top[0].tokens_per_second), textcoords="offset points",
+                xytext=(5, 5))
+    if top[0].device_memory:
+        ax.axvline(top[0].device_memory / GIB, color="grey", linestyle="--", label="device memory")
+    ax.set_xlabel("memory per GPU (GiB, peak + reserved margin)")
+    ax.set_ylabel("tokens/s (predicted)")
+    ax.set_title(model_summary(top[0].cfg), fontsize=9)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)

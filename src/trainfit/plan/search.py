@@ -1,0 +1,535 @@
+"""`trainfit plan`: every layout of a model on a cluster that fits, ranked by predicted step time. Torch-free.
+
+The user's config fixes what it names (model, hardware, global batch, sequence length, and any
+field written in the file or on the command line); every other choice below is searched, each
+candidate judged by the analytic estimators (memory/analytic.py for the fit, perf/timing.py for
+the time) on its own Layout, so a candidate is exactly what `trainfit estimate` would say of it.
+
+| choice                      | options                                                               |
+|-----------------------------|-----------------------------------------------------------------------|
+| parallel.tp                 | divisors of a node's GPUs that divide the heads, KV heads and FFN     |
+| parallel.sequence_parallel  | on whenever tp > 1: the same bytes as tensor parallelism's            |
+|                             | all-reduces (perf/comms.py), less activation memory                   |
+| parallel.cp                 | divides the world, 2 cp divides the sequence, >= MIN_CP_TOKENS each   |
+| parallel.pp, pp_schedule    | divides what tp x cp leave; 1f1b, interleaved-1f1b, zbv-zero-bubble,  |
+|                             | interleaved-zero-bubble (gpipe, looped-bfs and dualpipev have the     |
+|                             | bubble of one of these and hold more micro-batches: never better)     |
+| parallel.ep                 | MoE: divisors of the experts that divide dp_shard x cp                |
+| parallel.dp_replicate       | 1 (FSDP over all data-parallel ranks), or HSDP with shard groups of   |
+|                             | 1, 2, 4 or 8 whole nodes                                              |
+| parallel.zero_stage         | 0-3 (DDP and ZeRO-1 only where they train: no tp, pp or ep)           |
+| training.micro_batch_size   | divisors of a data-parallel rank's sequences per step, up to          |
+|                             | MAX_MICRO_BATCH; the rest is accumulation (pipeline micro-batches)    |
+| memory.activation_checkpointing, ac_every_n_layers | none, selective, full every 4, selective- |
+|                             | alternate, full every 2, full                                         |
+| memory.offload              | none, optimizer (ZeRO-2/3), optimizer+params (ZeRO-3)                 |
+| memory.chunked_loss         | off, on                                                               |
+| precision.mode              | the config's (bf16-mixed on a GPU when the user leaves it), or those  |
+|                             | the caller allows                                                     |
+
+Only layouts `trainfit train` runs are kept (Layout.untrainable_reason). A candidate fits when
+every pipeline stage's peak plus its reserved margin is within the device memory.
+
+Search: branch and bound, exact for the time model. A *group* fixes everything but the three
+memory knobs (checkpointing, offload, chunked loss); its lower bound is its time with none of
+them, since each only adds work (recomputation, host copies and the host optimizer step) and
+added compute never shortens a step (it can only hide communication it overlaps). Groups are
+visited in order of that bound and the search stops once the bound exceeds the `top`-th best time
+found. Inside a group, for each offload and chunked-loss setting, the checkpointing options are
+tried cheapest first and the first that fits ends that setting's row (a costlier one is slower
+and fits no better a purpose); settings dominated by a cheaper one that fits are skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import itertools
+import math
+import re
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainfit.config import Config, ConfigError
+from trainfit.hardware import device_spec
+from trainfit.memory.analytic import MemoryEstimate, stage_memory
+from trainfit.memory.breakdown import MemoryBreakdown
+from trainfit.models.params import param_counts
+from trainfit.parallel.layout import Layout, build_layout
+from trainfit.parallel.stage_split import balanced_split, default_virtual_stages
+from trainfit.perf import flops as F
+from trainfit.perf.timing import PerfEstimate, bubble_fraction, compute_time_s, estimate_perf, model_parallel_comm_s
+
+MIN_CP_TOKENS = 1024
+"""Fewest tokens of a sequence one context-parallel rank holds: below that its K/V all-gathers
+outweigh the attention they split (Llama 3 used cp 16 on 131,072 tokens: 8,192 each)."""
+MAX_MICRO_BATCH = 16
+"""Largest micro-batch tried: the time model prices no matmul-efficiency gain from bigger ones."""
+PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zbv-zero-bubble", "interleaved-zero-bubble")
+HSDP_NODES = (1, 2, 4, 8)
+"""Nodes per HSDP shard group tried (besides sharding over every data-parallel rank)."""
+AC_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("none", 1), ("selective", 1), ("full", 4), ("selective-alternate", 1), ("full", 2), ("full", 1))
+OFFLOAD_OPTIONS = ("none", "optimizer", "optimizer+params")
+
+SEARCHED = (
+    "parallel.tp", "parallel.sequence_parallel", "parallel.cp", "parallel.pp", "parallel.pp_schedule",
+    "parallel.pp_virtual_stages", "parallel.ep", "parallel.dp_replicate", "parallel.dp_shard",
+    "parallel.zero_stage", "training.micro_batch_size", "memory.activation_checkpointing",
+    "memory.ac_every_n_layers", "memory.offload", "memory.chunked_loss", "precision.mode",
+)
+"""The fields a plan chooses (the rest of the config is the user's)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout that fits, as `trainfit estimate` would judge it."""
+
+    cfg: Config
+    layout: Layout
+    memory: MemoryEstimate
+    perf: PerfEstimate
+    device_memory: int
+
+    @property
+    def step_time_s(self) -> float:
+        return self.perf.time["step_time_s"]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.perf.time["tokens_per_second"]
+
+    @property
+    def mfu(self) -> float:
+        return self.perf.time["mfu"]
+
+    @functools.cached_property
+    def memory_bytes(self) -> int:
+        """What the busiest rank's device must hold: its peak plus the reserved margin."""
+        return max(s.peak + s.reserved_margin for s in self.memory.per_stage)
+
+    def settings(self) -> dict[str, Any]:
+        """The searched fields' values ("section.field" -> value)."""
+        return {key: getattr(getattr(self.cfg, key.split(".")[0]), key.split(".")[1]) for key in SEARCHED}
+
+
+@dataclass
+class SearchStats:
+    groups: int = 0
+    """Groups (everything but the memory knobs) that form a valid, trainable layout."""
+    groups_visited: int = 0
+    """Groups whose memory knobs were searched (the rest were bounded out)."""
+    memory_estimates: int = 0
+    time_estimates: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    """Why layouts were left out, counted: "does not fit", "not trainable: ...", "invalid: ..."."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    candidates: list[Candidate]
+    """The time-memory frontier of the layouts that fit, fastest first (at most `top`): each one
+    slower than the one above and leaner (see `frontier`)."""
+    fitting: list[Candidate]
+    """Every fitting candidate the search evaluated (all of them with exhaustive=True)."""
+    stats: SearchStats
+    seconds: float
+
+
+# ---------------------------------------------------------------- the space
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Space:
+    """The options of every searched field for one config (fixed fields have one)."""
+
+    world: int
+    tp: tuple[int, ...]
+    cp: tuple[int, ...]
+    pp: tuple[int, ...]
+    schedules: tuple[str, ...]
+    ep: tuple[int, ...]
+    zero: tuple[int, ...]
+    precision: tuple[str, ...]
+    ac: tuple[tuple[str, int], ...]
+    offload: tuple[str, ...]
+    chunked: tuple[bool, ...]
+    fixed: frozenset[str]
+    cfg: Config
+
+    @classmethod
+    def of(cls, cfg: Config, fixed: frozenset[str], precisions: tuple[str, ...] = ()) -> Space:
+        m, t, hw, mem = cfg.model, cfg.training, cfg.hardware, cfg.memory
+        world = hw.num_gpus
+
+        def pick(key: str, options: list[Any] | tuple[Any, ...]) -> tuple[Any, ...]:
+            section, name = key.split(".")
+            return (getattr(getattr(cfg, section), name),) if key in fixed else tuple(options)
+
+        tp = [d for d in _divisors(min(hw.gpus_per_node, world)) if world % d == 0 and m.num_heads % d == 0
+              and m.num_kv_heads % d == 0 and m.ffn_dim % d == 0]
+        cp = [d for d in _divisors(world) if t.seq_len % (2 * d) == 0 and t.seq_len // d >= MIN_CP_TOKENS]
+        pp = [d for d in _divisors(world) if d <= m.num_layers]
+        ep = [d for d in _divisors(m.num_experts) if d <= world] if m.num_experts else [1]
+        if precisions:
+            precision: tuple[str, ...] = precisions
+        elif "precision.mode" in fixed or hw.gpu == "cpu":
+            precision = (cfg.precision.mode,)
+        else:
+            precision = ("bf16-mixed",)
+        ac = AC_OPTIONS
+        if "memory.activation_checkpointing" in fixed or "memory.ac_every_n_layers" in fixed:
+            ac = tuple((policy, every) for policy, every in AC_OPTIONS + ((mem.activation_checkpointing,
+                                                                           mem.ac_every_n_layers),)
+                       if ("memory.activation_checkpointing" not in fixed or policy == mem.activation_checkpointing)
+                       and ("memory.ac_every_n_layers" not in fixed or every == mem.ac_every_n_layers))
+            ac = tuple(dict.fromkeys(ac))
+        return cls(world=world, tp=pick("parallel.tp", tp or [1]), cp=pick("parallel.cp", cp or [1]),
+                   pp=pick("parallel.pp", pp), schedules=pick("parallel.pp_schedule", PIPELINE_SCHEDULES),
+                   ep=pick("parallel.ep", ep), zero=pick("parallel.zero_stage", (0, 1, 2, 3)), precision=precision,
+                   ac=ac, offload=pick("memory.offload", OFFLOAD_OPTIONS), chunked=pick("memory.chunked_loss",
+                                                                                       (False, True)),
+                   fixed=fixed, cfg=cfg)
+
+    def dp_replicates(self, dp: int, inner: int) -> list[int]:
+        """HSDP replica counts for dp data-parallel ranks whose shard groups hold `inner` = cp x tp ranks each."""
+        if "parallel.dp_replicate" in self.fixed or "parallel.dp_shard" in self.fixed:
+            p = self.cfg.parallel
+            return [p.dp_replicate if p.dp_shard == -1 else dp // p.dp_shard]
+        per_node = self.cfg.hardware.gpus_per_node
+        shards = {per_node * nodes // inner for nodes in HSDP_NODES if per_node * nodes % inner == 0}
+        return [1] + sorted(dp // s for s in shards if 0 < s < dp and dp % s == 0)
+
+    def micro_batches(self, dp: int) -> list[int]:
+        """Micro-batch sizes for dp data-parallel ranks: divisors of each rank's sequences per step."""
+        if "training.micro_batch_size" in self.fixed:
+            return [self.cfg.training.micro_batch_size]
+        rows = self.cfg.training.global_batch_size // dp
+        return [b for b in _divisors(rows) if b <= MAX_MICRO_BATCH] if rows else []
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Everything but the memory knobs; `cfg` carries them at their cheapest."""
+
+    cfg: Config
+    layout: Layout
+
+
+def _replace(cfg: Config, **sections: dict[str, Any]) -> Config:
+    """A shallow copy of cfg with fields of some sections replaced (the planner never mutates one)."""
+    return dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **values)
+                                       for name, values in sections.items()})
+
+
+class _Splits:
+    """Pipeline splits per stage count, computed once per search (balanced_split is the costly part
+    of building a Layout)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self._cfg = cfg
+        self._cache: dict[int, tuple[int, ...]] = {}
+
+    def __call__(self, stages: int) -> tuple[int, ...]:
+        if stages not in self._cache:
+            self._cache[stages] = balanced_split(self._cfg.model, self._cfg.training.seq_len, stages)
+        return self._cache[stages]
+
+
+@dataclass(frozen=True)
+class _Mesh:
+    """The model-parallel shape of a group: what sets its compute per rank and its bubble."""
+
+    precision: str
+    tp: int
+    sp: bool
+    cp: int
+    pp: int
+    schedule: str
+    split: tuple[int, ...]
+    dp: int
+
+
+def _meshes(space: Space) -> Iterator[_Mesh]:
+    cfg, splits = space.cfg, _Splits(space.cfg)
+    given_split = "parallel.pp_layers_per_stage" in space.fixed
+    for precision in space.precision:
+        for tp in space.tp:
+            sp = cfg.parallel.sequence_parallel if "parallel.sequence_parallel" in space.fixed else tp > 1
+            for cp in space.cp:
+                for pp in space.pp:
+                    if space.world % (tp * cp * pp):
+                        continue
+                    for schedule in space.schedules if pp > 1 else (cfg.parallel.pp_schedule,):
+                        virtual = cfg.parallel.pp_virtual_stages or default_virtual_stages(schedule)
+                        if pp > 1 and pp * virtual > cfg.model.num_layers:
+                            continue
+                        split = () if pp == 1 or given_split else splits(pp * virtual)
+                        yield _Mesh(precision, tp, sp, cp, pp, schedule, split, space.world // (tp * cp * pp))
+
+
+def _mesh_groups(space: Space, stats: SearchStats, mesh: _Mesh) -> Iterator[_Group]:
+    """Every valid, trainable group of one mesh."""
+    for replicate in space.dp_replicates(mesh.dp, mesh.cp * mesh.tp):
+        for ep in space.ep:
+            for zero in space.zero:
+                if zero < 2 and (mesh.tp > 1 or mesh.pp > 1 or ep > 1) and mesh.dp * mesh.cp > 1:
+                    continue  # DDP and ZeRO-1 compose with neither (Layout.untrainable_reason)
+                for micro in space.micro_batches(mesh.dp):
+                    if mesh.pp > 1 and space.cfg.training.global_batch_size // (mesh.dp * micro) < mesh.pp:
+                        continue  # fewer micro-batches than pipeline ranks
+                    group = _group(space, stats, mesh, replicate=replicate, ep=ep, zero=zero, micro=micro)
+                    if group is not None:
+                        yield group
+
+
+def _kind(reason: str) -> str:
+    """A reason's kind, its numbers left out ("parallel.zero_stage with parallel.pp and N data-parallel ranks")."""
+    return re.sub(r"=\S+|\d+", lambda m: "" if m.group().startswith("=") else "N", reason.split(":")[0])
+
+
+def _group(space: Space, stats: SearchStats, mesh: _Mesh, *, replicate: int, ep: int, zero: int, micro: int
+           ) -> _Group | None:
+    cfg = space.cfg
+    parallel = {"tp": mesh.tp, "sequence_parallel": mesh.sp, "cp": mesh.cp, "pp": mesh.pp,
+                "pp_schedule": mesh.schedule, "ep": ep, "dp_replicate": replicate, "dp_shard": mesh.dp // replicate,
+                "zero_stage": zero}
+    if mesh.split:
+        parallel["pp_layers_per_stage"] = mesh.split
+    cheapest = {"activation_checkpointing": space.ac[0][0], "ac_every_n_layers": space.ac[0][1],
+                "offload": space.offload[0], "chunked_loss": space.chunked[0]}
+    candidate = _replace(cfg, parallel=parallel, training={"micro_batch_size": micro},
+                         precision={"mode": mesh.precision}, memory=cheapest)
+    try:
+        layout = build_layout(candidate)
+    except ConfigError as err:
+        stats.rejected["invalid: " + _kind(str(err))] += 1
+        return None
+    reason = layout.untrainable_reason()
+    if reason is not None:
+        stats.rejected["not trainable: " + _kind(reason)] += 1
+        return None
+    stats.groups += 1
+    return _Group(candidate, layout)
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+class _Evaluator:
+    def __init__(self, cfg: Config, stats: SearchStats) -> None:
+        self.cfg, self.stats = cfg, stats
+        self.device_memory = device_spec(cfg.hardware).memory_bytes
+
+    def memory(self, cfg: Config, layout: Layout) -> MemoryEstimate | None:
+        """The estimate if every pipeline rank fits, else None: the first and last ranks (the most
+        micro-batches in flight, the logits) are asked first, and the first that does not fit ends it."""
+        self.stats.memory_estimates += 1
+        order = dict.fromkeys([0, layout.pp - 1, *range(layout.pp)])
+        stages: dict[int, MemoryBreakdown] = {}
+        for stage in order:
+            breakdown = stage_memory(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer, stage)
+            if self.device_memory and breakdown.peak + breakdown.reserved_margin > self.device_memory:
+                return None
+            stages[stage] = breakdown
+        per_stage = [stages[i] for i in range(layout.pp)]
+        return MemoryEstimate(per_stage, max(range(layout.pp), key=lambda i: per_stage[i].peak))
+
+    def perf(self, cfg: Config, layout: Layout) -> PerfEstimate:
+        self.stats.time_estimates += 1
+        return estimate_perf(cfg.model, layout, cfg.training, cfg.hardware)
+
+
+def _mesh_bound(space: Space, stats: SearchStats, mesh: _Mesh) -> float | None:
+    """A lower bound of the step time of every group of a mesh, or None when none is valid: their
+    compute (the same in all: each data-parallel split runs the same tokens per rank) with the
+    bubble of the most micro-batches any of them runs, plus the tensor, context and pipeline traffic
+    of the one with the fewest calls (the largest micro-batch: the same bytes, the fewest latencies).
+    Every group runs at least that much; its data-parallel traffic and memory knobs only add."""
+    groups = list(_mesh_groups(space, stats, mesh))
+    if not groups:
+        return None
+    stats.groups -= len(groups)  # counted again when the mesh is expanded
+    first, fewest_calls = groups[0], max(groups, key=lambda g: (g.layout.micro_batch_size, g.layout.zero_stage))
+    c = first.cfg
+    compute = compute_time_s(c.model, first.layout, c.training, c.hardware)
+    rows = c.training.global_batch_size // mesh.dp
+    bubble = bubble_fraction(mesh.schedule, mesh.pp, rows, first.layout.pp_virtual_stages)
+    return compute * (1 + bubble) + model_parallel_comm_s(c.model, fewest_calls.layout, c.training, c.hardware)
+
+
+def _knob_cost(cfg: Config, ac: tuple[str, int]) -> float:
+    """Recomputed FLOPs per token of a checkpointing option (orders the options cheapest first)."""
+    return F.recompute_flops_per_token(cfg.model, cfg.training.seq_len, ac[0], ac[1])
+
+
+def _valid_offload(layout: Layout, offload: str) -> bool:
+    """What layout.py's checks say of offload (the only memory knob with conditions)."""
+    return offload == "none" or (layout.zero_stage >= 2 and (offload == "optimizer" or layout.zero_stage == 3))
+
+
+Setting = tuple[int, int, int]
+"""Indices into a group's checkpointing, offload and chunked-loss options."""
+
+
+class _Knobs:
+    """A group's memory knobs, each option list ordered from cheapest to leanest, and what the
+    search learned of the group: its leanest memory, whether it is done."""
+
+    def __init__(self, group: _Group, space: Space) -> None:
+        self.group = group
+        self.ac = sorted(space.ac, key=lambda ac: _knob_cost(group.cfg, ac))
+        self.offload = [o for o in space.offload if _valid_offload(group.layout, o)]
+        self.chunked = list(space.chunked)
+        self.seen: set[Setting] = {(0, 0, 0)}
+        self.leanest: int | None = None
+        """Memory per GPU under the leanest setting (a lower bound for every setting), once asked."""
+        self.done = False
+
+    def _values(self, index: Setting) -> dict[str, Any]:
+        (policy, every), offload, chunked = self.ac[index[0]], self.offload[index[1]], self.chunked[index[2]]
+        return {"activation_checkpointing": policy, "ac_every_n_layers": every, "offload": offload,
+                "chunked_loss": chunked}
+
+    def layout(self, index: Setting) -> Layout:
+        v = self._values(index)
+        return dataclasses.replace(self.group.layout, activation_checkpointing=v["activation_checkpointing"],
+                                   ac_every_n_layers=v["ac_every_n_layers"], offload=v["offload"],
+                                   chunked_loss=v["chunked_loss"])
+
+    def config(self, index: Setting) -> Config:
+        return _replace(self.group.cfg, memory=self._values(index))
+
+    def leanest_index(self) -> Setting:
+        return len(self.ac) - 1, len(self.offload) - 1, len(self.chunked) - 1
+
+    def successors(self, index: Setting) -> list[Setting]:
+        """The settings one step leaner on one knob, not seen before."""
+        sizes = (len(self.ac), len(self.offload), len(self.chunked))
+        out = []
+        for axis in range(3):
+            step = (index[0] + (axis == 0), index[1] + (axis == 1), index[2] + (axis == 2))
+            if step[axis] < sizes[axis] and step not in self.seen:
+                self.seen.add(step)
+                out.append(step)
+        return out
+
+
+def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, precisions: tuple[str, ...] = (),
+           exhaustive: bool = False) -> Plan:
+    """The `top` fastest layouts of `cfg` that fit (see the module docstring); `fixed` names the
+    fields ("section.field") the user set, which stay as they are; `exhaustive` visits every group
+    (for a picture of all candidates) instead of stopping at the bound."""
+    start = time.perf_counter()
+    if not cfg.training.global_batch_size:
+        raise ConfigError("training.global_batch_size=0: a plan keeps the global batch and searches how to split it; "
+                          "set it, e.g. --training.global_batch_size=512 (sequences per optimizer step)")
+    space = Space.of(cfg, fixed, precisions)
+    stats = SearchStats()
+    ev = _Evaluator(cfg, stats)
+    # Best-first over one heap of lower bounds of the step time: a mesh's (its groups' compute, least
+    # bubble and model-parallel traffic) until it is popped; then each of its groups' settings of
+    # the memory knobs, each keyed by its own step time. A setting's step time bounds every leaner
+    # setting of its group (each knob only adds work), so settings come out fastest first and memory
+    # is estimated only for those that could still be listed.
+    heap: list[tuple[float, int, Any]] = []
+    order = itertools.count()
+    for mesh in _meshes(space):
+        bound = _mesh_bound(space, stats, mesh)
+        if bound is not None:
+            heapq.heappush(heap, (bound, next(order), mesh))
+
+    def push(knobs: _Knobs, index: Setting) -> None:
+        step_time = ev.perf(knobs.group.cfg, knobs.layout(index)).time["step_time_s"]
+        heapq.heappush(heap, (step_time, next(order), (knobs, index)))
+
+    fitting: list[Candidate] = []
+    listed: list[Candidate] = []  # frontier(fitting), kept as it grows
+    while heap:
+        bound, _, item = heapq.heappop(heap)
+        if not exhaustive and bound > _kth_time(listed, top):
+            break
+        if isinstance(item, _Mesh):
+            for group in _mesh_groups(space, stats, item):
+                push(_Knobs(group, space), (0, 0, 0))
+            continue
+        knobs, index = item
+        if knobs.done or not _worth_trying(knobs, ev, stats, bound, [] if exhaustive else listed):
+            continue
+        layout = knobs.layout(index)
+        memory = ev.memory(knobs.group.cfg, layout)
+        if memory is None:
+            stats.rejected["does not fit"] += 1
+        else:
+            cfg = knobs.config(index)
+            found = Candidate(cfg, layout, memory, ev.perf(cfg, layout), ev.device_memory)
+            fitting.append(found)
+            listed = frontier([*listed, found])  # the frontier of a union is that of one's frontier and the other
+        for step in knobs.successors(index):
+            push(knobs, step)
+    return Plan(candidates=listed[:top], fitting=fitting, stats=stats, seconds=time.perf_counter() - start)
+
+
+def _worth_trying(knobs: _Knobs, ev: _Evaluator, stats: SearchStats, bound: float, listed: list[Candidate]) -> bool:
+    """Whether a group's setting popped at `bound` could fit and be listed. Its leanest setting is
+    tried once, first: if that does not fit, nothing of the group does (most groups of a large
+    model); if a listed candidate is no slower than `bound` and no more than that leanest memory,
+    no setting of the group popped from now on can be listed."""
+    if knobs.leanest is None:
+        stats.groups_visited += 1
+        leanest = ev.memory(knobs.group.cfg, knobs.layout(knobs.leanest_index()))
+        if leanest is None:
+            stats.rejected["does not fit"] += 1
+            knobs.done = True
+            return False
+        knobs.leanest = max(s.peak + s.reserved_margin for s in leanest.per_stage)
+    if any(c.step_time_s <= bound and c.memory_bytes <= knobs.leanest + MEMORY_TOLERANCE for c in listed):
+        stats.rejected["no faster or leaner than one listed"] += 1
+        knobs.done = True
+        return False
+    return True
+
+
+SLOWEST_LISTED = 1.25
+"""Layouts more than this many times slower than the fastest that fits are not listed (nor searched
+for): a leaner one that slow is a different question (more GPUs, a smaller batch)."""
+MEMORY_TOLERANCE = 2**20 * 64
+"""Memory differences below this (64 MiB) do not make a slower candidate worth listing."""
+
+
+def frontier(candidates: list[Candidate]) -> list[Candidate]:
+    """The fastest first, then each next one only if it needs less memory than every faster one:
+    the time-memory frontier, so every row trades speed for memory against the one above."""
+    kept: list[Candidate] = []
+    for c in sorted(candidates, key=lambda c: (c.step_time_s, c.memory_bytes)):
+        if kept and c.step_time_s > kept[0].step_time_s * SLOWEST_LISTED:
+            break
+        if not kept or c.memory_bytes < kept[-1].memory_bytes - MEMORY_TOLERANCE:
+            kept.append(c)
+    return kept
+
+
+def _kth_time(kept: list[Candidate], k: int) -> float:
+    """No layout slower than this can be listed: the k-th candidate of the frontier so far, or
+    failing that SLOWEST_LISTED times the fastest (inf before any fits)."""
+    if len(kept) >= k:
+        return kept[k - 1].step_time_s
+    return kept[0].step_time_s * SLOWEST_LISTED if kept else math.inf
+
+
+def model_summary(cfg: Config) -> str:
+    """One line naming what is planned."""
+    counts = param_counts(cfg.model)
+    size = f"{counts.total / 1e9:.1f}B" if counts.total >= 1e9 else f"{counts.total / 1e6:.0f}M"
+    hw = cfg.hardware
+    return (f"{cfg.model.preset or 'model'} ({size} parameters) on {hw.num_gpus} x {hw.gpu} "
+            f"({math.ceil(hw.num_gpus / hw.gpus_per_node)} node(s) of {hw.gpus_per_node}), "
+            f"global batch {cfg.training.global_batch_size} x {cfg.training.seq_len} tokens")
