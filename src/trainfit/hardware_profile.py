@@ -118,7 +118,7 @@ class HardwareProfile:
     collectives: tuple[CollectiveFit, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        """The profile as plain data (lists, dicts), keys in the TOML's order; no None values."""
+        """The profile as plain data (dicts, tuples), keys in the TOML's order; no None values."""
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
@@ -128,22 +128,27 @@ class HardwareProfile:
 def _toml_value(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)  # Python's repr of a finite float or an int is valid TOML
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):  # 6 significant digits: no measurement here is more precise
+        return repr(float(f"{value:.6g}"))  # Python's repr of a finite float is valid TOML
     if isinstance(value, str):
         return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
     return "[" + ", ".join(_toml_value(v) for v in value) + "]"
 
 
+def _is_tables(value: object) -> bool:
+    return isinstance(value, tuple) and bool(value) and isinstance(value[0], dict)
+
+
 def _toml_table(table: dict[str, Any], path: str) -> list[str]:
     """Scalars and arrays first, then sub-tables, then arrays of tables, as TOML requires."""
-    lines = [f"{k} = {_toml_value(v)}" for k, v in table.items()
-             if not isinstance(v, dict) and not (isinstance(v, list) and v and isinstance(v[0], dict))]
+    lines = [f"{k} = {_toml_value(v)}" for k, v in table.items() if not isinstance(v, dict) and not _is_tables(v)]
     for key, value in table.items():
         name = f"{path}.{key}" if path else key
         if isinstance(value, dict):
             lines += ["", f"[{name}]", *_toml_table(value, name)]
-        elif isinstance(value, list) and value and isinstance(value[0], dict):
+        elif _is_tables(value):
             for item in value:
                 lines += ["", f"[[{name}]]", *_toml_table(item, name)]
     return lines
