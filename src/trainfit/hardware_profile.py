@@ -10,9 +10,9 @@ read alike:
     [machine]                         # device, name, cores, threads, torch, date, quick, seconds
     [matmul_flops_per_s]              # best sustained rate per dtype: fp32, bf16, fp16 (and fp8)
     [[matmul_shapes]]                 # dtype, m, k, n, flops_per_s: one per GEMM shape measured
+    [[optimizer]]                     # name, impl, dtype, s_per_param, step_s, params, seconds
     [link]                            # bytes_per_s, latency_s: one link fitting every collective
     [[collectives]]                   # kind, world_size, bytes_per_s, latency_s, nbytes, seconds
-    [[optimizer]]                     # name, impl, dtype, s_per_param, step_s, params, seconds
 
 Bandwidths are per direction and latencies per step of trainfit.perf.comms's cost model
 (time = a0 + steps x latency + factor x bytes / bandwidth). Every number is finite and >= 0, every
@@ -130,8 +130,8 @@ def _toml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, int):
         return str(value)
-    if isinstance(value, float):  # 6 significant digits: no measurement here is more precise
-        return repr(float(f"{value:.6g}"))  # Python's repr of a finite float is valid TOML
+    if isinstance(value, float):  # 6 significant digits (no measurement is more precise), valid TOML: 1.5e+10
+        return f"{value:.6g}"
     if isinstance(value, str):
         return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
     return "[" + ", ".join(_toml_value(v) for v in value) + "]"
@@ -240,19 +240,19 @@ def _check(profile: HardwareProfile) -> None:
 def load_profile(path: str) -> HardwareProfile:
     """The profile at `path` (hardware.profile), checked; a ConfigError naming hardware.profile otherwise.
 
-    Cached per file state (path, size, modification time): the estimator reads it at every call, and
-    the planner estimates thousands of layouts.
+    Cached per file state (path, inode, size, modification time; an atomic rewrite is a new inode): the
+    estimator reads it at every call, and the planner estimates thousands of layouts.
     """
     fix = f"write one with `trainfit calibrate --out {path}`"
     try:
         stat = os.stat(path)
     except OSError as err:
         raise field_error("hardware.profile", path, f"cannot read it ({err.strerror}); {fix}") from err
-    return _load(path, stat.st_size, stat.st_mtime_ns)
+    return _load(path, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=16)
-def _load(path: str, size: int, mtime_ns: int) -> HardwareProfile:
+def _load(path: str, inode: int, size: int, mtime_ns: int) -> HardwareProfile:
     redo = f"re-run `trainfit calibrate --out {path} --force`"
     try:
         raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
