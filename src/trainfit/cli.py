@@ -284,17 +284,19 @@ def cmd_calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from trainfit.hardware_profile import write_profile
-    from trainfit.perf.calibrate import calibrate, profile_tables
+    from trainfit.perf.calibrate import calibrate, profile_tables, resolve_max_ranks
 
     _reject_overrides(overrides)
     _check_new_file("--out", args.out, args.force)
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads {args.threads}: must be >= 1 (default: what torch uses here, "
                           f"{torch.get_num_threads()})")
+    max_ranks = resolve_max_ranks(args.max_ranks)
     columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+    err = Console(stderr=True)
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("calibrating", total=None)
-        profile = calibrate(quick=args.quick, max_ranks=args.max_ranks, threads=args.threads or torch.get_num_threads(),
+        profile = calibrate(quick=args.quick, max_ranks=max_ranks, threads=args.threads or torch.get_num_threads(),
                             progress=lambda what, done, total: bar.update(task, description=what, completed=done,
                                                                           total=total))
     write_profile(profile, args.out)
@@ -318,6 +320,8 @@ def _check_new_file(flag: str, path: str, force: bool) -> None:
         raise ConfigError(f"{flag} {path}: is a folder; give a file name, e.g. {target / 'hardware-profile.toml'}")
     if not target.parent.is_dir():
         raise ConfigError(f"{flag} {path}: folder {str(target.parent)!r} does not exist; create it first")
+    if not os.access(target.parent, os.W_OK):
+        raise ConfigError(f"{flag} {path}: cannot write in folder {str(target.parent)!r}; choose another {flag}")
     if target.exists() and not force:
         raise ConfigError(f"{flag} {path}: the file exists; pass --force to replace it, or choose another {flag}")
 
@@ -417,9 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
     calib = sub.add_parser("calibrate", help="measure this machine into a hardware profile (TOML) for "
                            "--hardware.profile", description="measure matmul FLOP/s per dtype and shape, memory "
                            "bandwidth, collectives over gloo (nccl on GPUs) at 2..N ranks and the AdamW step, and "
-                           "write them as a hardware profile that estimate, train and plan read with "
+                           "write them as a hardware profile that estimate and train read with "
                            "--hardware.profile=FILE (about a minute; --quick: seconds)")
-    calib.add_argument("--out", default="hardware-profile.toml", help="profile to write (default: %(default)s)")
+    calib.add_argument("--out", default="hardware-profile.toml", metavar="FILE",
+                       help="profile to write (default: %(default)s)")
     calib.add_argument("--force", action="store_true", help="replace an existing --out file")
     calib.add_argument("--quick", action="store_true", help="fewer, smaller samples: seconds, rougher figures")
     calib.add_argument("--max-ranks", type=int, metavar="N",

@@ -248,6 +248,9 @@ def load_profile(path: str) -> HardwareProfile:
         stat = os.stat(path)
     except OSError as err:
         raise field_error("hardware.profile", path, f"cannot read it ({err.strerror}); {fix}") from err
+    if os.path.isdir(path):
+        raise field_error("hardware.profile", path,
+                          "is a folder; give a profile file (`trainfit calibrate --out FILE` writes one)")
     return _load(path, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 

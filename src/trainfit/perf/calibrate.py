@@ -70,12 +70,17 @@ QUICK = Settings(shapes=((512, 128), (2048, 256)), max_call_s=0.05, batch_s=0.02
                  memory_bytes=64 * 2**20, message_bytes=(2**12, 2**16, 2**20, 2**22), optimizer_params=(2**18, 2**20))
 
 
-def _max_ranks(requested: int | None, device: str) -> int:
+def device_type() -> str:
+    """The device training would use: cuda when present, else cpu."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_max_ranks(max_ranks: int | None) -> int:
     """Default: CPU up to 4 ranks, one per core (at least 2); CUDA up to 4 GPUs. 1 skips the
     collectives; on CUDA each rank needs its own GPU."""
-    if requested is None:
+    device = device_type()
+    if max_ranks is None:
         return min(4, torch.cuda.device_count()) if device == "cuda" else max(2, min(4, os.cpu_count() or 1))
-    max_ranks = requested
     if max_ranks < 1:
         raise ConfigError(f"--max-ranks {max_ranks}: must be >= 1 (1 skips the collectives, 2 or more "
                           "measures them at 2..N ranks)")
@@ -88,10 +93,8 @@ def _max_ranks(requested: int | None, device: str) -> int:
 def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int = 1,
               progress: Progress = lambda what, done, total: None) -> HardwareProfile:
     """Measure this machine (module docstring); `quick` takes seconds instead of a minute or two;
-    collectives at 2..max_ranks ranks (default: see _max_ranks)."""
-    settings = QUICK if quick else DEFAULT
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    max_ranks = _max_ranks(max_ranks, device)
+    collectives at 2..max_ranks ranks (default: see resolve_max_ranks)."""
+    settings, device, max_ranks = QUICK if quick else DEFAULT, device_type(), resolve_max_ranks(max_ranks)
     dtypes = [*MATMUL_DTYPES, *(["fp8"] if _fp8_runs(device) else [])]
     impls = ["fused", "foreach"] if device in FUSED_DEVICES else ["foreach"]
     worlds = range(2, max_ranks + 1)
