@@ -25,7 +25,6 @@ import functools
 import json
 import math
 import os
-import tempfile
 import tomllib
 import types
 import typing
@@ -160,15 +159,15 @@ def to_toml(profile: HardwareProfile) -> str:
 
 
 def write_profile(profile: HardwareProfile, path: str | Path) -> Path:
-    """Write atomically: a temp file beside `path`, renamed over it once complete."""
+    """Write atomically: a temp file beside `path` (the umask's permissions, unlike mkstemp's 0600),
+    renamed over it once complete."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(to_toml(profile))
+        tmp.write_text(to_toml(profile), encoding="utf-8")
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
 

@@ -70,7 +70,7 @@ QUICK = Settings(shapes=((512, 128), (2048, 256)), max_call_s=0.05, batch_s=0.02
                  memory_bytes=64 * 2**20, message_bytes=(2**12, 2**16, 2**20, 2**22), optimizer_params=(2**18, 2**20))
 
 
-def device_type() -> str:
+def _device_type() -> str:
     """The device training would use: cuda when present, else cpu."""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -78,7 +78,7 @@ def device_type() -> str:
 def resolve_max_ranks(max_ranks: int | None) -> int:
     """Default: CPU up to 4 ranks, one per core (at least 2); CUDA up to 4 GPUs. 1 skips the
     collectives; on CUDA each rank needs its own GPU."""
-    device = device_type()
+    device = _device_type()
     if max_ranks is None:
         return min(4, torch.cuda.device_count()) if device == "cuda" else max(2, min(4, os.cpu_count() or 1))
     if max_ranks < 1:
@@ -94,7 +94,7 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
               progress: Progress = lambda what, done, total: None) -> HardwareProfile:
     """Measure this machine (module docstring); `quick` takes seconds instead of a minute or two;
     collectives at 2..max_ranks ranks (default: see resolve_max_ranks)."""
-    settings, device, max_ranks = QUICK if quick else DEFAULT, device_type(), resolve_max_ranks(max_ranks)
+    settings, device, max_ranks = QUICK if quick else DEFAULT, _device_type(), resolve_max_ranks(max_ranks)
     dtypes = [*MATMUL_DTYPES, *(["fp8"] if _fp8_runs(device) else [])]
     impls = ["fused", "foreach"] if device in FUSED_DEVICES else ["foreach"]
     worlds = range(2, max_ranks + 1)
