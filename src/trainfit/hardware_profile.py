@@ -25,6 +25,7 @@ import functools
 import json
 import math
 import os
+import stat
 import tomllib
 import types
 import typing
@@ -244,13 +245,13 @@ def load_profile(path: str) -> HardwareProfile:
     """
     fix = f"write one with `trainfit calibrate --out {path}`"
     try:
-        stat = os.stat(path)
+        info = os.stat(path)
     except OSError as err:
         raise field_error("hardware.profile", path, f"cannot read it ({err.strerror}); {fix}") from err
-    if os.path.isdir(path):
+    if stat.S_ISDIR(info.st_mode):
         raise field_error("hardware.profile", path,
                           "is a folder; give a profile file (`trainfit calibrate --out FILE` writes one)")
-    return _load(path, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    return _load(path, info.st_ino, info.st_size, info.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=16)
