@@ -8,7 +8,8 @@ or OMP_NUM_THREADS; torchrun sets 1 per rank):
   torch._scaled_mm where it runs) over GEMMs of transformer layers: tokens x dim by dim x dim and
   by dim x 4 dim, small to large. A dtype's rate is its best shape's. A shape whose one call would
   take longer than `max_call_s` at the dtype's rate so far is skipped: bf16 and fp16 matmuls run
-  ~50x slower than fp32 on CPUs without native support for them (1 GFLOP/s on a 2-core AVX2 EPYC);
+  ~10x slower than fp32 on CPUs without native support for them (a 2-core AVX2 EPYC, one thread:
+  fp32 86, bf16 8, fp16 11 GFLOP/s);
 - memory bandwidth: a large fp32 copy (read + write bytes) and add (two reads, one write), the better;
 - collectives at 2..max_ranks ranks (trainfit.perf.calibrate_comms: spawned processes, fits);
 - AdamW's step on fp32 parameters (the master weights' dtype) of a few sizes, fused (where
