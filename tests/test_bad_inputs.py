@@ -273,6 +273,49 @@ PLOTS = [
     (("report", "--profile", "{tmp}/afile"), ("--profile", "afile", "not a JSON trace")),
 ]
 
+PROFILE = """version = 1
+memory_bytes_per_s = 1.5e+10
+matmul_shapes = []
+optimizer = []
+[machine]
+device = "cpu"
+name = "a CPU"
+cores = 2
+threads = 1
+torch = "2.13.0"
+date = "2025-01-01"
+quick = true
+seconds = 9.5
+[matmul_flops_per_s]
+fp32 = 5e+10
+bf16 = 2e+09
+fp16 = 1.5e+09
+"""
+"""A minimal valid hardware profile (trainfit.hardware_profile): no collectives, no fp8."""
+
+PROFILES = [  # what --hardware.profile can point at: (name, more arguments, the file's content, words)
+    ("missing", (), None, ("hardware.profile", "hw.toml", "trainfit calibrate --out")),
+    ("not toml", (), "version = [", ("hardware.profile", "not a TOML profile")),
+    ("binary", (), b"\xff\xfe\x00", ("hardware.profile", "not a TOML profile")),
+    ("wrong version", (), "version = 7\n", ("hardware.profile", "version 7", "trainfit calibrate")),
+    ("negative bandwidth", (), PROFILE.replace("1.5e+10", "-1.5e+10"),
+     ("hardware.profile", "memory_bytes_per_s", "> 0")),
+    ("zero matmul rate", (), PROFILE.replace("fp32 = 5e+10", "fp32 = 0"), ("matmul_flops_per_s.fp32=0",)),
+    ("no bf16", (), PROFILE.replace("bf16 = 2e+09", ""), ("hardware.profile", "bf16")),
+    ("a gpu", ("--hardware.gpu=A100-40GB",), PROFILE, ("hardware.profile", "cpu", "hardware.gpu='A100-40GB'")),
+    ("no fp8 rate", ("--precision.mode=fp8-mixed",), PROFILE, ("precision.mode", "hardware.profile", "fp8")),
+]
+
+CALIBRATE = [  # trainfit calibrate's own arguments, refused before anything is measured: (argv, setup, words)
+    (("--out", "{tmp}/taken.toml"), write("taken.toml", "mine"), ("--out", "taken.toml", "--force")),
+    (("--out", "{tmp}/nowhere/p.toml"), None, ("--out", "nowhere", "does not exist")),
+    (("--out", "{tmp}/adir"), write("adir/x", ""), ("--out", "adir", "folder")),
+    (("--max-ranks", "0", "--out", "{tmp}/p.toml"), None, ("--max-ranks 0", ">= 1")),
+    (("--max-ranks", "two"), None, ("--max-ranks", "two")),
+    (("--threads", "0", "--out", "{tmp}/p.toml"), None, ("--threads 0", ">= 1")),
+    (("--training.steps=3",), None, ("--training.steps=3", "no config overrides")),
+]
+
 
 def _cases() -> list[Bad]:
     cases = _schema_cases()
@@ -293,6 +336,9 @@ def _cases() -> list[Bad]:
     cases += [Bad(f"export: {name}", ("export", "{tmp}/ckpt", *argv), says, setup)
               for name, argv, setup, says in EXPORTS]
     cases += [Bad("plot", argv, says, write("afile", "x")) for argv, says in PLOTS]
+    cases += [Bad(f"profile: {name}", ("estimate", "--hardware.profile={tmp}/hw.toml", *argv), says,
+                  None if content is None else write("hw.toml", content)) for name, argv, content, says in PROFILES]
+    cases += [Bad("calibrate", ("calibrate", *argv), says, setup) for argv, setup, says in CALIBRATE]
     return cases
 
 
@@ -302,7 +348,7 @@ CASES = _cases()
 def test_the_table_covers_every_kind_of_input() -> None:
     kinds = {case.category.split(":")[0] for case in CASES}
     assert kinds == {"config value", "arguments", "config file", "hf config", "data", "checkpoint", "sampling",
-                     "export", "plot"}
+                     "export", "plot", "profile", "calibrate"}
     assert len(CASES) >= 150
 
 

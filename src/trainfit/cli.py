@@ -320,6 +320,56 @@ def cmd_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from trainfit.hardware_profile import write_profile
+    from trainfit.perf.calibrate import calibrate, profile_tables, resolve_max_ranks
+
+    _reject_overrides(overrides)
+    _check_new_file("--out", args.out, args.force)
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads {args.threads}: must be >= 1 (default: what torch uses here, "
+                          f"{torch.get_num_threads()})")
+    max_ranks = resolve_max_ranks(args.max_ranks)
+    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    err = Console(stderr=True)
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task("calibrating", total=None)
+        profile = calibrate(quick=args.quick, max_ranks=max_ranks, threads=args.threads or torch.get_num_threads(),
+                            progress=lambda what, done, total: bar.update(task, description=what, completed=done,
+                                                                          total=total))
+    write_profile(profile, args.out)
+    if args.json:
+        print(json.dumps(profile.as_dict(), indent=2))
+    else:
+        console = Console()
+        for table in profile_tables(profile):
+            console.print(table)
+    print(f"wrote {args.out}: use it as trainfit estimate --hardware.profile={args.out}",
+          file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _check_new_file(flag: str, path: str, force: bool) -> None:
+    """A file this command may create: its folder exists; an existing file only with --force."""
+    from pathlib import Path
+
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(f"{flag} {path}: is a folder; give a file name, e.g. {target / 'hardware-profile.toml'}")
+    if not target.parent.is_dir():
+        raise ConfigError(f"{flag} {path}: folder {str(target.parent)!r} does not exist; create it first")
+    if not os.access(target.parent, os.W_OK):
+        raise ConfigError(f"{flag} {path}: cannot write in folder {str(target.parent)!r}; choose another {flag}")
+    if target.exists() and not force:
+        raise ConfigError(f"{flag} {path}: the file exists; pass --force to replace it, or choose another {flag}")
+
+
 def _reject_overrides(overrides: list[str]) -> None:
     if overrides:
         raise ConfigError(f"unexpected arguments {overrides}: this command takes no config overrides")
@@ -334,6 +384,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "sample": cmd_sample,
     "prepare-data": cmd_prepare_data,
     "export": cmd_export,
+    "calibrate": cmd_calibrate,
 }
 
 
@@ -353,6 +404,7 @@ commands:
   sample        generate text from a checkpoint
   export        write a checkpoint as Hugging Face safetensors
   prepare-data  tokenize text into training shards
+  calibrate     measure this machine (matmuls, memory, collectives, optimizer) into a hardware profile
 
 examples:
   trainfit estimate --model.preset=llama3-8b --hardware.gpu=H100-SXM-80GB --hardware.num_gpus=8
@@ -361,6 +413,7 @@ examples:
   trainfit train
   torchrun --nproc_per_node 2 -m trainfit train --parallel.zero_stage=3
   trainfit train --profile=4-5 && trainfit report --profile runs/default/profile
+  trainfit calibrate --out cpu.toml && trainfit estimate --hardware.profile=cpu.toml
 
 `trainfit COMMAND --help` lists a command's options and every config field with its default."""
 
@@ -421,6 +474,23 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--tokenizer", default="bytes", help="bytes | a tokenizer.json path | train")
     prep.add_argument("--bpe-vocab-size", type=int, default=4096)
     prep.add_argument("--val-fraction", type=float, default=0.05)
+
+    calib = sub.add_parser("calibrate", help="measure this machine into a hardware profile (TOML) for "
+                           "--hardware.profile", description="measure matmul FLOP/s per dtype and shape, memory "
+                           "bandwidth, collectives over gloo (nccl on GPUs) at 2..N ranks and the AdamW step, and "
+                           "write them as a hardware profile that estimate and train read with "
+                           "--hardware.profile=FILE (about a minute; --quick: seconds)")
+    calib.add_argument("--out", default="hardware-profile.toml", metavar="FILE",
+                       help="profile to write (default: %(default)s)")
+    calib.add_argument("--force", action="store_true", help="replace an existing --out file")
+    calib.add_argument("--quick", action="store_true", help="fewer, smaller samples: seconds, rougher figures")
+    calib.add_argument("--max-ranks", type=int, metavar="N",
+                       help="measure collectives at 2..N ranks (default: min(4, cores), at least 2; GPUs: min(4, "
+                       "GPUs)); 1 skips them")
+    calib.add_argument("--threads", type=int, metavar="N",
+                       help="torch threads per process, as training would use (default: torch's here, which "
+                       "follows OMP_NUM_THREADS; torchrun sets 1 per rank)")
+    calib.add_argument("--json", action="store_true", help="print the profile as JSON instead of tables")
     return parser
 
 

@@ -24,6 +24,13 @@ bidirectional) on H100 SXM/PCIe, H200 and MI300X; Gen4 x16 (64 GB/s) on A100, L4
 Links are per direction and per GPU. Latencies are per ring step of NCCL's Simple protocol, the one
 large messages use (NCCL src/graph/tuning.cc, hwLat Ring/Simple: NVLink 3.4 us, PCIe 5.7 us, network
 9.6 us, plus a base of 8.4 us per collective).
+
+A measured profile (hardware.profile, written by `trainfit calibrate`; trainfit.hardware_profile)
+replaces the catalog's figures of this machine: matmul FLOP/s per dtype as the peak (compute
+efficiency 1.0: the rate is what matmuls reach), memory bandwidth, and the fitted collective
+bandwidth and latency as the intra-node link (comm efficiency 1.0: measured, not nominal). Device
+memory stays the catalog's, and the inter-node link too: one machine measures no network.
+Explicit hardware.* overrides still win over the profile.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import os
 from dataclasses import dataclass
 
 from trainfit.config.schema import ConfigError, HardwareConfig, field_error
+from trainfit.hardware_profile import HardwareProfile, check_matches_device, load_profile
 
 TERA = 1e12
 GIB = 1024**3
@@ -180,9 +188,16 @@ def _link_preset(field: str, name: str) -> LinkSpec:
     return LINKS[name]
 
 
+def _profile(hw: HardwareConfig) -> HardwareProfile | None:
+    return load_profile(hw.profile) if hw.profile else None
+
+
 def validate_hardware(hw: HardwareConfig) -> None:
     """Every hardware.* value, checked by config validation (ConfigError names field, value, fix)."""
     _catalog_spec(hw.gpu)
+    profile = _profile(hw)
+    if profile is not None:
+        check_matches_device(profile, hw.profile, hw.gpu)
     if hw.intra_node_link:
         _link_preset("intra_node_link", hw.intra_node_link)
     _link_preset("inter_node_link", hw.inter_node_link)
@@ -202,13 +217,16 @@ def validate_hardware(hw: HardwareConfig) -> None:
 
 
 def device_spec(hw: HardwareConfig) -> DeviceSpec:
-    """The catalog entry named by hardware.gpu, with hardware.* overrides applied."""
+    """The catalog entry named by hardware.gpu, with the profile's measured figures and then the
+    hardware.* overrides applied."""
     spec = _catalog_spec(hw.gpu)
-    flops = dict(spec.peak_flops)
+    profile = _profile(hw)
+    flops = dict(profile.matmul_flops_per_s if profile else spec.peak_flops)
     if hw.peak_tflops:
         flops = {k: hw.peak_tflops * TERA for k in flops}
     memory = int(hw.memory_gib * GIB) if hw.memory_gib else spec.memory_bytes
-    hbm = hw.hbm_tbps * 1e12 if hw.hbm_tbps else spec.hbm_bytes_per_s
+    measured_hbm = profile.memory_bytes_per_s if profile else spec.hbm_bytes_per_s
+    hbm = hw.hbm_tbps * 1e12 if hw.hbm_tbps else measured_hbm
     return DeviceSpec(spec.name, memory, flops, hbm, spec.default_link)
 
 
@@ -221,6 +239,9 @@ def compute_dtype_of(precision_mode: str) -> str:
 def peak_flops(hw: HardwareConfig, precision_mode: str) -> float:
     spec = device_spec(hw)
     dtype = compute_dtype_of(precision_mode)
+    if dtype not in spec.peak_flops and hw.profile:
+        raise ConfigError(f"precision.mode={precision_mode!r}: hardware.profile={hw.profile!r} has no {dtype} "
+                          "matmul rate (torch._scaled_mm did not run where it was measured); use bf16-mixed")
     if dtype not in spec.peak_flops:
         raise ConfigError(f"precision.mode={precision_mode!r}: {spec.name} has no {dtype} tensor cores; "
                           "use bf16-mixed")
@@ -228,16 +249,22 @@ def peak_flops(hw: HardwareConfig, precision_mode: str) -> float:
 
 
 def compute_efficiency(hw: HardwareConfig) -> float:
-    return hw.compute_efficiency or COMPUTE_EFFICIENCY
+    """hardware.compute_efficiency, else 1.0 for a measured profile's rates, else the catalog's default."""
+    return hw.compute_efficiency or (1.0 if hw.profile else COMPUTE_EFFICIENCY)
 
 
 def intra_node_link(hw: HardwareConfig) -> Link:
-    """The link between two GPUs of one node, as one GPU sees it."""
-    name = hw.intra_node_link or _catalog_spec(hw.gpu).default_link
-    preset = _link_preset("intra_node_link", name)
-    bandwidth = hw.intra_node_gbps * GB if hw.intra_node_gbps else preset.bytes_per_s
-    latency = hw.intra_node_latency_us * 1e-6 if hw.intra_node_latency_us else preset.latency_s
-    return Link(name, bandwidth * (hw.comm_efficiency or COMM_EFFICIENCY), latency)
+    """The link between two GPUs of one node, as one GPU sees it: the profile's measured one unless
+    hardware.intra_node_link names a preset."""
+    profile = _profile(hw)
+    if profile and profile.link and not hw.intra_node_link:
+        name, nominal, efficiency = "measured", profile.link, 1.0
+    else:
+        name = hw.intra_node_link or _catalog_spec(hw.gpu).default_link
+        nominal, efficiency = _link_preset("intra_node_link", name), COMM_EFFICIENCY
+    bandwidth = hw.intra_node_gbps * GB if hw.intra_node_gbps else nominal.bytes_per_s
+    latency = hw.intra_node_latency_us * 1e-6 if hw.intra_node_latency_us else nominal.latency_s
+    return Link(name, bandwidth * (hw.comm_efficiency or efficiency), latency)
 
 
 def inter_node_link(hw: HardwareConfig) -> Link:

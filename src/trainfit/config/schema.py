@@ -293,6 +293,11 @@ class HardwareConfig:
     comm_efficiency: float = 0.0
     """Fraction of a link's bandwidth that collectives reach (NCCL bus bandwidth / link bandwidth;
     0 = trainfit.hardware.COMM_EFFICIENCY, 0.8)."""
+    profile: str = ""
+    """A hardware profile measured by `trainfit calibrate --out FILE` on the device named by gpu: its
+    matmul FLOP/s per dtype (at compute_efficiency 1.0 by default), memory bandwidth and collective
+    bandwidth and latency (the intra-node link, comm_efficiency 1.0) replace the catalog's; the
+    overrides above still win ("" = the catalog's datasheet figures)."""
 
 
 @dataclass

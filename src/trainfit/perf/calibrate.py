@@ -1,0 +1,263 @@
+"""`trainfit calibrate`: measure this machine and return its HardwareProfile; imports torch (this
+command only: the rest of perf/ stays torch-free).
+
+What it measures, on the device training would use (cuda when present, else cpu), with torch
+computing on `threads` threads (what `trainfit train` uses in the same environment: torch's default,
+or OMP_NUM_THREADS; torchrun sets 1 per rank):
+- matmuls, F.linear as the model runs them, per dtype (fp32, bf16, fp16; fp8 through
+  torch._scaled_mm where it runs) over GEMMs of transformer layers: tokens x dim by dim x dim and
+  by dim x 4 dim, small to large. A dtype's rate is its best shape's. A shape whose one call would
+  take longer than `max_call_s` at the dtype's rate so far is skipped: bf16 and fp16 matmuls run
+  ~10x slower than fp32 on CPUs without native support for them (a 2-core AVX2 EPYC, one thread:
+  fp32 86, bf16 8, fp16 11 GFLOP/s);
+- memory bandwidth: a large fp32 copy (read + write bytes) and add (two reads, one write), the better;
+- collectives at 2..max_ranks ranks (trainfit.perf.calibrate_comms: spawned processes, fits);
+- AdamW's step on fp32 parameters (the master weights' dtype) of a few sizes, fused (where
+  train/optim.py uses it) and foreach, each fitted to step_s + s_per_param x parameters.
+Every figure is the best of `repeats` timed batches of back-to-back calls, each about `batch_s`
+long (sustained within a batch; the best batch is the one least disturbed by other work).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from rich.table import Table
+
+from trainfit.config import ConfigError
+from trainfit.hardware_profile import (
+    MATMUL_DTYPES,
+    PROFILE_VERSION,
+    HardwareProfile,
+    Machine,
+    MatmulShape,
+    OptimizerFit,
+)
+from trainfit.memory.analytic import FUSED_DEVICES
+from trainfit.perf.calibrate_comms import fit_collectives, fit_nonnegative, measure_collectives, predicted_seconds
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+OPTIMIZER_TENSORS = 8
+"""Each optimizer size is split into this many equal parameters (a step's per-tensor cost is in step_s)."""
+
+Progress = Callable[[str, int, int], None]
+"""progress(what starts now, steps done, steps in all)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    shapes: tuple[tuple[int, int], ...]
+    """(tokens, dim): each measured as tokens x dim x dim and tokens x dim x 4 dim."""
+    max_call_s: float
+    batch_s: float
+    repeats: int
+    memory_bytes: int
+    """Size of each tensor of the copy and add; well beyond the caches."""
+    message_bytes: tuple[int, ...]
+    optimizer_params: tuple[int, ...]
+
+
+DEFAULT = Settings(shapes=((512, 128), (2048, 256), (2048, 512), (4096, 768)), max_call_s=0.5, batch_s=0.1,
+                   repeats=5, memory_bytes=256 * 2**20, message_bytes=tuple(4**i * 2**12 for i in range(7)),
+                   optimizer_params=(2**20, 2**22, 2**24))
+QUICK = Settings(shapes=((512, 128), (2048, 256)), max_call_s=0.05, batch_s=0.02, repeats=2,
+                 memory_bytes=64 * 2**20, message_bytes=(2**12, 2**16, 2**20, 2**22), optimizer_params=(2**18, 2**20))
+
+
+def _device_type() -> str:
+    """The device training would use: cuda when present, else cpu."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_max_ranks(max_ranks: int | None) -> int:
+    """Default: CPU up to 4 ranks, one per core (at least 2); CUDA up to 4 GPUs. 1 skips the
+    collectives; on CUDA each rank needs its own GPU."""
+    device = _device_type()
+    if max_ranks is None:
+        return min(4, torch.cuda.device_count()) if device == "cuda" else max(2, min(4, os.cpu_count() or 1))
+    if max_ranks < 1:
+        raise ConfigError(f"--max-ranks {max_ranks}: must be >= 1 (1 skips the collectives, 2 or more "
+                          "measures them at 2..N ranks)")
+    if device == "cuda" and max_ranks > torch.cuda.device_count():
+        raise ConfigError(f"--max-ranks {max_ranks}: this machine has {torch.cuda.device_count()} GPU(s), one per "
+                          "rank; use at most that many")
+    return max_ranks
+
+
+def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int = 1,
+              progress: Progress = lambda what, done, total: None) -> HardwareProfile:
+    """Measure this machine (module docstring); `quick` takes seconds instead of a minute or two;
+    collectives at 2..max_ranks ranks (default: see resolve_max_ranks)."""
+    settings, device, max_ranks = QUICK if quick else DEFAULT, _device_type(), resolve_max_ranks(max_ranks)
+    dtypes = [*MATMUL_DTYPES, *(["fp8"] if _fp8_runs(device) else [])]
+    impls = ["fused", "foreach"] if device in FUSED_DEVICES else ["foreach"]
+    worlds = range(2, max_ranks + 1)
+    total = len(dtypes) * 2 * len(settings.shapes) + 1 + len(worlds) + len(impls) * len(settings.optimizer_params)
+    done = 0
+
+    def step(what: str) -> None:
+        nonlocal done
+        progress(what, done, total)
+        done += 1
+
+    start, threads_before = time.perf_counter(), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        shapes = [s for dtype in dtypes for s in _matmuls(dtype, device, settings, step)]
+        step("memory bandwidth")
+        memory = _memory_bandwidth(device, settings)
+        measured = {}
+        for n in worlds:
+            step(f"collectives at {n} ranks ({'nccl' if device == 'cuda' else 'gloo'}, spawning)")
+            measured[n] = measure_collectives(n, device, threads=threads, sizes=settings.message_bytes,
+                                              batch_s=settings.batch_s, repeats=settings.repeats)
+        optimizer = [_optimizer(impl, device, settings, step) for impl in impls]
+    finally:
+        torch.set_num_threads(threads_before)
+    progress("done", total, total)
+    link, collectives = fit_collectives(measured) if measured else (None, [])
+    best = {d: max(s.flops_per_s for s in shapes if s.dtype == d) for d in dtypes}
+    machine = Machine(device=device, name=_device_name(device), cores=os.cpu_count() or 1, threads=threads,
+                      torch=torch.__version__, date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                      quick=quick, seconds=round(time.perf_counter() - start, 1))
+    return HardwareProfile(version=PROFILE_VERSION, machine=machine, matmul_flops_per_s=best,
+                           matmul_shapes=tuple(shapes), memory_bytes_per_s=memory, optimizer=tuple(optimizer),
+                           link=link, collectives=tuple(collectives))
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    try:  # Linux: the model name; platform.processor() is often empty there
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def _sync(device: str) -> Callable[[], None]:
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def best_seconds(call: Callable[[], object], sync: Callable[[], None], *, batch_s: float, repeats: int) -> float:
+    """Best mean seconds per call over `repeats` batches of back-to-back calls, after a warm-up call
+    that also sizes the batches."""
+    start = time.perf_counter()
+    call()
+    sync()
+    calls = max(1, round(batch_s / (time.perf_counter() - start)))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        sync()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+# ---------------------------------------------------------------- matmuls
+
+
+def _matmul(dtype: str, m: int, k: int, n: int, device: str) -> Callable[[], torch.Tensor]:
+    """(m x k) @ (k x n) as a linear layer runs it: F.linear with an (n x k) weight; fp8 through
+    torch._scaled_mm (tensorwise scales of 1, bf16 out, the weight column-major as it requires)."""
+    if dtype == "fp8":
+        a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device)
+        return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=device, dtype=DTYPES[dtype])
+    w = torch.randn(n, k, device=device, dtype=DTYPES[dtype])
+    return lambda: F.linear(x, w)
+
+
+def _fp8_runs(device: str) -> bool:
+    try:
+        _matmul("fp8", 16, 16, 16, device)()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _matmuls(dtype: str, device: str, s: Settings, step: Callable[[str], None]) -> list[MatmulShape]:
+    """Every shape of the grid that fits in max_call_s at the dtype's rate so far, smallest first."""
+    grid = sorted({(m, d, n) for m, d in s.shapes for n in (d, 4 * d)}, key=lambda mkn: mkn[0] * mkn[1] * mkn[2])
+    out: list[MatmulShape] = []
+    for m, k, n in grid:
+        step(f"matmul {dtype} {m} x {k} x {n}")
+        flops = 2 * m * k * n
+        if out and flops / max(o.flops_per_s for o in out) > s.max_call_s:
+            continue
+        seconds = best_seconds(_matmul(dtype, m, k, n, device), _sync(device), batch_s=s.batch_s, repeats=s.repeats)
+        out.append(MatmulShape(dtype, m, k, n, flops / seconds))
+    return out
+
+
+# ---------------------------------------------------------------- memory and optimizer
+
+
+def _memory_bandwidth(device: str, s: Settings) -> float:
+    a, b, c = (torch.ones(s.memory_bytes // 4, device=device) for _ in range(3))
+    copy = best_seconds(lambda: c.copy_(a), _sync(device), batch_s=s.batch_s, repeats=s.repeats)
+    add = best_seconds(lambda: torch.add(a, b, out=c), _sync(device), batch_s=s.batch_s, repeats=s.repeats)
+    return max(2 * s.memory_bytes / copy, 3 * s.memory_bytes / add)
+
+
+def _optimizer(impl: str, device: str, s: Settings, step: Callable[[str], None]) -> OptimizerFit:
+    points = []
+    for size in s.optimizer_params:
+        step(f"AdamW {impl}, {size:,} parameters")
+        params = [torch.nn.Parameter(torch.randn(size // OPTIMIZER_TENSORS, device=device))
+                  for _ in range(OPTIMIZER_TENSORS)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3, fused=impl == "fused", foreach=impl == "foreach" or None)
+        opt.step()  # creates the states
+        points.append((size, best_seconds(opt.step, _sync(device), batch_s=s.batch_s, repeats=s.repeats)))
+    step_s, s_per_param = fit_nonnegative([(1.0, float(p), t) for p, t in points])
+    return OptimizerFit("adamw", impl, "fp32", s_per_param, step_s, tuple(p for p, _ in points),
+                        tuple(t for _, t in points))
+
+
+# ---------------------------------------------------------------- tables
+
+
+def profile_tables(p: HardwareProfile) -> list[Table]:
+    """The profile as `trainfit calibrate` prints it: a summary, matmuls per shape, collectives, optimizer."""
+    m = p.machine
+    summary = Table("measured", "", title=f"hardware profile: {m.device}, {m.name}, {m.threads} thread(s), "
+                                          f"torch {m.torch}, {m.seconds:.0f} s{' (quick)' if m.quick else ''}")
+    for dtype, rate in p.matmul_flops_per_s.items():
+        summary.add_row(f"matmul {dtype}", f"{rate / 1e9:,.1f} GFLOP/s")
+    summary.add_row("memory bandwidth", f"{p.memory_bytes_per_s / 1e9:,.1f} GB/s")
+    if p.link:
+        summary.add_row("link (all collectives)", f"{p.link.bytes_per_s / 1e9:,.2f} GB/s, "
+                                                  f"{p.link.latency_s * 1e6:,.0f} us per step")
+    for o in p.optimizer:
+        summary.add_row(f"{o.name} {o.impl} step",
+                        f"{o.s_per_param * 1e9:.2f} ns per parameter + {o.step_s * 1e3:.2f} ms")
+
+    dtypes = list(p.matmul_flops_per_s)
+    matmuls = Table("m x k x n", *dtypes, title="matmul GFLOP/s per shape (tokens x dim x dim, x 4 dim)")
+    for shape in sorted({(s.m, s.k, s.n) for s in p.matmul_shapes}, key=lambda mkn: mkn[0] * mkn[1] * mkn[2]):
+        rates = {s.dtype: s.flops_per_s for s in p.matmul_shapes if (s.m, s.k, s.n) == shape}
+        matmuls.add_row(" x ".join(map(str, shape)), *(f"{rates[d] / 1e9:,.1f}" if d in rates else "skipped"
+                                                        for d in dtypes))
+    tables = [summary, matmuls]
+    if p.collectives:
+        comms = Table("kind", "ranks", "GB/s", "latency us", "sizes", "worst fit error",
+                      title="collectives: time = a0 + steps x latency + factor x bytes / bandwidth (perf/comms.py)")
+        for c in p.collectives:
+            error = max(abs(predicted_seconds(c, b) / t - 1) for b, t in zip(c.nbytes, c.seconds, strict=True))
+            comms.add_row(c.kind, str(c.world_size), f"{c.bytes_per_s / 1e9:,.2f}", f"{c.latency_s * 1e6:,.0f}",
+                          f"{min(c.nbytes) / 2**10:,.0f} KiB - {max(c.nbytes) / 2**20:,.0f} MiB", f"{error:.0%}")
+        tables.append(comms)
+    return tables

@@ -1,0 +1,262 @@
+"""`trainfit calibrate` and hardware.profile: the profile's TOML, a real quick calibration (2 gloo
+ranks), the fits against perf/comms.py's cost model, and what a profile changes in the estimate."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainfit import hardware
+from trainfit.cli import main
+from trainfit.config import ConfigError, HardwareConfig, load_config
+from trainfit.hardware_profile import (
+    CollectiveFit,
+    HardwareProfile,
+    LinkFit,
+    Machine,
+    MatmulShape,
+    OptimizerFit,
+    load_profile,
+    to_toml,
+    write_profile,
+)
+from trainfit.perf.calibrate import QUICK
+from trainfit.perf.calibrate_comms import fit_link, fit_nonnegative, model_terms
+from trainfit.perf.comms import collective_time
+
+KINDS = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}
+
+
+def profile(**changes: object) -> HardwareProfile:
+    """A hand-made CPU profile (numbers of at most 6 significant digits: the TOML keeps them exactly)."""
+    base = HardwareProfile(
+        version=1,
+        machine=Machine(device="cpu", name="Test CPU \"x\"", cores=2, threads=1, torch="2.13.0", date="2025-01-01",
+                        quick=True, seconds=9.5),
+        matmul_flops_per_s={"fp32": 5e10, "bf16": 2e9, "fp16": 1.5e9},
+        matmul_shapes=(MatmulShape("fp32", 512, 128, 128, 4e10), MatmulShape("fp32", 512, 128, 512, 5e10),
+                       MatmulShape("bf16", 512, 128, 128, 2e9), MatmulShape("fp16", 512, 128, 128, 1.5e9)),
+        memory_bytes_per_s=1.5e10,
+        optimizer=(OptimizerFit("adamw", "fused", "fp32", 1.25e-9, 2e-5, (262144, 1048576), (3.5e-4, 1.33e-3)),),
+        link=LinkFit(bytes_per_s=1e9, latency_s=1e-4),
+        collectives=(CollectiveFit("all_reduce", 2, 1e9, 1e-4, (4096, 1048576), (2.2e-4, 1.2e-3)),),
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def write(tmp_path: Path, p: HardwareProfile, name: str = "hw.toml") -> str:
+    return str(write_profile(p, tmp_path / name))
+
+
+# ---------------------------------------------------------------- the file
+
+
+def test_toml_roundtrip_and_atomic_write(tmp_path: Path) -> None:
+    p = profile()
+    path = write(tmp_path, p)
+    assert load_profile(path) == p
+    assert [f.name for f in tmp_path.iterdir()] == ["hw.toml"]  # no temp file left beside it
+    assert load_profile(write(tmp_path, profile(link=None, collectives=()), "none.toml")).link is None
+    assert to_toml(p).startswith("# Measured by `trainfit calibrate`")
+
+
+def test_a_profile_is_read_once_per_file_state(tmp_path: Path) -> None:
+    path = write(tmp_path, profile())
+    assert load_profile(path) is load_profile(path)
+    write(tmp_path, profile(memory_bytes_per_s=2e10))
+    assert load_profile(path).memory_bytes_per_s == 2e10
+
+
+BAD = [  # (what the file holds, words of the error)
+    (None, ("hardware.profile", "cannot read it", "trainfit calibrate --out")),
+    ("version = 1\n[machine\n", ("not a TOML profile",)),
+    ("version = 2\n", ("version 2", "reads version 1")),
+    ("memory_bytes_per_s = 1e10\n", ("version None",)),
+]
+
+
+@pytest.mark.parametrize(("content", "says"), BAD)
+def test_unreadable_profiles_are_named_errors(content: str | None, says: tuple[str, ...], tmp_path: Path) -> None:
+    path = tmp_path / "hw.toml"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"--hardware.profile={path}"])
+    assert str(err.value).startswith(f"hardware.profile={str(path)!r}: ")
+    for words in says:
+        assert words in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (lambda t: t.replace("memory_bytes_per_s = 1.5e+10", "memory_bytes_per_s = -1.0"),
+         "memory_bytes_per_s=-1.0 must be a finite number > 0"),
+        (lambda t: t.replace("fp32 = 5e+10", "fp32 = 0"), "matmul_flops_per_s.fp32=0 must be a finite number > 0"),
+        (lambda t: t.replace("latency_s = 0.0001", "latency_s = -0.0001", 1), "link.latency_s=-0.0001 must be"),
+        (lambda t: t.replace("cores = 2", 'cores = "two"'), "machine.cores='two' must be an integer"),
+        (lambda t: t.replace("world_size = 2", "world_size = 2.5"), "collectives[0].world_size=2.5 must be an integer"),
+        (lambda t: t.replace("step_s = 2e-05", "step_s = nan"), "optimizer[0].step_s=nan must be a finite number"),
+        (lambda t: t.replace("bf16 = 2e+09\n", ""), "matmul_flops_per_s has no bf16"),
+        (lambda t: t.replace("memory_bytes_per_s", "memory_bytes_per_sec"), "unknown key memory_bytes_per_sec"),
+        (lambda t: t.replace('name = "adamw"\n', ""), "optimizer[0].name is missing"),
+        (lambda t: t.replace("seconds = [0.00022, 0.0012]", "seconds = [0.00022]"),
+         "collectives[0]: nbytes and seconds must be non-empty arrays of one length"),
+    ],
+)
+def test_bad_numbers_and_keys_name_the_field(edit, says: str, tmp_path: Path) -> None:
+    text = to_toml(profile())
+    path = tmp_path / "hw.toml"
+    path.write_text(edit(text))
+    assert path.read_text() != text
+    with pytest.raises(ConfigError, match=r"^hardware\.profile=.*hw\.toml'") as err:
+        load_config(None, [f"--hardware.profile={path}"])
+    assert says in str(err.value) and "trainfit calibrate --out" in str(err.value)
+
+
+def test_a_cpu_profile_cannot_stand_for_a_gpu(tmp_path: Path) -> None:
+    path = write(tmp_path, profile())
+    with pytest.raises(ConfigError, match="measured on cpu .* but hardware.gpu='H100-SXM-80GB'"):
+        load_config(None, [f"--hardware.profile={path}", "--hardware.gpu=H100-SXM-80GB"])
+
+
+# ---------------------------------------------------------------- what hardware.py makes of it
+
+
+def test_measured_figures_replace_the_catalog_and_overrides_still_win(tmp_path: Path) -> None:
+    path = write(tmp_path, profile())
+    hw = HardwareConfig(profile=path)
+    assert hardware.peak_flops(hw, "fp32") == 5e10 and hardware.peak_flops(hw, "bf16-mixed") == 2e9
+    assert hardware.compute_efficiency(hw) == 1.0
+    assert hardware.device_spec(hw).hbm_bytes_per_s == 1.5e10
+    assert hardware.intra_node_link(hw) == hardware.Link("measured", 1e9, 1e-4)  # comm efficiency 1: measured
+    assert hardware.inter_node_link(hw) == hardware.inter_node_link(HardwareConfig())  # one machine: no network
+
+    custom = HardwareConfig(profile=path, peak_tflops=0.2, compute_efficiency=0.7, hbm_tbps=0.05,
+                            intra_node_gbps=2, intra_node_latency_us=50, comm_efficiency=0.5)
+    assert hardware.peak_flops(custom, "fp32") == pytest.approx(2e11)
+    assert hardware.compute_efficiency(custom) == 0.7
+    assert hardware.device_spec(custom).hbm_bytes_per_s == 5e10
+    assert hardware.intra_node_link(custom) == hardware.Link("measured", 1e9, pytest.approx(5e-5))
+    preset = HardwareConfig(profile=path, intra_node_link="pcie4")
+    assert hardware.intra_node_link(preset).name == "pcie4"
+    no_link = HardwareConfig(profile=write(tmp_path, profile(link=None, collectives=()), "none.toml"))
+    assert hardware.intra_node_link(no_link) == hardware.intra_node_link(HardwareConfig())
+
+
+def test_fp8_without_a_measured_rate_says_so(tmp_path: Path) -> None:
+    hw = HardwareConfig(profile=write(tmp_path, profile()))
+    with pytest.raises(ConfigError, match=r"precision.mode='fp8-mixed': hardware.profile=.* has no fp8 matmul rate"):
+        hardware.peak_flops(hw, "fp8-mixed")
+
+
+def estimate_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    assert main(["estimate", "--hardware.num_gpus=2", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(("fp32", "link", "slower"), [(1e10, 1e8, True), (1e12, 1e11, False)])
+def test_a_profile_moves_the_estimate_the_way_its_numbers_say(
+        fp32: float, link: float, slower: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The catalog's CPU runs at cores x 96 GFLOP/s x 0.5 and a 4 GB/s loopback link; a profile slower
+    (faster) than that makes compute and communication, and so the step, slower (faster)."""
+    p = profile(matmul_flops_per_s={"fp32": fp32, "bf16": 2e9, "fp16": 1.5e9}, link=LinkFit(link, 1e-4))
+    path = write(tmp_path, p)
+    catalog, measured = estimate_json(capsys), estimate_json(capsys, f"--hardware.profile={path}")
+    flops = measured["flops"]["flops_per_rank_per_step"]
+    assert measured["time"]["compute_s"] == pytest.approx(flops / fp32)  # efficiency 1.0 on the measured rate
+    for key in ("compute_s", "step_time_s"):
+        assert (measured["time"][key] > catalog["time"][key]) == slower, key
+    assert (measured["time"]["comm_s"]["all_reduce"] > catalog["time"]["comm_s"]["all_reduce"]) == slower
+    assert measured["flops"] == catalog["flops"]
+
+
+def test_estimate_with_a_profile_imports_no_torch(tmp_path: Path) -> None:
+    path = write(tmp_path, profile())
+    code = (f"import sys; from trainfit.cli import main; main(['estimate', '--hardware.profile={path}', '--json']); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+# ---------------------------------------------------------------- the fits
+
+
+def test_the_link_fit_recovers_the_cost_model_of_perf_comms() -> None:
+    """Times made by comms.collective_time on a known link fit back to that link, every kind and size."""
+    truth = hardware.Link("truth", 2e9, 3e-5)
+    sizes = (4096, 65536, 2**20, 2**24)
+    points = [(kind, n, b, collective_time(kind, b, n, truth)) for n in (2, 3, 4) for b in sizes
+              for kind in ("all_gather", "reduce_scatter", "all_to_all")]
+    points += [(kind, 2, b, collective_time(kind, b, 2, truth)) for b in sizes for kind in ("all_reduce", "p2p")]
+    fit = fit_link(points)
+    assert fit.bytes_per_s == pytest.approx(2e9) and fit.latency_s == pytest.approx(3e-5)
+    assert model_terms("all_reduce", 4) == (6.0, 1.5) and model_terms("all_gather", 4) == (3.0, 0.75)
+
+
+def test_a_negative_intercept_is_clamped_at_zero() -> None:
+    assert fit_nonnegative([(1.0, 1.0, 3.0), (1.0, 2.0, 5.0)]) == pytest.approx((1.0, 2.0))
+    intercept, slope = fit_nonnegative([(1.0, 1.0, 1.0), (1.0, 2.0, 3.0), (1.0, 3.0, 5.0)])  # y = 2x - 1
+    assert intercept == 0.0 and slope > 0
+
+
+# ---------------------------------------------------------------- a real calibration
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """`trainfit calibrate --quick --max-ranks 2 --json`, run once: (the profile, what it printed)."""
+    out = tmp_path_factory.mktemp("calibrate") / "cpu.toml"
+    proc = subprocess.run([sys.executable, "-m", "trainfit", "calibrate", "--quick", "--max-ranks", "2", "--out",
+                           str(out), "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return out, proc.stdout
+
+
+def test_a_quick_calibration_measures_plausible_numbers(quick: tuple[Path, str]) -> None:
+    path, printed = quick
+    p = load_profile(str(path))
+    printed = json.loads(printed)  # --json prints what the file holds (to its 6 significant digits)
+    assert printed.keys() == p.as_dict().keys() and printed["machine"] == dataclasses.asdict(p.machine)
+    assert printed["matmul_flops_per_s"] == pytest.approx(p.matmul_flops_per_s, rel=1e-5)
+    assert printed["link"] == pytest.approx(dataclasses.asdict(p.link), rel=1e-5)
+    assert (p.machine.device, p.machine.threads, p.machine.quick) == ("cpu", 1, True)  # OMP_NUM_THREADS=1
+    assert {"fp32", "bf16", "fp16"} <= set(p.matmul_flops_per_s)
+    for dtype, rate in p.matmul_flops_per_s.items():
+        assert 1e8 < rate < 1e13, dtype
+        assert rate == max(s.flops_per_s for s in p.matmul_shapes if s.dtype == dtype)
+    assert {(s.m, s.k, s.n) for s in p.matmul_shapes if s.dtype == "fp32"} == \
+        {(m, d, n) for m, d in QUICK.shapes for n in (d, 4 * d)}
+    assert 1e8 < p.memory_bytes_per_s < 1e13
+    assert {c.kind for c in p.collectives} == KINDS and {c.world_size for c in p.collectives} == {2}
+    for c in p.collectives:
+        assert 1e6 < c.bytes_per_s < 1e12 and 0 <= c.latency_s < 0.1, c
+        assert c.nbytes == QUICK.message_bytes and all(t > 0 for t in c.seconds)
+    assert 1e6 < p.link.bytes_per_s < 1e12 and 0 <= p.link.latency_s < 0.1
+    assert {o.impl for o in p.optimizer} == {"fused", "foreach"}
+    for o in p.optimizer:
+        assert 1e-12 < o.s_per_param < 1e-6 and o.params == QUICK.optimizer_params
+
+
+def test_the_measured_profile_drives_the_estimate(quick: tuple[Path, str], capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = quick
+    p = load_profile(str(path))
+    out = estimate_json(capsys, f"--hardware.profile={path}")
+    assert out["time"]["compute_s"] == pytest.approx(out["flops"]["flops_per_rank_per_step"]
+                                                     / p.matmul_flops_per_s["fp32"])
+    catalog = estimate_json(capsys)
+    assert out["time"]["step_time_s"] != catalog["time"]["step_time_s"]
+
+
+def test_calibrate_refuses_to_overwrite_without_force(quick: tuple[Path, str],
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = quick
+    before = path.read_bytes()
+    assert main(["calibrate", "--quick", "--out", str(path)]) == 2
+    assert "the file exists; pass --force" in capsys.readouterr().err
+    assert path.read_bytes() == before
