@@ -289,9 +289,9 @@ def test_ctrl_c_in_prepare_data_leaves_nothing_behind(tmp_path: Path) -> None:
 def test_trainfit_alone_introduces_itself() -> None:
     out = trainfit().stdout
     assert out.startswith("trainfit: ") and "commands:" in out and "examples:" in out
-    assert all(f"  {verb} " in out for verb in ("estimate", "train", "report", "measure", "sample", "export",
+    assert all(f"  {verb} " in out for verb in ("estimate", "plan", "train", "report", "measure", "sample", "export",
                                                 "calibrate"))
-    assert out.count("\n  trainfit ") + out.count("\n  torchrun ") == 5
+    assert out.count("\n  trainfit ") + out.count("\n  torchrun ") == 6
 
 
 def test_another_runs_checkpoint_is_refused_with_the_choices(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

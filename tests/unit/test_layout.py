@@ -216,7 +216,7 @@ def test_pipeline_stages_split_the_blocks_by_compute_and_parameters() -> None:
     big = layout_of("--model.preset=llama3.1-405b", "--hardware.num_gpus=128", "--parallel.tp=8", "--parallel.pp=16",
                     "--training.micro_batch_size=1", "--training.global_batch_size=16", "--training.seq_len=8192")
     assert big.pp_layers == (7, *[8] * 14, 7) and big.num_microbatches == 16
-    assert big.rank_blocks(0) == list(range(7)) and big.rank_blocks(15) == list(range(119, 126))
+    assert big.rank_blocks(0) == tuple(range(7)) and big.rank_blocks(15) == tuple(range(119, 126))
     even = layout_of("--hardware.num_gpus=2", "--parallel.pp=2", "--model.num_layers=8", "--model.vocab_size=64")
     assert even.pp_layers == (4, 4)
     given = layout_of("--hardware.num_gpus=4", "--parallel.pp=4", "--model.num_layers=6",
@@ -229,11 +229,11 @@ def test_schedules_place_their_stages_on_the_ranks() -> None:
     micro-batch count is derived from the accumulation, raised to at least pp."""
     looped = layout_of("--hardware.num_gpus=4", "--parallel.pp=4", "--parallel.pp_schedule=interleaved-1f1b",
                        "--model.num_layers=8", "--training.micro_batch_size=2", "--training.global_batch_size=16")
-    assert looped.pp_virtual_stages == 2 and looped.rank_stages(1) == [1, 5] and looped.num_stages == 8
+    assert looped.pp_virtual_stages == 2 and looped.rank_stages(1) == (1, 5) and looped.num_stages == 8
     assert (looped.num_microbatches, looped.micro_batch_size) == (8, 2)  # the accumulation's 8 micro-batches
     v = layout_of("--hardware.num_gpus=4", "--parallel.pp=4", "--parallel.pp_schedule=dualpipev",
                   "--model.num_layers=8")
-    assert v.rank_stages(0) == [0, 7] and v.rank_stages(3) == [3, 4] and v.rank_blocks(0) == [0, 7]
+    assert v.rank_stages(0) == (0, 7) and v.rank_stages(3) == (3, 4) and v.rank_blocks(0) == (0, 7)
     assert (v.num_microbatches, v.micro_batch_size) == (8, 2)  # 16 rows: one micro-batch per stage at least
     assert layout_of("--hardware.num_gpus=4", "--parallel.pp=2", "--parallel.zero_stage=3", "--model.num_layers=4",
                      "--parallel.pp_schedule=zbv-zero-bubble").ineffective_options() == [
