@@ -34,7 +34,10 @@ __all__ = ["AUTOCAST", "DP_BATCH", "FP32", "LOW", "MOE", "STEPS", "ZERO1_LAYOUT"
 
 # Parity with one process (tests/distributed/test_dp_parity.py explains the measures and tolerances).
 STEPS = 4
-FP32 = {"loss_rtol": 1e-5, "update_rtol": 1e-5}
+FP32 = {"loss_rtol": 1e-5, "update_rtol": 1e-4}
+"""fp32: the parameters' bound is tensor, context and pipeline parallelism's 1e-4 (their parity tests'):
+Adam's first updates are +-lr whatever a gradient's size, so the kernels' summation order sets the
+figure, 4e-7 for DDP on one machine's CPU and 1.0e-5 on another's (AMD EPYC, foreach and fused alike)."""
 AUTOCAST = {"loss_rtol": 1e-4, "update_rtol": 2e-2}
 LOW = {"loss_rtol": 1e-3, "update_rtol": 6e-2}
 MOE = {"loss_rtol": 1e-3, "update_rtol": 0.2}

@@ -10,8 +10,9 @@ are +-lr whatever a gradient's size, so an element whose gradient is ~0 may flip
 summation order of the reduction).
 
 Measured (and the tolerance), `pytest -s` prints them: fp32, every layout: loss 2e-7, parameters
-4e-7 (3e-6 on the tied GPT-2) (1e-5); over 20 steps, stages 0-3 on 2 and 4 ranks: loss 1.3e-7 to
-1.8e-7, parameters 2.6e-7 to 2.8e-7 (1e-5); ZeRO-1 with gradient clipping at 0.05 on the tied GPT-2: 1.9e-7, 5.6e-7. DDP
+4e-7 (3e-6 on the tied GPT-2) (1e-5, 1e-4: on an AMD EPYC the same DDP run gives 1.0e-5, see
+_dist.FP32); over 20 steps, stages 0-3 on 2 and 4 ranks: loss 1.3e-7 to 1.8e-7, parameters 2.6e-7 to
+2.8e-7 (1e-5, 1e-4); ZeRO-1 with gradient clipping at 0.05 on the tied GPT-2: 1.9e-7, 5.6e-7. DDP
 bf16-mixed (autocast, like one process): loss 1e-5, parameters 7e-3 (1e-4, 2e-2). Layouts that
 compute with 16-bit *parameters* where one process autocasts fp32 ones per operator (FSDP2's
 MixedPrecisionPolicy, ZeRO-1) round the residual stream differently: bf16-mixed loss 1.1e-4 to
