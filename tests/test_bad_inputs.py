@@ -317,6 +317,20 @@ CALIBRATE = [  # trainfit calibrate's own arguments, refused before anything is 
 ]
 
 
+PLAN_BASE = ("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
+             "--training.seq_len=4096")
+PLANS = [  # trainfit plan's own arguments and what it needs: (argv, setup, words)
+    ((*PLAN_BASE, "--training.global_batch_size=0"), None, ("training.global_batch_size=0", "set it")),
+    ((*PLAN_BASE, "--training.global_batch_size=64", "--top", "0"), None, ("--top 0", "--top 10")),
+    ((*PLAN_BASE, "--training.global_batch_size=64", "--precisions", "bf16-mixed,fp9"), None,
+     ("precision.mode", "fp9")),
+    ((*PLAN_BASE, "--training.global_batch_size=64", "--out", "{tmp}/nowhere/plan.toml"), None,
+     ("nowhere", "does not exist")),
+    ((*PLAN_BASE, "--training.global_batch_size=64", "--out", "{tmp}/adir"), write("adir/x", ""),
+     ("adir", "folder")),
+]
+
+
 def _cases() -> list[Bad]:
     cases = _schema_cases()
     cases += [Bad("config value", ("estimate", arg), says) for arg, says in SEMANTIC]
@@ -339,6 +353,7 @@ def _cases() -> list[Bad]:
     cases += [Bad(f"profile: {name}", ("estimate", "--hardware.profile={tmp}/hw.toml", *argv), says,
                   None if content is None else write("hw.toml", content)) for name, argv, content, says in PROFILES]
     cases += [Bad("calibrate", ("calibrate", *argv), says, setup) for argv, setup, says in CALIBRATE]
+    cases += [Bad("plan", ("plan", *argv), says, setup) for argv, setup, says in PLANS]
     return cases
 
 
@@ -348,7 +363,7 @@ CASES = _cases()
 def test_the_table_covers_every_kind_of_input() -> None:
     kinds = {case.category.split(":")[0] for case in CASES}
     assert kinds == {"config value", "arguments", "config file", "hf config", "data", "checkpoint", "sampling",
-                     "export", "plot", "profile", "calibrate"}
+                     "export", "plot", "profile", "calibrate", "plan"}
     assert len(CASES) >= 150
 
 

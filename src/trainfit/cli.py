@@ -73,7 +73,7 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
-    from trainfit.config import config_from_dict, read_raw, resolve_and_validate, write_atomic
+    from trainfit.config import check_writable, config_from_dict, read_raw, resolve_and_validate, write_atomic
     from trainfit.memory.report import check_figure_path
     from trainfit.plan.explain import plan_json, plan_table, plot_plan, search_summary, winner_toml
     from trainfit.plan.search import search
@@ -85,6 +85,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"--top {args.top}: show at least 1 candidate; try --top 10")
     if args.plot:
         check_figure_path("--plot", args.plot)
+    if args.out:
+        check_writable("--out", args.out)
     precisions = tuple(p for p in (args.precisions or "").split(",") if p)
     for mode in precisions:
         cfg_check = config_from_dict({**raw, "precision": {**raw.get("precision", {}), "mode": mode}})

@@ -32,6 +32,10 @@ from trainfit.train.distributed import World
 from trainfit.train.trainer import Trainer
 
 FP32 = {"loss_rtol": 1e-4, "update_rtol": 1e-4}
+DROPLESS_20_STEPS = {"loss_rtol": 1e-4, "update_rtol": 1e-3}
+"""Dropless routing over 20 steps: once a near-tied top-2 choice flips on a last-bit difference,
+the parameters drift apart (README: 2.6e-5 on one machine's CPU; 2.8e-4 on an AMD EPYC's). The
+first step's gradients, checked within GRAD_RTOL, are where the dispatch itself is tested."""
 STEPS, COMPOSITION_STEPS = 20, 4
 MOE = ("--model.preset=debug-moe", "--training.micro_batch_size=2")
 """The model, and the micro-batch the reference must share (module docstring)."""
@@ -49,7 +53,8 @@ class ExpertParallelParity(GlooTestCase):
 
     def check_case(self, case: Case) -> None:
         overrides, steps = case
-        self.check_parity((*MOE, *overrides), FP32, steps=steps)
+        dropless_and_long = CAPACITY not in overrides and steps == STEPS
+        self.check_parity((*MOE, *overrides), DROPLESS_20_STEPS if dropless_and_long else FP32, steps=steps)
 
     def check_gradients(self, overrides: tuple[str, ...]) -> None:
         """The first step's gradients (whole, by name) equal one process's within GRAD_RTOL each."""

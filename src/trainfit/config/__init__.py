@@ -7,7 +7,7 @@ overrides.py read the schema only. Modules that the validation layer imports tak
 """
 
 from trainfit.config.docs import field_docs, iter_fields
-from trainfit.config.dump import dump_toml, write_atomic
+from trainfit.config.dump import check_writable, dump_toml, write_atomic
 from trainfit.config.load import config_from_dict, config_to_dict, load_config, read_raw
 from trainfit.config.overrides import split_overrides
 from trainfit.config.schema import (
@@ -34,7 +34,7 @@ from trainfit.config.schema import (
 from trainfit.config.validate import resolve_and_validate
 
 __all__ = [
-    "SECTIONS", "ACPolicy", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "Device",
+    "SECTIONS", "ACPolicy", "check_writable", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "Device",
     "HardwareConfig", "LRSchedule", "LoggingConfig", "MemoryConfig", "ModelConfig", "OptimizerConfig",
     "OptimizerName", "ParallelConfig", "PrecisionConfig", "PrecisionMode", "TrainingConfig",
     "config_from_dict", "config_to_dict", "dump_toml", "field_docs", "field_error", "iter_fields", "load_config",

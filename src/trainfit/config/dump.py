@@ -35,13 +35,20 @@ def dump_toml(raw: dict[str, dict[str, Any]], header: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_writable(option: str, path: str | Path) -> None:
+    """Fail before any work when a file could not be written at `path` (given by `option`)."""
+    out = Path(path)
+    if out.is_dir():
+        raise ConfigError(f"{option} {str(path)!r} is a folder; give a file name such as plan.toml")
+    if not out.absolute().parent.is_dir():
+        raise ConfigError(f"{option} {str(path)!r}: the folder {str(out.absolute().parent)!r} does not exist; "
+                          "create it first")
+
+
 def write_atomic(path: str | Path, text: str) -> Path:
     """Write a text file whole or not at all: a temporary file beside it, flushed, then renamed over it."""
     out = Path(path)
-    if out.is_dir():
-        raise ConfigError(f"{str(path)!r} is a folder; give a file name such as plan.toml")
-    if not out.absolute().parent.is_dir():
-        raise ConfigError(f"{str(path)!r}: the folder {str(out.absolute().parent)!r} does not exist; create it first")
+    check_writable("file", out)
     fd, temp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.absolute().parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -9,6 +9,7 @@ from typing import Any
 from rich.table import Table
 
 from trainfit.config import dump_toml
+from trainfit.memory.report import fmt_bytes
 from trainfit.plan.search import Candidate, Plan, model_summary
 
 GIB = 1024**3
@@ -66,12 +67,12 @@ def plan_table(plan: Plan) -> Table:
     table = Table(title=f"trainfit plan: {model_summary(first.cfg)}\nthe fastest layout that fits, then each "
                         "next fastest that needs less memory", title_justify="left")
     for column, justify in (("#", "right"), ("layout", "left"), ("micro-batch x n", "right"),
-                            ("memory techniques", "left"), ("GiB/GPU", "right"), ("tokens/s", "right"),
+                            ("memory techniques", "left"), ("per GPU", "right"), ("tokens/s", "right"),
                             ("MFU", "right"), ("against the one above", "left")):
         table.add_column(column, justify=justify, overflow="fold")
     device = first.device_memory
     for i, c in enumerate(plan.candidates):
-        memory = f"{c.memory_bytes / GIB:.1f}" + (f" / {device / GIB:.0f}" if device and i == 0 else "")
+        memory = fmt_bytes(c.memory_bytes) + (f" / {fmt_bytes(device)}" if device and i == 0 else "")
         table.add_row(str(i + 1), layout_words(c), f"{c.layout.micro_batch_size} x {c.layout.num_microbatches}",
                       memory_words(c), memory, f"{c.tokens_per_second:,.0f}", f"{c.mfu:.1%}",
                       "" if i == 0 else versus(plan.candidates[i - 1], c))
@@ -118,7 +119,7 @@ def winner_toml(raw: dict[str, dict[str, Any]], c: Candidate) -> str:
 
 def plot_plan(plan: Plan, path: str | Path) -> Path:
     """Tokens/s against memory per GPU for every fitting candidate the search evaluated, the top ones marked."""
-    from trainfit.memory.report import pyplot, save_figure
+    from trainfit.memory.report import pyplot, save_figure  # matplotlib only when asked
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))

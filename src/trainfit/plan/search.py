@@ -481,8 +481,8 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
 def _worth_trying(knobs: _Knobs, ev: _Evaluator, stats: SearchStats, bound: float, listed: list[Candidate]) -> bool:
     """Whether a group's setting popped at `bound` could fit and be listed. Its leanest setting is
     tried once, first: if that does not fit, nothing of the group does (most groups of a large
-    model); if a listed candidate is no slower than `bound` and no more than that leanest memory,
-    no setting of the group popped from now on can be listed."""
+    model); if a listed candidate is faster than `bound` and not MEMORY_STEP above that leanest
+    memory, no setting of the group popped from now on can be listed (`frontier` would drop it)."""
     if knobs.leanest is None:
         stats.groups_visited += 1
         leanest = ev.memory(knobs.group.cfg, knobs.layout(knobs.leanest_index()))
@@ -491,7 +491,7 @@ def _worth_trying(knobs: _Knobs, ev: _Evaluator, stats: SearchStats, bound: floa
             knobs.done = True
             return False
         knobs.leanest = max(s.peak + s.reserved_margin for s in leanest.per_stage)
-    if any(c.step_time_s <= bound and c.memory_bytes <= knobs.leanest + MEMORY_TOLERANCE for c in listed):
+    if any(c.step_time_s < bound and c.memory_bytes * (1 - MEMORY_STEP) <= knobs.leanest for c in listed):
         stats.rejected["no faster or leaner than one listed"] += 1
         knobs.done = True
         return False
@@ -501,8 +501,8 @@ def _worth_trying(knobs: _Knobs, ev: _Evaluator, stats: SearchStats, bound: floa
 SLOWEST_LISTED = 1.25
 """Layouts more than this many times slower than the fastest that fits are not listed (nor searched
 for): a leaner one that slow is a different question (more GPUs, a smaller batch)."""
-MEMORY_TOLERANCE = 2**20 * 64
-"""Memory differences below this (64 MiB) do not make a slower candidate worth listing."""
+MEMORY_STEP = 0.01
+"""A slower candidate is listed only if it needs at least this fraction less memory than the one above."""
 
 
 def frontier(candidates: list[Candidate]) -> list[Candidate]:
@@ -512,7 +512,7 @@ def frontier(candidates: list[Candidate]) -> list[Candidate]:
     for c in sorted(candidates, key=lambda c: (c.step_time_s, c.memory_bytes)):
         if kept and c.step_time_s > kept[0].step_time_s * SLOWEST_LISTED:
             break
-        if not kept or c.memory_bytes < kept[-1].memory_bytes - MEMORY_TOLERANCE:
+        if not kept or c.memory_bytes < kept[-1].memory_bytes * (1 - MEMORY_STEP):
             kept.append(c)
     return kept
 
@@ -528,8 +528,9 @@ def _kth_time(kept: list[Candidate], k: int) -> float:
 def model_summary(cfg: Config) -> str:
     """One line naming what is planned."""
     counts = param_counts(cfg.model)
-    size = f"{counts.total / 1e9:.1f}B" if counts.total >= 1e9 else f"{counts.total / 1e6:.0f}M"
+    size = f"{counts.total / 1e9:.1f}B" if counts.total >= 1e9 else f"{counts.total / 1e6:.1f}M"
     hw = cfg.hardware
-    return (f"{cfg.model.preset or 'model'} ({size} parameters) on {hw.num_gpus} x {hw.gpu} "
-            f"({math.ceil(hw.num_gpus / hw.gpus_per_node)} node(s) of {hw.gpus_per_node}), "
-            f"global batch {cfg.training.global_batch_size} x {cfg.training.seq_len} tokens")
+    nodes = math.ceil(hw.num_gpus / hw.gpus_per_node)
+    where = f"{hw.num_gpus} x {hw.gpu}" + (f" ({nodes} nodes of {hw.gpus_per_node})" if nodes > 1 else "")
+    return (f"{cfg.model.preset or 'model'} ({size} parameters) on {where}, global batch "
+            f"{cfg.training.global_batch_size} x {cfg.training.seq_len} tokens")

@@ -1,0 +1,73 @@
+"""`trainfit plan` as a user runs it: the table, --json, --out (a config `trainfit train` runs as
+is), --plot, nothing that fits, and no torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from _runs import run_overrides
+from trainfit.cli import main
+from trainfit.config import load_config
+from trainfit.estimate import estimate
+
+LLAMA8B_8 = ("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
+             "--training.seq_len=8192", "--training.global_batch_size=64")
+
+
+def plan(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "trainfit", "plan", *args], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "200"})
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_the_table_json_and_the_written_winner(tmp_path: Path) -> None:
+    table = plan(*LLAMA8B_8, "--top", "4").stdout
+    assert "trainfit plan: llama3-8b" in table and "FSDP" in table and "less memory" in table
+    assert "searched" in table and "layouts" in table
+    out = tmp_path / "plan.toml"
+    proc = plan(*LLAMA8B_8, "--top", "4", "--json", "--out", str(out))
+    result = json.loads(proc.stdout)
+    assert set(result) == {"candidates", "search"} and 1 <= len(result["candidates"]) <= 4
+    first = result["candidates"][0]
+    assert first["memory_bytes"] <= first["device_memory"] and 0 < first["mfu"] < 1
+    assert f"wrote {out}" in proc.stderr
+    written = estimate(load_config(out))
+    assert written.fits and written.perf.time["step_time_s"] == first["step_time_s"]
+    assert written.layout.dp_shard == first["settings"]["parallel.dp_shard"]
+
+
+def test_plan_never_imports_torch() -> None:
+    code = ("import sys; from trainfit.cli import main; "
+            f"assert main(['plan', *{list(LLAMA8B_8)!r}, '--top', '2']) == 0; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_nothing_fits_exits_1_and_says_what_to_change() -> None:
+    proc = plan("--model.preset=llama3.1-405b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
+                "--training.seq_len=8192", "--training.global_batch_size=8", "--memory.offload=none", check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "no layout of this model fits" in proc.stderr and "does not fit" in proc.stderr
+    assert "hardware.num_gpus" in proc.stderr
+
+
+def test_a_cpu_plan_trains_as_written(tmp_path: Path) -> None:
+    """A plan for this machine under a memory budget that rules out the plain step: the written
+    config trains as is (only the run's folders and length given beside it)."""
+    out, picture = tmp_path / "plan.toml", tmp_path / "plan.png"
+    budget = ("--model.preset=debug", "--training.seq_len=128", "--training.global_batch_size=8",
+              "--hardware.memory_gib=0.03")
+    assert main(["plan", *budget, "--top", "3", "--out", str(out), "--plot", str(picture)]) == 0
+    assert picture.stat().st_size > 0
+    cfg = load_config(out)
+    assert estimate(cfg).fits
+    assert cfg.memory.activation_checkpointing != "none" or cfg.memory.chunked_loss  # the budget bit
+    run = run_overrides(tmp_path / "run", "--training.steps=2", base=())
+    assert main(["train", str(out), *run]) == 0

@@ -1,0 +1,129 @@
+"""plan/search.py: the listed layouts are what `trainfit estimate` says of them, the pruned search
+finds what an exhaustive one finds, and a brute force over every field agrees on the fastest.
+Torch-free and fast: the search is closed-form estimates."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from trainfit.config import ConfigError, load_config, resolve_and_validate
+from trainfit.estimate import estimate
+from trainfit.parallel.layout import build_layout
+from trainfit.plan.explain import versus, winner_toml
+from trainfit.plan.search import SLOWEST_LISTED, frontier, search
+
+LLAMA8B_8 = ("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
+             "--training.seq_len=8192", "--training.global_batch_size=64")
+# A memory-bound case: llama3-8b on four 24 GB cards, pp and cp fixed so that a brute force stays small.
+LLAMA8B_4090 = ("--model.preset=llama3-8b", "--hardware.gpu=RTX-4090", "--hardware.num_gpus=4",
+                "--hardware.gpus_per_node=4", "--training.seq_len=4096", "--training.global_batch_size=16",
+                "--parallel.pp=1", "--parallel.cp=1")
+
+
+def plan(*args: str, **kwargs):
+    cfg = load_config(None, list(args))
+    fixed = frozenset(a[2:].split("=")[0] for a in args)
+    return cfg, search(cfg, fixed, **kwargs)
+
+
+def test_every_listed_layout_is_what_estimate_says_of_its_config() -> None:
+    _, result = plan(*LLAMA8B_8, top=5)
+    assert result.candidates
+    for c in result.candidates:
+        assert build_layout(c.cfg) == c.layout  # the config alone gives the same layout
+        est = estimate(c.cfg)
+        assert est.fits and est.perf.time["step_time_s"] == pytest.approx(c.step_time_s)
+        assert max(s.peak + s.reserved_margin for s in est.memory.per_stage) == c.memory_bytes
+        assert c.layout.untrainable_reason() is None
+
+
+def test_the_list_is_a_time_memory_frontier() -> None:
+    _, result = plan(*LLAMA8B_8, top=6)
+    rows = result.candidates
+    assert len(rows) >= 3
+    for above, below in itertools.pairwise(rows):
+        assert below.step_time_s >= above.step_time_s and below.memory_bytes < above.memory_bytes
+        assert "less memory" in versus(above, below)
+    assert rows[-1].step_time_s <= rows[0].step_time_s * SLOWEST_LISTED
+    # nothing evaluated is faster than the first, or as fast and leaner
+    assert all(c.step_time_s >= rows[0].step_time_s for c in result.fitting)
+
+
+CPU_BUDGET = ("--model.preset=debug", "--training.seq_len=128", "--training.global_batch_size=8",
+              "--hardware.memory_gib=0.03")
+
+
+@pytest.mark.parametrize("case", [(*LLAMA8B_8, "--parallel.pp=1"), LLAMA8B_4090, CPU_BUDGET],
+                         ids=["8b-8xh100", "8b-4x4090", "cpu-budget"])
+def test_the_bounds_lose_nothing(case: tuple[str, ...]) -> None:
+    """Best-first with bounds lists what visiting every layout and every setting lists."""
+    _, pruned = plan(*case, top=5)
+    _, everything = plan(*case, top=5, exhaustive=True)
+    assert [c.settings() for c in pruned.candidates] == [c.settings() for c in frontier(everything.fitting)[:5]]
+    assert pruned.stats.memory_estimates < everything.stats.memory_estimates
+
+
+def test_a_brute_force_over_every_field_finds_the_same_fastest_layout() -> None:
+    """Every combination of the searched fields, each validated and estimated as `trainfit estimate`
+    does a config: the fastest one that fits and trains is the plan's first."""
+    base, result = plan(*LLAMA8B_4090, top=3)
+    best = None
+    for tp, zero, micro, (ac, every), offload, chunked, replicate in itertools.product(
+            (1, 2, 4), (0, 1, 2, 3), (1, 2, 4), (("none", 1), ("selective", 1), ("selective-alternate", 1),
+                                                 ("full", 1), ("full", 2), ("full", 4)),
+            ("none", "optimizer", "optimizer+params"), (False, True), (1, 2)):
+        cfg = dataclasses.replace(
+            base, parallel=dataclasses.replace(base.parallel, tp=tp, zero_stage=zero, dp_replicate=replicate,
+                                               sequence_parallel=tp > 1),
+            training=dataclasses.replace(base.training, micro_batch_size=micro),
+            memory=dataclasses.replace(base.memory, activation_checkpointing=ac, ac_every_n_layers=every,
+                                       offload=offload, chunked_loss=chunked),
+            precision=dataclasses.replace(base.precision, mode="bf16-mixed"))
+        try:
+            resolve_and_validate(cfg)
+            est = estimate(cfg)
+        except ConfigError:
+            continue
+        if est.fits and est.layout.untrainable_reason() is None and (
+                best is None or est.perf.time["step_time_s"] < best.perf.time["step_time_s"]):
+            best = est
+    assert best is not None
+    assert result.candidates[0].step_time_s == pytest.approx(best.perf.time["step_time_s"])
+
+
+def test_fields_the_user_set_stay_as_set() -> None:
+    _, result = plan(*LLAMA8B_8, "--parallel.tp=2", "--memory.activation_checkpointing=full", top=4)
+    assert result.candidates
+    for c in result.candidates:
+        assert c.layout.tp == 2 and c.layout.activation_checkpointing == "full"
+        assert c.layout.global_batch_size == 64
+    _, fp8 = plan(*LLAMA8B_8, top=3, precisions=("bf16-mixed", "fp8-mixed"))
+    assert {c.layout.precision for c in fp8.candidates} <= {"bf16-mixed", "fp8-mixed"}
+    _, default = plan(*LLAMA8B_8, top=3)
+    assert {c.layout.precision for c in default.candidates} == {"bf16-mixed"}  # a GPU's default, not fp32
+
+
+def test_the_winner_is_written_over_the_users_own_fields(tmp_path) -> None:
+    cfg, result = plan(*LLAMA8B_8, top=1)
+    raw = {"model": {"preset": "llama3-8b"}, "training": {"seq_len": 8192, "global_batch_size": 64, "lr": 5e-4},
+           "hardware": {"gpu": "H100-SXM-80GB", "num_gpus": 8}}
+    path = tmp_path / "plan.toml"
+    path.write_text(winner_toml(raw, result.candidates[0]))
+    written = load_config(path)
+    assert written.training.lr == 5e-4  # the user's field kept
+    assert build_layout(written) == result.candidates[0].layout
+    assert estimate(written).perf.time["step_time_s"] == pytest.approx(result.candidates[0].step_time_s)
+
+
+def test_nothing_fits_lists_nothing_and_says_why() -> None:
+    _, result = plan("--model.preset=llama3.1-405b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
+                     "--training.seq_len=8192", "--training.global_batch_size=8", "--memory.offload=none", top=3)
+    assert result.candidates == [] and result.stats.rejected["does not fit"] > 0
+
+
+def test_a_plan_needs_the_global_batch() -> None:
+    with pytest.raises(ConfigError, match="training.global_batch_size"):
+        plan("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8")
