@@ -1,0 +1,56 @@
+"""How fast `trainfit plan` answers, as a whole process (start to printed table), and how much it searched.
+
+    python benchmarks/plan_speed.py
+
+Targets (issue 15): llama3.1-405b on 16,384 H100s under 2 s; llama3-8b on 8 H100s under 0.5 s.
+The in-process search time and the search's counts come from `--json`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+CASES = {
+    "llama3-8b, 8 x H100": (["--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
+                             "--training.seq_len=8192", "--training.global_batch_size=64"], 0.5),
+    "llama3-70b, 64 x H100": (["--model.preset=llama3-70b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=64",
+                               "--training.seq_len=8192", "--training.global_batch_size=512"], None),
+    "llama3.1-405b, 16,384 x H100": (["--model.preset=llama3.1-405b", "--hardware.gpu=H100-SXM-80GB",
+                                      "--hardware.num_gpus=16384", "--training.seq_len=8192",
+                                      "--training.global_batch_size=2048"], 2.0),
+}
+
+
+def run(args: list[str]) -> tuple[float, dict]:
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "trainfit", "plan", *args, "--top", "5", "--json"],
+                          capture_output=True, text=True, check=True)
+    return time.perf_counter() - start, json.loads(proc.stdout)
+
+
+def main(repeats: int = 3) -> None:
+    table = Table(title="trainfit plan speed (whole process, median of 3)")
+    for column in ("case", "process s", "search s", "target", "layouts", "tried", "memory est.", "time est.",
+                   "fastest tokens/s"):
+        table.add_column(column, justify="left" if column == "case" else "right")
+    for name, (args, target) in CASES.items():
+        runs = [run(args) for _ in range(repeats)]
+        wall = statistics.median(w for w, _ in runs)
+        out = runs[0][1]
+        s = out["search"]
+        table.add_row(name, f"{wall:.2f}", f"{statistics.median(o['search']['seconds'] for _, o in runs):.2f}",
+                      f"< {target} s" if target else "", f"{s['layouts']:,}", f"{s['visited']:,}",
+                      f"{s['memory_estimates']:,}", f"{s['time_estimates']:,}",
+                      f"{out['candidates'][0]['tokens_per_second']:,.0f}")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
