@@ -53,9 +53,9 @@ def test_a_config_that_does_not_fit_gets_advice() -> None:
     out = estimate("--model.preset=llama3-70b", "--hardware.gpu=A100-40GB", "--hardware.num_gpus=8",
                    "--precision.mode=bf16-mixed", "--training.seq_len=4096", "--training.micro_batch_size=1",
                    "--training.global_batch_size=8").stdout
-    assert "does not fit" in out
-    assert "ZeRO" in out and "would save" in out
-    assert "peak in the" in out
+    assert "does not fit" in out and "peak in the" in out
+    # more than two choices change here: the planner's fastest layouts, each with what it changes
+    assert "the fewest changes that fit" in out and "parallel.zero_stage=3" in out and "tokens/s" in out
 
 
 def test_every_example_config_estimates(tmp_path: Path) -> None:

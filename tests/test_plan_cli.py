@@ -71,3 +71,14 @@ def test_a_cpu_plan_trains_as_written(tmp_path: Path) -> None:
     assert cfg.memory.activation_checkpointing != "none" or cfg.memory.chunked_loss  # the budget bit
     run = run_overrides(tmp_path / "run", "--training.steps=2", base=())
     assert main(["train", str(out), *run]) == 0
+
+
+def test_estimate_of_a_config_that_does_not_fit_names_the_fewest_changes() -> None:
+    args = [*LLAMA8B_8, "--training.micro_batch_size=2", "--precision.mode=bf16-mixed"]
+    table = subprocess.run([sys.executable, "-m", "trainfit", "estimate", *args], capture_output=True, text=True,
+                           env={**os.environ, "COLUMNS": "200"}, check=True).stdout
+    assert "does not fit" in table and "the fewest changes that fit" in table and "parallel.tp=8" in table
+    out = json.loads(subprocess.run([sys.executable, "-m", "trainfit", "estimate", *args, "--json"],
+                                    capture_output=True, text=True, check=True).stdout)
+    assert out["fits"] is False and out["fixes"][0]["changes"] == ["parallel.tp=8 (sequence parallel)"]
+    assert out["fixes"][0]["memory_bytes"] <= out["per_rank"]["device_memory"]

@@ -44,6 +44,7 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from trainfit.estimate import as_json, estimate, with_traced_memory
     from trainfit.memory.report import check_figure_path, plot_breakdown, print_estimate
+    from trainfit.plan.fixes import fewest_changes
 
     cfg = load_config(args.config, overrides)
     if args.plot:
@@ -53,13 +54,18 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
         from trainfit.memory.traced import trace_step
 
         est = with_traced_memory(est, trace_step(cfg))
+    fixes = [] if est.fits else fewest_changes(cfg)
     if args.json:
         out = as_json(est)
         if args.traced:
             out["timeline"] = [list(point) for point in est.memory.timeline]
+        if not est.fits:
+            out["fixes"] = [{"changes": list(f.changes), "memory_bytes": f.candidate.memory_bytes,
+                             "tokens_per_second": f.candidate.tokens_per_second, "mfu": f.candidate.mfu}
+                            for f in fixes]
         print(json.dumps(out, indent=2))
     else:
-        print_estimate(est)
+        print_estimate(est, fixes=fixes)
         if args.traced:
             print(f"traced in {est.memory.seconds:.1f} s ({est.memory.num_ops:,} operators, peak in "
                   f"{est.memory.peak_module!r}); estimating process peak RSS "

@@ -13,7 +13,8 @@ from trainfit.config import ConfigError, load_config, resolve_and_validate
 from trainfit.estimate import estimate
 from trainfit.parallel.layout import build_layout
 from trainfit.plan.explain import versus, winner_toml
-from trainfit.plan.search import SLOWEST_LISTED, frontier, search
+from trainfit.plan.fixes import fewest_changes
+from trainfit.plan.search import SLOWEST_LISTED, frontier, search, settings_of
 
 LLAMA8B_8 = ("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
              "--training.seq_len=8192", "--training.global_batch_size=64")
@@ -127,3 +128,32 @@ def test_nothing_fits_lists_nothing_and_says_why() -> None:
 def test_a_plan_needs_the_global_batch() -> None:
     with pytest.raises(ConfigError, match="training.global_batch_size"):
         plan("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8")
+
+
+def test_a_config_that_does_not_fit_gets_the_fewest_changes_that_do() -> None:
+    """DDP of llama3-8b on 8 H100s with micro-batches of 2 needs ~300 GiB per GPU: one change fits
+    (tp8), and pairs are listed only where faster than every single change; each fix, applied to
+    the config, is what estimate says of it."""
+    cfg = load_config(None, [*LLAMA8B_8, "--training.micro_batch_size=2", "--precision.mode=bf16-mixed"])
+    assert not estimate(cfg).fits
+    fixes = fewest_changes(cfg)
+    assert fixes and len(fixes[0].changes) == 1
+    counts = [len(f.changes) for f in fixes]
+    assert counts == sorted(counts)
+    fastest_single = max(f.candidate.tokens_per_second for f in fixes if len(f.changes) == 1)
+    assert all(f.candidate.tokens_per_second > fastest_single for f in fixes if len(f.changes) == 2)
+    for fix in fixes:
+        est = estimate(fix.candidate.cfg)
+        assert est.fits and est.perf.time["tokens_per_second"] == pytest.approx(fix.candidate.tokens_per_second)
+        followers = {"parallel.sequence_parallel", "parallel.dp_shard", "memory.ac_every_n_layers"}  # follow a choice
+        changed = {k for k, v in fix.candidate.settings().items() if settings_of(cfg)[k] != v} - followers
+        assert len(changed) == len(fix.changes) and all(any(w.startswith(k) for w in fix.changes) for k in changed)
+
+
+def test_more_than_two_changes_come_from_the_planner() -> None:
+    cfg = load_config(None, ["--model.preset=llama3-70b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
+                             "--training.seq_len=8192", "--training.global_batch_size=64",
+                             "--training.micro_batch_size=1", "--precision.mode=bf16-mixed"])
+    fixes = fewest_changes(cfg, limit=3)
+    assert fixes and all(len(f.changes) > 2 and estimate(f.candidate.cfg).fits for f in fixes)
+    assert fixes[0].candidate.step_time_s <= fixes[-1].candidate.step_time_s

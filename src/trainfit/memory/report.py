@@ -90,7 +90,9 @@ def _perf_table(est: Estimate) -> Table:
     return table
 
 
-def print_estimate(est: Estimate, console: Console | None = None) -> None:
+def print_estimate(est: Estimate, console: Console | None = None, fixes: Sequence[Any] = ()) -> None:
+    """The estimate's tables; when it does not fit, `fixes` (plan/fixes.Fix: the fewest changes that
+    fit), or failing those the single changes that save the most."""
     console = console or Console()
     cfg, d = est.cfg, est.layout
     counts = param_counts(cfg.model)
@@ -115,8 +117,15 @@ def print_estimate(est: Estimate, console: Console | None = None) -> None:
     else:
         console.print(f"[red]does not fit[/red]: {fmt_bytes(total)} needed, {fmt_bytes(est.device_memory)} "
                       "available")
-        for line in advice(est):
-            console.print(f"  - {line}")
+        if fixes:
+            console.print("the fewest changes that fit (trainfit plan's options; fewest first, then fastest):")
+            for fix in fixes:
+                c = fix.candidate
+                console.print(f"  - {', '.join(fix.changes)}: {fmt_bytes(c.memory_bytes)} per GPU, "
+                              f"{c.tokens_per_second:,.0f} tokens/s, MFU {c.mfu:.1%}")
+        else:
+            for line in advice(est):
+                console.print(f"  - {line}")
     console.print(_perf_table(est))
 
 

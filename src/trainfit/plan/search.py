@@ -114,7 +114,12 @@ class Candidate:
 
     def settings(self) -> dict[str, Any]:
         """The searched fields' values ("section.field" -> value)."""
-        return {key: getattr(getattr(self.cfg, key.split(".")[0]), key.split(".")[1]) for key in SEARCHED}
+        return settings_of(self.cfg)
+
+
+def settings_of(cfg: Config) -> dict[str, Any]:
+    """A config's values of the fields a plan chooses ("section.field" -> value)."""
+    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in SEARCHED}
 
 
 @dataclass
@@ -224,7 +229,7 @@ class _Group:
     layout: Layout
 
 
-def _replace(cfg: Config, **sections: dict[str, Any]) -> Config:
+def replace_sections(cfg: Config, **sections: dict[str, Any]) -> Config:
     """A shallow copy of cfg with fields of some sections replaced (the planner never mutates one)."""
     return dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **values)
                                        for name, values in sections.items()})
@@ -306,7 +311,7 @@ def _group(space: Space, stats: SearchStats, mesh: _Mesh, *, replicate: int, ep:
         parallel["pp_layers_per_stage"] = mesh.split
     cheapest = {"activation_checkpointing": space.ac[0][0], "ac_every_n_layers": space.ac[0][1],
                 "offload": space.offload[0], "chunked_loss": space.chunked[0]}
-    candidate = _replace(cfg, parallel=parallel, training={"micro_batch_size": micro},
+    candidate = replace_sections(cfg, parallel=parallel, training={"micro_batch_size": micro},
                          precision={"mode": mesh.precision}, memory=cheapest)
     try:
         layout = build_layout(candidate)
@@ -406,7 +411,7 @@ class _Knobs:
                                    chunked_loss=v["chunked_loss"])
 
     def config(self, index: Setting) -> Config:
-        return _replace(self.group.cfg, memory=self._values(index))
+        return replace_sections(self.group.cfg, memory=self._values(index))
 
     def leanest_index(self) -> Setting:
         return len(self.ac) - 1, len(self.offload) - 1, len(self.chunked) - 1
