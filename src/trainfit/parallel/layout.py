@@ -30,6 +30,7 @@ from trainfit.parallel.stage_split import (
     balanced_split,
     default_virtual_stages,
     rank_blocks,
+    rank_shapes,
     rank_stages,
     stage_owners,
 )
@@ -116,9 +117,13 @@ class Layout:
         """Global indices of the blocks rank `pp_rank` of the pp axis runs, in model order."""
         return rank_blocks(pp_rank, self.pp_layers, self.pp, self.pp_virtual_stages, self.pp_schedule)
 
+    def rank_shapes(self) -> frozenset[tuple[int, int, bool]]:
+        """The pipeline ranks' distinct (blocks, checkpointed blocks, runs the last stage)."""
+        return rank_shapes(self.pp_layers, self.pp, self.pp_virtual_stages, self.pp_schedule, self.ac_every_n_layers)
+
     def busiest_rank_blocks(self) -> int:
         """Blocks of the pipeline rank that runs the most (all of them without pipeline parallelism)."""
-        return max(len(self.rank_blocks(r)) for r in range(self.pp))
+        return max(blocks for blocks, _, _ in self.rank_shapes())
 
     @property
     def data_parallel(self) -> DataParallel:

@@ -71,6 +71,18 @@ def rank_blocks(pp_rank: int, layers_per_stage: tuple[int, ...], pp: int, virtua
     return tuple(i for stage in rank_stages(pp_rank, pp, virtual_stages, schedule) for i in ranges[stage])
 
 
+@functools.lru_cache(maxsize=4096)
+def rank_shapes(layers_per_stage: tuple[int, ...], pp: int, virtual_stages: int, schedule: str, every_n_layers: int
+                ) -> frozenset[tuple[int, int, bool]]:
+    """The distinct (blocks, blocks i with i % every_n_layers == 0, runs the last stage) of the
+    pipeline ranks: all a per-rank cost model needs to find the busiest."""
+    last = len(layers_per_stage) - 1
+    return frozenset(
+        (len(blocks), sum(i % every_n_layers == 0 for i in blocks),
+         last in rank_stages(r, pp, virtual_stages, schedule))
+        for r in range(pp) for blocks in [rank_blocks(r, layers_per_stage, pp, virtual_stages, schedule)])
+
+
 def balanced_split(m: ModelConfig, seq_len: int, num_stages: int) -> tuple[int, ...]:
     """Blocks per stage minimizing the largest stage's share (the module docstring's cost)."""
     counts = param_counts(m)

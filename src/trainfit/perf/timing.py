@@ -110,19 +110,15 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> tuple[floa
     mm, at = 2 * F.block_matmul_params(m), F.block_attention_flops(m, t.seq_len)
     rc_mm, rc_at = F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing)
 
-    def rank(pp_rank: int) -> tuple[float, float, float]:
-        blocks = layout.rank_blocks(pp_rank)
-        layers = len(blocks)
-        wrapped = 0 if layout.activation_checkpointing == "none" else \
-            sum(i % layout.ac_every_n_layers == 0 for i in blocks)
-        # the last stage's rank (or the only one) holds the output projection
-        head = 2 * F.head_matmul_params(m) * (layout.num_stages - 1 in layout.rank_stages(pp_rank))
+    def rank(layers: int, wrapped: int, last_stage: bool) -> tuple[float, float, float]:
+        wrapped = 0 if layout.activation_checkpointing == "none" else wrapped
+        head = 2 * F.head_matmul_params(m) * last_stage  # the last stage's rank holds the output projection
         forward = layers * (mm + at) + head
         backward = (layers * (2 * mm + F.FLASH_ATTENTION_BWD_FACTOR * at) + 2 * head + wrapped * (rc_mm + rc_at)
                     + head * layout.chunked_loss)  # the chunked loss reruns the output projection
         return forward, backward, layers * at * (1 + F.FLASH_ATTENTION_BWD_FACTOR) + wrapped * rc_at
 
-    forward, backward, attention = max((rank(r) for r in range(layout.pp)), key=lambda f: f[0] + f[1])
+    forward, backward, attention = max((rank(*shape) for shape in layout.rank_shapes()), key=lambda f: f[0] + f[1])
     tokens = layout.global_batch_size * t.seq_len / (layout.dp * layout.cp)  # per rank; tp ranks split its FLOPs
     scale = tokens / layout.tp
     return forward * scale, backward * scale, attention * scale

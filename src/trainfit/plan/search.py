@@ -452,9 +452,14 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
         if bound is not None:
             heapq.heappush(heap, (bound, next(order), mesh))
 
-    def push(knobs: _Knobs, index: Setting) -> None:
-        step_time = ev.perf(knobs.group.cfg, knobs.layout(index)).time["step_time_s"]
-        heapq.heappush(heap, (step_time, next(order), (knobs, index)))
+    def push(knobs: _Knobs, index: Setting, bound: float | None = None) -> None:
+        """A setting keyed by its own step time, or lazily by `bound` (its leaner-than parent's
+        time: a lower bound), its own estimated once it is popped."""
+        if bound is not None:
+            heapq.heappush(heap, (bound, next(order), (knobs, index, None)))
+            return
+        perf = ev.perf(knobs.group.cfg, knobs.layout(index))
+        heapq.heappush(heap, (perf.time["step_time_s"], next(order), (knobs, index, perf)))
 
     fitting: list[Candidate] = []
     listed: list[Candidate] = []  # frontier(fitting), kept as it grows
@@ -466,20 +471,24 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
             for group in _mesh_groups(space, stats, item):
                 push(_Knobs(group, space), (0, 0, 0))
             continue
-        knobs, index = item
-        if knobs.done or not _worth_trying(knobs, ev, stats, bound, [] if exhaustive else listed):
+        knobs, index, perf = item
+        if knobs.done:
+            continue
+        if perf is None:
+            push(knobs, index)
+            continue
+        if not _worth_trying(knobs, ev, stats, bound, [] if exhaustive else listed):
             continue
         layout = knobs.layout(index)
         memory = ev.memory(knobs.group.cfg, layout)
         if memory is None:
             stats.rejected["does not fit"] += 1
         else:
-            cfg = knobs.config(index)
-            found = Candidate(cfg, layout, memory, ev.perf(cfg, layout), ev.device_memory)
+            found = Candidate(knobs.config(index), layout, memory, perf, ev.device_memory)
             fitting.append(found)
             listed = frontier([*listed, found])  # the frontier of a union is that of one's frontier and the other
         for step in knobs.successors(index):
-            push(knobs, step)
+            push(knobs, step, bound)
     return Plan(candidates=listed[:top], fitting=fitting, stats=stats, seconds=time.perf_counter() - start)
 
 
