@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from _runs import run_overrides
 from trainfit.cli import main
 from trainfit.config import load_config
@@ -58,14 +60,19 @@ def test_nothing_fits_exits_1_and_says_what_to_change() -> None:
     assert "hardware.num_gpus" in proc.stderr
 
 
-def test_a_cpu_plan_trains_as_written(tmp_path: Path) -> None:
+def test_a_cpu_plan_trains_as_written(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A plan for this machine under a memory budget that rules out the plain step: the written
     config trains as is (only the run's folders and length given beside it)."""
     out, picture = tmp_path / "plan.toml", tmp_path / "plan.png"
     budget = ("--model.preset=debug", "--training.seq_len=128", "--training.global_batch_size=8",
               "--hardware.memory_gib=0.03")
-    assert main(["plan", *budget, "--top", "3", "--out", str(out), "--plot", str(picture)]) == 0
+    assert main(["plan", *budget, "--top", "3", "--out", str(out), "--plot", str(picture), "--traced", "1",
+                 "--json"]) == 0
     assert picture.stat().st_size > 0
+    first = json.loads(capsys.readouterr().out)["candidates"][0]
+    # the traced estimator's figure for the winner: within the budget, as the analytic one says
+    assert abs(first["traced_memory_bytes"] / first["memory_bytes"] - 1) < 0.03
+    assert first["traced_memory_bytes"] <= first["device_memory"]
     cfg = load_config(out)
     assert estimate(cfg).fits
     assert cfg.memory.activation_checkpointing != "none" or cfg.memory.chunked_loss  # the budget bit

@@ -80,7 +80,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
     from trainfit.config import check_writable, config_from_dict, read_raw, resolve_and_validate, write_atomic
-    from trainfit.memory.report import check_figure_path
+    from trainfit.memory.report import check_figure_path, fmt_bytes
     from trainfit.plan.explain import plan_json, plan_table, plot_plan, search_summary, winner_toml
     from trainfit.plan.search import search
 
@@ -89,6 +89,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     resolve_and_validate(cfg)
     if args.top < 1:
         raise ConfigError(f"--top {args.top}: show at least 1 candidate; try --top 10")
+    if not 0 <= args.traced <= args.top:
+        raise ConfigError(f"--traced {args.traced}: re-check between 0 and --top={args.top} candidates; try --traced 3")
     if args.plot:
         check_figure_path("--plot", args.plot)
     if args.out:
@@ -106,20 +108,42 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
               f"{cfg.training.global_batch_size} ({reasons or 'no valid layout'}); add GPUs (hardware.num_gpus), a "
               "device with more memory (hardware.gpu), or unfix fields that you set", file=sys.stderr)
         return 1
+    checks = _traced_checks(plan.candidates[:args.traced]) if args.traced else []
     if args.json:
-        print(json.dumps(plan_json(plan), indent=2))
+        out_json = plan_json(plan)
+        for row, check in zip(out_json["candidates"], checks, strict=False):
+            row["traced_memory_bytes"] = check
+        print(json.dumps(out_json, indent=2))
     else:
         from rich.console import Console
 
         console = Console()
         console.print(plan_table(plan))
         console.print(search_summary(plan))
+        for i, (c, traced) in enumerate(zip(plan.candidates, checks, strict=False)):
+            verdict = "fits" if not c.device_memory or traced <= c.device_memory else "DOES NOT FIT"
+            console.print(f"traced #{i + 1}: {fmt_bytes(traced)} per GPU against the analytic "
+                          f"{fmt_bytes(c.memory_bytes)} ({traced / c.memory_bytes - 1:+.1%}): {verdict}")
     if args.out:
         write_atomic(args.out, winner_toml(raw, plan.candidates[0]))
         print(f"wrote {args.out}: the fastest layout as a config (trainfit train {args.out})", file=out)
     if args.plot:
         print(f"wrote {plot_plan(plan, args.plot)}", file=out)
     return 0
+
+
+def _traced_checks(candidates: list) -> list[int]:
+    """The traced estimator's memory per GPU (its worst stage's peak plus the analytic reserved
+    margin, as `estimate --traced` counts it) of each candidate, in order."""
+    from trainfit.estimate import estimate, with_traced_memory
+    from trainfit.memory.traced import trace_step
+
+    checks = []
+    for i, c in enumerate(candidates):
+        print(f"tracing candidate {i + 1} of {len(candidates)} ...", file=sys.stderr)
+        traced = with_traced_memory(estimate(c.cfg, c.layout), trace_step(c.cfg, c.layout))
+        checks.append(max(traced.total_bytes(s) for s in traced.memory.per_stage))
+    return checks
 
 
 def cmd_measure(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -444,6 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the candidates and the search as one JSON object")
     plan.add_argument("--plot", metavar="FILE.png", help="draw tokens/s against memory for every candidate that fits "
                       "(searches exhaustively, without the bound)")
+    plan.add_argument("--traced", type=int, default=0, metavar="K", help="re-check the first K candidates' memory "
+                      "with the traced estimator (the real step on fake tensors: seconds to minutes each)")
     plan.add_argument("--precisions", metavar="MODES", help="precision modes the plan may choose, comma-separated "
                       "(e.g. bf16-mixed,fp8-mixed; default: the config's, bf16-mixed on a GPU when unset)")
     measure = _config_parser(sub, "measure", "run real steps and measure memory at the allocator, per component")

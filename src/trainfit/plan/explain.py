@@ -58,7 +58,7 @@ def versus(above: Candidate, c: Candidate) -> str:
     costs = sorted(((b[k] - a[k], k) for k in b), reverse=True)
     words += [f"+{delta:.2f} s {name}" for delta, name in costs[:2] if delta > 0.005 * above.step_time_s]
     saved = above.memory_bytes - c.memory_bytes
-    words.append(f"{saved / GIB:.1f} GiB less memory" if saved > 0 else f"{-saved / GIB:.1f} GiB more memory")
+    words.append(f"{fmt_bytes(saved)} less memory" if saved > 0 else f"{fmt_bytes(-saved)} more memory")
     return "; ".join(words)
 
 
