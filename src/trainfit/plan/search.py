@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainfit.config import Config, ConfigError
+from trainfit.estimate import Estimate
 from trainfit.hardware import device_spec
 from trainfit.memory.analytic import MemoryEstimate, stage_memory
 from trainfit.memory.breakdown import MemoryBreakdown
@@ -86,14 +87,8 @@ SEARCHED = (
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """One layout that fits, as `trainfit estimate` would judge it."""
-
-    cfg: Config
-    layout: Layout
-    memory: MemoryEstimate
-    perf: PerfEstimate
-    device_memory: int
+class Candidate(Estimate):
+    """One layout that fits: `trainfit estimate`'s judgement of its config, and what a plan ranks by."""
 
     @property
     def step_time_s(self) -> float:
