@@ -30,14 +30,23 @@ the time) on its own Layout, so a candidate is exactly what `trainfit estimate` 
 Only layouts `trainfit train` runs are kept (Layout.untrainable_reason). A candidate fits when
 every pipeline stage's peak plus its reserved margin is within the device memory.
 
-Search: branch and bound, exact for the time model. A *group* fixes everything but the three
-memory knobs (checkpointing, offload, chunked loss); its lower bound is its time with none of
-them, since each only adds work (recomputation, host copies and the host optimizer step) and
-added compute never shortens a step (it can only hide communication it overlaps). Groups are
-visited in order of that bound and the search stops once the bound exceeds the `top`-th best time
-found. Inside a group, for each offload and chunked-loss setting, the checkpointing options are
-tried cheapest first and the first that fits ends that setting's row (a costlier one is slower
-and fits no better a purpose); settings dominated by a cheaper one that fits are skipped.
+What is listed: the fastest candidate, then each next fastest that needs at least MEMORY_STEP less
+memory than the one above (the time-memory frontier), up to `top` rows within SLOWEST_LISTED of the
+fastest.
+
+Search: best-first over one heap of lower bounds of the step time, exact for the time model.
+A *mesh* (precision, tp, cp, pp and schedule) is keyed by its groups' compute, least bubble and
+tensor/context/pipeline traffic, which every group of it pays. Popped, it yields its *groups*
+(everything but the three memory knobs: HSDP split, expert degree, ZeRO stage, micro-batch),
+each keyed by its step time with the cheapest memory settings. A group's *settings* form a
+lattice (each knob's options from cheapest to leanest); a setting's step time bounds every leaner
+one, since checkpointing, offload and the chunked loss only add work (recomputation, host copies,
+the host optimizer step) and added compute never shortens a step (it can only hide communication
+it overlaps). So settings come out fastest first, and only those popped get a memory estimate. A
+group's leanest setting is estimated first: if it does not fit, nothing of the group does; if a
+listed candidate is faster and not MEMORY_STEP above that leanest memory, nothing of the group can
+be listed. The search stops when the bound passes the `top`-th listed time (or SLOWEST_LISTED
+times the fastest). tests/unit/test_plan.py checks it against an exhaustive search and a brute force.
 """
 
 from __future__ import annotations
