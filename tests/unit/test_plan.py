@@ -14,7 +14,8 @@ from trainfit.estimate import estimate
 from trainfit.parallel.layout import build_layout
 from trainfit.plan.explain import versus, winner_toml
 from trainfit.plan.fixes import fewest_changes
-from trainfit.plan.search import SLOWEST_LISTED, frontier, search, settings_of
+from trainfit.plan.search import SLOWEST_LISTED, frontier, search
+from trainfit.plan.space import settings_of
 
 LLAMA8B_8 = ("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
              "--training.seq_len=8192", "--training.global_batch_size=64")

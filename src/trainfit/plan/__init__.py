@@ -1,2 +1,3 @@
-"""`trainfit plan`: search.py enumerates, prunes and ranks the layouts that fit; explain.py says
-what each gives up, writes the winner as a config. Torch-free."""
+"""`trainfit plan`: space.py lists each choice's options, search.py finds and ranks the layouts
+that fit, explain.py says what each gives up and writes the winner as a config, fixes.py finds the
+fewest changes that make a config fit (`trainfit estimate`). Torch-free."""

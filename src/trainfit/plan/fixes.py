@@ -21,7 +21,8 @@ from trainfit.hardware import device_spec
 from trainfit.memory.analytic import estimate_memory
 from trainfit.parallel.layout import build_layout
 from trainfit.perf.timing import estimate_perf
-from trainfit.plan.search import Candidate, Space, replace_sections, search, settings_of
+from trainfit.plan.search import Candidate, search
+from trainfit.plan.space import Space, replace_sections, settings_of
 
 Change = tuple[str, dict[str, dict[str, Any]]]
 """(words, {section: {field: value}}): one choice changed."""
