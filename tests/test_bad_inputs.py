@@ -328,6 +328,15 @@ PLANS = [  # trainfit plan's own arguments and what it needs: (argv, setup, word
      ("nowhere", "does not exist")),
     ((*PLAN_BASE, "--training.global_batch_size=64", "--out", "{tmp}/adir"), write("adir/x", ""),
      ("adir", "folder")),
+    ((*PLAN_BASE, "--training.global_batch_size=64", "--tokens", "0"), None, ("--tokens 0", "> 0")),
+    ((*PLAN_BASE, "--training.global_batch_size=64", "--tokens", "1e9", "--gpu-options", "H100,A100"), None,
+     ("--gpu-options", "H100", "unknown device")),
+    ((*PLAN_BASE, "--training.global_batch_size=64", "--tokens", "1e9", "--prices", "MI300X=free"), None,
+     ("--prices", "MI300X=free", "DEVICE=USD")),
+    ((*PLAN_BASE, "--training.global_batch_size=64", "--tokens", "1e9", "--max-gpus", "0"), None,
+     ("--max-gpus 0", ">= 1")),
+    ((*PLAN_BASE, "--training.global_batch_size=64", "--hardware.price_per_gpu_hour=-1"), None,
+     ("hardware.price_per_gpu_hour", "-1")),
 ]
 
 

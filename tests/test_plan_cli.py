@@ -89,3 +89,17 @@ def test_estimate_of_a_config_that_does_not_fit_names_the_fewest_changes() -> No
                                     capture_output=True, text=True, check=True).stdout)
     assert out["fits"] is False and out["fixes"][0]["changes"] == ["parallel.tp=8 (sequence parallel)"]
     assert out["fixes"][0]["memory_bytes"] <= out["per_rank"]["device_memory"]
+
+
+def test_machines_compared_by_time_and_cost(tmp_path: Path) -> None:
+    picture = tmp_path / "machines.png"
+    proc = plan(*LLAMA8B_8[:1], *LLAMA8B_8[3:], "--tokens", "1e11", "--gpu-options", "H100-SXM-80GB,MI300X",
+                "--max-gpus", "16", "--prices", "MI300X=2.0", "--json", "--plot", str(picture))
+    options = json.loads(proc.stdout)["options"]
+    assert {(o["gpu"], o["num_gpus"]) for o in options} == {(g, n) for g in ("H100-SXM-80GB", "MI300X")
+                                                            for n in (1, 2, 4, 8, 16)}
+    assert all(o["cost"] is not None for o in options if o["candidate"])  # both priced
+    assert any(o["on_cost_frontier"] for o in options) and picture.stat().st_size > 0
+    table = plan(*LLAMA8B_8[:1], *LLAMA8B_8[3:], "--tokens", "1e11", "--gpu-options", "H100-SXM-80GB,MI300X",
+                 "--max-gpus", "16").stdout
+    assert "time to train" in table and "no price" in table  # MI300X has no indicative price

@@ -100,6 +100,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg_check = config_from_dict({**raw, "precision": {**raw.get("precision", {}), "mode": mode}})
         resolve_and_validate(cfg_check)  # names precision.mode and the valid modes when one is wrong
     fixed = frozenset(f"{section}.{name}" for section, values in raw.items() for name in values)
+    if args.tokens is not None:
+        return _plan_machines(args, cfg, fixed)
     plan = search(cfg, fixed, top=args.top, precisions=precisions, exhaustive=bool(args.plot))
     out = sys.stderr if args.json else sys.stdout
     if not plan.candidates:
@@ -129,6 +131,42 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"wrote {args.out}: the fastest layout as a config (trainfit train {args.out})", file=out)
     if args.plot:
         print(f"wrote {plot_plan(plan, args.plot)}", file=out)
+    return 0
+
+
+def _plan_machines(args: argparse.Namespace, cfg: Config, fixed: frozenset[str]) -> int:
+    """`trainfit plan --tokens N`: each device of --gpu-options at each count up to --max-gpus, its
+    fastest layout, time to train and cost."""
+    import json
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from trainfit.plan.explain import machines_json, machines_table, plot_machines
+    from trainfit.plan.machines import check_gpus, compare_machines, parse_prices
+
+    if not args.tokens > 0:
+        raise ConfigError(f"--tokens {args.tokens}: the tokens to train on, > 0 (e.g. 2e12)")
+    gpus = [g for g in (args.gpu_options or cfg.hardware.gpu).split(",") if g]
+    check_gpus(gpus)
+    max_gpus = cfg.hardware.num_gpus if args.max_gpus is None else args.max_gpus
+    if max_gpus < 1:
+        raise ConfigError(f"--max-gpus {args.max_gpus}: must be >= 1")
+    if args.out or args.traced:
+        raise ConfigError("--tokens compares devices and counts; --out and --traced go with one cluster (drop "
+                          "--tokens and set --hardware.gpu and --hardware.num_gpus)")
+    err = Console(stderr=True)
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task("planning", total=None)
+        options = compare_machines(cfg, fixed, tokens=args.tokens, gpus=gpus, max_gpus=max_gpus,
+                                   prices=parse_prices(args.prices),
+                                   progress=lambda what: bar.update(task, description=f"planning {what}"))
+    if args.json:
+        print(json.dumps(machines_json(options), indent=2))
+    else:
+        Console().print(machines_table(options, args.tokens))
+    if args.plot:
+        print(f"wrote {plot_machines(options, args.plot)}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -470,6 +508,16 @@ def build_parser() -> argparse.ArgumentParser:
                       "(searches exhaustively, without the bound)")
     plan.add_argument("--traced", type=int, default=0, metavar="K", help="re-check the first K candidates' memory "
                       "with the traced estimator (the real step on fake tensors: seconds to minutes each)")
+    plan.add_argument("--tokens", type=float, metavar="N", help="compare machines instead: each device of "
+                      "--gpu-options at 1, 2, 4 ... up to a node, then whole nodes doubling up to --max-gpus, its "
+                      "fastest layout, the time to train N tokens and its cost")
+    plan.add_argument("--gpu-options", metavar="DEVICES", help="with --tokens: devices to compare, comma-separated "
+                      "(default: hardware.gpu)")
+    plan.add_argument("--max-gpus", type=int, metavar="N", help="with --tokens: the most devices (default: "
+                      "hardware.num_gpus)")
+    plan.add_argument("--prices", metavar="PRICES", help="with --tokens: USD per GPU-hour, e.g. "
+                      "H100-SXM-80GB=2.49,A100-SXM-80GB=1.60 (default: hardware.price_per_gpu_hour for hardware.gpu, "
+                      "else trainfit.hardware's indicative prices)")
     plan.add_argument("--precisions", metavar="MODES", help="precision modes the plan may choose, comma-separated "
                       "(e.g. bf16-mixed,fp8-mixed; default: the config's, bf16-mixed on a GPU when unset)")
     measure = _config_parser(sub, "measure", "run real steps and measure memory at the allocator, per component")

@@ -103,6 +103,13 @@ GPUS: dict[str, DeviceSpec] = {
     )
 }
 
+# Indicative on-demand cloud prices per GPU-hour (USD), for `trainfit plan --tokens`: the middle of
+# the early-2026 list ranges in pricegpu.pages.dev/blog/h100-vs-a100-cloud-price (A100 80GB SXM
+# $1.49-2.49, H100 SXM $2.49-3.99) and E2E Networks' H200 rate ($3.37, e2enetworks.com, 2026).
+# Quotes for one GPU span 10x across commitment terms and providers: set hardware.price_per_gpu_hour
+# or `plan --prices` to your own. GPUs without an entry have no default price.
+PRICE_PER_GPU_HOUR: dict[str, float] = {"A100-SXM-80GB": 1.99, "H100-SXM-80GB": 3.24, "H200-141GB": 3.37}
+
 # Nominal CPU peak per core: AVX2, 2 FMA units x 8 fp32 lanes x 2 FLOP x ~3 GHz = 96 GFLOP/s.
 # A nominal figure for MFU on laptops and CI; override it with hardware.peak_tflops. fp8 too: a CPU
 # has no fp8 units (torch._scaled_mm upcasts), so fp8-mixed trains there at no more than this.
@@ -207,7 +214,7 @@ def validate_hardware(hw: HardwareConfig) -> None:
         raise _fail("gpus_per_node", hw.gpus_per_node, "must be >= 1")
     if hw.nics_per_node < 0:
         raise _fail("nics_per_node", hw.nics_per_node, "must be >= 0 (0 = one NIC per GPU)")
-    for name in ("peak_tflops", "memory_gib", "hbm_tbps", "intra_node_gbps", "inter_node_gbps",
+    for name in ("peak_tflops", "memory_gib", "hbm_tbps", "intra_node_gbps", "inter_node_gbps", "price_per_gpu_hour",
                  "intra_node_latency_us", "inter_node_latency_us"):
         if getattr(hw, name) < 0:
             raise _fail(name, getattr(hw, name), "must be >= 0 (0 = use the catalog)")
@@ -286,3 +293,8 @@ def host_link(hw: HardwareConfig) -> Link | None:
         return None
     preset = LINKS[name]
     return Link(name, preset.bytes_per_s * (hw.comm_efficiency or COMM_EFFICIENCY), preset.latency_s)
+
+
+def price_per_gpu_hour(hw: HardwareConfig) -> float | None:
+    """hardware.price_per_gpu_hour, else the catalog's indicative price of hardware.gpu, else None."""
+    return hw.price_per_gpu_hour or PRICE_PER_GPU_HOUR.get(hw.gpu)

@@ -293,6 +293,9 @@ class HardwareConfig:
     comm_efficiency: float = 0.0
     """Fraction of a link's bandwidth that collectives reach (NCCL bus bandwidth / link bandwidth;
     0 = trainfit.hardware.COMM_EFFICIENCY, 0.8)."""
+    price_per_gpu_hour: float = 0.0
+    """What one device costs per hour, for `trainfit plan --tokens` (0 = trainfit.hardware's indicative
+    on-demand price where it has one)."""
     profile: str = ""
     """A hardware profile measured by `trainfit calibrate --out FILE` on the device named by gpu: its
     matmul FLOP/s per dtype (at compute_efficiency 1.0 by default), memory bandwidth and collective

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from trainfit.config import dump_toml
 from trainfit.memory.report import fmt_bytes
+from trainfit.plan.machines import MachineOption, on_cost_frontier
 from trainfit.plan.search import Candidate, Plan, model_summary
 
 GIB = 1024**3
@@ -135,5 +136,65 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
     ax.set_xlabel("memory per GPU (GiB, peak + reserved margin)")
     ax.set_ylabel("tokens/s (predicted)")
     ax.set_title(model_summary(top[0].cfg), fontsize=9)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def _duration(seconds: float) -> str:
+    days = seconds / 86400
+    return f"{days:,.1f} days" if days >= 1 else f"{seconds / 3600:,.1f} hours"
+
+
+def machines_table(options: list[MachineOption], tokens: float) -> Table:
+    """The cost-time frontier and each device's fastest option, fastest first (--json has every option)."""
+    flags = on_cost_frontier(options)
+    fastest = {o.gpu: o for o in reversed(options) if o.candidate}  # reversed: the first (fastest) one wins
+    shown = [(o, f) for o, f in zip(options, flags, strict=True) if f or fastest.get(o.gpu) is o]
+    first = next((o.candidate for o in options if o.candidate), None)
+    what = model_summary(first.cfg).split(" on ")[0] if first else "the model"
+    table = Table(title=f"trainfit plan: {what}, {tokens:.3g} tokens: each device's fastest count and the cost-time "
+                        "frontier (* = cheaper than every faster option), fastest first", title_justify="left")
+    for column, justify in (("device", "left"), ("GPUs", "right"), ("layout", "left"), ("tokens/s", "right"),
+                            ("MFU", "right"), ("time to train", "right"), ("$/GPU-h", "right"), ("cost", "right"),
+                            ("", "left")):
+        table.add_column(column, justify=justify, overflow="fold")
+    for option, cheapest in shown:
+        c = option.candidate
+        price = f"{option.price_per_gpu_hour:.2f}" if option.price_per_gpu_hour else "?"
+        assert c is not None, "only options that fit are shown"
+        cost = f"${option.cost:,.0f}" if option.cost is not None else "no price"
+        table.add_row(option.gpu, str(option.num_gpus), f"{layout_words(c)}; {memory_words(c)}",
+                      f"{c.tokens_per_second:,.0f}", f"{c.mfu:.1%}", _duration(option.seconds or 0.0), price, cost,
+                      "*" if cheapest else "")
+    return table
+
+
+def machines_json(options: list[MachineOption]) -> dict[str, Any]:
+    return {"options": [{"gpu": o.gpu, "num_gpus": o.num_gpus, "price_per_gpu_hour": o.price_per_gpu_hour,
+                         "seconds_to_train": o.seconds, "cost": o.cost, "on_cost_frontier": flag,
+                         "candidate": candidate_json(o.candidate) if o.candidate else None}
+                        for o, flag in zip(options, on_cost_frontier(options), strict=True)]}
+
+
+def plot_machines(options: list[MachineOption], path: str | Path) -> Path:
+    """Cost against time to train, one marker per device, the cost-time frontier joined."""
+    from trainfit.memory.report import pyplot, save_figure  # matplotlib only when asked
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    priced = [o for o in options if o.cost is not None]
+    for gpu in dict.fromkeys(o.gpu for o in priced):
+        mine = [o for o in priced if o.gpu == gpu]
+        ax.scatter([o.seconds / 86400 for o in mine], [o.cost for o in mine], label=gpu, s=25)
+        for o in mine:
+            ax.annotate(str(o.num_gpus), (o.seconds / 86400, o.cost), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+    best = [o for o, flag in zip(options, on_cost_frontier(options), strict=True) if flag]
+    ax.plot([o.seconds / 86400 for o in best], [o.cost for o in best], color="grey", linestyle="--",
+            label="cost-time frontier")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("days to train (predicted)")
+    ax.set_ylabel("cost (USD)")
     ax.legend(fontsize=8)
     return save_figure(fig, path)
