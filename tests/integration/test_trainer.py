@@ -161,10 +161,16 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
     accumulated = _trainer(tmp_path / "acc", "--training.micro_batch_size=2", "--training.global_batch_size=8",
                            "--training.steps=3")
     assert accumulated.layout.grad_accum_steps == 4
+    initial = [p.detach().clone() for p in big.model.parameters()]
     a, b = big.train(), accumulated.train()
     assert a.losses == pytest.approx(b.losses, rel=1e-5)
-    for p, q in zip(big.model.parameters(), accumulated.model.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    # the weights' difference relative to how far training moved them (tests/distributed/test_dp_parity.py
+    # says why not elementwise: Adam's first updates are +-lr whatever a gradient's size, so an element
+    # whose gradient is ~0 follows the summation order; one of 8,192 came 1.6e-5 apart on an AMD EPYC)
+    error = sum(((p - q) ** 2).sum() for p, q in zip(big.model.parameters(), accumulated.model.parameters(),
+                                                      strict=True)).sqrt()
+    moved = sum(((p - p0) ** 2).sum() for p, p0 in zip(big.model.parameters(), initial, strict=True)).sqrt()
+    assert float(error / moved) < 1e-4
 
 
 @pytest.mark.parametrize("mode", ["bf16-mixed", "bf16-pure", "fp16-mixed"])

@@ -1,0 +1,127 @@
+"""The time model against measured step times on this machine, with its calibrated profile.
+
+    python benchmarks/plan_accuracy.py [--profile cpu.toml] [--only NAME ...] [--steps 8]
+
+Each configuration trains `--steps` steps of a small Llama on 1, 2 or 4 gloo ranks (one thread
+each, OMP_NUM_THREADS=1, as `trainfit calibrate --threads 1` measures); the measured step time is
+the median over the steps after the memory meter's two (metrics.jsonl's tokens/s of rank 0). The
+prediction is `trainfit estimate`'s step_time_s for the same config with `--hardware.profile`
+(measured by `trainfit calibrate --threads 1 --out PROFILE` first when the file does not exist).
+Prints each row, the median and worst |error|, and Spearman's rank correlation (issue 15's targets:
+<= 15%, >= 0.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from trainfit.config import load_config
+from trainfit.estimate import estimate
+
+MODEL = ["--model.preset=", "--model.family=llama", "--model.dim=256", "--model.num_layers=4", "--model.num_heads=8",
+         "--model.num_kv_heads=4", "--model.ffn_dim=768", "--model.vocab_size=512", "--model.max_seq_len=256",
+         "--training.seq_len=256", "--training.global_batch_size=8", "--optimizer.name=adamw"]
+Z = "--parallel.zero_stage="
+CONFIGS: dict[str, tuple[int, list[str]]] = {
+    "1 rank fp32": (1, ["--training.micro_batch_size=8"]),
+    "1 rank fp32 mb2": (1, ["--training.micro_batch_size=2"]),
+    "1 rank selective": (1, ["--training.micro_batch_size=8", "--memory.activation_checkpointing=selective"]),
+    "1 rank full AC": (1, ["--training.micro_batch_size=8", "--memory.activation_checkpointing=full"]),
+    "1 rank bf16-mixed": (1, ["--training.micro_batch_size=8", "--precision.mode=bf16-mixed"]),
+    "1 rank chunked loss": (1, ["--training.micro_batch_size=8", "--memory.chunked_loss=true",
+                                "--memory.loss_chunk_tokens=512"]),
+    "2 DDP": (2, ["--training.micro_batch_size=4", f"{Z}0"]),
+    "2 ZeRO-1": (2, ["--training.micro_batch_size=4", f"{Z}1"]),
+    "2 ZeRO-2": (2, ["--training.micro_batch_size=4", f"{Z}2"]),
+    "2 ZeRO-3": (2, ["--training.micro_batch_size=4", f"{Z}3"]),
+    "2 ZeRO-3 mb1": (2, ["--training.micro_batch_size=1", f"{Z}3"]),
+    "2 ZeRO-3 full AC": (2, ["--training.micro_batch_size=4", f"{Z}3", "--memory.activation_checkpointing=full"]),
+    "2 ZeRO-3 bf16": (2, ["--training.micro_batch_size=4", f"{Z}3", "--precision.mode=bf16-mixed"]),
+    "2 tp2": (2, ["--training.micro_batch_size=8", "--parallel.tp=2"]),
+    "2 tp2+sp": (2, ["--training.micro_batch_size=8", "--parallel.tp=2", "--parallel.sequence_parallel=true"]),
+    "2 cp2": (2, ["--training.micro_batch_size=8", "--parallel.cp=2"]),
+    "2 pp2 1f1b": (2, ["--training.micro_batch_size=2", "--parallel.pp=2", "--parallel.pp_schedule=1f1b"]),
+    "2 pp2 gpipe": (2, ["--training.micro_batch_size=2", "--parallel.pp=2", "--parallel.pp_schedule=gpipe"]),
+    "4 DDP": (4, ["--training.micro_batch_size=2", f"{Z}0"]),
+    "4 ZeRO-3": (4, ["--training.micro_batch_size=2", f"{Z}3"]),
+    "4 HSDP 2x2": (4, ["--training.micro_batch_size=2", f"{Z}3", "--parallel.dp_replicate=2"]),
+    "4 tp2 x dp2": (4, ["--training.micro_batch_size=4", f"{Z}3", "--parallel.tp=2"]),
+    "4 pp2 x dp2": (4, ["--training.micro_batch_size=2", f"{Z}3", "--parallel.pp=2"]),
+    "4 cp2 x tp2": (4, ["--training.micro_batch_size=8", f"{Z}3", "--parallel.cp=2", "--parallel.tp=2"]),
+}
+
+
+def measured_step_s(ranks: int, args: list[str], steps: int, folder: Path) -> float:
+    run = [*MODEL, *args, f"--training.steps={steps}", "--training.eval_interval=0", "--checkpoint.interval=0",
+           f"--checkpoint.dir={folder / 'ckpt'}", f"--logging.dir={folder / 'logs'}", "--logging.progress=false",
+           "--logging.interval=1", "--logging.traced_estimate=false", "--training.warmup_steps=1"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "-m", "trainfit"] \
+        if ranks > 1 else [sys.executable, "-m", "trainfit"]
+    subprocess.run([*launcher, "train", *run], check=True, capture_output=True, env={**os.environ,
+                                                                                     "OMP_NUM_THREADS": "1"})
+    records = [json.loads(line) for line in (folder / "logs" / "metrics.jsonl").read_text().splitlines()]
+    cfg = load_config(None, [*MODEL, *args, f"--hardware.num_gpus={ranks}"])
+    tokens = cfg.training.global_batch_size * cfg.training.seq_len
+    rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r.get("step", 0) > 2]
+    return statistics.median(tokens / rate for rate in rates)
+
+
+def predicted_step_s(ranks: int, args: list[str], profile: str) -> float:
+    cfg = load_config(None, [*MODEL, *args, f"--hardware.num_gpus={ranks}", f"--hardware.profile={profile}"])
+    return estimate(cfg).perf.time["step_time_s"]
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        for rank, i in enumerate(order):
+            out[i] = float(rank)
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb, strict=True)) / (n * (n * n - 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", default="cpu-profile.toml")
+    parser.add_argument("--only", nargs="*", help="configuration names (default: all)")
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    if not Path(args.profile).exists():
+        subprocess.run([sys.executable, "-m", "trainfit", "calibrate", "--threads", "1", "--out", args.profile],
+                       check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    table = Table(title=f"predicted (hardware.profile={args.profile}) vs measured step time, s")
+    for column in ("configuration", "ranks", "measured", "predicted", "error"):
+        table.add_column(column, justify="left" if column == "configuration" else "right")
+    measured, predicted = [], []
+    for name, (ranks, extra) in CONFIGS.items():
+        if args.only and name not in args.only:
+            continue
+        with tempfile.TemporaryDirectory() as folder:
+            m = measured_step_s(ranks, extra, args.steps, Path(folder))
+        p = predicted_step_s(ranks, extra, args.profile)
+        measured.append(m)
+        predicted.append(p)
+        table.add_row(name, str(ranks), f"{m:.3f}", f"{p:.3f}", f"{p / m - 1:+.1%}")
+        print(f"{name}: measured {m:.3f} s, predicted {p:.3f} s", file=sys.stderr)
+    Console().print(table)
+    errors = [abs(p / m - 1) for m, p in zip(measured, predicted, strict=True)]
+    print(f"{len(errors)} configurations: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}, "
+          f"Spearman {spearman(measured, predicted):.2f}")
+
+
+if __name__ == "__main__":
+    main()
