@@ -103,3 +103,14 @@ def test_machines_compared_by_time_and_cost(tmp_path: Path) -> None:
     table = plan(*LLAMA8B_8[:1], *LLAMA8B_8[3:], "--tokens", "1e11", "--gpu-options", "H100-SXM-80GB,MI300X",
                  "--max-gpus", "16").stdout
     assert "time to train" in table and "no price" in table  # MI300X has no indicative price
+
+
+def test_the_gpu_example_plans_within_its_own_fixed_fields(capsys: pytest.CaptureFixture) -> None:
+    """examples/llama3-8b-8xh100.toml fixes dp_shard=8, ZeRO-3 and selective checkpointing: no tensor or
+    context parallelism fits beside them (there was a crash here), the memory knobs it leaves open vary."""
+    example = Path(__file__).parents[1] / "examples" / "llama3-8b-8xh100.toml"
+    assert main(["plan", str(example), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["candidates"]
+    assert rows and all(r["settings"]["parallel.dp_shard"] == 8 and r["settings"]["parallel.zero_stage"] == 3
+                        and r["settings"]["memory.activation_checkpointing"] == "selective" for r in rows)
+    assert len({(r["settings"]["memory.offload"], r["settings"]["memory.chunked_loss"]) for r in rows}) == len(rows)

@@ -83,7 +83,8 @@ def plan_table(plan: Plan) -> Table:
 def search_summary(plan: Plan) -> str:
     s = plan.stats
     rejected = ", ".join(f"{n:,} {why}" for why, n in s.rejected.most_common(4))
-    return (f"searched {s.groups:,} layouts: {s.groups_visited:,} had their memory settings tried, the rest were "
+    return (f"searched {s.groups:,} layout{'s' * (s.groups != 1)}: {s.groups_visited:,} had their memory settings "
+            f"tried, the rest were "
             f"bounded out by their best case; {s.memory_estimates:,} memory and {s.time_estimates:,} time estimates in "
             f"{plan.seconds:.2f} s; left out: {rejected or 'none'}")
 

@@ -118,7 +118,9 @@ class Space:
         """HSDP replica counts for dp data-parallel ranks whose shard groups hold `inner` = cp x tp ranks each."""
         if "parallel.dp_replicate" in self.fixed or "parallel.dp_shard" in self.fixed:
             p = self.cfg.parallel
-            return [p.dp_replicate if p.dp_shard == -1 else dp // p.dp_shard]
+            if p.dp_shard == -1:
+                return [p.dp_replicate] if dp % p.dp_replicate == 0 else []
+            return [dp // p.dp_shard] if dp % p.dp_shard == 0 else []  # a fixed shard count the mesh cannot take
         per_node = self.cfg.hardware.gpus_per_node
         shards = {per_node * nodes // inner for nodes in HSDP_NODES if per_node * nodes % inner == 0}
         return [1] + sorted(dp // s for s in shards if 0 < s < dp and dp % s == 0)
