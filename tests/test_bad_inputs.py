@@ -329,6 +329,7 @@ PLANS = [  # trainfit plan's own arguments and what it needs: (argv, setup, word
     ((*PLAN_BASE, "--training.global_batch_size=64", "--out", "{tmp}/adir"), write("adir/x", ""),
      ("adir", "folder")),
     ((*PLAN_BASE, "--training.global_batch_size=64", "--tokens", "0"), None, ("--tokens 0", "> 0")),
+    ((*PLAN_BASE, "--training.global_batch_size=64", "--parallel.tp=3"), None, ("parallel.tp=3", "num_heads")),
     ((*PLAN_BASE, "--training.global_batch_size=64", "--tokens", "1e9", "--gpu-options", "H100,A100"), None,
      ("--gpu-options", "H100", "unknown device")),
     ((*PLAN_BASE, "--training.global_batch_size=64", "--tokens", "1e9", "--prices", "MI300X=free"), None,

@@ -104,6 +104,10 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         return _plan_machines(args, cfg, fixed)
     plan = search(cfg, fixed, top=args.top, precisions=precisions, exhaustive=bool(args.plot))
     out = sys.stderr if args.json else sys.stdout
+    if not plan.candidates and not plan.stats.groups:
+        from trainfit.parallel.layout import build_layout
+
+        build_layout(cfg)  # no layout was even valid: the config's own fields say why (a named error)
     if not plan.candidates:
         reasons = ", ".join(f"{n:,} {why}" for why, n in plan.stats.rejected.most_common(5))
         print(f"error: no layout of this model fits {cfg.hardware.num_gpus} x {cfg.hardware.gpu} with global batch "
