@@ -14,7 +14,7 @@ import textwrap
 import warnings
 from collections.abc import Callable
 
-from trainfit.config import Config, ConfigError, iter_fields, load_config, split_overrides
+from trainfit.config import Config, ConfigError, check_writable, iter_fields, load_config, split_overrides
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.parallel.layout import Layout
 
@@ -79,7 +79,7 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
-    from trainfit.config import check_writable, config_from_dict, read_raw, resolve_and_validate, write_atomic
+    from trainfit.config import config_from_dict, read_raw, resolve_and_validate, write_atomic
     from trainfit.memory.report import check_figure_path, fmt_bytes
     from trainfit.plan.explain import plan_json, plan_table, plot_plan, search_summary, winner_toml
     from trainfit.plan.search import search
@@ -405,7 +405,7 @@ def cmd_calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.perf.calibrate import calibrate, profile_tables, resolve_max_ranks
 
     _reject_overrides(overrides)
-    _check_new_file("--out", args.out, args.force)
+    check_writable("--out", args.out, replace=args.force)
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads {args.threads}: must be >= 1 (default: what torch uses here, "
                           f"{torch.get_num_threads()})")
@@ -427,21 +427,6 @@ def cmd_calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"wrote {args.out}: use it as trainfit estimate --hardware.profile={args.out}",
           file=sys.stderr if args.json else sys.stdout)
     return 0
-
-
-def _check_new_file(flag: str, path: str, force: bool) -> None:
-    """A file this command may create: its folder exists; an existing file only with --force."""
-    from pathlib import Path
-
-    target = Path(path)
-    if target.is_dir():
-        raise ConfigError(f"{flag} {path}: is a folder; give a file name, e.g. {target / 'hardware-profile.toml'}")
-    if not target.parent.is_dir():
-        raise ConfigError(f"{flag} {path}: folder {str(target.parent)!r} does not exist; create it first")
-    if not os.access(target.parent, os.W_OK):
-        raise ConfigError(f"{flag} {path}: cannot write in folder {str(target.parent)!r}; choose another {flag}")
-    if target.exists() and not force:
-        raise ConfigError(f"{flag} {path}: the file exists; pass --force to replace it, or choose another {flag}")
 
 
 def _reject_overrides(overrides: list[str]) -> None:

@@ -22,7 +22,6 @@ rate (a name ending in _per_s) > 0; [link] and [[collectives]] are absent when n
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import stat
@@ -33,6 +32,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from trainfit.config.dump import dump_toml, write_atomic
 from trainfit.config.schema import ConfigError, field_error
 
 PROFILE_VERSION = 1
@@ -125,52 +125,14 @@ class HardwareProfile:
 # ---------------------------------------------------------------- writing
 
 
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):  # 6 significant digits (no measurement is more precise), valid TOML: 1.5e+10
-        return f"{value:.6g}"
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
-    return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-
-
-def _is_tables(value: object) -> bool:
-    return isinstance(value, tuple) and bool(value) and isinstance(value[0], dict)
-
-
-def _toml_table(table: dict[str, Any], path: str) -> list[str]:
-    """Scalars and arrays first, then sub-tables, then arrays of tables, as TOML requires."""
-    lines = [f"{k} = {_toml_value(v)}" for k, v in table.items() if not isinstance(v, dict) and not _is_tables(v)]
-    for key, value in table.items():
-        name = f"{path}.{key}" if path else key
-        if isinstance(value, dict):
-            lines += ["", f"[{name}]", *_toml_table(value, name)]
-        elif _is_tables(value):
-            for item in value:
-                lines += ["", f"[[{name}]]", *_toml_table(item, name)]
-    return lines
-
-
 def to_toml(profile: HardwareProfile) -> str:
-    header = "# Measured by `trainfit calibrate`; use it with --hardware.profile=FILE (trainfit.hardware_profile)."
-    return "\n".join([header, *_toml_table(profile.as_dict(), "")]) + "\n"
+    return dump_toml(profile.as_dict(), "Measured by `trainfit calibrate`; use it with --hardware.profile=FILE "
+                                        "(trainfit.hardware_profile).")
 
 
 def write_profile(profile: HardwareProfile, path: str | Path) -> Path:
-    """Write atomically: a temp file beside `path` (the umask's permissions, unlike mkstemp's 0600),
-    renamed over it once complete."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(to_toml(profile), encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    """Write atomically (config/dump.write_atomic): a crash mid-write leaves any earlier profile whole."""
+    return write_atomic(path, to_toml(profile))
 
 
 # ---------------------------------------------------------------- reading
