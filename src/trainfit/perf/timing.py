@@ -140,13 +140,19 @@ def compute_time_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwa
     return sum(_compute_seconds(hw, layout.precision, *_rank_flops(m, layout, t)))
 
 
+def _timed_collectives(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig
+                       ) -> list[tuple[Collective, float]]:
+    """Every collective a rank issues per step, with the time of one call (one link per group of mesh axes)."""
+    links: dict[tuple[str, ...], Link] = {}
+    return [(c, collective_time(c.kind, c.nbytes, c.group_size,
+                                links.get(c.axes) or links.setdefault(c.axes, collective_link(c, layout, hw))))
+            for c in step_collectives(m, layout, t)]
+
+
 def model_parallel_comm_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig) -> float:
     """Tensor, context and pipeline parallelism's traffic per step, all of it exposed (the module
     docstring's table): the other part of those bounds."""
-    links: dict[tuple[str, ...], Link] = {}
-    return sum(collective_time(c.kind, c.nbytes, c.group_size,
-                               links.get(c.axes) or links.setdefault(c.axes, collective_link(c, layout, hw))) * c.count
-               for c in step_collectives(m, layout, t) if c.purpose in ("tp", "cp", "pp"))
+    return sum(one * c.count for c, one in _timed_collectives(m, layout, t, hw) if c.purpose in ("tp", "cp", "pp"))
 
 
 def _exposed(timed: list[tuple[Collective, float]], fwd_s: float, bwd_s: float, n_mb: int
@@ -225,10 +231,7 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
     compute_s = fwd_s + bwd_s
 
     n_mb = layout.num_microbatches
-    links: dict[tuple[str, ...], Link] = {}  # one link per group of mesh axes
-    timed = [(c, collective_time(c.kind, c.nbytes, c.group_size,
-                                 links.get(c.axes) or links.setdefault(c.axes, collective_link(c, layout, hw))))
-             for c in step_collectives(m, layout, t)]
+    timed = _timed_collectives(m, layout, t, hw)
     comm = dict.fromkeys(KINDS, 0.0)
     for c, one in timed:
         comm[c.kind] += one * c.count

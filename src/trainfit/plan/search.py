@@ -232,16 +232,12 @@ class _Evaluator:
         return estimate_perf(cfg.model, layout, cfg.training, cfg.hardware)
 
 
-def _mesh_bound(space: Space, stats: SearchStats, mesh: _Mesh) -> float | None:
-    """A lower bound of the step time of every group of a mesh, or None when none is valid: their
-    compute (the same in all: each data-parallel split runs the same tokens per rank) with the
-    bubble of the most micro-batches any of them runs, plus the tensor, context and pipeline traffic
-    of the one with the fewest calls (the largest micro-batch: the same bytes, the fewest latencies).
-    Every group runs at least that much; its data-parallel traffic and memory knobs only add."""
-    groups = list(_mesh_groups(space, stats, mesh))
-    if not groups:
-        return None
-    stats.groups -= len(groups)  # counted again when the mesh is expanded
+def _mesh_bound(mesh: _Mesh, groups: list[_Group]) -> float:
+    """A lower bound of the step time of every group of a mesh (`groups`, not empty): their compute
+    (the same in all: each data-parallel split runs the same tokens per rank) with the bubble of
+    the most micro-batches any of them runs, plus the tensor, context and pipeline traffic of the one
+    with the fewest calls (the largest micro-batch: the same bytes, the fewest latencies). Every
+    group runs at least that much; its data-parallel traffic and memory knobs only add."""
     first, fewest_calls = groups[0], max(groups, key=lambda g: (g.layout.micro_batch_size, g.layout.zero_stage))
     c = first.cfg
     compute = compute_time_s(c.model, first.layout, c.training, c.hardware)
@@ -327,9 +323,9 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
     heap: list[tuple[float, int, Any]] = []
     order = itertools.count()
     for mesh in _meshes(space):
-        bound = _mesh_bound(space, stats, mesh)
-        if bound is not None:
-            heapq.heappush(heap, (bound, next(order), mesh))
+        groups = list(_mesh_groups(space, stats, mesh))
+        if groups:
+            heapq.heappush(heap, (_mesh_bound(mesh, groups), next(order), groups))
 
     def push(knobs: _Knobs, index: Setting, bound: float | None = None) -> None:
         """A setting keyed by its own step time, or lazily by `bound` (its leaner-than parent's
@@ -346,8 +342,8 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
         bound, _, item = heapq.heappop(heap)
         if not exhaustive and bound > _kth_time(listed, top):
             break
-        if isinstance(item, _Mesh):
-            for group in _mesh_groups(space, stats, item):
+        if isinstance(item, list):  # a mesh's groups
+            for group in item:
                 push(_Knobs(group, space), (0, 0, 0))
             continue
         knobs, index, perf = item
