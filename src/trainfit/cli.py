@@ -184,7 +184,7 @@ def _traced_checks(candidates: list) -> list[int]:
     for i, c in enumerate(candidates):
         print(f"tracing candidate {i + 1} of {len(candidates)} ...", file=sys.stderr)
         traced = with_traced_memory(estimate(c.cfg, c.layout), trace_step(c.cfg, c.layout))
-        checks.append(max(traced.total_bytes(s) for s in traced.memory.per_stage))
+        checks.append(traced.memory_bytes)
     return checks
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,11 @@ class Estimate:
         """What the device must hold: the peak plus the margin shown apart."""
         return stage.peak + stage.reserved_margin
 
+    @functools.cached_property
+    def memory_bytes(self) -> int:
+        """What the busiest pipeline rank's device must hold (total_bytes of its stage)."""
+        return max(self.total_bytes(s) for s in self.memory.per_stage)
+
     @property
     def attention_kernel(self) -> str:
         """"fused" or "math": the attention kernel the memory estimate assumes (analytic.py)."""
@@ -56,8 +62,7 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.device_memory == 0 or all(self.total_bytes(s) <= self.device_memory
-                                               for s in self.memory.per_stage)
+        return self.device_memory == 0 or self.memory_bytes <= self.device_memory
 
 
 def estimate(cfg: Config, layout: Layout | None = None) -> Estimate:

@@ -30,7 +30,6 @@ times the fastest). tests/unit/test_plan.py checks it against an exhaustive sear
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import itertools
 import math
@@ -69,11 +68,6 @@ class Candidate(Estimate):
     @property
     def mfu(self) -> float:
         return self.perf.time["mfu"]
-
-    @functools.cached_property
-    def memory_bytes(self) -> int:
-        """What the busiest rank's device must hold: its peak plus the reserved margin."""
-        return max(s.peak + s.reserved_margin for s in self.memory.per_stage)
 
     def settings(self) -> dict[str, Any]:
         """The searched fields' values ("section.field" -> value)."""
