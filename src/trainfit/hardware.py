@@ -195,14 +195,15 @@ def _link_preset(field: str, name: str) -> LinkSpec:
     return LINKS[name]
 
 
-def _profile(hw: HardwareConfig) -> HardwareProfile | None:
+def measured_profile(hw: HardwareConfig) -> HardwareProfile | None:
+    """The profile hardware.profile names (read once per file state), or None."""
     return load_profile(hw.profile) if hw.profile else None
 
 
 def validate_hardware(hw: HardwareConfig) -> None:
     """Every hardware.* value, checked by config validation (ConfigError names field, value, fix)."""
     _catalog_spec(hw.gpu)
-    profile = _profile(hw)
+    profile = measured_profile(hw)
     if profile is not None:
         check_matches_device(profile, hw.profile, hw.gpu)
     if hw.intra_node_link:
@@ -227,7 +228,7 @@ def device_spec(hw: HardwareConfig) -> DeviceSpec:
     """The catalog entry named by hardware.gpu, with the profile's measured figures and then the
     hardware.* overrides applied."""
     spec = _catalog_spec(hw.gpu)
-    profile = _profile(hw)
+    profile = measured_profile(hw)
     flops = dict(profile.matmul_flops_per_s if profile else spec.peak_flops)
     if hw.peak_tflops:
         flops = {k: hw.peak_tflops * TERA for k in flops}
@@ -263,7 +264,7 @@ def compute_efficiency(hw: HardwareConfig) -> float:
 def intra_node_link(hw: HardwareConfig) -> Link:
     """The link between two GPUs of one node, as one GPU sees it: the profile's measured one unless
     hardware.intra_node_link names a preset."""
-    profile = _profile(hw)
+    profile = measured_profile(hw)
     if profile and profile.link and not hw.intra_node_link:
         name, nominal, efficiency = "measured", profile.link, 1.0
     else:

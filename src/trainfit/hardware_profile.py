@@ -10,6 +10,7 @@ read alike:
     [machine]                         # device, name, cores, threads, torch, date, quick, seconds
     [matmul_flops_per_s]              # best sustained rate per dtype: fp32, bf16, fp16 (and fp8)
     [[matmul_shapes]]                 # dtype, m, k, n, flops_per_s: one per GEMM shape measured
+    [[attention]]                     # dtype, batch, heads, seq_len, head_dim, flops_per_s: causal SDPA
     [[optimizer]]                     # name, impl, dtype, s_per_param, step_s, params, seconds
     [link]                            # bytes_per_s, latency_s: one link fitting every collective
     [[collectives]]                   # kind, world_size, bytes_per_s, latency_s, nbytes, seconds
@@ -69,6 +70,19 @@ class MatmulShape:
 
 
 @dataclass(frozen=True)
+class AttentionShape:
+    """One causal scaled_dot_product_attention, forward and backward, on the kernel training picks:
+    flops_per_s counts trainfit.perf.flops's attention FLOPs (causal half, fused backward 2.5x)."""
+
+    dtype: str
+    batch: int
+    heads: int
+    seq_len: int
+    head_dim: int
+    flops_per_s: float
+
+
+@dataclass(frozen=True)
 class LinkFit:
     bytes_per_s: float
     latency_s: float
@@ -116,6 +130,8 @@ class HardwareProfile:
     """The one bandwidth and latency per step that best fit every collective measured (relative
     error): what estimate uses as the intra-node link. None when no collectives ran."""
     collectives: tuple[CollectiveFit, ...] = ()
+    attention: tuple[AttentionShape, ...] = ()
+    """Absent from profiles written before it was measured: attention then runs at the matmul rate."""
 
     def as_dict(self) -> dict[str, Any]:
         """The profile as plain data (dicts, tuples), keys in the TOML's order; no None values."""

@@ -11,42 +11,25 @@ from pathlib import Path
 
 import pytest
 
+from _profiles import profile
 from trainfit import hardware
 from trainfit.cli import main
 from trainfit.config import ConfigError, HardwareConfig, load_config
 from trainfit.hardware_profile import (
-    CollectiveFit,
     HardwareProfile,
     LinkFit,
-    Machine,
     MatmulShape,
-    OptimizerFit,
     load_profile,
     to_toml,
     write_profile,
 )
+from trainfit.parallel.layout import build_layout
 from trainfit.perf.calibrate import QUICK
 from trainfit.perf.calibrate_comms import fit_link, fit_nonnegative, model_terms
 from trainfit.perf.comms import collective_time
+from trainfit.perf.kernels import elementwise_bytes
 
 KINDS = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}
-
-
-def profile(**changes: object) -> HardwareProfile:
-    """A hand-made CPU profile (numbers of at most 6 significant digits: the TOML keeps them exactly)."""
-    base = HardwareProfile(
-        version=1,
-        machine=Machine(device="cpu", name="Test CPU \"x\"", cores=2, threads=1, torch="2.13.0", date="2025-01-01",
-                        quick=True, seconds=9.5),
-        matmul_flops_per_s={"fp32": 5e10, "bf16": 2e9, "fp16": 1.5e9},
-        matmul_shapes=(MatmulShape("fp32", 512, 128, 128, 4e10), MatmulShape("fp32", 512, 128, 512, 5e10),
-                       MatmulShape("bf16", 512, 128, 128, 2e9), MatmulShape("fp16", 512, 128, 128, 1.5e9)),
-        memory_bytes_per_s=1.5e10,
-        optimizer=(OptimizerFit("adamw", "fused", "fp32", 1.25e-9, 2e-5, (262144, 1048576), (3.5e-4, 1.33e-3)),),
-        link=LinkFit(bytes_per_s=1e9, latency_s=1e-4),
-        collectives=(CollectiveFit("all_reduce", 2, 1e9, 1e-4, (4096, 1048576), (2.2e-4, 1.2e-3)),),
-    )
-    return dataclasses.replace(base, **changes)
 
 
 def write(tmp_path: Path, p: HardwareProfile, name: str = "hw.toml") -> str:
@@ -166,11 +149,17 @@ def test_a_profile_moves_the_estimate_the_way_its_numbers_say(
         fp32: float, link: float, slower: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The catalog's CPU runs at cores x 96 GFLOP/s x 0.5 and a 4 GB/s loopback link; a profile slower
     (faster) than that makes compute and communication, and so the step, slower (faster)."""
-    p = profile(matmul_flops_per_s={"fp32": fp32, "bf16": 2e9, "fp16": 1.5e9}, link=LinkFit(link, 1e-4))
+    p = profile(matmul_flops_per_s={"fp32": fp32, "bf16": 2e9, "fp16": 1.5e9}, link=LinkFit(link, 1e-4),
+                matmul_shapes=(MatmulShape("fp32", 512, 128, 128, fp32), MatmulShape("bf16", 512, 128, 128, 2e9),
+                               MatmulShape("fp16", 512, 128, 128, 1.5e9)))
     path = write(tmp_path, p)
     catalog, measured = estimate_json(capsys), estimate_json(capsys, f"--hardware.profile={path}")
     flops = measured["flops"]["flops_per_rank_per_step"]
-    assert measured["time"]["compute_s"] == pytest.approx(flops / fp32)  # efficiency 1.0 on the measured rate
+    cfg = load_config(None, ["--hardware.num_gpus=2", f"--hardware.profile={path}"])
+    elementwise = sum(elementwise_bytes(cfg.model, build_layout(cfg), cfg.training))
+    # efficiency 1.0 on the measured rates: every FLOP at the one matmul rate (no attention was measured),
+    # the elementwise traffic at the measured bandwidth; 2 one-thread ranks on 2 cores share nothing
+    assert measured["time"]["compute_s"] == pytest.approx(flops / fp32 + elementwise / p.memory_bytes_per_s)
     for key in ("compute_s", "step_time_s"):
         assert (measured["time"][key] > catalog["time"][key]) == slower, key
     assert (measured["time"]["comm_s"]["all_reduce"] > catalog["time"]["comm_s"]["all_reduce"]) == slower
@@ -248,8 +237,15 @@ def test_the_measured_profile_drives_the_estimate(quick: tuple[Path, str], capsy
     path, _ = quick
     p = load_profile(str(path))
     out = estimate_json(capsys, f"--hardware.profile={path}")
-    assert out["time"]["compute_s"] == pytest.approx(out["flops"]["flops_per_rank_per_step"]
-                                                     / p.matmul_flops_per_s["fp32"])
+    cfg = load_config(None, ["--hardware.num_gpus=2", f"--hardware.profile={path}"])
+    elementwise = sum(elementwise_bytes(cfg.model, build_layout(cfg), cfg.training)) / p.memory_bytes_per_s
+    flops, compute = out["flops"]["flops_per_rank_per_step"], out["time"]["compute_s"]
+    rates = [s.flops_per_s for s in p.matmul_shapes if s.dtype == "fp32"]
+    rates += [a.flops_per_s for a in p.attention if a.dtype == "fp32"]
+    assert flops / max(rates) + elementwise <= compute * (1 + 1e-9)
+    assert compute <= (flops / min(rates) + elementwise) * (1 + 1e-9)
+    assert {(a.dtype, a.seq_len) for a in p.attention} >= {("fp32", QUICK.attention_shapes[0][2])}
+    assert all(1e7 < a.flops_per_s < 1e13 for a in p.attention)
     catalog = estimate_json(capsys)
     assert out["time"]["step_time_s"] != catalog["time"]["step_time_s"]
 

@@ -10,6 +10,8 @@ or OMP_NUM_THREADS; torchrun sets 1 per rank):
   take longer than `max_call_s` at the dtype's rate so far is skipped: bf16 and fp16 matmuls run
   ~10x slower than fp32 on CPUs without native support for them (a 2-core AVX2 EPYC, one thread:
   fp32 86, bf16 8, fp16 11 GFLOP/s);
+- causal attention, forward and backward through scaled_dot_product_attention (the kernel training
+  picks), per dtype over (batch, heads, sequence, head dim) shapes, skipped as the matmuls are;
 - memory bandwidth: a large fp32 copy (read + write bytes) and add (two reads, one write), the better;
 - collectives at 2..max_ranks ranks (trainfit.perf.calibrate_comms: spawned processes, fits);
 - AdamW's step on fp32 parameters (the master weights' dtype) of a few sizes, fused (where
@@ -35,6 +37,7 @@ from trainfit.config import ConfigError
 from trainfit.hardware_profile import (
     MATMUL_DTYPES,
     PROFILE_VERSION,
+    AttentionShape,
     HardwareProfile,
     Machine,
     MatmulShape,
@@ -42,6 +45,7 @@ from trainfit.hardware_profile import (
 )
 from trainfit.memory.analytic import FUSED_DEVICES
 from trainfit.perf.calibrate_comms import fit_collectives, fit_nonnegative, measure_collectives, predicted_seconds
+from trainfit.perf.flops import FLASH_ATTENTION_BWD_FACTOR
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZER_TENSORS = 8
@@ -55,6 +59,8 @@ Progress = Callable[[str, int, int], None]
 class Settings:
     shapes: tuple[tuple[int, int], ...]
     """(tokens, dim): each measured as tokens x dim x dim and tokens x dim x 4 dim."""
+    attention_shapes: tuple[tuple[int, int, int, int], ...]
+    """(batch, heads, sequence length, head dim) of causal attention."""
     max_call_s: float
     batch_s: float
     repeats: int
@@ -64,10 +70,12 @@ class Settings:
     optimizer_params: tuple[int, ...]
 
 
-DEFAULT = Settings(shapes=((512, 128), (2048, 256), (2048, 512), (4096, 768)), max_call_s=0.5, batch_s=0.1,
+DEFAULT = Settings(shapes=((512, 128), (2048, 256), (2048, 512), (4096, 768)),
+                   attention_shapes=((8, 8, 256, 32), (4, 8, 512, 64), (2, 16, 1024, 64)), max_call_s=0.5, batch_s=0.1,
                    repeats=5, memory_bytes=256 * 2**20, message_bytes=tuple(4**i * 2**12 for i in range(7)),
                    optimizer_params=(2**20, 2**22, 2**24))
-QUICK = Settings(shapes=((512, 128), (2048, 256)), max_call_s=0.05, batch_s=0.02, repeats=2,
+QUICK = Settings(shapes=((512, 128), (2048, 256)), attention_shapes=((2, 4, 128, 32),), max_call_s=0.05,
+                 batch_s=0.02, repeats=2,
                  memory_bytes=64 * 2**20, message_bytes=(2**12, 2**16, 2**20, 2**22), optimizer_params=(2**18, 2**20))
 
 
@@ -99,7 +107,8 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
     dtypes = [*MATMUL_DTYPES, *(["fp8"] if _fp8_runs(device) else [])]
     impls = ["fused", "foreach"] if device in FUSED_DEVICES else ["foreach"]
     worlds = range(2, max_ranks + 1)
-    total = len(dtypes) * 2 * len(settings.shapes) + 1 + len(worlds) + len(impls) * len(settings.optimizer_params)
+    total = (len(dtypes) * 2 * len(settings.shapes) + len(MATMUL_DTYPES) * len(settings.attention_shapes) + 1
+             + len(worlds) + len(impls) * len(settings.optimizer_params))
     done = 0
 
     def step(what: str) -> None:
@@ -111,6 +120,7 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
     torch.set_num_threads(threads)
     try:
         shapes = [s for dtype in dtypes for s in _matmuls(dtype, device, settings, step)]
+        attention = [a for dtype in MATMUL_DTYPES for a in _attentions(dtype, device, settings, step)]
         step("memory bandwidth")
         memory = _memory_bandwidth(device, settings)
         measured = {}
@@ -129,7 +139,7 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
                       quick=quick, seconds=round(time.perf_counter() - start, 1))
     return HardwareProfile(version=PROFILE_VERSION, machine=machine, matmul_flops_per_s=best,
                            matmul_shapes=tuple(shapes), memory_bytes_per_s=memory, optimizer=tuple(optimizer),
-                           link=link, collectives=tuple(collectives))
+                           link=link, collectives=tuple(collectives), attention=tuple(attention))
 
 
 def _device_name(device: str) -> str:
@@ -201,6 +211,28 @@ def _matmuls(dtype: str, device: str, s: Settings, step: Callable[[str], None]) 
     return out
 
 
+def _attention(dtype: str, shape: tuple[int, int, int, int], device: str) -> Callable[[], None]:
+    """Causal attention of (batch, heads, seq, head dim) query, key and value, forward then backward."""
+    q, k, v = (torch.randn(shape, device=device, dtype=DTYPES[dtype], requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape, device=device, dtype=DTYPES[dtype])
+    return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+
+def _attentions(dtype: str, device: str, s: Settings, step: Callable[[str], None]) -> list[AttentionShape]:
+    """Causal attention forward + backward per shape, smallest first, skipped past max_call_s as matmuls are."""
+    out: list[AttentionShape] = []
+    for batch, heads, seq, head_dim in sorted(s.attention_shapes, key=lambda b: b[0] * b[1] * b[2] ** 2 * b[3]):
+        step(f"attention {dtype} {batch} x {heads} heads x {seq} x {head_dim}")
+        forward = 2 * 2 * heads * head_dim * seq // 2 * batch * seq  # flops.block_attention_flops x tokens
+        flops = forward * (1 + FLASH_ATTENTION_BWD_FACTOR)
+        if out and flops / max(a.flops_per_s for a in out) > s.max_call_s:
+            continue
+        seconds = best_seconds(_attention(dtype, (batch, heads, seq, head_dim), device), _sync(device),
+                               batch_s=s.batch_s, repeats=s.repeats)
+        out.append(AttentionShape(dtype, batch, heads, seq, head_dim, flops / seconds))
+    return out
+
+
 # ---------------------------------------------------------------- memory and optimizer
 
 
@@ -252,6 +284,14 @@ def profile_tables(p: HardwareProfile) -> list[Table]:
         matmuls.add_row(" x ".join(map(str, shape)), *(f"{rates[d] / 1e9:,.1f}" if d in rates else "skipped"
                                                         for d in dtypes))
     tables = [summary, matmuls]
+    if p.attention:
+        attention = Table("batch x heads x seq x head dim", *MATMUL_DTYPES,
+                          title="causal attention GFLOP/s, forward + backward")
+        for shape in dict.fromkeys((a.batch, a.heads, a.seq_len, a.head_dim) for a in p.attention):
+            rates = {a.dtype: a.flops_per_s for a in p.attention if (a.batch, a.heads, a.seq_len, a.head_dim) == shape}
+            attention.add_row(" x ".join(map(str, shape)), *(f"{rates[d] / 1e9:,.1f}" if d in rates else "skipped"
+                                                              for d in MATMUL_DTYPES))
+        tables.append(attention)
     if p.collectives:
         comms = Table("kind", "ranks", "GB/s", "latency us", "sizes", "worst fit error",
                       title="collectives: time = a0 + steps x latency + factor x bytes / bandwidth (perf/comms.py)")

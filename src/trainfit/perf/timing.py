@@ -2,8 +2,14 @@
 
 Compute: the busiest rank's hardware FLOPs (trainfit.perf.flops: model FLOPs + fused-attention
 backward + recomputation; the pipeline stage holding the output projection) divided by the dense
-peak of the precision's dtype times `hardware.compute_efficiency`. fp8-mixed runs its linear layers
-at the fp8 peak and attention at the bf16 peak.
+peak of the precision's dtype times `hardware.compute_efficiency`, which stands for everything
+else a step computes. fp8-mixed runs its linear layers at the fp8 peak and attention at the bf16
+peak. A measured profile (hardware.profile) prices each kind of work apart instead: GEMMs at the
+rate of their shape, attention at its kernel's, elementwise traffic at the memory bandwidth, with
+cores shared among ranks (trainfit.perf.kernels).
+
+Optimizer step: after the backward, on the critical path, over the rank's shard: the profile's
+measured fit, or AdamW's traffic (ADAMW_BYTES_PER_PARAM) at the device's memory bandwidth.
 
 Communication: the collectives of trainfit.perf.comms.step_collectives, each timed on the link of
 its mesh axes. What of it lengthens the step is decided here, and only here:
@@ -32,7 +38,8 @@ rank's fp32 shard (bf16-pure: bf16) from host to device, and every gradient redu
 reductions do (what exceeds a micro-batch's forward, or its backward, is exposed, as is the last
 micro-batch's final copy), and the optimizer steps the shard in host memory, fully exposed: AdamW
 reads and writes the fp32 parameter and both states and reads the gradient,
-OFFLOAD_OPTIMIZER_BYTES_PER_PARAM bytes, at hardware.HOST_MEMORY_BYTES_PER_S_PER_GPU.
+ADAMW_BYTES_PER_PARAM bytes, at hardware.HOST_MEMORY_BYTES_PER_S_PER_GPU (on a CPU the host is the
+device: its own optimizer step).
 
 Overlapped traffic is assumed not to slow the compute it hides behind, and collectives on different
 links not to contend. Pipeline bubble: the fraction of an ideal step each rank idles, times its
@@ -54,14 +61,17 @@ from trainfit.config import HardwareConfig, ModelConfig, TrainingConfig
 from trainfit.hardware import (
     HOST_MEMORY_BYTES_PER_S_PER_GPU,
     Link,
+    compute_dtype_of,
     compute_efficiency,
     device_spec,
     host_link,
+    measured_profile,
     peak_flops,
 )
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES
 from trainfit.perf import flops as F
+from trainfit.perf import kernels as K
 from trainfit.perf.comms import (
     KINDS,
     Collective,
@@ -74,8 +84,8 @@ from trainfit.perf.comms import (
 
 # Bubble of zero-bubble schedules as a fraction of 1F1B's (ZB-V with equal F, B, W passes).
 ZERO_BUBBLE_FRACTION = 0.0
-# AdamW on the host, per parameter: the fp32 parameter, exp_avg and exp_avg_sq read and written, the gradient read.
-OFFLOAD_OPTIMIZER_BYTES_PER_PARAM = 3 * 2 * 4 + 4
+# AdamW's step per parameter: the fp32 parameter, exp_avg and exp_avg_sq read and written, the gradient read.
+ADAMW_BYTES_PER_PARAM = 3 * 2 * 4 + 4
 # Collectives whose every call waits on the critical path.
 EXPOSED_PURPOSES = frozenset({"tp", "cp", "ep", "pp", "zero1_params"})
 
@@ -88,7 +98,8 @@ class PerfEstimate:
     time: dict[str, Any]
     """step_time_s, compute_s, comm_s {kind: total s}, exposed_comm_s, exposed_comm_by_kind_s {kind: s},
     offload_s {h2d, d2h, host_optimizer: s per step; empty without offload}, exposed_offload_s, bubble_s,
-    bubble_fraction, num_microbatches, tokens_per_second (whole job), mfu, hfu."""
+    bubble_fraction, optimizer_s (the device's optimizer step), num_microbatches, tokens_per_second (whole
+    job), mfu, hfu."""
     collectives: tuple[tuple[Collective, float], ...] = field(default=())
     """Every collective kind a rank issues, with the time of one call."""
 
@@ -105,39 +116,68 @@ def bubble_fraction(schedule: str, pp: int, num_microbatches: int, virtual_stage
     return base
 
 
-def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> tuple[float, float, float]:
-    """(forward, backward incl. recomputation, attention share) hardware FLOPs of the busiest rank per step."""
+def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> tuple[float, float, float, float]:
+    """(forward, backward incl. recomputation) hardware FLOPs of the busiest rank per step, then the
+    attention kernel's part of each."""
     mm, at = 2 * F.block_matmul_params(m), F.block_attention_flops(m, t.seq_len)
     rc_mm, rc_at = F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing)
 
-    def rank(layers: int, wrapped: int, last_stage: bool) -> tuple[float, float, float]:
+    def rank(layers: int, wrapped: int, last_stage: bool) -> tuple[float, float, float, float]:
         wrapped = 0 if layout.activation_checkpointing == "none" else wrapped
         head = 2 * F.head_matmul_params(m) * last_stage  # the last stage's rank holds the output projection
         forward = layers * (mm + at) + head
         backward = (layers * (2 * mm + F.FLASH_ATTENTION_BWD_FACTOR * at) + 2 * head + wrapped * (rc_mm + rc_at)
                     + head * layout.chunked_loss)  # the chunked loss reruns the output projection
-        return forward, backward, layers * at * (1 + F.FLASH_ATTENTION_BWD_FACTOR) + wrapped * rc_at
+        return forward, backward, layers * at, layers * at * F.FLASH_ATTENTION_BWD_FACTOR + wrapped * rc_at
 
-    forward, backward, attention = max((rank(*shape) for shape in layout.rank_shapes()), key=lambda f: f[0] + f[1])
+    flops = max((rank(*shape) for shape in layout.rank_shapes()), key=lambda f: f[0] + f[1])
     tokens = layout.global_batch_size * t.seq_len / (layout.dp * layout.cp)  # per rank; tp ranks split its FLOPs
-    scale = tokens / layout.tp
-    return forward * scale, backward * scale, attention * scale
+    fwd, bwd, fwd_attention, bwd_attention = (f * tokens / layout.tp for f in flops)
+    return fwd, bwd, fwd_attention, bwd_attention
 
 
-def _compute_seconds(hw: HardwareConfig, mode: str, fwd: float, bwd: float, attention: float) -> tuple[float, float]:
-    """Forward and backward compute time; under fp8 the attention share runs at the bf16 peak."""
-    rate = peak_flops(hw, mode) * compute_efficiency(hw)
-    if mode != "fp8-mixed":
+def _compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig,
+                     flops: tuple[float, float, float, float]) -> tuple[float, float]:
+    """Forward and backward compute time of the busiest rank: on the catalog, FLOPs at the peak times
+    the efficiency (fp8: attention at the bf16 peak); on a measured profile, each kind of work at its
+    own measured rate (trainfit.perf.kernels)."""
+    fwd, bwd, fwd_attention, bwd_attention = flops
+    profile = measured_profile(hw)
+    if profile is not None:
+        dtype = compute_dtype_of(layout.precision)
+        tokens = layout.micro_batch_size * t.seq_len / layout.cp
+        matmul = K.matmul_rate(profile, dtype, m, layout, tokens) * compute_efficiency(hw)
+        measured = K.attention_rate(profile, "bf16" if dtype == "fp8" else dtype, m, t.seq_len // layout.cp)
+        attention = measured * compute_efficiency(hw) if measured else matmul
+        bandwidth = device_spec(hw).hbm_bytes_per_s
+        ew_fwd, ew_bwd = K.elementwise_bytes(m, layout, t)
+        shared = K.shared_cores(profile, hw, layout)
+        return (shared * ((fwd - fwd_attention) / matmul + fwd_attention / attention + ew_fwd / bandwidth),
+                shared * ((bwd - bwd_attention) / matmul + bwd_attention / attention + ew_bwd / bandwidth))
+    rate = peak_flops(hw, layout.precision) * compute_efficiency(hw)
+    if layout.precision != "fp8-mixed":
         return fwd / rate, bwd / rate
     attention_rate = device_spec(hw).peak_flops["bf16"] * compute_efficiency(hw)
+    attention = fwd_attention + bwd_attention
     slowdown = (attention / attention_rate - attention / rate) / (fwd + bwd)  # per FLOP, spread evenly
     return fwd / rate + fwd * slowdown, bwd / rate + bwd * slowdown
+
+
+def _device_optimizer_seconds(m: ModelConfig, layout: Layout, hw: HardwareConfig) -> float:
+    """The device's optimizer step over the rank's shard. Measured profile: its fit; catalog: AdamW's
+    traffic, ADAMW_BYTES_PER_PARAM, at the memory bandwidth."""
+    profile = measured_profile(hw)
+    if profile is not None:
+        return K.optimizer_seconds(profile, m, layout) * K.shared_cores(profile, hw, layout)
+    block, root = stage_params(m, layout)
+    params = (layout.busiest_rank_blocks() * block + root) / layout.zero_shards
+    return params * ADAMW_BYTES_PER_PARAM / device_spec(hw).hbm_bytes_per_s
 
 
 def compute_time_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig) -> float:
     """The busiest rank's forward and backward compute per step (estimate_perf's compute_s), alone:
     part of the lower bounds plan/search.py computes before whole estimates."""
-    return sum(_compute_seconds(hw, layout.precision, *_rank_flops(m, layout, t)))
+    return sum(_compute_seconds(m, layout, t, hw, _rank_flops(m, layout, t)))
 
 
 def _timed_collectives(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig
@@ -210,7 +250,8 @@ def _offload(m: ModelConfig, layout: Layout, hw: HardwareConfig, fwd_s: float, b
     h2d_fwd = (blocks + root) * master_b / rate
     h2d_bwd = blocks * master_b / rate if layout.zero_stage == 3 else 0.0
     d2h = (blocks + root) * grad_b / rate
-    optimizer = (blocks + root) * OFFLOAD_OPTIMIZER_BYTES_PER_PARAM / HOST_MEMORY_BYTES_PER_S_PER_GPU
+    optimizer = ((blocks + root) * ADAMW_BYTES_PER_PARAM / HOST_MEMORY_BYTES_PER_S_PER_GPU if link
+                 else _device_optimizer_seconds(m, layout, hw))  # on a CPU the host is the device
     fwd_mb, bwd_mb = fwd_s / n_mb, bwd_s / n_mb
     exposed = (n_mb * (max(0.0, h2d_fwd - fwd_mb) + max(0.0, h2d_bwd + d2h - bwd_mb))
                + root * grad_b / rate + optimizer)
@@ -226,9 +267,11 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
     recompute_tok = (F.recompute_flops_per_token(m, t.seq_len, layout.activation_checkpointing,
                                                  layout.ac_every_n_layers)
                      + F.loss_recompute_flops_per_token(m, layout.chunked_loss))
-    fwd, bwd, attention = _rank_flops(m, layout, t)
-    fwd_s, bwd_s = _compute_seconds(hw, layout.precision, fwd, bwd, attention)
+    rank_flops = _rank_flops(m, layout, t)
+    fwd, bwd = rank_flops[:2]
+    fwd_s, bwd_s = _compute_seconds(m, layout, t, hw, rank_flops)
     compute_s = fwd_s + bwd_s
+    optimizer_s = _device_optimizer_seconds(m, layout, hw) if layout.offload == "none" else 0.0  # else _offload's
 
     n_mb = layout.num_microbatches
     timed = _timed_collectives(m, layout, t, hw)
@@ -240,7 +283,7 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
     offload, offload_exposed_s = _offload(m, layout, hw, fwd_s, bwd_s)
     frac = bubble_fraction(layout.pp_schedule, layout.pp, n_mb, layout.pp_virtual_stages)
     bubble_s = frac * (compute_s + per_microbatch)
-    step_s = compute_s + exposed_s + offload_exposed_s + bubble_s
+    step_s = compute_s + exposed_s + offload_exposed_s + bubble_s + optimizer_s
 
     peak = peak_flops(hw, layout.precision)
     flops = {
@@ -261,6 +304,7 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
         "exposed_offload_s": offload_exposed_s,
         "bubble_s": bubble_s,
         "bubble_fraction": frac,
+        "optimizer_s": optimizer_s,
         "num_microbatches": n_mb,
         "tokens_per_second": tokens_per_step / step_s,
         "mfu": flops["model_flops_per_step"] / (step_s * layout.world_size * peak),

@@ -1,0 +1,152 @@
+"""What one rank's compute costs on a measured hardware profile (hardware.profile). Torch-free.
+
+The catalog prices compute as FLOPs / (peak x compute_efficiency), one efficiency standing for all
+the work of a step. A profile (`trainfit calibrate`) measured each kind of work, so each is priced
+on its own (trainfit.perf.timing adds them up):
+- matmuls: every GEMM a block and the output projection run, forward (m tokens x k by k x n) and
+  backward (the input gradient m x n x k, the weight gradient k x m x n), at the rate measured for
+  the nearest shape of its dtype (nearest in log space over m, k, n);
+- attention: its FLOPs (trainfit.perf.flops: causal half, fused backward) at the rate measured for
+  causal scaled_dot_product_attention of the nearest (sequence, head dim); profiles written before
+  attention was measured price it at the matmul rate;
+- elementwise work: the bytes eager PyTorch moves through memory for norms, RoPE, activations,
+  residual adds, the loss's softmax and dtype casts, over the measured memory bandwidth (below);
+- the optimizer step: the measured fit, step_s + s_per_param x the parameters the rank steps;
+- shared cores: ranks x threads beyond the machine's cores time-share them, so compute stretches
+  by that ratio (4 one-thread ranks on 2 cores: 2x). Collectives were measured as they share them.
+
+Elementwise bytes. Each count is elements read plus written per token, forward and backward, as a
+byte counter at the dispatcher counts them over our Llama block (tests/estimator/test_kernels.py
+recounts them within 10%, fp32 and bf16-mixed). The residual stream and the norms' elements are
+4 bytes where the stream is fp32 (fp32, and the -mixed modes under autocast), else 2 (bf16-pure;
+-mixed where FSDP2 or ZeRO-1 run the module in bf16); RoPE's and the MLP's are matmul outputs, in
+the compute dtype; the loss runs in fp32:
+- per block, ELEMENTWISE_D per model dimension: two RMSNorms (pow, mean, scale, weight, forward and
+  backward) and two residual adds (forward, and their gradients' sums);
+- per block, ELEMENTWISE_ROPE per query and key/value dimension: RoPE's products with cos and sin,
+  rotate-half's negation and concatenation, their sum (9 forward), and their backward;
+- per block, ELEMENTWISE_FFN per hidden unit of the MLP: SiLU (2) and the gate product (3) forward,
+  SiLU's backward (3) and the product's (6);
+- once, ELEMENTWISE_HEAD_D per model dimension (the final norm) and ELEMENTWISE_LOSS_V per vocabulary
+  entry (log-softmax 2, its backward 3, the loss's gather and its gradient's scatter 3);
+- under autocast (the -mixed modes on one process or DDP), each weight is cast to the compute
+  dtype per micro-batch (4 bytes read, 2 written) and its gradient cast back (2 read, 4 written),
+  and so is each fp32 input of a Linear (AUTOCAST_INPUT_CASTS per block).
+Tensor parallelism splits the RoPE and MLP parts over tp, and the norm and residual parts only with
+sequence parallelism; activation checkpointing reruns the forward third of a wrapped block's.
+"""
+
+from __future__ import annotations
+
+import math
+
+from trainfit.config import HardwareConfig, ModelConfig, TrainingConfig
+from trainfit.hardware_profile import HardwareProfile
+from trainfit.parallel.layout import Layout
+from trainfit.perf.comms import stage_params
+
+ELEMENTWISE_D = 83
+ELEMENTWISE_ROPE = 24
+ELEMENTWISE_FFN = 14
+ELEMENTWISE_HEAD_D = 31
+ELEMENTWISE_LOSS_V = 8
+FORWARD_SHARE = 1 / 3
+"""Of a block's elementwise traffic, what its forward moves (backward moves about twice as much)."""
+AUTOCAST_BYTES_PER_PARAM = 4 + 2 + 2 + 4
+AUTOCAST_INPUT_CASTS = 5
+"""fp32 inputs autocast casts per block: the attention norm's output for wq, wk and wv, the MLP norm's for w1, w3."""
+AUTOCAST_BYTES_PER_ELEMENT = 4 + 2 + 2 + 4
+"""Each cast forward (fp32 read, bf16 written) and its gradient's back."""
+
+
+def _nearest_rate(measured: list[tuple[tuple[int, ...], float]], shape: tuple[int, ...]) -> float:
+    """The rate measured at the shape nearest `shape` in log space."""
+    def distance(point: tuple[int, ...]) -> float:
+        return sum(abs(math.log(a / b)) for a, b in zip(point, shape, strict=True))
+
+    return min(measured, key=lambda entry: distance(entry[0]))[1]
+
+
+def block_gemms(m: ModelConfig, layout: Layout) -> list[tuple[int, int, float]]:
+    """(k, n, tokens share) of each forward GEMM of one block on one rank: wq, wk, wv, wo, then the MLP
+    (MoE: the router, and each token's top-k routed and its shared experts at their share of the tokens)."""
+    head_dim, tp = m.dim // m.num_heads, layout.tp
+    q, kv = m.num_heads * head_dim // tp, m.num_kv_heads * head_dim // tp
+    attention = [(m.dim, q, 1.0), (m.dim, kv, 1.0), (m.dim, kv, 1.0), (q, m.dim, 1.0)]
+    if m.family == "gpt2":
+        return [*attention, (m.dim, m.ffn_dim // tp, 1.0), (m.ffn_dim // tp, m.dim, 1.0)]
+    if not m.num_experts:
+        return [*attention, (m.dim, m.ffn_dim // tp, 1.0), (m.dim, m.ffn_dim // tp, 1.0), (m.ffn_dim // tp, m.dim, 1.0)]
+    hidden = m.expert_ffn_dim // tp
+    routed = m.experts_per_token / m.num_experts  # each expert's share of the tokens
+    experts = [(m.dim, hidden, routed)] * 2 + [(hidden, m.dim, routed)]
+    shared = [(m.dim, hidden, 1.0)] * 2 + [(hidden, m.dim, 1.0)]
+    return [*attention, (m.dim, m.num_experts, 1.0), *experts * m.num_experts, *shared * m.num_shared_experts]
+
+
+def matmul_rate(profile: HardwareProfile, dtype: str, m: ModelConfig, layout: Layout, tokens: int) -> float:
+    """FLOPs over seconds of a block's and the output projection's GEMMs, forward and backward, each
+    at its nearest measured shape: the rate their FLOPs run at on this rank (micro-batches of `tokens`)."""
+    measured = [((s.m, s.k, s.n), s.flops_per_s) for s in profile.matmul_shapes if s.dtype == dtype]
+    gemms = [*block_gemms(m, layout), (m.dim, m.vocab_size // layout.tp, 1.0)]
+    flops = seconds = 0.0
+    for k, n, share in gemms:
+        rows = max(1, round(tokens * share))
+        for shape in ((rows, k, n), (rows, n, k), (k, rows, n)):  # forward, input gradient, weight gradient
+            flops += 2 * rows * k * n
+            seconds += 2 * rows * k * n / _nearest_rate(measured, shape)
+    return flops / seconds
+
+
+def attention_rate(profile: HardwareProfile, dtype: str, m: ModelConfig, seq_len: int) -> float | None:
+    """The causal attention rate measured nearest (sequence, head dim), or None when it was not measured."""
+    measured = [((a.seq_len, a.head_dim), a.flops_per_s) for a in profile.attention if a.dtype == dtype]
+    return _nearest_rate(measured, (seq_len, m.dim // m.num_heads)) if measured else None
+
+
+def elementwise_bytes(m: ModelConfig, layout: Layout, t: TrainingConfig) -> tuple[float, float]:
+    """(forward, backward incl. recomputation) bytes of elementwise work the busiest rank moves per step."""
+    tp, sp = layout.tp, layout.tp if layout.sequence_parallel else 1
+    autocast = layout.precision.endswith("-mixed") and layout.zero_stage == 0
+    stream = 4 if layout.precision == "fp32" or autocast else 2  # the residual stream's and the norms' element
+    inner = 4 if layout.precision == "fp32" else 2  # what matmuls output: RoPE's and the MLP's elements
+    head_dim = m.dim // m.num_heads
+    ffn = m.ffn_dim if not m.num_experts else m.expert_ffn_dim * (m.experts_per_token + m.num_shared_experts)
+    block = (ELEMENTWISE_D * m.dim / sp * stream + ELEMENTWISE_ROPE * (m.num_heads + m.num_kv_heads) * head_dim / tp
+             * inner + ELEMENTWISE_FFN * ffn / tp * inner
+             + AUTOCAST_INPUT_CASTS * AUTOCAST_BYTES_PER_ELEMENT * m.dim / sp * autocast)
+    head = ELEMENTWISE_HEAD_D * m.dim / sp * stream + ELEMENTWISE_LOSS_V * m.vocab_size / tp * 4
+    policy = layout.activation_checkpointing
+
+    def rank(layers: int, wrapped: int, last_stage: bool) -> tuple[float, float]:
+        total = layers * block + head * last_stage
+        rerun = 0 if policy == "none" else wrapped * block * FORWARD_SHARE
+        return total * FORWARD_SHARE, total * (1 - FORWARD_SHARE) + rerun
+
+    forward, backward = max((rank(*shape) for shape in layout.rank_shapes()), key=sum)
+    tokens = layout.global_batch_size * t.seq_len / (layout.dp * layout.cp)
+    casts = 0.0
+    if autocast:
+        block_params, root = _rank_params(m, layout)
+        casts = (block_params + root) * AUTOCAST_BYTES_PER_PARAM * layout.num_microbatches
+    return forward * tokens + casts / 2, backward * tokens + casts / 2
+
+
+def _rank_params(m: ModelConfig, layout: Layout) -> tuple[int, int]:
+    """(the busiest rank's blocks', its root unit's) parameters before ZeRO sharding."""
+    block, root = stage_params(m, layout)
+    return layout.busiest_rank_blocks() * block, root
+
+
+def optimizer_seconds(profile: HardwareProfile, m: ModelConfig, layout: Layout) -> float:
+    """One optimizer step of the parameters this rank steps (its ZeRO shard), from the measured fit
+    (fused where it was measured; AdamW's fit stands for the other optimizers)."""
+    blocks, root = _rank_params(m, layout)
+    fit = min(profile.optimizer, key=lambda o: o.impl != "fused")
+    return fit.step_s + fit.s_per_param * (blocks + root) / layout.zero_shards
+
+
+def shared_cores(profile: HardwareProfile, hw: HardwareConfig, layout: Layout) -> float:
+    """How much slower each rank computes because the node's ranks x threads exceed its cores (>= 1)."""
+    ranks = min(layout.world_size, hw.gpus_per_node)
+    return max(1.0, ranks * profile.machine.threads / profile.machine.cores)

@@ -1,0 +1,111 @@
+"""trainfit.perf.kernels: the elementwise bytes it counts against what a real step moves, and how a
+measured profile's rates price a layout's compute."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from _profiles import profile
+from trainfit.config import load_config
+from trainfit.hardware_profile import AttentionShape, MatmulShape
+from trainfit.models import build_model, materialize
+from trainfit.parallel.layout import build_layout
+from trainfit.perf import kernels as K
+from trainfit.train.loss import cross_entropy
+
+# Work that is not elementwise: priced by FLOPs (matmuls, the attention kernel) or not at all (lookups).
+NOT_ELEMENTWISE = {"mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
+                   "_scaled_dot_product_flash_attention_for_cpu_backward", "embedding", "embedding_dense_backward"}
+
+
+class ElementwiseBytes(TorchDispatchMode):
+    """Bytes every other op reads and writes; views (outputs sharing an input's storage) move none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's protocol)
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in NOT_ELEMENTWISE:
+            return out
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        storages = {t.untyped_storage().data_ptr() for t in inputs}
+        written = [t for t in outputs if t.untyped_storage().data_ptr() not in storages]
+        if outputs and not written and not func.overloadpacket.__name__.endswith("_"):
+            return out
+        self.bytes += sum(t.numel() * t.element_size() for t in (*inputs, *written))
+        return out
+
+
+def step_bytes(*args: str) -> tuple[int, int]:
+    """(counted, predicted) elementwise bytes of one forward and backward of a small Llama on one process."""
+    cfg = load_config(None, ["--model.preset=", "--model.family=llama", "--model.num_layers=2",
+                             "--model.vocab_size=512", "--model.max_seq_len=256", "--training.seq_len=256",
+                             "--training.micro_batch_size=4", "--training.global_batch_size=4", *args])
+    layout = build_layout(cfg, world_size=1)
+    torch.manual_seed(0)
+    model = materialize(build_model(cfg.model), "cpu")
+    tokens = torch.randint(0, cfg.model.vocab_size, (4, 256))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision.mode == "bf16-mixed")
+    with ElementwiseBytes() as counter:
+        with autocast:
+            logits = model(tokens)
+        cross_entropy(logits, tokens).backward()
+    return counter.bytes, sum(K.elementwise_bytes(cfg.model, layout, cfg.training))
+
+
+@pytest.mark.parametrize("shape", [
+    ("--model.dim=128", "--model.num_heads=4", "--model.num_kv_heads=2", "--model.ffn_dim=384"),
+    ("--model.dim=256", "--model.num_heads=8", "--model.num_kv_heads=8", "--model.ffn_dim=1024"),
+])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_elementwise_bytes_are_what_a_step_moves(shape: tuple[str, ...], precision: str) -> None:
+    counted, predicted = step_bytes(*shape, f"--precision.mode={precision}")
+    assert predicted == pytest.approx(counted, rel=0.1)
+
+
+def cpu(*args: str, num_gpus: int = 1) -> tuple:
+    cfg = load_config(None, ["--model.preset=tiny", f"--hardware.num_gpus={num_gpus}", *args])
+    return cfg, build_layout(cfg)
+
+
+def test_each_gemm_runs_at_its_nearest_measured_shape() -> None:
+    cfg, layout = cpu()
+    one_rate = profile(matmul_shapes=(MatmulShape("fp32", 512, 128, 128, 4e10),))
+    assert K.matmul_rate(one_rate, "fp32", cfg.model, layout, 512) == pytest.approx(4e10)
+    # a slow small shape and a fast large one: the model's GEMMs land between, nearer the shape they resemble
+    two = profile(matmul_shapes=(MatmulShape("fp32", 8, 8, 8, 1e9), MatmulShape("fp32", 4096, 1024, 4096, 1e11)))
+    small, large = (K.matmul_rate(two, "fp32", cfg.model, layout, tokens) for tokens in (8, 8192))
+    assert small == pytest.approx(1e9) and small < large <= 1e11 * (1 + 1e-9)
+
+
+def test_attention_runs_at_its_nearest_measured_sequence() -> None:
+    cfg, _ = cpu()
+    p = profile(attention=(AttentionShape("fp32", 8, 8, 256, 32, 2e10), AttentionShape("fp32", 2, 8, 2048, 64, 5e10)))
+    assert K.attention_rate(p, "fp32", cfg.model, 256) == 2e10
+    assert K.attention_rate(p, "fp32", cfg.model, 4096) == 5e10
+    assert K.attention_rate(profile(), "fp32", cfg.model, 256) is None  # not measured: the matmul rate stands
+
+
+def test_ranks_beyond_the_cores_share_them() -> None:
+    p = profile()  # 2 cores, 1 thread per rank
+    assert K.shared_cores(p, cpu(num_gpus=2)[0].hardware, cpu(num_gpus=2)[1]) == 1
+    assert K.shared_cores(p, cpu(num_gpus=4)[0].hardware, cpu(num_gpus=4)[1]) == 2
+    two_threads = dataclasses.replace(p, machine=dataclasses.replace(p.machine, threads=2))
+    assert K.shared_cores(two_threads, cpu(num_gpus=2)[0].hardware, cpu(num_gpus=2)[1]) == 2
+
+
+def test_the_optimizer_steps_the_ranks_shard() -> None:
+    p = profile()  # fused AdamW: 20 us + 1.25 ns per parameter
+    cfg, whole = cpu("--parallel.zero_stage=0", num_gpus=2)
+    _, sharded = cpu("--parallel.zero_stage=3", num_gpus=2)
+    params = (K.optimizer_seconds(p, cfg.model, whole) - 2e-5) / 1.25e-9
+    assert params == pytest.approx(sum(K._rank_params(cfg.model, whole)))
+    assert K.optimizer_seconds(p, cfg.model, sharded) == pytest.approx(2e-5 + 1.25e-9 * params / 2)
