@@ -9,6 +9,12 @@ prediction is `trainfit estimate`'s step_time_s for the same config with `--hard
 (measured by `trainfit calibrate --threads 1 --out PROFILE` first when the file does not exist).
 Prints each row, the median and worst |error|, and Spearman's rank correlation (issue 15's targets:
 <= 15%, >= 0.8).
+
+Then `plan`'s choice against the measured best (`--budget-mib`, per world size of `--plan-ranks`):
+the planner searches every layout of the same model on that many CPU ranks whose memory fits the
+budget; its PLAN_CANDIDATES fastest predicted layouts, and the configurations above that fit the
+budget, are all trained and measured. Target: the measured time of plan's first choice within 10%
+of the fastest measured.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from rich.table import Table
 
 from trainfit.config import load_config
 from trainfit.estimate import estimate
+from trainfit.plan.search import search
 
 MODEL = ["--model.preset=", "--model.family=llama", "--model.dim=256", "--model.num_layers=4", "--model.num_heads=8",
          "--model.num_kv_heads=4", "--model.ffn_dim=768", "--model.vocab_size=512", "--model.max_seq_len=256",
@@ -61,6 +68,9 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
 }
 
 
+PLAN_CANDIDATES = 6
+
+
 def measured_step_s(ranks: int, args: list[str], steps: int, folder: Path) -> float:
     run = [*MODEL, *args, f"--training.steps={steps}", "--training.eval_interval=0", "--checkpoint.interval=0",
            f"--checkpoint.dir={folder / 'ckpt'}", f"--logging.dir={folder / 'logs'}", "--logging.progress=false",
@@ -76,9 +86,45 @@ def measured_step_s(ranks: int, args: list[str], steps: int, folder: Path) -> fl
     return statistics.median(tokens / rate for rate in rates)
 
 
-def predicted_step_s(ranks: int, args: list[str], profile: str) -> float:
-    cfg = load_config(None, [*MODEL, *args, f"--hardware.num_gpus={ranks}", f"--hardware.profile={profile}"])
-    return estimate(cfg).perf.time["step_time_s"]
+def predicted(ranks: int, args: list[str], profile: str, budget_mib: float | None = None) -> tuple[float, bool]:
+    """(predicted step time, whether it fits `budget_mib`)."""
+    budget = [f"--hardware.memory_gib={budget_mib / 1024}"] if budget_mib else []
+    cfg = load_config(None, [*MODEL, *args, f"--hardware.num_gpus={ranks}", f"--hardware.profile={profile}", *budget])
+    est = estimate(cfg)
+    return est.perf.time["step_time_s"], est.fits
+
+
+def plan_choices(ranks: int, profile: str, budget_mib: float) -> list[tuple[list[str], float]]:
+    """The planner's PLAN_CANDIDATES fastest predicted layouts that fit (overrides, predicted step time)."""
+    cfg = load_config(None, [*MODEL, f"--hardware.num_gpus={ranks}", f"--hardware.profile={profile}",
+                             f"--hardware.memory_gib={budget_mib / 1024}"])
+    fixed = frozenset(arg[2:].split("=")[0] for arg in MODEL) | {"hardware.num_gpus", "hardware.memory_gib"}
+    plan = search(cfg, fixed, top=PLAN_CANDIDATES, exhaustive=True)
+    ranked = sorted(plan.fitting, key=lambda c: c.step_time_s)[:PLAN_CANDIDATES]
+    return [([f"--{key}={str(value).lower() if isinstance(value, bool) else value}"
+              for key, value in c.settings().items()], c.step_time_s) for c in ranked]
+
+
+def check_plan(ranks: int, profile: str, budget_mib: float, steps: int) -> None:
+    """Train plan's choices and the configurations that fit the budget; print plan's first against the best."""
+    runs = {f"plan #{i + 1}": (args, p) for i, (args, p) in enumerate(plan_choices(ranks, profile, budget_mib))}
+    for name, (n, extra) in CONFIGS.items():
+        p, fits = predicted(n, extra, profile, budget_mib)
+        if n == ranks and fits:
+            runs[name] = (extra, p)
+    table = Table(title=f"plan on {ranks} CPU ranks, {budget_mib:g} MiB budget: predicted and measured step time, s")
+    for column in ("layout", "predicted", "measured"):
+        table.add_column(column, justify="left" if column == "layout" else "right")
+    measured = {}
+    for name, (extra, p) in runs.items():
+        with tempfile.TemporaryDirectory() as folder:
+            measured[name] = measured_step_s(ranks, extra, steps, Path(folder))
+        table.add_row(f"{name}: {' '.join(a[2:] for a in extra)}", f"{p:.3f}", f"{measured[name]:.3f}")
+        print(f"{name}: predicted {p:.3f} s, measured {measured[name]:.3f} s", file=sys.stderr)
+    Console().print(table)
+    best = min(measured, key=measured.__getitem__)
+    print(f"plan's first choice measured {measured['plan #1']:.3f} s; the fastest measured, {best}, "
+          f"{measured[best]:.3f} s: plan's choice is {measured['plan #1'] / measured[best] - 1:+.1%} (target <= 10%)")
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -99,28 +145,38 @@ def main() -> None:
     parser.add_argument("--profile", default="cpu-profile.toml")
     parser.add_argument("--only", nargs="*", help="configuration names (default: all)")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--budget-mib", type=float, default=120.0, help="device memory for the plan check")
+    parser.add_argument("--plan-ranks", type=int, nargs="*", default=[2], help="world sizes of the plan check")
+    parser.add_argument("--skip-table", action="store_true", help="only the plan check")
     args = parser.parse_args()
     if not Path(args.profile).exists():
         subprocess.run([sys.executable, "-m", "trainfit", "calibrate", "--threads", "1", "--out", args.profile],
                        check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if not args.skip_table:
+        accuracy_table(args)
+    for ranks in args.plan_ranks:
+        check_plan(ranks, args.profile, args.budget_mib, args.steps)
+
+
+def accuracy_table(args: argparse.Namespace) -> None:
     table = Table(title=f"predicted (hardware.profile={args.profile}) vs measured step time, s")
     for column in ("configuration", "ranks", "measured", "predicted", "error"):
         table.add_column(column, justify="left" if column == "configuration" else "right")
-    measured, predicted = [], []
+    measured_s, predicted_s = [], []
     for name, (ranks, extra) in CONFIGS.items():
         if args.only and name not in args.only:
             continue
         with tempfile.TemporaryDirectory() as folder:
             m = measured_step_s(ranks, extra, args.steps, Path(folder))
-        p = predicted_step_s(ranks, extra, args.profile)
-        measured.append(m)
-        predicted.append(p)
+        p = predicted(ranks, extra, args.profile)[0]
+        measured_s.append(m)
+        predicted_s.append(p)
         table.add_row(name, str(ranks), f"{m:.3f}", f"{p:.3f}", f"{p / m - 1:+.1%}")
         print(f"{name}: measured {m:.3f} s, predicted {p:.3f} s", file=sys.stderr)
     Console().print(table)
-    errors = [abs(p / m - 1) for m, p in zip(measured, predicted, strict=True)]
+    errors = [abs(p / m - 1) for m, p in zip(measured_s, predicted_s, strict=True)]
     print(f"{len(errors)} configurations: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}, "
-          f"Spearman {spearman(measured, predicted):.2f}")
+          f"Spearman {spearman(measured_s, predicted_s):.2f}")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,9 @@ ADAMW_BYTES_PER_PARAM bytes, at hardware.HOST_MEMORY_BYTES_PER_S_PER_GPU (on a C
 device: its own optimizer step).
 
 Overlapped traffic is assumed not to slow the compute it hides behind, and collectives on different
-links not to contend. Pipeline bubble: the fraction of an ideal step each rank idles, times its
+links not to contend. On a CPU nothing overlaps: gloo reduces and copies on the cores that compute.
+
+Pipeline bubble: the fraction of an ideal step each rank idles, times its
 compute plus its per-micro-batch exposed communication:
 (pp - 1) / num_microbatches for gpipe and 1f1b (Narayanan et al. 2021), divided by the virtual
 stages for interleaved-1f1b and looped-bfs (Lamy-Poirier 2023), and 0 for the zero-bubble family
@@ -278,7 +280,9 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
     comm = dict.fromkeys(KINDS, 0.0)
     for c, one in timed:
         comm[c.kind] += one * c.count
-    exposed, per_microbatch = _exposed(timed, fwd_s, bwd_s, n_mb)
+    # On a CPU, gloo's collectives run on the cores that compute: nothing hides behind compute.
+    cover_fwd, cover_bwd = (0.0, 0.0) if hw.gpu == "cpu" else (fwd_s, bwd_s)
+    exposed, per_microbatch = _exposed(timed, cover_fwd, cover_bwd, n_mb)
     exposed_s = sum(exposed.values())
     offload, offload_exposed_s = _offload(m, layout, hw, fwd_s, bwd_s)
     frac = bubble_fraction(layout.pp_schedule, layout.pp, n_mb, layout.pp_virtual_stages)
