@@ -151,8 +151,7 @@ def _plan_machines(args: argparse.Namespace, cfg: Config, fixed: frozenset[str])
 
     if not args.tokens > 0:
         raise ConfigError(f"--tokens {args.tokens}: the tokens to train on, > 0 (e.g. 2e12)")
-    gpus = [g for g in (args.gpu_options or cfg.hardware.gpu).split(",") if g]
-    check_gpus(gpus)
+    gpus = check_gpus([g for g in (args.gpu_options or cfg.hardware.gpu).split(",") if g])
     max_gpus = cfg.hardware.num_gpus if args.max_gpus is None else args.max_gpus
     if max_gpus < 1:
         raise ConfigError(f"--max-gpus {args.max_gpus}: must be >= 1")

@@ -179,6 +179,15 @@ def _fail(field: str, value: object, fix: str) -> ConfigError:
     return field_error(f"hardware.{field}", value, fix)
 
 
+GPU_ALIASES = {"H100": "H100-SXM-80GB", "H200": "H200-141GB", "A100": "A100-SXM-80GB", "A100-80GB": "A100-SXM-80GB"}
+"""Short names people write, for the catalog entry they mean."""
+
+
+def canonical_gpu(name: str) -> str:
+    """The catalog name of a device name or its short alias (H200 -> H200-141GB)."""
+    return GPU_ALIASES.get(name, name)
+
+
 def _catalog_spec(gpu: str) -> DeviceSpec:
     if gpu == "cpu":
         return cpu_spec()
@@ -201,7 +210,9 @@ def measured_profile(hw: HardwareConfig) -> HardwareProfile | None:
 
 
 def validate_hardware(hw: HardwareConfig) -> None:
-    """Every hardware.* value, checked by config validation (ConfigError names field, value, fix)."""
+    """Every hardware.* value, checked by config validation (ConfigError names field, value, fix); a
+    short device name becomes its catalog name."""
+    hw.gpu = canonical_gpu(hw.gpu)
     _catalog_spec(hw.gpu)
     profile = measured_profile(hw)
     if profile is not None:

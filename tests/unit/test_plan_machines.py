@@ -6,7 +6,7 @@ import pytest
 
 from trainfit.config import ConfigError, load_config
 from trainfit.hardware import PRICE_PER_GPU_HOUR
-from trainfit.plan.machines import compare_machines, gpu_counts, on_cost_frontier, parse_prices
+from trainfit.plan.machines import check_gpus, compare_machines, gpu_counts, on_cost_frontier, parse_prices
 from trainfit.plan.search import search
 from trainfit.plan.space import replace_sections
 
@@ -42,6 +42,15 @@ def test_each_option_is_the_plan_of_that_cluster_with_its_time_and_cost() -> Non
 
 def test_prices_and_devices_are_checked() -> None:
     assert parse_prices("H100-SXM-80GB=2.5,MI300X=2") == {"H100-SXM-80GB": 2.5, "MI300X": 2.0}
-    for bad, words in (("H100=2", "unknown device"), ("MI300X=cheap", "DEVICE=USD"), ("MI300X=0", "> 0")):
+    for bad, words in (("H300=2", "unknown device"), ("MI300X=cheap", "DEVICE=USD"), ("MI300X=0", "> 0")):
         with pytest.raises(ConfigError, match=words):
             parse_prices(bad)
+
+
+def test_short_device_names_mean_their_catalog_entries() -> None:
+    """`--gpu-options H100-SXM-80GB,A100-SXM-80GB,H200,MI300X` as people write it."""
+    assert check_gpus(["H200", "H100", "A100", "MI300X"]) == ["H200-141GB", "H100-SXM-80GB", "A100-SXM-80GB", "MI300X"]
+    assert parse_prices("H200=3.5") == {"H200-141GB": 3.5}
+    assert load_config(None, [*LLAMA8B, "--hardware.gpu=H200"]).hardware.gpu == "H200-141GB"
+    with pytest.raises(ConfigError, match=r"--gpu-options 'H300': unknown device; choose among .*\(or H100, H200"):
+        check_gpus(["H300"])

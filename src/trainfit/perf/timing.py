@@ -146,6 +146,7 @@ def _compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hard
     fwd, bwd, fwd_attention, bwd_attention = flops
     profile = measured_profile(hw)
     if profile is not None:
+        peak_flops(hw, layout.precision)  # a named error when the profile measured no rate for the dtype
         dtype = compute_dtype_of(layout.precision)
         tokens = layout.micro_batch_size * t.seq_len / layout.cp
         matmul = K.matmul_rate(profile, dtype, m, layout, tokens) * compute_efficiency(hw)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainfit.config import Config, ConfigError, resolve_and_validate
-from trainfit.hardware import GPUS, price_per_gpu_hour
+from trainfit.hardware import GPU_ALIASES, GPUS, canonical_gpu, price_per_gpu_hour
 from trainfit.plan.search import Candidate, search
 from trainfit.plan.space import replace_sections
 
@@ -52,17 +52,20 @@ def gpu_counts(gpus_per_node: int, max_gpus: int) -> list[int]:
     return below + nodes
 
 
-def check_gpus(names: list[str]) -> None:
+def check_gpus(names: list[str]) -> list[str]:
+    """The catalog names of --gpu-options' devices (short aliases such as H200 accepted)."""
     for name in names:
-        if name not in GPUS:
-            raise ConfigError(f"--gpu-options {name!r}: unknown device; choose among {', '.join(GPUS)}")
+        if canonical_gpu(name) not in GPUS:
+            raise ConfigError(f"--gpu-options {name!r}: unknown device; choose among {', '.join(GPUS)} "
+                              f"(or {', '.join(GPU_ALIASES)})")
+    return [canonical_gpu(name) for name in names]
 
 
 def compare_machines(cfg: Config, fixed: frozenset[str], *, tokens: float, gpus: list[str], max_gpus: int,
                      prices: dict[str, float], progress: Callable[[str], None] | None = None
                      ) -> list[MachineOption]:
     """Every (device, count) option, fastest first (those where nothing fits last)."""
-    check_gpus(gpus)
+    gpus = check_gpus(gpus)
     fixed = fixed - {"hardware.gpu", "hardware.num_gpus"}
     options = []
     for gpu in gpus:
@@ -100,7 +103,7 @@ def parse_prices(text: str | None) -> dict[str, float]:
     prices: dict[str, float] = {}
     for item in filter(None, (text or "").split(",")):
         name, _, value = item.partition("=")
-        check_gpus([name])
+        (name,) = check_gpus([name])
         try:
             prices[name] = float(value)
         except ValueError:
