@@ -15,7 +15,9 @@ from _profiles import profile
 from trainfit import hardware
 from trainfit.cli import main
 from trainfit.config import ConfigError, HardwareConfig, load_config
+from trainfit.estimate import estimate
 from trainfit.hardware_profile import (
+    CollectiveFit,
     HardwareProfile,
     LinkFit,
     MatmulShape,
@@ -150,8 +152,9 @@ def test_a_profile_moves_the_estimate_the_way_its_numbers_say(
     """The catalog's CPU runs at cores x 96 GFLOP/s x 0.5 and a 4 GB/s loopback link; a profile slower
     (faster) than that makes compute and communication, and so the step, slower (faster)."""
     p = profile(matmul_flops_per_s={"fp32": fp32, "bf16": 2e9, "fp16": 1.5e9}, link=LinkFit(link, 1e-4),
-                matmul_shapes=(MatmulShape("fp32", 512, 128, 128, fp32), MatmulShape("bf16", 512, 128, 128, 2e9),
-                               MatmulShape("fp16", 512, 128, 128, 1.5e9)))
+                collectives=(), matmul_shapes=(MatmulShape("fp32", 512, 128, 128, fp32),
+                                               MatmulShape("bf16", 512, 128, 128, 2e9),
+                                               MatmulShape("fp16", 512, 128, 128, 1.5e9)))
     path = write(tmp_path, p)
     catalog, measured = estimate_json(capsys), estimate_json(capsys, f"--hardware.profile={path}")
     flops = measured["flops"]["flops_per_rank_per_step"]
@@ -164,6 +167,17 @@ def test_a_profile_moves_the_estimate_the_way_its_numbers_say(
         assert (measured["time"][key] > catalog["time"][key]) == slower, key
     assert (measured["time"]["comm_s"]["all_reduce"] > catalog["time"]["comm_s"]["all_reduce"]) == slower
     assert measured["flops"] == catalog["flops"]
+
+
+def test_a_collective_measured_at_its_group_size_runs_at_its_fit(tmp_path: Path) -> None:
+    """The profile's all-reduce fit at 2 ranks prices DDP's all-reduce; kinds it did not measure use its link."""
+    fit = CollectiveFit("all_reduce", 2, 2e8, 3e-4, (4096,), (3e-4,))
+    path = write(tmp_path, profile(link=LinkFit(1e9, 1e-4), collectives=(fit,)))
+    for args, kind, link in (([], "all_reduce", hardware.Link("fit", 2e8, 3e-4)),
+                             (["--parallel.zero_stage=3"], "all_gather", hardware.Link("link", 1e9, 1e-4))):
+        cfg = load_config(None, ["--hardware.num_gpus=2", f"--hardware.profile={path}", *args])
+        timed = [(c, one) for c, one in estimate(cfg).perf.collectives if c.kind == kind]
+        assert timed and all(one == pytest.approx(collective_time(kind, c.nbytes, 2, link)) for c, one in timed)
 
 
 def test_estimate_with_a_profile_imports_no_torch(tmp_path: Path) -> None:

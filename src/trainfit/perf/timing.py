@@ -185,11 +185,20 @@ def compute_time_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwa
 
 def _timed_collectives(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig
                        ) -> list[tuple[Collective, float]]:
-    """Every collective a rank issues per step, with the time of one call (one link per group of mesh axes)."""
+    """Every collective a rank issues per step, with the time of one call (one link per group of mesh
+    axes). On a measured link, a collective the profile measured at its group size runs at that fit
+    (unless a hardware.* override of the link says otherwise)."""
     links: dict[tuple[str, ...], Link] = {}
-    return [(c, collective_time(c.kind, c.nbytes, c.group_size,
-                                links.get(c.axes) or links.setdefault(c.axes, collective_link(c, layout, hw))))
-            for c in step_collectives(m, layout, t)]
+    profile = measured_profile(hw)
+    overridden = hw.intra_node_gbps or hw.intra_node_latency_us or hw.comm_efficiency
+    fits = {(f.kind, f.world_size): Link("measured", f.bytes_per_s, f.latency_s)
+            for f in (profile.collectives if profile and not overridden else ())}
+
+    def link(c: Collective) -> Link:
+        group = links.get(c.axes) or links.setdefault(c.axes, collective_link(c, layout, hw))
+        return fits.get((c.kind, c.group_size), group) if group.name == "measured" else group
+
+    return [(c, collective_time(c.kind, c.nbytes, c.group_size, link(c))) for c in step_collectives(m, layout, t)]
 
 
 def model_parallel_comm_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig) -> float:
