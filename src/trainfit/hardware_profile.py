@@ -10,6 +10,7 @@ read alike:
     [machine]                         # device, name, cores, threads, torch, date, quick, seconds
     [matmul_flops_per_s]              # best sustained rate per dtype: fp32, bf16, fp16 (and fp8)
     [[matmul_shapes]]                 # dtype, m, k, n, flops_per_s: one per GEMM shape measured
+    [[matmul_backward]]               # dtype, m, k, n, input_grad_flops_per_s, weight_grad_flops_per_s
     [[attention]]                     # dtype, batch, heads, seq_len, head_dim, flops_per_s: causal SDPA
     [[optimizer]]                     # name, impl, dtype, s_per_param, step_s, params, seconds
     [link]                            # bytes_per_s, latency_s: one link fitting every collective
@@ -67,6 +68,20 @@ class MatmulShape:
     k: int
     n: int
     flops_per_s: float
+
+
+@dataclass(frozen=True)
+class MatmulBackward:
+    """The backward GEMMs of one linear layer's (m x k) @ (k x n): the input gradient (m x n) @ (n x k)
+    and the weight gradient (n x m) @ (m x k), each 2mkn FLOPs; their memory layouts differ from the
+    forward's, and CPU kernels for 16-bit dtypes run them at very different rates."""
+
+    dtype: str
+    m: int
+    k: int
+    n: int
+    input_grad_flops_per_s: float
+    weight_grad_flops_per_s: float
 
 
 @dataclass(frozen=True)
@@ -132,6 +147,9 @@ class HardwareProfile:
     collectives: tuple[CollectiveFit, ...] = ()
     attention: tuple[AttentionShape, ...] = ()
     """Absent from profiles written before it was measured: attention then runs at the matmul rate."""
+    matmul_backward: tuple[MatmulBackward, ...] = ()
+    """Absent from profiles written before they were measured (and for fp8): backward GEMMs then run
+    at the forward's rate."""
 
     def as_dict(self) -> dict[str, Any]:
         """The profile as plain data (dicts, tuples), keys in the TOML's order; no None values."""

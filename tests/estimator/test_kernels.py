@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from _profiles import profile
 from trainfit.config import load_config
-from trainfit.hardware_profile import AttentionShape, MatmulShape
+from trainfit.hardware_profile import AttentionShape, MatmulBackward, MatmulShape
 from trainfit.models import build_model, materialize
 from trainfit.parallel.layout import build_layout
 from trainfit.perf import kernels as K
@@ -84,6 +84,14 @@ def test_each_gemm_runs_at_its_nearest_measured_shape() -> None:
     two = profile(matmul_shapes=(MatmulShape("fp32", 8, 8, 8, 1e9), MatmulShape("fp32", 4096, 1024, 4096, 1e11)))
     small, large = (K.matmul_rate(two, "fp32", cfg.model, layout, tokens) for tokens in (8, 8192))
     assert small == pytest.approx(1e9) and small < large <= 1e11 * (1 + 1e-9)
+
+
+def test_backward_gemms_run_at_their_own_measured_rates() -> None:
+    """Forward, input-gradient and weight-gradient GEMMs do equal FLOPs: the rate is their harmonic mean."""
+    cfg, layout = cpu()
+    p = profile(matmul_shapes=(MatmulShape("fp32", 512, 128, 128, 4e10),),
+                matmul_backward=(MatmulBackward("fp32", 512, 128, 128, 1e10, 2e10),))
+    assert K.matmul_rate(p, "fp32", cfg.model, layout, 512) == pytest.approx(3 / (1 / 4e10 + 1 / 1e10 + 1 / 2e10))
 
 
 def test_attention_runs_at_its_nearest_measured_sequence() -> None:

@@ -256,9 +256,13 @@ def test_the_measured_profile_drives_the_estimate(quick: tuple[Path, str], capsy
     flops, compute = out["flops"]["flops_per_rank_per_step"], out["time"]["compute_s"]
     rates = [s.flops_per_s for s in p.matmul_shapes if s.dtype == "fp32"]
     rates += [a.flops_per_s for a in p.attention if a.dtype == "fp32"]
+    rates += [r for b in p.matmul_backward if b.dtype == "fp32" for r in (b.input_grad_flops_per_s,
+                                                                           b.weight_grad_flops_per_s)]
     assert flops / max(rates) + elementwise <= compute * (1 + 1e-9)
     assert compute <= (flops / min(rates) + elementwise) * (1 + 1e-9)
     assert {(a.dtype, a.seq_len) for a in p.attention} >= {("fp32", QUICK.attention_shapes[0][2])}
+    assert {(b.m, b.k, b.n) for b in p.matmul_backward if b.dtype == "fp32"} == \
+        {(s.m, s.k, s.n) for s in p.matmul_shapes if s.dtype == "fp32"}
     assert all(1e7 < a.flops_per_s < 1e13 for a in p.attention)
     catalog = estimate_json(capsys)
     assert out["time"]["step_time_s"] != catalog["time"]["step_time_s"]

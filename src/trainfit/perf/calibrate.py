@@ -4,12 +4,13 @@ command only: the rest of perf/ stays torch-free).
 What it measures, on the device training would use (cuda when present, else cpu), with torch
 computing on `threads` threads (what `trainfit train` uses in the same environment: torch's default,
 or OMP_NUM_THREADS; torchrun sets 1 per rank):
-- matmuls, F.linear as the model runs them, per dtype (fp32, bf16, fp16; fp8 through
-  torch._scaled_mm where it runs) over GEMMs of transformer layers: tokens x dim by dim x dim and
-  by dim x 4 dim, small to large. A dtype's rate is its best shape's. A shape whose one call would
-  take longer than `max_call_s` at the dtype's rate so far is skipped: bf16 and fp16 matmuls run
-  ~10x slower than fp32 on CPUs without native support for them (a 2-core AVX2 EPYC, one thread:
-  fp32 86, bf16 8, fp16 11 GFLOP/s);
+- matmuls, F.linear as the model runs them, and its backward's two GEMMs (input and weight
+  gradients, whose layouts bf16/fp16 CPU kernels run up to 6x slower or 2x faster), per dtype
+  (fp32, bf16, fp16; fp8 forward only, through torch._scaled_mm where it runs) over GEMMs of
+  transformer layers: tokens x dim by dim x dim and by dim x 4 dim, small to large. A dtype's rate
+  is its best shape's. A shape whose one call would take longer than `max_call_s` at the dtype's
+  rate so far is skipped: bf16 and fp16 matmuls run ~10x slower than fp32 on CPUs without native
+  support for them (a 2-core AVX2 EPYC, one thread: fp32 86, bf16 8, fp16 11 GFLOP/s);
 - causal attention, forward and backward through scaled_dot_product_attention (the kernel training
   picks), per dtype over (batch, heads, sequence, head dim) shapes, skipped as the matmuls are;
 - memory bandwidth: a large fp32 copy (read + write bytes) and add (two reads, one write), the better;
@@ -40,6 +41,7 @@ from trainfit.hardware_profile import (
     AttentionShape,
     HardwareProfile,
     Machine,
+    MatmulBackward,
     MatmulShape,
     OptimizerFit,
 )
@@ -107,7 +109,8 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
     dtypes = [*MATMUL_DTYPES, *(["fp8"] if _fp8_runs(device) else [])]
     impls = ["fused", "foreach"] if device in FUSED_DEVICES else ["foreach"]
     worlds = range(2, max_ranks + 1)
-    total = (len(dtypes) * 2 * len(settings.shapes) + len(MATMUL_DTYPES) * len(settings.attention_shapes) + 1
+    total = (len(dtypes) * 2 * len(settings.shapes) + len(MATMUL_DTYPES) * (2 * len(settings.shapes)
+                                                                             + len(settings.attention_shapes)) + 1
              + len(worlds) + len(impls) * len(settings.optimizer_params))
     done = 0
 
@@ -120,6 +123,7 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
     torch.set_num_threads(threads)
     try:
         shapes = [s for dtype in dtypes for s in _matmuls(dtype, device, settings, step)]
+        backward = [b for dtype in MATMUL_DTYPES for b in _matmul_backwards(dtype, device, settings, step)]
         attention = [a for dtype in MATMUL_DTYPES for a in _attentions(dtype, device, settings, step)]
         step("memory bandwidth")
         memory = _memory_bandwidth(device, settings)
@@ -139,7 +143,8 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
                       quick=quick, seconds=round(time.perf_counter() - start, 1))
     return HardwareProfile(version=PROFILE_VERSION, machine=machine, matmul_flops_per_s=best,
                            matmul_shapes=tuple(shapes), memory_bytes_per_s=memory, optimizer=tuple(optimizer),
-                           link=link, collectives=tuple(collectives), attention=tuple(attention))
+                           link=link, collectives=tuple(collectives), attention=tuple(attention),
+                           matmul_backward=tuple(backward))
 
 
 def _device_name(device: str) -> str:
@@ -197,17 +202,37 @@ def _fp8_runs(device: str) -> bool:
     return True
 
 
+def _grid(s: Settings) -> list[tuple[int, int, int]]:
+    """(m, k, n) of tokens x dim by dim x dim and by dim x 4 dim, smallest first."""
+    return sorted({(m, d, n) for m, d in s.shapes for n in (d, 4 * d)}, key=lambda mkn: mkn[0] * mkn[1] * mkn[2])
+
+
 def _matmuls(dtype: str, device: str, s: Settings, step: Callable[[str], None]) -> list[MatmulShape]:
     """Every shape of the grid that fits in max_call_s at the dtype's rate so far, smallest first."""
-    grid = sorted({(m, d, n) for m, d in s.shapes for n in (d, 4 * d)}, key=lambda mkn: mkn[0] * mkn[1] * mkn[2])
     out: list[MatmulShape] = []
-    for m, k, n in grid:
+    for m, k, n in _grid(s):
         step(f"matmul {dtype} {m} x {k} x {n}")
         flops = 2 * m * k * n
         if out and flops / max(o.flops_per_s for o in out) > s.max_call_s:
             continue
         seconds = best_seconds(_matmul(dtype, m, k, n, device), _sync(device), batch_s=s.batch_s, repeats=s.repeats)
         out.append(MatmulShape(dtype, m, k, n, flops / seconds))
+    return out
+
+
+def _matmul_backwards(dtype: str, device: str, s: Settings, step: Callable[[str], None]) -> list[MatmulBackward]:
+    """A linear layer's two backward GEMMs per shape of the grid, skipped past max_call_s as forwards are."""
+    out: list[MatmulBackward] = []
+    for m, k, n in _grid(s):
+        step(f"matmul backward {dtype} {m} x {k} x {n}")
+        flops = 2 * m * k * n
+        if out and flops / min(min(b.input_grad_flops_per_s, b.weight_grad_flops_per_s) for b in out) > s.max_call_s:
+            continue
+        x, w, grad = (torch.randn(*shape, device=device, dtype=DTYPES[dtype]) for shape in ((m, k), (n, k), (m, n)))
+        sync = _sync(device)
+        input_grad = best_seconds(lambda: grad @ w, sync, batch_s=s.batch_s, repeats=s.repeats)  # noqa: B023
+        weight_grad = best_seconds(lambda: grad.t() @ x, sync, batch_s=s.batch_s, repeats=s.repeats)  # noqa: B023
+        out.append(MatmulBackward(dtype, m, k, n, flops / input_grad, flops / weight_grad))
     return out
 
 

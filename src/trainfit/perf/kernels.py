@@ -3,9 +3,9 @@
 The catalog prices compute as FLOPs / (peak x compute_efficiency), one efficiency standing for all
 the work of a step. A profile (`trainfit calibrate`) measured each kind of work, so each is priced
 on its own (trainfit.perf.timing adds them up):
-- matmuls: every GEMM a block and the output projection run, forward (m tokens x k by k x n) and
-  backward (the input gradient m x n x k, the weight gradient k x m x n), at the rate measured for
-  the nearest shape of its dtype (nearest in log space over m, k, n);
+- matmuls: every GEMM a block and the output projection run (m tokens x k by k x n), forward and
+  its two backward products (input and weight gradients), each at the rate measured for that pass
+  at the nearest shape of its dtype (nearest in log space over m, k, n);
 - attention: its FLOPs (trainfit.perf.flops: causal half, fused backward) at the rate measured for
   causal scaled_dot_product_attention of the nearest (sequence, head dim); profiles written before
   attention was measured price it at the matmul rate;
@@ -86,15 +86,20 @@ def block_gemms(m: ModelConfig, layout: Layout) -> list[tuple[int, int, float]]:
 
 def matmul_rate(profile: HardwareProfile, dtype: str, m: ModelConfig, layout: Layout, tokens: int) -> float:
     """FLOPs over seconds of a block's and the output projection's GEMMs, forward and backward, each
-    at its nearest measured shape: the rate their FLOPs run at on this rank (micro-batches of `tokens`)."""
-    measured = [((s.m, s.k, s.n), s.flops_per_s) for s in profile.matmul_shapes if s.dtype == dtype]
+    pass at the rate measured for it at the nearest shape: the rate their FLOPs run at on this rank
+    (micro-batches of `tokens`)."""
+    forward = [((s.m, s.k, s.n), s.flops_per_s) for s in profile.matmul_shapes if s.dtype == dtype]
+    backward = [b for b in profile.matmul_backward if b.dtype == dtype]
+    passes = [forward,  # the input and weight gradients at their own rates, else (not measured) the forward's
+              [((b.m, b.k, b.n), b.input_grad_flops_per_s) for b in backward] or forward,
+              [((b.m, b.k, b.n), b.weight_grad_flops_per_s) for b in backward] or forward]
     gemms = [*block_gemms(m, layout), (m.dim, m.vocab_size // layout.tp, 1.0)]
     flops = seconds = 0.0
     for k, n, share in gemms:
         rows = max(1, round(tokens * share))
-        for shape in ((rows, k, n), (rows, n, k), (k, rows, n)):  # forward, input gradient, weight gradient
+        for measured in passes:
             flops += 2 * rows * k * n
-            seconds += 2 * rows * k * n / _nearest_rate(measured, shape)
+            seconds += 2 * rows * k * n / _nearest_rate(measured, (rows, k, n))
     return flops / seconds
 
 
