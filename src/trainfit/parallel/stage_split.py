@@ -99,18 +99,23 @@ def _split_solver(num_layers: int, block: tuple[int, int], first: tuple[int, int
     across stage counts of one model (the planner asks for many)."""
     total = tuple(num_layers * b + f + h for b, f, h in zip(block, first, last, strict=True))
 
-    def share(start: int, end: int) -> float:
-        extra = [(first if start == 0 else (0, 0)), (last if end == num_layers else (0, 0))]
-        return max(((end - start) * block[i] + extra[0][i] + extra[1][i]) / total[i] for i in range(2))
+    def shares(head: tuple[int, int], tail: tuple[int, int]) -> list[float]:
+        """The share of a stage of n blocks (at index n) that also holds `head` and `tail`."""
+        return [max((n * block[i] + head[i] + tail[i]) / total[i] for i in range(2)) for n in range(num_layers + 1)]
+
+    # A stage's share depends only on its blocks and on whether it is the first or the last.
+    nothing = (0, 0)
+    middle, opening, closing, whole = shares(nothing, nothing), shares(first, nothing), shares(nothing, last), \
+        shares(first, last)
 
     @cache
     def best(start: int, stages: int) -> tuple[float, tuple[int, ...]]:
         if stages == 1:
-            return share(start, num_layers), (num_layers - start,)
-        options = []
-        for end in range(start + 1, num_layers - stages + 2):
-            cost, rest = best(end, stages - 1)
-            options.append((max(share(start, end), cost), (end - start, *rest)))
-        return min(options)  # ties: the split with fewer blocks early (tuples compare in order)
+            return (whole if start == 0 else closing)[num_layers - start], (num_layers - start,)
+        own = opening if start == 0 else middle
+        # ties: the split with fewer blocks early (the smallest end)
+        cost, end = min((max(own[end - start], best(end, stages - 1)[0]), end)
+                        for end in range(start + 1, num_layers - stages + 2))
+        return cost, (end - start, *best(end, stages - 1)[1])
 
     return best
