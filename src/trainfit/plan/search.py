@@ -43,7 +43,7 @@ from typing import Any
 from trainfit.config import Config, ConfigError
 from trainfit.estimate import Estimate
 from trainfit.hardware import device_spec
-from trainfit.memory.analytic import MemoryEstimate, stage_memory
+from trainfit.memory.analytic import MemoryEstimate, StageMemory
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import Layout, build_layout
@@ -213,8 +213,9 @@ class _Evaluator:
         self.stats.memory_estimates += 1
         order = dict.fromkeys([0, layout.pp - 1, *range(layout.pp)])
         stages: dict[int, MemoryBreakdown] = {}
+        memory = StageMemory(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer)
         for stage in order:
-            breakdown = stage_memory(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer, stage)
+            breakdown = memory(stage)
             if self.device_memory and breakdown.peak + breakdown.reserved_margin > self.device_memory:
                 return None
             stages[stage] = breakdown
