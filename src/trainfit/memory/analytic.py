@@ -219,8 +219,7 @@ def assumed_attention_kernel(model: ModelConfig, layout: Layout, training: Train
     return "fused" if head_dim % (8 if half else 4) == 0 else "math"
 
 
-@dataclass(frozen=True)
-class _Layout:
+class _Layout(NamedTuple):
     """What one rank of a pipeline stage holds: element counts after tp and ep."""
 
     blocks: int
@@ -592,8 +591,7 @@ def _chunked_loss(run: _Run, prec: _Precision, tokens: int, V: int, inside: int,
                  backward=gathered + backward * FP32 * V * chunk + sums, keeps_output=True)
 
 
-@dataclass(frozen=True)
-class _Stage:
+class _Stage(NamedTuple):
     """Everything one rank of a stage holds, before picking the peak moment."""
 
     lay: _Layout
@@ -749,8 +747,7 @@ def _zero1_stage(run: _Run, common: _Common, lay: _Layout) -> _Stage:
                   master_grads=on_shard * master if grad != master else 0)
 
 
-@dataclass(frozen=True)
-class _PipelineHeld:
+class _PipelineHeld(NamedTuple):
     """What torch.distributed.pipelining holds on one pipeline rank beyond its micro-batches' saved
     activations (bytes; all 0 without pp)."""
 
