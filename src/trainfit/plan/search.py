@@ -259,9 +259,9 @@ class _Knobs:
     """A group's memory knobs, each option list ordered from cheapest to leanest, and what the
     search learned of the group: its leanest memory, whether it is done."""
 
-    def __init__(self, group: _Group, space: Space) -> None:
+    def __init__(self, group: _Group, space: Space, ac: list[tuple[str, int]]) -> None:
         self.group = group
-        self.ac = sorted(space.ac, key=lambda ac: _knob_cost(group.cfg, ac))
+        self.ac = ac
         self.offload = [o for o in space.offload if _valid_offload(group.layout, o)]
         self.chunked = list(space.chunked)
         self.seen: set[Setting] = {(0, 0, 0)}
@@ -308,6 +308,7 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
         raise ConfigError("training.global_batch_size=0: a plan keeps the global batch and searches how to split it; "
                           "set it, e.g. --training.global_batch_size=512 (sequences per optimizer step)")
     space = Space.of(cfg, fixed, precisions)
+    ac = sorted(space.ac, key=lambda ac: _knob_cost(cfg, ac))  # every group's: one model, one sequence length
     stats = SearchStats()
     ev = _Evaluator(cfg, stats)
     # Best-first over one heap of lower bounds of the step time: a mesh's (its groups' compute, least
@@ -328,8 +329,9 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
         if bound is not None:
             heapq.heappush(heap, (bound, next(order), (knobs, index, None)))
             return
-        perf = ev.perf(knobs.group.cfg, knobs.layout(index))
-        heapq.heappush(heap, (perf.time["step_time_s"], next(order), (knobs, index, perf)))
+        layout = knobs.layout(index)
+        perf = ev.perf(knobs.group.cfg, layout)
+        heapq.heappush(heap, (perf.time["step_time_s"], next(order), (knobs, index, (layout, perf))))
 
     fitting: list[Candidate] = []
     listed: list[Candidate] = []  # frontier(fitting), kept as it grows
@@ -339,17 +341,17 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
             break
         if isinstance(item, list):  # a mesh's groups
             for group in item:
-                push(_Knobs(group, space), (0, 0, 0))
+                push(_Knobs(group, space, ac), (0, 0, 0))
             continue
-        knobs, index, perf = item
+        knobs, index, estimated = item
         if knobs.done:
             continue
-        if perf is None:
+        if estimated is None:
             push(knobs, index)
             continue
         if not _worth_trying(knobs, ev, stats, bound, [] if exhaustive else listed):
             continue
-        layout = knobs.layout(index)
+        layout, perf = estimated
         memory = ev.memory(knobs.group.cfg, layout)
         if memory is None:
             stats.rejected["does not fit"] += 1
