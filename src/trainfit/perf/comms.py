@@ -100,10 +100,7 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
 
 def axis_stride(layout: Layout, axis: str) -> int:
     """Rank distance between neighbours along an axis: the product of the sizes of the axes inside it."""
-    return _stride(layout.axis_sizes(), axis)
-
-
-def _stride(sizes: dict[str, int], axis: str) -> int:
+    sizes = layout.axis_sizes()
     return math.prod(sizes[a] for a in AXES[AXES.index(axis) + 1:])
 
 
@@ -113,8 +110,13 @@ def span_is_intra_node(size: int, stride: int, num_gpus: int, gpus_per_node: int
 
 
 def axes_are_intra_node(layout: Layout, axes: tuple[str, ...], gpus_per_node: int) -> bool:
-    sizes = layout.axis_sizes()
-    return all(span_is_intra_node(sizes[a], _stride(sizes, a), layout.world_size, gpus_per_node) for a in axes)
+    stride = 1
+    for axis in reversed(AXES):  # innermost first: each axis's stride is the product of the sizes inside it
+        size = getattr(layout, axis)
+        if axis in axes and not span_is_intra_node(size, stride, layout.world_size, gpus_per_node):
+            return False
+        stride *= size
+    return True
 
 
 def group_link(layout: Layout, axes: tuple[str, ...], hw: HardwareConfig) -> Link:
