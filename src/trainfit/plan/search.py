@@ -29,7 +29,6 @@ times the fastest). tests/unit/test_plan.py checks it against an exhaustive sear
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
@@ -50,7 +49,7 @@ from trainfit.parallel.layout import Layout, build_layout
 from trainfit.parallel.stage_split import balanced_split, default_virtual_stages
 from trainfit.perf import flops as F
 from trainfit.perf.timing import PerfEstimate, bubble_fraction, compute_time_s, estimate_perf, model_parallel_comm_s
-from trainfit.plan.space import Space, replace_sections, settings_of
+from trainfit.plan.space import Space, replace_sections, replaced, settings_of
 
 
 @dataclass(frozen=True)
@@ -275,10 +274,7 @@ class _Knobs:
                 "chunked_loss": chunked}
 
     def layout(self, index: Setting) -> Layout:
-        v = self._values(index)
-        return dataclasses.replace(self.group.layout, activation_checkpointing=v["activation_checkpointing"],
-                                   ac_every_n_layers=v["ac_every_n_layers"], offload=v["offload"],
-                                   chunked_loss=v["chunked_loss"])
+        return replaced(self.group.layout, **self._values(index))
 
     def config(self, index: Setting) -> Config:
         return replace_sections(self.group.cfg, memory=self._values(index))
