@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -823,8 +824,9 @@ def _pipeline_held(run: _Run, lay: _Layout, stage: int, mb: _MicroBatch, head_sa
     return _PipelineHeld(int(slots), int(sent), int(pending), logits if lay.last else 0)
 
 
-def _breakdown(run: _Run, common: _Common, lay: _Layout, pipe: _PipelineHeld) -> MemoryBreakdown:
-    """A rank's breakdown: a pure function of what the ranks share and of its own (lay, pipe)."""
+def _breakdown(run: _Run, common: _Common, lay: _Layout) -> Callable[[_PipelineHeld], MemoryBreakdown]:
+    """A rank's breakdown, a pure function of what the ranks share and of its own (lay, pipe), as a
+    function of what its pipeline schedule holds (pipe): ranks of one _Layout share all the rest."""
     st = _stage(run, common, lay)
     mb, prec, act, tp = common.micro_batch, st.prec, st.prec.act, run.layout.tp
     policy = run.layout.activation_checkpointing
@@ -860,15 +862,15 @@ def _breakdown(run: _Run, common: _Common, lay: _Layout, pipe: _PipelineHeld) ->
     if run.model.family == "llama":
         head_dim = run.model.dim // run.model.num_heads
         persistent_buffers += 2 * run.model.max_seq_len * head_dim * _rope_table_bytes(run)
-    persistent_buffers += pipe.slots
     kind = run.layout.data_parallel
     if kind == "ddp" and not DDP_GRADIENT_AS_BUCKET_VIEW:
         persistent_buffers += st.grads  # DDP's gradient buckets, beside the gradients
-    fwd_buffers = persistent_buffers + root_gather + pipe.sent
+    # (and the pipeline's receive slots, all step long; the forward and backward buffers: its sends)
+    fwd_buffers = persistent_buffers + root_gather
     # FSDP's unsharded gradients of the root (output projection, final norm; a tied embedding's
     # too), reduce-scattered when the backward ends; a block's own are in in_backward below.
     root_grads = lay.head + (lay.embedding if lay.tied_here else 0)
-    bwd_buffers = persistent_buffers + root_gather + (c * root_grads if st.fsdp else 0) + pipe.sent
+    bwd_buffers = persistent_buffers + root_gather + (c * root_grads if st.fsdp else 0)
     # ZeRO-3 in a block's backward: the block gathered, and the next one prefetched unless this is
     # the first block (the last to run); FSDP2 also holds the previous block's reduce-scatter input
     # until it issues the next one.
@@ -996,71 +998,77 @@ def _breakdown(run: _Run, common: _Common, lay: _Layout, pipe: _PipelineHeld) ->
         head_grad = int(autograd_bytes * lay.output_matmul) + (c * lay.output_matmul if act.autocast else 0)
 
     n_if, h_if = lay.in_flight, lay.head_in_flight
-    older = (n_if - 1) * a_blocks + (h_if - 1) * a_final  # other micro-batches in flight
-    older += pipe.pending
-    # The pipeline's last stage holds each in-flight micro-batch's logits (the current one's through
-    # its backward too), where one process frees them once the loss is computed, and what its loss
-    # saved (the loss region's: logits).
-    older_logits, own_logits = (h_if - 1) * (pipe.logits + loss.saved), pipe.logits
-    # The chunked loss holds the output through its own backward (one process: only then).
-    loss_bwd = loss.backward + (loss.output if loss.keeps_output and not own_logits else 0)
+    older_own = (n_if - 1) * a_blocks + (h_if - 1) * a_final  # other micro-batches in flight
     # Autocast caches one cast per parameter for its whole block, and a pipeline step runs every
     # micro-batch in one (Trainer.pipeline_forward_backward): the other micro-batches add none.
     # Its backward runs inside the block too, where one process's runs after it: every cast stays.
     saved_casts = none_blocks * cast_block + cast_head
     all_casts, pipelined = lay.blocks * cast_block + cast_head, run.layout.pp > 1
-    acts = older + a_blocks + a_final
-    moments = [  # (phase, params: compute copies, activations, logits, grads, buffers)
-        # End of the model's forward: autocast's cache still holds checkpointed blocks' casts.
-        ("forward", held + all_casts, acts, older_logits + loss.output,
-         before, fwd_buffers),
-        ("forward", held + saved_casts, acts, older_logits + loss.forward, before, fwd_buffers),
-        ("backward", held + saved_casts, acts, older_logits + own_logits + loss_bwd, before, fwd_buffers),
-        # Bucketed gradients: the output projection's backward, its weight gradient just made (under
-        # autocast also its 16-bit form) beside the logits' gradient in the compute dtype, until the
-        # bucket's hook takes it (a large vocabulary makes this the backward's peak).
-        *([("backward", held + saved_casts, acts + head_grad, older_logits + max(own_logits, loss.output), before,
-            fwd_buffers)] if head_grad else []),
-        ("backward", held + (all_casts if pipelined else saved_casts - cast_head + (cast_block if lay.last_wrapped
-                                                                                    else 0)) + last_casts,
-         older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, older_logits + own_logits,
-         max(before, output_grads + last_grads), bwd_buffers + last_comms + last_buffers),
-        # (under a pipeline schedule FSDP keeps every backwarded block gathered: all of them, held)
-        ("backward", (held if pp_fsdp else c * (lay.block + lay.embedding + lay.head) if held else 0)
-         + (all_casts if pipelined else cast_block) + first_casts,
-         older + first_acts, older_logits + own_logits, max(before, later_grads) + first_grads,
-         bwd_buffers + first_comms + first_buffers),
-        # The step: every gradient (ZeRO-1's master gradients too) and the optimizer's temporaries.
-        ("optimizer", 0, 0, 0, st.grads + st.master_grads, persistent_buffers + st.optimizer_temp),
-    ]
     states = st.persistent + st.optimizer + st.compute_params
-    phase_peaks: dict[str, int] = {}
-    at, peak = moments[0], -1
-    for moment in moments:
-        total = states + int(sum(moment[1:]))
-        phase_peaks[moment[0]] = max(phase_peaks.get(moment[0], 0), total)
-        if total > peak:
-            at, peak = moment, total
-    phase, copies, activations, logits, grads, buffers = at
-    margin = 0 if run.hardware.gpu == "cpu" else int(CUDA_CONTEXT_BYTES + ALLOCATOR_FRAGMENTATION * peak)
-    return MemoryBreakdown(
-        params=int(copies) + st.compute_params + (0 if prec.mixed else st.persistent),
-        master_params=st.persistent if prec.mixed else 0,
-        grads=int(grads), optimizer=st.optimizer, activations=int(activations), logits=int(logits),
-        buffers=int(buffers), peak=peak, peak_phase=phase, reserved_margin=margin, phase_peaks=phase_peaks,
-    )
+
+    def with_pipeline(pipe: _PipelineHeld) -> MemoryBreakdown:
+        older = older_own + pipe.pending
+        # The pipeline's last stage holds each in-flight micro-batch's logits (the current one's
+        # through its backward too), where one process frees them once the loss is computed, and what
+        # its loss saved (the loss region's: logits).
+        older_logits, own_logits = (h_if - 1) * (pipe.logits + loss.saved), pipe.logits
+        # The chunked loss holds the output through its own backward (one process: only then).
+        loss_bwd = loss.backward + (loss.output if loss.keeps_output and not own_logits else 0)
+        fwd, bwd = fwd_buffers + pipe.slots + pipe.sent, bwd_buffers + pipe.slots + pipe.sent
+        acts = older + a_blocks + a_final
+        moments = [  # (phase, params: compute copies, activations, logits, grads, buffers)
+            # End of the model's forward: autocast's cache still holds checkpointed blocks' casts.
+            ("forward", held + all_casts, acts, older_logits + loss.output, before, fwd),
+            ("forward", held + saved_casts, acts, older_logits + loss.forward, before, fwd),
+            ("backward", held + saved_casts, acts, older_logits + own_logits + loss_bwd, before, fwd),
+            # Bucketed gradients: the output projection's backward, its weight gradient just made
+            # (under autocast also its 16-bit form) beside the logits' gradient in the compute dtype,
+            # until the bucket's hook takes it (a large vocabulary makes this the backward's peak).
+            *([("backward", held + saved_casts, acts + head_grad, older_logits + max(own_logits, loss.output),
+                before, fwd)] if head_grad else []),
+            ("backward", held + (all_casts if pipelined else saved_casts - cast_head
+                                 + (cast_block if lay.last_wrapped else 0)) + last_casts,
+             older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, older_logits + own_logits,
+             max(before, output_grads + last_grads), bwd + last_comms + last_buffers),
+            # (under a pipeline schedule FSDP keeps every backwarded block gathered: all of them, held)
+            ("backward", (held if pp_fsdp else c * (lay.block + lay.embedding + lay.head) if held else 0)
+             + (all_casts if pipelined else cast_block) + first_casts,
+             older + first_acts, older_logits + own_logits, max(before, later_grads) + first_grads,
+             bwd + first_comms + first_buffers),
+            # The step: every gradient (ZeRO-1's master gradients too) and the optimizer's temporaries.
+            ("optimizer", 0, 0, 0, st.grads + st.master_grads, persistent_buffers + pipe.slots + st.optimizer_temp),
+        ]
+        phase_peaks: dict[str, int] = {}
+        at, peak = moments[0], -1
+        for moment in moments:
+            total = states + int(sum(moment[1:]))
+            phase_peaks[moment[0]] = max(phase_peaks.get(moment[0], 0), total)
+            if total > peak:
+                at, peak = moment, total
+        phase, copies, activations, logits, grads, buffers = at
+        margin = 0 if run.hardware.gpu == "cpu" else int(CUDA_CONTEXT_BYTES + ALLOCATOR_FRAGMENTATION * peak)
+        return MemoryBreakdown(
+            params=int(copies) + st.compute_params + (0 if prec.mixed else st.persistent),
+            master_params=st.persistent if prec.mixed else 0,
+            grads=int(grads), optimizer=st.optimizer, activations=int(activations), logits=int(logits),
+            buffers=int(buffers), peak=peak, peak_phase=phase, reserved_margin=margin, phase_peaks=phase_peaks,
+        )
+
+    return with_pipeline
 
 
 class StageMemory:
     """The breakdowns of one layout's pipeline ranks, each when asked: what the ranks share is
-    computed once, then a rank's own shape (its blocks and ends, what its schedule holds), and one
-    breakdown per distinct shape (ranks alike have equal breakdowns). The planner asks the ranks one
-    by one and stops at the first that does not fit (plan/search.py)."""
+    computed once, then a rank's own shape (_Layout: its blocks and ends; _PipelineHeld: what its
+    schedule holds), and each distinct shape once (ranks alike have equal breakdowns; ranks of one
+    _Layout differ only in what the pipeline holds). The planner asks the ranks one by one and
+    stops at the first that does not fit (plan/search.py)."""
 
     def __init__(self, model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
                  optimizer: OptimizerConfig) -> None:
         self._run = _Run(model, layout, training, hardware, optimizer)
         self._common = _common(self._run, param_counts(model))
+        self._layouts: dict[_Layout, Callable[[_PipelineHeld], MemoryBreakdown]] = {}
         self._shapes: dict[tuple[_Layout, _PipelineHeld], MemoryBreakdown] = {}
 
     def __call__(self, stage: int) -> MemoryBreakdown:
@@ -1070,7 +1078,9 @@ class StageMemory:
         pipe = _pipeline_held(run, lay, stage, mb, mb.final + mb.loss.saved, mb.loss.output)
         shape = (lay, pipe)
         if shape not in self._shapes:
-            self._shapes[shape] = _breakdown(run, common, lay, pipe)
+            if lay not in self._layouts:
+                self._layouts[lay] = _breakdown(run, common, lay)
+            self._shapes[shape] = self._layouts[lay](pipe)
         return self._shapes[shape]
 
 
