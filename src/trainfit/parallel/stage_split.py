@@ -113,9 +113,16 @@ def _split_solver(num_layers: int, block: tuple[int, int], first: tuple[int, int
         if stages == 1:
             return (whole if start == 0 else closing)[num_layers - start], (num_layers - start,)
         own = opening if start == 0 else middle
-        # ties: the split with fewer blocks early (the smallest end)
-        cost, end = min((max(own[end - start], best(end, stages - 1)[0]), end)
-                        for end in range(start + 1, num_layers - stages + 2))
+        # The first stage's share grows with its end and the rest's best never does (fewer blocks
+        # over as many stages), so once the first is the larger, every later end costs at least as
+        # much. Ties: the split with fewer blocks early (the smallest end).
+        cost, end = float("inf"), start
+        for stop in range(start + 1, num_layers - stages + 2):
+            share, rest = own[stop - start], best(stop, stages - 1)[0]
+            if max(share, rest) < cost:
+                cost, end = max(share, rest), stop
+            if share >= rest:
+                break
         return cost, (end - start, *best(end, stages - 1)[1])
 
     return best
