@@ -379,9 +379,8 @@ def _block(run: _Run, counts: ParamCounts) -> _Block:
 
 def _layout(run: _Run, common: _Common, stage: int) -> _Layout:
     m, mem, b = run.model, run.layout, common.block
-    stages = mem.rank_stages(stage)
-    first, last = 0 in stages, mem.num_stages - 1 in stages
-    blocks = mem.rank_blocks(stage)  # global indices, model order
+    place = mem.rank_placement(stage)
+    first, last, blocks = place.first, place.last, place.blocks  # blocks: global indices, model order
     n = mem.ac_every_n_layers
     policy_blocks = sum(_wrapped(i, n) for i in blocks) if mem.activation_checkpointing != "none" else 0
     tied_here = first and last and bool(m.tie_embeddings)
@@ -787,12 +786,9 @@ def _pipeline_held(run: _Run, lay: _Layout, stage: int, mb: _MicroBatch, head_sa
         return _PipelineHeld()
     p, v, m, n, schedule = layout.pp, layout.pp_virtual_stages, layout.num_microbatches, layout.num_stages, \
         layout.pp_schedule
-    owner = layout.stage_owners()
-    local = layout.rank_stages(stage)
-    boundary = mb.boundary
-    slots = m * boundary * sum((s > 0) + (s < n - 1) for s in local)
-    cross_next = sum(s < n - 1 and owner[s + 1] != stage for s in local)
-    cross_prev = sum(s > 0 and owner[s - 1] != stage for s in local)
+    place = layout.rank_placement(stage)
+    boundary, cross_next, cross_prev = mb.boundary, place.sends_next, place.sends_prev
+    slots = m * boundary * place.boundaries
     # Chunks (one micro-batch through one local stage) awaiting their weight pass at the peak, in
     # torch's orders: interleaved zero-bubble rank i, i + 1; ZB-V, 1; they are the rank's later
     # stage's (its backward runs first).
@@ -815,7 +811,7 @@ def _pipeline_held(run: _Run, lay: _Layout, stage: int, mb: _MicroBatch, head_sa
             sent += cross_prev * boundary
     pending = 0
     if pending_chunks:
-        later = local[-1]
+        later = place.stages[-1]
         blocks = layout.pp_layers[later]
         per_chunk = blocks * mb.weight_pending if later > 0 else 0
         if later == n - 1:

@@ -20,6 +20,7 @@ import functools
 import itertools
 from collections.abc import Callable
 from functools import cache
+from typing import NamedTuple
 
 from trainfit.config.schema import ModelConfig
 from trainfit.models.params import param_counts
@@ -69,6 +70,42 @@ def rank_blocks(pp_rank: int, layers_per_stage: tuple[int, ...], pp: int, virtua
     """Global indices of the blocks pipeline rank `pp_rank` runs, in model order."""
     ranges = stage_ranges(layers_per_stage)
     return tuple(i for stage in rank_stages(pp_rank, pp, virtual_stages, schedule) for i in ranges[stage])
+
+
+class RankPlacement(NamedTuple):
+    """Where a pipeline rank sits: what it holds of the model, and which of its stages exchange
+    activations with stages of other ranks (what the memory estimate reads per rank)."""
+
+    stages: tuple[int, ...]
+    """Its stages, in model order."""
+    blocks: tuple[int, ...]
+    """Global indices of its blocks, in model order."""
+    first: bool
+    """It runs the first stage (the embedding)."""
+    last: bool
+    """It runs the last stage (the final norm, the output projection and the loss)."""
+    boundaries: int
+    """Stage inputs and outputs at a stage boundary: every stage's but the first's input and the last's output."""
+    sends_next: int
+    """Its stages whose next stage runs on another rank."""
+    sends_prev: int
+    """Its stages whose previous stage runs on another rank."""
+
+
+@functools.lru_cache(maxsize=1024)
+def rank_placements(layers_per_stage: tuple[int, ...], pp: int, virtual_stages: int, schedule: str
+                    ) -> tuple[RankPlacement, ...]:
+    """Every pipeline rank's placement, rank 0 first."""
+    n, owner = pp * virtual_stages, stage_owners(pp, virtual_stages, schedule)
+    placements = []
+    for rank in range(pp):
+        stages = rank_stages(rank, pp, virtual_stages, schedule)
+        placements.append(RankPlacement(
+            stages, rank_blocks(rank, layers_per_stage, pp, virtual_stages, schedule), 0 in stages, n - 1 in stages,
+            boundaries=sum((s > 0) + (s < n - 1) for s in stages),
+            sends_next=sum(s < n - 1 and owner[s + 1] != rank for s in stages),
+            sends_prev=sum(s > 0 and owner[s - 1] != rank for s in stages)))
+    return tuple(placements)
 
 
 @functools.lru_cache(maxsize=4096)
