@@ -32,8 +32,9 @@ def _fields_help() -> str:
     return "\n".join(lines)
 
 
-def _config_parser(sub: argparse._SubParsersAction, name: str, help_text: str) -> argparse.ArgumentParser:
-    parser = sub.add_parser(name, help=help_text, description=help_text, epilog=_fields_help(),
+def _config_parser(sub: argparse._SubParsersAction, name: str, help_text: str, fields_help: str
+                   ) -> argparse.ArgumentParser:
+    parser = sub.add_parser(name, help=help_text, description=help_text, epilog=fields_help,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", nargs="?", help="TOML config (default: the built-in tiny run)")
     return parser
@@ -482,13 +483,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainfit", description=about, epilog=examples,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    estimate = _config_parser(sub, "estimate", "predict per-GPU memory, FLOPs, step time and MFU (no torch, instant)")
+    fields = _fields_help()  # the epilog of every command that reads a config
+    estimate = _config_parser(sub, "estimate", "predict per-GPU memory, FLOPs, step time and MFU (no torch, instant)",
+                              fields)
     estimate.add_argument("--json", action="store_true", help="print the estimate as one JSON object")
     estimate.add_argument("--plot", metavar="FILE.png", help="draw the memory breakdown as a stacked bar")
     estimate.add_argument("--traced", action="store_true",
                           help="run the real step on fake tensors and a fake process group (exact, slower)")
     plan = _config_parser(sub, "plan", "search the layouts that fit and rank them by predicted step time (no torch); "
-                          "fields set in CONFIG or on the command line stay fixed, the others are searched")
+                          "fields set in CONFIG or on the command line stay fixed, the others are searched", fields)
     plan.add_argument("--top", type=int, default=10, help="how many candidates to show (default 10)")
     plan.add_argument("--out", metavar="FILE.toml", help="write the fastest layout as a config trainfit train runs")
     plan.add_argument("--json", action="store_true", help="print the candidates and the search as one JSON object")
@@ -508,10 +511,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "else trainfit.hardware's indicative prices)")
     plan.add_argument("--precisions", metavar="MODES", help="precision modes the plan may choose, comma-separated "
                       "(e.g. bf16-mixed,fp8-mixed; default: the config's, bf16-mixed on a GPU when unset)")
-    measure = _config_parser(sub, "measure", "run real steps and measure memory at the allocator, per component")
+    measure = _config_parser(sub, "measure", "run real steps and measure memory at the allocator, per component",
+                             fields)
     measure.add_argument("--json", action="store_true", help="print the estimate's schema (model, per_rank, per_stage)")
     measure.add_argument("--steps", type=int, default=2, help="steps to run; the last one is measured")
-    report = _config_parser(sub, "report", "analytic and traced predictions against a measured step")
+    report = _config_parser(sub, "report", "analytic and traced predictions against a measured step", fields)
     report.add_argument("--json", action="store_true")
     report.add_argument("--steps", type=int, default=2, help="steps to run; the last one is measured")
     report.add_argument("--plot", metavar="FILE.png", help="draw the step's memory timeline and the three breakdowns "
@@ -519,7 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--profile", metavar="TRACE",
                         help="summarise a `trainfit train --profile` run instead (its <logging.dir>/profile folder, "
                         "or one trace): per rank compute, communication, exposed communication, idle, top operators")
-    train = _config_parser(sub, "train", "train a model from a config (default: tiny Llama on Shakespeare, CPU)")
+    train = _config_parser(sub, "train", "train a model from a config (default: tiny Llama on Shakespeare, CPU)",
+                           fields)
     train.add_argument("--force", action="store_true",
                        help="start even when the memory estimate exceeds what this machine has")
     train.add_argument("--profile", metavar="STEPS",

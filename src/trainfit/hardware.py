@@ -37,9 +37,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from trainfit.config.schema import ConfigError, HardwareConfig, field_error
-from trainfit.hardware_profile import HardwareProfile, check_matches_device, load_profile
+
+if TYPE_CHECKING:
+    from trainfit.hardware_profile import HardwareProfile
 
 TERA = 1e12
 GIB = 1024**3
@@ -206,7 +209,11 @@ def _link_preset(field: str, name: str) -> LinkSpec:
 
 def measured_profile(hw: HardwareConfig) -> HardwareProfile | None:
     """The profile hardware.profile names (read once per file state), or None."""
-    return load_profile(hw.profile) if hw.profile else None
+    if not hw.profile:
+        return None
+    from trainfit.hardware_profile import load_profile  # read only with a measured profile
+
+    return load_profile(hw.profile)
 
 
 def validate_hardware(hw: HardwareConfig) -> None:
@@ -216,6 +223,8 @@ def validate_hardware(hw: HardwareConfig) -> None:
     _catalog_spec(hw.gpu)
     profile = measured_profile(hw)
     if profile is not None:
+        from trainfit.hardware_profile import check_matches_device
+
         check_matches_device(profile, hw.profile, hw.gpu)
     if hw.intra_node_link:
         _link_preset("intra_node_link", hw.intra_node_link)

@@ -27,15 +27,10 @@ def _held(tmp: Path, stage: int, *extra: str) -> analytic._PipelineHeld:
     cfg = row_config(_row("t", 2, LLAMA, *PP2, *extra), tmp)
     layout = build_layout(cfg)
     run = analytic._Run(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer)
-    lay = analytic._layout(run, param_counts(cfg.model), stage)
-    act = analytic._precision(layout.precision, False).act
-    tokens, seq = layout.micro_batch_size * cfg.training.seq_len, cfg.training.seq_len
-
-    def size(terms):
-        return terms.bytes(tokens, seq, layout.tp, layout.sequence_parallel)
-
-    logits = act.compute * V * tokens if lay.last else 0
-    return analytic._pipeline_held(run, lay, stage, act, size, 0, logits)
+    common = analytic._common(run, param_counts(cfg.model))
+    lay = analytic._layout(run, common, stage)
+    logits = common.prec.act.compute * V * common.tokens if lay.last else 0
+    return analytic._pipeline_held(run, lay, stage, common.micro_batch, 0, logits)
 
 
 BOUNDARY = MB * T * D * FP32

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from trainfit.config import ModelConfig
 from trainfit.models.routing import dropless_loads, expert_capacity, expert_parallel_loads
@@ -126,8 +127,7 @@ class ActDtypes:
     """SDPA runs torch's math kernel (analytic.assumed_attention_kernel), not a fused one."""
 
 
-@dataclass(frozen=True)
-class Terms:
+class Terms(NamedTuple):
     """Saved bytes per token by tensor-parallel kind, plus bytes per sequence position."""
 
     seq: float = 0.0

@@ -55,7 +55,9 @@ from trainfit.memory.activations import (
     FP32,
     ActDtypes,
     RoutedMoment,
+    Routing,
     Terms,
+    Transient,
     attention_backward_freed,
     backward_transient_terms,
     block_terms,
@@ -218,8 +220,7 @@ def assumed_attention_kernel(model: ModelConfig, layout: Layout, training: Train
     return "fused" if head_dim % (8 if half else 4) == 0 else "math"
 
 
-@dataclass(frozen=True)
-class _Layout:
+class _Layout(NamedTuple):
     """What one rank of a pipeline stage holds: element counts after tp and ep."""
 
     blocks: int
@@ -327,14 +328,28 @@ def _wrapped(index: int, n: int) -> bool:
     return index % n == 0  # recompute.apply_activation_checkpointing
 
 
-def _layout(run: _Run, counts: ParamCounts, stage: int) -> _Layout:
-    m, mem, tp, ep = run.model, run.layout, run.layout.tp, run.layout.ep
-    stages = run.layout.rank_stages(stage)
-    first, last = 0 in stages, run.layout.num_stages - 1 in stages
-    blocks = run.layout.rank_blocks(stage)  # global indices, model order
-    n = mem.ac_every_n_layers
-    first_index, last_index = blocks[0], blocks[-1]
-    policy_blocks = sum(_wrapped(i, n) for i in blocks) if mem.activation_checkpointing != "none" else 0
+class _Block(NamedTuple):
+    """A block's parameters on a rank (elements after tp and ep), and what sizes a rank's ends: the
+    same on every pipeline rank of a layout (_Layout's block_* fields)."""
+
+    params: int
+    matmul: int
+    float8: int
+    experts: int
+    no_decay: int
+    mlp_out: int
+    tensors: int
+    """Parameter tensors of a block."""
+    norm_tensors: int
+    """Of the final norm, and of the embeddings (GPT-2 also has its learned positions)."""
+    vocab: int
+    """The embedding's and the output projection's elements on the rank."""
+    largest: int
+    """The largest tensor but those two."""
+
+
+def _block(run: _Run, counts: ParamCounts) -> _Block:
+    m, tp, ep = run.model, run.layout.tp, run.layout.ep
     # tp shards every Linear of a block (norm gains stay whole), except an MoE feed-forward's:
     # router, routed and shared experts stay whole on the tp ranks (parallel/tensor_parallel.py);
     # ep shards the routed experts.
@@ -342,36 +357,46 @@ def _layout(run: _Run, counts: ParamCounts, stage: int) -> _Layout:
         mlp = counts.mlp - counts.routed_experts + counts.routed_experts // ep
     else:
         mlp = counts.mlp // tp
-    block_matmul = counts.attention // tp + mlp
+    matmul = counts.attention // tp + mlp
     head_dim = m.dim // m.num_heads
     if m.family == "gpt2":
-        biases, per_block_tensors, mlp_out = 4 * m.dim + m.ffn_dim + m.dim, 16, m.dim * m.ffn_dim // tp
+        biases, tensors, mlp_out = 4 * m.dim + m.ffn_dim + m.dim, 16, m.dim * m.ffn_dim // tp
     else:
         biases = m.dim + 2 * m.num_kv_heads * head_dim if m.qkv_bias else 0
-        per_block_tensors = 9 + (3 if m.qkv_bias else 0)  # 2 norms, wq wk wv wo, w1 w2 w3
+        tensors = 9 + (3 if m.qkv_bias else 0)  # 2 norms, wq wk wv wo, w1 w2 w3
         if m.num_experts:
-            per_block_tensors += 1 + (3 if m.num_shared_experts else 0)  # router; shared w1 w2 w3
+            tensors += 1 + (3 if m.num_shared_experts else 0)  # router; shared w1 w2 w3
         mlp_out = mlp // 3
-    vocab_dim = m.vocab_size * m.dim // tp
-    tied_here = first and last and bool(m.tie_embeddings)
-    head = counts.final_norm + (0 if tied_here else vocab_dim) if last else 0
-    norm_tensors = 2 if m.family == "gpt2" else 1
-    tensors = len(blocks) * per_block_tensors + norm_tensors * first  # + pos embedding (gpt2)
-    tensors += (norm_tensors + (0 if tied_here else 1)) * last
     experts_local = max(1, m.num_experts // ep) * (m.expert_ffn_dim or 0) * m.dim
-    largest = max(vocab_dim if (first or last) else 0, m.dim * m.dim // tp, m.ffn_dim * m.dim // tp, experts_local)
+    return _Block(
+        params=matmul + counts.norms, matmul=matmul,
+        float8=sum(k * n + b for k, n, b in _float8_linears(m).values()) // tp
+        if run.layout.precision == "fp8-mixed" else 0,
+        experts=counts.routed_experts // ep, no_decay=counts.norms + biases // tp, mlp_out=mlp_out, tensors=tensors,
+        norm_tensors=2 if m.family == "gpt2" else 1, vocab=m.vocab_size * m.dim // tp,
+        largest=max(m.dim * m.dim // tp, m.ffn_dim * m.dim // tp, experts_local))
+
+
+def _layout(run: _Run, common: _Common, stage: int) -> _Layout:
+    m, mem, b = run.model, run.layout, common.block
+    place = mem.rank_placement(stage)
+    first, last, blocks = place.first, place.last, place.blocks  # blocks: global indices, model order
+    n = mem.ac_every_n_layers
+    policy_blocks = sum(_wrapped(i, n) for i in blocks) if mem.activation_checkpointing != "none" else 0
+    tied_here = first and last and bool(m.tie_embeddings)
+    head = common.counts.final_norm + (0 if tied_here else b.vocab) if last else 0
+    tensors = len(blocks) * b.tensors + b.norm_tensors * first  # + pos embedding (gpt2)
+    tensors += (b.norm_tensors + (0 if tied_here else 1)) * last
     in_flight, head_in_flight = _in_flight(run, stage)
     return _Layout(
         blocks=len(blocks), policy_blocks=policy_blocks,
-        last_wrapped=policy_blocks > 0 and _wrapped(last_index, n),
-        first_wrapped=policy_blocks > 0 and _wrapped(first_index, n),
+        last_wrapped=policy_blocks > 0 and _wrapped(blocks[-1], n),
+        first_wrapped=policy_blocks > 0 and _wrapped(blocks[0], n),
         in_flight=in_flight, head_in_flight=head_in_flight, first=first, last=last,
-        block=block_matmul + counts.norms, block_matmul=block_matmul, block_experts=counts.routed_experts // ep,
-        block_float8=sum(k * n + b for k, n, b in _float8_linears(m).values()) // tp
-        if run.layout.precision == "fp8-mixed" else 0,
-        block_no_decay=counts.norms + biases // tp,
-        mlp_out=mlp_out, embedding=counts.embedding // tp if first else 0, head=head,
-        output_matmul=vocab_dim if last else 0, tied_here=tied_here, tensors=tensors, largest_tensor=largest,
+        block=b.params, block_matmul=b.matmul, block_experts=b.experts, block_float8=b.float8,
+        block_no_decay=b.no_decay, mlp_out=b.mlp_out, embedding=common.counts.embedding // mem.tp if first else 0,
+        head=head, output_matmul=b.vocab if last else 0, tied_here=tied_here, tensors=tensors,
+        largest_tensor=max(b.vocab if (first or last) else 0, b.largest),
     )
 
 
@@ -566,8 +591,7 @@ def _chunked_loss(run: _Run, prec: _Precision, tokens: int, V: int, inside: int,
                  backward=gathered + backward * FP32 * V * chunk + sums, keeps_output=True)
 
 
-@dataclass(frozen=True)
-class _Stage:
+class _Stage(NamedTuple):
     """Everything one rank of a stage holds, before picking the peak moment."""
 
     lay: _Layout
@@ -590,60 +614,140 @@ class _Stage:
     of the step, when the buffers hold another dtype (else views of the buffers)."""
 
 
-def _stage(run: _Run, counts: ParamCounts, stage: int) -> _Stage:
-    # ZeRO-2/3 and CPU offload are FSDP2 (offload moves the sharded parameters, their gradients
-    # and the optimizer to the host together); ZeRO-0 is DDP, ZeRO-1 parallel/zero.py's engine.
-    offload = run.layout.offload != "none"
-    fsdp = run.layout.zero_stage >= 2 or offload
-    zero1 = run.layout.data_parallel == "zero1"
-    prec = _precision(run.layout.precision, fsdp or zero1)
+class _MicroBatch(NamedTuple):
+    """One micro-batch's activation bytes that every pipeline rank of a layout has alike: a block's
+    (saved, rebuilt by its recompute, made by its backward: activations.Transient's sizes), the
+    head's and the loss's (on the rank of the last stage), a stage boundary's."""
+
+    routing: Routing | None
+    transient: Transient
+    none: int
+    """A block's saved activations without checkpointing..."""
+    policy: int
+    """...and under the checkpointing policy (the blocks it wraps)."""
+    positions: int
+    final: int
+    loss: _Loss
+    rebuild: int
+    """What a checkpointed block recomputes in backward."""
+    released: int
+    """Saved by the policy, freed by the recompute."""
+    released_last: int
+    grad_stream: int
+    grad_cast: int
+    branch_grad: int
+    attention: int
+    mlp_new: int
+    mlp_freed: int
+    recompute_tail: int
+    attention_freed: int
+    """The math attention kernel's: what its backward finds freed (attention_backward_freed)."""
+    boundary: int
+    weight_pending: int
+    head_weight_pending: int
+
+
+def _micro_batch(run: _Run, prec: _Precision, tokens: int, seq: int) -> _MicroBatch:
+    m, layout, act = run.model, run.layout, prec.act
+    policy, tp, cp = layout.activation_checkpointing, layout.tp, layout.cp
+
+    def size(terms: Terms) -> int:
+        return terms.bytes(tokens, seq, tp, layout.sequence_parallel)
+
+    routing = moe_routing(m, tokens, layout.moe_imbalance, layout.ep)
+    none = size(block_terms(m, act, "none", routing, cp, tp))
+    wrapped = size(block_terms(m, act, policy, routing, cp, tp)) if policy != "none" else none
+    t = backward_transient_terms(m, act, routing, layout.sequence_parallel, policy, cp)
+    only = policy_only_terms(m, act, policy, tp, routing, cp)
+    released = size(only.released)
+    return _MicroBatch(
+        routing=routing, transient=t, none=none, policy=wrapped,
+        positions=size(context_parallel_positions(m, cp, _rope_table_bytes(run))),
+        final=size(final_norm_terms(m, act, projected=not layout.chunked_loss)), loss=_logits(run, prec, tokens, tp),
+        rebuild=none - wrapped + released + size(only.kept), released=released,
+        released_last=size(only.released_last), grad_stream=size(t.grad_stream), grad_cast=size(t.grad_cast),
+        branch_grad=size(t.branch_grad), attention=size(t.attention), mlp_new=size(t.mlp_new),
+        mlp_freed=size(t.mlp_freed), recompute_tail=size(t.recompute_tail),
+        attention_freed=size(attention_backward_freed(m, act)) if act.math_attention else 0,
+        boundary=size(stage_boundary_terms(m, act)), weight_pending=size(weight_pass_pending_terms(m, act)),
+        head_weight_pending=size(head_weight_pass_pending_terms(m, act)))
+
+
+class _Common(NamedTuple):
+    """What every pipeline rank of a layout shares, computed once per estimate (the planner
+    estimates thousands of layouts of up to 64 ranks each)."""
+
+    counts: ParamCounts
+    prec: _Precision
+    fsdp: bool
+    """ZeRO-2/3 and CPU offload are FSDP2 (offload moves the sharded parameters, their gradients
+    and the optimizer to the host together); ZeRO-0 is DDP, ZeRO-1 parallel/zero.py's engine."""
+    tokens: int
+    """Tokens of one micro-batch on the rank (its local sequences)."""
+    seq: int
+    block: _Block
+    micro_batch: _MicroBatch
+
+
+def _common(run: _Run, counts: ParamCounts) -> _Common:
+    fsdp = run.layout.zero_stage >= 2 or run.layout.offload != "none"
+    prec = _precision(run.layout.precision, fsdp or run.layout.data_parallel == "zero1")
     if assumed_attention_kernel(run.model, run.layout, run.training, run.hardware) == "math":
         prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, math_attention=True))
-    lay = _layout(run, counts, stage)
-    if zero1:
-        return _zero1_stage(run, prec, lay, counts)
+    seq = run.training.seq_len // run.layout.cp
+    tokens = run.layout.micro_batch_size * seq
+    return _Common(counts, prec, fsdp, tokens, seq, _block(run, counts), _micro_batch(run, prec, tokens, seq))
+
+
+PER_TENSOR_OPTIMIZERS = ("adamw-8bit", "adafactor")
+"""Optimizers whose states are priced tensor by tensor (_matrix_shapes); the others never read the shapes."""
+
+
+def _stage(run: _Run, common: _Common, lay: _Layout) -> _Stage:
+    prec, fsdp, counts = common.prec, common.fsdp, common.counts
+    if run.layout.data_parallel == "zero1":
+        return _zero1_stage(run, common, lay)
+    offload = run.layout.offload != "none"
     n = lay.blocks * lay.block + lay.embedding + lay.head
     no_decay = lay.blocks * lay.block_no_decay + (counts.final_norm if lay.last else 0)
     param_shards = run.layout.zero_shards if fsdp else 1
     state_shards = run.layout.zero_shards if run.layout.zero_stage >= 1 else 1
     experts, ep = lay.blocks * lay.block_experts, run.layout.ep
     resident = 0 if offload else _on_shard(n, experts, param_shards, ep) * prec.param
-    matrices = _matrix_shapes(run, lay, state_shards)
+    matrices = _matrix_shapes(run, lay, state_shards) if run.optimizer.name in PER_TENSOR_OPTIMIZERS else []
     optimizer = 0 if offload else _optimizer_bytes(run.optimizer.name, prec, _on_shard(n, experts, state_shards, ep),
                                                    lay.tensors, no_decay // state_shards, matrices)
     temp = 0 if offload else _optimizer_step_temporaries(
         run, prec, _largest_sharded_group(run, lay, n - no_decay, experts, state_shards), lay.largest_tensor, matrices)
-    seq = run.training.seq_len // run.layout.cp
-    return _Stage(lay, prec, n, resident, resident, optimizer, temp, fsdp, run.layout.micro_batch_size * seq, seq)
+    return _Stage(lay, prec, n, resident, resident, optimizer, temp, fsdp, common.tokens, common.seq)
 
 
-def _zero1_stage(run: _Run, prec: _Precision, lay: _Layout, counts: ParamCounts) -> _Stage:
+def _zero1_stage(run: _Run, common: _Common, lay: _Layout) -> _Stage:
     """ZeRO-1 (parallel/zero.py): parameters in the compute dtype, whole on every rank (2Ψ under
     *-mixed); flat gradient buffers in their dtype or fp32 (2Ψ or 4Ψ); master weights (fp32 under
     *-mixed, 4Ψ/N; otherwise the parameters' own rows) and optimizer states over N = dp_shard.
     Sharded terms are exact when N divides every dim 0 (the engine pads chunks to ceil(rows / N)).
     Its reduce-scatter and all-gather run in place in the gradient buffers: no bucket temporaries."""
+    prec = common.prec
     n = lay.blocks * lay.block + lay.embedding + lay.head
-    no_decay = lay.blocks * lay.block_no_decay + (counts.final_norm if lay.last else 0)
+    no_decay = lay.blocks * lay.block_no_decay + (common.counts.final_norm if lay.last else 0)
     shards = run.layout.zero_shards
     c = prec.act.compute  # the parameters' dtype: 16-bit under *-mixed and bf16-pure, else fp32
     grad = FP32 if run.layout.grad_accum_dtype == "fp32" else c
     master = prec.param  # fp32 masters under *-mixed; the parameters themselves otherwise
     params = n * c
     on_shard = _on_shard(n, lay.blocks * lay.block_experts, shards, run.layout.ep)
-    matrices = _matrix_shapes(run, lay, shards)
+    matrices = _matrix_shapes(run, lay, shards) if run.optimizer.name in PER_TENSOR_OPTIMIZERS else []
     persistent = on_shard * master if prec.mixed else params
-    seq = run.training.seq_len // run.layout.cp
     return _Stage(lay, prec, n, persistent, n * grad,
                   _optimizer_bytes(run.optimizer.name, prec, on_shard, lay.tensors, no_decay // shards, matrices),
                   _optimizer_step_temporaries(run, prec, (n - no_decay) // shards, lay.largest_tensor // shards,
                                               matrices),
-                  False, run.layout.micro_batch_size * seq, seq, compute_params=params if prec.mixed else 0,
+                  False, common.tokens, common.seq, compute_params=params if prec.mixed else 0,
                   master_grads=on_shard * master if grad != master else 0)
 
 
-@dataclass(frozen=True)
-class _PipelineHeld:
+class _PipelineHeld(NamedTuple):
     """What torch.distributed.pipelining holds on one pipeline rank beyond its micro-batches' saved
     activations (bytes; all 0 without pp)."""
 
@@ -675,19 +779,16 @@ class _PipelineHeld:
     its backward (logits; counted for every micro-batch in flight)."""
 
 
-def _pipeline_held(run: _Run, lay: _Layout, stage: int, act: ActDtypes, size: Callable[[Terms], int],
-                   head_saved: int, logits: int) -> _PipelineHeld:
+def _pipeline_held(run: _Run, lay: _Layout, stage: int, mb: _MicroBatch, head_saved: int, logits: int
+                   ) -> _PipelineHeld:
     layout = run.layout
     if layout.pp == 1:
         return _PipelineHeld()
     p, v, m, n, schedule = layout.pp, layout.pp_virtual_stages, layout.num_microbatches, layout.num_stages, \
         layout.pp_schedule
-    owner = layout.stage_owners()
-    local = layout.rank_stages(stage)
-    boundary = size(stage_boundary_terms(run.model, act))
-    slots = m * boundary * sum((s > 0) + (s < n - 1) for s in local)
-    cross_next = sum(s < n - 1 and owner[s + 1] != stage for s in local)
-    cross_prev = sum(s > 0 and owner[s - 1] != stage for s in local)
+    place = layout.rank_placement(stage)
+    boundary, cross_next, cross_prev = mb.boundary, place.sends_next, place.sends_prev
+    slots = m * boundary * place.boundaries
     # Chunks (one micro-batch through one local stage) awaiting their weight pass at the peak, in
     # torch's orders: interleaved zero-bubble rank i, i + 1; ZB-V, 1; they are the rank's later
     # stage's (its backward runs first).
@@ -710,40 +811,32 @@ def _pipeline_held(run: _Run, lay: _Layout, stage: int, act: ActDtypes, size: Ca
             sent += cross_prev * boundary
     pending = 0
     if pending_chunks:
-        later = local[-1]
+        later = place.stages[-1]
         blocks = layout.pp_layers[later]
-        per_chunk = blocks * size(weight_pass_pending_terms(run.model, act)) if later > 0 else 0
+        per_chunk = blocks * mb.weight_pending if later > 0 else 0
         if later == n - 1:
-            per_chunk += size(head_weight_pass_pending_terms(run.model, act)) + head_saved
+            per_chunk += mb.head_weight_pending + head_saved
         pending = pending_chunks * per_chunk
     return _PipelineHeld(int(slots), int(sent), int(pending), logits if lay.last else 0)
 
 
-def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakdown:
-    st = _stage(run, counts, stage)
-    lay, prec, act, tp = st.lay, st.prec, st.prec.act, run.layout.tp
+def _breakdown(run: _Run, common: _Common, lay: _Layout) -> Callable[[_PipelineHeld], MemoryBreakdown]:
+    """A rank's breakdown, a pure function of what the ranks share and of its own (lay, pipe), as a
+    function of what its pipeline schedule holds (pipe): ranks of one _Layout share all the rest."""
+    st = _stage(run, common, lay)
+    mb, prec, act, tp = common.micro_batch, st.prec, st.prec.act, run.layout.tp
     policy = run.layout.activation_checkpointing
 
     def size(terms: Terms) -> int:
         return terms.bytes(st.tokens, st.seq, tp, run.layout.sequence_parallel)
 
     # ---- activations of one micro-batch
-    routing = moe_routing(run.model, st.tokens, run.layout.moe_imbalance, run.layout.ep)
-    cp = run.layout.cp
-    a_none = size(block_terms(run.model, act, "none", routing, cp, run.layout.tp))
-    a_policy = size(block_terms(run.model, act, policy, routing, cp, run.layout.tp)) if policy != "none" else a_none
+    routing, transient, a_none, a_policy, rebuild = mb.routing, mb.transient, mb.none, mb.policy, mb.rebuild
     none_blocks = lay.blocks - lay.policy_blocks
-    a_blocks = none_blocks * a_none + lay.policy_blocks * a_policy
-    a_blocks += size(context_parallel_positions(run.model, cp, _rope_table_bytes(run)))
+    a_blocks = none_blocks * a_none + lay.policy_blocks * a_policy + mb.positions
     chunked = run.layout.chunked_loss
-    a_final = size(final_norm_terms(run.model, act, projected=not chunked)) if lay.last else 0
-    transient = backward_transient_terms(run.model, act, routing, run.layout.sequence_parallel, policy, cp)
-    rebuild = a_none - a_policy  # what a checkpointed block recomputes in backward
-    only = policy_only_terms(run.model, act, policy, run.layout.tp, routing, cp)
-    released = size(only.released)  # saved by the policy, freed by the recompute
-    rebuild += released + size(only.kept)
-
-    loss = _logits(run, prec, st.tokens, tp) if lay.last else _Loss(0, 0, 0, 0)
+    a_final = mb.final if lay.last else 0
+    loss = mb.loss if lay.last else _Loss(0, 0, 0, 0)
 
     # ---- compute copies, communication and module buffers
     c = prec.compute
@@ -761,20 +854,19 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
     block_gather = c * lay.block - fp8_gathered if zero3 else 0
     reduce = (FSDP_REDUCE_BYTES_MIXED if prec.mixed else prec.param) if st.fsdp else 0
     # Context parallelism's causal masks, and Llama's RoPE cos/sin tables
-    persistent_buffers = context_parallel_mask_bytes(st.seq, cp, act.compute)
+    persistent_buffers = context_parallel_mask_bytes(st.seq, run.layout.cp, act.compute)
     if run.model.family == "llama":
         head_dim = run.model.dim // run.model.num_heads
         persistent_buffers += 2 * run.model.max_seq_len * head_dim * _rope_table_bytes(run)
-    pipe = _pipeline_held(run, lay, stage, act, size, a_final + loss.saved, loss.output)
-    persistent_buffers += pipe.slots
     kind = run.layout.data_parallel
     if kind == "ddp" and not DDP_GRADIENT_AS_BUCKET_VIEW:
         persistent_buffers += st.grads  # DDP's gradient buckets, beside the gradients
-    fwd_buffers = persistent_buffers + root_gather + pipe.sent
+    # (and the pipeline's receive slots, all step long; the forward and backward buffers: its sends)
+    fwd_buffers = persistent_buffers + root_gather
     # FSDP's unsharded gradients of the root (output projection, final norm; a tied embedding's
     # too), reduce-scattered when the backward ends; a block's own are in in_backward below.
     root_grads = lay.head + (lay.embedding if lay.tied_here else 0)
-    bwd_buffers = persistent_buffers + root_gather + (c * root_grads if st.fsdp else 0) + pipe.sent
+    bwd_buffers = persistent_buffers + root_gather + (c * root_grads if st.fsdp else 0)
     # ZeRO-3 in a block's backward: the block gathered, and the next one prefetched unless this is
     # the first block (the last to run); FSDP2 also holds the previous block's reduce-scatter input
     # until it issues the next one.
@@ -842,7 +934,7 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
         w2 = (0, c * shared_w2, 0) if st.fsdp else (0, 0, int(autograd_bytes * shared_w2)) if bucketed else \
             (int(shared_w2 * per_param), 0, 0)
         routed_moments = routed_backward_moments(
-            m, act, transient, routing, size, expert_weight=counts.routed_experts // 3 // run.layout.ep,
+            m, act, transient, routing, size, expert_weight=common.counts.routed_experts // 3 // run.layout.ep,
             grad_bytes=c if st.fsdp else autograd_bytes, num_local_experts=m.num_experts // run.layout.ep,
             policy=policy)
         shared_kept, shared_rebuilt = (size(t) for t in shared_experts_saved(m, act, policy))
@@ -863,16 +955,15 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
         Unwrapped: its saved activations with the attention's or the MLP's gradients. Checkpointed:
         the recompute just done, or the MLP's gradients (by the attention's turn the MLP's recompute
         is freed). MoE: or a moment of the routed experts' backward."""
-        t = transient
-        # With sequence parallelism the branch's cast is all-gathered (t.branch_grad) and freed.
-        stream, cast = size(t.grad_stream) + tied_pending, 0 if run.layout.sequence_parallel else size(t.grad_cast)
+        # With sequence parallelism the branch's cast is all-gathered (branch_grad) and freed.
+        stream, cast = mb.grad_stream + tied_pending, 0 if run.layout.sequence_parallel else mb.grad_cast
         # The math attention kernel's backward (S²-sized gradients) comes after the MLP's and the
         # output projection's, whose saved (or rebuilt) tensors are freed by then.
-        freed = size(attention_backward_freed(run.model, act)) if act.math_attention else 0
-        attention = (w2[0], w2[1], a_none - freed + stream + cast + size(t.attention), 0)
+        freed = mb.attention_freed
+        attention = (w2[0], w2[1], a_none - freed + stream + cast + mb.attention, 0)
         if not wrapped:
-            mlp = size(t.mlp_new) - size(t.mlp_freed)
-            fused_attention = 0 if act.math_attention else size(t.attention)
+            mlp = mb.mlp_new - mb.mlp_freed
+            fused_attention = 0 if act.math_attention else mb.attention
             moments = [(w2[0], w2[1], a_none + stream + cast + max(fused_attention, mlp + w2[2]), 0)]
             moments += [attention] if act.math_attention else []
             if fp8_backward:  # before any of the block's weight gradients exists
@@ -881,14 +972,14 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
                 acts = a_none - shared_kept - shared_rebuilt - r.freed + stream + r.added
                 moments.append((*routed(r.done), acts, -r.uncast))
             return max(moments, key=sum)
-        kept = a_policy - released + stream
-        recomputed = (0, rebuild + size(t.recompute_tail), kept + size(t.branch_grad) + size(only.released_last), 0)
-        mlp_moment = (w2[0], w2[1] + rebuild - size(t.mlp_freed), kept + cast + size(t.mlp_new) + w2[2], 0)
+        kept = a_policy - mb.released + stream
+        recomputed = (0, rebuild + mb.recompute_tail, kept + mb.branch_grad + mb.released_last, 0)
+        mlp_moment = (w2[0], w2[1] + rebuild - mb.mlp_freed, kept + cast + mb.mlp_new + w2[2], 0)
         moments = [recomputed, mlp_moment]
         if fp8_backward:
             moments.append((0, rebuild, kept + cast + fp8_backward, 0))
         if act.math_attention:  # the kept tensors and the recompute's, less what the MLP's backward freed
-            moments.append((w2[0], w2[1] + max(0, rebuild - freed), kept + cast + size(t.attention), 0))
+            moments.append((w2[0], w2[1] + max(0, rebuild - freed), kept + cast + mb.attention, 0))
         for r in routed_moments:
             grads, buffers = routed(r.done)
             acts = kept - shared_kept + r.added - r.freed_kept
@@ -903,77 +994,107 @@ def _stage_breakdown(run: _Run, counts: ParamCounts, stage: int) -> MemoryBreakd
         head_grad = int(autograd_bytes * lay.output_matmul) + (c * lay.output_matmul if act.autocast else 0)
 
     n_if, h_if = lay.in_flight, lay.head_in_flight
-    older = (n_if - 1) * a_blocks + (h_if - 1) * a_final  # other micro-batches in flight
-    older += pipe.pending
-    # The pipeline's last stage holds each in-flight micro-batch's logits (the current one's through
-    # its backward too), where one process frees them once the loss is computed, and what its loss
-    # saved (the loss region's: logits).
-    older_logits, own_logits = (h_if - 1) * (pipe.logits + loss.saved), pipe.logits
-    # The chunked loss holds the output through its own backward (one process: only then).
-    loss_bwd = loss.backward + (loss.output if loss.keeps_output and not own_logits else 0)
+    older_own = (n_if - 1) * a_blocks + (h_if - 1) * a_final  # other micro-batches in flight
     # Autocast caches one cast per parameter for its whole block, and a pipeline step runs every
     # micro-batch in one (Trainer.pipeline_forward_backward): the other micro-batches add none.
     # Its backward runs inside the block too, where one process's runs after it: every cast stays.
     saved_casts = none_blocks * cast_block + cast_head
     all_casts, pipelined = lay.blocks * cast_block + cast_head, run.layout.pp > 1
-    acts = older + a_blocks + a_final
-    moments = [  # (phase, params: compute copies, activations, logits, grads, buffers)
-        # End of the model's forward: autocast's cache still holds checkpointed blocks' casts.
-        ("forward", held + all_casts, acts, older_logits + loss.output,
-         before, fwd_buffers),
-        ("forward", held + saved_casts, acts, older_logits + loss.forward, before, fwd_buffers),
-        ("backward", held + saved_casts, acts, older_logits + own_logits + loss_bwd, before, fwd_buffers),
-        # Bucketed gradients: the output projection's backward, its weight gradient just made (under
-        # autocast also its 16-bit form) beside the logits' gradient in the compute dtype, until the
-        # bucket's hook takes it (a large vocabulary makes this the backward's peak).
-        *([("backward", held + saved_casts, acts + head_grad, older_logits + max(own_logits, loss.output), before,
-            fwd_buffers)] if head_grad else []),
-        ("backward", held + (all_casts if pipelined else saved_casts - cast_head + (cast_block if lay.last_wrapped
-                                                                                    else 0)) + last_casts,
-         older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, older_logits + own_logits,
-         max(before, output_grads + last_grads), bwd_buffers + last_comms + last_buffers),
-        # (under a pipeline schedule FSDP keeps every backwarded block gathered: all of them, held)
-        ("backward", (held if pp_fsdp else c * (lay.block + lay.embedding + lay.head) if held else 0)
-         + (all_casts if pipelined else cast_block) + first_casts,
-         older + first_acts, older_logits + own_logits, max(before, later_grads) + first_grads,
-         bwd_buffers + first_comms + first_buffers),
-        # The step: every gradient (ZeRO-1's master gradients too) and the optimizer's temporaries.
-        ("optimizer", 0, 0, 0, st.grads + st.master_grads, persistent_buffers + st.optimizer_temp),
-    ]
     states = st.persistent + st.optimizer + st.compute_params
-    phase_peaks: dict[str, int] = {}
-    at, peak = moments[0], -1
-    for moment in moments:
-        total = states + int(sum(moment[1:]))
-        phase_peaks[moment[0]] = max(phase_peaks.get(moment[0], 0), total)
-        if total > peak:
-            at, peak = moment, total
-    phase, copies, activations, logits, grads, buffers = at
-    margin = 0 if run.hardware.gpu == "cpu" else int(CUDA_CONTEXT_BYTES + ALLOCATOR_FRAGMENTATION * peak)
-    return MemoryBreakdown(
-        params=int(copies) + st.compute_params + (0 if prec.mixed else st.persistent),
-        master_params=st.persistent if prec.mixed else 0,
-        grads=int(grads), optimizer=st.optimizer, activations=int(activations), logits=int(logits),
-        buffers=int(buffers), peak=peak, peak_phase=phase, reserved_margin=margin, phase_peaks=phase_peaks,
-    )
+
+    def with_pipeline(pipe: _PipelineHeld) -> MemoryBreakdown:
+        older = older_own + pipe.pending
+        # The pipeline's last stage holds each in-flight micro-batch's logits (the current one's
+        # through its backward too), where one process frees them once the loss is computed, and what
+        # its loss saved (the loss region's: logits).
+        older_logits, own_logits = (h_if - 1) * (pipe.logits + loss.saved), pipe.logits
+        # The chunked loss holds the output through its own backward (one process: only then).
+        loss_bwd = loss.backward + (loss.output if loss.keeps_output and not own_logits else 0)
+        fwd, bwd = fwd_buffers + pipe.slots + pipe.sent, bwd_buffers + pipe.slots + pipe.sent
+        acts = older + a_blocks + a_final
+        moments = [  # (phase, params: compute copies, activations, logits, grads, buffers)
+            # End of the model's forward: autocast's cache still holds checkpointed blocks' casts.
+            ("forward", held + all_casts, acts, older_logits + loss.output, before, fwd),
+            ("forward", held + saved_casts, acts, older_logits + loss.forward, before, fwd),
+            ("backward", held + saved_casts, acts, older_logits + own_logits + loss_bwd, before, fwd),
+            # Bucketed gradients: the output projection's backward, its weight gradient just made
+            # (under autocast also its 16-bit form) beside the logits' gradient in the compute dtype,
+            # until the bucket's hook takes it (a large vocabulary makes this the backward's peak).
+            *([("backward", held + saved_casts, acts + head_grad, older_logits + max(own_logits, loss.output),
+                before, fwd)] if head_grad else []),
+            ("backward", held + (all_casts if pipelined else saved_casts - cast_head
+                                 + (cast_block if lay.last_wrapped else 0)) + last_casts,
+             older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, older_logits + own_logits,
+             max(before, output_grads + last_grads), bwd + last_comms + last_buffers),
+            # (under a pipeline schedule FSDP keeps every backwarded block gathered: all of them, held)
+            ("backward", (held if pp_fsdp else c * (lay.block + lay.embedding + lay.head) if held else 0)
+             + (all_casts if pipelined else cast_block) + first_casts,
+             older + first_acts, older_logits + own_logits, max(before, later_grads) + first_grads,
+             bwd + first_comms + first_buffers),
+            # The step: every gradient (ZeRO-1's master gradients too) and the optimizer's temporaries.
+            ("optimizer", 0, 0, 0, st.grads + st.master_grads, persistent_buffers + pipe.slots + st.optimizer_temp),
+        ]
+        phase_peaks: dict[str, int] = {}
+        at, peak = moments[0], -1
+        for moment in moments:
+            total = states + int(sum(moment[1:]))
+            phase_peaks[moment[0]] = max(phase_peaks.get(moment[0], 0), total)
+            if total > peak:
+                at, peak = moment, total
+        phase, copies, activations, logits, grads, buffers = at
+        margin = 0 if run.hardware.gpu == "cpu" else int(CUDA_CONTEXT_BYTES + ALLOCATOR_FRAGMENTATION * peak)
+        return MemoryBreakdown(
+            params=int(copies) + st.compute_params + (0 if prec.mixed else st.persistent),
+            master_params=st.persistent if prec.mixed else 0,
+            grads=int(grads), optimizer=st.optimizer, activations=int(activations), logits=int(logits),
+            buffers=int(buffers), peak=peak, peak_phase=phase, reserved_margin=margin, phase_peaks=phase_peaks,
+        )
+
+    return with_pipeline
+
+
+class StageMemory:
+    """The breakdowns of one layout's pipeline ranks, each when asked: what the ranks share is
+    computed once, then a rank's own shape (_Layout: its blocks and ends; _PipelineHeld: what its
+    schedule holds), and each distinct shape once (ranks alike have equal breakdowns; ranks of one
+    _Layout differ only in what the pipeline holds). The planner asks the ranks one by one and
+    stops at the first that does not fit (plan/search.py)."""
+
+    def __init__(self, model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
+                 optimizer: OptimizerConfig) -> None:
+        self._run = _Run(model, layout, training, hardware, optimizer)
+        self._common = _common(self._run, param_counts(model))
+        self._layouts: dict[_Layout, Callable[[_PipelineHeld], MemoryBreakdown]] = {}
+        self._shapes: dict[tuple[_Layout, _PipelineHeld], MemoryBreakdown] = {}
+
+    def __call__(self, stage: int) -> MemoryBreakdown:
+        """The breakdown of a rank of pipeline stage (pp rank) `stage`."""
+        run, common, mb = self._run, self._common, self._common.micro_batch
+        lay = _layout(run, common, stage)
+        pipe = _pipeline_held(run, lay, stage, mb, mb.final + mb.loss.saved, mb.loss.output)
+        shape = (lay, pipe)
+        if shape not in self._shapes:
+            if lay not in self._layouts:
+                self._layouts[lay] = _breakdown(run, common, lay)
+            self._shapes[shape] = self._layouts[lay](pipe)
+        return self._shapes[shape]
 
 
 def estimate_memory(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
                     optimizer: OptimizerConfig) -> MemoryEstimate:
     """Per-rank memory of one training step, one breakdown per pipeline stage. Pure: the planner
     calls it for thousands of layouts of one config without copying anything."""
-    run = _Run(model, layout, training, hardware, optimizer)
-    counts = param_counts(model)
-    stages = [_stage_breakdown(run, counts, s) for s in range(layout.pp)]
+    memory = StageMemory(model, layout, training, hardware, optimizer)
+    stages = [memory(s) for s in range(layout.pp)]
     worst = max(range(len(stages)), key=lambda i: stages[i].peak)
     return MemoryEstimate(per_stage=stages, worst_stage=worst)
 
 
-def stage_memory(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
-                 optimizer: OptimizerConfig, stage: int) -> MemoryBreakdown:
-    """One pipeline rank's breakdown (estimate_memory's per_stage[stage]), for callers that can stop
-    at the first rank that does not fit (plan/search.py)."""
-    return _stage_breakdown(_Run(model, layout, training, hardware, optimizer), param_counts(model), stage)
+def _rank(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
+          optimizer: OptimizerConfig, stage: int) -> tuple[_Run, _Common, _Stage]:
+    run = _Run(model, layout, training, hardware, optimizer)
+    common = _common(run, param_counts(model))
+    return run, common, _stage(run, common, _layout(run, common, stage))
 
 
 def model_states(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
@@ -983,8 +1104,7 @@ def model_states(model: ModelConfig, layout: Layout, training: TrainingConfig, h
     unsharded copies after each block's backward; ZeRO-1's replicated 16-bit ones under *-mixed),
     master_params (*-mixed), all gradients (ZeRO-1: its buffers and its master shards' gradients),
     optimizer states. What the rank's tensors add up to then (Trainer's state_bytes)."""
-    run = _Run(model, layout, training, hardware, optimizer)
-    st = _stage(run, param_counts(model), stage)
+    _, _, st = _rank(model, layout, training, hardware, optimizer, stage)
     return MemoryBreakdown(params=st.compute_params + (0 if st.prec.mixed else st.persistent),
                            master_params=st.persistent if st.prec.mixed else 0,
                            grads=st.grads + st.master_grads, optimizer=st.optimizer)
@@ -996,25 +1116,14 @@ def forward_retained_bytes(model: ModelConfig, layout: Layout, training: Trainin
     activations, the saved log-probabilities and, with torch.amp, the 16-bit weight copies autograd
     saved, and under FSDP the unsharded parameters kept for backward (ZeRO-2: all; ZeRO-3: the
     root's). The measurable counterpart: (in use after forward + loss) - (in use before)."""
-    run = _Run(model, layout, training, hardware, optimizer)
-    st = _stage(run, param_counts(model), stage)
-    lay, act = st.lay, st.prec.act
-    policy = run.layout.activation_checkpointing
-
-    def size(terms: Terms) -> int:
-        return terms.bytes(st.tokens, st.seq, run.layout.tp, run.layout.sequence_parallel)
-
-    routing, cp = moe_routing(run.model, st.tokens, run.layout.moe_imbalance, run.layout.ep), run.layout.cp
+    run, common, st = _rank(model, layout, training, hardware, optimizer, stage)
+    lay, act, mb = st.lay, st.prec.act, common.micro_batch
     none_blocks = lay.blocks - lay.policy_blocks
-    total = none_blocks * size(block_terms(run.model, act, "none", routing, cp, run.layout.tp))
-    if lay.policy_blocks:
-        total += lay.policy_blocks * size(block_terms(run.model, act, policy, routing, cp, run.layout.tp))
-    total += size(context_parallel_positions(run.model, cp, _rope_table_bytes(run)))
+    total = none_blocks * mb.none + lay.policy_blocks * mb.policy + mb.positions
     chunked = run.layout.chunked_loss
     if lay.last:
-        loss = _logits(run, st.prec, st.tokens, run.layout.tp)
-        total += size(final_norm_terms(run.model, act, projected=not chunked)) + loss.saved
-        total += loss.output if loss.keeps_output else 0
+        total += mb.final + mb.loss.saved
+        total += mb.loss.output if mb.loss.keeps_output else 0
     if act.autocast:  # the chunked loss's output-weight cast is recomputed in backward, not saved
         total += st.prec.compute * (none_blocks * (lay.block_matmul - lay.block_float8)
                                      + (0 if chunked else lay.output_matmul))

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from trainfit.config import ConfigError
 from trainfit.estimate import Estimate, advice
 from trainfit.memory.breakdown import COMPONENTS, MemoryBreakdown
 from trainfit.models.params import format_count, param_counts
+
+if TYPE_CHECKING:  # rich only where a table is drawn (`plan --json` and fmt_bytes's users draw none)
+    from rich.console import Console
+    from rich.table import Table
 
 GIB = 1024**3
 MIB = 1024**2
@@ -43,6 +44,8 @@ def _shown_ranks(est: Estimate) -> list[int]:
 
 
 def _memory_table(est: Estimate) -> Table:
+    from rich.table import Table
+
     worst = est.worst
     count = len(est.memory.per_stage)
     shown = _shown_ranks(est)
@@ -72,6 +75,8 @@ def _memory_table(est: Estimate) -> Table:
 
 
 def _perf_table(est: Estimate) -> Table:
+    from rich.table import Table
+
     t, f = est.perf.time, est.perf.flops
     table = Table(title="compute and time per step")
     table.add_column("quantity")
@@ -93,6 +98,8 @@ def _perf_table(est: Estimate) -> Table:
 def print_estimate(est: Estimate, console: Console | None = None, fixes: Sequence[Any] = ()) -> None:
     """The estimate's tables; when it does not fit, `fixes` (plan/fixes.Fix: the fewest changes that
     fit), or failing those the single changes that save the most."""
+    from rich.console import Console
+
     console = console or Console()
     cfg, d = est.cfg, est.layout
     counts = param_counts(cfg.model)

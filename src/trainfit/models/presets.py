@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 from trainfit.config.schema import ConfigError, ModelConfig
-from trainfit.models.hf import model_fields_from_hf_config
 
 # Values every model gets when neither the preset nor the user sets them.
 DEFAULTS: dict[str, Any] = {
@@ -125,6 +124,8 @@ def preset_fields(preset: str) -> dict[str, Any]:
     if preset in PRESETS:
         return dict(PRESETS[preset])
     if preset.endswith(".json") or Path(preset).is_dir():
+        from trainfit.models.hf import model_fields_from_hf_config  # only for an HF config (a large module)
+
         return model_fields_from_hf_config(preset)
     raise ConfigError(
         f"model.preset={preset!r}: unknown preset; choose one of {', '.join(sorted(PRESETS))}, "

@@ -27,9 +27,11 @@ from trainfit.config import Config, ConfigError
 from trainfit.parallel.stage_split import (
     V_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
+    RankPlacement,
     balanced_split,
     default_virtual_stages,
     rank_blocks,
+    rank_placements,
     rank_shapes,
     rank_stages,
     stage_owners,
@@ -116,6 +118,10 @@ class Layout:
     def rank_blocks(self, pp_rank: int) -> tuple[int, ...]:
         """Global indices of the blocks rank `pp_rank` of the pp axis runs, in model order."""
         return rank_blocks(pp_rank, self.pp_layers, self.pp, self.pp_virtual_stages, self.pp_schedule)
+
+    def rank_placement(self, pp_rank: int) -> RankPlacement:
+        """Where rank `pp_rank` of the pp axis sits: its stages and blocks, its neighbours on other ranks."""
+        return rank_placements(self.pp_layers, self.pp, self.pp_virtual_stages, self.pp_schedule)[pp_rank]
 
     def rank_shapes(self) -> frozenset[tuple[int, int, bool]]:
         """The pipeline ranks' distinct (blocks, checkpointed blocks, runs the last stage)."""

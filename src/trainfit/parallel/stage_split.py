@@ -20,6 +20,7 @@ import functools
 import itertools
 from collections.abc import Callable
 from functools import cache
+from typing import NamedTuple
 
 from trainfit.config.schema import ModelConfig
 from trainfit.models.params import param_counts
@@ -71,6 +72,42 @@ def rank_blocks(pp_rank: int, layers_per_stage: tuple[int, ...], pp: int, virtua
     return tuple(i for stage in rank_stages(pp_rank, pp, virtual_stages, schedule) for i in ranges[stage])
 
 
+class RankPlacement(NamedTuple):
+    """Where a pipeline rank sits: what it holds of the model, and which of its stages exchange
+    activations with stages of other ranks (what the memory estimate reads per rank)."""
+
+    stages: tuple[int, ...]
+    """Its stages, in model order."""
+    blocks: tuple[int, ...]
+    """Global indices of its blocks, in model order."""
+    first: bool
+    """It runs the first stage (the embedding)."""
+    last: bool
+    """It runs the last stage (the final norm, the output projection and the loss)."""
+    boundaries: int
+    """Stage inputs and outputs at a stage boundary: every stage's but the first's input and the last's output."""
+    sends_next: int
+    """Its stages whose next stage runs on another rank."""
+    sends_prev: int
+    """Its stages whose previous stage runs on another rank."""
+
+
+@functools.lru_cache(maxsize=1024)
+def rank_placements(layers_per_stage: tuple[int, ...], pp: int, virtual_stages: int, schedule: str
+                    ) -> tuple[RankPlacement, ...]:
+    """Every pipeline rank's placement, rank 0 first."""
+    n, owner = pp * virtual_stages, stage_owners(pp, virtual_stages, schedule)
+    placements = []
+    for rank in range(pp):
+        stages = rank_stages(rank, pp, virtual_stages, schedule)
+        placements.append(RankPlacement(
+            stages, rank_blocks(rank, layers_per_stage, pp, virtual_stages, schedule), 0 in stages, n - 1 in stages,
+            boundaries=sum((s > 0) + (s < n - 1) for s in stages),
+            sends_next=sum(s < n - 1 and owner[s + 1] != rank for s in stages),
+            sends_prev=sum(s > 0 and owner[s - 1] != rank for s in stages)))
+    return tuple(placements)
+
+
 @functools.lru_cache(maxsize=4096)
 def rank_shapes(layers_per_stage: tuple[int, ...], pp: int, virtual_stages: int, schedule: str, every_n_layers: int
                 ) -> frozenset[tuple[int, int, bool]]:
@@ -99,18 +136,30 @@ def _split_solver(num_layers: int, block: tuple[int, int], first: tuple[int, int
     across stage counts of one model (the planner asks for many)."""
     total = tuple(num_layers * b + f + h for b, f, h in zip(block, first, last, strict=True))
 
-    def share(start: int, end: int) -> float:
-        extra = [(first if start == 0 else (0, 0)), (last if end == num_layers else (0, 0))]
-        return max(((end - start) * block[i] + extra[0][i] + extra[1][i]) / total[i] for i in range(2))
+    def shares(head: tuple[int, int], tail: tuple[int, int]) -> list[float]:
+        """The share of a stage of n blocks (at index n) that also holds `head` and `tail`."""
+        return [max((n * block[i] + head[i] + tail[i]) / total[i] for i in range(2)) for n in range(num_layers + 1)]
+
+    # A stage's share depends only on its blocks and on whether it is the first or the last.
+    nothing = (0, 0)
+    middle, opening, closing, whole = shares(nothing, nothing), shares(first, nothing), shares(nothing, last), \
+        shares(first, last)
 
     @cache
     def best(start: int, stages: int) -> tuple[float, tuple[int, ...]]:
         if stages == 1:
-            return share(start, num_layers), (num_layers - start,)
-        options = []
-        for end in range(start + 1, num_layers - stages + 2):
-            cost, rest = best(end, stages - 1)
-            options.append((max(share(start, end), cost), (end - start, *rest)))
-        return min(options)  # ties: the split with fewer blocks early (tuples compare in order)
+            return (whole if start == 0 else closing)[num_layers - start], (num_layers - start,)
+        own = opening if start == 0 else middle
+        # The first stage's share grows with its end and the rest's best never does (fewer blocks
+        # over as many stages), so once the first is the larger, every later end costs at least as
+        # much. Ties: the split with fewer blocks early (the smallest end).
+        cost, end = float("inf"), start
+        for stop in range(start + 1, num_layers - stages + 2):
+            share, rest = own[stop - start], best(stop, stages - 1)[0]
+            if max(share, rest) < cost:
+                cost, end = max(share, rest), stop
+            if share >= rest:
+                break
+        return cost, (end - start, *best(end, stages - 1)[1])
 
     return best

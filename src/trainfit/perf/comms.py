@@ -26,7 +26,7 @@ them is: a ring is as slow as its slowest hop.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from trainfit.config import HardwareConfig, ModelConfig, TrainingConfig
 from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link, inter_node_link, intra_node_link
@@ -84,12 +84,15 @@ def p2p_time(nbytes: float, link: Link) -> float:
     return COLLECTIVE_BASE_LATENCY_S + link.latency_s + nbytes / link.bytes_per_s
 
 
+_GROUP_TIMES = {"all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time, "all_reduce": all_reduce_time,
+                "all_to_all": all_to_all_time}
+
+
 def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     """Time of one collective of a kind in KINDS (nbytes as each cost function defines it)."""
     if kind == "p2p":
         return p2p_time(nbytes, link)
-    return {"all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time,
-            "all_reduce": all_reduce_time, "all_to_all": all_to_all_time}[kind](nbytes, n, link)
+    return _GROUP_TIMES[kind](nbytes, n, link)
 
 
 # ---------------------------------------------------------------- which link
@@ -107,8 +110,13 @@ def span_is_intra_node(size: int, stride: int, num_gpus: int, gpus_per_node: int
 
 
 def axes_are_intra_node(layout: Layout, axes: tuple[str, ...], gpus_per_node: int) -> bool:
-    sizes = layout.axis_sizes()
-    return all(span_is_intra_node(sizes[a], axis_stride(layout, a), layout.world_size, gpus_per_node) for a in axes)
+    stride = 1
+    for axis in reversed(AXES):  # innermost first: each axis's stride is the product of the sizes inside it
+        size = getattr(layout, axis)
+        if axis in axes and not span_is_intra_node(size, stride, layout.world_size, gpus_per_node):
+            return False
+        stride *= size
+    return True
 
 
 def group_link(layout: Layout, axes: tuple[str, ...], hw: HardwareConfig) -> Link:
@@ -128,8 +136,7 @@ def expert_link(layout: Layout, hw: HardwareConfig) -> Link:
 # ---------------------------------------------------------------- what a step issues
 
 
-@dataclass(frozen=True)
-class Collective:
+class Collective(NamedTuple):
     """One kind of collective call a rank makes, `count` times per optimizer step."""
 
     kind: str
@@ -198,13 +205,12 @@ def _tp_recompute_calls(sequence_parallel: bool, policy: str) -> tuple[int, int,
     return (2, 1, 0) if policy == "full" else (2, 0, 0)
 
 
-def _tp_calls(model: ModelConfig, layout: Layout, wrapped: int) -> dict[tuple[str, str, str], int]:
+def _tp_calls(model: ModelConfig, layout: Layout, layers: int, wrapped: int) -> dict[tuple[str, str, str], int]:
     """Tensor-parallel calls per micro-batch, keyed (kind, phase, what moves): "out" a row-parallel
     output (or its gradient), "stream" the residual stream (a norm's or the embedding's output, or the
     gradient into one), "loss" loss_parallel's per-token statistics, "pos" GPT-2's learned positions,
     "gain" a sequence-parallel norm parameter's gradient (step_collectives says which plan issues which).
     """
-    layers = layout.busiest_rank_blocks()
     outs = 1 if model.num_experts else 2  # row-parallel outputs per block (MoE: attention's wo only)
     output = 1  # the busiest stage is the last: the output projection and the loss ...
     embedding = int(layout.pp == 1)  # ... and the embedding when there is one stage
@@ -337,7 +343,7 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
     tokens = seqs * t.seq_len / layout.cp
     moved = {"out": act, "stream": act / act_b * stream_b, "loss": tokens * FP32_BYTES,
              "pos": t.seq_len / layout.cp * m.dim * stream_b, "gain": m.dim * param_b}
-    for (kind, phase, what), count in _tp_calls(m, layout, wrapped).items():
+    for (kind, phase, what), count in _tp_calls(m, layout, layers, wrapped).items():
         add(kind, "tp", ("tp",), layout.tp, moved[what], count * n_mb, phase)
 
     # Context parallel: K, then V, of the whole sequence (their heads are split by tp).

@@ -39,11 +39,14 @@ sequence parallelism; activation checkpointing reruns the forward third of a wra
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from trainfit.config import HardwareConfig, ModelConfig, TrainingConfig
-from trainfit.hardware_profile import HardwareProfile
 from trainfit.parallel.layout import Layout
 from trainfit.perf.comms import stage_params
+
+if TYPE_CHECKING:
+    from trainfit.hardware_profile import HardwareProfile
 
 ELEMENTWISE_D = 83
 ELEMENTWISE_ROPE = 24

@@ -4,14 +4,15 @@ up against the one above it. Torch-free; rich renders the table."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from trainfit.config import dump_toml
 from trainfit.memory.report import fmt_bytes
 from trainfit.plan.machines import MachineOption, on_cost_frontier
 from trainfit.plan.search import Candidate, Plan, model_summary
+
+if TYPE_CHECKING:  # rich only where a table is drawn (not for --json)
+    from rich.table import Table
 
 GIB = 1024**3
 
@@ -64,6 +65,8 @@ def versus(above: Candidate, c: Candidate) -> str:
 
 
 def plan_table(plan: Plan) -> Table:
+    from rich.table import Table
+
     first = plan.candidates[0]
     table = Table(title=f"trainfit plan: {model_summary(first.cfg)}\nthe fastest layout that fits, then each "
                         "next fastest that needs less memory", title_justify="left")
@@ -148,6 +151,8 @@ def _duration(seconds: float) -> str:
 
 def machines_table(options: list[MachineOption], tokens: float) -> Table:
     """The cost-time frontier and each device's fastest option, fastest first (--json has every option)."""
+    from rich.table import Table
+
     flags = on_cost_frontier(options)
     fastest = {o.gpu: o for o in reversed(options) if o.candidate}  # reversed: the first (fastest) one wins
     shown = [(o, f) for o, f in zip(options, flags, strict=True) if f or fastest.get(o.gpu) is o]

@@ -29,7 +29,6 @@ times the fastest). tests/unit/test_plan.py checks it against an exhaustive sear
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
@@ -43,14 +42,14 @@ from typing import Any
 from trainfit.config import Config, ConfigError
 from trainfit.estimate import Estimate
 from trainfit.hardware import device_spec
-from trainfit.memory.analytic import MemoryEstimate, stage_memory
+from trainfit.memory.analytic import MemoryEstimate, StageMemory
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import Layout, build_layout
 from trainfit.parallel.stage_split import balanced_split, default_virtual_stages
 from trainfit.perf import flops as F
 from trainfit.perf.timing import PerfEstimate, bubble_fraction, compute_time_s, estimate_perf, model_parallel_comm_s
-from trainfit.plan.space import Space, replace_sections, settings_of
+from trainfit.plan.space import Space, replace_sections, replaced, settings_of
 
 
 @dataclass(frozen=True)
@@ -213,8 +212,9 @@ class _Evaluator:
         self.stats.memory_estimates += 1
         order = dict.fromkeys([0, layout.pp - 1, *range(layout.pp)])
         stages: dict[int, MemoryBreakdown] = {}
+        memory = StageMemory(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer)
         for stage in order:
-            breakdown = stage_memory(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer, stage)
+            breakdown = memory(stage)
             if self.device_memory and breakdown.peak + breakdown.reserved_margin > self.device_memory:
                 return None
             stages[stage] = breakdown
@@ -258,9 +258,9 @@ class _Knobs:
     """A group's memory knobs, each option list ordered from cheapest to leanest, and what the
     search learned of the group: its leanest memory, whether it is done."""
 
-    def __init__(self, group: _Group, space: Space) -> None:
+    def __init__(self, group: _Group, space: Space, ac: list[tuple[str, int]]) -> None:
         self.group = group
-        self.ac = sorted(space.ac, key=lambda ac: _knob_cost(group.cfg, ac))
+        self.ac = ac
         self.offload = [o for o in space.offload if _valid_offload(group.layout, o)]
         self.chunked = list(space.chunked)
         self.seen: set[Setting] = {(0, 0, 0)}
@@ -274,10 +274,7 @@ class _Knobs:
                 "chunked_loss": chunked}
 
     def layout(self, index: Setting) -> Layout:
-        v = self._values(index)
-        return dataclasses.replace(self.group.layout, activation_checkpointing=v["activation_checkpointing"],
-                                   ac_every_n_layers=v["ac_every_n_layers"], offload=v["offload"],
-                                   chunked_loss=v["chunked_loss"])
+        return replaced(self.group.layout, **self._values(index))
 
     def config(self, index: Setting) -> Config:
         return replace_sections(self.group.cfg, memory=self._values(index))
@@ -307,6 +304,7 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
         raise ConfigError("training.global_batch_size=0: a plan keeps the global batch and searches how to split it; "
                           "set it, e.g. --training.global_batch_size=512 (sequences per optimizer step)")
     space = Space.of(cfg, fixed, precisions)
+    ac = sorted(space.ac, key=lambda ac: _knob_cost(cfg, ac))  # every group's: one model, one sequence length
     stats = SearchStats()
     ev = _Evaluator(cfg, stats)
     # Best-first over one heap of lower bounds of the step time: a mesh's (its groups' compute, least
@@ -327,8 +325,9 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
         if bound is not None:
             heapq.heappush(heap, (bound, next(order), (knobs, index, None)))
             return
-        perf = ev.perf(knobs.group.cfg, knobs.layout(index))
-        heapq.heappush(heap, (perf.time["step_time_s"], next(order), (knobs, index, perf)))
+        layout = knobs.layout(index)
+        perf = ev.perf(knobs.group.cfg, layout)
+        heapq.heappush(heap, (perf.time["step_time_s"], next(order), (knobs, index, (layout, perf))))
 
     fitting: list[Candidate] = []
     listed: list[Candidate] = []  # frontier(fitting), kept as it grows
@@ -338,17 +337,17 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
             break
         if isinstance(item, list):  # a mesh's groups
             for group in item:
-                push(_Knobs(group, space), (0, 0, 0))
+                push(_Knobs(group, space, ac), (0, 0, 0))
             continue
-        knobs, index, perf = item
+        knobs, index, estimated = item
         if knobs.done:
             continue
-        if perf is None:
+        if estimated is None:
             push(knobs, index)
             continue
         if not _worth_trying(knobs, ev, stats, bound, [] if exhaustive else listed):
             continue
-        layout = knobs.layout(index)
+        layout, perf = estimated
         memory = ev.memory(knobs.group.cfg, layout)
         if memory is None:
             stats.rejected["does not fit"] += 1

@@ -26,11 +26,12 @@ user set have one). Torch-free.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from trainfit.config import Config
+
+T = TypeVar("T")
 
 MIN_CP_TOKENS = 1024
 """Fewest tokens of a sequence one context-parallel rank holds: below that its K/V all-gathers
@@ -135,5 +136,11 @@ class Space:
 
 def replace_sections(cfg: Config, **sections: dict[str, Any]) -> Config:
     """A shallow copy of cfg with fields of some sections replaced (the planner never mutates one)."""
-    return dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **values)
-                                       for name, values in sections.items()})
+    return replaced(cfg, **{name: replaced(getattr(cfg, name), **values) for name, values in sections.items()})
+
+
+def replaced(obj: T, **values: Any) -> T:
+    """dataclasses.replace(obj, **values) for dataclasses whose fields are all init fields, built
+    from the instance's own: replace inspects the class's fields on each call, and a plan makes
+    thousands of configs and Layouts."""
+    return type(obj)(**{**vars(obj), **values})
