@@ -1,13 +1,17 @@
 """The one importer of torch.testing._internal (private: an API move breaks this file only), and
 the helpers of the multi-process tests in tests/distributed/.
 
-GlooTestCase spawns `world_size` real processes (gloo on CPU) per test method (~7 s each); a
-method groups its configurations with `run_subtests`, so one spawn covers a whole technique.
+GlooTestCase starts `world_size` real processes (gloo on CPU) per test method; a method groups its
+configurations with `run_subtests`, so one start covers a whole technique. The processes are forked
+from a fork server that imported torch and trainfit once per session (`rank_context`), not spawned
+as fresh interpreters that import them again (7-20 s per test method on 2 busy cores, more than
+many tests' own work): each rank still starts clean, as the server runs no test.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.context
 import os
 import socket
 import subprocess
@@ -58,12 +62,47 @@ if "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT" not in os.environ:
     common_distributed.TIMEOUT_DEFAULT = 600
 
 
+FORK_SERVER_PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor",
+                       "torch.testing._internal.common_distributed", "trainfit.train.trainer", "_dist"]
+"""What the fork server imports once, before it forks any rank (the test modules' heavy imports)."""
+
+
+def rank_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context that starts test ranks: "forkserver", whose server process imports
+    FORK_SERVER_PRELOAD once (the first start of a session launches it) and forks each rank from that
+    state. A rank is as clean as a spawned one (the server runs no test and holds no process group,
+    unlike this pytest process, whose DTensor caches and tensors a plain fork would copy) without
+    importing torch again. The environment is the server's, so ranks are given the caller's
+    (GlooTestCase._run, spawn_gloo)."""
+    context = torch.multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(FORK_SERVER_PRELOAD)
+    return context
+
+
 class GlooTestCase(DTensorTestBase):
     """World of 2 CPU processes on gloo; the process group exists inside @with_comms methods."""
 
     @property
     def world_size(self) -> int:
         return 2
+
+    def _spawn_processes(self) -> None:
+        """Start the ranks from the fork server (rank_context), each given this process's environment
+        (the session's data cache, the run folders of session fixtures)."""
+        context, environ = rank_context(), dict(os.environ)
+
+        def process(**kwargs: Any) -> multiprocessing.process.BaseProcess:
+            return context.Process(**{**kwargs, "kwargs": {**kwargs["kwargs"], "environ": environ}})
+
+        self._start_processes(process)
+
+    @classmethod
+    def _run(cls, rank: int, test_name: str, file_name: str, parent_pipe: Any, *, environ: dict[str, str],
+             **kwargs: Any) -> None:
+        """A rank: the starting process's environment, then the test (MultiProcessTestCase._run)."""
+        os.environ.clear()
+        os.environ.update(environ)
+        super()._run(rank, test_name, file_name, parent_pipe, **kwargs)
 
     def run_subtests(self, config: dict[str, list[Any]], fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         """fn(**one combination of config) for every combination, inside this one spawn."""
@@ -173,16 +212,22 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
 
 
 def spawn_gloo(fn: Callable[..., None], world_size: int, *args: Any) -> None:
-    """Run `fn(rank, *args)` in `world_size` fresh processes joined in one gloo world (torchrun's
-    environment), and wait for them: for tests that need the calling process free of any process
-    group (the traced estimator brings a fake one). `fn` must be a module-level function."""
+    """Run `fn(rank, *args)` in `world_size` fresh processes (started as GlooTestCase's are:
+    rank_context) joined in one gloo world (torchrun's environment), and wait for them: for tests
+    that need the calling process free of any process group (the traced estimator brings a fake
+    one). `fn` must be a module-level function."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_gloo_rank, args=(world_size, port, fn, args), nprocs=world_size)
+    rank_context()  # the fork server's preload, set before it starts
+    torch.multiprocessing.start_processes(_gloo_rank, args=(world_size, port, fn, args, dict(os.environ)),
+                                          nprocs=world_size, start_method="forkserver")
 
 
-def _gloo_rank(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple) -> None:
+def _gloo_rank(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple,
+               environ: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)  # the ranks share the machine's cores
