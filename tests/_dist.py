@@ -11,6 +11,8 @@ many tests' own work): each rank still starts clean, as the server runs no test.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import multiprocessing.context
 import os
 import socket
@@ -31,9 +33,10 @@ from trainfit.parallel.data_parallel import state_dicts
 from trainfit.train.distributed import World
 from trainfit.train.trainer import Trainer, TrainResult
 
-__all__ = ["AUTOCAST", "DP_BATCH", "FP32", "LONG_STEPS", "LOW", "MOE", "STEPS", "ZERO1_LAYOUT", "ZERO1_RUN_ENV",
-           "ZERO3_LAYOUT", "ZERO3_RUN_ENV", "ZERO3_STEPS", "FourRankGlooTestCase", "GlooTestCase", "fake_world",
-           "full_params", "parity_name", "spawn_gloo", "subprocess_env", "torchrun", "with_comms"]
+__all__ = ["AUTOCAST", "DP_BATCH", "FP32", "LONG_STEPS", "LOW", "MOE", "REFERENCES_ENV", "STEPS", "ZERO1_LAYOUT",
+           "ZERO1_RUN_ENV", "ZERO3_LAYOUT", "ZERO3_RUN_ENV", "ZERO3_STEPS", "FourRankGlooTestCase", "GlooTestCase",
+           "Reference", "fake_world", "full_params", "parity_name", "spawn_gloo", "subprocess_env", "torchrun",
+           "with_comms"]
 
 
 # Parity with one process (tests/distributed/test_dp_parity.py explains the measures and tolerances).
@@ -84,6 +87,21 @@ def rank_context() -> multiprocessing.context.BaseContext:
     context = torch.multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(FORK_SERVER_PRELOAD)
     return context
+
+
+REFERENCES_ENV = "TRAINFIT_TEST_REFERENCES"
+"""The folder of the session's one-process reference runs (GlooTestCase._reference)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """One process's run of a parity case: its weights before and after (fp32, by name), its loss at
+    every step and its validation losses."""
+
+    initial: dict[str, torch.Tensor]
+    losses: dict[int, float]
+    val_losses: dict[int, float]
+    final: dict[str, torch.Tensor]
 
 
 class GlooTestCase(DTensorTestBase):
@@ -139,7 +157,8 @@ class GlooTestCase(DTensorTestBase):
         if self.rank != 0:
             return result
         reference_overrides = tuple(o for o in overrides if not o.startswith(LAYOUT_FIELDS))
-        initial, expected, final = self._reference(name, reference_overrides, steps)
+        expected = self._reference(name, reference_overrides, steps)
+        initial, final = expected.initial, expected.final
         self.assertEqual(sorted(result.losses), list(range(1, steps + 1)))
         self.assertEqual(sorted(result.val_losses), [0, steps])
         loss_error = 0.0
@@ -158,20 +177,27 @@ class GlooTestCase(DTensorTestBase):
         """check_parity of every (overrides, tolerances, steps), in this one spawn."""
         self.run_subtests({"case": cases}, lambda case: self.check_parity(case[0], case[1], steps=case[2]))
 
-    def _reference(self, name: str, overrides: tuple[str, ...], steps: int) -> tuple[dict, TrainResult, dict]:
-        """One process's run of `overrides` (initial weights, result, final weights), trained once
-        per test method: layouts compared with the same reference share it."""
-        cache = self.__dict__.setdefault("_references", {})
-        if (overrides, steps) not in cache:
-            evaluation = (f"--training.eval_interval={steps}", "--training.eval_steps=2")
-            reference = Trainer(run_config(self.shared_dir / f"{name}-reference", *DP_BATCH,
-                                           f"--training.steps={steps}", *evaluation, "--training.micro_batch_size=8",
-                                           *overrides), world=World())
-            initial = {key: value.detach().float().clone() for key, value in reference.model.state_dict().items()}
-            result = reference.train()
-            final = {key: value.detach().float() for key, value in reference.model.state_dict().items()}
-            cache[overrides, steps] = initial, result, final
-        return cache[overrides, steps]
+    def _reference(self, name: str, overrides: tuple[str, ...], steps: int) -> Reference:
+        """One process's run of `overrides` over `steps`, trained once per session: saved in the
+        folder of REFERENCES_ENV (tests/distributed/conftest.py; else this test's own), where every
+        later parity case with the same reference, in this test or another, reads it. The run is a
+        function of its overrides alone (one process, seeded weights and data)."""
+        evaluation = (f"--training.eval_interval={steps}", "--training.eval_steps=2")
+        args = (*DP_BATCH, f"--training.steps={steps}", *evaluation, "--training.micro_batch_size=8", *overrides)
+        folder = Path(os.environ.get(REFERENCES_ENV) or self.shared_dir / "references")
+        path = folder / f"{hashlib.sha256(repr(args).encode()).hexdigest()[:20]}.pt"
+        if path.exists():
+            return Reference(**torch.load(path))
+        trainer = Trainer(run_config(self.shared_dir / f"{name}-reference", *args), world=World())
+        initial = {key: value.detach().float().clone() for key, value in trainer.model.state_dict().items()}
+        result = trainer.train()
+        final = {key: value.detach().float() for key, value in trainer.model.state_dict().items()}
+        reference = Reference(initial, result.losses, result.val_losses, final)
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save(dataclasses.asdict(reference), partial)
+        partial.replace(path)  # whole or absent, for a reader in another test
+        return reference
 
 
 
