@@ -1,13 +1,19 @@
 """The one importer of torch.testing._internal (private: an API move breaks this file only), and
 the helpers of the multi-process tests in tests/distributed/.
 
-GlooTestCase spawns `world_size` real processes (gloo on CPU) per test method (~7 s each); a
-method groups its configurations with `run_subtests`, so one spawn covers a whole technique.
+GlooTestCase starts `world_size` real processes (gloo on CPU) per test method; a method groups its
+configurations with `run_subtests`, so one start covers a whole technique. The processes are forked
+from a fork server that imported torch and trainfit once per session (`rank_context`), not spawned
+as fresh interpreters that import them again (7-20 s per test method on 2 busy cores, more than
+many tests' own work): each rank still starts clean, as the server runs no test.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
+import multiprocessing.context
 import os
 import socket
 import subprocess
@@ -27,13 +33,21 @@ from trainfit.parallel.data_parallel import state_dicts
 from trainfit.train.distributed import World
 from trainfit.train.trainer import Trainer, TrainResult
 
-__all__ = ["AUTOCAST", "DP_BATCH", "FP32", "LOW", "MOE", "STEPS", "ZERO1_LAYOUT", "ZERO1_RUN_ENV", "ZERO3_LAYOUT",
-           "ZERO3_RUN_ENV", "ZERO3_STEPS", "FourRankGlooTestCase", "GlooTestCase", "fake_world", "full_params",
-           "parity_name", "spawn_gloo", "subprocess_env", "torchrun", "with_comms"]
+__all__ = ["AUTOCAST", "DP_BATCH", "FP32", "LONG_STEPS", "LOW", "MOE", "REFERENCES_ENV", "STEPS", "ZERO1_LAYOUT",
+           "ZERO1_RUN_ENV", "ZERO3_LAYOUT", "ZERO3_RUN_ENV", "ZERO3_STEPS", "FourRankGlooTestCase", "GlooTestCase",
+           "Reference", "fake_world", "full_params", "parity_name", "spawn_gloo", "subprocess_env", "torchrun",
+           "with_comms"]
 
 
 # Parity with one process (tests/distributed/test_dp_parity.py explains the measures and tolerances).
 STEPS = 4
+LONG_STEPS = int(os.environ.get("TRAINFIT_PARITY_LONG_STEPS", "8"))
+"""The parity tests' longer runs (each technique's own layouts: every ZeRO stage, tp and cp, every pipeline
+schedule, ep; the compositions beside them run STEPS): 8 AdamW steps, 6 past the 2-step warm-up, held to
+the tolerances of the 20 steps the README's parity tables were measured over
+(TRAINFIT_PARITY_LONG_STEPS=20 runs those). Over 8 steps on an AMD EPYC, fp32: losses 3e-8 to 2.1e-7,
+parameters 8e-8 to 1.7e-5, as over 20 (bounds: loss 1e-5 or 1e-4, parameters 1e-4); tp2 + SP in
+bf16-mixed keeps 20 steps (test_tp_cp_parity.BF16_STEPS)."""
 FP32 = {"loss_rtol": 1e-5, "update_rtol": 1e-4}
 """fp32: the parameters' bound is tensor, context and pipeline parallelism's 1e-4 (their parity tests'):
 Adam's first updates are +-lr whatever a gradient's size, so the kernels' summation order sets the
@@ -58,12 +72,62 @@ if "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT" not in os.environ:
     common_distributed.TIMEOUT_DEFAULT = 600
 
 
+FORK_SERVER_PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor",
+                       "torch.testing._internal.common_distributed", "trainfit.train.trainer", "_dist"]
+"""What the fork server imports once, before it forks any rank (the test modules' heavy imports)."""
+
+
+def rank_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context that starts test ranks: "forkserver", whose server process imports
+    FORK_SERVER_PRELOAD once (the first start of a session launches it) and forks each rank from that
+    state. A rank is as clean as a spawned one (the server runs no test and holds no process group,
+    unlike this pytest process, whose DTensor caches and tensors a plain fork would copy) without
+    importing torch again. The environment is the server's, so ranks are given the caller's
+    (GlooTestCase._run, spawn_gloo)."""
+    context = torch.multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(FORK_SERVER_PRELOAD)
+    return context
+
+
+REFERENCES_ENV = "TRAINFIT_TEST_REFERENCES"
+"""The folder of the session's one-process reference runs (GlooTestCase._reference)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """One process's run of a parity case: its weights before and after (fp32, by name), its loss at
+    every step and its validation losses."""
+
+    initial: dict[str, torch.Tensor]
+    losses: dict[int, float]
+    val_losses: dict[int, float]
+    final: dict[str, torch.Tensor]
+
+
 class GlooTestCase(DTensorTestBase):
     """World of 2 CPU processes on gloo; the process group exists inside @with_comms methods."""
 
     @property
     def world_size(self) -> int:
         return 2
+
+    def _spawn_processes(self) -> None:
+        """Start the ranks from the fork server (rank_context), each given this process's environment
+        (the session's data cache, the run folders of session fixtures)."""
+        context, environ = rank_context(), dict(os.environ)
+
+        def process(**kwargs: Any) -> multiprocessing.process.BaseProcess:
+            return context.Process(**{**kwargs, "kwargs": {**kwargs["kwargs"], "environ": environ}})
+
+        self._start_processes(process)
+
+    @classmethod
+    def _run(cls, rank: int, test_name: str, file_name: str, parent_pipe: Any, *, environ: dict[str, str],
+             **kwargs: Any) -> None:
+        """A rank: the starting process's environment, then the test (MultiProcessTestCase._run)."""
+        os.environ.clear()
+        os.environ.update(environ)
+        super()._run(rank, test_name, file_name, parent_pipe, **kwargs)
 
     def run_subtests(self, config: dict[str, list[Any]], fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         """fn(**one combination of config) for every combination, inside this one spawn."""
@@ -93,7 +157,8 @@ class GlooTestCase(DTensorTestBase):
         if self.rank != 0:
             return result
         reference_overrides = tuple(o for o in overrides if not o.startswith(LAYOUT_FIELDS))
-        initial, expected, final = self._reference(name, reference_overrides, steps)
+        expected = self._reference(name, reference_overrides, steps)
+        initial, final = expected.initial, expected.final
         self.assertEqual(sorted(result.losses), list(range(1, steps + 1)))
         self.assertEqual(sorted(result.val_losses), [0, steps])
         loss_error = 0.0
@@ -112,20 +177,27 @@ class GlooTestCase(DTensorTestBase):
         """check_parity of every (overrides, tolerances, steps), in this one spawn."""
         self.run_subtests({"case": cases}, lambda case: self.check_parity(case[0], case[1], steps=case[2]))
 
-    def _reference(self, name: str, overrides: tuple[str, ...], steps: int) -> tuple[dict, TrainResult, dict]:
-        """One process's run of `overrides` (initial weights, result, final weights), trained once
-        per test method: layouts compared with the same reference share it."""
-        cache = self.__dict__.setdefault("_references", {})
-        if (overrides, steps) not in cache:
-            evaluation = (f"--training.eval_interval={steps}", "--training.eval_steps=2")
-            reference = Trainer(run_config(self.shared_dir / f"{name}-reference", *DP_BATCH,
-                                           f"--training.steps={steps}", *evaluation, "--training.micro_batch_size=8",
-                                           *overrides), world=World())
-            initial = {key: value.detach().float().clone() for key, value in reference.model.state_dict().items()}
-            result = reference.train()
-            final = {key: value.detach().float() for key, value in reference.model.state_dict().items()}
-            cache[overrides, steps] = initial, result, final
-        return cache[overrides, steps]
+    def _reference(self, name: str, overrides: tuple[str, ...], steps: int) -> Reference:
+        """One process's run of `overrides` over `steps`, trained once per session: saved in the
+        folder of REFERENCES_ENV (tests/distributed/conftest.py; else this test's own), where every
+        later parity case with the same reference, in this test or another, reads it. The run is a
+        function of its overrides alone (one process, seeded weights and data)."""
+        evaluation = (f"--training.eval_interval={steps}", "--training.eval_steps=2")
+        args = (*DP_BATCH, f"--training.steps={steps}", *evaluation, "--training.micro_batch_size=8", *overrides)
+        folder = Path(os.environ.get(REFERENCES_ENV) or self.shared_dir / "references")
+        path = folder / f"{hashlib.sha256(repr(args).encode()).hexdigest()[:20]}.pt"
+        if path.exists():
+            return Reference(**torch.load(path))
+        trainer = Trainer(run_config(self.shared_dir / f"{name}-reference", *args), world=World())
+        initial = {key: value.detach().float().clone() for key, value in trainer.model.state_dict().items()}
+        result = trainer.train()
+        final = {key: value.detach().float() for key, value in trainer.model.state_dict().items()}
+        reference = Reference(initial, result.losses, result.val_losses, final)
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save(dataclasses.asdict(reference), partial)
+        partial.replace(path)  # whole or absent, for a reader in another test
+        return reference
 
 
 
@@ -173,16 +245,22 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
 
 
 def spawn_gloo(fn: Callable[..., None], world_size: int, *args: Any) -> None:
-    """Run `fn(rank, *args)` in `world_size` fresh processes joined in one gloo world (torchrun's
-    environment), and wait for them: for tests that need the calling process free of any process
-    group (the traced estimator brings a fake one). `fn` must be a module-level function."""
+    """Run `fn(rank, *args)` in `world_size` fresh processes (started as GlooTestCase's are:
+    rank_context) joined in one gloo world (torchrun's environment), and wait for them: for tests
+    that need the calling process free of any process group (the traced estimator brings a fake
+    one). `fn` must be a module-level function."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_gloo_rank, args=(world_size, port, fn, args), nprocs=world_size)
+    rank_context()  # the fork server's preload, set before it starts
+    torch.multiprocessing.start_processes(_gloo_rank, args=(world_size, port, fn, args, dict(os.environ)),
+                                          nprocs=world_size, start_method="forkserver")
 
 
-def _gloo_rank(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple) -> None:
+def _gloo_rank(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple,
+               environ: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)  # the ranks share the machine's cores

@@ -6,12 +6,14 @@ the profiler does not change what a step computes."""
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from _dist import (
     DP_BATCH,
+    REFERENCES_ENV,
     ZERO1_LAYOUT,
     ZERO1_RUN_ENV,
     ZERO3_LAYOUT,
@@ -22,6 +24,15 @@ from _dist import (
     torchrun,
 )
 from _runs import run_overrides
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_references(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One folder for the session's one-process reference runs: a parity test reads those another
+    trained (GlooTestCase._reference), its ranks find it in the environment they are given."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(REFERENCES_ENV, str(tmp_path_factory.mktemp("references")))
+        yield
 
 
 def _cli_run(tmp_path_factory: pytest.TempPathFactory, name: str, layout: tuple[str, ...]

@@ -1,6 +1,7 @@
 """Every data-parallel layout trains like one process: 2 gloo ranks, global batch 8 (2 ranks x 2
 micro-batches x 2 rows), 4 AdamW steps, against one process taking the same 8 rows per step at once;
-and every ZeRO stage over 20 fp32 steps on 2 and on 4 ranks (4 x 1 micro-batch of 2 rows).
+and every ZeRO stage over _dist.LONG_STEPS (8) fp32 steps on 2 and on 4 ranks (4 x 1 micro-batch of
+2 rows).
 
 Two measures: the loss of every step and both evaluations (relative error), and the final weights
 (the ones the optimizer updates: ZeRO-1's fp32 master shards, not its 16-bit parameters) as
@@ -11,15 +12,15 @@ summation order of the reduction).
 
 Measured (and the tolerance), `pytest -s` prints them: fp32, every layout: loss 2e-7, parameters
 4e-7 (3e-6 on the tied GPT-2) (1e-5, 1e-4: on an AMD EPYC the same DDP run gives 1.0e-5, see
-_dist.FP32); over 20 steps, stages 0-3 on 2 and 4 ranks: loss 1.3e-7 to 1.8e-7, parameters 2.6e-7 to
-2.8e-7 (1e-5, 1e-4); ZeRO-1 with gradient clipping at 0.05 on the tied GPT-2: 1.9e-7, 5.6e-7. DDP
-bf16-mixed (autocast, like one process): loss 1e-5, parameters 7e-3 (1e-4, 2e-2). Layouts that
-compute with 16-bit *parameters* where one process autocasts fp32 ones per operator (FSDP2's
-MixedPrecisionPolicy, ZeRO-1) round the residual stream differently: bf16-mixed loss 1.1e-4 to
-1.6e-4, parameters 2.4e-2 to 2.6e-2 (ZeRO-1 with fp32 gradient accumulation alike); fp16-mixed
-1.6e-5 to 1.8e-5, 7e-3 to 8e-3; bf16-pure 8e-5 to 9e-5, 1.3e-2 to 1.4e-2 (1e-3, 6e-2). MoE: top-2
-routing turns 1e-7 differences into different experts for a few tokens, in DDP as in FSDP: loss
-5e-5, parameters 7e-2 (1e-3, 0.2).
+_dist.FP32); stages 0-3 on 2 and 4 ranks over 20 steps (TRAINFIT_PARITY_LONG_STEPS=20): loss 1.3e-7
+to 1.8e-7, parameters 2.6e-7 to 2.8e-7 (1e-5, 1e-4); ZeRO-1 with gradient clipping at 0.05 on the
+tied GPT-2: 1.9e-7, 5.6e-7. DDP bf16-mixed (autocast, like one process): loss 1e-5, parameters 7e-3
+(1e-4, 2e-2). Layouts that compute with 16-bit *parameters* where one process autocasts fp32 ones
+per operator (FSDP2's MixedPrecisionPolicy, ZeRO-1) round the residual stream differently:
+bf16-mixed loss 1.1e-4 to 1.6e-4, parameters 2.4e-2 to 2.6e-2 (ZeRO-1 with fp32 gradient
+accumulation alike); fp16-mixed 1.6e-5 to 1.8e-5, 7e-3 to 8e-3; bf16-pure 8e-5 to 9e-5, 1.3e-2 to
+1.4e-2 (1e-3, 6e-2). MoE: top-2 routing turns 1e-7 differences into different experts for a few
+tokens, in DDP as in FSDP: loss 5e-5, parameters 7e-2 (1e-3, 0.2).
 """
 
 from __future__ import annotations
@@ -30,11 +31,22 @@ import signal
 import pytest
 import torch
 
-from _dist import AUTOCAST, DP_BATCH, FP32, LOW, MOE, STEPS, FourRankGlooTestCase, GlooTestCase, full_params, with_comms
+from _dist import (
+    AUTOCAST,
+    DP_BATCH,
+    FP32,
+    LONG_STEPS,
+    LOW,
+    MOE,
+    STEPS,
+    FourRankGlooTestCase,
+    GlooTestCase,
+    full_params,
+    with_comms,
+)
 from _runs import run_config
 from trainfit.train.trainer import Trainer, TrainingDiverged
 
-LONG_STEPS = 20
 pytestmark = pytest.mark.slow  # 16 layouts, each trained on 2 ranks and on one process: minutes
 
 
@@ -55,10 +67,10 @@ class DataParallelParity(GlooTestCase):
         ])
 
     @with_comms
-    def test_every_zero_stage_over_20_steps(self) -> None:
-        self.run_subtests({"stage": [0, 1, 2, 3]}, self.check_stage_over_20_steps)
+    def test_every_zero_stage_over_more_steps(self) -> None:
+        self.run_subtests({"stage": [0, 1, 2, 3]}, self.check_stage_over_more_steps)
 
-    def check_stage_over_20_steps(self, stage: int) -> None:
+    def check_stage_over_more_steps(self, stage: int) -> None:
         self.check_parity((f"--parallel.zero_stage={stage}",), FP32, steps=LONG_STEPS)
 
     @with_comms
@@ -156,5 +168,5 @@ class DataParallelParity(GlooTestCase):
 class FourRanks(FourRankGlooTestCase):
     """Every ZeRO stage on 4 ranks (global batch 8: one micro-batch of 2 rows per rank)."""
 
-    test_every_zero_stage_over_20_steps = DataParallelParity.test_every_zero_stage_over_20_steps
-    check_stage_over_20_steps = DataParallelParity.check_stage_over_20_steps
+    test_every_zero_stage_over_more_steps = DataParallelParity.test_every_zero_stage_over_more_steps
+    check_stage_over_more_steps = DataParallelParity.check_stage_over_more_steps

@@ -2,7 +2,8 @@
 shared expert) on 2 gloo ranks (ep2) and on 4 (ep2 x dp2: dp_shard=4, the experts FSDP-sharded over
 edp=2), dropless and with a capacity factor, against one process taking the same global batches
 (tests/_dist.py's check_parity: the loss of every step and both evaluations, and the final weights
-relative to how far training moved them), 20 steps each; compositions beside them over 4.
+relative to how far training moved them), _dist.LONG_STEPS each (8; 20 when the README's table was
+measured: TRAINFIT_PARITY_LONG_STEPS=20); compositions beside them over 4.
 
 The reference takes the same micro-batches of 2 rows (4 of them per step, where the ranks take 2
 or 1 each): the load-balancing loss and capacity dropping are per micro-batch, so one process on
@@ -25,18 +26,18 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
-from _dist import DP_BATCH, LAYOUT_FIELDS, FourRankGlooTestCase, GlooTestCase, with_comms
+from _dist import DP_BATCH, LAYOUT_FIELDS, LONG_STEPS, FourRankGlooTestCase, GlooTestCase, with_comms
 from _runs import assert_export_matches, run_config
 from trainfit.models.init import canonical_name
 from trainfit.train.distributed import World
 from trainfit.train.trainer import Trainer
 
 FP32 = {"loss_rtol": 1e-4, "update_rtol": 1e-4}
-DROPLESS_20_STEPS = {"loss_rtol": 1e-4, "update_rtol": 1e-3}
-"""Dropless routing over 20 steps: once a near-tied top-2 choice flips on a last-bit difference,
-the parameters drift apart (README: 2.6e-5 on one machine's CPU; 2.8e-4 on an AMD EPYC's). The
-first step's gradients, checked within GRAD_RTOL, are where the dispatch itself is tested."""
-STEPS, COMPOSITION_STEPS = 20, 4
+DROPLESS_LONG = {"loss_rtol": 1e-4, "update_rtol": 1e-3}
+"""Dropless routing over the longer run: once a near-tied top-2 choice flips on a last-bit difference,
+the parameters drift apart (over 20 steps, README: 2.6e-5 on one machine's CPU; 2.8e-4 on an AMD
+EPYC's). The first step's gradients, checked within GRAD_RTOL, are where the dispatch itself is tested."""
+STEPS, COMPOSITION_STEPS = LONG_STEPS, 4
 MOE = ("--model.preset=debug-moe", "--training.micro_batch_size=2")
 """The model, and the micro-batch the reference must share (module docstring)."""
 EP2 = ("--parallel.ep=2", "--parallel.zero_stage=3")
@@ -54,7 +55,7 @@ class ExpertParallelParity(GlooTestCase):
     def check_case(self, case: Case) -> None:
         overrides, steps = case
         dropless_and_long = CAPACITY not in overrides and steps == STEPS
-        self.check_parity((*MOE, *overrides), DROPLESS_20_STEPS if dropless_and_long else FP32, steps=steps)
+        self.check_parity((*MOE, *overrides), DROPLESS_LONG if dropless_and_long else FP32, steps=steps)
 
     def check_gradients(self, overrides: tuple[str, ...]) -> None:
         """The first step's gradients (whole, by name) equal one process's within GRAD_RTOL each."""
