@@ -42,7 +42,7 @@ from typing import Any
 from trainfit.config import Config, ConfigError
 from trainfit.estimate import Estimate
 from trainfit.hardware import device_spec
-from trainfit.memory.analytic import MemoryEstimate, StageMemory
+from trainfit.memory.analytic import MemoryEstimate, SharedSizes, StageMemory
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import Layout, build_layout
@@ -205,6 +205,7 @@ class _Evaluator:
     def __init__(self, cfg: Config, stats: SearchStats) -> None:
         self.cfg, self.stats = cfg, stats
         self.device_memory = device_spec(cfg.hardware).memory_bytes
+        self.shared = SharedSizes(cfg.model)  # every candidate's model is cfg's
 
     def memory(self, cfg: Config, layout: Layout) -> MemoryEstimate | None:
         """The estimate if every pipeline rank fits, else None: the first and last ranks (the most
@@ -212,7 +213,7 @@ class _Evaluator:
         self.stats.memory_estimates += 1
         order = dict.fromkeys([0, layout.pp - 1, *range(layout.pp)])
         stages: dict[int, MemoryBreakdown] = {}
-        memory = StageMemory(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer)
+        memory = StageMemory(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer, self.shared)
         for stage in order:
             breakdown = memory(stage)
             if self.device_memory and breakdown.peak + breakdown.reserved_margin > self.device_memory:
