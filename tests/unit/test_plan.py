@@ -5,6 +5,7 @@ Torch-free and fast: the search is closed-form estimates."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 
 import pytest
@@ -40,6 +41,23 @@ def test_every_listed_layout_is_what_estimate_says_of_its_config() -> None:
         assert est.fits and est.perf.time["step_time_s"] == pytest.approx(c.step_time_s)
         assert max(s.peak + s.reserved_margin for s in est.memory.per_stage) == c.memory_bytes
         assert c.layout.untrainable_reason() is None
+
+
+def test_the_search_makes_no_reference_cycles() -> None:
+    """search runs with the cyclic garbage collector off: what it drops must be freed by reference
+    counting alone (nothing it leaves unreachable is found by a collection)."""
+    cfg = load_config(None, list(LLAMA8B_8))
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        assert gc.isenabled()
+        search(cfg, frozenset(a[2:].split("=")[0] for a in LLAMA8B_8), top=5, exhaustive=True)
+        assert gc.isenabled()  # as it was
+        gc.collect()
+        assert gc.garbage == []
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
 
 
 def test_the_list_is_a_time_memory_frontier() -> None:
