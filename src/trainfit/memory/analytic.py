@@ -5,6 +5,8 @@ pipeline stage (the figures of one rank of that stage) and the worst stage. The 
 their values at the step's peak moment, the largest of: the end of the model's forward, the loss,
 the start of the backward, the backward of the stage's last and first block, and the optimizer
 step (`phase_peaks` keeps the largest of each phase). tests/estimator/ checks them against measured steps of our models.
+`StageMemory` gives them rank by rank (the planner stops at the first that does not fit), each
+distinct rank once; `SharedSizes` keeps what the layouts of one model share.
 
 Conventions (memory/breakdown.py's vocabulary; parallel/data_parallel.py's layouts and its table
 of model-state forms per ZeRO stage):

@@ -265,6 +265,7 @@ class _Knobs:
     search learned of the group: its leanest memory, whether it is done."""
 
     def __init__(self, group: _Group, space: Space, ac: list[tuple[str, int]]) -> None:
+        """`ac`: the checkpointing options, cheapest first (the same for every group)."""
         self.group = group
         self.ac = ac
         self.offload = [o for o in space.offload if _valid_offload(group.layout, o)]
