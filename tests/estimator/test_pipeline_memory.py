@@ -27,9 +27,10 @@ def _held(tmp: Path, stage: int, *extra: str) -> analytic._PipelineHeld:
     layout = build_layout(cfg)
     run = analytic._Run(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer)
     common = analytic._common(run, analytic.SharedSizes(cfg.model))
-    lay = analytic._layout(run, common, stage)
+    place = layout.rank_placement(stage)
+    lay = analytic._layout(run, common, place)
     logits = common.prec.act.compute * V * common.tokens if lay.last else 0
-    return analytic._pipeline_held(run, lay, stage, common.micro_batch, 0, logits)
+    return analytic._pipeline_held(run, lay, place, common.micro_batch, 0, logits)
 
 
 BOUNDARY = MB * T * D * FP32

@@ -77,7 +77,7 @@ from trainfit.memory.activations import (
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import ParamCounts, param_counts
 from trainfit.parallel.layout import Layout
-from trainfit.parallel.stage_split import SINGLE_STAGE_SCHEDULES
+from trainfit.parallel.stage_split import SINGLE_STAGE_SCHEDULES, RankPlacement
 
 MIB = 1024**2
 
@@ -379,9 +379,8 @@ def _block(run: _Run, counts: ParamCounts) -> _Block:
         largest=max(m.dim * m.dim // tp, m.ffn_dim * m.dim // tp, experts_local))
 
 
-def _layout(run: _Run, common: _Common, stage: int) -> _Layout:
+def _layout(run: _Run, common: _Common, place: RankPlacement) -> _Layout:
     m, mem, b = run.model, run.layout, common.block
-    place = mem.rank_placement(stage)
     first, last, blocks = place.first, place.last, place.blocks  # blocks: global indices, model order
     n = mem.ac_every_n_layers
     policy_blocks = sum(_wrapped(i, n) for i in blocks) if mem.activation_checkpointing != "none" else 0
@@ -389,7 +388,7 @@ def _layout(run: _Run, common: _Common, stage: int) -> _Layout:
     head = common.counts.final_norm + (0 if tied_here else b.vocab) if last else 0
     tensors = len(blocks) * b.tensors + b.norm_tensors * first  # + pos embedding (gpt2)
     tensors += (b.norm_tensors + (0 if tied_here else 1)) * last
-    in_flight, head_in_flight = _in_flight(run, stage)
+    in_flight, head_in_flight = _in_flight(run, place.rank)
     return _Layout(
         blocks=len(blocks), policy_blocks=policy_blocks,
         last_wrapped=policy_blocks > 0 and _wrapped(blocks[-1], n),
@@ -821,15 +820,14 @@ class _PipelineHeld(NamedTuple):
     its backward (logits; counted for every micro-batch in flight)."""
 
 
-def _pipeline_held(run: _Run, lay: _Layout, stage: int, mb: _MicroBatch, head_saved: int, logits: int
+def _pipeline_held(run: _Run, lay: _Layout, place: RankPlacement, mb: _MicroBatch, head_saved: int, logits: int
                    ) -> _PipelineHeld:
     layout = run.layout
     if layout.pp == 1:
         return _PipelineHeld()
     p, v, m, n, schedule = layout.pp, layout.pp_virtual_stages, layout.num_microbatches, layout.num_stages, \
         layout.pp_schedule
-    place = layout.rank_placement(stage)
-    boundary, cross_next, cross_prev = mb.boundary, place.sends_next, place.sends_prev
+    stage, boundary, cross_next, cross_prev = place.rank, mb.boundary, place.sends_next, place.sends_prev
     slots = m * boundary * place.boundaries
     # Chunks (one micro-batch through one local stage) awaiting their weight pass at the peak, in
     # torch's orders: interleaved zero-bubble rank i, i + 1; ZB-V, 1; they are the rank's later
@@ -1114,8 +1112,9 @@ class StageMemory:
     def __call__(self, stage: int) -> MemoryBreakdown:
         """The breakdown of a rank of pipeline stage (pp rank) `stage`."""
         run, common, mb = self._run, self._common, self._common.micro_batch
-        lay = _layout(run, common, stage)
-        pipe = _pipeline_held(run, lay, stage, mb, mb.final + mb.loss.saved, mb.loss.output)
+        place = run.layout.rank_placement(stage)
+        lay = _layout(run, common, place)
+        pipe = _pipeline_held(run, lay, place, mb, mb.final + mb.loss.saved, mb.loss.output)
         shape = (lay, pipe)
         if shape not in self._shapes:
             if lay not in self._layouts:
@@ -1138,7 +1137,7 @@ def _rank(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware
           optimizer: OptimizerConfig, stage: int) -> tuple[_Run, _Common, _Stage]:
     run = _Run(model, layout, training, hardware, optimizer)
     common = _common(run, SharedSizes(model))
-    return run, common, _stage(run, common, _layout(run, common, stage))
+    return run, common, _stage(run, common, _layout(run, common, layout.rank_placement(stage)))
 
 
 def model_states(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
