@@ -5,8 +5,9 @@ Torch-free and fast: the search is closed-form estimates."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 import itertools
+import subprocess
+import sys
 
 import pytest
 
@@ -44,20 +45,15 @@ def test_every_listed_layout_is_what_estimate_says_of_its_config() -> None:
 
 
 def test_the_search_makes_no_reference_cycles() -> None:
-    """search runs with the cyclic garbage collector off: what it drops must be freed by reference
-    counting alone (nothing it leaves unreachable is found by a collection)."""
-    cfg = load_config(None, list(LLAMA8B_8))
-    gc.collect()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        assert gc.isenabled()
-        search(cfg, frozenset(a[2:].split("=")[0] for a in LLAMA8B_8), top=5, exhaustive=True)
-        assert gc.isenabled()  # as it was
-        gc.collect()
-        assert gc.garbage == []
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
+    """search runs with the cyclic garbage collector off, so what it drops must be freed by
+    reference counting alone: after a search a collection finds nothing (in a fresh process, where
+    nothing else leaves cycles behind)."""
+    code = ("import gc; from trainfit.config import load_config; from trainfit.plan.search import search; "
+            f"args = {list(LLAMA8B_8)!r}; cfg = load_config(None, args); gc.collect(); "
+            "gc.set_debug(gc.DEBUG_SAVEALL); search(cfg, frozenset(a[2:].split('=')[0] for a in args), top=5, "
+            "exhaustive=True); assert gc.isenabled(); gc.collect(); assert gc.garbage == [], gc.garbage[:5]")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_the_list_is_a_time_memory_frontier() -> None:
