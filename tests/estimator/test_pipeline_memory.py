@@ -15,7 +15,6 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from _runs import run_config
 from trainfit.memory import analytic
 from trainfit.memory.activations import FP32
-from trainfit.models.params import param_counts
 from trainfit.parallel.layout import build_layout
 
 MB, T, D, V, F, M = 2, 256, 128, 512, 384, 4
@@ -27,10 +26,11 @@ def _held(tmp: Path, stage: int, *extra: str) -> analytic._PipelineHeld:
     cfg = row_config(_row("t", 2, LLAMA, *PP2, *extra), tmp)
     layout = build_layout(cfg)
     run = analytic._Run(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer)
-    common = analytic._common(run, param_counts(cfg.model))
-    lay = analytic._layout(run, common, stage)
+    common = analytic._common(run, analytic.SharedSizes(cfg.model))
+    place = layout.rank_placement(stage)
+    lay = analytic._layout(run, common, place)
     logits = common.prec.act.compute * V * common.tokens if lay.last else 0
-    return analytic._pipeline_held(run, lay, stage, common.micro_batch, 0, logits)
+    return analytic._pipeline_held(run, lay, place, common.micro_batch, 0, logits)
 
 
 BOUNDARY = MB * T * D * FP32

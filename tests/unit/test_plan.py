@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import subprocess
+import sys
 
 import pytest
 
@@ -40,6 +42,18 @@ def test_every_listed_layout_is_what_estimate_says_of_its_config() -> None:
         assert est.fits and est.perf.time["step_time_s"] == pytest.approx(c.step_time_s)
         assert max(s.peak + s.reserved_margin for s in est.memory.per_stage) == c.memory_bytes
         assert c.layout.untrainable_reason() is None
+
+
+def test_the_search_makes_no_reference_cycles() -> None:
+    """search runs with the cyclic garbage collector off, so what it drops must be freed by
+    reference counting alone: after a search a collection finds nothing (in a fresh process, where
+    nothing else leaves cycles behind)."""
+    code = ("import gc; from trainfit.config import load_config; from trainfit.plan.search import search; "
+            f"args = {list(LLAMA8B_8)!r}; cfg = load_config(None, args); gc.collect(); "
+            "gc.set_debug(gc.DEBUG_SAVEALL); search(cfg, frozenset(a[2:].split('=')[0] for a in args), top=5, "
+            "exhaustive=True); assert gc.isenabled(); gc.collect(); assert gc.garbage == [], gc.garbage[:5]")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_the_list_is_a_time_memory_frontier() -> None:

@@ -5,6 +5,8 @@ pipeline stage (the figures of one rank of that stage) and the worst stage. The 
 their values at the step's peak moment, the largest of: the end of the model's forward, the loss,
 the start of the backward, the backward of the stage's last and first block, and the optimizer
 step (`phase_peaks` keeps the largest of each phase). tests/estimator/ checks them against measured steps of our models.
+`StageMemory` gives them rank by rank (the planner stops at the first that does not fit), each
+distinct rank once; `SharedSizes` keeps what the layouts of one model share.
 
 Conventions (memory/breakdown.py's vocabulary; parallel/data_parallel.py's layouts and its table
 of model-state forms per ZeRO stage):
@@ -75,7 +77,7 @@ from trainfit.memory.activations import (
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import ParamCounts, param_counts
 from trainfit.parallel.layout import Layout
-from trainfit.parallel.stage_split import SINGLE_STAGE_SCHEDULES
+from trainfit.parallel.stage_split import SINGLE_STAGE_SCHEDULES, RankPlacement
 
 MIB = 1024**2
 
@@ -377,9 +379,8 @@ def _block(run: _Run, counts: ParamCounts) -> _Block:
         largest=max(m.dim * m.dim // tp, m.ffn_dim * m.dim // tp, experts_local))
 
 
-def _layout(run: _Run, common: _Common, stage: int) -> _Layout:
+def _layout(run: _Run, common: _Common, place: RankPlacement) -> _Layout:
     m, mem, b = run.model, run.layout, common.block
-    place = mem.rank_placement(stage)
     first, last, blocks = place.first, place.last, place.blocks  # blocks: global indices, model order
     n = mem.ac_every_n_layers
     policy_blocks = sum(_wrapped(i, n) for i in blocks) if mem.activation_checkpointing != "none" else 0
@@ -387,7 +388,7 @@ def _layout(run: _Run, common: _Common, stage: int) -> _Layout:
     head = common.counts.final_norm + (0 if tied_here else b.vocab) if last else 0
     tensors = len(blocks) * b.tensors + b.norm_tensors * first  # + pos embedding (gpt2)
     tensors += (b.norm_tensors + (0 if tied_here else 1)) * last
-    in_flight, head_in_flight = _in_flight(run, stage)
+    in_flight, head_in_flight = _in_flight(run, place.rank)
     return _Layout(
         blocks=len(blocks), policy_blocks=policy_blocks,
         last_wrapped=policy_blocks > 0 and _wrapped(blocks[-1], n),
@@ -555,23 +556,24 @@ class _Loss(NamedTuple):
     """The loss holds the output through its backward (the chunked loss's checkpoint inputs)."""
 
 
-def _logits(run: _Run, prec: _Precision, tokens: int, tp: int) -> _Loss:
+def _logits(m: ModelConfig, prec: _Precision, shape: _Shape) -> _Loss:
     """train/loss.py's loss of one micro-batch of `tokens` tokens: logits (compute dtype) ->
     .float() (a copy unless fp32 already) -> cross_entropy = log_softmax (fp32, saved) + nll_loss.
     Backward starts with nll_loss's gradient (fp32) and log_softmax's input gradient while its
     output is still held: 3 fp32 logits (measured). Under tp, loss_parallel's unfused forms
     (LOSS_PARALLEL_FP32_COPIES) on a rank's vocabulary shard. Chunked: `_chunked_loss`."""
-    V = -(-run.model.vocab_size // tp)  # the largest shard: an uneven vocabulary's first ranks
+    tokens, tp = shape.tokens, shape.tp
+    V = -(-m.vocab_size // tp)  # the largest shard: an uneven vocabulary's first ranks
     c = prec.act.compute
     copy = FP32 if c != FP32 else 0
     inside, backward = LOSS_PARALLEL_FP32_COPIES if tp > 1 else (1, 3)
-    if run.layout.chunked_loss:
-        return _chunked_loss(run, prec, tokens, V, inside, backward)
+    if shape.chunked_loss:
+        return _chunked_loss(m, prec, shape, V, inside, backward)
     return _Loss(saved=FP32 * V * tokens, output=c * V * tokens, forward=V * tokens * (c + copy + inside * FP32),
                  backward=backward * FP32 * V * tokens)
 
 
-def _chunked_loss(run: _Run, prec: _Precision, tokens: int, V: int, inside: int, backward: int) -> _Loss:
+def _chunked_loss(m: ModelConfig, prec: _Precision, shape: _Shape, V: int, inside: int, backward: int) -> _Loss:
     """memory.chunked_loss (train/loss.py): the model returns the final norm's output [tokens, D] in
     the stream's dtype, which the loss's checkpointed chunks keep as their inputs through its
     backward (under sequence parallelism its all-gathered, whole-sequence copy too). A chunk of q
@@ -581,11 +583,11 @@ def _chunked_loss(run: _Run, prec: _Precision, tokens: int, V: int, inside: int,
     also sums the chunks' gradients in its input buffers before passing them on: the output
     weight's (the matmul's dtype, one vocabulary shard) and the hidden states' (whole tokens: each
     chunk's slice gradient is full-size)."""
-    D, act = run.model.dim, prec.act
-    sequence_parallel = run.layout.sequence_parallel
-    output = Terms(seq=act.stream * D).bytes(tokens, 0, run.layout.tp, sequence_parallel)
-    gathered = act.stream * D * tokens if sequence_parallel and run.layout.tp > 1 else 0
-    chunk = min(tokens, run.layout.loss_chunk_tokens)
+    D, act, tokens = m.dim, prec.act, shape.tokens
+    sequence_parallel = shape.sequence_parallel
+    output = Terms(seq=act.stream * D).bytes(tokens, 0, shape.tp, sequence_parallel)
+    gathered = act.stream * D * tokens if sequence_parallel and shape.tp > 1 else 0
+    chunk = min(tokens, shape.loss_chunk_tokens)
     sums = V * D * act.compute + tokens * D * act.stream if tokens > chunk else 0
     return _Loss(saved=gathered, output=output, forward=output + gathered + (1 + inside) * FP32 * V * chunk,
                  backward=gathered + backward * FP32 * V * chunk + sums, keeps_output=True)
@@ -647,23 +649,41 @@ class _MicroBatch(NamedTuple):
     head_weight_pending: int
 
 
-def _micro_batch(run: _Run, prec: _Precision, tokens: int, seq: int) -> _MicroBatch:
-    m, layout, act = run.model, run.layout, prec.act
-    policy, tp, cp = layout.activation_checkpointing, layout.tp, layout.cp
+class _Shape(NamedTuple):
+    """What sizes a micro-batch's activations on a rank, besides the model and the dtypes."""
+
+    tokens: int
+    """Of the micro-batch on the rank (its local sequences)."""
+    seq: int
+    """The local sequence length."""
+    tp: int
+    cp: int
+    ep: int
+    sequence_parallel: bool
+    policy: str
+    """memory.activation_checkpointing."""
+    moe_imbalance: float
+    chunked_loss: bool
+    loss_chunk_tokens: int
+    rope_table_bytes: int
+
+
+def _micro_batch(m: ModelConfig, prec: _Precision, shape: _Shape) -> _MicroBatch:
+    act, policy, tp, cp = prec.act, shape.policy, shape.tp, shape.cp
 
     def size(terms: Terms) -> int:
-        return terms.bytes(tokens, seq, tp, layout.sequence_parallel)
+        return terms.bytes(shape.tokens, shape.seq, tp, shape.sequence_parallel)
 
-    routing = moe_routing(m, tokens, layout.moe_imbalance, layout.ep)
+    routing = moe_routing(m, shape.tokens, shape.moe_imbalance, shape.ep)
     none = size(block_terms(m, act, "none", routing, cp, tp))
     wrapped = size(block_terms(m, act, policy, routing, cp, tp)) if policy != "none" else none
-    t = backward_transient_terms(m, act, routing, layout.sequence_parallel, policy, cp)
+    t = backward_transient_terms(m, act, routing, shape.sequence_parallel, policy, cp)
     only = policy_only_terms(m, act, policy, tp, routing, cp)
     released = size(only.released)
     return _MicroBatch(
         routing=routing, transient=t, none=none, policy=wrapped,
-        positions=size(context_parallel_positions(m, cp, _rope_table_bytes(run))),
-        final=size(final_norm_terms(m, act, projected=not layout.chunked_loss)), loss=_logits(run, prec, tokens, tp),
+        positions=size(context_parallel_positions(m, cp, shape.rope_table_bytes)),
+        final=size(final_norm_terms(m, act, projected=not shape.chunked_loss)), loss=_logits(m, prec, shape),
         rebuild=none - wrapped + released + size(only.kept), released=released,
         released_last=size(only.released_last), grad_stream=size(t.grad_stream), grad_cast=size(t.grad_cast),
         branch_grad=size(t.branch_grad), attention=size(t.attention), mlp_new=size(t.mlp_new),
@@ -671,6 +691,23 @@ def _micro_batch(run: _Run, prec: _Precision, tokens: int, seq: int) -> _MicroBa
         attention_freed=size(attention_backward_freed(m, act)) if act.math_attention else 0,
         boundary=size(stage_boundary_terms(m, act)), weight_pending=size(weight_pass_pending_terms(m, act)),
         head_weight_pending=size(head_weight_pass_pending_terms(m, act)))
+
+
+class SharedSizes:
+    """What the memory estimates of one model's layouts share: its parameter counts, and a
+    micro-batch's activation sizes by dtypes and shape (_Shape), each computed once. The planner's
+    thousands of layouts have a few hundred shapes; pass one SharedSizes to the StageMemory of
+    each (of this model only)."""
+
+    def __init__(self, model: ModelConfig) -> None:
+        self.model = model
+        self.counts = param_counts(model)
+        self._micro_batches: dict[tuple[_Precision, _Shape], _MicroBatch] = {}
+
+    def micro_batch(self, prec: _Precision, shape: _Shape) -> _MicroBatch:
+        if (prec, shape) not in self._micro_batches:
+            self._micro_batches[prec, shape] = _micro_batch(self.model, prec, shape)
+        return self._micro_batches[prec, shape]
 
 
 class _Common(NamedTuple):
@@ -689,14 +726,18 @@ class _Common(NamedTuple):
     micro_batch: _MicroBatch
 
 
-def _common(run: _Run, counts: ParamCounts) -> _Common:
-    fsdp = run.layout.zero_stage >= 2 or run.layout.offload != "none"
-    prec = _precision(run.layout.precision, fsdp or run.layout.data_parallel == "zero1")
-    if assumed_attention_kernel(run.model, run.layout, run.training, run.hardware) == "math":
+def _common(run: _Run, shared: SharedSizes) -> _Common:
+    layout = run.layout
+    fsdp = layout.zero_stage >= 2 or layout.offload != "none"
+    prec = _precision(layout.precision, fsdp or layout.data_parallel == "zero1")
+    if assumed_attention_kernel(run.model, layout, run.training, run.hardware) == "math":
         prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, math_attention=True))
-    seq = run.training.seq_len // run.layout.cp
-    tokens = run.layout.micro_batch_size * seq
-    return _Common(counts, prec, fsdp, tokens, seq, _block(run, counts), _micro_batch(run, prec, tokens, seq))
+    seq = run.training.seq_len // layout.cp
+    tokens = layout.micro_batch_size * seq
+    shape = _Shape(tokens, seq, layout.tp, layout.cp, layout.ep, layout.sequence_parallel,
+                   layout.activation_checkpointing, layout.moe_imbalance, layout.chunked_loss, layout.loss_chunk_tokens,
+                   _rope_table_bytes(run))
+    return _Common(shared.counts, prec, fsdp, tokens, seq, _block(run, shared.counts), shared.micro_batch(prec, shape))
 
 
 PER_TENSOR_OPTIMIZERS = ("adamw-8bit", "adafactor")
@@ -779,15 +820,14 @@ class _PipelineHeld(NamedTuple):
     its backward (logits; counted for every micro-batch in flight)."""
 
 
-def _pipeline_held(run: _Run, lay: _Layout, stage: int, mb: _MicroBatch, head_saved: int, logits: int
+def _pipeline_held(run: _Run, lay: _Layout, place: RankPlacement, mb: _MicroBatch, head_saved: int, logits: int
                    ) -> _PipelineHeld:
     layout = run.layout
     if layout.pp == 1:
         return _PipelineHeld()
     p, v, m, n, schedule = layout.pp, layout.pp_virtual_stages, layout.num_microbatches, layout.num_stages, \
         layout.pp_schedule
-    place = layout.rank_placement(stage)
-    boundary, cross_next, cross_prev = mb.boundary, place.sends_next, place.sends_prev
+    stage, boundary, cross_next, cross_prev = place.rank, mb.boundary, place.sends_next, place.sends_prev
     slots = m * boundary * place.boundaries
     # Chunks (one micro-batch through one local stage) awaiting their weight pass at the peak, in
     # torch's orders: interleaved zero-bubble rank i, i + 1; ZB-V, 1; they are the rank's later
@@ -1061,17 +1101,20 @@ class StageMemory:
     stops at the first that does not fit (plan/search.py)."""
 
     def __init__(self, model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
-                 optimizer: OptimizerConfig) -> None:
+                 optimizer: OptimizerConfig, shared: SharedSizes | None = None) -> None:
+        if shared is not None and shared.model is not model:
+            raise ValueError("StageMemory: `shared` holds another model's sizes")
         self._run = _Run(model, layout, training, hardware, optimizer)
-        self._common = _common(self._run, param_counts(model))
+        self._common = _common(self._run, shared or SharedSizes(model))
         self._layouts: dict[_Layout, Callable[[_PipelineHeld], MemoryBreakdown]] = {}
         self._shapes: dict[tuple[_Layout, _PipelineHeld], MemoryBreakdown] = {}
 
     def __call__(self, stage: int) -> MemoryBreakdown:
         """The breakdown of a rank of pipeline stage (pp rank) `stage`."""
         run, common, mb = self._run, self._common, self._common.micro_batch
-        lay = _layout(run, common, stage)
-        pipe = _pipeline_held(run, lay, stage, mb, mb.final + mb.loss.saved, mb.loss.output)
+        place = run.layout.rank_placement(stage)
+        lay = _layout(run, common, place)
+        pipe = _pipeline_held(run, lay, place, mb, mb.final + mb.loss.saved, mb.loss.output)
         shape = (lay, pipe)
         if shape not in self._shapes:
             if lay not in self._layouts:
@@ -1093,8 +1136,8 @@ def estimate_memory(model: ModelConfig, layout: Layout, training: TrainingConfig
 def _rank(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
           optimizer: OptimizerConfig, stage: int) -> tuple[_Run, _Common, _Stage]:
     run = _Run(model, layout, training, hardware, optimizer)
-    common = _common(run, param_counts(model))
-    return run, common, _stage(run, common, _layout(run, common, stage))
+    common = _common(run, SharedSizes(model))
+    return run, common, _stage(run, common, _layout(run, common, layout.rank_placement(stage)))
 
 
 def model_states(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,

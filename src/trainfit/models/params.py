@@ -6,13 +6,12 @@ A test builds every preset and HF family on the meta device and checks these num
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from trainfit.config.schema import ModelConfig
 
 
-@dataclass(frozen=True)
-class ParamCounts:
+class ParamCounts(NamedTuple):
     embedding: int
     """Token (and GPT-2 position) embeddings."""
     attention: int

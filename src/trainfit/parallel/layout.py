@@ -409,22 +409,28 @@ def _pipeline_microbatches(schedule: str, pp: int, virtual: int, wanted: int, ac
     data-parallel rank runs per step, and the schedule must take it), else the accumulation steps,
     or failing that the smallest split of those sequences the schedule takes."""
     rows = global_batch // dp
-    valid = [d for d in _divisors(rows) if _schedule_takes(schedule, pp, virtual, d) is None]
     if wanted:
         why = (f"must divide the {rows} sequences each data-parallel rank runs per step (training.global_batch_size "
                "/ dp)") if rows % wanted else _schedule_takes(schedule, pp, virtual, wanted)
         if why:
+            valid = _taken(schedule, pp, virtual, rows)
             raise _fail("parallel.num_microbatches", wanted, why, f"try {nearest(wanted, valid)}" if valid else
                         "raise training.global_batch_size")
         return wanted
     if _schedule_takes(schedule, pp, virtual, accum) is None:
         return accum
+    valid = _taken(schedule, pp, virtual, rows)
     if not valid:
         least = pp * virtual if schedule == "dualpipev" else pp
         raise _fail("training.global_batch_size", global_batch, f"each of the {dp} data-parallel ranks runs {rows} "
                     f"sequences per step, fewer than the {least} micro-batches parallel.pp_schedule={schedule!r} "
                     f"needs on {pp} pipeline ranks", f"set it to at least {least * dp}")
     return valid[0]
+
+
+def _taken(schedule: str, pp: int, virtual: int, rows: int) -> list[int]:
+    """The micro-batch counts `schedule` takes for `rows` sequences per data-parallel rank."""
+    return [d for d in _divisors(rows) if _schedule_takes(schedule, pp, virtual, d) is None]
 
 
 def _check_memory(cfg: Config) -> None:

@@ -76,6 +76,8 @@ class RankPlacement(NamedTuple):
     """Where a pipeline rank sits: what it holds of the model, and which of its stages exchange
     activations with stages of other ranks (what the memory estimate reads per rank)."""
 
+    rank: int
+    """Its index on the pp axis."""
     stages: tuple[int, ...]
     """Its stages, in model order."""
     blocks: tuple[int, ...]
@@ -101,8 +103,8 @@ def rank_placements(layers_per_stage: tuple[int, ...], pp: int, virtual_stages: 
     for rank in range(pp):
         stages = rank_stages(rank, pp, virtual_stages, schedule)
         placements.append(RankPlacement(
-            stages, rank_blocks(rank, layers_per_stage, pp, virtual_stages, schedule), 0 in stages, n - 1 in stages,
-            boundaries=sum((s > 0) + (s < n - 1) for s in stages),
+            rank, stages, rank_blocks(rank, layers_per_stage, pp, virtual_stages, schedule), first=0 in stages,
+            last=n - 1 in stages, boundaries=sum((s > 0) + (s < n - 1) for s in stages),
             sends_next=sum(s < n - 1 and owner[s + 1] != rank for s in stages),
             sends_prev=sum(s > 0 and owner[s - 1] != rank for s in stages)))
     return tuple(placements)

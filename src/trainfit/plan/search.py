@@ -29,20 +29,22 @@ times the fastest). tests/unit/test_plan.py checks it against an exhaustive sear
 
 from __future__ import annotations
 
+import functools
+import gc
 import heapq
 import itertools
 import math
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from trainfit.config import Config, ConfigError
 from trainfit.estimate import Estimate
 from trainfit.hardware import device_spec
-from trainfit.memory.analytic import MemoryEstimate, StageMemory
+from trainfit.memory.analytic import MemoryEstimate, SharedSizes, StageMemory
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import Layout, build_layout
@@ -50,6 +52,9 @@ from trainfit.parallel.stage_split import balanced_split, default_virtual_stages
 from trainfit.perf import flops as F
 from trainfit.perf.timing import PerfEstimate, bubble_fraction, compute_time_s, estimate_perf, model_parallel_comm_s
 from trainfit.plan.space import Space, replace_sections, replaced, settings_of
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -205,6 +210,7 @@ class _Evaluator:
     def __init__(self, cfg: Config, stats: SearchStats) -> None:
         self.cfg, self.stats = cfg, stats
         self.device_memory = device_spec(cfg.hardware).memory_bytes
+        self.shared = SharedSizes(cfg.model)  # every candidate's model is cfg's
 
     def memory(self, cfg: Config, layout: Layout) -> MemoryEstimate | None:
         """The estimate if every pipeline rank fits, else None: the first and last ranks (the most
@@ -212,7 +218,7 @@ class _Evaluator:
         self.stats.memory_estimates += 1
         order = dict.fromkeys([0, layout.pp - 1, *range(layout.pp)])
         stages: dict[int, MemoryBreakdown] = {}
-        memory = StageMemory(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer)
+        memory = StageMemory(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer, self.shared)
         for stage in order:
             breakdown = memory(stage)
             if self.device_memory and breakdown.peak + breakdown.reserved_margin > self.device_memory:
@@ -259,6 +265,7 @@ class _Knobs:
     search learned of the group: its leanest memory, whether it is done."""
 
     def __init__(self, group: _Group, space: Space, ac: list[tuple[str, int]]) -> None:
+        """`ac`: the checkpointing options, cheapest first (the same for every group)."""
         self.group = group
         self.ac = ac
         self.offload = [o for o in space.offload if _valid_offload(group.layout, o)]
@@ -294,6 +301,25 @@ class _Knobs:
         return out
 
 
+def _without_cycle_collector(fn: Callable[P, R]) -> Callable[P, R]:
+    """Runs `fn` with Python's cyclic garbage collector off (as it was after). The search drops
+    millions of short-lived tuples and makes no reference cycles (tests/unit/test_plan.py checks),
+    so reference counting frees all of it, and the collector's passes over them cost ~12% of it."""
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+
+    return run
+
+
+@_without_cycle_collector
 def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, precisions: tuple[str, ...] = (),
            exhaustive: bool = False) -> Plan:
     """The `top` fastest layouts of `cfg` that fit (see the module docstring); `fixed` names the
