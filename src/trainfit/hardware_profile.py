@@ -133,6 +133,19 @@ class OptimizerFit:
 
 
 @dataclass(frozen=True)
+class Concurrency:
+    """One rank's compute rates while `ranks` ranks of one machine compute at once, as fractions of
+    its rates alone: on a CPU, ranks share caches, memory bandwidth and (beyond the cores) the
+    cores themselves; GPUs share none of these."""
+
+    ranks: int
+    matmul: float
+    """The slowest rank's fp32 matmul rate over one rank's alone."""
+    bandwidth: float
+    """The slowest rank's copy bandwidth over one rank's alone."""
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     version: int
     machine: Machine
@@ -150,6 +163,9 @@ class HardwareProfile:
     matmul_backward: tuple[MatmulBackward, ...] = ()
     """Absent from profiles written before they were measured (and for fp8): backward GEMMs then run
     at the forward's rate."""
+    concurrency: tuple[Concurrency, ...] = ()
+    """Per world size measured (2..max ranks); absent from profiles written before it was measured:
+    ranks then slow down only where ranks x threads exceed the cores."""
 
     def as_dict(self) -> dict[str, Any]:
         """The profile as plain data (dicts, tuples), keys in the TOML's order; no None values."""
@@ -231,6 +247,9 @@ def _check(profile: HardwareProfile) -> None:
     for i, o in enumerate(profile.optimizer):
         if len(o.params) != len(o.seconds) or not o.params:
             raise _Bad(f"optimizer[{i}]: params and seconds must be non-empty arrays of one length")
+    for i, c in enumerate(profile.concurrency):
+        if c.ranks < 2 or c.matmul <= 0 or c.bandwidth <= 0:
+            raise _Bad(f"concurrency[{i}]: ranks must be >= 2 and matmul and bandwidth fractions > 0")
 
 
 def load_profile(path: str) -> HardwareProfile:

@@ -4,6 +4,7 @@ measured profile's rates price a layout's compute."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,10 +13,18 @@ from torch.utils._pytree import tree_flatten
 
 from _profiles import profile
 from trainfit.config import load_config
-from trainfit.hardware_profile import AttentionShape, MatmulBackward, MatmulShape
+from trainfit.hardware_profile import (
+    AttentionShape,
+    Concurrency,
+    HardwareProfile,
+    MatmulBackward,
+    MatmulShape,
+    write_profile,
+)
 from trainfit.models import build_model, materialize
 from trainfit.parallel.layout import build_layout
 from trainfit.perf import kernels as K
+from trainfit.perf import timing
 from trainfit.train.loss import cross_entropy
 
 # Work that is not elementwise: priced by FLOPs (matmuls, the attention kernel) or not at all (lookups).
@@ -103,11 +112,32 @@ def test_attention_runs_at_its_nearest_measured_sequence() -> None:
 
 
 def test_ranks_beyond_the_cores_share_them() -> None:
-    p = profile()  # 2 cores, 1 thread per rank
-    assert K.shared_cores(p, cpu(num_gpus=2)[0].hardware, cpu(num_gpus=2)[1]) == 1
-    assert K.shared_cores(p, cpu(num_gpus=4)[0].hardware, cpu(num_gpus=4)[1]) == 2
+    p = profile()  # 2 cores, 1 thread per rank, no concurrency measured
+    assert K.concurrency_slowdown(p, cpu(num_gpus=1)[0].hardware, cpu(num_gpus=1)[1]) == (1, 1)
+    assert K.concurrency_slowdown(p, cpu(num_gpus=2)[0].hardware, cpu(num_gpus=2)[1]) == (1, 1)
+    assert K.concurrency_slowdown(p, cpu(num_gpus=4)[0].hardware, cpu(num_gpus=4)[1]) == (2, 2)
     two_threads = dataclasses.replace(p, machine=dataclasses.replace(p.machine, threads=2))
-    assert K.shared_cores(two_threads, cpu(num_gpus=2)[0].hardware, cpu(num_gpus=2)[1]) == 2
+    assert K.concurrency_slowdown(two_threads, cpu(num_gpus=2)[0].hardware, cpu(num_gpus=2)[1]) == (2, 2)
+
+
+def test_measured_concurrency_slows_each_kind_of_work_by_its_fraction(tmp_path: Path) -> None:
+    """At a world size calibrate measured, GEMMs and attention run at the matmul fraction, elementwise
+    work at the bandwidth fraction; other world sizes keep the cores rule."""
+    p = profile(concurrency=(Concurrency(2, 0.8, 0.5),))
+    for n, expected in ((2, (1.25, 2.0)), (4, (2, 2))):
+        cfg, layout = cpu(num_gpus=n)
+        assert K.concurrency_slowdown(p, cfg.hardware, layout) == pytest.approx(expected)
+    cfg, layout = cpu(num_gpus=2)
+    flops = timing._rank_flops(cfg.model, layout, cfg.training)
+
+    def compute(measured: HardwareProfile, name: str) -> tuple[float, float]:
+        hw = dataclasses.replace(cfg.hardware, profile=str(write_profile(measured, tmp_path / name)))
+        return timing._compute_seconds(cfg.model, layout, cfg.training, hw, flops)
+
+    elementwise = [b / p.memory_bytes_per_s for b in K.elementwise_bytes(cfg.model, layout, cfg.training)]
+    for alone, together, memory_bound in zip(compute(profile(), "alone.toml"), compute(p, "together.toml"),
+                                             elementwise, strict=True):
+        assert together == pytest.approx(1.25 * (alone - memory_bound) + 2 * memory_bound)
 
 
 def test_the_optimizer_steps_the_ranks_shard() -> None:

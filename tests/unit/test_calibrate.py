@@ -18,6 +18,7 @@ from trainfit.config import ConfigError, HardwareConfig, load_config
 from trainfit.estimate import estimate
 from trainfit.hardware_profile import (
     CollectiveFit,
+    Concurrency,
     HardwareProfile,
     LinkFit,
     MatmulShape,
@@ -47,6 +48,8 @@ def test_toml_roundtrip_and_atomic_write(tmp_path: Path) -> None:
     assert load_profile(path) == p
     assert [f.name for f in tmp_path.iterdir()] == ["hw.toml"]  # no temp file left beside it
     assert load_profile(write(tmp_path, profile(link=None, collectives=()), "none.toml")).link is None
+    together = profile(concurrency=(Concurrency(2, 0.875, 0.5), Concurrency(4, 0.25, 0.125)))
+    assert load_profile(write(tmp_path, together, "together.toml")) == together
     assert to_toml(p).startswith("# Measured by `trainfit calibrate`")
 
 
@@ -242,6 +245,8 @@ def test_a_quick_calibration_measures_plausible_numbers(quick: tuple[Path, str])
         assert 1e6 < c.bytes_per_s < 1e12 and 0 <= c.latency_s < 0.1, c
         assert c.nbytes == QUICK.message_bytes and all(t > 0 for t in c.seconds)
     assert 1e6 < p.link.bytes_per_s < 1e12 and 0 <= p.link.latency_s < 0.1
+    assert [c.ranks for c in p.concurrency] == [2]  # two ranks ran the compute probe at once
+    assert all(0.05 < c.matmul < 2 and 0.05 < c.bandwidth < 2 for c in p.concurrency)
     assert {o.impl for o in p.optimizer} == {"fused", "foreach"}
     for o in p.optimizer:
         assert 1e-12 < o.s_per_param < 1e-6 and o.params == QUICK.optimizer_params

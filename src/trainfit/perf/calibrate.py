@@ -15,6 +15,9 @@ or OMP_NUM_THREADS; torchrun sets 1 per rank):
   picks), per dtype over (batch, heads, sequence, head dim) shapes, skipped as the matmuls are;
 - memory bandwidth: a large fp32 copy (read + write bytes) and add (two reads, one write), the better;
 - collectives at 2..max_ranks ranks (trainfit.perf.calibrate_comms: spawned processes, fits);
+- concurrency: a probe (trainfit.perf.calibrate_probe: an fp32 matmul and a copy) alone, then on
+  every rank of each world size at once; the slowest rank's rates over the lone one's say how much
+  a rank slows down while the machine's other ranks compute (caches, memory bandwidth, cores);
 - AdamW's step on fp32 parameters (the master weights' dtype) of a few sizes, fused (where
   train/optim.py uses it) and foreach, each fitted to step_s + s_per_param x parameters.
 Every figure is the best of `repeats` timed batches of back-to-back calls, each about `batch_s`
@@ -39,6 +42,7 @@ from trainfit.hardware_profile import (
     MATMUL_DTYPES,
     PROFILE_VERSION,
     AttentionShape,
+    Concurrency,
     HardwareProfile,
     Machine,
     MatmulBackward,
@@ -47,6 +51,7 @@ from trainfit.hardware_profile import (
 )
 from trainfit.memory.analytic import FUSED_DEVICES
 from trainfit.perf.calibrate_comms import fit_collectives, fit_nonnegative, measure_collectives, predicted_seconds
+from trainfit.perf.calibrate_probe import best_seconds, compute_probe
 from trainfit.perf.flops import FLASH_ATTENTION_BWD_FACTOR
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -127,11 +132,15 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
         attention = [a for dtype in MATMUL_DTYPES for a in _attentions(dtype, device, settings, step)]
         step("memory bandwidth")
         memory = _memory_bandwidth(device, settings)
-        measured = {}
+        alone = compute_probe(torch.device(device), copy_bytes=settings.memory_bytes, batch_s=settings.batch_s,
+                              repeats=settings.repeats)
+        measured, concurrency = {}, []
         for n in worlds:
             step(f"collectives at {n} ranks ({'nccl' if device == 'cuda' else 'gloo'}, spawning)")
-            measured[n] = measure_collectives(n, device, threads=threads, sizes=settings.message_bytes,
-                                              batch_s=settings.batch_s, repeats=settings.repeats)
+            measured[n], together = measure_collectives(n, device, threads=threads, sizes=settings.message_bytes,
+                                                        batch_s=settings.batch_s, repeats=settings.repeats,
+                                                        copy_bytes=settings.memory_bytes)
+            concurrency.append(Concurrency(n, together[0] / alone[0], together[1] / alone[1]))
         optimizer = [_optimizer(impl, device, settings, step) for impl in impls]
     finally:
         torch.set_num_threads(threads_before)
@@ -144,7 +153,7 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
     return HardwareProfile(version=PROFILE_VERSION, machine=machine, matmul_flops_per_s=best,
                            matmul_shapes=tuple(shapes), memory_bytes_per_s=memory, optimizer=tuple(optimizer),
                            link=link, collectives=tuple(collectives), attention=tuple(attention),
-                           matmul_backward=tuple(backward))
+                           matmul_backward=tuple(backward), concurrency=tuple(concurrency))
 
 
 def _device_name(device: str) -> str:
@@ -159,23 +168,6 @@ def _device_name(device: str) -> str:
 
 def _sync(device: str) -> Callable[[], None]:
     return torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-
-def best_seconds(call: Callable[[], object], sync: Callable[[], None], *, batch_s: float, repeats: int) -> float:
-    """Best mean seconds per call over `repeats` batches of back-to-back calls, after a warm-up call
-    that also sizes the batches."""
-    start = time.perf_counter()
-    call()
-    sync()
-    calls = max(1, round(batch_s / (time.perf_counter() - start)))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        sync()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
 
 
 # ---------------------------------------------------------------- matmuls
@@ -325,4 +317,10 @@ def profile_tables(p: HardwareProfile) -> list[Table]:
             comms.add_row(c.kind, str(c.world_size), f"{c.bytes_per_s / 1e9:,.2f}", f"{c.latency_s * 1e6:,.0f}",
                           f"{min(c.nbytes) / 2**10:,.0f} KiB - {max(c.nbytes) / 2**20:,.0f} MiB", f"{error:.0%}")
         tables.append(comms)
+    if p.concurrency:
+        together = Table("ranks computing at once", "matmul", "memory bandwidth",
+                         title="each rank's rates while the machine's ranks all compute, against one alone")
+        for c in p.concurrency:
+            together.add_row(str(c.ranks), f"{c.matmul:.0%}", f"{c.bandwidth:.0%}")
+        tables.append(together)
     return tables

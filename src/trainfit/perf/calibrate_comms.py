@@ -8,6 +8,10 @@ fp32. A call lasts as long as its slowest rank; each point is the best of `repea
 back-to-back calls (sustained within a batch; the best batch is the one least disturbed by other
 work on the machine).
 
+After the collectives, every rank runs trainfit.perf.calibrate_probe's compute probe at once; the
+slowest rank's rates (a synchronous step waits for it) against one rank's alone are the profile's
+`concurrency` at n ranks.
+
 Fit: comms.py's model, time = a0 + steps x a + factor x B / bw, with a0 its fixed launch cost
 (trainfit.hardware.COLLECTIVE_BASE_LATENCY_S), B as comms.py defines it per kind, and
 
@@ -38,6 +42,7 @@ import torch.distributed as dist
 
 from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S
 from trainfit.hardware_profile import CollectiveFit, LinkFit
+from trainfit.perf.calibrate_probe import compute_probe
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 """Measured at every world size; p2p at 2 ranks only (a send/recv pairs two ranks)."""
@@ -112,22 +117,28 @@ def predicted_seconds(fit: CollectiveFit, nbytes: int) -> float:
 # ---------------------------------------------------------------- measuring
 
 
+Points = dict[str, list[tuple[int, float]]]
+"""{kind: [(bytes, seconds per call), ...]}"""
+
+
 def measure_collectives(world_size: int, device_type: str, *, threads: int, sizes: tuple[int, ...], batch_s: float,
-                        repeats: int) -> dict[str, list[tuple[int, float]]]:
-    """{kind: [(bytes, seconds per call), ...]} at one world size, from freshly spawned ranks."""
+                        repeats: int, copy_bytes: int) -> tuple[Points, tuple[float, float]]:
+    """({kind: [(bytes, seconds per call), ...]}, the slowest rank's compute probe rates while all run
+    it) at one world size, from freshly spawned ranks."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="trainfit-calibrate-") as tmp:
         out = Path(tmp) / "collectives.json"
         torch.multiprocessing.spawn(_rank, args=(world_size, port, device_type, threads, sizes, batch_s, repeats,
-                                                 str(out)), nprocs=world_size)
+                                                 copy_bytes, str(out)), nprocs=world_size)
         raw = json.loads(out.read_text())
-    return {kind: [(int(b), float(t)) for b, t in points] for kind, points in raw.items()}
+    matmul, bandwidth = raw.pop("compute probe")
+    return {kind: [(int(b), float(t)) for b, t in points] for kind, points in raw.items()}, (matmul, bandwidth)
 
 
 def _rank(rank: int, world_size: int, port: int, device_type: str, threads: int, sizes: tuple[int, ...],
-          batch_s: float, repeats: int, out: str) -> None:
+          batch_s: float, repeats: int, copy_bytes: int, out: str) -> None:
     import datetime
 
     torch.set_num_threads(threads)
@@ -145,8 +156,12 @@ def _rank(rank: int, world_size: int, port: int, device_type: str, threads: int,
                 call = _collective(kind, elements, rank, world_size, device)
                 seconds = _time_collective(call, device, batch_s=batch_s, repeats=repeats)
                 results[kind].append((elements * 4, seconds / 2 if kind == "p2p" else seconds))  # p2p: a round trip
+        dist.barrier()
+        rates = compute_probe(device, copy_bytes=copy_bytes, batch_s=batch_s, repeats=repeats)
+        slowest = torch.tensor(rates, dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
         if rank == 0:
-            Path(out).write_text(json.dumps(results))
+            Path(out).write_text(json.dumps({**results, "compute probe": slowest.tolist()}))
     finally:
         dist.destroy_process_group()
 

@@ -12,8 +12,11 @@ on its own (trainfit.perf.timing adds them up):
 - elementwise work: the bytes eager PyTorch moves through memory for norms, RoPE, activations,
   residual adds, the loss's softmax and dtype casts, over the measured memory bandwidth (below);
 - the optimizer step: the measured fit, step_s + s_per_param x the parameters the rank steps;
-- shared cores: ranks x threads beyond the machine's cores time-share them, so compute stretches
-  by that ratio (4 one-thread ranks on 2 cores: 2x). Collectives were measured as they share them.
+- ranks computing at once: a machine's ranks share its caches, memory bandwidth and cores, so each
+  computes slower than one alone: GEMMs and attention by the matmul fraction the profile measured
+  at that many ranks, elementwise work and the optimizer by the bandwidth fraction; not measured
+  there, ranks x threads beyond the cores time-share them (4 one-thread ranks on 2 cores: 2x).
+  Collectives were measured as the ranks share the machine.
 
 Elementwise bytes. Each count is elements read plus written per token, forward and backward, as a
 byte counter at the dispatcher counts them over our Llama block (tests/estimator/test_kernels.py
@@ -154,7 +157,14 @@ def optimizer_seconds(profile: HardwareProfile, m: ModelConfig, layout: Layout) 
     return fit.step_s + fit.s_per_param * (blocks + root) / layout.zero_shards
 
 
-def shared_cores(profile: HardwareProfile, hw: HardwareConfig, layout: Layout) -> float:
-    """How much slower each rank computes because the node's ranks x threads exceed its cores (>= 1)."""
+def concurrency_slowdown(profile: HardwareProfile, hw: HardwareConfig, layout: Layout) -> tuple[float, float]:
+    """(matmul, memory-bound) slowdown of each rank while the node's ranks compute at once (>= 1 when
+    not measured; measured, as it was)."""
     ranks = min(layout.world_size, hw.gpus_per_node)
-    return max(1.0, ranks * profile.machine.threads / profile.machine.cores)
+    if ranks == 1:
+        return 1.0, 1.0
+    measured = next((c for c in profile.concurrency if c.ranks == ranks), None)
+    if measured is not None:
+        return 1 / measured.matmul, 1 / measured.bandwidth
+    shared = max(1.0, ranks * profile.machine.threads / profile.machine.cores)
+    return shared, shared

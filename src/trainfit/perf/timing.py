@@ -154,9 +154,9 @@ def _compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hard
         attention = measured * compute_efficiency(hw) if measured else matmul
         bandwidth = device_spec(hw).hbm_bytes_per_s
         ew_fwd, ew_bwd = K.elementwise_bytes(m, layout, t)
-        shared = K.shared_cores(profile, hw, layout)
-        return (shared * ((fwd - fwd_attention) / matmul + fwd_attention / attention + ew_fwd / bandwidth),
-                shared * ((bwd - bwd_attention) / matmul + bwd_attention / attention + ew_bwd / bandwidth))
+        compute, memory = K.concurrency_slowdown(profile, hw, layout)
+        return (compute * ((fwd - fwd_attention) / matmul + fwd_attention / attention) + memory * ew_fwd / bandwidth,
+                compute * ((bwd - bwd_attention) / matmul + bwd_attention / attention) + memory * ew_bwd / bandwidth)
     rate = peak_flops(hw, layout.precision) * compute_efficiency(hw)
     if layout.precision != "fp8-mixed":
         return fwd / rate, bwd / rate
@@ -171,7 +171,7 @@ def _device_optimizer_seconds(m: ModelConfig, layout: Layout, hw: HardwareConfig
     traffic, ADAMW_BYTES_PER_PARAM, at the memory bandwidth."""
     profile = measured_profile(hw)
     if profile is not None:
-        return K.optimizer_seconds(profile, m, layout) * K.shared_cores(profile, hw, layout)
+        return K.optimizer_seconds(profile, m, layout) * K.concurrency_slowdown(profile, hw, layout)[1]
     block, root = stage_params(m, layout)
     params = (layout.busiest_rank_blocks() * block + root) / layout.zero_shards
     return params * ADAMW_BYTES_PER_PARAM / device_spec(hw).hbm_bytes_per_s

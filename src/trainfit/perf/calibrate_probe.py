@@ -1,0 +1,41 @@
+"""The timing loop of every calibration measurement, and the compute probe: what one rank's fp32
+matmuls and memory copies run at, alone (trainfit.perf.calibrate) or while every rank of one
+machine runs it at once (trainfit.perf.calibrate_comms's ranks). Imports torch."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+PROBE_GEMM = (2048, 256, 1024)
+"""(m, k, n) of the probe's matmul: a mid-sized transformer GEMM (tokens x dim by dim x 4 dim)."""
+
+
+def best_seconds(call: Callable[[], object], sync: Callable[[], None], *, batch_s: float, repeats: int) -> float:
+    """Best mean seconds per call over `repeats` batches of back-to-back calls, after a warm-up call
+    that also sizes the batches."""
+    start = time.perf_counter()
+    call()
+    sync()
+    calls = max(1, round(batch_s / (time.perf_counter() - start)))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        sync()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def compute_probe(device: torch.device, *, copy_bytes: int, batch_s: float, repeats: int) -> tuple[float, float]:
+    """(fp32 matmul FLOP/s at PROBE_GEMM, copy bytes/s read + written over `copy_bytes` tensors)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    m, k, n = PROBE_GEMM
+    a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+    matmul = best_seconds(lambda: a @ b, sync, batch_s=batch_s, repeats=repeats)
+    src, dst = torch.ones(copy_bytes // 4, device=device), torch.empty(copy_bytes // 4, device=device)
+    copy = best_seconds(lambda: dst.copy_(src), sync, batch_s=batch_s, repeats=repeats)
+    return 2 * m * k * n / matmul, 2 * copy_bytes / copy
