@@ -3,7 +3,7 @@
 Runs the grid of tests/estimator/accuracy_grid.py (1, 2 and 4 gloo ranks; precision, optimizer,
 activation checkpointing, ZeRO stage, HSDP, batch shape, dense and MoE models, MoE held to
 asymmetric peak bounds; pipeline schedules, one line per stage against the stage's first rank):
-each configuration is measured at the allocator (rank 0's figures; every world size is one spawn),
+each configuration is measured at the allocator (rank 0's figures; every world size is one start of ranks),
 traced, and estimated. Prints the peaks and their errors against the
 measured one; the analytic estimate's worst component against the traced one, by the test's
 criterion (the largest difference relative to its allowance, max(10% of the traced component, 1%

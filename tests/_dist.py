@@ -3,9 +3,7 @@ the helpers of the multi-process tests in tests/distributed/.
 
 GlooTestCase starts `world_size` real processes (gloo on CPU) per test method; a method groups its
 configurations with `run_subtests`, so one start covers a whole technique. The processes are forked
-from a fork server that imported torch and trainfit once per session (`rank_context`), not spawned
-as fresh interpreters that import them again (7-20 s per test method on 2 busy cores, more than
-many tests' own work): each rank still starts clean, as the server runs no test.
+from the session's fork server (tests/_ranks.py), not spawned as fresh interpreters.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import multiprocessing.context
+import multiprocessing.process
 import os
 import socket
 import subprocess
@@ -28,6 +26,7 @@ from torch.testing._internal import common_distributed
 from torch.testing._internal.common_distributed import run_subtests
 from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase, with_comms
 
+from _ranks import rank_context, start_ranks
 from _runs import run_config
 from trainfit.parallel.data_parallel import state_dicts
 from trainfit.train.distributed import World
@@ -72,23 +71,6 @@ if "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT" not in os.environ:
     common_distributed.TIMEOUT_DEFAULT = 600
 
 
-FORK_SERVER_PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor",
-                       "torch.testing._internal.common_distributed", "trainfit.train.trainer", "_dist"]
-"""What the fork server imports once, before it forks any rank (the test modules' heavy imports)."""
-
-
-def rank_context() -> multiprocessing.context.BaseContext:
-    """The multiprocessing context that starts test ranks: "forkserver", whose server process imports
-    FORK_SERVER_PRELOAD once (the first start of a session launches it) and forks each rank from that
-    state. A rank is as clean as a spawned one (the server runs no test and holds no process group,
-    unlike this pytest process, whose DTensor caches and tensors a plain fork would copy) without
-    importing torch again. The environment is the server's, so ranks are given the caller's
-    (GlooTestCase._run, spawn_gloo)."""
-    context = torch.multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(FORK_SERVER_PRELOAD)
-    return context
-
-
 REFERENCES_ENV = "TRAINFIT_TEST_REFERENCES"
 """The folder of the session's one-process reference runs (GlooTestCase._reference)."""
 
@@ -112,9 +94,10 @@ class GlooTestCase(DTensorTestBase):
         return 2
 
     def _spawn_processes(self) -> None:
-        """Start the ranks from the fork server (rank_context), each given this process's environment
+        """Start the ranks from the fork server (tests/_ranks.py), each given this process's environment
         (the session's data cache, the run folders of session fixtures)."""
-        context, environ = rank_context(), dict(os.environ)
+        context = rank_context("torch.testing._internal.common_distributed", "_dist")
+        environ = dict(os.environ)
 
         def process(**kwargs: Any) -> multiprocessing.process.BaseProcess:
             return context.Process(**{**kwargs, "kwargs": {**kwargs["kwargs"], "environ": environ}})
@@ -245,22 +228,17 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
 
 
 def spawn_gloo(fn: Callable[..., None], world_size: int, *args: Any) -> None:
-    """Run `fn(rank, *args)` in `world_size` fresh processes (started as GlooTestCase's are:
-    rank_context) joined in one gloo world (torchrun's environment), and wait for them: for tests
-    that need the calling process free of any process group (the traced estimator brings a fake
-    one). `fn` must be a module-level function."""
+    """Run `fn(rank, *args)` in `world_size` fresh processes (tests/_ranks.py's start_ranks) joined in
+    one gloo world (torchrun's environment), and wait for them: for tests that need the calling
+    process free of any process group (the traced estimator brings a fake one). `fn` must be a
+    module-level function."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    rank_context()  # the fork server's preload, set before it starts
-    torch.multiprocessing.start_processes(_gloo_rank, args=(world_size, port, fn, args, dict(os.environ)),
-                                          nprocs=world_size, start_method="forkserver")
+    start_ranks(_gloo_rank, world_size, world_size, port, fn, args)
 
 
-def _gloo_rank(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple,
-               environ: dict[str, str]) -> None:
-    os.environ.clear()
-    os.environ.update(environ)
+def _gloo_rank(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)  # the ranks share the machine's cores

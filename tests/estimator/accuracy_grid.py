@@ -9,10 +9,10 @@ the measured side's extra, so models are sized for peaks of 10-60 MiB (tensor-pa
 checkpointing, whose steps are small, for 20 MiB or more); small enough that a 4-rank step costs
 a few seconds on 2 cores.
 
-Several ranks: one `torch.multiprocessing.spawn` per world size joins a gloo world once and
-measures all of that world's rows in sequence (each rank measures itself and writes one JSON file
-per row); the trace and the analytic estimate run in the calling process, which has no process
-group (the tracer brings its own fake one).
+Several ranks: one start of processes per world size (forked from the session's fork server,
+tests/_ranks.py) joins a gloo world once and measures all of that world's rows in sequence (each
+rank measures itself and writes one JSON file per row); the trace and the analytic estimate run in
+the calling process, which has no process group (the tracer brings its own fake one).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from _analytic import memory_of, retained_of, states_of
+from _ranks import start_ranks
 from _runs import run_config
 from trainfit.config import Config
 from trainfit.memory.attribution import Measurement
@@ -487,7 +487,7 @@ def _measure_each(rows: list[Row], tmp: Path, progress: bool) -> Iterator[tuple[
 
 
 def join_world(rank: int, world: int, rendezvous: Path) -> None:
-    """Join a `world`-rank gloo world (a spawned rank) through `rendezvous`, a file that must not exist
+    """Join a `world`-rank gloo world (a started rank) through `rendezvous`, a file that must not exist
     yet, in a folder every rank sees. A file, not a TCP port picked in advance: another process
     (a concurrent test session) could take that port before rank 0 listens on it. Trainers adopt
     the initialized group."""
@@ -505,23 +505,23 @@ def _rank(rank: int, world: int, rows: list[Row], out: str, progress: bool) -> N
         dist.destroy_process_group()
 
 
-def _measure_spawned(rows: list[Row], world: int, tmp: Path, progress: bool) -> dict[str, Measured]:
+def _measure_ranks(rows: list[Row], world: int, tmp: Path, progress: bool) -> dict[str, Measured]:
     tmp.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_rank, args=(world, rows, str(tmp), progress), nprocs=world)
+    start_ranks(_rank, world, world, rows, str(tmp), progress)
     return {row.name: _measured([json.loads((tmp / f"{row.name}.rank{r}.json").read_text()) for r in range(world)])
             for row in rows}
 
 
 def measure_rows(rows: list[Row], tmp: Path, *, progress: bool = False) -> dict[str, Measured]:
-    """Measure `rows`, by name: one-process rows in this process, the others in one spawn per world
-    size (`progress`: name each row on stderr as its measurement starts)."""
+    """Measure `rows`, by name: one-process rows in this process, the others in one start of ranks per
+    world size (`progress`: name each row on stderr as its measurement starts)."""
     out: dict[str, Measured] = {}
     for world in sorted({row.world for row in rows}):
         group = [row for row in rows if row.world == world]
         if world == 1:
             out |= {row.name: _measured([_figures(m)]) for row, m in _measure_each(group, tmp, progress)}
         else:
-            out |= _measure_spawned(group, world, tmp / f"x{world}", progress)
+            out |= _measure_ranks(group, world, tmp / f"x{world}", progress)
     return out
 
 

@@ -23,8 +23,8 @@ batch shape, dense and MoE models). Per configuration:
   followed by its own backward) and, under zero-bubble schedules, the per-component check
   (accuracy_grid._stage_problems says why).
 
-Each world size is measured once, by a module-scoped fixture (one spawn of all its rows); the
-trace and the analytic estimate run per test. The suite runs every other row of the grid (74 of
+Each world size is measured once, by a module-scoped fixture (one start of ranks for all its rows);
+the trace and the analytic estimate run per test. The suite runs every other row of the grid (74 of
 148, every part of it at half: the whole grid is 11 of the suite's minutes on 2 cores);
 TRAINFIT_FULL_GRID=1 runs all of them, as `python benchmarks/estimator_accuracy.py` does, which
 prints the whole grid as a table with the same bounds.

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from accuracy_grid import LLAMA, join_world
 
+from _ranks import start_ranks
 from _runs import run_config
 from trainfit.memory.attribution import measure_trainer_step
 from trainfit.memory.breakdown import PHASES
@@ -83,7 +83,7 @@ def _measure_rank(rank: int, out: str) -> None:
 
 
 def test_each_gloo_rank_measures_itself_and_matches_the_trace(tmp_path: Path) -> None:
-    mp.spawn(_measure_rank, args=(str(tmp_path),), nprocs=2)
+    start_ranks(_measure_rank, 2, str(tmp_path))
     traced = trace_step(run_config(tmp_path, *ZERO3_ON_TWO)).worst
     for rank in (0, 1):
         measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
