@@ -20,6 +20,7 @@ from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link, inter_node_link, 
 from trainfit.models import build_model, count_params, materialize
 from trainfit.parallel.layout import AXES, build_layout
 from trainfit.perf import comms
+from trainfit.perf.timing import Rates
 
 # FSDP2 and DTensor warn about CPU meshes and views; irrelevant to counting collectives.
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -63,9 +64,10 @@ def test_each_axis_gets_the_link_of_its_span() -> None:
     assert comms.axis_stride(dims, "dp_shard") == 8 and comms.axis_stride(dims, "pp") == 32
     intra = {axis for axis in AXES if comms.axes_are_intra_node(dims, (axis,), hw.gpus_per_node)}
     assert intra == {"tp", "cp", "dp_replicate"}  # tp x cp = 8 ranks = one node; dp_replicate is 1
-    assert comms.group_link(dims, ("tp",), hw) == intra_node_link(hw)
-    assert comms.group_link(dims, ("dp_shard",), hw) == inter_node_link(hw)
-    assert comms.group_link(dims, ("cp", "dp_shard"), hw) == inter_node_link(hw)  # the slowest hop
+    rates = Rates.of(hw)
+    assert rates.link(dims, ("tp",)) == intra_node_link(hw)
+    assert rates.link(dims, ("dp_shard",)) == inter_node_link(hw)
+    assert rates.link(dims, ("cp", "dp_shard")) == inter_node_link(hw)  # the slowest hop
     # groups that straddle nodes: 3 ranks per group with 8 GPUs per node
     assert not comms.span_is_intra_node(3, 1, num_gpus=24, gpus_per_node=8)
     assert comms.span_is_intra_node(3, 1, num_gpus=6, gpus_per_node=8)  # the whole job is one node

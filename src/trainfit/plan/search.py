@@ -43,14 +43,20 @@ from typing import Any, ParamSpec, TypeVar
 
 from trainfit.config import Config, ConfigError
 from trainfit.estimate import Estimate
-from trainfit.hardware import device_spec
 from trainfit.memory.analytic import MemoryEstimate, SharedSizes, StageMemory
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import Layout, build_layout
 from trainfit.parallel.stage_split import balanced_split, default_virtual_stages
 from trainfit.perf import flops as F
-from trainfit.perf.timing import PerfEstimate, bubble_fraction, compute_time_s, estimate_perf, model_parallel_comm_s
+from trainfit.perf.timing import (
+    PerfEstimate,
+    Rates,
+    bubble_fraction,
+    compute_time_s,
+    estimate_perf,
+    model_parallel_comm_s,
+)
 from trainfit.plan.space import Space, replace_sections, replaced, settings_of
 
 P = ParamSpec("P")
@@ -209,7 +215,8 @@ def _group(space: Space, stats: SearchStats, mesh: _Mesh, *, replicate: int, ep:
 class _Evaluator:
     def __init__(self, cfg: Config, stats: SearchStats) -> None:
         self.cfg, self.stats = cfg, stats
-        self.device_memory = device_spec(cfg.hardware).memory_bytes
+        self.rates = Rates.of(cfg.hardware)  # every candidate's hardware is cfg's
+        self.device_memory = self.rates.device.memory_bytes
         self.shared = SharedSizes(cfg.model)  # every candidate's model is cfg's
 
     def memory(self, cfg: Config, layout: Layout) -> MemoryEstimate | None:
@@ -229,10 +236,10 @@ class _Evaluator:
 
     def perf(self, cfg: Config, layout: Layout) -> PerfEstimate:
         self.stats.time_estimates += 1
-        return estimate_perf(cfg.model, layout, cfg.training, cfg.hardware)
+        return estimate_perf(cfg.model, layout, cfg.training, cfg.hardware, self.rates)
 
 
-def _mesh_bound(mesh: _Mesh, groups: list[_Group]) -> float:
+def _mesh_bound(mesh: _Mesh, groups: list[_Group], rates: Rates) -> float:
     """A lower bound of the step time of every group of a mesh (`groups`, not empty): their compute
     (the same in all: each data-parallel split runs the same tokens per rank) with the bubble of
     the most micro-batches any of them runs, plus the tensor, context and pipeline traffic of the one
@@ -240,10 +247,10 @@ def _mesh_bound(mesh: _Mesh, groups: list[_Group]) -> float:
     group runs at least that much; its data-parallel traffic and memory knobs only add."""
     first, fewest_calls = groups[0], max(groups, key=lambda g: (g.layout.micro_batch_size, g.layout.zero_stage))
     c = first.cfg
-    compute = compute_time_s(c.model, first.layout, c.training, c.hardware)
+    compute = compute_time_s(c.model, first.layout, c.training, c.hardware, rates)
     rows = c.training.global_batch_size // mesh.dp
     bubble = bubble_fraction(mesh.schedule, mesh.pp, rows, first.layout.pp_virtual_stages)
-    return compute * (1 + bubble) + model_parallel_comm_s(c.model, fewest_calls.layout, c.training, c.hardware)
+    return compute * (1 + bubble) + model_parallel_comm_s(c.model, fewest_calls.layout, c.training, c.hardware, rates)
 
 
 def _knob_cost(cfg: Config, ac: tuple[str, int]) -> float:
@@ -343,7 +350,7 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
     for mesh in _meshes(space):
         groups = list(_mesh_groups(space, stats, mesh))
         if groups:
-            heapq.heappush(heap, (_mesh_bound(mesh, groups), next(order), groups))
+            heapq.heappush(heap, (_mesh_bound(mesh, groups, ev.rates), next(order), groups))
 
     def push(knobs: _Knobs, index: Setting, bound: float | None = None) -> None:
         """A setting keyed by its own step time, or lazily by `bound` (its leaner-than parent's
