@@ -231,6 +231,12 @@ def _tp_calls(model: ModelConfig, layout: Layout, layers: int, wrapped: int) -> 
             ("all_reduce", "backward", "gain"): gains}
 
 
+def collectives_key(layout: Layout) -> tuple[str, int, str]:
+    """What step_collectives reads of a layout's memory knobs (memory.*): the checkpointing, and
+    offload only through data_parallel. The planner times a group's collectives once per key."""
+    return layout.activation_checkpointing, layout.ac_every_n_layers, layout.data_parallel
+
+
 def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfig) -> list[Collective]:
     """Every collective one rank of the busiest pipeline stage issues in one optimizer step.
 

@@ -229,8 +229,8 @@ def compute_time_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwa
     return sum(_compute_seconds(m, layout, t, rates or Rates.of(hw), _rank_flops(m, layout, t)))
 
 
-def _timed_collectives(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: Rates
-                       ) -> list[tuple[Collective, float]]:
+def timed_collectives(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: Rates
+                      ) -> list[tuple[Collective, float]]:
     """Every collective a rank issues per step, with the time of one call (one link per group of mesh
     axes; on a measured link, the profile's fit for the collective when it has one: Rates.fits)."""
     links: dict[tuple[str, ...], Link] = {}
@@ -249,7 +249,7 @@ def model_parallel_comm_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw:
                           rates: Rates | None = None) -> float:
     """Tensor, context and pipeline parallelism's traffic per step, all of it exposed (the module
     docstring's table): the other part of those bounds."""
-    timed = _timed_collectives(m, layout, t, rates or Rates.of(hw))
+    timed = timed_collectives(m, layout, t, rates or Rates.of(hw))
     return sum(one * c.count for c, one in timed if c.purpose in ("tp", "cp", "pp"))
 
 
@@ -317,9 +317,11 @@ def _offload(m: ModelConfig, layout: Layout, rates: Rates, fwd_s: float, bwd_s: 
 
 
 def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig,
-                  rates: Rates | None = None) -> PerfEstimate:
-    """FLOPs, step time and its parts, tokens/s and MFU of one layout of a model on its hardware
-    (`rates`: hw's, resolved once by a caller that times many layouts)."""
+                  rates: Rates | None = None, timed: list[tuple[Collective, float]] | None = None) -> PerfEstimate:
+    """FLOPs, step time and its parts, tokens/s and MFU of one layout of a model on its hardware.
+    A caller that times many layouts passes hw's `rates`, resolved once, and may pass `timed`:
+    timed_collectives of a layout that differs from this one in memory knobs only, with the same
+    collectives_key."""
     rates = rates or Rates.of(hw)
     tokens_per_step = layout.global_batch_size * t.seq_len
     model_tok = F.training_flops_per_token(m, t.seq_len)
@@ -335,7 +337,7 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
     optimizer_s = _device_optimizer_seconds(m, layout, rates) if layout.offload == "none" else 0.0  # else _offload's
 
     n_mb = layout.num_microbatches
-    timed = _timed_collectives(m, layout, t, rates)
+    timed = timed if timed is not None else timed_collectives(m, layout, t, rates)
     comm = dict.fromkeys(KINDS, 0.0)
     for c, one in timed:
         comm[c.kind] += one * c.count

@@ -49,6 +49,7 @@ from trainfit.models.params import param_counts
 from trainfit.parallel.layout import Layout, build_layout
 from trainfit.parallel.stage_split import balanced_split, default_virtual_stages
 from trainfit.perf import flops as F
+from trainfit.perf.comms import Collective, collectives_key
 from trainfit.perf.timing import (
     PerfEstimate,
     Rates,
@@ -56,6 +57,7 @@ from trainfit.perf.timing import (
     compute_time_s,
     estimate_perf,
     model_parallel_comm_s,
+    timed_collectives,
 )
 from trainfit.plan.space import Space, replace_sections, replaced, settings_of
 
@@ -234,9 +236,15 @@ class _Evaluator:
         per_stage = [stages[i] for i in range(layout.pp)]
         return MemoryEstimate(per_stage, max(range(layout.pp), key=lambda i: per_stage[i].peak))
 
-    def perf(self, cfg: Config, layout: Layout) -> PerfEstimate:
+    def perf(self, knobs: _Knobs, layout: Layout) -> PerfEstimate:
+        """The estimate of one of a group's settings (`layout`), its collectives timed once per
+        collectives_key of the group (the settings differ in memory knobs only)."""
         self.stats.time_estimates += 1
-        return estimate_perf(cfg.model, layout, cfg.training, cfg.hardware, self.rates)
+        cfg, key = knobs.group.cfg, collectives_key(layout)
+        timed = knobs.timed.get(key)
+        if timed is None:
+            timed = knobs.timed[key] = timed_collectives(cfg.model, layout, cfg.training, self.rates)
+        return estimate_perf(cfg.model, layout, cfg.training, cfg.hardware, self.rates, timed)
 
 
 def _mesh_bound(mesh: _Mesh, groups: list[_Group], rates: Rates) -> float:
@@ -278,6 +286,8 @@ class _Knobs:
         self.offload = [o for o in space.offload if _valid_offload(group.layout, o)]
         self.chunked = list(space.chunked)
         self.seen: set[Setting] = {(0, 0, 0)}
+        self.timed: dict[tuple[str, int, str], list[tuple[Collective, float]]] = {}
+        """Timed collectives by collectives_key (_Evaluator.perf)."""
         self.leanest: int | None = None
         """Memory per GPU under the leanest setting (a lower bound for every setting), once asked."""
         self.done = False
@@ -359,7 +369,7 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
             heapq.heappush(heap, (bound, next(order), (knobs, index, None)))
             return
         layout = knobs.layout(index)
-        perf = ev.perf(knobs.group.cfg, layout)
+        perf = ev.perf(knobs, layout)
         heapq.heappush(heap, (perf.time["step_time_s"], next(order), (knobs, index, (layout, perf))))
 
     fitting: list[Candidate] = []
