@@ -4,7 +4,9 @@ the fake process group."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import math
 from collections import Counter
 from typing import Any
@@ -20,6 +22,8 @@ from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link, inter_node_link, 
 from trainfit.models import build_model, count_params, materialize
 from trainfit.parallel.layout import AXES, build_layout
 from trainfit.perf import comms
+from trainfit.perf.timing import Rates
+from trainfit.plan.space import AC_OPTIONS, OFFLOAD_OPTIONS
 
 # FSDP2 and DTensor warn about CPU meshes and views; irrelevant to counting collectives.
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -63,9 +67,10 @@ def test_each_axis_gets_the_link_of_its_span() -> None:
     assert comms.axis_stride(dims, "dp_shard") == 8 and comms.axis_stride(dims, "pp") == 32
     intra = {axis for axis in AXES if comms.axes_are_intra_node(dims, (axis,), hw.gpus_per_node)}
     assert intra == {"tp", "cp", "dp_replicate"}  # tp x cp = 8 ranks = one node; dp_replicate is 1
-    assert comms.group_link(dims, ("tp",), hw) == intra_node_link(hw)
-    assert comms.group_link(dims, ("dp_shard",), hw) == inter_node_link(hw)
-    assert comms.group_link(dims, ("cp", "dp_shard"), hw) == inter_node_link(hw)  # the slowest hop
+    rates = Rates.of(hw)
+    assert rates.link(dims, ("tp",)) == intra_node_link(hw)
+    assert rates.link(dims, ("dp_shard",)) == inter_node_link(hw)
+    assert rates.link(dims, ("cp", "dp_shard")) == inter_node_link(hw)  # the slowest hop
     # groups that straddle nodes: 3 ranks per group with 8 GPUs per node
     assert not comms.span_is_intra_node(3, 1, num_gpus=24, gpus_per_node=8)
     assert comms.span_is_intra_node(3, 1, num_gpus=6, gpus_per_node=8)  # the whole job is one node
@@ -104,6 +109,23 @@ def test_what_gradient_accumulation_repeats() -> None:
     assert zero1 == collectives(1, "--parallel.zero_stage=1")
     assert set(zero1) == {("grad_sync", "reduce_scatter"), ("zero1_params", "all_gather")}
     assert zero1["grad_sync", "reduce_scatter"] == zero1["zero1_params", "all_gather"] == 1029
+
+
+@pytest.mark.parametrize("gpus", [2, 16], ids=["one-replica", "dp4"])
+def test_the_memory_knobs_reach_the_collectives_only_through_their_key(gpus: int) -> None:
+    """plan/search.py times a group's collectives once per collectives_key: layouts that differ in
+    memory knobs only, with one key, issue the same collectives (on one replica, offload turns
+    FSDP2 on: the key's data_parallel)."""
+    cfg, dims = _dims("--model.preset=llama2-7b", "--hardware.gpu=H100-SXM-80GB", f"--hardware.num_gpus={gpus}",
+                      "--parallel.tp=2", f"--parallel.cp={1 if gpus == 2 else 2}", "--parallel.zero_stage=3")
+    by_key: dict[tuple, set] = {}
+    for (policy, every), offload, chunked in itertools.product(AC_OPTIONS, OFFLOAD_OPTIONS, (False, True)):
+        knobs = dataclasses.replace(dims, activation_checkpointing=policy, ac_every_n_layers=every, offload=offload,
+                                    chunked_loss=chunked)
+        by_key.setdefault(comms.collectives_key(knobs), set()).add(
+            tuple(comms.step_collectives(cfg.model, knobs, cfg.training)))
+    assert all(len(issued) == 1 for issued in by_key.values())
+    assert len(by_key) == len(AC_OPTIONS) * (2 if gpus == 2 else 1)
 
 
 # ---------------------------------------------------------------- against real code on the fake backend

@@ -132,7 +132,7 @@ def test_measured_concurrency_slows_each_kind_of_work_by_its_fraction(tmp_path: 
 
     def compute(measured: HardwareProfile, name: str) -> tuple[float, float]:
         hw = dataclasses.replace(cfg.hardware, profile=str(write_profile(measured, tmp_path / name)))
-        return timing._compute_seconds(cfg.model, layout, cfg.training, hw, flops)
+        return timing._compute_seconds(cfg.model, layout, cfg.training, timing.Rates.of(hw), flops)
 
     elementwise = [b / p.memory_bytes_per_s for b in K.elementwise_bytes(cfg.model, layout, cfg.training)]
     for alone, together, memory_bound in zip(compute(profile(), "alone.toml"), compute(p, "together.toml"),

@@ -58,7 +58,7 @@ def ddp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def expert_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
     """The 2-D (edp, ep) mesh over shard_mesh's ranks, in their order: ep fastest, so an expert group
-    is ep consecutive shard ranks (perf/comms.py's expert_link assumes it). Built from the Layout
+    is ep consecutive shard ranks (perf/comms.py's group_is_intra_node assumes it). Built from the Layout
     and this rank's own (pipeline stage's) mesh. Collective: it creates process groups, so build it
     once per model (parallel/apply.py does)."""
     shards = shard_mesh(mesh)

@@ -28,8 +28,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from trainfit.config import HardwareConfig, ModelConfig, TrainingConfig
-from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link, inter_node_link, intra_node_link
+from trainfit.config import ModelConfig, TrainingConfig
+from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link
 from trainfit.models.params import param_counts
 from trainfit.models.routing import expert_capacity
 from trainfit.parallel.layout import AXES, Layout
@@ -119,18 +119,13 @@ def axes_are_intra_node(layout: Layout, axes: tuple[str, ...], gpus_per_node: in
     return True
 
 
-def group_link(layout: Layout, axes: tuple[str, ...], hw: HardwareConfig) -> Link:
-    """The link a collective over these mesh axes runs on (its slowest hop)."""
-    if axes_are_intra_node(layout, axes, hw.gpus_per_node):
-        return intra_node_link(hw)
-    return inter_node_link(hw)
+def group_is_intra_node(layout: Layout, axes: tuple[str, ...], gpus_per_node: int) -> bool:
+    """Whether a group over these mesh axes stays inside a node (its slowest hop sets its link).
+    Expert-parallel groups ("ep"): ep consecutive ranks of the dp_shard x cp block (stride tp)."""
+    if axes == ("ep",):
+        return span_is_intra_node(layout.ep, layout.tp, layout.world_size, gpus_per_node)
+    return axes_are_intra_node(layout, axes, gpus_per_node)
 
-
-def expert_link(layout: Layout, hw: HardwareConfig) -> Link:
-    """Expert-parallel groups: ep consecutive ranks of the dp_shard x cp block (stride tp)."""
-    if span_is_intra_node(layout.ep, layout.tp, layout.world_size, hw.gpus_per_node):
-        return intra_node_link(hw)
-    return inter_node_link(hw)
 
 
 # ---------------------------------------------------------------- what a step issues
@@ -234,6 +229,12 @@ def _tp_calls(model: ModelConfig, layout: Layout, layers: int, wrapped: int) -> 
             ("reduce_scatter", "backward", "out"): rs * wrapped,
             ("all_gather", "backward", "pos"): embedding * (model.family == "gpt2"),
             ("all_reduce", "backward", "gain"): gains}
+
+
+def collectives_key(layout: Layout) -> tuple[str, int, str]:
+    """What step_collectives reads of a layout's memory knobs (memory.*): the checkpointing, and
+    offload only through data_parallel. The planner times a group's collectives once per key."""
+    return layout.activation_checkpointing, layout.ac_every_n_layers, layout.data_parallel
 
 
 def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfig) -> list[Collective]:
@@ -368,6 +369,3 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
     add("p2p", "pp", ("pp",), layout.pp, boundary, n_mb * layout.pp_virtual_stages, "backward")
     return out
 
-
-def collective_link(c: Collective, layout: Layout, hw: HardwareConfig) -> Link:
-    return expert_link(layout, hw) if c.axes == ("ep",) else group_link(layout, c.axes, hw)

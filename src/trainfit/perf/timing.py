@@ -57,16 +57,19 @@ stage) sets the step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainfit.config import HardwareConfig, ModelConfig, TrainingConfig
 from trainfit.hardware import (
     HOST_MEMORY_BYTES_PER_S_PER_GPU,
+    DeviceSpec,
     Link,
     compute_dtype_of,
     compute_efficiency,
     device_spec,
     host_link,
+    inter_node_link,
+    intra_node_link,
     measured_profile,
     peak_flops,
 )
@@ -77,12 +80,15 @@ from trainfit.perf import kernels as K
 from trainfit.perf.comms import (
     KINDS,
     Collective,
-    collective_link,
     collective_time,
+    group_is_intra_node,
     precision_bytes,
     stage_params,
     step_collectives,
 )
+
+if TYPE_CHECKING:
+    from trainfit.hardware_profile import HardwareProfile
 
 # Bubble of zero-bubble schedules as a fraction of 1F1B's (ZB-V with equal F, B, W passes).
 ZERO_BUBBLE_FRACTION = 0.0
@@ -104,6 +110,46 @@ class PerfEstimate:
     job), mfu, hfu."""
     collectives: tuple[tuple[Collective, float], ...] = field(default=())
     """Every collective kind a rank issues, with the time of one call."""
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What a step's time reads of the hardware, resolved once: device_spec and the links apply the
+    profile and the hardware.* overrides on every call, and the planner times thousands of layouts
+    on one hardware."""
+
+    hw: HardwareConfig
+    device: DeviceSpec
+    profile: HardwareProfile | None
+    efficiency: float
+    """compute_efficiency(hw)."""
+    intra: Link
+    inter: Link
+    host: Link | None
+    fits: dict[tuple[str, int], Link]
+    """Collectives the profile measured, by (kind, group size): on a measured link, a collective
+    measured at its group size runs at its fit (unless a hardware.* override of the link says otherwise)."""
+    peaks: dict[str, float] = field(default_factory=dict, compare=False)
+    """peak_flops per precision mode, as asked."""
+
+    @classmethod
+    def of(cls, hw: HardwareConfig) -> Rates:
+        profile = measured_profile(hw)
+        overridden = hw.intra_node_gbps or hw.intra_node_latency_us or hw.comm_efficiency
+        fits = {(f.kind, f.world_size): Link("measured", f.bytes_per_s, f.latency_s)
+                for f in (profile.collectives if profile and not overridden else ())}
+        return cls(hw, device_spec(hw), profile, compute_efficiency(hw), intra_node_link(hw), inter_node_link(hw),
+                   host_link(hw), fits)
+
+    def peak(self, precision: str) -> float:
+        """peak_flops(hw, precision), with its named error for a dtype the device has no rate for."""
+        if precision not in self.peaks:
+            self.peaks[precision] = peak_flops(self.hw, precision)
+        return self.peaks[precision]
+
+    def link(self, layout: Layout, axes: tuple[str, ...]) -> Link:
+        """The link a group over these mesh axes runs on (perf/comms.py: its slowest hop)."""
+        return self.intra if group_is_intra_node(layout, axes, self.hw.gpus_per_node) else self.inter
 
 
 def bubble_fraction(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
@@ -138,73 +184,74 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> tuple[floa
     return fwd, bwd, fwd_attention, bwd_attention
 
 
-def _compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig,
+def _compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: Rates,
                      flops: tuple[float, float, float, float]) -> tuple[float, float]:
     """Forward and backward compute time of the busiest rank: on the catalog, FLOPs at the peak times
     the efficiency (fp8: attention at the bf16 peak); on a measured profile, each kind of work at its
     own measured rate (trainfit.perf.kernels)."""
     fwd, bwd, fwd_attention, bwd_attention = flops
-    profile = measured_profile(hw)
+    profile, efficiency = rates.profile, rates.efficiency
     if profile is not None:
-        peak_flops(hw, layout.precision)  # a named error when the profile measured no rate for the dtype
+        rates.peak(layout.precision)  # a named error when the profile measured no rate for the dtype
         dtype = compute_dtype_of(layout.precision)
         tokens = layout.micro_batch_size * t.seq_len / layout.cp
-        matmul = K.matmul_rate(profile, dtype, m, layout, tokens) * compute_efficiency(hw)
+        matmul = K.matmul_rate(profile, dtype, m, layout, tokens) * efficiency
         measured = K.attention_rate(profile, "bf16" if dtype == "fp8" else dtype, m, t.seq_len // layout.cp)
-        attention = measured * compute_efficiency(hw) if measured else matmul
-        bandwidth = device_spec(hw).hbm_bytes_per_s
+        attention = measured * efficiency if measured else matmul
+        bandwidth = rates.device.hbm_bytes_per_s
         ew_fwd, ew_bwd = K.elementwise_bytes(m, layout, t)
-        compute, memory = K.concurrency_slowdown(profile, hw, layout)
+        compute, memory = K.concurrency_slowdown(profile, rates.hw, layout)
         return (compute * ((fwd - fwd_attention) / matmul + fwd_attention / attention) + memory * ew_fwd / bandwidth,
                 compute * ((bwd - bwd_attention) / matmul + bwd_attention / attention) + memory * ew_bwd / bandwidth)
-    rate = peak_flops(hw, layout.precision) * compute_efficiency(hw)
+    rate = rates.peak(layout.precision) * efficiency
     if layout.precision != "fp8-mixed":
         return fwd / rate, bwd / rate
-    attention_rate = device_spec(hw).peak_flops["bf16"] * compute_efficiency(hw)
+    attention_rate = rates.device.peak_flops["bf16"] * efficiency
     attention = fwd_attention + bwd_attention
     slowdown = (attention / attention_rate - attention / rate) / (fwd + bwd)  # per FLOP, spread evenly
     return fwd / rate + fwd * slowdown, bwd / rate + bwd * slowdown
 
 
-def _device_optimizer_seconds(m: ModelConfig, layout: Layout, hw: HardwareConfig) -> float:
+def _device_optimizer_seconds(m: ModelConfig, layout: Layout, rates: Rates) -> float:
     """The device's optimizer step over the rank's shard. Measured profile: its fit; catalog: AdamW's
     traffic, ADAMW_BYTES_PER_PARAM, at the memory bandwidth."""
-    profile = measured_profile(hw)
-    if profile is not None:
-        return K.optimizer_seconds(profile, m, layout) * K.concurrency_slowdown(profile, hw, layout)[1]
+    if rates.profile is not None:
+        return K.optimizer_seconds(rates.profile, m, layout) * K.concurrency_slowdown(rates.profile, rates.hw,
+                                                                                       layout)[1]
     block, root = stage_params(m, layout)
     params = (layout.busiest_rank_blocks() * block + root) / layout.zero_shards
-    return params * ADAMW_BYTES_PER_PARAM / device_spec(hw).hbm_bytes_per_s
+    return params * ADAMW_BYTES_PER_PARAM / rates.device.hbm_bytes_per_s
 
 
-def compute_time_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig) -> float:
+def compute_time_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig,
+                   rates: Rates | None = None) -> float:
     """The busiest rank's forward and backward compute per step (estimate_perf's compute_s), alone:
     part of the lower bounds plan/search.py computes before whole estimates."""
-    return sum(_compute_seconds(m, layout, t, hw, _rank_flops(m, layout, t)))
+    return sum(_compute_seconds(m, layout, t, rates or Rates.of(hw), _rank_flops(m, layout, t)))
 
 
-def _timed_collectives(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig
-                       ) -> list[tuple[Collective, float]]:
+def timed_collectives(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: Rates
+                      ) -> list[tuple[Collective, float]]:
     """Every collective a rank issues per step, with the time of one call (one link per group of mesh
-    axes). On a measured link, a collective the profile measured at its group size runs at that fit
-    (unless a hardware.* override of the link says otherwise)."""
+    axes; on a measured link, the profile's fit for the collective when it has one: Rates.fits)."""
     links: dict[tuple[str, ...], Link] = {}
-    profile = measured_profile(hw)
-    overridden = hw.intra_node_gbps or hw.intra_node_latency_us or hw.comm_efficiency
-    fits = {(f.kind, f.world_size): Link("measured", f.bytes_per_s, f.latency_s)
-            for f in (profile.collectives if profile and not overridden else ())}
+    timed = []
+    for c in step_collectives(m, layout, t):
+        link = links.get(c.axes)
+        if link is None:
+            link = links[c.axes] = rates.link(layout, c.axes)
+        if link.name == "measured":
+            link = rates.fits.get((c.kind, c.group_size), link)
+        timed.append((c, collective_time(c.kind, c.nbytes, c.group_size, link)))
+    return timed
 
-    def link(c: Collective) -> Link:
-        group = links.get(c.axes) or links.setdefault(c.axes, collective_link(c, layout, hw))
-        return fits.get((c.kind, c.group_size), group) if group.name == "measured" else group
 
-    return [(c, collective_time(c.kind, c.nbytes, c.group_size, link(c))) for c in step_collectives(m, layout, t)]
-
-
-def model_parallel_comm_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig) -> float:
+def model_parallel_comm_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig,
+                          rates: Rates | None = None) -> float:
     """Tensor, context and pipeline parallelism's traffic per step, all of it exposed (the module
     docstring's table): the other part of those bounds."""
-    return sum(one * c.count for c, one in _timed_collectives(m, layout, t, hw) if c.purpose in ("tp", "cp", "pp"))
+    timed = timed_collectives(m, layout, t, rates or Rates.of(hw))
+    return sum(one * c.count for c, one in timed if c.purpose in ("tp", "cp", "pp"))
 
 
 def _exposed(timed: list[tuple[Collective, float]], fwd_s: float, bwd_s: float, n_mb: int
@@ -247,7 +294,7 @@ def _exposed(timed: list[tuple[Collective, float]], fwd_s: float, bwd_s: float, 
     return exposed, per_microbatch
 
 
-def _offload(m: ModelConfig, layout: Layout, hw: HardwareConfig, fwd_s: float, bwd_s: float
+def _offload(m: ModelConfig, layout: Layout, rates: Rates, fwd_s: float, bwd_s: float
              ) -> tuple[dict[str, float], float]:
     """({h2d, d2h, host_optimizer}: seconds per step, exposed seconds) of CPU offload (module docstring)."""
     if layout.offload == "none":
@@ -257,21 +304,26 @@ def _offload(m: ModelConfig, layout: Layout, hw: HardwareConfig, fwd_s: float, b
     blocks, root = layers * block / layout.zero_shards, root / layout.zero_shards  # this rank's shard
     master_b = 2 if layout.precision == "bf16-pure" else 4
     grad_b = precision_bytes(layout.precision)[1]
-    link = host_link(hw)
+    link = rates.host
     rate = link.bytes_per_s if link else float("inf")  # on a CPU the host is the device: nothing moves
     h2d_fwd = (blocks + root) * master_b / rate
     h2d_bwd = blocks * master_b / rate if layout.zero_stage == 3 else 0.0
     d2h = (blocks + root) * grad_b / rate
     optimizer = ((blocks + root) * ADAMW_BYTES_PER_PARAM / HOST_MEMORY_BYTES_PER_S_PER_GPU if link
-                 else _device_optimizer_seconds(m, layout, hw))  # on a CPU the host is the device
+                 else _device_optimizer_seconds(m, layout, rates))  # on a CPU the host is the device
     fwd_mb, bwd_mb = fwd_s / n_mb, bwd_s / n_mb
     exposed = (n_mb * (max(0.0, h2d_fwd - fwd_mb) + max(0.0, h2d_bwd + d2h - bwd_mb))
                + root * grad_b / rate + optimizer)
     return {"h2d": n_mb * (h2d_fwd + h2d_bwd), "d2h": n_mb * d2h, "host_optimizer": optimizer}, exposed
 
 
-def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig) -> PerfEstimate:
-    """FLOPs, step time and its parts, tokens/s and MFU of one layout of a model on its hardware."""
+def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig,
+                  rates: Rates | None = None, timed: list[tuple[Collective, float]] | None = None) -> PerfEstimate:
+    """FLOPs, step time and its parts, tokens/s and MFU of one layout of a model on its hardware.
+    A caller that times many layouts passes hw's `rates`, resolved once, and may pass `timed`:
+    timed_collectives of a layout that differs from this one in memory knobs only, with the same
+    collectives_key."""
+    rates = rates or Rates.of(hw)
     tokens_per_step = layout.global_batch_size * t.seq_len
     model_tok = F.training_flops_per_token(m, t.seq_len)
     hardware_tok = F.hardware_flops_per_token(m, t.seq_len, layout.activation_checkpointing, layout.ac_every_n_layers,
@@ -281,12 +333,12 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
                      + F.loss_recompute_flops_per_token(m, layout.chunked_loss))
     rank_flops = _rank_flops(m, layout, t)
     fwd, bwd = rank_flops[:2]
-    fwd_s, bwd_s = _compute_seconds(m, layout, t, hw, rank_flops)
+    fwd_s, bwd_s = _compute_seconds(m, layout, t, rates, rank_flops)
     compute_s = fwd_s + bwd_s
-    optimizer_s = _device_optimizer_seconds(m, layout, hw) if layout.offload == "none" else 0.0  # else _offload's
+    optimizer_s = _device_optimizer_seconds(m, layout, rates) if layout.offload == "none" else 0.0  # else _offload's
 
     n_mb = layout.num_microbatches
-    timed = _timed_collectives(m, layout, t, hw)
+    timed = timed if timed is not None else timed_collectives(m, layout, t, rates)
     comm = dict.fromkeys(KINDS, 0.0)
     for c, one in timed:
         comm[c.kind] += one * c.count
@@ -294,12 +346,12 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
     cover_fwd, cover_bwd = (0.0, 0.0) if hw.gpu == "cpu" else (fwd_s, bwd_s)
     exposed, per_microbatch = _exposed(timed, cover_fwd, cover_bwd, n_mb)
     exposed_s = sum(exposed.values())
-    offload, offload_exposed_s = _offload(m, layout, hw, fwd_s, bwd_s)
+    offload, offload_exposed_s = _offload(m, layout, rates, fwd_s, bwd_s)
     frac = bubble_fraction(layout.pp_schedule, layout.pp, n_mb, layout.pp_virtual_stages)
     bubble_s = frac * (compute_s + per_microbatch)
     step_s = compute_s + exposed_s + offload_exposed_s + bubble_s + optimizer_s
 
-    peak = peak_flops(hw, layout.precision)
+    peak = rates.peak(layout.precision)
     flops = {
         "model_flops_per_token": float(model_tok),
         "hardware_flops_per_token": float(hardware_tok),

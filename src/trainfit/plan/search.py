@@ -43,14 +43,22 @@ from typing import Any, ParamSpec, TypeVar
 
 from trainfit.config import Config, ConfigError
 from trainfit.estimate import Estimate
-from trainfit.hardware import device_spec
 from trainfit.memory.analytic import MemoryEstimate, SharedSizes, StageMemory
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import Layout, build_layout
 from trainfit.parallel.stage_split import balanced_split, default_virtual_stages
 from trainfit.perf import flops as F
-from trainfit.perf.timing import PerfEstimate, bubble_fraction, compute_time_s, estimate_perf, model_parallel_comm_s
+from trainfit.perf.comms import Collective, collectives_key
+from trainfit.perf.timing import (
+    PerfEstimate,
+    Rates,
+    bubble_fraction,
+    compute_time_s,
+    estimate_perf,
+    model_parallel_comm_s,
+    timed_collectives,
+)
 from trainfit.plan.space import Space, replace_sections, replaced, settings_of
 
 P = ParamSpec("P")
@@ -209,7 +217,8 @@ def _group(space: Space, stats: SearchStats, mesh: _Mesh, *, replicate: int, ep:
 class _Evaluator:
     def __init__(self, cfg: Config, stats: SearchStats) -> None:
         self.cfg, self.stats = cfg, stats
-        self.device_memory = device_spec(cfg.hardware).memory_bytes
+        self.rates = Rates.of(cfg.hardware)  # every candidate's hardware is cfg's
+        self.device_memory = self.rates.device.memory_bytes
         self.shared = SharedSizes(cfg.model)  # every candidate's model is cfg's
 
     def memory(self, cfg: Config, layout: Layout) -> MemoryEstimate | None:
@@ -227,12 +236,18 @@ class _Evaluator:
         per_stage = [stages[i] for i in range(layout.pp)]
         return MemoryEstimate(per_stage, max(range(layout.pp), key=lambda i: per_stage[i].peak))
 
-    def perf(self, cfg: Config, layout: Layout) -> PerfEstimate:
+    def perf(self, knobs: _Knobs, layout: Layout) -> PerfEstimate:
+        """The estimate of one of a group's settings (`layout`), its collectives timed once per
+        collectives_key of the group (the settings differ in memory knobs only)."""
         self.stats.time_estimates += 1
-        return estimate_perf(cfg.model, layout, cfg.training, cfg.hardware)
+        cfg, key = knobs.group.cfg, collectives_key(layout)
+        timed = knobs.timed.get(key)
+        if timed is None:
+            timed = knobs.timed[key] = timed_collectives(cfg.model, layout, cfg.training, self.rates)
+        return estimate_perf(cfg.model, layout, cfg.training, cfg.hardware, self.rates, timed)
 
 
-def _mesh_bound(mesh: _Mesh, groups: list[_Group]) -> float:
+def _mesh_bound(mesh: _Mesh, groups: list[_Group], rates: Rates) -> float:
     """A lower bound of the step time of every group of a mesh (`groups`, not empty): their compute
     (the same in all: each data-parallel split runs the same tokens per rank) with the bubble of
     the most micro-batches any of them runs, plus the tensor, context and pipeline traffic of the one
@@ -240,10 +255,10 @@ def _mesh_bound(mesh: _Mesh, groups: list[_Group]) -> float:
     group runs at least that much; its data-parallel traffic and memory knobs only add."""
     first, fewest_calls = groups[0], max(groups, key=lambda g: (g.layout.micro_batch_size, g.layout.zero_stage))
     c = first.cfg
-    compute = compute_time_s(c.model, first.layout, c.training, c.hardware)
+    compute = compute_time_s(c.model, first.layout, c.training, c.hardware, rates)
     rows = c.training.global_batch_size // mesh.dp
     bubble = bubble_fraction(mesh.schedule, mesh.pp, rows, first.layout.pp_virtual_stages)
-    return compute * (1 + bubble) + model_parallel_comm_s(c.model, fewest_calls.layout, c.training, c.hardware)
+    return compute * (1 + bubble) + model_parallel_comm_s(c.model, fewest_calls.layout, c.training, c.hardware, rates)
 
 
 def _knob_cost(cfg: Config, ac: tuple[str, int]) -> float:
@@ -271,6 +286,8 @@ class _Knobs:
         self.offload = [o for o in space.offload if _valid_offload(group.layout, o)]
         self.chunked = list(space.chunked)
         self.seen: set[Setting] = {(0, 0, 0)}
+        self.timed: dict[tuple[str, int, str], list[tuple[Collective, float]]] = {}
+        """Timed collectives by collectives_key (_Evaluator.perf)."""
         self.leanest: int | None = None
         """Memory per GPU under the leanest setting (a lower bound for every setting), once asked."""
         self.done = False
@@ -343,7 +360,7 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
     for mesh in _meshes(space):
         groups = list(_mesh_groups(space, stats, mesh))
         if groups:
-            heapq.heappush(heap, (_mesh_bound(mesh, groups), next(order), groups))
+            heapq.heappush(heap, (_mesh_bound(mesh, groups, ev.rates), next(order), groups))
 
     def push(knobs: _Knobs, index: Setting, bound: float | None = None) -> None:
         """A setting keyed by its own step time, or lazily by `bound` (its leaner-than parent's
@@ -352,7 +369,7 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
             heapq.heappush(heap, (bound, next(order), (knobs, index, None)))
             return
         layout = knobs.layout(index)
-        perf = ev.perf(knobs.group.cfg, layout)
+        perf = ev.perf(knobs, layout)
         heapq.heappush(heap, (perf.time["step_time_s"], next(order), (knobs, index, (layout, perf))))
 
     fitting: list[Candidate] = []
