@@ -20,8 +20,8 @@ or OMP_NUM_THREADS; torchrun sets 1 per rank):
   a rank slows down while the machine's other ranks compute (caches, memory bandwidth, cores);
 - AdamW's step on fp32 parameters (the master weights' dtype) of a few sizes, fused (where
   train/optim.py uses it) and foreach, each fitted to step_s + s_per_param x parameters.
-Every figure is the best of `repeats` timed batches of back-to-back calls, each about `batch_s`
-long (sustained within a batch; the best batch is the one least disturbed by other work).
+Every figure is the median of `repeats` timed batches of back-to-back calls, each about `batch_s`
+long (sustained within a batch; the median, as the time model predicts median step times).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from trainfit.hardware_profile import (
 )
 from trainfit.memory.analytic import FUSED_DEVICES
 from trainfit.perf.calibrate_comms import fit_collectives, fit_nonnegative, measure_collectives, predicted_seconds
-from trainfit.perf.calibrate_probe import best_seconds, compute_probe
+from trainfit.perf.calibrate_probe import compute_probe, median_seconds
 from trainfit.perf.flops import FLASH_ATTENTION_BWD_FACTOR
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -207,7 +207,7 @@ def _matmuls(dtype: str, device: str, s: Settings, step: Callable[[str], None]) 
         flops = 2 * m * k * n
         if out and flops / max(o.flops_per_s for o in out) > s.max_call_s:
             continue
-        seconds = best_seconds(_matmul(dtype, m, k, n, device), _sync(device), batch_s=s.batch_s, repeats=s.repeats)
+        seconds = median_seconds(_matmul(dtype, m, k, n, device), _sync(device), batch_s=s.batch_s, repeats=s.repeats)
         out.append(MatmulShape(dtype, m, k, n, flops / seconds))
     return out
 
@@ -222,8 +222,8 @@ def _matmul_backwards(dtype: str, device: str, s: Settings, step: Callable[[str]
             continue
         x, w, grad = (torch.randn(*shape, device=device, dtype=DTYPES[dtype]) for shape in ((m, k), (n, k), (m, n)))
         sync = _sync(device)
-        input_grad = best_seconds(lambda: grad @ w, sync, batch_s=s.batch_s, repeats=s.repeats)  # noqa: B023
-        weight_grad = best_seconds(lambda: grad.t() @ x, sync, batch_s=s.batch_s, repeats=s.repeats)  # noqa: B023
+        input_grad = median_seconds(lambda: grad @ w, sync, batch_s=s.batch_s, repeats=s.repeats)  # noqa: B023
+        weight_grad = median_seconds(lambda: grad.t() @ x, sync, batch_s=s.batch_s, repeats=s.repeats)  # noqa: B023
         out.append(MatmulBackward(dtype, m, k, n, flops / input_grad, flops / weight_grad))
     return out
 
@@ -244,7 +244,7 @@ def _attentions(dtype: str, device: str, s: Settings, step: Callable[[str], None
         flops = forward * (1 + FLASH_ATTENTION_BWD_FACTOR)
         if out and flops / max(a.flops_per_s for a in out) > s.max_call_s:
             continue
-        seconds = best_seconds(_attention(dtype, (batch, heads, seq, head_dim), device), _sync(device),
+        seconds = median_seconds(_attention(dtype, (batch, heads, seq, head_dim), device), _sync(device),
                                batch_s=s.batch_s, repeats=s.repeats)
         out.append(AttentionShape(dtype, batch, heads, seq, head_dim, flops / seconds))
     return out
@@ -255,8 +255,8 @@ def _attentions(dtype: str, device: str, s: Settings, step: Callable[[str], None
 
 def _memory_bandwidth(device: str, s: Settings) -> float:
     a, b, c = (torch.ones(s.memory_bytes // 4, device=device) for _ in range(3))
-    copy = best_seconds(lambda: c.copy_(a), _sync(device), batch_s=s.batch_s, repeats=s.repeats)
-    add = best_seconds(lambda: torch.add(a, b, out=c), _sync(device), batch_s=s.batch_s, repeats=s.repeats)
+    copy = median_seconds(lambda: c.copy_(a), _sync(device), batch_s=s.batch_s, repeats=s.repeats)
+    add = median_seconds(lambda: torch.add(a, b, out=c), _sync(device), batch_s=s.batch_s, repeats=s.repeats)
     return max(2 * s.memory_bytes / copy, 3 * s.memory_bytes / add)
 
 
@@ -270,7 +270,7 @@ def _optimizer(impl: str, device: str, s: Settings, step: Callable[[str], None])
             p.grad = torch.randn_like(p)
         opt = torch.optim.AdamW(params, lr=1e-3, fused=impl == "fused", foreach=impl == "foreach" or None)
         opt.step()  # creates the states
-        points.append((size, best_seconds(opt.step, _sync(device), batch_s=s.batch_s, repeats=s.repeats)))
+        points.append((size, median_seconds(opt.step, _sync(device), batch_s=s.batch_s, repeats=s.repeats)))
     step_s, s_per_param = fit_nonnegative([(1.0, float(p), t) for p, t in points])
     return OptimizerFit("adamw", impl, "fp32", s_per_param, step_s, tuple(p for p, _ in points),
                         tuple(t for _, t in points))

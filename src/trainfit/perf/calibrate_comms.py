@@ -4,9 +4,9 @@ For one world size n, n processes are spawned (torch.multiprocessing, a free loc
 rendezvous) and joined in one gloo group (nccl on CUDA, one GPU per rank). They time all_reduce,
 all_gather (into one tensor), reduce_scatter (from one tensor), all_to_all (single tensor) and, at
 n = 2, a send/recv ping-pong (half a round trip is one message), each at several message sizes,
-fp32. A call lasts as long as its slowest rank; each point is the best of `repeats` batches of
-back-to-back calls (sustained within a batch; the best batch is the one least disturbed by other
-work on the machine).
+fp32. A call lasts as long as its slowest rank; each point is the median of `repeats` batches of
+back-to-back calls (sustained within a batch; the median, as the time model predicts median step
+times).
 
 After the collectives, every rank runs trainfit.perf.calibrate_probe's compute probe at once; the
 slowest rank's rates (a synchronous step waits for it) against one rank's alone are the profile's
@@ -30,8 +30,8 @@ bandwidth under this model is about half the all-gather's: the fit reports what 
 from __future__ import annotations
 
 import json
-import math
 import socket
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -198,7 +198,8 @@ def _slowest(seconds: float, device: torch.device) -> float:
 
 
 def _time_collective(call: Callable[[], None], device: torch.device, *, batch_s: float, repeats: int) -> float:
-    """Best mean seconds per call over `repeats` batches; every rank runs the same number of calls."""
+    """Median over `repeats` batches of the slowest rank's mean seconds per call; every rank runs the
+    same number of calls."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     call()  # the first call of a size connects buffers and peers
     sync()
@@ -207,12 +208,12 @@ def _time_collective(call: Callable[[], None], device: torch.device, *, batch_s:
     sync()
     warm = _slowest(time.perf_counter() - start, device)
     calls = max(1, min(MAX_CALLS, round(batch_s / warm)))
-    best = math.inf
+    batches = []
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
         for _ in range(calls):
             call()
         sync()
-        best = min(best, _slowest((time.perf_counter() - start) / calls, device))
-    return best
+        batches.append(_slowest((time.perf_counter() - start) / calls, device))
+    return statistics.median(batches)

@@ -4,6 +4,7 @@ machine runs it at once (trainfit.perf.calibrate_comms's ranks). Imports torch."
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -13,21 +14,22 @@ PROBE_GEMM = (2048, 256, 1024)
 """(m, k, n) of the probe's matmul: a mid-sized transformer GEMM (tokens x dim by dim x 4 dim)."""
 
 
-def best_seconds(call: Callable[[], object], sync: Callable[[], None], *, batch_s: float, repeats: int) -> float:
-    """Best mean seconds per call over `repeats` batches of back-to-back calls, after a warm-up call
-    that also sizes the batches."""
+def median_seconds(call: Callable[[], object], sync: Callable[[], None], *, batch_s: float, repeats: int) -> float:
+    """Median over `repeats` batches of back-to-back calls of the mean seconds per call, after a
+    warm-up call that also sizes the batches. The median, not the best: the time model predicts a
+    step's median time, which runs under the machine's usual disturbances, not its quietest moment."""
     start = time.perf_counter()
     call()
     sync()
     calls = max(1, round(batch_s / (time.perf_counter() - start)))
-    best = float("inf")
+    batches = []
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(calls):
             call()
         sync()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
+        batches.append((time.perf_counter() - start) / calls)
+    return statistics.median(batches)
 
 
 def compute_probe(device: torch.device, *, copy_bytes: int, batch_s: float, repeats: int) -> tuple[float, float]:
@@ -35,7 +37,7 @@ def compute_probe(device: torch.device, *, copy_bytes: int, batch_s: float, repe
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     m, k, n = PROBE_GEMM
     a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
-    matmul = best_seconds(lambda: a @ b, sync, batch_s=batch_s, repeats=repeats)
+    matmul = median_seconds(lambda: a @ b, sync, batch_s=batch_s, repeats=repeats)
     src, dst = torch.ones(copy_bytes // 4, device=device), torch.empty(copy_bytes // 4, device=device)
-    copy = best_seconds(lambda: dst.copy_(src), sync, batch_s=batch_s, repeats=repeats)
+    copy = median_seconds(lambda: dst.copy_(src), sync, batch_s=batch_s, repeats=repeats)
     return 2 * m * k * n / matmul, 2 * copy_bytes / copy
