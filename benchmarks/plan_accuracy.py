@@ -91,11 +91,13 @@ def measured_step_s(ranks: int, args: list[str], steps: int, folder: Path) -> fl
 
 
 def median_step_s(ranks: int, args: list[str], steps: int, repeats: int) -> float:
-    """measured_step_s's median over `repeats` fresh runs."""
+    """measured_step_s's median over `repeats` fresh runs (each run's time on stderr when there are several)."""
     runs = []
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as folder:
             runs.append(measured_step_s(ranks, args, steps, Path(folder)))
+    if repeats > 1:
+        print(f"  fresh runs: {', '.join(f'{r:.3f}' for r in runs)} s", file=sys.stderr)
     return statistics.median(runs)
 
 

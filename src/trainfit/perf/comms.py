@@ -127,7 +127,6 @@ def group_is_intra_node(layout: Layout, axes: tuple[str, ...], gpus_per_node: in
     return axes_are_intra_node(layout, axes, gpus_per_node)
 
 
-
 # ---------------------------------------------------------------- what a step issues
 
 

@@ -5,8 +5,8 @@ backward + recomputation; the pipeline stage holding the output projection) divi
 peak of the precision's dtype times `hardware.compute_efficiency`, which stands for everything
 else a step computes. fp8-mixed runs its linear layers at the fp8 peak and attention at the bf16
 peak. A measured profile (hardware.profile) prices each kind of work apart instead: GEMMs at the
-rate of their shape, attention at its kernel's, elementwise traffic at the memory bandwidth, with
-cores shared among ranks (trainfit.perf.kernels).
+rate of their shape, attention at its kernel's, elementwise traffic at the memory bandwidth, each
+slowed by what the machine's other ranks take of it (trainfit.perf.kernels).
 
 Optimizer step: after the backward, on the critical path, over the rank's shard: the profile's
 measured fit, or AdamW's traffic (ADAMW_BYTES_PER_PARAM) at the device's memory bandwidth.
