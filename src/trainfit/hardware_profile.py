@@ -164,8 +164,9 @@ class HardwareProfile:
     """Absent from profiles written before they were measured (and for fp8): backward GEMMs then run
     at the forward's rate."""
     concurrency: tuple[Concurrency, ...] = ()
-    """Per world size measured (2..max ranks); absent from profiles written before it was measured:
-    ranks then slow down only where ranks x threads exceed the cores."""
+    """Per world size measured (2..max ranks, as far as ranks x threads fit the cores); absent from
+    profiles written before it was measured: ranks then slow down only where ranks x threads exceed
+    the cores."""
 
     def as_dict(self) -> dict[str, Any]:
         """The profile as plain data (dicts, tuples), keys in the TOML's order; no None values."""

@@ -121,10 +121,10 @@ def test_ranks_beyond_the_cores_share_them() -> None:
 
 
 def test_measured_concurrency_slows_each_kind_of_work_by_its_fraction(tmp_path: Path) -> None:
-    """At a world size calibrate measured, GEMMs and attention run at the matmul fraction, elementwise
-    work at the bandwidth fraction; other world sizes keep the cores rule."""
-    p = profile(concurrency=(Concurrency(2, 0.8, 0.5),))
-    for n, expected in ((2, (1.25, 2.0)), (4, (2, 2))):
+    """As many ranks as fill the cores run GEMMs and attention at the matmul fraction measured at that
+    many, elementwise work at the bandwidth fraction; ranks beyond the cores time-share them on top."""
+    p = profile(concurrency=(Concurrency(2, 0.8, 0.5),))  # 2 cores, 1 thread per rank
+    for n, expected in ((2, (1.25, 2.0)), (4, (2 * 1.25, 2 * 2.0))):
         cfg, layout = cpu(num_gpus=n)
         assert K.concurrency_slowdown(p, cfg.hardware, layout) == pytest.approx(expected)
     cfg, layout = cpu(num_gpus=2)
@@ -138,6 +138,28 @@ def test_measured_concurrency_slows_each_kind_of_work_by_its_fraction(tmp_path: 
     for alone, together, memory_bound in zip(compute(profile(), "alone.toml"), compute(p, "together.toml"),
                                              elementwise, strict=True):
         assert together == pytest.approx(1.25 * (alone - memory_bound) + 2 * memory_bound)
+
+
+def test_a_pipeline_bubble_on_time_shared_cores_is_filled_by_the_other_ranks(tmp_path: Path) -> None:
+    """pp2 x dp2 on 2 cores: a stage's ranks idle in the bubble leave both cores to the other stage's,
+    so the machine's work (2x a rank's own) sets the step, not the rank's own path plus its bubble."""
+    def step(num_gpus: int, cores: int) -> dict:
+        p = profile()
+        p = dataclasses.replace(p, machine=dataclasses.replace(p.machine, cores=cores))
+        cfg = load_config(None, ["--model.preset=tiny", f"--hardware.num_gpus={num_gpus}", "--parallel.pp=2",
+                                 "--parallel.zero_stage=0", "--training.micro_batch_size=1",
+                                 f"--training.global_batch_size={num_gpus}",
+                                 f"--hardware.profile={write_profile(p, tmp_path / f'{cores}.toml')}"])
+        return timing.estimate_perf(cfg.model, build_layout(cfg), cfg.training, cfg.hardware).time
+
+    alone = step(2, cores=2)  # the cores to themselves: the whole bubble shows
+    assert alone["bubble_fraction"] == 0.5
+    assert alone["bubble_s"] == pytest.approx(0.5 * (alone["compute_s"] + alone["exposed_comm_s"]), rel=0.05)
+    shared = step(4, cores=2)  # 4 ranks on 2 cores: 2x over, the bubble all filled
+    assert shared["bubble_fraction"] == 0.5 and shared["bubble_s"] == 0.0
+    partly = step(4, cores=3)  # 4/3 over: the bubble exceeds what the others fill
+    own = partly["compute_s"] * 3 / 4
+    assert 0 < partly["bubble_s"] == pytest.approx(0.5 * own - (partly["compute_s"] - own), rel=0.05)
 
 
 def test_the_optimizer_steps_the_ranks_shard() -> None:

@@ -17,7 +17,9 @@ or OMP_NUM_THREADS; torchrun sets 1 per rank):
 - collectives at 2..max_ranks ranks (trainfit.perf.calibrate_comms: spawned processes, fits);
 - concurrency: a probe (trainfit.perf.calibrate_probe: an fp32 matmul and a copy) alone, then on
   every rank of each world size at once; the slowest rank's rates over the lone one's say how much
-  a rank slows down while the machine's other ranks compute (caches, memory bandwidth, cores);
+  a rank slows down while the machine's other ranks compute (caches, memory bandwidth). Only world
+  sizes whose ranks x threads fit the cores: beyond them ranks time-share cores, which the time
+  model prices from the cores (trainfit.perf.kernels);
 - AdamW's step on fp32 parameters (the master weights' dtype) of a few sizes, fused (where
   train/optim.py uses it) and foreach, each fitted to step_s + s_per_param x parameters.
 Every figure is the median of `repeats` timed batches of back-to-back calls, each about `batch_s`
@@ -124,7 +126,7 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
         progress(what, done, total)
         done += 1
 
-    start, threads_before = time.perf_counter(), torch.get_num_threads()
+    start, threads_before, cores = time.perf_counter(), torch.get_num_threads(), os.cpu_count() or 1
     torch.set_num_threads(threads)
     try:
         shapes = [s for dtype in dtypes for s in _matmuls(dtype, device, settings, step)]
@@ -139,15 +141,16 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
             step(f"collectives at {n} ranks ({'nccl' if device == 'cuda' else 'gloo'}, spawning)")
             measured[n], together = measure_collectives(n, device, threads=threads, sizes=settings.message_bytes,
                                                         batch_s=settings.batch_s, repeats=settings.repeats,
-                                                        copy_bytes=settings.memory_bytes)
-            concurrency.append(Concurrency(n, together[0] / alone[0], together[1] / alone[1]))
+                                                        copy_bytes=settings.memory_bytes, probe=n * threads <= cores)
+            if together is not None:
+                concurrency.append(Concurrency(n, together[0] / alone[0], together[1] / alone[1]))
         optimizer = [_optimizer(impl, device, settings, step) for impl in impls]
     finally:
         torch.set_num_threads(threads_before)
     progress("done", total, total)
     link, collectives = fit_collectives(measured) if measured else (None, [])
     best = {d: max(s.flops_per_s for s in shapes if s.dtype == d) for d in dtypes}
-    machine = Machine(device=device, name=_device_name(device), cores=os.cpu_count() or 1, threads=threads,
+    machine = Machine(device=device, name=_device_name(device), cores=cores, threads=threads,
                       torch=torch.__version__, date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                       quick=quick, seconds=round(time.perf_counter() - start, 1))
     return HardwareProfile(version=PROFILE_VERSION, machine=machine, matmul_flops_per_s=best,

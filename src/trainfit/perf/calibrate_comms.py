@@ -8,9 +8,9 @@ fp32. A call lasts as long as its slowest rank; each point is the median of `rep
 back-to-back calls (sustained within a batch; the median, as the time model predicts median step
 times).
 
-After the collectives, every rank runs trainfit.perf.calibrate_probe's compute probe at once; the
-slowest rank's rates (a synchronous step waits for it) against one rank's alone are the profile's
-`concurrency` at n ranks.
+After the collectives, when asked (n ranks that do not outnumber the cores), every rank runs
+trainfit.perf.calibrate_probe's compute probe at once; the slowest rank's rates (a synchronous step
+waits for it) against one rank's alone are the profile's `concurrency` at n ranks.
 
 Fit: comms.py's model, time = a0 + steps x a + factor x B / bw, with a0 its fixed launch cost
 (trainfit.hardware.COLLECTIVE_BASE_LATENCY_S), B as comms.py defines it per kind, and
@@ -122,23 +122,24 @@ Points = dict[str, list[tuple[int, float]]]
 
 
 def measure_collectives(world_size: int, device_type: str, *, threads: int, sizes: tuple[int, ...], batch_s: float,
-                        repeats: int, copy_bytes: int) -> tuple[Points, tuple[float, float]]:
+                        repeats: int, copy_bytes: int, probe: bool) -> tuple[Points, tuple[float, float] | None]:
     """({kind: [(bytes, seconds per call), ...]}, the slowest rank's compute probe rates while all run
-    it) at one world size, from freshly spawned ranks."""
+    it, when `probe`) at one world size, from freshly spawned ranks."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="trainfit-calibrate-") as tmp:
         out = Path(tmp) / "collectives.json"
         torch.multiprocessing.spawn(_rank, args=(world_size, port, device_type, threads, sizes, batch_s, repeats,
-                                                 copy_bytes, str(out)), nprocs=world_size)
+                                                 copy_bytes, probe, str(out)), nprocs=world_size)
         raw = json.loads(out.read_text())
-    matmul, bandwidth = raw.pop("compute probe")
-    return {kind: [(int(b), float(t)) for b, t in points] for kind, points in raw.items()}, (matmul, bandwidth)
+    rates = raw.pop("compute probe", None)
+    return ({kind: [(int(b), float(t)) for b, t in points] for kind, points in raw.items()},
+            (rates[0], rates[1]) if rates else None)
 
 
 def _rank(rank: int, world_size: int, port: int, device_type: str, threads: int, sizes: tuple[int, ...],
-          batch_s: float, repeats: int, copy_bytes: int, out: str) -> None:
+          batch_s: float, repeats: int, copy_bytes: int, probe: bool, out: str) -> None:
     import datetime
 
     torch.set_num_threads(threads)
@@ -157,11 +158,14 @@ def _rank(rank: int, world_size: int, port: int, device_type: str, threads: int,
                 seconds = _time_collective(call, device, batch_s=batch_s, repeats=repeats)
                 results[kind].append((elements * 4, seconds / 2 if kind == "p2p" else seconds))  # p2p: a round trip
         dist.barrier()
-        rates = compute_probe(device, copy_bytes=copy_bytes, batch_s=batch_s, repeats=repeats)
-        slowest = torch.tensor(rates, dtype=torch.float64, device=device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
+        together: dict[str, list[float]] = {}
+        if probe:
+            rates = compute_probe(device, copy_bytes=copy_bytes, batch_s=batch_s, repeats=repeats)
+            slowest = torch.tensor(rates, dtype=torch.float64, device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
+            together["compute probe"] = slowest.tolist()
         if rank == 0:
-            Path(out).write_text(json.dumps({**results, "compute probe": slowest.tolist()}))
+            Path(out).write_text(json.dumps({**results, **together}))
     finally:
         dist.destroy_process_group()
 

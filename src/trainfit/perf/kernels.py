@@ -13,10 +13,13 @@ on its own (trainfit.perf.timing adds them up):
   residual adds, the loss's softmax and dtype casts, over the measured memory bandwidth (below);
 - the optimizer step: the measured fit, step_s + s_per_param x the parameters the rank steps;
 - ranks computing at once: a machine's ranks share its caches, memory bandwidth and cores, so each
-  computes slower than one alone: GEMMs and attention by the matmul fraction the profile measured
-  at that many ranks, elementwise work and the optimizer by the bandwidth fraction; not measured
-  there, ranks x threads beyond the cores time-share them (4 one-thread ranks on 2 cores: 2x).
-  Collectives were measured as the ranks share the machine.
+  computes slower than one alone. As many ranks as fill the cores slow GEMMs and attention by the
+  matmul fraction the profile measured at that many ranks, elementwise work and the optimizer by the
+  bandwidth fraction; ranks x threads beyond the cores time-share them on top (4 one-thread ranks
+  on 2 cores: 2x the 2-rank slowdown). The machine's work is then shared over its cores, which is
+  what synchronous ranks see: a rank that waits (a collective, a pipeline bubble) leaves its core
+  to the others, so the slowest rank of a time-sharing probe would overstate it, and ranks beyond
+  the cores are not measured. Collectives were measured as the ranks share the machine.
 
 Elementwise bytes. Each count is elements read plus written per token, forward and backward, as a
 byte counter at the dispatcher counts them over our Llama block (tests/estimator/test_kernels.py
@@ -157,14 +160,19 @@ def optimizer_seconds(profile: HardwareProfile, m: ModelConfig, layout: Layout) 
     return fit.step_s + fit.s_per_param * (blocks + root) / layout.zero_shards
 
 
-def concurrency_slowdown(profile: HardwareProfile, hw: HardwareConfig, layout: Layout) -> tuple[float, float]:
-    """(matmul, memory-bound) slowdown of each rank while the node's ranks compute at once (>= 1 when
-    not measured; measured, as it was)."""
+def time_share(profile: HardwareProfile, hw: HardwareConfig, layout: Layout) -> float:
+    """How many times over the node's ranks ask for its cores: ranks x threads / cores, at least 1."""
     ranks = min(layout.world_size, hw.gpus_per_node)
-    if ranks == 1:
-        return 1.0, 1.0
-    measured = next((c for c in profile.concurrency if c.ranks == ranks), None)
-    if measured is not None:
-        return 1 / measured.matmul, 1 / measured.bandwidth
-    shared = max(1.0, ranks * profile.machine.threads / profile.machine.cores)
-    return shared, shared
+    return max(1.0, ranks * profile.machine.threads / profile.machine.cores)
+
+
+def concurrency_slowdown(profile: HardwareProfile, hw: HardwareConfig, layout: Layout) -> tuple[float, float]:
+    """(matmul, memory-bound) slowdown of each rank while the node's ranks compute at once: the ranks
+    that fill the cores contend for caches and memory bandwidth as the profile measured at that many
+    (not measured: not at all), and ranks beyond the cores time-share them (time_share)."""
+    share = time_share(profile, hw, layout)
+    filling = min(layout.world_size, hw.gpus_per_node, max(1, profile.machine.cores // profile.machine.threads))
+    measured = next((c for c in profile.concurrency if c.ranks == filling), None)
+    if measured is None:
+        return share, share
+    return share / measured.matmul, share / measured.bandwidth

@@ -51,7 +51,11 @@ stages for interleaved-1f1b and looped-bfs (Lamy-Poirier 2023), and 0 for the ze
 (interleaved-zero-bubble, zbv-zero-bubble, dualpipev; Qi et al. 2024: no bubble when forward,
 input-gradient and weight-gradient passes take equal time; the residual from unequal passes is
 not modelled). The busiest pipeline rank (most blocks, plus the output projection on the last
-stage) sets the step.
+stage) sets the step. Where ranks time-share a CPU's cores (trainfit.perf.kernels.time_share: s
+times over), a rank idle in the bubble leaves its core to the others, so the machine's work, s times
+a rank's own compute, bounds the step as well as the rank's own path, its compute at the cores'
+full rate plus its bubble; the bubble is what the second exceeds the first by (none for pp2 x dp2
+on two cores: its stage waiting for the first micro-batch leaves both cores to the other stage).
 """
 
 from __future__ import annotations
@@ -348,7 +352,10 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
     exposed_s = sum(exposed.values())
     offload, offload_exposed_s = _offload(m, layout, rates, fwd_s, bwd_s)
     frac = bubble_fraction(layout.pp_schedule, layout.pp, n_mb, layout.pp_virtual_stages)
-    bubble_s = frac * (compute_s + per_microbatch)
+    # Ranks time-sharing cores: a rank idle in the bubble leaves its core to the others, whose work
+    # fills it; only what exceeds that shows (module docstring).
+    alone = compute_s / (K.time_share(rates.profile, hw, layout) if rates.profile is not None else 1.0)
+    bubble_s = max(0.0, frac * (alone + per_microbatch) - (compute_s - alone))
     step_s = compute_s + exposed_s + offload_exposed_s + bubble_s + optimizer_s
 
     peak = rates.peak(layout.precision)
