@@ -15,6 +15,8 @@ read alike:
     [[optimizer]]                     # name, impl, dtype, s_per_param, step_s, params, seconds
     [link]                            # bytes_per_s, latency_s: one link fitting every collective
     [[collectives]]                   # kind, world_size, bytes_per_s, latency_s, nbytes, seconds
+    [[concurrency]]                   # ranks, matmul, bandwidth: one rank's rates among others, as fractions
+    [[tensor_parallel_host]]          # ranks, sequence_parallel, block_s, root_s: DTensor's host work
 
 Bandwidths are per direction and latencies per step of trainfit.perf.comms's cost model
 (time = a0 + steps x latency + factor x bytes / bandwidth). Every number is finite and >= 0, every
@@ -146,6 +148,20 @@ class Concurrency:
 
 
 @dataclass(frozen=True)
+class TensorParallelHost:
+    """Host seconds of one forward and backward that tensor parallelism adds to a rank beyond its
+    compute and collectives (DTensor's dispatch), measured on `ranks` ranks in one tp group
+    (trainfit.perf.calibrate_tp)."""
+
+    ranks: int
+    sequence_parallel: bool
+    block_s: float
+    """Per transformer block."""
+    root_s: float
+    """The embedding, output projection and vocabulary-parallel loss's."""
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     version: int
     machine: Machine
@@ -167,6 +183,10 @@ class HardwareProfile:
     """Per world size measured (2..max ranks, as far as ranks x threads fit the cores); absent from
     profiles written before it was measured: ranks then slow down only where ranks x threads exceed
     the cores."""
+    tensor_parallel_host: tuple[TensorParallelHost, ...] = ()
+    """Per tp degree measured (as concurrency), with and without sequence parallelism; absent from
+    profiles written before it was measured: tensor parallelism then costs its compute and
+    collectives only."""
 
     def as_dict(self) -> dict[str, Any]:
         """The profile as plain data (dicts, tuples), keys in the TOML's order; no None values."""
@@ -251,6 +271,9 @@ def _check(profile: HardwareProfile) -> None:
     for i, c in enumerate(profile.concurrency):
         if c.ranks < 2 or c.matmul <= 0 or c.bandwidth <= 0:
             raise _Bad(f"concurrency[{i}]: ranks must be >= 2 and matmul and bandwidth fractions > 0")
+    for i, h in enumerate(profile.tensor_parallel_host):
+        if h.ranks < 2:
+            raise _Bad(f"tensor_parallel_host[{i}]: ranks must be >= 2")
 
 
 def load_profile(path: str) -> HardwareProfile:

@@ -19,6 +19,7 @@ from trainfit.hardware_profile import (
     HardwareProfile,
     MatmulBackward,
     MatmulShape,
+    TensorParallelHost,
     write_profile,
 )
 from trainfit.models import build_model, materialize
@@ -160,6 +161,46 @@ def test_a_pipeline_bubble_on_time_shared_cores_is_filled_by_the_other_ranks(tmp
     partly = step(4, cores=3)  # 4/3 over: the bubble exceeds what the others fill
     own = partly["compute_s"] * 3 / 4
     assert 0 < partly["bubble_s"] == pytest.approx(0.5 * own - (partly["compute_s"] - own), rel=0.05)
+
+
+def test_tensor_parallel_dispatch_is_priced_per_block_and_micro_batch(tmp_path: Path) -> None:
+    """The profile's DTensor host work: per block and the rest of the model, every micro-batch, with
+    or without sequence parallelism as measured; checkpointed blocks rerun the forward's third."""
+    p = profile(tensor_parallel_host=(TensorParallelHost(2, False, 0.01, 0.004),
+                                      TensorParallelHost(2, True, 0.02, 0.008)))
+    _, plain = cpu(num_gpus=2)
+    assert K.tensor_parallel_host_seconds(p, plain) == 0  # no tp: no dispatch
+    _, tp = cpu("--parallel.tp=2", "--training.micro_batch_size=1", "--training.global_batch_size=4", num_gpus=2)
+    blocks, micro = tp.busiest_rank_blocks(), tp.num_microbatches
+    assert micro > 1 and K.tensor_parallel_host_seconds(p, tp) == pytest.approx((blocks * 0.01 + 0.004) * micro)
+    _, sp = cpu("--parallel.tp=2", "--parallel.sequence_parallel=true", "--training.micro_batch_size=1",
+                "--training.global_batch_size=4", num_gpus=2)
+    assert K.tensor_parallel_host_seconds(p, sp) == pytest.approx((blocks * 0.02 + 0.008) * micro)
+    _, full = cpu("--parallel.tp=2", "--memory.activation_checkpointing=full", "--training.micro_batch_size=1",
+                  "--training.global_batch_size=4", num_gpus=2)
+    assert K.tensor_parallel_host_seconds(p, full) == pytest.approx((blocks * 0.01 * (1 + K.FORWARD_SHARE) + 0.004)
+                                                                     * micro)
+    assert K.tensor_parallel_host_seconds(profile(), tp) == 0  # not measured
+
+
+def test_a_cpu_adds_the_dispatch_and_a_gpu_hides_it_behind_its_kernels(tmp_path: Path) -> None:
+    p = profile(tensor_parallel_host=(TensorParallelHost(2, False, 0.01, 0.004),))
+
+    def time(num_gpus: int, *args: str, measured: HardwareProfile = p) -> dict:
+        cfg = load_config(None, ["--model.preset=tiny", f"--hardware.num_gpus={num_gpus}", "--parallel.tp=2",
+                                 f"--hardware.profile={write_profile(measured, tmp_path / 'tp.toml')}", *args])
+        return timing.estimate_perf(cfg.model, build_layout(cfg), cfg.training, cfg.hardware).time
+
+    _, layout = cpu("--parallel.tp=2", num_gpus=2)
+    two, four = time(2), time(4, "--parallel.zero_stage=0")  # 4 ranks on 2 cores time-share the dispatch too
+    assert K.tensor_parallel_host_seconds(p, layout) > 0
+    assert two["exposed_host_s"] == pytest.approx(K.tensor_parallel_host_seconds(p, layout))
+    assert four["exposed_host_s"] == pytest.approx(2 * two["exposed_host_s"])
+    assert two["step_time_s"] == pytest.approx(two["compute_s"] + two["exposed_host_s"] + two["exposed_comm_s"]
+                                               + two["optimizer_s"])
+    on_gpus = dataclasses.replace(p, machine=dataclasses.replace(p.machine, device="cuda", name="H100"))
+    gpu = time(2, "--hardware.gpu=H100-SXM-80GB", measured=on_gpus)  # the host runs ahead of the kernels
+    assert gpu["exposed_host_s"] == max(0.0, K.tensor_parallel_host_seconds(p, layout) - gpu["compute_s"])
 
 
 def test_the_optimizer_steps_the_ranks_shard() -> None:

@@ -20,6 +20,8 @@ or OMP_NUM_THREADS; torchrun sets 1 per rank):
   a rank slows down while the machine's other ranks compute (caches, memory bandwidth). Only world
   sizes whose ranks x threads fit the cores: beyond them ranks time-share cores, which the time
   model prices from the cores (trainfit.perf.kernels);
+- tensor parallelism's host work (DTensor's dispatch) per block and for the rest of a tiny model,
+  on the same ranks as one tp group (trainfit.perf.calibrate_tp);
 - AdamW's step on fp32 parameters (the master weights' dtype) of a few sizes, fused (where
   train/optim.py uses it) and foreach, each fitted to step_s + s_per_param x parameters.
 Every figure is the median of `repeats` timed batches of back-to-back calls, each about `batch_s`
@@ -50,6 +52,7 @@ from trainfit.hardware_profile import (
     MatmulBackward,
     MatmulShape,
     OptimizerFit,
+    TensorParallelHost,
 )
 from trainfit.memory.analytic import FUSED_DEVICES
 from trainfit.perf.calibrate_comms import fit_collectives, fit_nonnegative, measure_collectives, predicted_seconds
@@ -136,14 +139,18 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
         memory = _memory_bandwidth(device, settings)
         alone = compute_probe(torch.device(device), copy_bytes=settings.memory_bytes, batch_s=settings.batch_s,
                               repeats=settings.repeats)
-        measured, concurrency = {}, []
+        measured, concurrency, tensor_parallel = {}, [], []
         for n in worlds:
             step(f"collectives at {n} ranks ({'nccl' if device == 'cuda' else 'gloo'}, spawning)")
-            measured[n], together = measure_collectives(n, device, threads=threads, sizes=settings.message_bytes,
-                                                        batch_s=settings.batch_s, repeats=settings.repeats,
-                                                        copy_bytes=settings.memory_bytes, probe=n * threads <= cores)
-            if together is not None:
-                concurrency.append(Concurrency(n, together[0] / alone[0], together[1] / alone[1]))
+            fits_cores = device == "cuda" or n * threads <= cores  # beyond the cores ranks time-share them
+            ranks = measure_collectives(n, device, threads=threads, sizes=settings.message_bytes,
+                                        batch_s=settings.batch_s, repeats=settings.repeats,
+                                        copy_bytes=settings.memory_bytes, probe=fits_cores)
+            measured[n] = ranks.points
+            if ranks.probe is not None:
+                concurrency.append(Concurrency(n, ranks.probe[0] / alone[0], ranks.probe[1] / alone[1]))
+            for sp, (block, root) in (ranks.tensor_parallel_host or {}).items():
+                tensor_parallel.append(TensorParallelHost(n, sp, block, root))
         optimizer = [_optimizer(impl, device, settings, step) for impl in impls]
     finally:
         torch.set_num_threads(threads_before)
@@ -156,7 +163,8 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
     return HardwareProfile(version=PROFILE_VERSION, machine=machine, matmul_flops_per_s=best,
                            matmul_shapes=tuple(shapes), memory_bytes_per_s=memory, optimizer=tuple(optimizer),
                            link=link, collectives=tuple(collectives), attention=tuple(attention),
-                           matmul_backward=tuple(backward), concurrency=tuple(concurrency))
+                           matmul_backward=tuple(backward), concurrency=tuple(concurrency),
+                           tensor_parallel_host=tuple(tensor_parallel))
 
 
 def _device_name(device: str) -> str:
@@ -326,4 +334,11 @@ def profile_tables(p: HardwareProfile) -> list[Table]:
         for c in p.concurrency:
             together.add_row(str(c.ranks), f"{c.matmul:.0%}", f"{c.bandwidth:.0%}")
         tables.append(together)
+    if p.tensor_parallel_host:
+        host = Table("tp ranks", "sequence parallel", "per block", "rest of the model",
+                     title="host work tensor parallelism adds to one forward and backward (DTensor dispatch)")
+        for h in p.tensor_parallel_host:
+            host.add_row(str(h.ranks), "yes" if h.sequence_parallel else "no", f"{h.block_s * 1e3:.1f} ms",
+                         f"{h.root_s * 1e3:.1f} ms")
+        tables.append(host)
     return tables

@@ -10,7 +10,8 @@ times).
 
 After the collectives, when asked (n ranks that do not outnumber the cores), every rank runs
 trainfit.perf.calibrate_probe's compute probe at once; the slowest rank's rates (a synchronous step
-waits for it) against one rank's alone are the profile's `concurrency` at n ranks.
+waits for it) against one rank's alone are the profile's `concurrency` at n ranks. Then the ranks,
+as one tp group, measure tensor parallelism's host work (trainfit.perf.calibrate_tp).
 
 Fit: comms.py's model, time = a0 + steps x a + factor x B / bw, with a0 its fixed launch cost
 (trainfit.hardware.COLLECTIVE_BASE_LATENCY_S), B as comms.py defines it per kind, and
@@ -31,23 +32,22 @@ from __future__ import annotations
 
 import json
 import socket
-import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S
 from trainfit.hardware_profile import CollectiveFit, LinkFit
-from trainfit.perf.calibrate_probe import compute_probe
+from trainfit.perf.calibrate_probe import compute_probe, synchronized_median_seconds
+from trainfit.perf.calibrate_tp import tensor_parallel_host_seconds
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 """Measured at every world size; p2p at 2 ranks only (a send/recv pairs two ranks)."""
-MAX_CALLS = 200
-"""Calls per timed batch at most (the smallest messages take ~0.1 ms)."""
 INIT_TIMEOUT_S = 120
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn); as parallel/zero.py.
@@ -121,10 +121,20 @@ Points = dict[str, list[tuple[int, float]]]
 """{kind: [(bytes, seconds per call), ...]}"""
 
 
+class RanksMeasured(NamedTuple):
+    """What one world size's ranks measured."""
+
+    points: Points
+    probe: tuple[float, float] | None
+    """The slowest rank's compute probe rates (fp32 matmul FLOP/s, copy bytes/s) while all ran it."""
+    tensor_parallel_host: dict[bool, tuple[float, float]] | None
+    """trainfit.perf.calibrate_tp's {sequence_parallel: (block, root host seconds)} on these ranks."""
+
+
 def measure_collectives(world_size: int, device_type: str, *, threads: int, sizes: tuple[int, ...], batch_s: float,
-                        repeats: int, copy_bytes: int, probe: bool) -> tuple[Points, tuple[float, float] | None]:
-    """({kind: [(bytes, seconds per call), ...]}, the slowest rank's compute probe rates while all run
-    it, when `probe`) at one world size, from freshly spawned ranks."""
+                        repeats: int, copy_bytes: int, probe: bool) -> RanksMeasured:
+    """The collectives at one world size, from freshly spawned ranks, and when `probe` (ranks that do
+    not outnumber the cores) the compute probe and tensor parallelism's host work on them."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -133,9 +143,10 @@ def measure_collectives(world_size: int, device_type: str, *, threads: int, size
         torch.multiprocessing.spawn(_rank, args=(world_size, port, device_type, threads, sizes, batch_s, repeats,
                                                  copy_bytes, probe, str(out)), nprocs=world_size)
         raw = json.loads(out.read_text())
-    rates = raw.pop("compute probe", None)
-    return ({kind: [(int(b), float(t)) for b, t in points] for kind, points in raw.items()},
-            (rates[0], rates[1]) if rates else None)
+    rates, host = raw.pop("compute probe", None), raw.pop("tensor parallel host", None)
+    return RanksMeasured({kind: [(int(b), float(t)) for b, t in points] for kind, points in raw.items()},
+                         (rates[0], rates[1]) if rates else None,
+                         {sp == "true": (block, root) for sp, (block, root) in host.items()} if host else None)
 
 
 def _rank(rank: int, world_size: int, port: int, device_type: str, threads: int, sizes: tuple[int, ...],
@@ -155,15 +166,19 @@ def _rank(rank: int, world_size: int, port: int, device_type: str, threads: int,
             elements = max(world_size, nbytes // 4 // world_size * world_size)
             for kind in kinds:
                 call = _collective(kind, elements, rank, world_size, device)
-                seconds = _time_collective(call, device, batch_s=batch_s, repeats=repeats)
+                seconds = synchronized_median_seconds(call, device, batch_s=batch_s, repeats=repeats)
                 results[kind].append((elements * 4, seconds / 2 if kind == "p2p" else seconds))  # p2p: a round trip
         dist.barrier()
-        together: dict[str, list[float]] = {}
+        together: dict[str, object] = {}
         if probe:
             rates = compute_probe(device, copy_bytes=copy_bytes, batch_s=batch_s, repeats=repeats)
             slowest = torch.tensor(rates, dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
             together["compute probe"] = slowest.tolist()
+            smallest = {kind: results[kind][0][1] for kind in COLLECTIVE_KINDS}
+            mesh = init_device_mesh(device_type, (world_size,))
+            host = tensor_parallel_host_seconds(mesh, device, smallest, batch_s=batch_s, repeats=repeats)
+            together["tensor parallel host"] = {str(sp).lower(): list(seconds) for sp, seconds in host.items()}
         if rank == 0:
             Path(out).write_text(json.dumps({**results, **together}))
     finally:
@@ -193,31 +208,3 @@ def _collective(kind: str, elements: int, rank: int, n: int, device: torch.devic
             dist.recv(full, peer)
             dist.send(full, peer)
     return ping_pong
-
-
-def _slowest(seconds: float, device: torch.device) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def _time_collective(call: Callable[[], None], device: torch.device, *, batch_s: float, repeats: int) -> float:
-    """Median over `repeats` batches of the slowest rank's mean seconds per call; every rank runs the
-    same number of calls."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    call()  # the first call of a size connects buffers and peers
-    sync()
-    start = time.perf_counter()
-    call()
-    sync()
-    warm = _slowest(time.perf_counter() - start, device)
-    calls = max(1, min(MAX_CALLS, round(batch_s / warm)))
-    batches = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        sync()
-        batches.append(_slowest((time.perf_counter() - start) / calls, device))
-    return statistics.median(batches)

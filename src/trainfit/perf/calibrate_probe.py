@@ -1,6 +1,7 @@
-"""The timing loop of every calibration measurement, and the compute probe: what one rank's fp32
-matmuls and memory copies run at, alone (trainfit.perf.calibrate) or while every rank of one
-machine runs it at once (trainfit.perf.calibrate_comms's ranks). Imports torch."""
+"""The timing loops of every calibration measurement (one rank's, and ranks' in step), and the
+compute probe: what one rank's fp32 matmuls and memory copies run at, alone
+(trainfit.perf.calibrate) or while every rank of one machine runs it at once
+(trainfit.perf.calibrate_comms's ranks). Imports torch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
+MAX_CALLS = 200
+"""Calls per batch at most of synchronized_median_seconds (the smallest collectives take ~0.1 ms)."""
 PROBE_GEMM = (2048, 256, 1024)
 """(m, k, n) of the probe's matmul: a mid-sized transformer GEMM (tokens x dim by dim x 4 dim)."""
 
@@ -41,3 +45,33 @@ def compute_probe(device: torch.device, *, copy_bytes: int, batch_s: float, repe
     src, dst = torch.ones(copy_bytes // 4, device=device), torch.empty(copy_bytes // 4, device=device)
     copy = median_seconds(lambda: dst.copy_(src), sync, batch_s=batch_s, repeats=repeats)
     return 2 * m * k * n / matmul, 2 * copy_bytes / copy
+
+
+def _slowest(seconds: float, device: torch.device) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def synchronized_median_seconds(call: Callable[[], None], device: torch.device, *, batch_s: float,
+                                repeats: int) -> float:
+    """median_seconds of a call every rank of the default process group makes together (a collective,
+    a tensor-parallel step): each batch's time is the slowest rank's, and every rank runs the same
+    number of calls."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    call()  # the first call of a size connects buffers and peers
+    sync()
+    start = time.perf_counter()
+    call()
+    sync()
+    warm = _slowest(time.perf_counter() - start, device)
+    calls = max(1, min(MAX_CALLS, round(batch_s / warm)))
+    batches = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        sync()
+        batches.append(_slowest((time.perf_counter() - start) / calls, device))
+    return statistics.median(batches)

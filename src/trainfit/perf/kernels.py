@@ -40,6 +40,12 @@ the compute dtype; the loss runs in fp32:
   and so is each fp32 input of a Linear (AUTOCAST_INPUT_CASTS per block).
 Tensor parallelism splits the RoPE and MLP parts over tp, and the norm and residual parts only with
 sequence parallelism; activation checkpointing reruns the forward third of a wrapped block's.
+
+Host work: tensor parallelism's DTensor dispatch (sharding propagation, to and from local tensors,
+redistribution; trainfit.perf.calibrate_tp) runs in Python around every op of its modules, ~15 ms
+per block forward and backward on a 2-core CPU whatever the block's size. The profile measures it
+per block and for the rest of the model; the time model adds it to a CPU's step (the host is the
+device) and lets a GPU's hide it behind the kernels it launches.
 """
 
 from __future__ import annotations
@@ -158,6 +164,23 @@ def optimizer_seconds(profile: HardwareProfile, m: ModelConfig, layout: Layout) 
     blocks, root = _rank_params(m, layout)
     fit = min(profile.optimizer, key=lambda o: o.impl != "fused")
     return fit.step_s + fit.s_per_param * (blocks + root) / layout.zero_shards
+
+
+def tensor_parallel_host_seconds(profile: HardwareProfile, layout: Layout) -> float:
+    """Host work per step that tensor parallelism's DTensor dispatch adds to the busiest rank, as the
+    profile measured it at the nearest tp degree (with or without sequence parallelism): per block,
+    and the rest of the model's on the rank that runs the output projection, every micro-batch;
+    checkpointed blocks rerun their forward's share. 0 without tp or a measurement."""
+    measured = [h for h in profile.tensor_parallel_host if h.sequence_parallel == layout.sequence_parallel]
+    if layout.tp == 1 or not measured:
+        return 0.0
+    host = min(measured, key=lambda h: abs(math.log(h.ranks / layout.tp)))
+    rerun = FORWARD_SHARE if layout.activation_checkpointing != "none" else 0.0
+
+    def rank(layers: int, wrapped: int, last_stage: bool) -> float:
+        return (layers + wrapped * rerun) * host.block_s + host.root_s * last_stage
+
+    return max(rank(*shape) for shape in layout.rank_shapes()) * layout.num_microbatches
 
 
 def time_share(profile: HardwareProfile, hw: HardwareConfig, layout: Layout) -> float:

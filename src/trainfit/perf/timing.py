@@ -8,6 +8,9 @@ peak. A measured profile (hardware.profile) prices each kind of work apart inste
 rate of their shape, attention at its kernel's, elementwise traffic at the memory bandwidth, each
 slowed by what the machine's other ranks take of it (trainfit.perf.kernels).
 
+Host dispatch: tensor parallelism's DTensor dispatch as the profile measured it (trainfit.perf.kernels);
+all of it on a CPU, where the host computes too; on a GPU only what exceeds the compute.
+
 Optimizer step: after the backward, on the critical path, over the rank's shard: the profile's
 measured fit, or AdamW's traffic (ADAMW_BYTES_PER_PARAM) at the device's memory bandwidth.
 
@@ -110,7 +113,8 @@ class PerfEstimate:
     time: dict[str, Any]
     """step_time_s, compute_s, comm_s {kind: total s}, exposed_comm_s, exposed_comm_by_kind_s {kind: s},
     offload_s {h2d, d2h, host_optimizer: s per step; empty without offload}, exposed_offload_s, bubble_s,
-    bubble_fraction, optimizer_s (the device's optimizer step), num_microbatches, tokens_per_second (whole
+    bubble_fraction, exposed_host_s (tensor parallelism's dispatch on the critical path), optimizer_s
+    (the device's optimizer step), num_microbatches, tokens_per_second (whole
     job), mfu, hfu."""
     collectives: tuple[tuple[Collective, float], ...] = field(default=())
     """Every collective kind a rank issues, with the time of one call."""
@@ -225,6 +229,16 @@ def _device_optimizer_seconds(m: ModelConfig, layout: Layout, rates: Rates) -> f
     block, root = stage_params(m, layout)
     params = (layout.busiest_rank_blocks() * block + root) / layout.zero_shards
     return params * ADAMW_BYTES_PER_PARAM / rates.device.hbm_bytes_per_s
+
+
+def _exposed_host_seconds(layout: Layout, rates: Rates, compute_s: float, share: float) -> float:
+    """Tensor parallelism's host dispatch (trainfit.perf.kernels) on the critical path: on a CPU all
+    of it, time-shared like the compute; a GPU's host runs ahead of its kernels, so only what exceeds
+    them."""
+    if rates.profile is None:
+        return 0.0
+    host = K.tensor_parallel_host_seconds(rates.profile, layout)
+    return host * share if rates.hw.gpu == "cpu" else max(0.0, host - compute_s)
 
 
 def compute_time_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig,
@@ -354,9 +368,11 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
     frac = bubble_fraction(layout.pp_schedule, layout.pp, n_mb, layout.pp_virtual_stages)
     # Ranks time-sharing cores: a rank idle in the bubble leaves its core to the others, whose work
     # fills it; only what exceeds that shows (module docstring).
-    alone = compute_s / (K.time_share(rates.profile, hw, layout) if rates.profile is not None else 1.0)
+    share = K.time_share(rates.profile, hw, layout) if rates.profile is not None else 1.0
+    alone = compute_s / share
     bubble_s = max(0.0, frac * (alone + per_microbatch) - (compute_s - alone))
-    step_s = compute_s + exposed_s + offload_exposed_s + bubble_s + optimizer_s
+    host_s = _exposed_host_seconds(layout, rates, compute_s, share)
+    step_s = compute_s + host_s + exposed_s + offload_exposed_s + bubble_s + optimizer_s
 
     peak = rates.peak(layout.precision)
     flops = {
@@ -376,6 +392,7 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
         "offload_s": offload,
         "exposed_offload_s": offload_exposed_s,
         "bubble_s": bubble_s,
+        "exposed_host_s": host_s,
         "bubble_fraction": frac,
         "optimizer_s": optimizer_s,
         "num_microbatches": n_mb,

@@ -45,9 +45,11 @@ def memory_words(c: Candidate) -> str:
 
 
 def _time_parts(c: Candidate) -> dict[str, float]:
-    """Where a candidate's step time goes: compute, each exposed collective kind, offload, bubble."""
+    """Where a candidate's step time goes: compute, each exposed collective kind, offload, bubble,
+    tensor parallelism's host dispatch."""
     t = c.perf.time
-    parts = {"compute": t["compute_s"], "bubble": t["bubble_s"], "host offload": t["exposed_offload_s"]}
+    parts = {"compute": t["compute_s"], "bubble": t["bubble_s"], "host offload": t["exposed_offload_s"],
+             "tensor-parallel dispatch": t["exposed_host_s"]}
     parts.update({f"exposed {kind.replace('_', '-')}": s for kind, s in t["exposed_comm_by_kind_s"].items()})
     return parts
 
@@ -99,7 +101,8 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
             "peak_bytes": max(s.peak for s in c.memory.per_stage),
             "step_time_s": t["step_time_s"], "tokens_per_second": t["tokens_per_second"], "mfu": t["mfu"],
             "compute_s": t["compute_s"], "exposed_comm_s": t["exposed_comm_s"], "bubble_s": t["bubble_s"],
-            "exposed_offload_s": t["exposed_offload_s"], "grad_accum_steps": c.layout.grad_accum_steps,
+            "exposed_offload_s": t["exposed_offload_s"], "exposed_host_s": t["exposed_host_s"],
+            "grad_accum_steps": c.layout.grad_accum_steps,
             "num_microbatches": c.layout.num_microbatches}
 
 
