@@ -16,7 +16,7 @@ read alike:
     [link]                            # bytes_per_s, latency_s: one link fitting every collective
     [[collectives]]                   # kind, world_size, bytes_per_s, latency_s, nbytes, seconds
     [[concurrency]]                   # ranks, matmul, bandwidth: one rank's rates among others, as fractions
-    [[tensor_parallel_host]]          # ranks, sequence_parallel, block_s, root_s: DTensor's host work
+    [[host_overhead]]                 # ranks, kind, block_s, root_s: DTensor's and FSDP2's host work
 
 Bandwidths are per direction and latencies per step of trainfit.perf.comms's cost model
 (time = a0 + steps x latency + factor x bytes / bandwidth). Every number is finite and >= 0, every
@@ -142,23 +142,29 @@ class Concurrency:
 
     ranks: int
     matmul: float
-    """The slowest rank's fp32 matmul rate over one rank's alone."""
+    """The slowest rank's fp32 matmul rate over one rank's alone (the mean rank's where ranks x
+    threads outnumber the cores and time-share them)."""
     bandwidth: float
-    """The slowest rank's copy bandwidth over one rank's alone."""
+    """The slowest (or mean) rank's copy bandwidth over one rank's alone."""
+
+
+HOST_KINDS = ("tensor_parallel", "sequence_parallel", "fully_shard")
+"""What adds host work: DTensor's dispatch under tensor parallelism (without and with sequence
+parallelism), FSDP2's hooks around its units."""
 
 
 @dataclass(frozen=True)
-class TensorParallelHost:
-    """Host seconds of one forward and backward that tensor parallelism adds to a rank beyond its
-    compute and collectives (DTensor's dispatch), measured on `ranks` ranks in one tp group
-    (trainfit.perf.calibrate_tp)."""
+class HostOverhead:
+    """Host seconds of one forward and backward that a parallel framework adds to a rank beyond its
+    compute and collectives, measured on `ranks` ranks in one group (trainfit.perf.calibrate_host)."""
 
     ranks: int
-    sequence_parallel: bool
+    kind: str
+    """One of HOST_KINDS."""
     block_s: float
-    """Per transformer block."""
+    """Per transformer block (its tensor-parallel modules, or its fully_shard unit)."""
     root_s: float
-    """The embedding, output projection and vocabulary-parallel loss's."""
+    """The rest of the model's: embedding, output projection and loss (the root unit)."""
 
 
 @dataclass(frozen=True)
@@ -180,12 +186,11 @@ class HardwareProfile:
     """Absent from profiles written before they were measured (and for fp8): backward GEMMs then run
     at the forward's rate."""
     concurrency: tuple[Concurrency, ...] = ()
-    """Per world size measured (2..max ranks, as far as ranks x threads fit the cores); absent from
-    profiles written before it was measured: ranks then slow down only where ranks x threads exceed
-    the cores."""
-    tensor_parallel_host: tuple[TensorParallelHost, ...] = ()
-    """Per tp degree measured (as concurrency), with and without sequence parallelism; absent from
-    profiles written before it was measured: tensor parallelism then costs its compute and
+    """Per world size measured (2..max ranks); absent from profiles written before it was measured:
+    ranks then slow down only where ranks x threads exceed the cores."""
+    host_overhead: tuple[HostOverhead, ...] = ()
+    """Per world size measured (2..max ranks, as far as ranks x threads fit the cores) and HOST_KINDS;
+    absent from profiles written before it was measured: parallelism then costs its compute and
     collectives only."""
 
     def as_dict(self) -> dict[str, Any]:
@@ -271,9 +276,9 @@ def _check(profile: HardwareProfile) -> None:
     for i, c in enumerate(profile.concurrency):
         if c.ranks < 2 or c.matmul <= 0 or c.bandwidth <= 0:
             raise _Bad(f"concurrency[{i}]: ranks must be >= 2 and matmul and bandwidth fractions > 0")
-    for i, h in enumerate(profile.tensor_parallel_host):
-        if h.ranks < 2:
-            raise _Bad(f"tensor_parallel_host[{i}]: ranks must be >= 2")
+    for i, h in enumerate(profile.host_overhead):
+        if h.ranks < 2 or h.kind not in HOST_KINDS:
+            raise _Bad(f"host_overhead[{i}]: ranks must be >= 2 and kind one of {', '.join(HOST_KINDS)}")
 
 
 def load_profile(path: str) -> HardwareProfile:

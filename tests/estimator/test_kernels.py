@@ -17,9 +17,9 @@ from trainfit.hardware_profile import (
     AttentionShape,
     Concurrency,
     HardwareProfile,
+    HostOverhead,
     MatmulBackward,
     MatmulShape,
-    TensorParallelHost,
     write_profile,
 )
 from trainfit.models import build_model, materialize
@@ -122,12 +122,16 @@ def test_ranks_beyond_the_cores_share_them() -> None:
 
 
 def test_measured_concurrency_slows_each_kind_of_work_by_its_fraction(tmp_path: Path) -> None:
-    """As many ranks as fill the cores run GEMMs and attention at the matmul fraction measured at that
-    many, elementwise work at the bandwidth fraction; ranks beyond the cores time-share them on top."""
+    """At a world size calibrate measured, GEMMs and attention run at the matmul fraction, elementwise
+    work at the bandwidth fraction; a world size beyond the cores not measured takes the contention
+    measured at as many ranks as fill them, time-shared on top."""
     p = profile(concurrency=(Concurrency(2, 0.8, 0.5),))  # 2 cores, 1 thread per rank
     for n, expected in ((2, (1.25, 2.0)), (4, (2 * 1.25, 2 * 2.0))):
         cfg, layout = cpu(num_gpus=n)
         assert K.concurrency_slowdown(p, cfg.hardware, layout) == pytest.approx(expected)
+    measured_four = profile(concurrency=(Concurrency(2, 0.8, 0.5), Concurrency(4, 0.3125, 0.2)))
+    cfg, layout = cpu(num_gpus=4)
+    assert K.concurrency_slowdown(measured_four, cfg.hardware, layout) == pytest.approx((3.2, 5.0))
     cfg, layout = cpu(num_gpus=2)
     flops = timing._rank_flops(cfg.model, layout, cfg.training)
 
@@ -163,28 +167,32 @@ def test_a_pipeline_bubble_on_time_shared_cores_is_filled_by_the_other_ranks(tmp
     assert 0 < partly["bubble_s"] == pytest.approx(0.5 * own - (partly["compute_s"] - own), rel=0.05)
 
 
-def test_tensor_parallel_dispatch_is_priced_per_block_and_micro_batch(tmp_path: Path) -> None:
-    """The profile's DTensor host work: per block and the rest of the model, every micro-batch, with
-    or without sequence parallelism as measured; checkpointed blocks rerun the forward's third."""
-    p = profile(tensor_parallel_host=(TensorParallelHost(2, False, 0.01, 0.004),
-                                      TensorParallelHost(2, True, 0.02, 0.008)))
-    _, plain = cpu(num_gpus=2)
-    assert K.tensor_parallel_host_seconds(p, plain) == 0  # no tp: no dispatch
-    _, tp = cpu("--parallel.tp=2", "--training.micro_batch_size=1", "--training.global_batch_size=4", num_gpus=2)
+def test_framework_host_work_is_priced_per_block_and_micro_batch() -> None:
+    """The profile's host work: DTensor's per tensor-parallel block (with or without sequence
+    parallelism, as measured; checkpointed blocks rerun the forward's third) and FSDP2's per unit,
+    each per block and for the rest of the model, every micro-batch."""
+    p = profile(host_overhead=(HostOverhead(2, "tensor_parallel", 0.01, 0.004),
+                               HostOverhead(2, "sequence_parallel", 0.02, 0.008),
+                               HostOverhead(2, "fully_shard", 0.005, 0.001)))
+    mb = ("--training.micro_batch_size=1", "--training.global_batch_size=4")
+    _, ddp = cpu("--parallel.zero_stage=0", num_gpus=2)
+    assert K.host_overhead_seconds(p, ddp) == 0  # neither framework
+    _, tp = cpu("--parallel.tp=2", *mb, num_gpus=2)
     blocks, micro = tp.busiest_rank_blocks(), tp.num_microbatches
-    assert micro > 1 and K.tensor_parallel_host_seconds(p, tp) == pytest.approx((blocks * 0.01 + 0.004) * micro)
-    _, sp = cpu("--parallel.tp=2", "--parallel.sequence_parallel=true", "--training.micro_batch_size=1",
-                "--training.global_batch_size=4", num_gpus=2)
-    assert K.tensor_parallel_host_seconds(p, sp) == pytest.approx((blocks * 0.02 + 0.008) * micro)
-    _, full = cpu("--parallel.tp=2", "--memory.activation_checkpointing=full", "--training.micro_batch_size=1",
-                  "--training.global_batch_size=4", num_gpus=2)
-    assert K.tensor_parallel_host_seconds(p, full) == pytest.approx((blocks * 0.01 * (1 + K.FORWARD_SHARE) + 0.004)
-                                                                     * micro)
-    assert K.tensor_parallel_host_seconds(profile(), tp) == 0  # not measured
+    assert micro > 1 and K.host_overhead_seconds(p, tp) == pytest.approx((blocks * 0.01 + 0.004) * micro)
+    _, sp = cpu("--parallel.tp=2", "--parallel.sequence_parallel=true", *mb, num_gpus=2)
+    assert K.host_overhead_seconds(p, sp) == pytest.approx((blocks * 0.02 + 0.008) * micro)
+    _, full = cpu("--parallel.tp=2", "--memory.activation_checkpointing=full", *mb, num_gpus=2)
+    assert K.host_overhead_seconds(p, full) == pytest.approx((blocks * 0.01 * (1 + K.FORWARD_SHARE) + 0.004) * micro)
+    _, fsdp = cpu("--parallel.zero_stage=3", *mb, num_gpus=2)
+    assert K.host_overhead_seconds(p, fsdp) == pytest.approx((blocks * 0.005 + 0.001) * fsdp.num_microbatches)
+    _, both = cpu("--parallel.zero_stage=3", "--parallel.tp=2", *mb, num_gpus=4)
+    assert K.host_overhead_seconds(p, both) == pytest.approx((blocks * 0.015 + 0.005) * both.num_microbatches)
+    assert K.host_overhead_seconds(profile(), tp) == 0  # not measured
 
 
-def test_a_cpu_adds_the_dispatch_and_a_gpu_hides_it_behind_its_kernels(tmp_path: Path) -> None:
-    p = profile(tensor_parallel_host=(TensorParallelHost(2, False, 0.01, 0.004),))
+def test_a_cpu_adds_the_host_work_and_a_gpu_hides_it_behind_its_kernels(tmp_path: Path) -> None:
+    p = profile(host_overhead=(HostOverhead(2, "tensor_parallel", 0.01, 0.004),))
 
     def time(num_gpus: int, *args: str, measured: HardwareProfile = p) -> dict:
         cfg = load_config(None, ["--model.preset=tiny", f"--hardware.num_gpus={num_gpus}", "--parallel.tp=2",
@@ -192,15 +200,15 @@ def test_a_cpu_adds_the_dispatch_and_a_gpu_hides_it_behind_its_kernels(tmp_path:
         return timing.estimate_perf(cfg.model, build_layout(cfg), cfg.training, cfg.hardware).time
 
     _, layout = cpu("--parallel.tp=2", num_gpus=2)
-    two, four = time(2), time(4, "--parallel.zero_stage=0")  # 4 ranks on 2 cores time-share the dispatch too
-    assert K.tensor_parallel_host_seconds(p, layout) > 0
-    assert two["exposed_host_s"] == pytest.approx(K.tensor_parallel_host_seconds(p, layout))
+    two, four = time(2), time(4, "--parallel.zero_stage=0")  # 4 ranks on 2 cores time-share the host work too
+    assert K.host_overhead_seconds(p, layout) > 0
+    assert two["exposed_host_s"] == pytest.approx(K.host_overhead_seconds(p, layout))
     assert four["exposed_host_s"] == pytest.approx(2 * two["exposed_host_s"])
     assert two["step_time_s"] == pytest.approx(two["compute_s"] + two["exposed_host_s"] + two["exposed_comm_s"]
                                                + two["optimizer_s"])
     on_gpus = dataclasses.replace(p, machine=dataclasses.replace(p.machine, device="cuda", name="H100"))
     gpu = time(2, "--hardware.gpu=H100-SXM-80GB", measured=on_gpus)  # the host runs ahead of the kernels
-    assert gpu["exposed_host_s"] == max(0.0, K.tensor_parallel_host_seconds(p, layout) - gpu["compute_s"])
+    assert gpu["exposed_host_s"] == max(0.0, K.host_overhead_seconds(p, layout) - gpu["compute_s"])
 
 
 def test_the_optimizer_steps_the_ranks_shard() -> None:

@@ -17,12 +17,13 @@ from trainfit.cli import main
 from trainfit.config import ConfigError, HardwareConfig, load_config
 from trainfit.estimate import estimate
 from trainfit.hardware_profile import (
+    HOST_KINDS,
     CollectiveFit,
     Concurrency,
     HardwareProfile,
+    HostOverhead,
     LinkFit,
     MatmulShape,
-    TensorParallelHost,
     load_profile,
     to_toml,
     write_profile,
@@ -50,8 +51,8 @@ def test_toml_roundtrip_and_atomic_write(tmp_path: Path) -> None:
     assert [f.name for f in tmp_path.iterdir()] == ["hw.toml"]  # no temp file left beside it
     assert load_profile(write(tmp_path, profile(link=None, collectives=()), "none.toml")).link is None
     together = profile(concurrency=(Concurrency(2, 0.875, 0.5), Concurrency(4, 0.25, 0.125)),
-                       tensor_parallel_host=(TensorParallelHost(2, False, 0.015, 0.004),
-                                             TensorParallelHost(2, True, 0.0175, 0.0078125)))
+                       host_overhead=(HostOverhead(2, "tensor_parallel", 0.015, 0.004),
+                                      HostOverhead(2, "fully_shard", 0.0175, 0.0078125)))
     assert load_profile(write(tmp_path, together, "together.toml")) == together
     assert to_toml(p).startswith("# Measured by `trainfit calibrate`")
 
@@ -250,9 +251,9 @@ def test_a_quick_calibration_measures_plausible_numbers(quick: tuple[Path, str])
     assert 1e6 < p.link.bytes_per_s < 1e12 and 0 <= p.link.latency_s < 0.1
     assert [c.ranks for c in p.concurrency] == [2]  # two ranks ran the compute probe at once
     assert all(0.05 < c.matmul < 2 and 0.05 < c.bandwidth < 2 for c in p.concurrency)
-    # the same two ranks as one tp group: DTensor's dispatch costs milliseconds per tiny block
-    assert sorted((h.ranks, h.sequence_parallel) for h in p.tensor_parallel_host) == [(2, False), (2, True)]
-    assert all(1e-4 < h.block_s < 1 and 0 <= h.root_s < 1 for h in p.tensor_parallel_host)
+    # the same two ranks as one group: DTensor's dispatch and FSDP2's hooks cost milliseconds per tiny block
+    assert sorted((h.ranks, h.kind) for h in p.host_overhead) == [(2, kind) for kind in sorted(HOST_KINDS)]
+    assert all(1e-4 < h.block_s < 1 and 0 <= h.root_s < 1 for h in p.host_overhead)
     assert {o.impl for o in p.optimizer} == {"fused", "foreach"}
     for o in p.optimizer:
         assert 1e-12 < o.s_per_param < 1e-6 and o.params == QUICK.optimizer_params

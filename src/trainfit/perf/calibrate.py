@@ -16,12 +16,12 @@ or OMP_NUM_THREADS; torchrun sets 1 per rank):
 - memory bandwidth: a large fp32 copy (read + write bytes) and add (two reads, one write), the better;
 - collectives at 2..max_ranks ranks (trainfit.perf.calibrate_comms: spawned processes, fits);
 - concurrency: a probe (trainfit.perf.calibrate_probe: an fp32 matmul and a copy) alone, then on
-  every rank of each world size at once; the slowest rank's rates over the lone one's say how much
-  a rank slows down while the machine's other ranks compute (caches, memory bandwidth). Only world
-  sizes whose ranks x threads fit the cores: beyond them ranks time-share cores, which the time
-  model prices from the cores (trainfit.perf.kernels);
-- tensor parallelism's host work (DTensor's dispatch) per block and for the rest of a tiny model,
-  on the same ranks as one tp group (trainfit.perf.calibrate_tp);
+  every rank of each world size at once; the slowest rank's rates (the mean rank's where ranks x
+  threads outnumber the cores and time-share them) over the lone one's say how much a rank slows
+  down while the machine's other ranks compute (caches, memory bandwidth, cores);
+- the host work of DTensor's dispatch (tensor parallelism, with and without sequence parallelism)
+  and of FSDP2's hooks, per block and for the rest of a tiny model, on the same ranks where they do
+  not outnumber the cores (trainfit.perf.calibrate_host; beyond, the time model time-shares it);
 - AdamW's step on fp32 parameters (the master weights' dtype) of a few sizes, fused (where
   train/optim.py uses it) and foreach, each fitted to step_s + s_per_param x parameters.
 Every figure is the median of `repeats` timed batches of back-to-back calls, each about `batch_s`
@@ -48,11 +48,11 @@ from trainfit.hardware_profile import (
     AttentionShape,
     Concurrency,
     HardwareProfile,
+    HostOverhead,
     Machine,
     MatmulBackward,
     MatmulShape,
     OptimizerFit,
-    TensorParallelHost,
 )
 from trainfit.memory.analytic import FUSED_DEVICES
 from trainfit.perf.calibrate_comms import fit_collectives, fit_nonnegative, measure_collectives, predicted_seconds
@@ -139,18 +139,17 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
         memory = _memory_bandwidth(device, settings)
         alone = compute_probe(torch.device(device), copy_bytes=settings.memory_bytes, batch_s=settings.batch_s,
                               repeats=settings.repeats)
-        measured, concurrency, tensor_parallel = {}, [], []
+        measured, concurrency, host = {}, [], []
         for n in worlds:
             step(f"collectives at {n} ranks ({'nccl' if device == 'cuda' else 'gloo'}, spawning)")
-            fits_cores = device == "cuda" or n * threads <= cores  # beyond the cores ranks time-share them
             ranks = measure_collectives(n, device, threads=threads, sizes=settings.message_bytes,
                                         batch_s=settings.batch_s, repeats=settings.repeats,
-                                        copy_bytes=settings.memory_bytes, probe=fits_cores)
+                                        copy_bytes=settings.memory_bytes,
+                                        time_shared=device == "cpu" and n * threads > cores)
             measured[n] = ranks.points
-            if ranks.probe is not None:
-                concurrency.append(Concurrency(n, ranks.probe[0] / alone[0], ranks.probe[1] / alone[1]))
-            for sp, (block, root) in (ranks.tensor_parallel_host or {}).items():
-                tensor_parallel.append(TensorParallelHost(n, sp, block, root))
+            concurrency.append(Concurrency(n, ranks.probe[0] / alone[0], ranks.probe[1] / alone[1]))
+            for kind, (block, root) in (ranks.host_overhead or {}).items():
+                host.append(HostOverhead(n, kind, block, root))
         optimizer = [_optimizer(impl, device, settings, step) for impl in impls]
     finally:
         torch.set_num_threads(threads_before)
@@ -164,7 +163,7 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
                            matmul_shapes=tuple(shapes), memory_bytes_per_s=memory, optimizer=tuple(optimizer),
                            link=link, collectives=tuple(collectives), attention=tuple(attention),
                            matmul_backward=tuple(backward), concurrency=tuple(concurrency),
-                           tensor_parallel_host=tuple(tensor_parallel))
+                           host_overhead=tuple(host))
 
 
 def _device_name(device: str) -> str:
@@ -334,11 +333,11 @@ def profile_tables(p: HardwareProfile) -> list[Table]:
         for c in p.concurrency:
             together.add_row(str(c.ranks), f"{c.matmul:.0%}", f"{c.bandwidth:.0%}")
         tables.append(together)
-    if p.tensor_parallel_host:
-        host = Table("tp ranks", "sequence parallel", "per block", "rest of the model",
-                     title="host work tensor parallelism adds to one forward and backward (DTensor dispatch)")
-        for h in p.tensor_parallel_host:
-            host.add_row(str(h.ranks), "yes" if h.sequence_parallel else "no", f"{h.block_s * 1e3:.1f} ms",
+    if p.host_overhead:
+        host = Table("ranks", "framework", "per block", "rest of the model",
+                     title="host work a parallel framework adds to one forward and backward")
+        for h in p.host_overhead:
+            host.add_row(str(h.ranks), h.kind.replace("_", " "), f"{h.block_s * 1e3:.1f} ms",
                          f"{h.root_s * 1e3:.1f} ms")
         tables.append(host)
     return tables

@@ -8,10 +8,12 @@ fp32. A call lasts as long as its slowest rank; each point is the median of `rep
 back-to-back calls (sustained within a batch; the median, as the time model predicts median step
 times).
 
-After the collectives, when asked (n ranks that do not outnumber the cores), every rank runs
-trainfit.perf.calibrate_probe's compute probe at once; the slowest rank's rates (a synchronous step
-waits for it) against one rank's alone are the profile's `concurrency` at n ranks. Then the ranks,
-as one tp group, measure tensor parallelism's host work (trainfit.perf.calibrate_tp).
+After the collectives, every rank runs trainfit.perf.calibrate_probe's compute probe at once; its
+rates against one rank's alone are the profile's `concurrency` at n ranks: the slowest rank's where
+each rank has cores of its own (a synchronous step waits for it), the mean rank's where ranks
+time-share the cores (the scheduler rotates them, and a rank that waits leaves its core to the
+others: the machine's throughput shared out). Where they have cores of their own, the ranks then
+measure, as one group, the host work of tensor parallelism and FSDP2 (trainfit.perf.calibrate_host).
 
 Fit: comms.py's model, time = a0 + steps x a + factor x B / bw, with a0 its fixed launch cost
 (trainfit.hardware.COLLECTIVE_BASE_LATENCY_S), B as comms.py defines it per kind, and
@@ -39,12 +41,11 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S
 from trainfit.hardware_profile import CollectiveFit, LinkFit
+from trainfit.perf.calibrate_host import host_overhead_seconds
 from trainfit.perf.calibrate_probe import compute_probe, synchronized_median_seconds
-from trainfit.perf.calibrate_tp import tensor_parallel_host_seconds
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 """Measured at every world size; p2p at 2 ranks only (a send/recv pairs two ranks)."""
@@ -125,32 +126,33 @@ class RanksMeasured(NamedTuple):
     """What one world size's ranks measured."""
 
     points: Points
-    probe: tuple[float, float] | None
-    """The slowest rank's compute probe rates (fp32 matmul FLOP/s, copy bytes/s) while all ran it."""
-    tensor_parallel_host: dict[bool, tuple[float, float]] | None
-    """trainfit.perf.calibrate_tp's {sequence_parallel: (block, root host seconds)} on these ranks."""
+    probe: tuple[float, float]
+    """The compute probe's rates (fp32 matmul FLOP/s, copy bytes/s) while all ranks ran it: the
+    slowest rank's, or time-sharing the cores the mean rank's."""
+    host_overhead: dict[str, tuple[float, float]] | None
+    """trainfit.perf.calibrate_host's {kind: (block, root host seconds)} on these ranks."""
 
 
 def measure_collectives(world_size: int, device_type: str, *, threads: int, sizes: tuple[int, ...], batch_s: float,
-                        repeats: int, copy_bytes: int, probe: bool) -> RanksMeasured:
-    """The collectives at one world size, from freshly spawned ranks, and when `probe` (ranks that do
-    not outnumber the cores) the compute probe and tensor parallelism's host work on them."""
+                        repeats: int, copy_bytes: int, time_shared: bool) -> RanksMeasured:
+    """The collectives at one world size, from freshly spawned ranks, the compute probe on them all
+    at once, and unless they `time_shared` the cores, the frameworks' host work."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="trainfit-calibrate-") as tmp:
         out = Path(tmp) / "collectives.json"
         torch.multiprocessing.spawn(_rank, args=(world_size, port, device_type, threads, sizes, batch_s, repeats,
-                                                 copy_bytes, probe, str(out)), nprocs=world_size)
+                                                 copy_bytes, time_shared, str(out)), nprocs=world_size)
         raw = json.loads(out.read_text())
-    rates, host = raw.pop("compute probe", None), raw.pop("tensor parallel host", None)
+    (matmul, bandwidth), host = raw.pop("compute probe"), raw.pop("host overhead", None)
     return RanksMeasured({kind: [(int(b), float(t)) for b, t in points] for kind, points in raw.items()},
-                         (rates[0], rates[1]) if rates else None,
-                         {sp == "true": (block, root) for sp, (block, root) in host.items()} if host else None)
+                         (matmul, bandwidth),
+                         {kind: (block, root) for kind, (block, root) in host.items()} if host else None)
 
 
 def _rank(rank: int, world_size: int, port: int, device_type: str, threads: int, sizes: tuple[int, ...],
-          batch_s: float, repeats: int, copy_bytes: int, probe: bool, out: str) -> None:
+          batch_s: float, repeats: int, copy_bytes: int, time_shared: bool, out: str) -> None:
     import datetime
 
     torch.set_num_threads(threads)
@@ -169,16 +171,14 @@ def _rank(rank: int, world_size: int, port: int, device_type: str, threads: int,
                 seconds = synchronized_median_seconds(call, device, batch_s=batch_s, repeats=repeats)
                 results[kind].append((elements * 4, seconds / 2 if kind == "p2p" else seconds))  # p2p: a round trip
         dist.barrier()
-        together: dict[str, object] = {}
-        if probe:
-            rates = compute_probe(device, copy_bytes=copy_bytes, batch_s=batch_s, repeats=repeats)
-            slowest = torch.tensor(rates, dtype=torch.float64, device=device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
-            together["compute probe"] = slowest.tolist()
+        rates = torch.tensor(compute_probe(device, copy_bytes=copy_bytes, batch_s=batch_s, repeats=repeats),
+                             dtype=torch.float64, device=device)
+        dist.all_reduce(rates, op=dist.ReduceOp.SUM if time_shared else dist.ReduceOp.MIN)
+        together: dict[str, object] = {"compute probe": (rates / world_size if time_shared else rates).tolist()}
+        if not time_shared:
             smallest = {kind: results[kind][0][1] for kind in COLLECTIVE_KINDS}
-            mesh = init_device_mesh(device_type, (world_size,))
-            host = tensor_parallel_host_seconds(mesh, device, smallest, batch_s=batch_s, repeats=repeats)
-            together["tensor parallel host"] = {str(sp).lower(): list(seconds) for sp, seconds in host.items()}
+            together["host overhead"] = host_overhead_seconds(world_size, device, smallest, batch_s=batch_s,
+                                                              repeats=repeats)
         if rank == 0:
             Path(out).write_text(json.dumps({**results, **together}))
     finally:

@@ -13,13 +13,14 @@ on its own (trainfit.perf.timing adds them up):
   residual adds, the loss's softmax and dtype casts, over the measured memory bandwidth (below);
 - the optimizer step: the measured fit, step_s + s_per_param x the parameters the rank steps;
 - ranks computing at once: a machine's ranks share its caches, memory bandwidth and cores, so each
-  computes slower than one alone. As many ranks as fill the cores slow GEMMs and attention by the
-  matmul fraction the profile measured at that many ranks, elementwise work and the optimizer by the
-  bandwidth fraction; ranks x threads beyond the cores time-share them on top (4 one-thread ranks
-  on 2 cores: 2x the 2-rank slowdown). The machine's work is then shared over its cores, which is
-  what synchronous ranks see: a rank that waits (a collective, a pipeline bubble) leaves its core
-  to the others, so the slowest rank of a time-sharing probe would overstate it, and ranks beyond
-  the cores are not measured. Collectives were measured as the ranks share the machine.
+  computes slower than one alone: GEMMs and attention by the matmul fraction the profile measured
+  at that many ranks, elementwise work and the optimizer by the bandwidth fraction. Where ranks x
+  threads outnumber the cores, calibrate measured the mean rank's rates, not the slowest's: the
+  scheduler rotates time-sharing ranks, and a rank that waits (a collective, a pipeline bubble)
+  leaves its core to the others, so the machine's throughput is shared out. A world size not
+  measured takes the contention measured at as many ranks as fill the cores, times ranks x threads
+  over the cores (4 one-thread ranks on 2 cores: 2x). Collectives were measured as the ranks share
+  the machine.
 
 Elementwise bytes. Each count is elements read plus written per token, forward and backward, as a
 byte counter at the dispatcher counts them over our Llama block (tests/estimator/test_kernels.py
@@ -42,10 +43,11 @@ Tensor parallelism splits the RoPE and MLP parts over tp, and the norm and resid
 sequence parallelism; activation checkpointing reruns the forward third of a wrapped block's.
 
 Host work: tensor parallelism's DTensor dispatch (sharding propagation, to and from local tensors,
-redistribution; trainfit.perf.calibrate_tp) runs in Python around every op of its modules, ~15 ms
-per block forward and backward on a 2-core CPU whatever the block's size. The profile measures it
-per block and for the rest of the model; the time model adds it to a CPU's step (the host is the
-device) and lets a GPU's hide it behind the kernels it launches.
+redistribution) runs in Python around every op of its modules, and FSDP2's hooks around every
+unit (trainfit.perf.calibrate_host): milliseconds per block forward and backward on a 2-core CPU,
+whatever the block's size. The profile measures them per block and for the rest of the model; the
+time model adds them to a CPU's step (the host is the device) and lets a GPU hide them behind the
+kernels its host launches ahead.
 """
 
 from __future__ import annotations
@@ -166,19 +168,28 @@ def optimizer_seconds(profile: HardwareProfile, m: ModelConfig, layout: Layout) 
     return fit.step_s + fit.s_per_param * (blocks + root) / layout.zero_shards
 
 
-def tensor_parallel_host_seconds(profile: HardwareProfile, layout: Layout) -> float:
-    """Host work per step that tensor parallelism's DTensor dispatch adds to the busiest rank, as the
-    profile measured it at the nearest tp degree (with or without sequence parallelism): per block,
-    and the rest of the model's on the rank that runs the output projection, every micro-batch;
-    checkpointed blocks rerun their forward's share. 0 without tp or a measurement."""
-    measured = [h for h in profile.tensor_parallel_host if h.sequence_parallel == layout.sequence_parallel]
-    if layout.tp == 1 or not measured:
-        return 0.0
-    host = min(measured, key=lambda h: abs(math.log(h.ranks / layout.tp)))
-    rerun = FORWARD_SHARE if layout.activation_checkpointing != "none" else 0.0
+def host_overhead_seconds(profile: HardwareProfile, layout: Layout) -> float:
+    """Host work per step that the parallel frameworks add to the busiest rank, as the profile
+    measured it at the group size nearest the layout's: DTensor's dispatch under tensor parallelism
+    (with or without sequence parallelism; checkpointed blocks rerun their forward's share), and
+    FSDP2's hooks under fully_shard; per block, and the rest of the model's on the rank that runs
+    the output projection, every micro-batch. 0 for what was not measured."""
+    frameworks = []  # (kind, group size, share a checkpointed block reruns)
+    if layout.tp > 1:
+        frameworks.append(("sequence_parallel" if layout.sequence_parallel else "tensor_parallel", layout.tp,
+                           FORWARD_SHARE))
+    if layout.data_parallel == "fsdp":  # a recomputed forward finds its unit's parameters gathered
+        frameworks.append(("fully_shard", max(2, layout.zero_shards), 0.0))
+    block = rerun = root = 0.0
+    for kind, group, share in frameworks:
+        measured = [h for h in profile.host_overhead if h.kind == kind]
+        if measured:
+            host = min(measured, key=lambda h: abs(math.log(h.ranks / group)))
+            block, rerun, root = block + host.block_s, rerun + share * host.block_s, root + host.root_s
+    checkpointed = layout.activation_checkpointing != "none"
 
     def rank(layers: int, wrapped: int, last_stage: bool) -> float:
-        return (layers + wrapped * rerun) * host.block_s + host.root_s * last_stage
+        return layers * block + wrapped * rerun * checkpointed + root * last_stage
 
     return max(rank(*shape) for shape in layout.rank_shapes()) * layout.num_microbatches
 
@@ -190,12 +201,18 @@ def time_share(profile: HardwareProfile, hw: HardwareConfig, layout: Layout) -> 
 
 
 def concurrency_slowdown(profile: HardwareProfile, hw: HardwareConfig, layout: Layout) -> tuple[float, float]:
-    """(matmul, memory-bound) slowdown of each rank while the node's ranks compute at once: the ranks
-    that fill the cores contend for caches and memory bandwidth as the profile measured at that many
-    (not measured: not at all), and ranks beyond the cores time-share them (time_share)."""
+    """(matmul, memory-bound) slowdown of each rank while the node's ranks compute at once, as the
+    profile measured it at that many ranks; not measured there, the contention measured at as many
+    ranks as fill the cores (else none), time-shared by the ranks beyond them (time_share)."""
+    ranks = min(layout.world_size, hw.gpus_per_node)
+    if ranks == 1:
+        return 1.0, 1.0
+    measured = next((c for c in profile.concurrency if c.ranks == ranks), None)
+    if measured is not None:
+        return 1 / measured.matmul, 1 / measured.bandwidth
     share = time_share(profile, hw, layout)
-    filling = min(layout.world_size, hw.gpus_per_node, max(1, profile.machine.cores // profile.machine.threads))
-    measured = next((c for c in profile.concurrency if c.ranks == filling), None)
-    if measured is None:
+    filling = min(ranks, max(1, profile.machine.cores // profile.machine.threads))
+    contended = next((c for c in profile.concurrency if c.ranks == filling), None)
+    if contended is None:
         return share, share
-    return share / measured.matmul, share / measured.bandwidth
+    return share / contended.matmul, share / contended.bandwidth

@@ -8,8 +8,9 @@ peak. A measured profile (hardware.profile) prices each kind of work apart inste
 rate of their shape, attention at its kernel's, elementwise traffic at the memory bandwidth, each
 slowed by what the machine's other ranks take of it (trainfit.perf.kernels).
 
-Host dispatch: tensor parallelism's DTensor dispatch as the profile measured it (trainfit.perf.kernels);
-all of it on a CPU, where the host computes too; on a GPU only what exceeds the compute.
+Host work: DTensor's dispatch under tensor parallelism and FSDP2's hooks, as the profile measured
+them (trainfit.perf.kernels); all of it on a CPU, where the host computes too; on a GPU only what
+exceeds the compute.
 
 Optimizer step: after the backward, on the critical path, over the rank's shard: the profile's
 measured fit, or AdamW's traffic (ADAMW_BYTES_PER_PARAM) at the device's memory bandwidth.
@@ -113,7 +114,7 @@ class PerfEstimate:
     time: dict[str, Any]
     """step_time_s, compute_s, comm_s {kind: total s}, exposed_comm_s, exposed_comm_by_kind_s {kind: s},
     offload_s {h2d, d2h, host_optimizer: s per step; empty without offload}, exposed_offload_s, bubble_s,
-    bubble_fraction, exposed_host_s (tensor parallelism's dispatch on the critical path), optimizer_s
+    bubble_fraction, exposed_host_s (the parallel frameworks' host work on the critical path), optimizer_s
     (the device's optimizer step), num_microbatches, tokens_per_second (whole
     job), mfu, hfu."""
     collectives: tuple[tuple[Collective, float], ...] = field(default=())
@@ -232,12 +233,12 @@ def _device_optimizer_seconds(m: ModelConfig, layout: Layout, rates: Rates) -> f
 
 
 def _exposed_host_seconds(layout: Layout, rates: Rates, compute_s: float, share: float) -> float:
-    """Tensor parallelism's host dispatch (trainfit.perf.kernels) on the critical path: on a CPU all
+    """The parallel frameworks' host work (trainfit.perf.kernels) on the critical path: on a CPU all
     of it, time-shared like the compute; a GPU's host runs ahead of its kernels, so only what exceeds
     them."""
     if rates.profile is None:
         return 0.0
-    host = K.tensor_parallel_host_seconds(rates.profile, layout)
+    host = K.host_overhead_seconds(rates.profile, layout)
     return host * share if rates.hw.gpu == "cpu" else max(0.0, host - compute_s)
 
 

@@ -46,10 +46,10 @@ def memory_words(c: Candidate) -> str:
 
 def _time_parts(c: Candidate) -> dict[str, float]:
     """Where a candidate's step time goes: compute, each exposed collective kind, offload, bubble,
-    tensor parallelism's host dispatch."""
+    the parallel frameworks' host work."""
     t = c.perf.time
     parts = {"compute": t["compute_s"], "bubble": t["bubble_s"], "host offload": t["exposed_offload_s"],
-             "tensor-parallel dispatch": t["exposed_host_s"]}
+             "framework host work": t["exposed_host_s"]}
     parts.update({f"exposed {kind.replace('_', '-')}": s for kind, s in t["exposed_comm_by_kind_s"].items()})
     return parts
 
