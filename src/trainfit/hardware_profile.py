@@ -142,10 +142,10 @@ class Concurrency:
 
     ranks: int
     matmul: float
-    """The slowest rank's fp32 matmul rate over one rank's alone (the mean rank's where ranks x
-    threads outnumber the cores and time-share them)."""
+    """The fp32 matmul rate of ranks in step (each batch as long as its slowest rank's) over one
+    rank's alone."""
     bandwidth: float
-    """The slowest (or mean) rank's copy bandwidth over one rank's alone."""
+    """The same for copy bandwidth."""
 
 
 HOST_KINDS = ("tensor_parallel", "sequence_parallel", "fully_shard")

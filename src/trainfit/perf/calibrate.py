@@ -16,9 +16,9 @@ or OMP_NUM_THREADS; torchrun sets 1 per rank):
 - memory bandwidth: a large fp32 copy (read + write bytes) and add (two reads, one write), the better;
 - collectives at 2..max_ranks ranks (trainfit.perf.calibrate_comms: spawned processes, fits);
 - concurrency: a probe (trainfit.perf.calibrate_probe: an fp32 matmul and a copy) alone, then on
-  every rank of each world size at once; the slowest rank's rates (the mean rank's where ranks x
-  threads outnumber the cores and time-share them) over the lone one's say how much a rank slows
-  down while the machine's other ranks compute (caches, memory bandwidth, cores);
+  every rank of each world size at once, in step (each batch lasts until the slowest rank's ends,
+  as a synchronous step does); its rates over the lone one's say how much a rank slows down while
+  the machine's other ranks compute (caches, memory bandwidth, and beyond the cores the cores);
 - the host work of DTensor's dispatch (tensor parallelism, with and without sequence parallelism)
   and of FSDP2's hooks, per block and for the rest of a tiny model, on the same ranks where they do
   not outnumber the cores (trainfit.perf.calibrate_host; beyond, the time model time-shares it);

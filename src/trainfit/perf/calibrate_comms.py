@@ -8,12 +8,11 @@ fp32. A call lasts as long as its slowest rank; each point is the median of `rep
 back-to-back calls (sustained within a batch; the median, as the time model predicts median step
 times).
 
-After the collectives, every rank runs trainfit.perf.calibrate_probe's compute probe at once; its
-rates against one rank's alone are the profile's `concurrency` at n ranks: the slowest rank's where
-each rank has cores of its own (a synchronous step waits for it), the mean rank's where ranks
-time-share the cores (the scheduler rotates them, and a rank that waits leaves its core to the
-others: the machine's throughput shared out). Where they have cores of their own, the ranks then
-measure, as one group, the host work of tensor parallelism and FSDP2 (trainfit.perf.calibrate_host).
+After the collectives, every rank runs trainfit.perf.calibrate_probe's compute probe at once, each
+batch lasting until the slowest rank's ends (a synchronous step waits for it); its rates against
+one rank's alone are the profile's `concurrency` at n ranks. Where the ranks do not outnumber the
+cores, they then measure, as one group, the host work of tensor parallelism and FSDP2
+(trainfit.perf.calibrate_host).
 
 Fit: comms.py's model, time = a0 + steps x a + factor x B / bw, with a0 its fixed launch cost
 (trainfit.hardware.COLLECTIVE_BASE_LATENCY_S), B as comms.py defines it per kind, and
@@ -127,8 +126,7 @@ class RanksMeasured(NamedTuple):
 
     points: Points
     probe: tuple[float, float]
-    """The compute probe's rates (fp32 matmul FLOP/s, copy bytes/s) while all ranks ran it: the
-    slowest rank's, or time-sharing the cores the mean rank's."""
+    """The compute probe's rates (fp32 matmul FLOP/s, copy bytes/s) while all ranks ran it, in step."""
     host_overhead: dict[str, tuple[float, float]] | None
     """trainfit.perf.calibrate_host's {kind: (block, root host seconds)} on these ranks."""
 
@@ -171,10 +169,8 @@ def _rank(rank: int, world_size: int, port: int, device_type: str, threads: int,
                 seconds = synchronized_median_seconds(call, device, batch_s=batch_s, repeats=repeats)
                 results[kind].append((elements * 4, seconds / 2 if kind == "p2p" else seconds))  # p2p: a round trip
         dist.barrier()
-        rates = torch.tensor(compute_probe(device, copy_bytes=copy_bytes, batch_s=batch_s, repeats=repeats),
-                             dtype=torch.float64, device=device)
-        dist.all_reduce(rates, op=dist.ReduceOp.SUM if time_shared else dist.ReduceOp.MIN)
-        together: dict[str, object] = {"compute probe": (rates / world_size if time_shared else rates).tolist()}
+        rates = compute_probe(device, copy_bytes=copy_bytes, batch_s=batch_s, repeats=repeats, together=True)
+        together: dict[str, object] = {"compute probe": rates}
         if not time_shared:
             smallest = {kind: results[kind][0][1] for kind in COLLECTIVE_KINDS}
             together["host overhead"] = host_overhead_seconds(world_size, device, smallest, batch_s=batch_s,

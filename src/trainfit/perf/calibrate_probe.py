@@ -36,14 +36,24 @@ def median_seconds(call: Callable[[], object], sync: Callable[[], None], *, batc
     return statistics.median(batches)
 
 
-def compute_probe(device: torch.device, *, copy_bytes: int, batch_s: float, repeats: int) -> tuple[float, float]:
-    """(fp32 matmul FLOP/s at PROBE_GEMM, copy bytes/s read + written over `copy_bytes` tensors)."""
+def compute_probe(device: torch.device, *, copy_bytes: int, batch_s: float, repeats: int,
+                  together: bool = False) -> tuple[float, float]:
+    """(fp32 matmul FLOP/s at PROBE_GEMM, copy bytes/s read + written over `copy_bytes` tensors), of
+    one rank alone, or `together`: every rank of the default process group runs the same calls at
+    once and each batch lasts until the slowest rank's ends, as a synchronous step does (ranks
+    time-sharing cores rotate, so this is the machine's throughput shared out)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def seconds(call: Callable[[], object]) -> float:
+        if together:
+            return synchronized_median_seconds(call, device, batch_s=batch_s, repeats=repeats)
+        return median_seconds(call, sync, batch_s=batch_s, repeats=repeats)
+
     m, k, n = PROBE_GEMM
     a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
-    matmul = median_seconds(lambda: a @ b, sync, batch_s=batch_s, repeats=repeats)
+    matmul = seconds(lambda: a @ b)
     src, dst = torch.ones(copy_bytes // 4, device=device), torch.empty(copy_bytes // 4, device=device)
-    copy = median_seconds(lambda: dst.copy_(src), sync, batch_s=batch_s, repeats=repeats)
+    copy = seconds(lambda: dst.copy_(src))
     return 2 * m * k * n / matmul, 2 * copy_bytes / copy
 
 
@@ -53,7 +63,7 @@ def _slowest(seconds: float, device: torch.device) -> float:
     return t.item()
 
 
-def synchronized_median_seconds(call: Callable[[], None], device: torch.device, *, batch_s: float,
+def synchronized_median_seconds(call: Callable[[], object], device: torch.device, *, batch_s: float,
                                 repeats: int) -> float:
     """median_seconds of a call every rank of the default process group makes together (a collective,
     a tensor-parallel step): each batch's time is the slowest rank's, and every rank runs the same

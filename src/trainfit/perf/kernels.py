@@ -14,10 +14,10 @@ on its own (trainfit.perf.timing adds them up):
 - the optimizer step: the measured fit, step_s + s_per_param x the parameters the rank steps;
 - ranks computing at once: a machine's ranks share its caches, memory bandwidth and cores, so each
   computes slower than one alone: GEMMs and attention by the matmul fraction the profile measured
-  at that many ranks, elementwise work and the optimizer by the bandwidth fraction. Where ranks x
-  threads outnumber the cores, calibrate measured the mean rank's rates, not the slowest's: the
-  scheduler rotates time-sharing ranks, and a rank that waits (a collective, a pipeline bubble)
-  leaves its core to the others, so the machine's throughput is shared out. A world size not
+  at that many ranks, elementwise work and the optimizer by the bandwidth fraction. calibrate runs
+  its probe on all ranks in step, each batch as long as its slowest rank's: ranks time-sharing
+  cores rotate, and one that waits (a collective, a pipeline bubble) leaves its core to the others,
+  so beyond the cores this is the machine's throughput shared out. A world size not
   measured takes the contention measured at as many ranks as fill the cores, times ranks x threads
   over the cores (4 one-thread ranks on 2 cores: 2x). Collectives were measured as the ranks share
   the machine.
