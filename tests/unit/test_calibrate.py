@@ -100,6 +100,9 @@ def test_unreadable_profiles_are_named_errors(content: str | None, says: tuple[s
         (lambda t: t.replace('name = "adamw"\n', ""), "optimizer[0].name is missing"),
         (lambda t: t.replace("seconds = [0.00022, 0.0012]", "seconds = [0.00022]"),
          "collectives[0]: nbytes and seconds must be non-empty arrays of one length"),
+        (lambda t: t.replace("host_overhead = []",
+                             'host_overhead = [{ranks = 2, kind = "pipeline", block_s = 0.01, root_s = 0.0}]'),
+         "host_overhead[0]: ranks must be >= 2 and kind one of tensor_parallel, sequence_parallel, fully_shard"),
     ],
 )
 def test_bad_numbers_and_keys_name_the_field(edit, says: str, tmp_path: Path) -> None:
