@@ -48,15 +48,16 @@ def host_overhead_seconds(world_size: int, device: torch.device, smallest: dict[
     """{kind (HOST_KINDS): (host seconds per block, the root's) of one forward and backward}, the
     slowest rank's, on the default process group's `world_size` ranks; `smallest`: seconds of one
     call of each collective kind at the smallest message."""
+    def seconds(step: Callable[[], None]) -> float:
+        return synchronized_median_seconds(step, device, batch_s=BATCHES * batch_s, repeats=repeats)
+
+    plain = {layers: seconds(_step(layers, 1, [], device)[0]) for layers in DEPTHS}  # one per depth, for every kind
     measured = {}
     for kind in HOST_KINDS:
         host = []
         for layers in DEPTHS:
-            plain, _ = _step(layers, 1, [], device)
             parallel, collectives = _step(layers, world_size, _settings(kind, world_size), device)
-            seconds = [synchronized_median_seconds(step, device, batch_s=BATCHES * batch_s, repeats=repeats)
-                       for step in (plain, parallel)]
-            host.append(seconds[1] - seconds[0] - sum(n * smallest[c] for c, n in collectives.items()))
+            host.append(seconds(parallel) - plain[layers] - sum(n * smallest[c] for c, n in collectives.items()))
         block = max(0.0, (host[1] - host[0]) / (DEPTHS[1] - DEPTHS[0]))
         measured[kind] = (block, max(0.0, host[0] - DEPTHS[0] * block))
     return measured
