@@ -320,7 +320,9 @@ CALIBRATE = [  # trainfit calibrate's own arguments, refused before anything is 
 PLAN_BASE = ("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
              "--training.seq_len=4096")
 PLANS = [  # trainfit plan's own arguments and what it needs: (argv, setup, words)
-    ((*PLAN_BASE, "--training.global_batch_size=0"), None, ("training.global_batch_size=0", "set it")),
+    # no global batch: the one a run derives (micro_batch_size x num_gpus / (tp x pp x cp)), and here that fails
+    ((*PLAN_BASE, "--hardware.num_gpus=6", "--parallel.tp=4"), None,
+     ("hardware.num_gpus=6", "multiple of tp x pp x cp", "4 or 8 GPUs")),
     ((*PLAN_BASE, "--training.global_batch_size=64", "--top", "0"), None, ("--top 0", "--top 10")),
     ((*PLAN_BASE, "--training.global_batch_size=64", "--precisions", "bf16-mixed,fp9"), None,
      ("precision.mode", "fp9")),

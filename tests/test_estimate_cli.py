@@ -9,6 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from trainfit.cli import main
+from trainfit.config import load_config
+from trainfit.estimate import estimate as estimate_config
+from trainfit.plan.fixes import fewest_changes
+
 EXAMPLES = Path(__file__).parents[1] / "examples"
 BYTE_KEYS = ("params", "master_params", "grads", "optimizer", "activations", "logits", "buffers", "peak",
              "reserved_margin", "device_memory")
@@ -56,6 +61,70 @@ def test_a_config_that_does_not_fit_gets_advice() -> None:
     assert "does not fit" in out and "peak in the" in out
     # more than two choices change here: the planner's fastest layouts, each with what it changes
     assert "the fewest changes that fit" in out and "parallel.zero_stage=3" in out and "tokens/s" in out
+
+
+ISSUE = ("--model.preset=llama3-70b", "--hardware.num_gpus=1", "--hardware.gpu=H100-SXM-80GB")
+"""The question most users ask first: no global batch, so the run derives it (16 x 1 = 16 sequences)."""
+
+
+def as_overrides(changes: list[str]) -> list[str]:
+    """A fix's changes in words ("parallel.tp=8 (sequence parallel)", "memory.activation_checkpointing=full
+    every 2") as the --section.field=value overrides a user types."""
+    out = []
+    for words in changes:
+        sequence_parallel = words.endswith(" (sequence parallel)")
+        field, _, value = words.removesuffix(" (sequence parallel)").partition("=")
+        value, _, every = value.partition(" every ")
+        out.append(f"--{field}={value}")
+        if sequence_parallel:
+            out.append("--parallel.sequence_parallel=true")
+        if field == "memory.activation_checkpointing":
+            out.append(f"--memory.ac_every_n_layers={every or 1}")
+    return out
+
+
+@pytest.mark.parametrize(("args", "micro", "ranks"), [
+    (ISSUE, 16, 1),  # more than two changes: the planner's fastest layouts
+    # one or two changes, some of a degree (context parallelism over all 8 ranks leaves 1 data-parallel one)
+    (("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8", "--training.seq_len=8192",
+      "--training.micro_batch_size=4", "--precision.mode=bf16-mixed"), 4, 8),
+])
+def test_a_config_without_a_global_batch_gets_fixes_at_the_derived_one(
+        args: tuple[str, ...], micro: int, ranks: int, capsys: pytest.CaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps at 80 columns off a terminal
+    batch = micro * ranks
+    assert main(["estimate", *args]) == 0
+    table = capsys.readouterr().out
+    assert "memory per GPU" in table and "peak in the" in table and "does not fit" in table
+    rank_words = f"{ranks} data-parallel rank" + "s" * (ranks > 1)
+    assert f"fixes keep the global batch of {batch} sequences (derived: micro_batch_size {micro} x {rank_words})" \
+        in table
+    assert "the fewest changes that fit" in table and "tokens/s" in table
+    assert main(["estimate", *args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["per_rank"]["layout"]["grad_accum_steps"] == 1
+    assert out["fixes_global_batch"] == {"global_batch_size": batch, "derived": True, "micro_batch_size": micro,
+                                         "data_parallel_ranks": ranks}
+    assert out["fixes"]
+    # each fix, typed as overrides beside the batch it kept, is what the list says: fits, at the same speed
+    for fix in out["fixes"]:
+        fixed = estimate_config(load_config(None, [*args, f"--training.global_batch_size={batch}",
+                                                   *as_overrides(fix["changes"])]))
+        assert fixed.fits, fix["changes"]
+        assert fixed.perf.time["tokens_per_second"] == fix["tokens_per_second"], fix["changes"]
+        assert fixed.memory_bytes == fix["memory_bytes"], fix["changes"]
+    # and the library's fixes run that batch, whatever micro-batch and degrees they change
+    fixes = fewest_changes(load_config(None, list(args)))
+    assert [f.changes for f in fixes] == [tuple(f["changes"]) for f in out["fixes"]]
+    assert all(f.candidate.layout.global_batch_size == batch for f in fixes)
+
+
+def test_a_set_global_batch_is_the_one_the_fixes_keep(capsys: pytest.CaptureFixture) -> None:
+    assert main(["estimate", *ISSUE, "--training.global_batch_size=32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fixes_global_batch"] == {"global_batch_size": 32, "derived": False}
+    assert out["fixes"] and out["per_rank"]["layout"]["grad_accum_steps"] == 2
 
 
 def test_every_example_config_estimates(tmp_path: Path) -> None:

@@ -35,13 +35,55 @@ def test_the_table_json_and_the_written_winner(tmp_path: Path) -> None:
     out = tmp_path / "plan.toml"
     proc = plan(*LLAMA8B_8, "--top", "4", "--json", "--out", str(out))
     result = json.loads(proc.stdout)
-    assert set(result) == {"candidates", "search"} and 1 <= len(result["candidates"]) <= 4
+    assert set(result) == {"candidates", "global_batch", "search"} and 1 <= len(result["candidates"]) <= 4
+    assert result["global_batch"] == {"global_batch_size": 64, "derived": False}
+    assert "derived" not in proc.stderr
     first = result["candidates"][0]
     assert first["memory_bytes"] <= first["device_memory"] and 0 < first["mfu"] < 1
     assert f"wrote {out}" in proc.stderr
     written = estimate(load_config(out))
     assert written.fits and written.perf.time["step_time_s"] == first["step_time_s"]
     assert written.layout.dp_shard == first["settings"]["parallel.dp_shard"]
+
+
+def test_a_newcomers_plan_keeps_the_derived_batch_and_writes_it(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`trainfit plan --out plan.toml` on the default config (no global batch): the batch `trainfit
+    train` derives (micro_batch_size 16 x 1 rank) is planned, named, and written into plan.toml, whose
+    winner runs another micro-batch (so leaving the batch at 0 there would derive another)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "200")
+    derived = "global batch: 16 sequences (derived: micro_batch_size 16 x 1 data-parallel rank)"
+    assert main(["plan", "--out", "plan.toml"]) == 0
+    table = capsys.readouterr().out
+    assert derived in table and "global batch 16 x 128 tokens" in table and "wrote plan.toml" in table
+    cfg = load_config(tmp_path / "plan.toml")
+    assert cfg.training.global_batch_size == 16
+    written = estimate(cfg)
+    assert written.fits and written.layout.global_batch_size == 16
+    assert main(["plan", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert derived in captured.err
+    assert result["global_batch"] == {"global_batch_size": 16, "derived": True, "micro_batch_size": 16,
+                                      "data_parallel_ranks": 1}
+    first = result["candidates"][0]
+    assert written.perf.time["step_time_s"] == first["step_time_s"]
+    assert first["settings"]["training.micro_batch_size"] * first["grad_accum_steps"] == 16
+
+
+def test_a_derived_batch_nothing_fits_or_no_layout_takes_exits_clearly(capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "--model.preset=llama3.1-405b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
+                 "--training.seq_len=8192", "--memory.offload=none"]) == 1
+    assert ("no layout of this model fits 8 x H100-SXM-80GB with global batch 128 sequences (derived: "
+            "micro_batch_size 16 x 8 data-parallel ranks)") in capsys.readouterr().err
+    # a pipeline fixed at 2 ranks and a derived batch of 1 sequence: no layout is valid, build_layout says why
+    assert main(["plan", "--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=2",
+                 "--parallel.pp=2", "--training.micro_batch_size=1"]) == 2
+    assert "training.global_batch_size=1: each of the 1 data-parallel ranks runs 1 sequences" in capsys.readouterr().err
+    # degrees that do not divide the world: deriving the batch fails with build_layout's named error
+    assert main(["plan", "--hardware.num_gpus=6", "--parallel.tp=4"]) == 2
+    assert "hardware.num_gpus=6: must be a multiple of tp x pp x cp = 4 x 1 x 1 = 4" in capsys.readouterr().err
 
 
 def test_plan_never_imports_torch() -> None:
@@ -103,6 +145,21 @@ def test_machines_compared_by_time_and_cost(tmp_path: Path) -> None:
     table = plan(*LLAMA8B_8[:1], *LLAMA8B_8[3:], "--tokens", "1e11", "--gpu-options", "H100-SXM-80GB,MI300X",
                  "--max-gpus", "16").stdout
     assert "time to train" in table and "no price" in table  # MI300X has no indicative price
+
+
+def test_machines_compared_without_a_global_batch_train_one_batch(capsys: pytest.CaptureFixture) -> None:
+    """--tokens with no global batch: derived once from the config as given (16 x its 1 GPU), the
+    same 16 sequences per step on every device and count, so the times compare."""
+    assert main(["plan", "--model.preset=llama3-8b", "--training.seq_len=8192", "--tokens", "1e9", "--gpu-options",
+                 "H100-SXM-80GB,A100-SXM-80GB", "--max-gpus", "8", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert "global batch: 16 sequences (derived: micro_batch_size 16 x 1 data-parallel rank)" in captured.err
+    assert result["global_batch"]["global_batch_size"] == 16 and result["global_batch"]["derived"] is True
+    fitted = [o["candidate"] for o in result["options"] if o["candidate"]]
+    assert {o["num_gpus"] for o in result["options"] if o["candidate"]} >= {1, 8}
+    for c in fitted:  # tokens per step = 16 sequences x 8192 tokens
+        assert c["tokens_per_second"] * c["step_time_s"] == pytest.approx(16 * 8192, rel=1e-9)
 
 
 def test_the_gpu_example_plans_within_its_own_fixed_fields(capsys: pytest.CaptureFixture) -> None:

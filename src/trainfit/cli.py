@@ -13,10 +13,11 @@ import sys
 import textwrap
 import warnings
 from collections.abc import Callable
+from typing import TextIO
 
 from trainfit.config import Config, ConfigError, check_writable, iter_fields, load_config, split_overrides
 from trainfit.memory.breakdown import MemoryBreakdown
-from trainfit.parallel.layout import Layout
+from trainfit.parallel.layout import GlobalBatch, Layout
 
 
 def _fields_help() -> str:
@@ -46,6 +47,7 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.estimate import as_json, estimate, with_traced_memory
     from trainfit.memory.report import check_figure_path, plot_breakdown, print_estimate
     from trainfit.plan.fixes import fewest_changes
+    from trainfit.plan.space import with_global_batch
 
     cfg = load_config(args.config, overrides)
     if args.plot:
@@ -55,7 +57,9 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
         from trainfit.memory.traced import trace_step
 
         est = with_traced_memory(est, trace_step(cfg))
-    fixes = [] if est.fits else fewest_changes(cfg)
+    # the fixes keep the global batch: when it is 0, the one this config's run derives (named in the output)
+    fixable, batch = with_global_batch(cfg)
+    fixes = [] if est.fits else fewest_changes(fixable)
     if args.json:
         out = as_json(est)
         if args.traced:
@@ -64,9 +68,10 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
             out["fixes"] = [{"changes": list(f.changes), "memory_bytes": f.candidate.memory_bytes,
                              "tokens_per_second": f.candidate.tokens_per_second, "mfu": f.candidate.mfu}
                             for f in fixes]
+            out["fixes_global_batch"] = batch.as_dict()
         print(json.dumps(out, indent=2))
     else:
-        print_estimate(est, fixes=fixes)
+        print_estimate(est, fixes=fixes, fixes_batch=None if est.fits else batch)
         if args.traced:
             print(f"traced in {est.memory.seconds:.1f} s ({est.memory.num_ops:,} operators, peak in "
                   f"{est.memory.peak_module!r}); estimating process peak RSS "
@@ -84,6 +89,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.memory.report import check_figure_path, fmt_bytes
     from trainfit.plan.explain import plan_json, plan_table, plot_plan, search_summary, winner_toml
     from trainfit.plan.search import search
+    from trainfit.plan.space import with_global_batch
 
     raw = read_raw(args.config, overrides)
     cfg = config_from_dict(raw)
@@ -101,10 +107,14 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg_check = config_from_dict({**raw, "precision": {**raw.get("precision", {}), "mode": mode}})
         resolve_and_validate(cfg_check)  # names precision.mode and the valid modes when one is wrong
     fixed = frozenset(f"{section}.{name}" for section, values in raw.items() for name in values)
+    # A plan keeps the global batch; when it is 0, the one `trainfit train` derives from the config as given
+    # (search and compare_machines derive it the same way).
+    _, batch = with_global_batch(cfg)
     if args.tokens is not None:
-        return _plan_machines(args, cfg, fixed)
-    plan = search(cfg, fixed, top=args.top, precisions=precisions, exhaustive=bool(args.plot))
+        return _plan_machines(args, cfg, fixed, batch)
     out = sys.stderr if args.json else sys.stdout
+    _say_derived(batch, out)
+    plan = search(cfg, fixed, top=args.top, precisions=precisions, exhaustive=bool(args.plot))
     if not plan.candidates and not plan.stats.groups:
         from trainfit.parallel.layout import build_layout
 
@@ -112,8 +122,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if not plan.candidates:
         reasons = ", ".join(f"{n:,} {why}" for why, n in plan.stats.rejected.most_common(5))
         print(f"error: no layout of this model fits {cfg.hardware.num_gpus} x {cfg.hardware.gpu} with global batch "
-              f"{cfg.training.global_batch_size} ({reasons or 'no valid layout'}); add GPUs (hardware.num_gpus), a "
-              "device with more memory (hardware.gpu), or unfix fields that you set", file=sys.stderr)
+              f"{batch.words()} ({reasons or 'no valid layout'}); add GPUs (hardware.num_gpus), a device with more "
+              "memory (hardware.gpu), or unfix fields that you set", file=sys.stderr)
         return 1
     checks = _traced_checks(plan.candidates[:args.traced]) if args.traced else []
     if args.json:
@@ -139,9 +149,9 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _plan_machines(args: argparse.Namespace, cfg: Config, fixed: frozenset[str]) -> int:
+def _plan_machines(args: argparse.Namespace, cfg: Config, fixed: frozenset[str], batch: GlobalBatch) -> int:
     """`trainfit plan --tokens N`: each device of --gpu-options at each count up to --max-gpus, its
-    fastest layout, time to train and cost."""
+    fastest layout, time to train and cost, all at one global batch (`batch`: cfg's, derived when 0)."""
     import json
 
     from rich.console import Console
@@ -159,6 +169,7 @@ def _plan_machines(args: argparse.Namespace, cfg: Config, fixed: frozenset[str])
     if args.out or args.traced:
         raise ConfigError("--tokens compares devices and counts; --out and --traced go with one cluster (drop "
                           "--tokens and set --hardware.gpu and --hardware.num_gpus)")
+    _say_derived(batch, sys.stderr if args.json else sys.stdout)
     err = Console(stderr=True)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("planning", total=None)
@@ -166,12 +177,19 @@ def _plan_machines(args: argparse.Namespace, cfg: Config, fixed: frozenset[str])
                                    prices=parse_prices(args.prices),
                                    progress=lambda what: bar.update(task, description=f"planning {what}"))
     if args.json:
-        print(json.dumps(machines_json(options), indent=2))
+        print(json.dumps({**machines_json(options), "global_batch": batch.as_dict()}, indent=2))
     else:
         Console().print(machines_table(options, args.tokens))
     if args.plot:
         print(f"wrote {plot_machines(options, args.plot)}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _say_derived(batch: GlobalBatch, out: TextIO) -> None:
+    """A plan's note, when the config leaves the global batch at 0, of the batch it derived and kept."""
+    if batch.derived:
+        print(f"global batch: {batch.words()}, as trainfit train derives it; set training.global_batch_size to plan "
+              "another", file=out)
 
 
 def _traced_checks(candidates: list) -> list[int]:

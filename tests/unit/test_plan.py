@@ -13,7 +13,7 @@ import pytest
 
 from trainfit.config import ConfigError, load_config, resolve_and_validate
 from trainfit.estimate import estimate
-from trainfit.parallel.layout import build_layout
+from trainfit.parallel.layout import GlobalBatch, build_layout
 from trainfit.plan.explain import versus, winner_toml
 from trainfit.plan.fixes import fewest_changes
 from trainfit.plan.search import SLOWEST_LISTED, frontier, search
@@ -140,9 +140,17 @@ def test_nothing_fits_lists_nothing_and_says_why() -> None:
     assert result.candidates == [] and result.stats.rejected["does not fit"] > 0
 
 
-def test_a_plan_needs_the_global_batch() -> None:
-    with pytest.raises(ConfigError, match="training.global_batch_size"):
-        plan("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8")
+def test_a_plan_without_a_global_batch_keeps_the_one_a_run_derives() -> None:
+    """micro_batch_size 16 x 8 data-parallel ranks = 128 sequences, as `trainfit train` derives them:
+    the same plan as one given that batch, every candidate running it whatever its micro-batch."""
+    args = ("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
+            "--training.seq_len=8192")
+    _, derived = plan(*args, top=3)
+    assert derived.global_batch == GlobalBatch(128, micro_batch_size=16, dp=8) and derived.global_batch.derived
+    _, given = plan(*args, "--training.global_batch_size=128", top=3)
+    assert given.global_batch == GlobalBatch(128) and not given.global_batch.derived
+    assert [c.settings() for c in derived.candidates] == [c.settings() for c in given.candidates]
+    assert derived.candidates and all(c.layout.global_batch_size == 128 for c in derived.candidates)
 
 
 def test_a_config_that_does_not_fit_gets_the_fewest_changes_that_do() -> None:

@@ -18,6 +18,8 @@ if TYPE_CHECKING:  # rich only where a table is drawn (`plan --json` and fmt_byt
     from rich.console import Console
     from rich.table import Table
 
+    from trainfit.parallel.layout import GlobalBatch
+
 GIB = 1024**3
 MIB = 1024**2
 COLORS = {"params": "#4C72B0", "master_params": "#8172B2", "grads": "#DD8452", "optimizer": "#C44E52",
@@ -97,9 +99,11 @@ def _perf_table(est: Estimate) -> Table:
     return table
 
 
-def print_estimate(est: Estimate, console: Console | None = None, fixes: Sequence[Any] = ()) -> None:
+def print_estimate(est: Estimate, console: Console | None = None, fixes: Sequence[Any] = (),
+                   fixes_batch: GlobalBatch | None = None) -> None:
     """The estimate's tables; when it does not fit, `fixes` (plan/fixes.Fix: the fewest changes that
-    fit), or failing those the single changes that save the most."""
+    fit) and the global batch they keep (`fixes_batch`), or failing those the single changes that
+    save the most."""
     from rich.console import Console
 
     console = console or Console()
@@ -126,6 +130,11 @@ def print_estimate(est: Estimate, console: Console | None = None, fixes: Sequenc
     else:
         console.print(f"[red]does not fit[/red]: {fmt_bytes(total)} needed, {fmt_bytes(est.device_memory)} "
                       "available")
+        if fixes_batch is not None:
+            console.print(f"fixes keep the global batch of {fixes_batch.words()}" if fixes else
+                          f"no layout among trainfit plan's options fits {cfg.hardware.num_gpus} x {cfg.hardware.gpu} "
+                          f"with the global batch of {fixes_batch.words()}: add GPUs (hardware.num_gpus) or use a "
+                          "device with more memory (hardware.gpu)")
         if fixes:
             console.print("the fewest changes that fit (trainfit plan's options; fewest first, then fastest):")
             for fix in fixes:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import shlex
 import sys
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 from trainfit.config import Config, ConfigError
 from trainfit.parallel.stage_split import (
@@ -289,12 +289,7 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
     p, m, t, mem = cfg.parallel, cfg.model, cfg.training, cfg.memory
     world = cfg.hardware.num_gpus if world_size is None else world_size
     _check_model_split(cfg)
-    model_parallel = p.tp * p.pp * p.cp
-    if world % model_parallel:
-        raise _fail("hardware.num_gpus", world, f"must be a multiple of tp x pp x cp = {p.tp} x {p.pp} x {p.cp} = "
-                    f"{model_parallel}", f"use {nearest(world, [model_parallel * k for k in range(1, world + 2)])} "
-                    "GPUs or lower a degree")
-    dp = world // model_parallel
+    dp = _data_parallel_degree(cfg, world)
     if dp % p.dp_replicate:
         raise _fail("parallel.dp_replicate", p.dp_replicate, f"must divide the data-parallel degree "
                     f"num_gpus / (tp x pp x cp) = {dp}", f"try {nearest(p.dp_replicate, _divisors(dp))}")
@@ -310,7 +305,7 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
                     "out of the data-parallel ones)",
                     f"try {nearest(p.ep, [d for d in _divisors(dp_shard * p.cp) if m.num_experts % d == 0])}")
     per_step = t.micro_batch_size * dp
-    global_batch = t.global_batch_size or per_step
+    global_batch = _global_batch(t.global_batch_size, t.micro_batch_size, dp).size
     # Under pipeline parallelism with parallel.num_microbatches, that count sets the micro-batch.
     per_step = dp if p.pp > 1 and p.num_microbatches else per_step
     if global_batch % per_step and per_step == dp:
@@ -341,6 +336,68 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
                   fp8_scaling=cfg.precision.fp8_scaling, fp8_all_gather=cfg.precision.fp8_all_gather,
                   grad_accum_dtype=cfg.optimizer.grad_accum_dtype, moe_imbalance=mem.moe_imbalance,
                   loss_chunk_tokens=mem.loss_chunk_tokens, compile=t.compile)
+
+
+class GlobalBatch(NamedTuple):
+    """The sequences per optimizer step a run of a config takes, and where the number comes from."""
+
+    size: int
+    """Sequences per optimizer step, all ranks (Layout.global_batch_size)."""
+    micro_batch_size: int = 0
+    """training.micro_batch_size the batch is derived from; 0 when the config sets the batch."""
+    dp: int = 0
+    """Data-parallel ranks the batch is derived from (the config's own degrees: hardware.num_gpus /
+    (tp x pp x cp)); 0 when the config sets the batch."""
+
+    @property
+    def derived(self) -> bool:
+        """training.global_batch_size is 0: size is micro_batch_size x dp (no accumulation)."""
+        return self.dp > 0
+
+    def words(self) -> str:
+        """'16 sequences (derived: micro_batch_size 16 x 1 data-parallel rank)'."""
+        sequences = f"{self.size} sequence" + "s" * (self.size != 1)
+        if not self.derived:
+            return f"{sequences} (training.global_batch_size)"
+        ranks = f"{self.dp} data-parallel rank" + "s" * (self.dp != 1)
+        return f"{sequences} (derived: micro_batch_size {self.micro_batch_size} x {ranks})"
+
+    def as_dict(self) -> dict[str, Any]:
+        """global_batch_size and derived; when derived, the micro_batch_size and data_parallel_ranks it is from."""
+        out: dict[str, Any] = {"global_batch_size": self.size, "derived": self.derived}
+        if self.derived:
+            out.update(micro_batch_size=self.micro_batch_size, data_parallel_ranks=self.dp)
+        return out
+
+
+def global_batch_of(cfg: Config) -> GlobalBatch:
+    """training.global_batch_size, or when it is 0 the batch a run of cfg derives: micro_batch_size x
+    the data-parallel ranks of cfg's own degrees on hardware.num_gpus, or build_layout's named error
+    where those degrees do not split the model or the world. The planner and `estimate`'s fixes
+    keep this batch while they change the micro-batch and the degrees."""
+    t = cfg.training
+    if t.global_batch_size:
+        return _global_batch(t.global_batch_size, t.micro_batch_size, 0)
+    _check_model_split(cfg)  # build_layout's first checks, in its order
+    return _global_batch(0, t.micro_batch_size, _data_parallel_degree(cfg, cfg.hardware.num_gpus))
+
+
+def _global_batch(global_batch_size: int, micro_batch_size: int, dp: int) -> GlobalBatch:
+    """The one rule (build_layout's and global_batch_of's): the batch set, or micro_batch_size x dp when 0."""
+    if global_batch_size:
+        return GlobalBatch(global_batch_size)
+    return GlobalBatch(micro_batch_size * dp, micro_batch_size, dp)
+
+
+def _data_parallel_degree(cfg: Config, world: int) -> int:
+    """world / (tp x pp x cp), or the named error when the degrees do not divide the world."""
+    p = cfg.parallel
+    model_parallel = p.tp * p.pp * p.cp
+    if world % model_parallel:
+        raise _fail("hardware.num_gpus", world, f"must be a multiple of tp x pp x cp = {p.tp} x {p.pp} x {p.cp} = "
+                    f"{model_parallel}", f"use {nearest(world, [model_parallel * k for k in range(1, world + 2)])} "
+                    "GPUs or lower a degree")
+    return world // model_parallel
 
 
 def _check_model_split(cfg: Config) -> None:

@@ -108,17 +108,20 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
 
 def plan_json(plan: Plan) -> dict[str, Any]:
     s = plan.stats
-    return {"candidates": [candidate_json(c) for c in plan.candidates],
+    return {"candidates": [candidate_json(c) for c in plan.candidates], "global_batch": plan.global_batch.as_dict(),
             "search": {"layouts": s.groups, "visited": s.groups_visited, "memory_estimates": s.memory_estimates,
                        "time_estimates": s.time_estimates, "rejected": dict(s.rejected), "seconds": plan.seconds}}
 
 
 def winner_toml(raw: dict[str, dict[str, Any]], c: Candidate) -> str:
-    """The user's own fields with the winner's choices written in: a config `trainfit train` runs as is."""
+    """The user's own fields with the winner's choices written in: a config `trainfit train` runs as is.
+    The global batch the plan ranked on is written too: left at 0 (derived), the winner's
+    micro-batch would derive another."""
     merged = {section: dict(values) for section, values in raw.items()}
     for key, value in c.settings().items():
         section, name = key.split(".")
         merged.setdefault(section, {})[name] = list(value) if isinstance(value, tuple) else value
+    merged.setdefault("training", {})["global_batch_size"] = c.layout.global_batch_size
     header = (f"written by trainfit plan: {model_summary(c.cfg)}\n{layout_words(c)}; {memory_words(c)}\n"
               f"predicted: {c.memory_bytes / GIB:.1f} GiB per GPU, {c.tokens_per_second:,.0f} tokens/s, "
               f"MFU {c.mfu:.1%}")

@@ -7,6 +7,11 @@ judged as `trainfit estimate` judges a config, then every pair of changes to two
 that fit and train are listed by how many choices they change, then by tokens/s, a pair only when
 it is faster than every single change that fits. When none fits, the planner's fastest layouts
 (plan/search.search), each with the choices it changes.
+
+Every fix keeps the global batch: training.global_batch_size, or when it is 0 the batch `trainfit
+train` derives from the config as given (micro_batch_size x its data-parallel ranks,
+plan/space.with_global_batch), written into each fix's config: a fix that changes the micro-batch
+or a degree accumulates gradients instead of changing the batch.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from trainfit.memory.analytic import estimate_memory
 from trainfit.parallel.layout import build_layout
 from trainfit.perf.timing import estimate_perf
 from trainfit.plan.search import Candidate, search
-from trainfit.plan.space import Space, replace_sections, settings_of
+from trainfit.plan.space import Space, replace_sections, settings_of, with_global_batch
 
 Change = tuple[str, dict[str, dict[str, Any]]]
 """(words, {section: {field: value}}): one choice changed."""
@@ -102,10 +107,12 @@ def _judge(cfg: Config, changes: tuple[Change, ...], device_memory: int) -> Fix 
 
 
 def fewest_changes(cfg: Config, limit: int = 5) -> list[Fix]:
-    """Up to `limit` ways to make cfg fit its device, fewest changed choices first, then fastest."""
+    """Up to `limit` ways to make cfg fit its device, fewest changed choices first, then fastest,
+    each keeping cfg's global batch (derived when 0: see the module docstring)."""
     device_memory = device_spec(cfg.hardware).memory_bytes
     if not device_memory:
         return []
+    cfg, _ = with_global_batch(cfg)
     space = Space.of(cfg, frozenset(), (cfg.precision.mode,))
     singles = list(_changes(cfg, space))
     found: list[Fix] = []

@@ -5,6 +5,11 @@ node), the fastest layout that fits (plan/search.search, its first row): the tim
 at its tokens/s, and the cost at the device's price per GPU-hour (`--prices`, else
 hardware.price_per_gpu_hour for the config's own device, else trainfit.hardware's indicative
 price). A row is on the cost-time frontier when every faster row costs more (by COST_STEP).
+
+Every option trains the same global batch, so their times compare: training.global_batch_size, or
+when it is 0 the batch `trainfit train` derives from the config as given, once (micro_batch_size x
+the data-parallel ranks of its own degrees on its own hardware.num_gpus; plan/space.with_global_batch),
+not re-derived per device count.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 from trainfit.config import Config, ConfigError, resolve_and_validate
 from trainfit.hardware import GPU_ALIASES, GPUS, canonical_gpu, price_per_gpu_hour
 from trainfit.plan.search import Candidate, search
-from trainfit.plan.space import replace_sections
+from trainfit.plan.space import replace_sections, with_global_batch
 
 HOUR = 3600.0
 
@@ -67,6 +72,7 @@ def compare_machines(cfg: Config, fixed: frozenset[str], *, tokens: float, gpus:
     """Every (device, count) option, fastest first (those where nothing fits last)."""
     gpus = check_gpus(gpus)
     fixed = fixed - {"hardware.gpu", "hardware.num_gpus"}
+    cfg, _ = with_global_batch(cfg)  # one batch for every count (see the module docstring)
     options = []
     for gpu in gpus:
         for count in gpu_counts(cfg.hardware.gpus_per_node, max_gpus):

@@ -1,9 +1,11 @@
 """`trainfit plan`: every layout of a model on a cluster that fits, ranked by predicted step time. Torch-free.
 
 The user's config fixes what it names (model, hardware, global batch, sequence length, and any
-field written in the file or on the command line); every other choice (plan/space.py's table) is
-searched, each candidate judged by the analytic estimators (memory/analytic.py for the fit, perf/timing.py for
-the time) on its own Layout, so a candidate is exactly what `trainfit estimate` would say of it.
+field written in the file or on the command line; a global batch of 0 is the one `trainfit train`
+derives from the config as given, micro_batch_size x its data-parallel ranks); every other choice
+(plan/space.py's table) is searched, each candidate judged by the analytic estimators
+(memory/analytic.py for the fit, perf/timing.py for the time) on its own Layout, so a candidate
+is exactly what `trainfit estimate` would say of it.
 
 Only layouts `trainfit train` runs are kept (Layout.untrainable_reason). A candidate fits when
 every pipeline stage's peak plus its reserved margin is within the device memory.
@@ -46,7 +48,7 @@ from trainfit.estimate import Estimate
 from trainfit.memory.analytic import MemoryEstimate, SharedSizes, StageMemory
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import param_counts
-from trainfit.parallel.layout import Layout, build_layout
+from trainfit.parallel.layout import GlobalBatch, Layout, build_layout
 from trainfit.parallel.stage_split import balanced_split, default_virtual_stages
 from trainfit.perf import flops as F
 from trainfit.perf.comms import Collective, collectives_key
@@ -59,7 +61,7 @@ from trainfit.perf.timing import (
     model_parallel_comm_s,
     timed_collectives,
 )
-from trainfit.plan.space import Space, replace_sections, replaced, settings_of
+from trainfit.plan.space import Space, replace_sections, replaced, settings_of, with_global_batch
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -107,6 +109,9 @@ class Plan:
     """Every fitting candidate the search evaluated (all of them with exhaustive=True)."""
     stats: SearchStats
     seconds: float
+    global_batch: GlobalBatch
+    """The sequences per step every candidate runs: training.global_batch_size, or when 0 the batch
+    `trainfit train` derives from the config as given (plan/space.with_global_batch)."""
 
 
 # ---------------------------------------------------------------- the space
@@ -343,9 +348,7 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
     fields ("section.field") the user set, which stay as they are; `exhaustive` visits every group
     (for a picture of all candidates) instead of stopping at the bound."""
     start = time.perf_counter()
-    if not cfg.training.global_batch_size:
-        raise ConfigError("training.global_batch_size=0: a plan keeps the global batch and searches how to split it; "
-                          "set it, e.g. --training.global_batch_size=512 (sequences per optimizer step)")
+    cfg, batch = with_global_batch(cfg)  # kept: every candidate splits the same sequences per step
     space = Space.of(cfg, fixed, precisions)
     ac = sorted(space.ac, key=lambda ac: _knob_cost(cfg, ac))  # every group's: one model, one sequence length
     stats = SearchStats()
@@ -400,7 +403,8 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
             listed = frontier([*listed, found])  # the frontier of a union is that of one's frontier and the other
         for step in knobs.successors(index):
             push(knobs, step, bound)
-    return Plan(candidates=listed[:top], fitting=fitting, stats=stats, seconds=time.perf_counter() - start)
+    return Plan(candidates=listed[:top], fitting=fitting, stats=stats, seconds=time.perf_counter() - start,
+                global_batch=batch)
 
 
 def _worth_trying(knobs: _Knobs, ev: _Evaluator, stats: SearchStats, bound: float, listed: list[Candidate]) -> bool:

@@ -15,7 +15,9 @@ user set have one). Torch-free.
 |                             | 1, 2, 4 or 8 whole nodes                                              |
 | parallel.zero_stage         | 0-3 (DDP and ZeRO-1 only where they train: no tp, pp or ep)           |
 | training.micro_batch_size   | divisors of a data-parallel rank's sequences per step, up to          |
-|                             | MAX_MICRO_BATCH; the rest is accumulation (pipeline micro-batches)    |
+|                             | MAX_MICRO_BATCH; the rest is accumulation (pipeline micro-batches).   |
+|                             | The global batch stays: the config's, or when 0 the one `train`       |
+|                             | derives from the config as given (with_global_batch)                  |
 | memory.activation_checkpointing, ac_every_n_layers | none, selective, full every 4, selective- |
 |                             | alternate, full every 2, full                                         |
 | memory.offload              | none, optimizer (ZeRO-2/3), optimizer+params (ZeRO-3)                 |
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from trainfit.config import Config
+from trainfit.parallel.layout import GlobalBatch, global_batch_of
 
 T = TypeVar("T")
 
@@ -132,6 +135,16 @@ class Space:
             return [self.cfg.training.micro_batch_size]
         rows = self.cfg.training.global_batch_size // dp
         return [b for b in _divisors(rows) if b <= MAX_MICRO_BATCH] if rows else []
+
+
+def with_global_batch(cfg: Config) -> tuple[Config, GlobalBatch]:
+    """cfg with training.global_batch_size set, and where it comes from: the config's own, or when it
+    is 0 the batch `trainfit train` derives from cfg as given (micro_batch_size x the data-parallel
+    ranks of its own degrees, parallel/layout.global_batch_of). A plan keeps the global batch and
+    searches how to split it, so it is fixed before the micro-batch or a degree changes; a config
+    whose own degrees do not divide hardware.num_gpus is build_layout's named error."""
+    batch = global_batch_of(cfg)
+    return (replace_sections(cfg, training={"global_batch_size": batch.size}) if batch.derived else cfg), batch
 
 
 def replace_sections(cfg: Config, **sections: dict[str, Any]) -> Config:
