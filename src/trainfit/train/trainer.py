@@ -452,7 +452,8 @@ class Trainer:
         clip = self.cfg.training.grad_clip or math.inf
         pp_group = self.world.mesh["pp"].get_group() if self.layout.pp > 1 else None
         grad_norm = clip_grad_norm_(self.model, self.optimizer, clip, pp_group)
-        lr = self.optimizer.param_groups[0]["lr"]
+        # A float now: torchao's AdamW8bit keeps lr a tensor, which the scheduler refills in place below.
+        lr = float(self.optimizer.param_groups[0]["lr"])
         self._moment("update")
         skipped = not step_optimizer(self.optimizer, self.scaler)
         self.skipped_steps += int(skipped)
