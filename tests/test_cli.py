@@ -234,6 +234,17 @@ def test_every_optimizer_trains_logs_plain_numbers_and_resumes(
     assert [logged[step] for step in range(1, 6)] == pytest.approx(schedule, rel=1e-6)
 
 
+def test_train_warns_once_of_a_chunked_loss_of_one_chunk(tmp_path: Path) -> None:
+    """The debug run's micro-batch is 4 x 32 tokens, under the default chunk: the warning names the
+    numbers, once (the traced estimate's step does not repeat it)."""
+    proc = trainfit("train", *run_overrides(tmp_path, "--training.steps=1", "--memory.chunked_loss=true"))
+    lines = [line for line in proc.stderr.splitlines() if "memory.chunked_loss" in line]
+    assert lines == ["warning: memory.chunked_loss=true saves no memory: memory.loss_chunk_tokens=1024 >= the 128 "
+                     "tokens of a micro-batch that a rank's loss scores (4 sequences x 32 tokens), so one chunk holds "
+                     "the whole logits (and is recomputed in backward); set memory.loss_chunk_tokens below 128, e.g. "
+                     "32, or memory.chunked_loss=false"]
+
+
 def test_train_warns_before_allocating_when_the_estimate_exceeds_the_device(tmp_path: Path) -> None:
     proc = trainfit("train", *run_overrides(tmp_path, "--training.steps=1", "--hardware.gpu=RTX-4090",
                                             "--hardware.memory_gib=0.001"))

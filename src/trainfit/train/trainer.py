@@ -173,9 +173,10 @@ class Trainer:
         else:
             self.layout = layout or world.layout or build_layout(cfg, world.size)
             self.world = world
-        uneven = uneven_vocabulary(cfg.model.vocab_size, self.layout.tp)
-        for message in [*self.layout.ineffective_options(), *([uneven] if uneven else [])]:
-            warnings.warn(message, stacklevel=2)
+        if parts is None:  # once per run: not again from the step the traced estimator assembles
+            uneven = uneven_vocabulary(cfg.model.vocab_size, self.layout.tp)
+            for message in [*self.layout.ineffective_options(), *([uneven] if uneven else [])]:
+                warnings.warn(message, stacklevel=2)
         self.cfg = cfg
         self.device = self.world.device
         self.policy = precision_policy(cfg.precision.mode, self.device.type, fp8_scaling=cfg.precision.fp8_scaling,
