@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import signal
@@ -13,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from _runs import run_overrides
+from _runs import run_config, run_overrides
 from trainfit.cli import main
 from trainfit.memory import traced
 from trainfit.train import checkpoint as ckpt
-from trainfit.train.metrics import read_metrics
+from trainfit.train.metrics import METRICS_FILE, read_metrics
+from trainfit.train.optim import lr_at
 
 
 def trainfit(*args: str, cwd: Path | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -192,6 +195,54 @@ def test_tensorboard_events_are_written(tmp_path: Path) -> None:
     trainfit("train", *run_overrides(tmp_path, "--training.steps=2", "--logging.interval=1",
                                      "--logging.tensorboard=true"))
     assert list((tmp_path / "logs" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "adamw-8bit")
+ONE_SHAPE = ("--model.dim=256", "--model.num_layers=1", "--model.num_heads=4", "--model.num_kv_heads=4",
+             "--model.ffn_dim=256")
+"""After DEBUG_RUN: one block whose every matrix is 256 x 256, as the embedding and the output are (the
+bytes vocabulary): torchao's 8-bit update compiles once per parameter shape, so twice (the matrices,
+the norms' plain states) instead of six times for the debug model."""
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_optimizer_trains_logs_plain_numbers_and_resumes(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """3 steps, a checkpoint, then on to 5: every line of metrics.jsonl holds plain numbers and strings,
+    the loss is finite and the lr is the schedule's at the step it was used (torchao's AdamW8bit keeps
+    lr a tensor that the scheduler refills in place), in metrics.jsonl and in TensorBoard alike."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    overrides = (f"--optimizer.name={name}", *ONE_SHAPE, "--logging.tensorboard=true")
+    assert main(["train", *run_overrides(tmp_path, *overrides, "--training.steps=3")]) == 0
+    assert main(["train", *run_overrides(tmp_path, *overrides, "--training.steps=5")]) == 0
+    out, err = capsys.readouterr()
+    assert "resumed from" in err and out.count("run complete") == 2
+    lines = (tmp_path / "logs" / METRICS_FILE).read_text().splitlines()
+    records = [json.loads(line, parse_constant=lambda word: pytest.fail(f"{word} in metrics.jsonl")) for line in lines]
+    assert all(type(v) in (int, float, str) or v is None for record in records for v in record.values()), lines
+    steps = {r["step"]: r for r in records if "loss" in r}
+    assert sorted(steps) == [1, 2, 3, 4, 5]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps.values())
+    planned_3, planned_5 = (run_config(tmp_path, f"--training.steps={n}").training for n in (3, 5))
+    schedule = [lr_at(step - 1, planned_3 if step <= 3 else planned_5) for step in range(1, 6)]
+    assert [steps[step]["lr"] for step in range(1, 6)] == pytest.approx(schedule, rel=1e-6)
+    events = EventAccumulator(str(tmp_path / "logs" / "tensorboard"))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("lr")}
+    assert [logged[step] for step in range(1, 6)] == pytest.approx(schedule, rel=1e-6)
+
+
+def test_train_warns_once_of_a_chunked_loss_of_one_chunk(tmp_path: Path) -> None:
+    """The debug run's micro-batch is 4 x 32 tokens, under the default chunk: the warning names the
+    numbers, once (the traced estimate's step does not repeat it)."""
+    proc = trainfit("train", *run_overrides(tmp_path, "--training.steps=1", "--memory.chunked_loss=true"))
+    lines = [line for line in proc.stderr.splitlines() if "memory.chunked_loss" in line]
+    assert lines == ["warning: memory.chunked_loss=true saves no memory: memory.loss_chunk_tokens=1024 >= the 128 "
+                     "tokens of a micro-batch that a rank's loss scores (4 sequences x 32 tokens), so one chunk holds "
+                     "the whole logits (and is recomputed in backward); set memory.loss_chunk_tokens below 128, e.g. "
+                     "32, or memory.chunked_loss=false"]
 
 
 def test_train_warns_before_allocating_when_the_estimate_exceeds_the_device(tmp_path: Path) -> None:

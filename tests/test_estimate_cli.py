@@ -156,3 +156,12 @@ def test_impossible_layouts_fail_clearly(args: list[str], message: str) -> None:
     proc = estimate(*args, check=False)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+def test_a_chunked_loss_of_one_chunk_is_warned_about_with_the_numbers() -> None:
+    shape = ("--training.micro_batch_size=8", "--training.seq_len=256", "--memory.chunked_loss=true")
+    one = estimate(*shape, "--memory.loss_chunk_tokens=2048")
+    assert ("warning: memory.chunked_loss=true saves no memory: memory.loss_chunk_tokens=2048 >= the 2048 tokens of "
+            "a micro-batch that a rank's loss scores (8 sequences x 256 tokens)") in one.stderr
+    assert "set memory.loss_chunk_tokens below 2048, e.g. 512, or memory.chunked_loss=false" in one.stderr
+    assert "warning" not in estimate(*shape, "--memory.loss_chunk_tokens=2047").stderr

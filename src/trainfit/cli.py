@@ -53,6 +53,8 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.plot:
         check_figure_path("--plot", args.plot)
     est = estimate(cfg)
+    for message in est.layout.ineffective_options():  # as `trainfit train` warns of them
+        print(f"warning: {message}", file=sys.stderr)
     if args.traced:
         from trainfit.memory.traced import trace_step
 

@@ -279,6 +279,25 @@ def test_checkpointing_chunked_loss_and_precision_move_the_peak_the_right_way():
     assert big_vocab.peak_phase == "backward" and big_vocab.logits == 3 * 4 * 16 * 128 * 128256
 
 
+@pytest.mark.parametrize(("mode", "cast"), [("fp32", 0), ("bf16-mixed", 2)])
+def test_a_chunked_loss_of_one_chunk_moves_the_hidden_states_and_saves_nothing(mode: str, cast: int) -> None:
+    """One chunk of the whole micro-batch (8 x 256 tokens): its logits are all the logits. The final
+    norm's output becomes the loss's (the chunk's checkpointed input), and so does the output
+    projection's compute-dtype copy of it under autocast (recomputed in backward). In fp32 that output
+    was the projection's saved input already: the peak stays. Under autocast the projection saved
+    only the copy, and the fp32 output is new: the peak grows by it. The measured step (trainfit
+    measure) moves the same bytes."""
+    shape = ("--model.preset=debug", "--model.dim=128", "--model.vocab_size=4096", "--model.max_seq_len=256",
+             "--training.seq_len=256", "--training.micro_batch_size=8", f"--precision.mode={mode}")
+    whole = estimate_memory(cfg_of(*shape)).worst
+    one = estimate_memory(cfg_of(*shape, "--memory.chunked_loss=true", "--memory.loss_chunk_tokens=2048")).worst
+    hidden = 8 * 256 * 128 * FP32  # the residual stream stays fp32 under autocast
+    assert one.peak_phase == whole.peak_phase == "backward"
+    assert one.logits - whole.logits == hidden + 8 * 256 * 128 * cast
+    assert whole.activations - one.activations == hidden * (mode == "fp32") + 8 * 256 * 128 * cast
+    assert one.peak - whole.peak == (0 if mode == "fp32" else hidden)
+
+
 def test_optimizers_and_their_step_temporaries():
     def states(name: str, *extra: str):
         return model_states(cfg_of("--model.preset=llama3-8b", f"--optimizer.name={name}", *extra))

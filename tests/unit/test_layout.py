@@ -240,3 +240,33 @@ def test_schedules_place_their_stages_on_the_ranks() -> None:
         "parallel.zero_stage=3 keeps the parameters whole from forward to backward (as ZeRO-2) under "
         "parallel.pp_schedule='zbv-zero-bubble': its split backward needs them unsharded (FSDP2's "
         "reshard_after_forward=False)"]
+
+
+def test_a_chunked_loss_of_one_chunk_is_reported_with_the_numbers() -> None:
+    """A rank's loss scores micro_batch_size x seq_len / cp tokens; a chunk of at least that many is
+    the whole logits (tensor parallelism's ranks score every token, so tp changes nothing)."""
+    micro = ("--memory.chunked_loss=true", "--training.micro_batch_size=8", "--training.seq_len=256",
+             "--model.max_seq_len=256")
+    one = layout_of(*micro, "--memory.loss_chunk_tokens=2048")
+    assert (one.loss_tokens, one.loss_chunks) == (2048, 1)
+    assert one.ineffective_options() == [
+        "memory.chunked_loss=true saves no memory: memory.loss_chunk_tokens=2048 >= the 2048 tokens of a "
+        "micro-batch that a rank's loss scores (8 sequences x 256 tokens), so one chunk holds the whole logits (and "
+        "is recomputed in backward); set memory.loss_chunk_tokens below 2048, e.g. 512, or memory.chunked_loss=false"]
+    split = layout_of(*micro, "--memory.loss_chunk_tokens=2047")
+    assert split.loss_chunks == 2 and split.ineffective_options() == []
+    assert layout_of(*micro[1:], "--memory.loss_chunk_tokens=4096").ineffective_options() == []  # not chunked
+    cp = layout_of(*micro, "--hardware.num_gpus=4", "--parallel.cp=2", "--parallel.tp=2",
+                   "--parallel.sequence_parallel=true", "--parallel.zero_stage=3")
+    assert (cp.loss_tokens, cp.loss_chunk_tokens) == (1024, 1024)
+    assert [o for o in cp.ineffective_options() if "chunked" in o] == [
+        "memory.chunked_loss=true saves no memory: memory.loss_chunk_tokens=1024 >= the 1024 tokens of a "
+        "micro-batch that a rank's loss scores (8 sequences x 256 tokens / cp=2), so one chunk holds the whole "
+        "logits (and is recomputed in backward); set memory.loss_chunk_tokens below 1024, e.g. 256, or "
+        "memory.chunked_loss=false"]
+    piped = layout_of(*micro, "--hardware.num_gpus=2", "--parallel.pp=2", "--parallel.num_microbatches=4",
+                      "--memory.loss_chunk_tokens=512")  # a pipeline micro-batch: 2 of the step's 8 sequences
+    assert (piped.micro_batch_size, piped.loss_tokens, piped.ineffective_options()) == (2, 512, [
+        "memory.chunked_loss=true saves no memory: memory.loss_chunk_tokens=512 >= the 512 tokens of a micro-batch "
+        "that a rank's loss scores (2 sequences x 256 tokens), so one chunk holds the whole logits (and is "
+        "recomputed in backward); set memory.loss_chunk_tokens below 512, e.g. 128, or memory.chunked_loss=false"])

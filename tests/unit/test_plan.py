@@ -110,6 +110,20 @@ def test_a_brute_force_over_every_field_finds_the_same_fastest_layout() -> None:
     assert result.candidates[0].step_time_s == pytest.approx(best.perf.time["step_time_s"])
 
 
+def test_the_chunked_loss_is_offered_only_where_it_splits_the_logits() -> None:
+    """A chunk of at least a micro-batch's tokens holds the whole logits and adds a recomputation: the
+    planner does not offer it (micro-batches of 1-8 x 128 tokens; chunks of 1024, then of 256), unless
+    the user set it."""
+    every = {"exhaustive": True, "top": 5}
+    _, default_chunk = plan(*CPU_BUDGET, **every)
+    assert default_chunk.fitting and not any(c.layout.chunked_loss for c in default_chunk.fitting)
+    _, small_chunk = plan(*CPU_BUDGET, "--memory.loss_chunk_tokens=256", **every)
+    chunked = {c.layout.micro_batch_size for c in small_chunk.fitting if c.layout.chunked_loss}
+    assert chunked == {4, 8} and all(c.layout.loss_chunks > 1 for c in small_chunk.fitting if c.layout.chunked_loss)
+    _, user_set = plan(*CPU_BUDGET, "--memory.chunked_loss=true", **every)
+    assert user_set.fitting and all(c.layout.chunked_loss for c in user_set.fitting)
+
+
 def test_fields_the_user_set_stay_as_set() -> None:
     _, result = plan(*LLAMA8B_8, "--parallel.tp=2", "--memory.activation_checkpointing=full", top=4)
     assert result.candidates

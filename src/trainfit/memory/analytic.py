@@ -579,18 +579,20 @@ def _chunked_loss(m: ModelConfig, prec: _Precision, shape: _Shape, V: int, insid
     backward (under sequence parallelism its all-gathered, whole-sequence copy too). A chunk of q
     tokens then holds, in forward, its fp32 logits (the 16-bit ones are cast and dropped: nothing
     saves them) and log-softmax, and under tp loss_parallel's extra fp32 forms; in backward, the
-    recomputed log-softmax and the two gradients (4 under tp). From the second chunk on, autograd
-    also sums the chunks' gradients in its input buffers before passing them on: the output
-    weight's (the matmul's dtype, one vocabulary shard) and the hidden states' (whole tokens: each
-    chunk's slice gradient is full-size)."""
+    recomputed log-softmax and the two gradients (4 under tp), and under autocast the chunk's rows
+    cast to the compute dtype, which the recomputed projection saves for its weight gradient. From
+    the second chunk on, autograd also sums the chunks' gradients in its input buffers before
+    passing them on: the output weight's (the matmul's dtype, one vocabulary shard) and the hidden
+    states' (whole tokens: each chunk's slice gradient is full-size)."""
     D, act, tokens = m.dim, prec.act, shape.tokens
     sequence_parallel = shape.sequence_parallel
     output = Terms(seq=act.stream * D).bytes(tokens, 0, shape.tp, sequence_parallel)
     gathered = act.stream * D * tokens if sequence_parallel and shape.tp > 1 else 0
     chunk = min(tokens, shape.loss_chunk_tokens)
     sums = V * D * act.compute + tokens * D * act.stream if tokens > chunk else 0
+    rows_cast = act.compute * D * chunk if act.autocast else 0
     return _Loss(saved=gathered, output=output, forward=output + gathered + (1 + inside) * FP32 * V * chunk,
-                 backward=gathered + backward * FP32 * V * chunk + sums, keeps_output=True)
+                 backward=gathered + backward * FP32 * V * chunk + sums + rows_cast, keeps_output=True)
 
 
 class _Stage(NamedTuple):

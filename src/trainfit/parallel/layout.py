@@ -71,6 +71,8 @@ class Layout:
     global_batch_size: int
     """Sequences per optimizer step, all ranks: training.global_batch_size, or micro_batch_size x dp
     when that is 0 (derived)."""
+    seq_len: int
+    """Tokens per sequence (training.seq_len), whole: context parallelism splits it over cp ranks."""
     activation_checkpointing: str
     ac_every_n_layers: int
     offload: str
@@ -101,6 +103,19 @@ class Layout:
         """Ranks over which ZeRO/FSDP shards model states (1 under DDP): dp_shard x cp, since the
         cp ranks of a replica hold the same parameters (parallel/mesh.py's dp_shard_cp)."""
         return self.dp_shard * self.cp if self.zero_stage > 0 else 1
+
+    @property
+    def loss_tokens(self) -> int:
+        """Tokens of one micro-batch that the loss of a rank (of the last stage) scores at once: its
+        rows' local sequences (1/cp each). Tensor parallelism's ranks score every token of their
+        micro-batch (sequence parallelism gathers the sequence first: train/loss.py)."""
+        return self.micro_batch_size * self.seq_len // self.cp
+
+    @property
+    def loss_chunks(self) -> int:
+        """Chunks of memory.loss_chunk_tokens the chunked loss splits loss_tokens into (1: the whole
+        logits at once, as without it)."""
+        return -(-self.loss_tokens // self.loss_chunk_tokens)
 
     @property
     def num_stages(self) -> int:
@@ -188,6 +203,13 @@ class Layout:
         if self.fp8_all_gather and (self.precision != "fp8-mixed" or self.data_parallel != "fsdp"):
             found.append("precision.fp8_all_gather=true has no effect: it all-gathers fp8-mixed's float8 weights "
                          "under FSDP2 (parallel.zero_stage 2 or 3 on several ranks, or memory.offload)")
+        if self.chunked_loss and self.loss_chunks == 1:
+            tokens, per_rank = self.loss_tokens, f" / cp={self.cp}" if self.cp > 1 else ""
+            found.append(f"memory.chunked_loss=true saves no memory: memory.loss_chunk_tokens={self.loss_chunk_tokens} "
+                         f">= the {tokens} tokens of a micro-batch that a rank's loss scores ({self.micro_batch_size} "
+                         f"sequences x {self.seq_len} tokens{per_rank}), so one chunk holds the whole logits (and is "
+                         f"recomputed in backward); set memory.loss_chunk_tokens below {tokens}, e.g. "
+                         f"{max(1, tokens // 4)}, or memory.chunked_loss=false")
         return found
 
     @property
@@ -330,7 +352,7 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
                   ep=p.ep, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel, pp_schedule=p.pp_schedule,
                   pp_virtual_stages=virtual, num_microbatches=accum,
                   pp_layers=_stage_layers(cfg, virtual) if p.pp > 1 else (m.num_layers,),
-                  grad_accum_steps=accum, micro_batch_size=micro, global_batch_size=global_batch,
+                  grad_accum_steps=accum, micro_batch_size=micro, global_batch_size=global_batch, seq_len=t.seq_len,
                   activation_checkpointing=mem.activation_checkpointing, ac_every_n_layers=mem.ac_every_n_layers,
                   offload=mem.offload, chunked_loss=mem.chunked_loss, precision=cfg.precision.mode,
                   fp8_scaling=cfg.precision.fp8_scaling, fp8_all_gather=cfg.precision.fp8_all_gather,

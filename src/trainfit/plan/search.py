@@ -289,7 +289,9 @@ class _Knobs:
         self.group = group
         self.ac = ac
         self.offload = [o for o in space.offload if _valid_offload(group.layout, o)]
-        self.chunked = list(space.chunked)
+        # Where one chunk holds a micro-batch's whole logits the chunked loss only adds its recomputation
+        # (Layout.loss_chunks): not an option, unless the user set it.
+        self.chunked = [c for c in space.chunked if not c or group.layout.loss_chunks > 1] or list(space.chunked)
         self.seen: set[Setting] = {(0, 0, 0)}
         self.timed: dict[tuple[str, int, str], list[tuple[Collective, float]]] = {}
         """Timed collectives by collectives_key (_Evaluator.perf)."""

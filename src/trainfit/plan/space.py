@@ -21,7 +21,8 @@ user set have one). Torch-free.
 | memory.activation_checkpointing, ac_every_n_layers | none, selective, full every 4, selective- |
 |                             | alternate, full every 2, full                                         |
 | memory.offload              | none, optimizer (ZeRO-2/3), optimizer+params (ZeRO-3)                 |
-| memory.chunked_loss         | off, on                                                               |
+| memory.chunked_loss         | off, on (where a micro-batch has more than memory.loss_chunk_tokens   |
+|                             | tokens on a rank: plan/search.py's _Knobs)                            |
 | precision.mode              | the config's (bf16-mixed on a GPU when the user leaves it), or those  |
 |                             | the caller allows                                                     |
 """

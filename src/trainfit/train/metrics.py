@@ -1,13 +1,19 @@
 """Per-step metrics: one JSON line per logged step in `<logging.dir>/metrics.jsonl`, optionally
 mirrored to TensorBoard. A resumed run first drops the lines written after its checkpoint, so
-the file always tells one consistent history."""
+the file always tells one consistent history. Every value is written as a plain number, string,
+bool or null (`plain_value`): optimizers and meters may hand over one-element tensors (torchao's
+optimizers keep the learning rate as one) or numpy scalars."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
 
 from trainfit.config import ConfigError
 
@@ -19,6 +25,25 @@ def read_metrics(log_dir: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plain_value(key: str, value: Any) -> bool | int | float | str | None:
+    """`value` as the JSON scalar it stands for: a one-element tensor or a numpy scalar becomes its
+    Python number (`.item()`), a subclass of bool, int or float that type itself."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (torch.Tensor, np.ndarray, np.generic)) and math.prod(value.shape) == 1:
+        return value.item()
+    for kind in (bool, int, float):  # bool first: it is an int
+        if isinstance(value, kind):
+            return kind(value)
+    raise TypeError(f"metric {key!r}: {type(value).__name__} {value!r} is not a number or a string; "
+                    "log a one-element tensor or a plain value")
+
+
+def plain_record(record: dict[str, Any]) -> dict[str, bool | int | float | str | None]:
+    """`record` with every value a plain JSON scalar (plain_value)."""
+    return {key: plain_value(key, value) for key, value in record.items()}
 
 
 class MetricsWriter:
@@ -38,6 +63,7 @@ class MetricsWriter:
         os.replace(tmp, self.path)
 
     def write(self, record: dict[str, Any]) -> None:
+        record = plain_record(record)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:

@@ -173,9 +173,10 @@ class Trainer:
         else:
             self.layout = layout or world.layout or build_layout(cfg, world.size)
             self.world = world
-        uneven = uneven_vocabulary(cfg.model.vocab_size, self.layout.tp)
-        for message in [*self.layout.ineffective_options(), *([uneven] if uneven else [])]:
-            warnings.warn(message, stacklevel=2)
+        if parts is None:  # once per run: not again from the step the traced estimator assembles
+            uneven = uneven_vocabulary(cfg.model.vocab_size, self.layout.tp)
+            for message in [*self.layout.ineffective_options(), *([uneven] if uneven else [])]:
+                warnings.warn(message, stacklevel=2)
         self.cfg = cfg
         self.device = self.world.device
         self.policy = precision_policy(cfg.precision.mode, self.device.type, fp8_scaling=cfg.precision.fp8_scaling,
@@ -452,7 +453,8 @@ class Trainer:
         clip = self.cfg.training.grad_clip or math.inf
         pp_group = self.world.mesh["pp"].get_group() if self.layout.pp > 1 else None
         grad_norm = clip_grad_norm_(self.model, self.optimizer, clip, pp_group)
-        lr = self.optimizer.param_groups[0]["lr"]
+        # A float now: torchao's AdamW8bit keeps lr a tensor, which the scheduler refills in place below.
+        lr = float(self.optimizer.param_groups[0]["lr"])
         self._moment("update")
         skipped = not step_optimizer(self.optimizer, self.scaler)
         self.skipped_steps += int(skipped)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from trainfit.config import load_config
 from trainfit.memory.analytic import uses_fused_adam
-from trainfit.train.optim import build_optimizer, lr_at, param_groups
+from trainfit.train.optim import build_optimizer, build_scheduler, lr_at, param_groups
 
 
 def test_no_decay_on_norms_and_biases() -> None:
@@ -142,3 +144,22 @@ def test_adamw_8bit_resumes_from_a_dcp_checkpoint(tmp_path) -> None:
     load_state_dicts(other, other_opt, model_sd, optim_sd)
     assert type(other_opt.state[other.weight]["exp_avg"]).__name__ == "OptimState8bit"
     assert [step(other, other_opt) for _ in range(2)] == expected
+
+
+def test_the_schedule_refills_adamw_8bits_tensor_lr_in_place() -> None:
+    """torchao's AdamW8bit keeps each group's lr a 0-d tensor and refuses a float; torch's LambdaLR
+    fills it in place with the schedule's value (its base lr a copy, not the same tensor)."""
+    cfg = load_config(None, ["--optimizer.name=adamw-8bit", "--training.steps=6", "--training.warmup_steps=2",
+                             "--training.lr=1e-2", "--training.min_lr=1e-3"])
+    opt = build_optimizer(torch.nn.Linear(64, 128), cfg.optimizer, cfg.training, "cpu")
+    lr = opt.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor)
+    scheduler = build_scheduler(opt, cfg.training)
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": no gradients here
+        for _ in range(6):
+            seen.append(float(opt.param_groups[0]["lr"]))
+            scheduler.step()
+    assert opt.param_groups[0]["lr"] is lr
+    assert seen == pytest.approx([lr_at(step, cfg.training) for step in range(6)], rel=1e-6)
