@@ -30,6 +30,7 @@ LOCK = ROOT / ".ci" / "constraints.txt"
 
 TESTS = (
     "tests/unit/train/test_optim.py",
+    "tests/unit/train/test_metrics.py",
     "tests/unit/test_float8.py",
     "tests/integration/test_fp8_training.py",
     "tests/unit/models/test_models_hf.py",
@@ -72,9 +73,12 @@ def main(argv: list[str] | None = None) -> int:
             venv.create(env_dir, with_pip=True)
         python = str(env_dir / "bin" / "python")
         torch_req = args.torch or f"torch=={_torch_version()}"
+        hold_torch = Path(tmp) / "torch.txt"  # an eager upgrade would otherwise replace it with the newest build
+        hold_torch.write_text(torch_req + "\n")
         pip = [python, "-m", "pip", "install", "--quiet"]
         if (_run([*pip, torch_req]).returncode
-                or _run([*pip, "--upgrade", "--upgrade-strategy", "eager", "-e", ".[dev]"]).returncode):
+                or _run([*pip, "-c", str(hold_torch), "--upgrade", "--upgrade-strategy", "eager", "-e", ".[dev]"])
+                .returncode):
             print("error: the install failed (see pip's output above)", file=sys.stderr)
             return 2
         listed = subprocess.run([python, "-m", "pip", "list", "--format=json"], capture_output=True, text=True,
