@@ -123,18 +123,20 @@ class GlooTestCase(DTensorTestBase):
         path.mkdir(exist_ok=True)
         return path
 
-    def check_parity(self, overrides: tuple[str, ...], tolerances: dict[str, float], steps: int = STEPS
-                     ) -> TrainResult:
+    def check_parity(self, overrides: tuple[str, ...], tolerances: dict[str, float], steps: int = STEPS, *,
+                     measure_memory: bool = False) -> TrainResult:
         """Train `steps` steps with `overrides` on this world and, on rank 0, compare the losses and the
         final weights (the ones the optimizer updates: ZeRO-1's fp32 masters, not its 16-bit
         parameters) with one process given the same global batches (tolerances: see FP32...).
         Returns this rank's result (its run's folder: shared_dir / parity_name(overrides, steps)).
         Rank 0 prints the largest relative loss error and the parameters' relative error (pytest -s
-        shows them: the figures the README's parity tables quote)."""
+        shows them: the figures the README's parity tables quote). The memory meter's steps are off
+        unless `measure_memory` (numerics are the point; the accuracy grid measures the layouts)."""
         name = parity_name(overrides, steps)
         evaluation = (f"--training.eval_interval={steps}", "--training.eval_steps=2")  # at steps 0 and `steps`
+        meter = f"--logging.measure_memory={str(measure_memory).lower()}"
         trainer = Trainer(run_config(self.shared_dir / name, *DP_BATCH, f"--training.steps={steps}", *evaluation,
-                                     *overrides))
+                                     meter, *overrides))
         result = trainer.train()
         params = full_params(trainer)
         if self.rank != 0:
@@ -166,7 +168,8 @@ class GlooTestCase(DTensorTestBase):
         later parity case with the same reference, in this test or another, reads it. The run is a
         function of its overrides alone (one process, seeded weights and data)."""
         evaluation = (f"--training.eval_interval={steps}", "--training.eval_steps=2")
-        args = (*DP_BATCH, f"--training.steps={steps}", *evaluation, "--training.micro_batch_size=8", *overrides)
+        args = (*DP_BATCH, f"--training.steps={steps}", *evaluation, "--training.micro_batch_size=8",
+                "--logging.measure_memory=false", *overrides)
         folder = Path(os.environ.get(REFERENCES_ENV) or self.shared_dir / "references")
         path = folder / f"{hashlib.sha256(repr(args).encode()).hexdigest()[:20]}.pt"
         if path.exists():

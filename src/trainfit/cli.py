@@ -319,7 +319,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     device = pick_device(cfg.training.device, int(os.environ.get("LOCAL_RANK", "0")))
     preflight(cfg, layout, device.type, force=args.force)  # folders, disk and memory, before any work
     predicted = {"analytic": _warn_if_it_will_not_fit(cfg, layout)}
-    if cfg.logging.traced_estimate and _is_rank_zero():
+    if cfg.logging.traced_estimate and cfg.logging.measure_memory and _is_rank_zero():  # vs the measured step
         predicted.update(_traced_estimate(cfg, layout))  # before the Trainer: tracing needs the process-group slot free
     trainer = Trainer(cfg, layout)
     try:

@@ -34,7 +34,7 @@ class CompileParity(GlooTestCase):
     @with_comms
     def test_fsdp_compiled_blocks_with_checkpointing(self) -> None:
         overrides = ("--parallel.zero_stage=3", "--training.compile=true", *COMPILE_SHAPE)
-        result = self.check_parity(overrides, COMPILED, steps=3)
+        result = self.check_parity(overrides, COMPILED, steps=3, measure_memory=True)
         if self.rank != 0:
             return
         run_dir = self.shared_dir / parity_name(overrides, 3)

@@ -12,6 +12,7 @@ import torch
 
 from _analytic import memory_of
 from _runs import run_config
+from trainfit.config import ConfigError
 from trainfit.memory.breakdown import COMPONENTS, PHASES
 from trainfit.memory.traced import trace_step
 from trainfit.train import checkpoint as ckpt
@@ -75,6 +76,23 @@ def test_measured_steps_log_their_memory_per_component(tmp_path: Path) -> None:
         assert record["memory_peak_phase"] in PHASES and record["memory_reserved_margin_bytes"] >= 0
     assert not fields & set(records[5])
     assert result.memory is not None and result.memory.peak == records[4]["peak_memory_bytes"]
+
+
+def test_measure_memory_false_trains_the_same_steps_without_the_meter(tmp_path: Path) -> None:
+    """logging.measure_memory=false: no step is watched or measured (no memory figures logged, none in
+    the result), and the losses are the metered run's, bit for bit."""
+    metered = _trainer(tmp_path / "metered", "--training.steps=4").train()
+    plain = _trainer(tmp_path / "plain", "--training.steps=4", "--logging.measure_memory=false").train()
+    assert metered.memory is not None and plain.memory is None
+    assert plain.losses == metered.losses
+    records = [r for r in read_metrics(tmp_path / "plain" / "logs") if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert not any(key.startswith("memory_") for r in records for key in r)
+
+
+def test_a_memory_interval_without_the_meter_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"logging.memory_interval=2: .*logging.measure_memory=false"):
+        run_config(tmp_path, "--logging.memory_interval=2", "--logging.measure_memory=false")
 
 
 @pytest.fixture(scope="module")

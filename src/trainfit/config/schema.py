@@ -336,6 +336,11 @@ class LoggingConfig:
     """Log metrics every this many steps."""
     tensorboard: bool = False
     """Also write TensorBoard events (needs the tensorboard package)."""
+    measure_memory: bool = True
+    """Measure the second step of every run per component at the allocator (and every
+    memory_interval steps), its first step watched for what it leaves behind: the measured figures
+    of metrics.jsonl and the end-of-run predicted-vs-measured table. false trains every step plain
+    (the meter's steps run slower on a CPU, where the allocator is sampled after every operator)."""
     memory_interval: int = 0
     """Measure memory per component every this many steps, besides the second step of every run
     (0 = that one only); a measured step takes up to twice as long as a plain one."""

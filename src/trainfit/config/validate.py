@@ -155,6 +155,12 @@ def _validate_rest(cfg: Config) -> None:
         raise field_error("checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
     if cfg.logging.interval < 1:
         raise field_error("logging.interval", cfg.logging.interval, "must be >= 1")
+    if cfg.logging.memory_interval < 0:
+        raise field_error("logging.memory_interval", cfg.logging.memory_interval,
+                          "must be >= 0 (0 measures the second step only)")
+    if cfg.logging.memory_interval and not cfg.logging.measure_memory:
+        raise field_error("logging.memory_interval", cfg.logging.memory_interval,
+                          "measures memory, which logging.measure_memory=false turns off; set one of them")
     profile_window(cfg.logging.profile_steps, cfg.training.steps)
 
 

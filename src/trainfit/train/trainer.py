@@ -576,6 +576,8 @@ class Trainer:
         window_tokens, window_seconds = 0, 0.0
         last_saved = self.step if self.resumed_from else None
         first_measured = min(self.step + 2, t.steps)  # this process's second step: the first one warms up
+        if not cfg.logging.measure_memory:
+            first_measured = 0  # no step is watched or measured (_next_step)
         profiler = StepProfiler.from_config(cfg, rank=world.rank, world_size=world.size, device=self.device)
         interval = cfg.logging.memory_interval  # the memory meter's steps (_next_step), slower than the others
         instrumented = {*range(self.step + 1, first_measured + 1), *(range(interval, t.steps + 1, interval)
