@@ -38,9 +38,12 @@ from _fp8_flops import (  # noqa: E402
     ranks_flops,
 )
 
-FP8_TESTS = ["tests/unit/test_float8.py", "tests/unit/test_fp8_matmul.py", "tests/integration/test_fp8_training.py",
+FP8_TESTS = ["tests/unit/test_float8.py", "tests/unit/test_fp8_matmul.py", "tests/unit/test_fp8_budget.py",
+             "tests/unit/test_calibrate.py", "tests/integration/test_fp8_training.py",
              "tests/distributed/test_fp8_parity.py"]
-"""The test files that run fp8 matmuls (`grep -ril 'fp8\\|float8' tests/`), but for the accuracy grid's."""
+"""The test files that mention fp8 and run something (`grep -ril 'fp8\\|float8' tests/`), but for the
+accuracy grid's; the others (test_timing, test_plan, test_hardware, test_bad_inputs) only estimate or
+validate configs. test_calibrate's quick calibration runs as a command, uncounted."""
 
 
 def pytest_flops(args: list[str]) -> list[tuple[str, int]]:
