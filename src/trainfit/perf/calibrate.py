@@ -12,8 +12,9 @@ or OMP_NUM_THREADS; torchrun sets 1 per rank):
   rate so far is skipped: bf16 and fp16 matmuls run many times slower than fp32 on CPUs without
   native support for them (README.md's Calibrate section). fp8 starts with the probe fp8-mixed
   training runs (trainfit.fp8_matmul: one small GEMM, bounded in time, against bf16's): where fp8
-  runs below bf16's rate (a reference kernel, orders of magnitude slower: no fp8 hardware) the
-  probe's shape is the profile's one fp8 shape, else the probe's rate is fp8's rate so far;
+  runs below a tenth of bf16's rate (a reference kernel, orders of magnitude slower: no fp8
+  hardware) the probe's shape is the profile's one fp8 shape, else the probe's rate is fp8's rate
+  so far;
 - causal attention, forward and backward through scaled_dot_product_attention (the kernel training
   picks), per dtype over (batch, heads, sequence, head dim) shapes, skipped as the matmuls are;
 - memory bandwidth: a large fp32 copy (read + write bytes) and add (two reads, one write), the better;
@@ -199,8 +200,8 @@ def _matmul(dtype: str, m: int, k: int, n: int, device: str) -> Callable[[], tor
 
 def _fp8_matmuls(device: str, s: Settings, step: Callable[[str], None]) -> list[MatmulShape]:
     """fp8's shapes, after the probe fp8-mixed training runs (trainfit.fp8_matmul: one small GEMM,
-    bounded in time, against bf16's): where fp8 runs below bf16's rate (no fp8 hardware: a reference
-    kernel, orders of magnitude slower) the probe's shape alone, else the grid's shapes that fit at
+    bounded in time, against bf16's): where it says fp8 is slow (below a tenth of bf16's rate: a
+    reference kernel, no fp8 hardware) the probe's shape alone, else the grid's shapes that fit at
     the probe's rate and above; none where torch._scaled_mm cannot run."""
     step("fp8 matmul probe")
     try:
