@@ -26,6 +26,7 @@ from torch.testing._internal import common_distributed
 from torch.testing._internal.common_distributed import run_subtests
 from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase, with_comms
 
+from _fp8_flops import counted_rank
 from _ranks import rank_context, start_ranks
 from _runs import run_config
 from trainfit.parallel.data_parallel import state_dicts
@@ -107,10 +108,12 @@ class GlooTestCase(DTensorTestBase):
     @classmethod
     def _run(cls, rank: int, test_name: str, file_name: str, parent_pipe: Any, *, environ: dict[str, str],
              **kwargs: Any) -> None:
-        """A rank: the starting process's environment, then the test (MultiProcessTestCase._run)."""
+        """A rank: the starting process's environment, then the test (MultiProcessTestCase._run), its
+        fp8 work counted for the pytest test that started it (tests/_fp8_flops.py)."""
         os.environ.clear()
         os.environ.update(environ)
-        super()._run(rank, test_name, file_name, parent_pipe, **kwargs)
+        with counted_rank():
+            super()._run(rank, test_name, file_name, parent_pipe, **kwargs)
 
     def run_subtests(self, config: dict[str, list[Any]], fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         """fn(**one combination of config) for every combination, inside this one spawn."""

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch.multiprocessing
 
+from _fp8_flops import counted_rank
+
 FORK_SERVER_PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "trainfit.train.trainer"]
 """What the fork server imports before it forks any rank (the tests' heavy imports)."""
 
@@ -38,7 +40,9 @@ def start_ranks(fn: Callable[..., None], nprocs: int, *args: Any) -> None:
 
 
 def with_environment(rank: int, environ: dict[str, str], fn: Callable[..., None], args: tuple) -> None:
-    """`fn(rank, *args)` in the environment `environ` (a rank forked from the server has the server's)."""
+    """`fn(rank, *args)` in the environment `environ` (a rank forked from the server has the server's),
+    its fp8 work counted for the test that started it (tests/_fp8_flops.py)."""
     os.environ.clear()
     os.environ.update(environ)
-    fn(rank, *args)
+    with counted_rank():
+        fn(rank, *args)

@@ -1,4 +1,5 @@
-"""Shared fixtures: isolated cache and run folders, restored global torch state.
+"""Shared fixtures: isolated cache and run folders, restored global torch state; every test's fp8
+GEMM work counted and held to a budget (tests/_fp8_flops.py).
 
 Every test process computes on one thread (OMP_NUM_THREADS=1, set before torch is imported and
 inherited by the processes tests start): the models are tiny, and on a machine whose cores are
@@ -12,6 +13,15 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest  # noqa: E402
+
+from _fp8_flops import (  # noqa: E402, F401  (the fp8 budget's hooks; torch: after OMP_NUM_THREADS)
+    pytest_configure,
+    pytest_runtest_call,
+    pytest_runtest_setup,
+    pytest_runtest_teardown,
+    pytest_sessionfinish,
+    pytest_unconfigure,
+)
 
 
 @pytest.fixture(autouse=True)

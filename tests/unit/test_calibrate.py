@@ -4,18 +4,25 @@ ranks), the fits against perf/comms.py's cost model, and what a profile changes 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from rich.console import Console
 
 from _profiles import profile
 from trainfit import hardware
 from trainfit.cli import main
 from trainfit.config import ConfigError, HardwareConfig, load_config
 from trainfit.estimate import estimate
+from trainfit.fp8_matmul import DEADLINE_S, PROBE_SHAPE
 from trainfit.hardware_profile import (
     HOST_KINDS,
     CollectiveFit,
@@ -29,6 +36,7 @@ from trainfit.hardware_profile import (
     write_profile,
 )
 from trainfit.parallel.layout import build_layout
+from trainfit.perf import calibrate
 from trainfit.perf.calibrate import QUICK
 from trainfit.perf.calibrate_comms import fit_link, fit_nonnegative, model_terms
 from trainfit.perf.comms import collective_time
@@ -151,6 +159,56 @@ def test_fp8_without_a_measured_rate_says_so(tmp_path: Path) -> None:
         hardware.peak_flops(hw, "fp8-mixed")
 
 
+# ---------------------------------------------------------------- fp8 on a reference kernel
+
+
+def test_a_reference_fp8_kernel_is_measured_once_at_the_probe_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch._scaled_mm runs orders of magnitude below bf16 (here a kernel that sleeps past the
+    probe's deadline), the default calibration's fp8 work is the probe's one call: the profile's fp8
+    rate is the probe's, at its shape, and no shape of the grid is tried."""
+    calls, real = [], torch._scaled_mm
+
+    def slow(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(args[0].shape)
+        time.sleep(2 * DEADLINE_S)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", slow)
+    steps: list[str] = []
+    (shape,) = calibrate._fp8_matmuls("cpu", calibrate.DEFAULT, steps.append)
+    assert len(calls) == 1 and steps == ["fp8 matmul probe"]
+    assert (shape.dtype, shape.m, shape.k, shape.n) == ("fp8", *PROBE_SHAPE)
+    assert shape.flops_per_s < 2 * 128**3 / (2 * DEADLINE_S)
+
+
+def test_the_probe_rate_bounds_the_fp8_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8's rate so far starts at the probe's: a shape whose one call would exceed max_call_s at it is skipped."""
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: pytest.fail("a grid shape was timed"))
+    probe = MatmulShape("fp8", *PROBE_SHAPE, 1e6)  # every grid shape's call: longer than DEFAULT.max_call_s
+    assert calibrate._matmuls("fp8", "cpu", calibrate.DEFAULT, lambda what: None, probe=probe) == [probe]
+
+
+def _printed(p: HardwareProfile) -> str:
+    console = Console(file=io.StringIO(), width=200)
+    for table in calibrate.profile_tables(p):
+        console.print(table)
+    return console.file.getvalue()
+
+
+def test_the_tables_say_when_fp8_runs_below_bf16() -> None:
+    rates = {"fp32": 5e10, "bf16": 1e11, "fp16": 1.5e9}
+    reference = profile(matmul_flops_per_s={**rates, "fp8": 4.5e7},
+                        matmul_shapes=(*profile().matmul_shapes, MatmulShape("fp8", *PROBE_SHAPE, 4.5e7)))
+    printed = _printed(reference)
+    assert re.search(r"matmul fp8 +│ 0.045 GFLOP/s", printed)
+    assert ("2,222x slower (a reference kernel: no fp8 hardware): fp8-mixed trains slower than bf16-mixed here; "
+            "use precision.mode=bf16-mixed") in printed
+    assert re.search(r"128 x 128 x 128 │ - +│ - +│ - +│ 0.045", printed)  # the probe's shape: fp8's only one
+    emulated = _printed(profile(matmul_flops_per_s={**rates, "fp8": 5e10}))
+    assert "2.0x slower: fp8-mixed trains slower" in emulated and "no fp8 hardware" not in emulated
+    assert "fp8 below bf16" not in _printed(profile(matmul_flops_per_s={**rates, "fp8": 2e11}))
+
+
 def estimate_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
     assert main(["estimate", "--hardware.num_gpus=2", *args, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
@@ -242,7 +300,7 @@ def test_a_quick_calibration_measures_plausible_numbers(quick: tuple[Path, str])
     assert (p.machine.device, p.machine.threads, p.machine.quick) == ("cpu", 1, True)  # OMP_NUM_THREADS=1
     assert {"fp32", "bf16", "fp16"} <= set(p.matmul_flops_per_s)
     for dtype, rate in p.matmul_flops_per_s.items():
-        assert 1e8 < rate < 1e13, dtype
+        assert (1e6 if dtype == "fp8" else 1e8) < rate < 1e13, dtype  # fp8: a reference kernel's rate too
         assert rate == max(s.flops_per_s for s in p.matmul_shapes if s.dtype == dtype)
     assert {(s.m, s.k, s.n) for s in p.matmul_shapes if s.dtype == "fp32"} == \
         {(m, d, n) for m, d in QUICK.shapes for n in (d, 4 * d)}
@@ -277,8 +335,10 @@ def test_the_measured_profile_drives_the_estimate(quick: tuple[Path, str], capsy
     rates += [a.flops_per_s for a in p.attention if a.dtype == "fp32"]
     rates += [r for b in p.matmul_backward if b.dtype == "fp32" for r in (b.input_grad_flops_per_s,
                                                                            b.weight_grad_flops_per_s)]
-    assert flops / max(rates) + elementwise <= compute * (1 + 1e-9)
-    assert compute <= (flops / min(rates) + elementwise) * (1 + 1e-9)
+    (together,) = p.concurrency  # each of the 2 ranks computes at these fractions of one alone (perf/kernels.py)
+    slowdowns = (1 / together.matmul, 1 / together.bandwidth)
+    assert min(slowdowns) * (flops / max(rates) + elementwise) <= compute * (1 + 1e-9)
+    assert compute <= max(slowdowns) * (flops / min(rates) + elementwise) * (1 + 1e-9)
     assert {(a.dtype, a.seq_len) for a in p.attention} >= {("fp32", QUICK.attention_shapes[0][2])}
     assert {(b.m, b.k, b.n) for b in p.matmul_backward if b.dtype == "fp32"} == \
         {(s.m, s.k, s.n) for s in p.matmul_shapes if s.dtype == "fp32"}

@@ -9,8 +9,12 @@ or OMP_NUM_THREADS; torchrun sets 1 per rank):
   (fp32, bf16, fp16; fp8 forward only, through torch._scaled_mm where it runs) over GEMMs of
   transformer layers: tokens x dim by dim x dim and by dim x 4 dim, small to large. A dtype's rate
   is its best shape's. A shape whose one call would take longer than `max_call_s` at the dtype's
-  rate so far is skipped: bf16 and fp16 matmuls run ~10x slower than fp32 on CPUs without native
-  support for them (a 2-core AVX2 EPYC, one thread: fp32 86, bf16 8, fp16 11 GFLOP/s);
+  rate so far is skipped: bf16 and fp16 matmuls run many times slower than fp32 on CPUs without
+  native support for them (README.md's Calibrate section). fp8 starts with the probe fp8-mixed
+  training runs (trainfit.fp8_matmul: one small GEMM, bounded in time, against bf16's): where fp8
+  runs below a tenth of bf16's rate (a reference kernel, orders of magnitude slower: no fp8
+  hardware) the probe's shape is the profile's one fp8 shape, else the probe's rate is fp8's rate
+  so far;
 - causal attention, forward and backward through scaled_dot_product_attention (the kernel training
   picks), per dtype over (batch, heads, sequence, head dim) shapes, skipped as the matmuls are;
 - memory bandwidth: a large fp32 copy (read + write bytes) and add (two reads, one write), the better;
@@ -42,6 +46,7 @@ import torch.nn.functional as F
 from rich.table import Table
 
 from trainfit.config import ConfigError
+from trainfit.fp8_matmul import fp8_is_slow, fp8_matmul, gflops, probe_fp8_matmul
 from trainfit.hardware_profile import (
     MATMUL_DTYPES,
     PROFILE_VERSION,
@@ -116,11 +121,10 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
     """Measure this machine (module docstring); `quick` takes seconds instead of a minute or two;
     collectives at 2..max_ranks ranks (default: see resolve_max_ranks)."""
     settings, device, max_ranks = QUICK if quick else DEFAULT, _device_type(), resolve_max_ranks(max_ranks)
-    dtypes = [*MATMUL_DTYPES, *(["fp8"] if _fp8_runs(device) else [])]
     impls = ["fused", "foreach"] if device in FUSED_DEVICES else ["foreach"]
     worlds = range(2, max_ranks + 1)
-    total = (len(dtypes) * 2 * len(settings.shapes) + len(MATMUL_DTYPES) * (2 * len(settings.shapes)
-                                                                             + len(settings.attention_shapes)) + 1
+    total = ((len(MATMUL_DTYPES) + 1) * 2 * len(settings.shapes) + 1  # fp8 too (where it runs), after its probe
+             + len(MATMUL_DTYPES) * (2 * len(settings.shapes) + len(settings.attention_shapes)) + 1
              + len(worlds) + len(impls) * len(settings.optimizer_params))
     done = 0
 
@@ -132,7 +136,8 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
     start, threads_before, cores = time.perf_counter(), torch.get_num_threads(), os.cpu_count() or 1
     torch.set_num_threads(threads)
     try:
-        shapes = [s for dtype in dtypes for s in _matmuls(dtype, device, settings, step)]
+        shapes = [s for dtype in MATMUL_DTYPES for s in _matmuls(dtype, device, settings, step)]
+        shapes += _fp8_matmuls(device, settings, step)
         backward = [b for dtype in MATMUL_DTYPES for b in _matmul_backwards(dtype, device, settings, step)]
         attention = [a for dtype in MATMUL_DTYPES for a in _attentions(dtype, device, settings, step)]
         step("memory bandwidth")
@@ -155,7 +160,7 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
         torch.set_num_threads(threads_before)
     progress("done", total, total)
     link, collectives = fit_collectives(measured) if measured else (None, [])
-    best = {d: max(s.flops_per_s for s in shapes if s.dtype == d) for d in dtypes}
+    best = {d: max(s.flops_per_s for s in shapes if s.dtype == d) for d in dict.fromkeys(s.dtype for s in shapes)}
     machine = Machine(device=device, name=_device_name(device), cores=cores, threads=threads,
                       torch=torch.__version__, date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                       quick=quick, seconds=round(time.perf_counter() - start, 1))
@@ -185,23 +190,26 @@ def _sync(device: str) -> Callable[[], None]:
 
 def _matmul(dtype: str, m: int, k: int, n: int, device: str) -> Callable[[], torch.Tensor]:
     """(m x k) @ (k x n) as a linear layer runs it: F.linear with an (n x k) weight; fp8 through
-    torch._scaled_mm (tensorwise scales of 1, bf16 out, the weight column-major as it requires)."""
+    torch._scaled_mm as torchao's tensorwise float8 linear calls it (trainfit.fp8_matmul)."""
     if dtype == "fp8":
-        a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
-        b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
-        one = torch.ones((), device=device)
-        return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        return fp8_matmul(m, k, n, device)
     x = torch.randn(m, k, device=device, dtype=DTYPES[dtype])
     w = torch.randn(n, k, device=device, dtype=DTYPES[dtype])
     return lambda: F.linear(x, w)
 
 
-def _fp8_runs(device: str) -> bool:
+def _fp8_matmuls(device: str, s: Settings, step: Callable[[str], None]) -> list[MatmulShape]:
+    """fp8's shapes, after the probe fp8-mixed training runs (trainfit.fp8_matmul: one small GEMM,
+    bounded in time, against bf16's): where it says fp8 is slow (below a tenth of bf16's rate: a
+    reference kernel, no fp8 hardware) the probe's shape alone, else the grid's shapes that fit at
+    the probe's rate and above; none where torch._scaled_mm cannot run."""
+    step("fp8 matmul probe")
     try:
-        _matmul("fp8", 16, 16, 16, device)()
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
+        rates = probe_fp8_matmul(device)
+    except ConfigError:
+        return []
+    probe = MatmulShape("fp8", *rates.shape, rates.fp8_flops_per_s)
+    return [probe] if rates.slow else _matmuls("fp8", device, s, step, probe=probe)
 
 
 def _grid(s: Settings) -> list[tuple[int, int, int]]:
@@ -209,17 +217,20 @@ def _grid(s: Settings) -> list[tuple[int, int, int]]:
     return sorted({(m, d, n) for m, d in s.shapes for n in (d, 4 * d)}, key=lambda mkn: mkn[0] * mkn[1] * mkn[2])
 
 
-def _matmuls(dtype: str, device: str, s: Settings, step: Callable[[str], None]) -> list[MatmulShape]:
-    """Every shape of the grid that fits in max_call_s at the dtype's rate so far, smallest first."""
+def _matmuls(dtype: str, device: str, s: Settings, step: Callable[[str], None], *,
+             probe: MatmulShape | None = None) -> list[MatmulShape]:
+    """Every shape of the grid that fits in max_call_s at the dtype's rate so far (from `probe`, a
+    small shape measured first, where given), smallest first; the probe alone where none fits."""
     out: list[MatmulShape] = []
     for m, k, n in _grid(s):
         step(f"matmul {dtype} {m} x {k} x {n}")
         flops = 2 * m * k * n
-        if out and flops / max(o.flops_per_s for o in out) > s.max_call_s:
+        rates = [o.flops_per_s for o in [*out, *([probe] if probe else [])]]
+        if rates and flops / max(rates) > s.max_call_s:
             continue
         seconds = median_seconds(_matmul(dtype, m, k, n, device), _sync(device), batch_s=s.batch_s, repeats=s.repeats)
         out.append(MatmulShape(dtype, m, k, n, flops / seconds))
-    return out
+    return out or ([probe] if probe else [])
 
 
 def _matmul_backwards(dtype: str, device: str, s: Settings, step: Callable[[str], None]) -> list[MatmulBackward]:
@@ -294,8 +305,14 @@ def profile_tables(p: HardwareProfile) -> list[Table]:
     m = p.machine
     summary = Table("measured", "", title=f"hardware profile: {m.device}, {m.name}, {m.threads} thread(s), "
                                           f"torch {m.torch}, {m.seconds:.0f} s{' (quick)' if m.quick else ''}")
-    for dtype, rate in p.matmul_flops_per_s.items():
-        summary.add_row(f"matmul {dtype}", f"{rate / 1e9:,.1f} GFLOP/s")
+    rates = p.matmul_flops_per_s
+    for dtype, rate in rates.items():
+        summary.add_row(f"matmul {dtype}", f"{gflops(rate)} GFLOP/s")
+    if "fp8" in rates and rates["fp8"] < rates["bf16"]:
+        ratio = rates["bf16"] / rates["fp8"]
+        summary.add_row("fp8 below bf16", (f"{ratio:,.0f}" if ratio >= 10 else f"{ratio:.1f}") + "x slower"
+                        + (" (a reference kernel: no fp8 hardware)" if fp8_is_slow(rates["fp8"], rates["bf16"]) else "")
+                        + ": fp8-mixed trains slower than bf16-mixed here; use precision.mode=bf16-mixed")
     summary.add_row("memory bandwidth", f"{p.memory_bytes_per_s / 1e9:,.1f} GB/s")
     if p.link:
         summary.add_row("link (all collectives)", f"{p.link.bytes_per_s / 1e9:,.2f} GB/s, "
@@ -305,10 +322,12 @@ def profile_tables(p: HardwareProfile) -> list[Table]:
                         f"{o.s_per_param * 1e9:.2f} ns per parameter + {o.step_s * 1e3:.2f} ms")
 
     dtypes = list(p.matmul_flops_per_s)
-    matmuls = Table("m x k x n", *dtypes, title="matmul GFLOP/s per shape (tokens x dim x dim, x 4 dim)")
+    matmuls = Table("m x k x n", *dtypes, title="matmul GFLOP/s per shape (tokens x dim x dim, x 4 dim)",
+                    caption="-: not measured (one call would take too long at the dtype's rate; fp8's "
+                            "probe shape where it was fp8's only one)")
     for shape in sorted({(s.m, s.k, s.n) for s in p.matmul_shapes}, key=lambda mkn: mkn[0] * mkn[1] * mkn[2]):
-        rates = {s.dtype: s.flops_per_s for s in p.matmul_shapes if (s.m, s.k, s.n) == shape}
-        matmuls.add_row(" x ".join(map(str, shape)), *(f"{rates[d] / 1e9:,.1f}" if d in rates else "skipped"
+        shape_rates = {s.dtype: s.flops_per_s for s in p.matmul_shapes if (s.m, s.k, s.n) == shape}
+        matmuls.add_row(" x ".join(map(str, shape)), *(gflops(shape_rates[d]) if d in shape_rates else "-"
                                                         for d in dtypes))
     tables = [summary, matmuls]
     if p.attention:

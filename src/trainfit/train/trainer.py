@@ -30,6 +30,7 @@ from torch import nn
 
 from trainfit.attention import AttentionKernel, probe_attention_kernel, set_attention_backend
 from trainfit.config import Config, ConfigError, config_to_dict
+from trainfit.fp8_matmul import Fp8MatmulRates, probe_fp8_matmul
 from trainfit.hardware import peak_flops
 from trainfit.memory.attribution import Measurement, MemoryMeter, measure_trainer_step
 from trainfit.memory.breakdown import MemoryBreakdown
@@ -161,6 +162,8 @@ class Trainer:
     """forward: a micro-batch's forward and loss start; backward: its backward starts; optimizer:
     every micro-batch's backward is done, the gradient reduction (ZeRO-1's), unscaling and clipping
     start; update: every gradient is reduced, unscaled and clipped, the optimizer is about to step."""
+    fp8_matmul: Fp8MatmulRates | None = None
+    """fp8-mixed: this device's fp8 and bf16 matmul rates, probed before step 1 (trainfit.fp8_matmul)."""
 
     def __init__(self, cfg: Config, layout: Layout | None = None, world: World | None = None, *,
                  parts: StepParts | None = None) -> None:
@@ -213,6 +216,10 @@ class Trainer:
             from trainfit.float8 import float8_notes  # torchao: imported by fp8 runs only
 
             self.notes.extend(float8_notes(model))
+            self.fp8_matmul = probe_fp8_matmul(self.device, self.policy.fp8_scaling)
+            self.notes.append(self.fp8_matmul.note())
+            if self.fp8_matmul.slow and self.world.is_main:
+                warnings.warn(self.fp8_matmul.warning(), stacklevel=2)
         self.resumed_from = self._maybe_resume()
 
     def _setup_step(self, model: nn.Module, num_params: int, batches: Any, optimizer_device_type: str) -> None:
@@ -591,6 +598,8 @@ class Trainer:
                     writer.write({"step": self.step, "note": note})
                 writer.write({"step": self.step, "attention_kernel": self.attention_kernel.name,
                               "attention_op": self.attention_kernel.op})
+                if self.fp8_matmul is not None:
+                    writer.write({"step": self.step, **self.fp8_matmul.record()})
                 if self.step == 0 and t.eval_interval:
                     result.val_losses[0] = self._log_eval(writer, bar)
                 stopping = world.any(stop.requested)
