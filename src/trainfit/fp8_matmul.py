@@ -78,7 +78,7 @@ class Fp8MatmulRates:
     def record(self) -> dict[str, object]:
         """The metrics.jsonl fields."""
         return {"fp8_matmul_flops_per_s": self.fp8_flops_per_s, "bf16_matmul_flops_per_s": self.bf16_flops_per_s,
-                "fp8_probe_shape": list(self.shape), "fp8_probe_scaling": self.scaling}
+                "fp8_probe_shape": "x".join(map(str, self.shape)), "fp8_probe_scaling": self.scaling}
 
 
 def fp8_is_slow(fp8_flops_per_s: float, bf16_flops_per_s: float) -> bool:

@@ -82,7 +82,7 @@ def test_the_probe_measures_both_kernels_at_its_shape() -> None:
     assert rates.note() == (f"fp8 matmul probe (cpu, 128 x 128 x 128, rowwise scales): fp8 "
                             f"{gflops(rates.fp8_flops_per_s)} GFLOP/s, bf16 {gflops(rates.bf16_flops_per_s)} GFLOP/s")
     assert rates.record() == {"fp8_matmul_flops_per_s": rates.fp8_flops_per_s,
-                              "bf16_matmul_flops_per_s": rates.bf16_flops_per_s, "fp8_probe_shape": [128, 128, 128],
+                              "bf16_matmul_flops_per_s": rates.bf16_flops_per_s, "fp8_probe_shape": "128x128x128",
                               "fp8_probe_scaling": "rowwise"}
 
 
