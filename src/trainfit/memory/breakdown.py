@@ -12,6 +12,9 @@ Components (bytes, ints):
   recompute / optimizer-step temporaries)
 - peak: the largest sum over the step's phases (forward, backward, optimizer step)
 - reserved_margin: allocator fragmentation and runtime context, shown apart, never inside another figure
+- non_tensor: measured only: what the allocator held at the step's peak beyond the tensors (library
+  caches such as oneDNN's per-shape primitives on CPU, allocator overhead), shown apart; no estimator
+  models it (0 in estimates)
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ class MemoryBreakdown:
     peak_phase: str = ""
     """forward | backward | optimizer: where the peak lands."""
     reserved_margin: int = 0
+    non_tensor: int = 0
+    """Measured steps: the allocator's peak above `peak` (the tensors'), so the process's own peak is
+    `peak + non_tensor`; memory/attribution.py says what it holds. Estimates leave it 0."""
     phase_peaks: dict[str, int] = field(default_factory=dict)
     """The largest in-use bytes of each phase (forward, backward, optimizer)."""
 
