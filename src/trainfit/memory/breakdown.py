@@ -10,7 +10,7 @@ Components (bytes, ints):
 - logits: logits, loss and their gradients
 - buffers: communication and temporary buffers (all-gather / reduce-scatter / buckets / prefetch /
   recompute / optimizer-step temporaries)
-- peak: the largest sum over the step's phases (forward, backward, optimizer step)
+- peak: the largest sum of the tensors over the step's phases (forward, backward, optimizer step)
 - reserved_margin: allocator fragmentation and runtime context, shown apart, never inside another figure
 - non_tensor: measured only: what the allocator held at the step's peak beyond the tensors (library
   caches such as oneDNN's per-shape primitives on CPU, allocator overhead), shown apart; no estimator
@@ -37,7 +37,7 @@ class MemoryBreakdown:
     logits: int = 0
     buffers: int = 0
     peak: int = 0
-    """Bytes in use at the step's peak; the components above are their values at that moment."""
+    """Tensor bytes in use at the step's peak; the components above are their values at that moment."""
     peak_phase: str = ""
     """forward | backward | optimizer: where the peak lands."""
     reserved_margin: int = 0
