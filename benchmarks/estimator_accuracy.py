@@ -3,11 +3,12 @@
 Runs the grid of tests/estimator/accuracy_grid.py (1, 2 and 4 gloo ranks; precision, optimizer,
 activation checkpointing, ZeRO stage, HSDP, batch shape, dense and MoE models, MoE held to
 asymmetric peak bounds; pipeline schedules, one line per stage against the stage's first rank):
-each configuration is measured at the allocator (rank 0's figures; every world size is one start of ranks),
-traced, and estimated. Prints the peaks and their errors against the
-measured one; the analytic estimate's worst component against the traced one, by the test's
-criterion (the largest difference relative to its allowance, max(10% of the traced component, 1%
-of the traced peak)), as % of the component (only for components of at least a tenth of the peak:
+each configuration is measured (rank 0's figures; every world size is one start of ranks),
+traced, and estimated. Prints the peaks and their errors against the measured one (the tensors'
+peak), the measured non_tensor bytes beside it (the allocator's peak above the tensors'); the
+analytic estimate's worst component against the traced one, by the test's criterion (the largest
+difference relative to its allowance, max(10% of the traced component, 1% of the traced peak)),
+as % of the component (only for components of at least a tenth of the peak:
 smaller ones are held to the peak) and of the peak; the analytic forward-retained bytes and model
 states against the measured ones; the peak phases; then the median and worst errors, and the
 analytic estimator's speed on llama3.1-405b over 16,384 GPUs. Progress goes to stderr: the whole
@@ -59,6 +60,7 @@ from trainfit.parallel.layout import build_layout  # noqa: E402
 
 COLUMNS = {  # key: (header, right-aligned)
     "config": ("configuration", False), "ranks": ("ranks", True), "measured": ("measured", True),
+    "non_tensor": ("non\ntensor", True),
     "traced": ("traced", True), "traced error": ("error", True), "analytic": ("analytic", True),
     "analytic error": ("error", True), "component": ("worst component\nanalytic vs traced", False),
     "of component": ("of\ncomponent", True), "of peak": ("of\npeak", True),
@@ -120,7 +122,8 @@ def _stage_errors(row: Row, stage: int, measured: Measured, traced: MemoryBreakd
     }
     style = "green" if abs(gap) <= allowed else "red"
     cells = {"config": row.name + (f" stage {stage}" if pipelined else ""), "ranks": str(row.world),
-             "measured": f"{measured_peak.peak / MiB:.2f}", "traced": f"{traced.peak / MiB:.2f}",
+             "measured": f"{measured_peak.peak / MiB:.2f}", "non_tensor": f"{measured_peak.non_tensor / MiB:.2f}",
+             "traced": f"{traced.peak / MiB:.2f}",
              "analytic": f"{ours.peak / MiB:.2f}", "component": f"[{style}]{worst} {gap / MiB:+.2f}[/{style}]",
              "phase": "/".join(PHASE[b.peak_phase] for b in (measured_peak, traced, ours))}
     return errors, cells
@@ -128,7 +131,8 @@ def _stage_errors(row: Row, stage: int, measured: Measured, traced: MemoryBreakd
 
 def _table(rows: list[Row], tmp: Path, measured: dict[str, Measured]) -> Table:
     table = Table(title="memory estimators vs a measured CPU step (MiB; rank 0, and under pipeline parallelism each "
-                        "stage's first rank; error = estimate / measured - 1)")
+                        "stage's first rank; measured = the tensors' peak, non tensor = the allocator's peak above "
+                        "it; error = estimate / measured - 1)")
     for header, right in COLUMNS.values():
         table.add_column(header, justify="right" if right else "left")
     columns: dict[str, list[float]] = {name: [] for name in ERRORS}

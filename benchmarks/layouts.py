@@ -7,8 +7,8 @@
   ranks read one each, the tensor- and context-parallel ranks share both.
 
 For each layout, every rank runs a watched warm-up step, one measured step as `trainfit train` does
-(Trainer.measured_step: the tensors alive at the step's start + glibc in-use growth sampled after
-every operator, memory/attribution.py; the largest over the ranks), then timed steps; and this
+(Trainer.measured_step: the live tensors' peak, counted after every operator with glibc's in-use
+bytes read beside them, memory/attribution.py; the largest over the ranks), then timed steps; and this
 rank's model-state tensors once the optimizer is about to step (params, master weights, grads,
 optimizer: local shard bytes, rank 0; ZeRO-1's grads are its flat buffers plus its master shards'
 gradients). "estimate" is memory/analytic.py's model states at that moment (model_states) and

@@ -45,9 +45,13 @@ def test_measure_json_compares_with_the_estimate(small: list[str]) -> None:
     assert measured["model"]["num_params"] == analytic["model"]["num_params"]
     peak = measured["per_rank"]["peak"]
     assert abs(analytic["per_rank"]["peak"] - peak) < 0.1 * peak
+    # the tensors' peak is the sum of the components; what the allocator held beyond them is named apart
+    components = ("params", "master_params", "grads", "optimizer", "activations", "logits", "buffers")
+    assert sum(measured["per_rank"][name] for name in components) == peak
+    assert 0 <= measured["per_rank"]["non_tensor"] < peak
 
 
 def test_report_prints_errors_and_draws_both_pictures(small: list[str], tmp_path: Path) -> None:
     out = trainfit("report", *small, "--plot", str(tmp_path / "report.png")).stdout
-    assert "analytic" in out and "traced" in out and "error" in out and "peak phase" in out
+    assert "analytic" in out and "traced" in out and "error" in out and "peak phase" in out and "non_tensor" in out
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -45,8 +45,8 @@ class CompileParity(GlooTestCase):
         # tokens/s from steps 2-3 alone: a step takes well under a second, the compiling one far more
         self.assertGreater(result.tokens_per_s, result.layout.global_batch_size * 128 / result.compile_seconds)
         eager = memory_of(run_config(run_dir, *DP_BATCH, "--hardware.num_gpus=2", *overrides)).per_stage[0].peak
-        assert result.memory is not None
-        self.assertLess(result.memory.peak, FUSED_BELOW_EAGER * eager)
+        assert result.memory is not None  # the allocator's peak: a compiled block's own tensors are non_tensor
+        self.assertLess(result.memory.peak + result.memory.non_tensor, FUSED_BELOW_EAGER * eager)
 
     @with_comms
     def test_tensor_parallel_compiled_blocks(self) -> None:

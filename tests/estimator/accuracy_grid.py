@@ -1,13 +1,16 @@
 """The estimator accuracy grid, shared by tests/estimator/test_accuracy.py and
-benchmarks/estimator_accuracy.py: configurations on 1, 2 and 4 CPU processes, each measured at the
-allocator (memory/attribution.py), traced (memory/traced.py) and estimated (memory/analytic.py).
+benchmarks/estimator_accuracy.py: configurations on 1, 2 and 4 CPU processes, each measured
+(memory/attribution.py), traced (memory/traced.py) and estimated (memory/analytic.py).
 
-Ground truth on CPU: the step's growth in glibc's in-use bytes on top of the tensors alive at its
-start. What no tensor explains (autograd's graph objects, tensor headers: ~0.1-0.3 MiB on these
-models; with tensor parallelism's DTensors and gloo collectives 0.2-0.5 MiB, more under load) is
-the measured side's extra, so models are sized for peaks of 10-60 MiB (tensor-parallel rows with
-checkpointing, whose steps are small, for 20 MiB or more); small enough that a 4-rank step costs
-a few seconds on 2 cores.
+Ground truth on CPU: the live tensors of a real step, counted per component at every aten
+operator, and beside them glibc's in-use bytes read at the same moments. The estimators are held
+to the tensors' peak; the allocator keeps that honest: its peak above the tensors' (non_tensor:
+autograd's graph objects, tensor headers, gloo and DTensor bookkeeping, a tensor the meter missed)
+must stay under NON_TENSOR_TOLERANCE of the peak, except in 16-bit dropless MoE steps, where
+oneDNN (on CPUs where it runs 16-bit matmuls) caches a primitive per new expert shape mid-step;
+there it is recorded, not bounded (benchmarks/README.md has the figures). Models are sized for
+peaks of 10-60 MiB (tensor-parallel rows with checkpointing, whose steps are small, for 20 MiB or
+more): large against that overhead, small enough that a 4-rank step costs a few seconds on 2 cores.
 
 Several ranks: one start of processes per world size (forked from the session's fork server,
 tests/_ranks.py) joins a gloo world once and measures all of that world's rows in sequence (each
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,6 +51,14 @@ memory.moe_imbalance, a busiest expert above what the real router reaches, and i
 the estimate may exceed the step by that margin, never fall short by more than the dense rows'."""
 MOE_ANALYTIC_BOUNDS = (-0.05, 0.15)
 """MoE rows, analytic peak against the measured one (as MOE_TRACED_BOUNDS)."""
+SPLIT_BACKWARD_ANALYTIC_BOUNDS = (-ANALYTIC_TOLERANCE, 0.12)
+"""Zero-bubble pipeline rows (input and weight gradients apart), analytic peak against the measured
+one: the analytic estimate counts the in-flight activations and what the weight pass keeps at their
+largest, in its own moments (so their components are not checked against the trace either,
+_stage_problems); on interleaved zero-bubble's last rank that is more than 10% above the tensors the
+step holds (benchmarks/README.md). Above, not below: the lower bound is the dense rows'."""
+NON_TENSOR_TOLERANCE = 0.03
+"""A measured step's non_tensor bytes against its (tensors') peak, outside 16-bit dropless MoE rows."""
 COMPONENT_TOLERANCE = 0.10
 """Analytic against traced, per component: a fraction of the traced component..."""
 COMPONENT_FLOOR = 0.01
@@ -374,11 +384,28 @@ def is_moe(row: Row) -> bool:
     return any(o.startswith("--model.preset=debug-moe") for o in row.overrides)
 
 
+def _option(row: Row, name: str) -> str | None:
+    """The value the row gives `--name` (the last one), or None."""
+    values = [o.split("=", 1)[1] for o in row.overrides if o.startswith(f"--{name}=")]
+    return values[-1] if values else None
+
+
+def dropless(row: Row) -> bool:
+    """An MoE model without a capacity factor: its experts' row counts change every step."""
+    return is_moe(row) and not float(_option(row, "model.capacity_factor") or 0)
+
+
 def busiest_rank_traced(row: Row) -> bool:
     """Dropless expert parallelism: the trace is of the busiest rank of an expert group, which the
     others' steps stay under (they receive fewer rows)."""
-    return any(o.startswith("--parallel.ep=") for o in row.overrides) and \
-        not any(o.startswith("--model.capacity_factor=") and float(o.split("=")[1]) for o in row.overrides)
+    return dropless(row) and _option(row, "parallel.ep") is not None
+
+
+def per_shape_library_cache(row: Row) -> bool:
+    """A dropless MoE model in 16 (or 8) bits: new matmul shapes every step, for which oneDNN builds
+    and caches a primitive (with weight reorders) mid-step, on CPUs where it runs those matmuls;
+    the measured non_tensor then holds it, beyond what NON_TENSOR_TOLERANCE bounds."""
+    return dropless(row) and (_option(row, "precision.mode") or "fp32") != "fp32"
 
 
 def splits_backward(row: Row) -> bool:
@@ -390,7 +417,8 @@ def peak_bounds(row: Row) -> tuple[tuple[float, float], tuple[float, float]]:
     """(traced, analytic) bounds of the peak's relative error against the measured one."""
     if is_moe(row):
         return MOE_TRACED_BOUNDS, MOE_ANALYTIC_BOUNDS
-    return (-TRACED_PEAK_TOLERANCE, TRACED_PEAK_TOLERANCE), (-ANALYTIC_TOLERANCE, ANALYTIC_TOLERANCE)
+    traced = (-TRACED_PEAK_TOLERANCE, TRACED_PEAK_TOLERANCE)
+    return traced, SPLIT_BACKWARD_ANALYTIC_BOUNDS if splits_backward(row) else (-ANALYTIC_TOLERANCE, ANALYTIC_TOLERANCE)
 
 
 def row_config(row: Row, tmp: Path) -> Config:
@@ -408,18 +436,6 @@ def single_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-def measure(cfg: Config) -> Measurement:
-    """measure_step; for MoE in 16 bits without oneDNN, which caches a kernel (with workspace) per
-    new matmul shape: routing changes the shapes every step, so the cache grows mid-step on CPU.
-    A GPU has no such cache and the estimator does not model it."""
-    if not (cfg.model.num_experts and cfg.precision.mode != "fp32"):
-        return measure_step(cfg)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # flags() re-sets oneDNN's TF32 switch, which warns on CPU
-        with torch.backends.mkldnn.flags(enabled=False):
-            return measure_step(cfg)
 
 
 # ---------------------------------------------------------------- the three sources
@@ -487,12 +503,12 @@ def _measure_each(rows: list[Row], tmp: Path, progress: bool) -> Iterator[tuple[
     """This process's measurements of `rows`, after one discarded measurement: the first step of a
     process allocates for good (imports, thread pools, library tables) and would count it."""
     with single_thread():
-        measure(row_config(rows[0], tmp / "warm-up"))
+        measure_step(row_config(rows[0], tmp / "warm-up"))
         for i, row in enumerate(rows, 1):
             if progress:
                 print(f"measuring {row.name} ({i}/{len(rows)} of the {row.world}-process rows)", file=sys.stderr,
                       flush=True)
-            yield row, measure(row_config(row, tmp))
+            yield row, measure_step(row_config(row, tmp))
 
 
 def join_world(rank: int, world: int, rendezvous: Path) -> None:
@@ -597,6 +613,10 @@ def _stage_problems(row: Row, ranks: list[RankFigures], traced: MemoryBreakdown,
         _within("analytic peak", estimate.peak, first.peak, analytic_bounds),
         _within("analytic model_states", model_states, sum(first.state_bytes.values()),
                 _symmetric(ANALYTIC_TOLERANCE)),
+        *(None if per_shape_library_cache(row) or figures.breakdown.non_tensor <= NON_TENSOR_TOLERANCE * figures.peak
+          else f"rank {rank}'s non_tensor: {figures.breakdown.non_tensor / MiB:.2f} MiB outside tensors at a "
+               f"{figures.peak / MiB:.2f} MiB peak (allowed {NON_TENSOR_TOLERANCE:.0%}): a tensor the meter missed?"
+          for rank, figures in enumerate(ranks)),
         # Split backward: the analytic estimate counts what the weight pass holds (sent tensors,
         # pending gradients) at their largest, in its own moments, while the traced peak may fall
         # on another micro-batch's pass; components then differ by up to 2 MiB (5% of the peak).

@@ -74,7 +74,8 @@ def test_measured_steps_log_their_memory_per_component(tmp_path: Path) -> None:
         record = records[step]
         assert sum(record[name] for name in fields) == record["peak_memory_bytes"] > 0
         assert record["memory_peak_phase"] in PHASES and record["memory_reserved_margin_bytes"] >= 0
-    assert not fields & set(records[5])
+        assert 0 <= record["memory_non_tensor_bytes"] < record["peak_memory_bytes"]  # shown apart, not in the peak
+    assert not (fields | {"memory_non_tensor_bytes"}) & set(records[5])
     assert result.memory is not None and result.memory.peak == records[4]["peak_memory_bytes"]
 
 

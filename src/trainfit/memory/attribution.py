@@ -3,24 +3,34 @@
 `MemoryMeter.measure(trainer)` runs `Trainer.train_step` unchanged (a step listener,
 `Trainer.listening`, marks the phases, as in the traced estimator) and reports, for this rank:
 
-- peak, phase_peaks and the timeline: the tensor bytes alive when the step starts (counted
-  exactly by `StorageLedger`, memory/ledger.py) plus the allocator's growth since then: CPU,
-  glibc's in-use bytes read after every aten operator, every collective waited for first so that
-  gloo's threads' scratch is gone (memory/measure.py); CUDA,
-  `memory_allocated` per operator and `max_memory_allocated` for the peak. The step's own
-  allocations are the allocator's figures; what was allocated before and is no tensor (math
-  libraries' caches, oneDNN's bf16 kernels and workspaces on CPU, the first dispatch mode's
-  imports, Python and autograd objects: up to ~10 MiB on a small CPU run) is `reserved_margin`, shown
-  apart: in use at the step's start, above `trainer.memory_floor` (before the model was built),
-  beyond the tensors alive then. `trainfit train` reports this peak (Trainer.measured_step).
-- the components at the operator where the allocator peaked: the ledger, run on the real
-  tensors, gives params, master_params, grads, optimizer, activations and logits (live storages,
-  deduplicated; the same rules as the traced estimate); buffers = peak - all of those, so it also
-  holds what no tensor explains (allocator overhead, autograd's graph objects, tensor headers).
-- two cross-checks computed without the ledger: `forward_retained` (allocator in use right after
-  the first micro-batch's forward + loss, minus right before: what analytic.forward_retained_bytes
-  predicts) and `state_bytes` (the model states counted from the trainer's tensors once every
-  gradient is in, parallel/data_parallel.local_state_bytes).
+- peak, phase_peaks, the components and the timeline: the tensors. `StorageLedger` (memory/ledger.py),
+  run on the real tensors, holds every live storage once with its bytes and its component (the
+  same rules as the traced estimate), sampled after every aten operator; `peak` is the largest
+  sum, with params, master_params, grads, optimizer, activations, logits and buffers at that
+  sample. This is what the estimators model and what `trainfit report` compares them with.
+- non_tensor: the allocator's peak above the tensors' peak. The allocator is read at every one of
+  the ledger's samples (CPU: glibc's in-use bytes, every collective waited for first so that
+  gloo's threads' scratch is gone, memory/measure.py; CUDA: `memory_allocated` per operator and
+  `max_memory_allocated` for the peak), as its growth since the step's start on top of the
+  tensors alive then; what it holds beyond the tensors is what they do not explain. On CPU:
+  math libraries' caches that grow during the step (oneDNN caches a primitive, with its weight
+  reorders and scratchpad, per new matmul shape in 16 bits: dropless MoE experts see new row
+  counts every step), autograd's graph objects and tensor headers, malloc's per-chunk overhead.
+  On CUDA: the caching allocator's rounding of each block, library workspaces it hands out
+  (cuBLAS's), temporaries an operator frees before it returns (`max_memory_allocated` sees
+  them; the per-operator samples do not); its cache (reserved but unallocated) is in neither
+  figure. Either device: tensors the ledger never saw created (what torch.compile'd blocks
+  allocate inside, training.compile). No estimator models it; `peak + non_tensor` is the
+  process's own peak of the step.
+- reserved_margin: what was in use before the step and is no tensor (math libraries' caches,
+  oneDNN's bf16 kernels and workspaces on CPU, the first dispatch mode's imports, Python and
+  autograd objects): in use at the step's start, above `trainer.memory_floor` (before the model
+  was built), beyond the tensors alive then. `trainfit train` reports it beside the peak
+  (Trainer.measured_step).
+- two cross-checks: `forward_retained` (the tensor bytes the first micro-batch's forward + loss
+  left alive: what analytic.forward_retained_bytes predicts) and `state_bytes` (the model states
+  counted from the trainer's tensors once every gradient is in, without the ledger,
+  parallel/data_parallel.local_state_bytes).
 
 The ledger finds parameters, gradients and optimizer states by itself; tensors held elsewhere
 (DDP's gradient buckets, built at the first step and rebuilt at the second, held in C++) it
@@ -45,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainfit.memory import measure
-from trainfit.memory.breakdown import COMPONENTS, PHASES, MemoryBreakdown
+from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.ledger import StorageLedger, TimelinePoint, phase_listener, unsharded_component
 from trainfit.parallel.data_parallel import local_state_bytes
 from trainfit.parallel.layout import Layout
@@ -59,14 +69,12 @@ _CUDA_HISTORY_ENTRIES = 100_000
 @dataclass
 class Measurement:
     breakdown: MemoryBreakdown
-    """Components at the allocator's peak (buffers = peak - the others), phase and phase peaks."""
+    """Components at the tensors' peak, phase, phase peaks; non_tensor and reserved_margin apart."""
     timeline: list[TimelinePoint]
-    """In-use bytes (as `peak` counts them) after every operator of the step."""
+    """Tensor bytes in use (as `peak` counts them) after every operator of the step."""
     peak_module: str
     forward_retained: int
-    """Allocated after the first micro-batch's forward + loss, minus before it."""
-    tracked_peak: int
-    """The largest sum of live tensor storages the ledger saw (no allocator overhead)."""
+    """Tensor bytes alive after the first micro-batch's forward + loss, minus before it."""
     state_bytes: dict[str, int] = field(default_factory=dict)
     """The trainer's own count of params / grads / optimizer bytes after backward."""
     rank: int = 0
@@ -81,24 +89,17 @@ class Measurement:
 
 
 class _Probe:
-    """Reads the allocator after every operator; keeps the maximum and pins the ledger there.
-
-    Figures are the step's allocator growth (in use now - in use at the step's start) on top of
-    the tensor bytes alive at the start (`base`, counted exactly by the ledger)."""
+    """Reads the allocator at every sample of the ledger and keeps the largest reading: the step's
+    allocator growth (in use now - in use at the step's start) on top of the tensor bytes alive at
+    the start (`base`, counted exactly by the ledger), so that it compares with the ledger's totals."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.start = 0
         self.base = 0
-        self.ledger: StorageLedger | None = None
         self.peak = -1
-        self.phase_peaks: dict[str, int] = {}
-        self.phase = ""
-        self.module = ""
-        self.timeline: list[TimelinePoint] = []
 
     def begin(self, ledger: StorageLedger) -> None:
-        self.ledger = ledger
         self.start = measure.current_allocated_bytes(self.device)
         self.base = ledger.total
 
@@ -106,16 +107,7 @@ class _Probe:
         return measure.current_allocated_bytes(self.device) - self.start + self.base
 
     def __call__(self, op: int) -> None:
-        ledger = self.ledger
-        if ledger is None:
-            return
-        used = self.read()
-        self.timeline.append((op, used, ledger.phase, ledger.timeline[-1][3] if ledger.timeline else ""))
-        if used > self.phase_peaks.get(ledger.phase, -1):
-            self.phase_peaks[ledger.phase] = used
-        if used > self.peak:
-            self.peak, self.phase, self.module = used, ledger.phase, ledger.module()
-            ledger.pin("allocator")
+        self.peak = max(self.peak, self.read())
 
 
 @contextlib.contextmanager
@@ -167,8 +159,8 @@ class MemoryMeter:
         marks: dict[str, int] = {}
 
         def on_forward(moment: str) -> None:
-            if probe.ledger is not None:
-                marks.setdefault(moment, measure.current_allocated_bytes(device))
+            if self.ledger.recording:
+                marks.setdefault(moment, self.ledger.total)
 
         state_bytes: dict[str, int] = {}
 
@@ -184,20 +176,14 @@ class MemoryMeter:
                 ledger.classify(trainer.model, trainer.optimizer, trainer.policy)
         finally:
             self.ledger.recording, self.ledger.on_sample = False, None
-        breakdown = self._breakdown(probe, reserved_margin=max(0, probe.start - trainer.memory_floor - probe.base))
-        return stats, Measurement(breakdown=breakdown, timeline=probe.timeline, peak_module=probe.module,
-                                  forward_retained=marks["end"] - marks["start"], tracked_peak=self.ledger.peak,
-                                  state_bytes=state_bytes, rank=trainer.world.rank,
-                                  world_size=trainer.world.size, device=str(device))
-
-    def _breakdown(self, probe: _Probe, *, reserved_margin: int) -> MemoryBreakdown:
-        """The ledger's components at the allocator's peak; buffers = the rest of the peak."""
-        at_peak = self.ledger.pins.get("allocator", (0, dict.fromkeys(COMPONENTS, 0)))[1]
-        self.ledger.timeline = []  # the probe keeps the step's own; the ledger's would live on with the trainer
-        parts = {name: at_peak[name] for name in COMPONENTS if name != "buffers"}
-        return MemoryBreakdown(**parts, buffers=probe.peak - sum(parts.values()), peak=probe.peak,
-                               peak_phase=probe.phase, reserved_margin=reserved_margin,
-                               phase_peaks={p: probe.phase_peaks[p] for p in PHASES if p in probe.phase_peaks})
+        tensors = self.ledger.breakdown()
+        breakdown = dataclasses.replace(
+            tensors, non_tensor=max(0, probe.peak - tensors.peak),  # < 0: an unseen older tensor was freed
+            reserved_margin=max(0, probe.start - trainer.memory_floor - probe.base))
+        timeline, self.ledger.timeline = self.ledger.timeline, []  # not kept alive with the trainer
+        return stats, Measurement(breakdown=breakdown, timeline=timeline, peak_module=self.ledger.peak_module,
+                                  forward_retained=marks["end"] - marks["start"], state_bytes=state_bytes,
+                                  rank=trainer.world.rank, world_size=trainer.world.size, device=str(device))
 
 
 def _sampled_step(trainer: Trainer, ledger: StorageLedger, probe: _Probe,

@@ -10,8 +10,11 @@ Components (bytes, ints):
 - logits: logits, loss and their gradients
 - buffers: communication and temporary buffers (all-gather / reduce-scatter / buckets / prefetch /
   recompute / optimizer-step temporaries)
-- peak: the largest sum over the step's phases (forward, backward, optimizer step)
+- peak: the largest sum of the tensors over the step's phases (forward, backward, optimizer step)
 - reserved_margin: allocator fragmentation and runtime context, shown apart, never inside another figure
+- non_tensor: measured only: what the allocator held at the step's peak beyond the tensors (library
+  caches such as oneDNN's per-shape primitives on CPU, allocator overhead), shown apart; no estimator
+  models it (0 in estimates)
 """
 
 from __future__ import annotations
@@ -34,10 +37,13 @@ class MemoryBreakdown:
     logits: int = 0
     buffers: int = 0
     peak: int = 0
-    """Bytes in use at the step's peak; the components above are their values at that moment."""
+    """Tensor bytes in use at the step's peak; the components above are their values at that moment."""
     peak_phase: str = ""
     """forward | backward | optimizer: where the peak lands."""
     reserved_margin: int = 0
+    non_tensor: int = 0
+    """Measured steps: the allocator's peak above `peak` (the tensors'), so the process's own peak is
+    `peak + non_tensor`; memory/attribution.py says what it holds. Estimates leave it 0."""
     phase_peaks: dict[str, int] = field(default_factory=dict)
     """The largest in-use bytes of each phase (forward, backward, optimizer)."""
 

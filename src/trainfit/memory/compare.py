@@ -21,6 +21,8 @@ PHASE_STRIP = 0.12
 """Height of the band along the bottom of the timeline (axes fraction) where the phases are shaded."""
 SMALL_SHARE = 0.01
 """Components under this share of the reference peak get no error in percent."""
+NON_TENSOR_NOTE_SHARE = 0.05
+"""A measured non_tensor figure of at least this share of its peak is explained under the table."""
 
 
 @dataclass
@@ -63,7 +65,19 @@ def comparison_table(cmp: Comparison, title: str = "memory per GPU: predicted vs
             row.append("" if err is None else f"{err:+.1%}")
         table.add_row(component, *row, style="bold" if component == "peak" else None)
     table.add_row("peak phase", *(cmp.sources[n].peak_phase for n in names))
+    if reference:  # measured only: the estimators model tensors
+        table.add_row("non_tensor", *(fmt_bytes(cmp.sources[n].non_tensor) if n == reference else "" for n in names))
+        table.caption = non_tensor_note(cmp.sources[reference])
     return table
+
+
+def non_tensor_note(measured: MemoryBreakdown) -> str | None:
+    """One line on the measured step's memory outside tensors, when it is large (NON_TENSOR_NOTE_SHARE)."""
+    if measured.non_tensor < NON_TENSOR_NOTE_SHARE * measured.peak:
+        return None
+    return (f"{fmt_bytes(measured.non_tensor)} in use outside tensors (library caches such as oneDNN's per-shape "
+            "primitives, allocator overhead, what torch.compile'd blocks allocate inside): not estimated; process "
+            f"peak {fmt_bytes(measured.peak + measured.non_tensor)}")
 
 
 def plot_comparison(cmp: Comparison, path: str | Path) -> Path:
@@ -84,7 +98,7 @@ def plot_comparison(cmp: Comparison, path: str | Path) -> Path:
     ax_time.set_title("memory over one step (phases of each source along the bottom)")
     ax_time.legend(loc="upper left", fontsize=8)
     names = list(cmp.sources)
-    stack_bars(ax_bars, names, [cmp.sources[n] for n in names], COMPONENTS, scale)
+    stack_bars(ax_bars, names, [cmp.sources[n] for n in names], (*COMPONENTS, "non_tensor"), scale)
     ax_bars.set_ylabel(f"{unit} at the peak")
     ax_bars.set_title("breakdown at the peak")
     ax_bars.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)

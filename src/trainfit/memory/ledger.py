@@ -228,9 +228,10 @@ class StorageLedger(TorchDispatchMode):
         otherwise skips every frame while a dispatch mode is active, and the step runs eager (torchao's
         8-bit optimizer update, compiled with fullgraph=True, refuses to). Compiled blocks
         (training.compile) then show the ledger their dispatcher calls only (extern kernels: matmuls,
-        attention): what a fused kernel allocates it never sees created (`track_inputs`); the 8-bit
-        update's buffers live and die inside one call, unseen like any operator's workspace (memory/
-        measure.py). Fake tensors cannot run compiled code (memory/traced.py traces the eager step)."""
+        attention): what a fused kernel allocates it never sees created (a measurement counts it in
+        non_tensor, memory/attribution.py); the 8-bit update's buffers live and die inside one call,
+        unseen like any operator's workspace (memory/measure.py). Fake tensors cannot run compiled
+        code (memory/traced.py traces the eager step)."""
         return not self.fake
 
     def classify(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy,

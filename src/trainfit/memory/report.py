@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # rich only where a table is drawn (`plan --json` and fmt_byt
 GIB = 1024**3
 MIB = 1024**2
 COLORS = {"params": "#4C72B0", "master_params": "#8172B2", "grads": "#DD8452", "optimizer": "#C44E52",
-          "activations": "#55A868", "logits": "#937860", "buffers": "#8C8C8C", "reserved_margin": "#DADADA"}
+          "activations": "#55A868", "logits": "#937860", "buffers": "#8C8C8C", "reserved_margin": "#DADADA",
+          "non_tensor": "#E4D8B4"}
 
 
 def fmt_bytes(n: float) -> str:

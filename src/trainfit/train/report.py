@@ -40,9 +40,11 @@ def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
                                  "left out of the throughput)"))
     if result.memory is not None:
         per_rank = ", rank 0" if result.world_size > 1 else ""
-        rows.append(("peak memory", f"{result.memory.peak / MIB:,.1f} MiB (measured at the allocator{per_rank}), "
-                                    f"+ {result.memory.reserved_margin / MIB:,.1f} MiB reserved margin (in use outside "
-                                    "tensors: libraries, runtime); per component below"))
+        memory = result.memory
+        rows.append(("peak memory", f"{memory.peak / MIB:,.1f} MiB of tensors (measured{per_rank}), "
+                                    f"+ {memory.non_tensor / MIB:,.1f} MiB outside tensors during the step "
+                                    f"+ {memory.reserved_margin / MIB:,.1f} MiB reserved margin (outside tensors "
+                                    "before it: libraries, runtime); per component below"))
     if result.state_bytes is not None:
         states = ", ".join(f"{name} {n / MIB:,.1f}" for name, n in result.state_bytes.items())
         rows.append(("model states", f"{states} MiB (this rank's tensors)"))

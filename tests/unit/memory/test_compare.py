@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
 from rich.console import Console
 
 from trainfit.memory.breakdown import MemoryBreakdown
-from trainfit.memory.compare import Comparison, comparison_table
+from trainfit.memory.compare import NON_TENSOR_NOTE_SHARE, Comparison, comparison_table
 
 MiB = 2**20
 
@@ -34,6 +35,28 @@ def test_no_percentage_for_components_too_small_to_matter_or_unknown_sources() -
     console.print(comparison_table(cmp))
     lines = {line.split()[1]: line for line in console.export_text().splitlines() if line.startswith("│")}
     assert "+10.0%" in lines["activations"] and "%" not in lines["logits"]
+
+
+def _rendered(cmp: Comparison) -> tuple[dict[str, list[str]], str]:
+    """The table's rows as their cells, by the first one; and the whole text."""
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(comparison_table(cmp))
+    text = console.export_text()
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in text.splitlines() if line.startswith("│")]
+    return {cells[0]: cells for cells in rows}, text
+
+
+def test_memory_outside_tensors_is_a_measured_row_apart_and_explained_when_large() -> None:
+    cmp = _comparison()
+    outside = int(NON_TENSOR_NOTE_SHARE * cmp.sources["measured"].peak)
+    cmp.sources["measured"] = dataclasses.replace(cmp.sources["measured"], non_tensor=outside + MiB)
+    rows, text = _rendered(cmp)
+    assert rows["non_tensor"] == ["non_tensor", "", "6.0 MiB", ""]  # measured only, no error in percent
+    assert rows["peak"] == ["peak", "110.0 MiB", "100.0 MiB", "+10.0%"]  # the estimate against the tensors' peak
+    assert "6.0 MiB in use outside tensors" in text and "not estimated" in text and "process peak 106.0 MiB" in text
+    cmp.sources["measured"] = dataclasses.replace(cmp.sources["measured"], non_tensor=outside - 1)
+    rows, text = _rendered(cmp)
+    assert "non_tensor" in rows and "outside tensors" not in text  # small: the row, no note
 
 
 def _timeline(phases: list[tuple[str, int]], peak_at: int) -> list[tuple[float, int, str, str]]:
