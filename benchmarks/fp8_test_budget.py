@@ -51,8 +51,9 @@ def pytest_flops(args: list[str]) -> list[tuple[str, int]]:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp, "report.tsv")
         env = {**os.environ, REPORT_ENV: str(report)}
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env,
-                       check=False)
+        # one process (-n 0): the report is the session's, written once at its end
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *args], cwd=ROOT,
+                       env=env, check=False)
         lines = report.read_text().splitlines()[1:-1]  # no header, no total
     return [(name, round(float(gflop) * 1e9)) for name, gflop, *_ in (line.split("\t") for line in lines)]
 

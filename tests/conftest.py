@@ -24,6 +24,23 @@ from _fp8_flops import (  # noqa: E402, F401  (the fp8 budget's hooks; torch: af
 )
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """pytest-xdist (pyproject.toml's `-n 2`) sends each scope to one worker, whole: tests/distributed
+    is one scope (its files share session fixtures: the torchrun runs they resume, the one-process
+    reference runs), every other file is its own (its module fixtures, such as the accuracy grid's
+    measured worlds, computed once). xdist's own `xdist_group` marks are not used: under pytest 9.2
+    its loadgroup mode no longer sees them."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/distributed" if path.startswith("tests/distributed/") else path
+
+    return ByFile(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Prepared datasets go to a per-session cache, never to the user's home."""
