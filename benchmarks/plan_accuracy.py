@@ -86,7 +86,7 @@ def measured_step_s(ranks: int, args: list[str], steps: int, folder: Path) -> fl
     records = [json.loads(line) for line in (folder / "logs" / "metrics.jsonl").read_text().splitlines()]
     cfg = load_config(None, [*MODEL, *args, f"--hardware.num_gpus={ranks}"])
     tokens = cfg.training.global_batch_size * cfg.training.seq_len
-    rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r.get("step", 0) > 2]
+    rates = [r["tokens_per_s"] for r in records if r.get("tokens_per_s") is not None and r.get("step", 0) > 2]
     return statistics.median(tokens / rate for rate in rates)
 
 

@@ -246,9 +246,8 @@ def test_train_warns_once_of_a_chunked_loss_of_one_chunk(tmp_path: Path) -> None
 
 
 def test_train_warns_before_allocating_when_the_estimate_exceeds_the_device(tmp_path: Path) -> None:
-    proc = trainfit("train", *run_overrides(tmp_path, "--training.steps=1", "--hardware.gpu=RTX-4090",
-                                            "--hardware.memory_gib=0.001"))
-    assert "warning: the estimate needs" in proc.stderr and "RTX-4090" in proc.stderr
+    proc = trainfit("train", *run_overrides(tmp_path, "--training.steps=1", "--hardware.memory_gib=0.001"))
+    assert "warning: the estimate needs" in proc.stderr and "0.0 GiB of cpu" in proc.stderr
     assert "predicted vs measured" in proc.stdout
 
 
@@ -366,4 +365,6 @@ def test_progress_prints_a_line_every_interval_off_a_terminal(tmp_path: Path, ca
                                          "--logging.progress=true")]) == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["2/4", "4/4"]
-    assert all(re.search(r"loss \d+\.\d{4} [\d,]+ tok/s ETA \d+:\d\d$", line) for line in lines), lines
+    # steps 1-2 warm up and measure memory: no throughput yet ("-"), then step 3-4's
+    speeds = [re.search(r"loss \d+\.\d{4} (-|[\d,]+) tok/s ETA \d+:\d\d$", line)[1] for line in lines]
+    assert speeds[0] == "-" and speeds[1] != "-", lines

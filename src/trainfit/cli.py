@@ -7,6 +7,7 @@ Heavy imports (torch) happen inside the subcommands, so `trainfit --help` stays 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -310,17 +311,20 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.train.distributed import pick_device, run_layout
     from trainfit.train.preflight import preflight
     from trainfit.train.report import print_summary
+    from trainfit.train.run_device import this_run_device
     from trainfit.train.trainer import Trainer, TrainingDiverged
 
     if args.profile is not None:  # every rank parses the same command line, so every rank profiles
         overrides = [*overrides, f"--logging.profile_steps={args.profile}"]
     cfg = load_config(args.config, overrides)
     layout = run_layout(cfg)
-    device = pick_device(cfg.training.device, int(os.environ.get("LOCAL_RANK", "0")))
-    preflight(cfg, layout, device.type, force=args.force)  # folders, disk and memory, before any work
-    predicted = {"analytic": _warn_if_it_will_not_fit(cfg, layout)}
+    device, _ = pick_device(cfg.training.device, int(os.environ.get("LOCAL_RANK", "0")))
+    # Estimated for the device this process got (a GPU left at hardware.gpu's default is matched to the catalog).
+    here = dataclasses.replace(cfg, hardware=this_run_device(cfg.hardware, cfg.precision.mode, device).hardware)
+    preflight(here, layout, device.type, force=args.force)  # folders, disk and memory, before any work
+    predicted = {"analytic": _warn_if_it_will_not_fit(here, layout)}
     if cfg.logging.traced_estimate and cfg.logging.measure_memory and _is_rank_zero():  # vs the measured step
-        predicted.update(_traced_estimate(cfg, layout))  # before the Trainer: tracing needs the process-group slot free
+        predicted.update(_traced_estimate(here, layout))  # before the Trainer: tracing needs the free process group
     trainer = Trainer(cfg, layout)
     try:
         result = trainer.train()

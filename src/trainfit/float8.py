@@ -13,6 +13,8 @@ casts: every fp8 tensor is transient. With FSDP2 float8 all-gather the weight ar
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
@@ -54,17 +56,30 @@ def skip_reason(name: str, module: nn.Module) -> str | None:
     return None
 
 
-def linear_config(policy: PrecisionPolicy) -> Float8LinearConfig:
-    """torchao's config for the policy's recipe (tensorwise | rowwise), with FSDP2 float8 all-gather."""
+def pads_inner_dim(tokens_per_matmul: int) -> bool:
+    """Must the weight-gradient GEMMs pad their inner dimension? grad_weight = grad_output^T @ input
+    sums over a micro-batch's tokens, and CUDA's torch._scaled_mm takes only inner dimensions that
+    are multiples of DIM_MULTIPLE (the CPU kernel takes any: a CPU run would not notice). The
+    forward's and grad_input's inner dimensions are features, which skip_reason already checks."""
+    return tokens_per_matmul % DIM_MULTIPLE != 0
+
+
+def linear_config(policy: PrecisionPolicy, tokens_per_matmul: int = DIM_MULTIPLE) -> Float8LinearConfig:
+    """torchao's config for the policy's recipe (tensorwise | rowwise), with FSDP2 float8 all-gather;
+    padding the GEMMs' inner dimension with zeros (torchao's pad_inner_dim) only where a
+    micro-batch's `tokens_per_matmul` needs it: the pad copies each operand."""
     if policy.fp8_all_gather:
-        return Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-    return Float8LinearConfig.from_recipe_name(policy.fp8_scaling or "tensorwise")
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    else:
+        config = Float8LinearConfig.from_recipe_name(policy.fp8_scaling or "tensorwise")
+    return dataclasses.replace(config, pad_inner_dim=pads_inner_dim(tokens_per_matmul))
 
 
-def convert_to_float8(model: nn.Module, policy: PrecisionPolicy) -> None:
+def convert_to_float8(model: nn.Module, policy: PrecisionPolicy, tokens_per_matmul: int = DIM_MULTIPLE) -> None:
     """Swap in place every nn.Linear of `model` that skip_reason allows for a float8 one (on the
-    meta device, before tensor and data parallelism: torchtitan's order)."""
-    convert_to_float8_training(model, config=linear_config(policy),
+    meta device, before tensor and data parallelism: torchtitan's order). `tokens_per_matmul`: the
+    rows of one linear's input in a training step (a micro-batch's tokens on this rank)."""
+    convert_to_float8_training(model, config=linear_config(policy, tokens_per_matmul),
                                module_filter_fn=lambda module, name: skip_reason(name, module) is None)
     for module in model.modules():
         if type(module) is Float8Linear:
@@ -76,8 +91,13 @@ def float8_notes(model: nn.Module) -> list[str]:
     converted = sum(isinstance(m, Float8Linear) for m in model.modules())
     kept = [f"{name} ({skip_reason(name, m)})" for name, m in model.named_modules()
             if isinstance(m, nn.Linear) and not isinstance(m, Float8Linear)]
-    return [f"fp8-mixed: {converted} linear(s) compute in float8" + (f"; kept in bf16: {', '.join(kept)}" if kept
-                                                                      else "")]
+    notes = [f"fp8-mixed: {converted} linear(s) compute in float8" + (f"; kept in bf16: {', '.join(kept)}" if kept
+                                                                       else "")]
+    if any(isinstance(m, Float8Linear) and m.config.pad_inner_dim for m in model.modules()):
+        notes.append(f"fp8-mixed: a micro-batch's tokens are not a multiple of {DIM_MULTIPLE}: the weight-gradient "
+                     "matmuls pad them with zeros (CUDA's fp8 matmul needs it; a copy of each operand); a "
+                     f"micro_batch_size x seq_len / cp that is a multiple of {DIM_MULTIPLE} avoids it")
+    return notes
 
 
 def precompute_scales(model: nn.Module, policy: PrecisionPolicy) -> None:

@@ -36,6 +36,7 @@ Explicit hardware.* overrides still win over the profile.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -105,6 +106,30 @@ GPUS: dict[str, DeviceSpec] = {
         _gpu("MI300X", 205_822_885_888 // MIB, 163.4, 653.7, 1307.4, 2614.9, 5.3, "infinity-fabric", "pcie5"),
     )
 }
+
+# torch.cuda.get_device_name() as the drivers report each catalog device (NVIDIA's product names:
+# "NVIDIA H100 80GB HBM3" is the SXM part, "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB",
+# "NVIDIA A100-PCIE-40GB"; ROCm: "AMD Instinct MI300X"). Parts the catalog does not hold (H100 NVL,
+# H200 NVL, A100 80GB PCIe: other clocks, memory or links) match nothing rather than a neighbour.
+DEVICE_NAME_PATTERNS: dict[str, str] = {
+    r"\bH100 (80GB HBM3|SXM)": "H100-SXM-80GB",
+    r"\bH100 PCIe\b": "H100-PCIe-80GB",
+    r"\bH200( 141GB| SXM|$)": "H200-141GB",
+    r"\bA100[- ]SXM4?[- ]80GB": "A100-SXM-80GB",
+    r"\bA100[- ](SXM4?|PCIE)[- ]40GB": "A100-40GB",
+    r"\bL40S\b": "L40S",
+    r"\bRTX 4090\b": "RTX-4090",
+    r"\bMI300X\b": "MI300X",
+}
+
+
+def catalog_gpu_of(device_name: str) -> str | None:
+    """The catalog entry of a device as torch names it (torch.cuda.get_device_name), or None."""
+    for pattern, gpu in DEVICE_NAME_PATTERNS.items():
+        if re.search(pattern, device_name.strip(), flags=re.IGNORECASE):
+            return gpu
+    return None
+
 
 # Indicative on-demand cloud prices per GPU-hour (USD), for `trainfit plan --tokens`: the middle of
 # the early-2026 list ranges in pricegpu.pages.dev/blog/h100-vs-a100-cloud-price (A100 80GB SXM

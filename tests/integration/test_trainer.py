@@ -16,7 +16,7 @@ from trainfit.config import ConfigError
 from trainfit.memory.breakdown import COMPONENTS, PHASES
 from trainfit.memory.traced import trace_step
 from trainfit.train import checkpoint as ckpt
-from trainfit.train.metrics import read_metrics
+from trainfit.train.metrics import ThroughputWindow, read_metrics
 from trainfit.train.optim import lr_at
 from trainfit.train.trainer import Trainer, TrainingDiverged
 
@@ -45,8 +45,44 @@ def test_loss_falls_and_metrics_are_written(tmp_path: Path) -> None:
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
     assert result.val_losses[STEPS] < result.val_losses[0]
     assert records[1]["peak_memory_bytes"] > 0  # step 2 is measured at the allocator
+    # steps 1 (warm-up, watched) and 2 (measured) are no training throughput; logged every step, so
+    # their records carry none, and every later one its own step's
+    assert [r["tokens_per_s"] is None for r in records[:3]] == [True, True, False]
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in records[2:])
+    assert result.tokens_per_s == records[-1]["tokens_per_s"] and result.mfu == records[-1]["mfu"]
     cfg = run_config(tmp_path, f"--training.steps={STEPS}")
     assert [r["lr"] for r in records] == pytest.approx([lr_at(s - 1, cfg.training) for s in range(1, STEPS + 1)])
+
+
+def test_tokens_per_s_leaves_out_warm_up_measured_and_profiled_steps(tmp_path: Path, monkeypatch) -> None:
+    timed_steps: dict[int, bool] = {}
+    trainer = _trainer(tmp_path, "--training.steps=8", "--logging.interval=4", "--logging.memory_interval=6",
+                       "--logging.profile_steps=4", "--training.eval_interval=0")
+    add = ThroughputWindow.add
+
+    def recording_add(window: ThroughputWindow, seconds: float, *, timed: bool) -> None:
+        timed_steps[trainer.step] = timed
+        add(window, seconds, timed=timed)
+
+    monkeypatch.setattr(ThroughputWindow, "add", recording_add)
+    result = trainer.train()
+    # 1 warm-up (watched), 2 measured, 4 profiled, 6 measured
+    assert [step for step, kept in sorted(timed_steps.items()) if kept] == [3, 5, 7, 8]
+    records = [r for r in read_metrics(tmp_path / "logs") if "loss" in r]
+    assert [(r["step"], r["tokens_per_s"] is None) for r in records] == [(2, True), (4, False), (6, False),
+                                                                        (8, False)]
+    assert result.tokens_per_s == records[-1]["tokens_per_s"]
+
+
+def test_throughput_window_counts_timed_steps_only() -> None:
+    window = ThroughputWindow(tokens_per_step=1000)
+    window.add(5.0, timed=False)
+    assert window.tokens_per_s() is None
+    window.add(0.5, timed=True)
+    window.add(1.5, timed=True)
+    assert window.tokens_per_s() == pytest.approx(1000.0)  # 2 steps x 1000 tokens / 2 s
+    window.reset()
+    assert window.tokens_per_s() is None
 
 
 def test_measured_peak_on_the_default_config_matches_both_estimates(tmp_path: Path) -> None:

@@ -82,3 +82,54 @@ def test_analytic_prices_what_fp8_removes_and_adds(tmp_path) -> None:
     plain, gathered = (memory_of(run_config(tmp_path, *base, *zero3, f"--precision.fp8_all_gather={ag}")).worst
                        for ag in ("false", "true"))
     assert plain.buffers - gathered.buffers == 2 * block  # this block and the prefetched one: 1 byte, not 2
+
+
+def _cuda_strict_scaled_mm(real):
+    """torch._scaled_mm with the dimension checks of its CUDA kernel (aten/src/ATen/native/cuda/Blas.cpp:
+    mat1's columns and both of mat2's dimensions multiples of 16), which the CPU kernel does not make."""
+
+    def scaled_mm(mat1, mat2, *args, **kwargs):
+        if mat1.shape[1] % 16 or mat2.shape[0] % 16 or mat2.shape[1] % 16:
+            raise RuntimeError(f"mat1 {tuple(mat1.shape)} and mat2 {tuple(mat2.shape)}: dimensions must be "
+                               "divisible by 16")
+        return real(mat1, mat2, *args, **kwargs)
+
+    return scaled_mm
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_a_micro_batch_of_100_tokens_pads_the_weight_gradient_matmul_as_cuda_needs(monkeypatch, scaling) -> None:
+    policy = precision_policy("fp8-mixed", "cpu", fp8_scaling=scaling)
+    torch.manual_seed(0)
+    x = torch.randn(100, 32, dtype=torch.bfloat16)  # a micro-batch of 100 tokens: 100 % 16 = 4
+
+    def grads(tokens_per_matmul: int, strict: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False)).to(torch.bfloat16)
+        convert_to_float8(model, policy, tokens_per_matmul=tokens_per_matmul)
+        assert isinstance(model[0], Float8Linear)
+        with monkeypatch.context() as patch:
+            if strict:
+                patch.setattr(torch, "_scaled_mm", _cuda_strict_scaled_mm(torch._scaled_mm))
+            inputs = x.clone().requires_grad_()
+            model(inputs).float().square().sum().backward()
+        return model[0].weight.grad, inputs.grad
+
+    with pytest.raises(RuntimeError, match="divisible by 16"):  # unpadded, the weight gradient's GEMM fails on CUDA
+        grads(tokens_per_matmul=DIM_MULTIPLE, strict=True)
+    padded = grads(tokens_per_matmul=100, strict=True)
+    plain = grads(tokens_per_matmul=DIM_MULTIPLE, strict=False)  # the CPU kernel takes 100 as it is
+    for got, expected in zip(padded, plain, strict=True):  # zero rows add nothing to the sum over tokens
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_the_run_pads_only_when_its_micro_batch_tokens_need_it(tmp_path) -> None:
+    policy = precision_policy("fp8-mixed", "cpu")
+    for tokens, pads in ((100, True), (128, False), (16 * 7, False)):
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False))
+        convert_to_float8(model, policy, tokens_per_matmul=tokens)
+        assert model[0].config.pad_inner_dim is pads
+        assert any("pad them with zeros" in n for n in float8_notes(model)) is pads
+    cfg = run_config(tmp_path, FP8, "--training.micro_batch_size=3", "--training.global_batch_size=3",
+                     "--training.seq_len=36")
+    assert build_layout(cfg, 1).micro_batch_tokens == 108  # what parallel/apply.py converts with

@@ -129,7 +129,12 @@ class TrainingConfig:
     eval_steps: int = 10
     """Validation global batches averaged per evaluation (the same windows whatever the layout)."""
     device: Device = "auto"
-    """Where to train: auto picks cuda when available, else cpu."""
+    """Where to train: auto picks cuda when available, else cpu. With several GPUs visible, a rank
+    takes GPU local_rank modulo their count (one visible GPU per process under per-task binding)."""
+    collective_timeout_minutes: float = 30.0
+    """How long a rank waits in a collective before the run fails. Other ranks wait at a barrier
+    while local rank 0 tokenizes raw text, rank 0 writes a checkpoint or a rank dumps a memory
+    snapshot: NCCL's own default (10 minutes) can end a healthy run there."""
     compile: bool = False
     """torch.compile each transformer block (inductor; after activation checkpointing, before FSDP):
     the steps that compile are timed apart ("compile: 31.2 s") and left out of tokens/s. Fused

@@ -105,6 +105,9 @@ def _validate_training(cfg: Config) -> None:
         raise field_error("training.weight_decay", t.weight_decay, "must be >= 0")
     if t.grad_clip < 0:
         raise field_error("training.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
+    if t.collective_timeout_minutes <= 0:
+        raise field_error("training.collective_timeout_minutes", t.collective_timeout_minutes,
+                          "must be > 0 (the default, 30, outlasts a large checkpoint's write)")
     if not 0 <= t.seed < 2**63:
         raise field_error("training.seed", t.seed, "must be between 0 and 2**63 - 1 (torch's generator seed range)")
     if t.warmup_steps >= t.steps:

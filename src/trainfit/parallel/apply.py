@@ -67,7 +67,7 @@ def _parallelize_part(model: nn.Module, layout: Layout, mesh: DeviceMesh | None,
     if policy.fp8_scaling is not None:
         from trainfit.float8 import convert_to_float8  # torchao: imported by fp8 runs only
 
-        convert_to_float8(model, policy)
+        convert_to_float8(model, policy, tokens_per_matmul=layout.micro_batch_tokens)
     if layout.tp > 1:
         assert mesh is not None
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=layout.sequence_parallel)

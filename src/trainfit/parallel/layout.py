@@ -105,6 +105,12 @@ class Layout:
         return self.dp_shard * self.cp if self.zero_stage > 0 else 1
 
     @property
+    def micro_batch_tokens(self) -> int:
+        """Tokens one rank's linear layers take per micro-batch: its rows' local sequences (1/cp each);
+        a float8 linear's weight-gradient GEMM sums over them (float8.py pads them to a multiple of 16)."""
+        return self.micro_batch_size * self.seq_len // self.cp
+
+    @property
     def loss_tokens(self) -> int:
         """Tokens of one micro-batch that the loss of a rank (of the last stage) scores at once: its
         rows' local sequences (1/cp each). Tensor parallelism's ranks score every token of their

@@ -66,23 +66,32 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be written or loaded; the message names the file and the way out."""
 
 
-def rng_state() -> dict[str, Any]:
-    """Every random stream, in types weights-only loading accepts (numpy's key as a tensor)."""
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """Every random stream of this rank, in types weights-only loading accepts (numpy's key as a
+    tensor). On CUDA, the generator of this rank's device only: all visible devices' states would
+    not load where fewer are visible (a resume on fewer GPUs, per-task GPU binding)."""
     kind, key, pos, has_gauss, cached = np.random.get_state()
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "numpy": (kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, cached)}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore rng_state's streams on `device`. Checkpoints written before it saved one CUDA state
+    hold a list (every visible device's): this device's index in it, else the first."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     kind, key, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, key.numpy().astype(np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is None or device.type != "cuda":
+        return
+    if isinstance(cuda, (list, tuple)):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        cuda = cuda[index] if index < len(cuda) else cuda[0]
+    torch.cuda.set_rng_state(cuda, device)
 
 
 def _fsync_tree(root: Path) -> None:

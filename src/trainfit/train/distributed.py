@@ -3,9 +3,11 @@
 `run_layout(cfg)` builds the run's Layout (parallel/layout.py) once, on the world this process
 belongs to: the launcher's (torchrun's RANK / WORLD_SIZE / LOCAL_RANK environment), an already
 initialized default process group (tests), or one process. `init_world(cfg, layout)` then picks
-the device and the backend (CUDA: nccl, one device per local rank; CPU: gloo), initializes the
-process group when the layout needs one and builds the device mesh. Everything rank-dependent in
-training goes through the returned World; there is no module-level state.
+the device (CUDA: one per local rank, modulo the GPUs this process sees) and the backend (CPU:
+gloo; CUDA: nccl, with gloo for CPU tensors under memory.offload), initializes the process group
+with training.collective_timeout_minutes when the layout needs one and builds the device mesh.
+Everything rank-dependent in training goes through the returned World; there is no module-level
+state.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _rank_not_in_group, _set_pg_timeout, _world
 
 from trainfit.config import Config, ConfigError
 from trainfit.parallel.layout import Layout, build_layout, resolve_world_size
@@ -45,6 +48,10 @@ class World:
     dp_size: int = 1
     owns_group: bool = False
     """init_world created the default process group; close() destroys it."""
+    collective_timeout: timedelta = default_pg_timeout
+    """How long a collective waits for the other ranks (training.collective_timeout_minutes)."""
+    device_note: str | None = None
+    """Which GPU this rank took and why (pick_device), for the training log; None on the CPU."""
 
     @property
     def is_main(self) -> bool:
@@ -91,6 +98,17 @@ class World:
         data_mesh = dp_mesh(mesh)
         self.dp_rank, self.dp_size = data_mesh.get_local_rank(), data_mesh.size()
 
+    def set_group_timeouts(self) -> None:
+        """Give every process group of this process the run's collective timeout. Groups made after
+        init_process_group (DeviceMesh's axes, flattened and expert axes) take the backend's
+        default instead (torch 2.13: NCCL's is 10 minutes), so call this again once the model's
+        groups exist (the Trainer does)."""
+        if not dist.is_initialized():
+            return
+        for group in list(_world.pg_map):
+            if not _rank_not_in_group(group):
+                _set_pg_timeout(self.collective_timeout, group)
+
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -133,16 +151,34 @@ def run_layout(cfg: Config) -> Layout:
     return build_layout(cfg, resolve_world_size(cfg, place[1] if place else 1))
 
 
-def pick_device(name: str, local_rank: int) -> torch.device:
-    """training.device (auto: cuda when available) -> this rank's device."""
+def process_group_backend(device_type: str, offload: str) -> str:
+    """init_process_group's backend: gloo on the CPU; on CUDA nccl, and under memory.offload gloo
+    for CPU tensors too ("cuda:nccl,cpu:gloo"): FSDP2's offloaded gradient shards are CPU DTensors
+    whose norm (gradient clipping) is all-reduced, and NCCL has no CPU backend ("No backend type
+    associated with device type cpu": pytorch#148532, torchtune#1977)."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if offload != "none" else "nccl"
+
+
+def pick_device(name: str, local_rank: int) -> tuple[torch.device, str | None]:
+    """training.device (auto: cuda when available) -> (this rank's device, a note saying which GPU
+    it took, or None). GPU local_rank modulo the GPUs this process sees: under per-task binding
+    (SLURM --gpus-per-task, CUDA_VISIBLE_DEVICES set per rank) each process sees one GPU, index 0."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("training.device='cuda': no CUDA device is available; use auto or cpu")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device(name)
+    if name != "cuda":
+        return torch.device(name), None
+    if not torch.cuda.is_available():
+        raise ConfigError("training.device='cuda': no CUDA device is available; use auto or cpu")
+    visible = torch.cuda.device_count()
+    index = local_rank % visible
+    torch.cuda.set_device(index)
+    note = (f"device: cuda:{index} ({torch.cuda.get_device_name(index)}), local rank {local_rank} of a node "
+            f"where this process sees {visible} GPU(s)")
+    if local_rank >= visible > 1:
+        note += f"; more local ranks than visible GPUs: ranks share GPU {index}"
+    return torch.device("cuda", index), note
 
 
 def init_world(cfg: Config, layout: Layout) -> World:
@@ -154,19 +190,21 @@ def init_world(cfg: Config, layout: Layout) -> World:
     if size != layout.world_size:
         raise ConfigError(f"hardware.num_gpus={layout.world_size}: the world has {size} ranks; build the layout "
                           "with run_layout(cfg) in this process")
-    device = pick_device(cfg.training.device, local_rank)
-    world = World(device=device, rank=rank, size=size, local_rank=local_rank, layout=layout)
+    device, device_note = pick_device(cfg.training.device, local_rank)
+    timeout = timedelta(minutes=cfg.training.collective_timeout_minutes)
+    world = World(device=device, rank=rank, size=size, local_rank=local_rank, layout=layout,
+                  collective_timeout=timeout, device_note=device_note)
     if not layout.needs_process_group:
         return world
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = process_group_backend(device.type, layout.offload)
         if launched():
-            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout,
                                     **_attempt_rendezvous())
         else:  # one process that still needs a (1-rank) group: CPU offload through FSDP2
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timedelta(minutes=5))
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         world.owns_group = True
         atexit.register(world.close)  # `trainfit train` exits without closing; gloo aborts on a live group
     world.attach_mesh(build_mesh(layout, device.type))
+    world.set_group_timeouts()
     return world

@@ -84,3 +84,26 @@ def _tensorboard_writer(log_dir: Path) -> Any:
         raise ConfigError("logging.tensorboard=true: the tensorboard package is not installed; "
                           "pip install 'trainfit[tensorboard]' or set logging.tensorboard=false") from err
     return SummaryWriter(log_dir=str(log_dir / "tensorboard"))
+
+
+class ThroughputWindow:
+    """Tokens/s over the steps since the last logged record, counting only steps timed as training
+    runs: a step that warms up (this process's first: cuBLAS handles, NCCL communicators, the
+    allocator's first blocks) or is instrumented (memory-measured: a probe after every operator;
+    profiled) is not training throughput, and in a short run it would dominate the mean."""
+
+    def __init__(self, tokens_per_step: int) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.steps, self.seconds = 0, 0.0
+
+    def add(self, seconds: float, *, timed: bool) -> None:
+        if timed:
+            self.steps += 1
+            self.seconds += seconds
+
+    def tokens_per_s(self) -> float | None:
+        """None when no timed step ran since the last reset."""
+        return self.steps * self.tokens_per_step / self.seconds if self.seconds > 0 else None
+
+    def reset(self) -> None:
+        self.steps, self.seconds = 0, 0.0

@@ -37,12 +37,14 @@ class TrainProgress:
     def __exit__(self, *exc: object) -> None:
         self._progress.__exit__(*exc)
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        self._progress.update(self._task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")
+    def update(self, step: int, loss: float, tokens_per_s: float | None) -> None:
+        """`tokens_per_s`: None until a step that is not instrumented (warm-up, memory, profile) ran."""
+        tps = "-" if tokens_per_s is None else f"{tokens_per_s:,.0f}"
+        self._progress.update(self._task, completed=step, loss=f"{loss:.4f}", tps=tps)
         if self.enabled and not self.console.is_terminal and (step % self.line_every == 0 or step == self.total_steps):
             done = step - self._start_step
             left = (time.monotonic() - self._started) / done * (self.total_steps - step) if done else 0.0
-            self.console.print(f"step {step}/{self.total_steps} loss {loss:.4f} {tokens_per_s:,.0f} tok/s "
+            self.console.print(f"step {step}/{self.total_steps} loss {loss:.4f} {tps} tok/s "
                                f"ETA {int(left) // 60}:{int(left) % 60:02d}", highlight=False)
 
     def note(self, message: str) -> None:

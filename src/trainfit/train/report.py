@@ -33,8 +33,7 @@ def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
         shown = [f"{result.val_losses[step]:.4f} (step {step})" for step in sorted({first, last})]
         rows.append(("val loss", " -> ".join(shown)))
     if result.steps_run:
-        rows.append(("throughput", f"{result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.1%} "
-                                   f"(peak from hardware.gpu={cfg.hardware.gpu!r})"))
+        rows.append(("throughput", throughput_text(result)))
     if result.compile_seconds:
         rows.append(("compile", f"{result.compile_seconds:,.1f} s (torch.compile: the steps that compiled, "
                                  "left out of the throughput)"))
@@ -116,3 +115,14 @@ def print_summary(cfg: Config, result: TrainResult, console: Console | None = No
     console.print(table)
     if result.memory is not None:
         console.print(comparison_table(Comparison({**(predicted or {}), "measured": result.memory})))
+
+
+def throughput_text(result: TrainResult) -> str:
+    """Tokens/s and MFU, or why either is missing."""
+    if result.tokens_per_s is None:
+        return ("not measured: every step was a warm-up, memory-measured or profiled step; run more steps "
+                "(training.steps) to time some")
+    speed = f"{result.tokens_per_s:,.0f} tokens/s"
+    if result.mfu is None:
+        return f"{speed} ({result.mfu_note or 'MFU not computed: no peak FLOP/s for this device'})"
+    return f"{speed}, MFU {result.mfu:.1%}" + (f" ({result.mfu_note})" if result.mfu_note else "")

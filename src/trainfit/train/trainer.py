@@ -31,7 +31,6 @@ from torch import nn
 from trainfit.attention import AttentionKernel, probe_attention_kernel, set_attention_backend
 from trainfit.config import Config, ConfigError, config_to_dict
 from trainfit.fp8_matmul import Fp8MatmulRates, probe_fp8_matmul
-from trainfit.hardware import peak_flops
 from trainfit.memory.attribution import Measurement, MemoryMeter, measure_trainer_step
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.measure import current_allocated_bytes
@@ -55,10 +54,11 @@ from trainfit.train import manifest
 from trainfit.train.data import BatchSampler, TokenData, eval_batches, resolve_data
 from trainfit.train.distributed import World, init_world, run_layout
 from trainfit.train.loss import loss_function
-from trainfit.train.metrics import MetricsWriter
+from trainfit.train.metrics import MetricsWriter, ThroughputWindow
 from trainfit.train.optim import build_scheduler, lr_at, make_optimizer, param_groups
 from trainfit.train.profile import StepProfiler
 from trainfit.train.progress import TrainProgress
+from trainfit.train.run_device import this_run_device
 from trainfit.train.signals import StopOnSignal
 
 
@@ -93,8 +93,13 @@ class TrainResult:
     steps_done: int
     losses: dict[int, float] = field(default_factory=dict)
     val_losses: dict[int, float] = field(default_factory=dict)
-    tokens_per_s: float = 0.0
-    mfu: float = 0.0
+    tokens_per_s: float | None = None
+    """Throughput of the last logged window of steps that are not instrumented (this process's
+    first step, memory-measured and profiled steps, compile steps); None when every step was."""
+    mfu: float | None = None
+    """MFU of tokens_per_s against this device's peak (train/run_device.py); None when unknown."""
+    mfu_note: str | None = None
+    """Why MFU is what it is (the device matched, or why there is none)."""
     skipped_steps: int = 0
     stopped_by_signal: bool = False
     signal_name: str | None = None
@@ -204,6 +209,7 @@ class Trainer:
                                rank=self.world.dp_rank, world_size=self.world.dp_size,
                                grad_accum_steps=self.layout.grad_accum_steps)
         self._setup_step(model, num_params, sampler, self.device.type)
+        self.world.set_group_timeouts()  # the model's own groups (expert meshes) exist now
         if not t.global_batch_size:
             self.notes.append(f"training.global_batch_size derived: micro_batch_size {t.micro_batch_size} x "
                               f"{self.layout.dp} data-parallel rank(s) = {self.layout.global_batch_size} sequences "
@@ -250,10 +256,13 @@ class Trainer:
         self.sampler = batches
         """Anything with next_batch() -> (inputs, targets) of one micro-batch."""
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.training.seq_len)
-        self.peak_flops = peak_flops(cfg.hardware, cfg.precision.mode) * self.world.size
+        self.run_device = this_run_device(cfg.hardware, cfg.precision.mode, self.device)
+        """The hardware MFU is measured against: this process's device, matched to the catalog."""
+        peak = self.run_device.peak_flops
+        self.peak_flops = peak * self.world.size if peak is not None else None
         self.step = 0
         self.skipped_steps = 0
-        self.notes: list[str] = []
+        self.notes: list[str] = [note for note in (self.world.device_note, self.run_device.note) if note]
         """Messages for the log, printed when training starts (resume, schedule changes)."""
         self.attention_kernel = self._choose_attention_kernel()
         self.notes.append(self.attention_kernel.note())
@@ -360,7 +369,7 @@ class Trainer:
         # count of this rank's micro-batches, it is converted to this layout's accumulation.
         self.sampler.load_state_dict({**state["sampler"], "position": self.step * self.layout.grad_accum_steps})
         rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
-        ckpt.set_rng_state(rngs[self.world.rank] if len(rngs) == self.world.size else rngs[0])
+        ckpt.set_rng_state(rngs[self.world.rank] if len(rngs) == self.world.size else rngs[0], self.device)
         self._restart_schedule()
         saved_world, planned = state.get("world_size", 1), state.get("steps", self.cfg.training.steps)
         self.notes.append(f"resumed from {path} at step {self.step}"
@@ -391,7 +400,7 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "scaler": self.scaler.state_dict(),
             "sampler": self.sampler.state_dict(),
-            "rng": self.world.gather_objects(ckpt.rng_state()),
+            "rng": self.world.gather_objects(ckpt.rng_state(self.device)),
             "steps": self.cfg.training.steps,
             "world_size": self.world.size,
         }
@@ -576,12 +585,12 @@ class Trainer:
         cfg, t, world = self.cfg, self.cfg.training, self.world
         result = TrainResult(steps_done=self.step, started_at=self.step, num_params=self.num_params, layout=self.layout,
                              world_size=world.size, rank=world.rank, skipped_steps=self.skipped_steps,
-                             checkpoint=self.resumed_from)
+                             checkpoint=self.resumed_from, mfu_note=self._mfu_note())
         writer: MetricsWriter | _NoMetrics = _NoMetrics()
         if world.is_main:
             writer = MetricsWriter(cfg.logging.dir, resume_step=self.step, tensorboard=cfg.logging.tensorboard)
         tokens_per_step = self.layout.global_batch_size * t.seq_len
-        window_tokens, window_seconds = 0, 0.0
+        window = ThroughputWindow(tokens_per_step)
         last_saved = self.step if self.resumed_from else None
         first_measured = min(self.step + 2, t.steps)  # this process's second step: the first one warms up
         if not cfg.logging.measure_memory:
@@ -590,6 +599,10 @@ class Trainer:
         interval = cfg.logging.memory_interval  # the memory meter's steps (_next_step), slower than the others
         instrumented = {*range(self.step + 1, first_measured + 1), *(range(interval, t.steps + 1, interval)
                                                                      if interval else ())}
+        # Left out of tokens/s too: this process's first step (cuBLAS, NCCL and allocator warm-up) and
+        # the profiled steps.
+        untimed = {self.step + 1, *instrumented, *(range(profiler.window[0], profiler.window[1] + 1)
+                                                   if profiler.window else ())}
         try:
             with StopOnSignal() as stop, \
                     TrainProgress(t.steps, self.step, cfg.logging.progress, quiet=not world.is_main,
@@ -619,15 +632,16 @@ class Trainer:
                         bar.announce(note)
                         writer.write({"step": self.step, "note": note, "compile_seconds": stats.seconds})
                     else:
-                        window_tokens += tokens_per_step
-                        window_seconds += stats.seconds
-                    tokens_per_s = window_tokens / window_seconds if window_seconds else result.tokens_per_s
-                    bar.update(self.step, stats.loss, tokens_per_s)
+                        window.add(stats.seconds, timed=self.step not in untimed)
+                    bar.update(self.step, stats.loss, window.tokens_per_s() or result.tokens_per_s)
                     if self.step % cfg.logging.interval == 0 or self.step == t.steps or stats.memory is not None:
-                        result.tokens_per_s = tokens_per_s
-                        result.mfu = mfu(tokens_per_s, self.flops_per_token, self.peak_flops)
+                        tokens_per_s = window.tokens_per_s()
+                        if tokens_per_s is not None:
+                            result.tokens_per_s = tokens_per_s
+                            result.mfu = (mfu(tokens_per_s, self.flops_per_token, self.peak_flops)
+                                          if self.peak_flops else None)
                         writer.write(self._record(stats, tokens_per_s, result))
-                        window_tokens, window_seconds = 0, 0.0
+                        window.reset()
                     if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.steps):
                         result.val_losses[self.step] = self._log_eval(writer, bar)
                     if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
@@ -647,14 +661,21 @@ class Trainer:
         result.skipped_steps = self.skipped_steps
         return result
 
-    def _record(self, stats: StepStats, tokens_per_s: float, result: TrainResult) -> dict[str, Any]:
+    def _mfu_note(self) -> str:
+        hw = self.run_device.hardware
+        if self.peak_flops is None:
+            return self.run_device.note or "no peak FLOP/s for this device"
+        what = f"hardware.peak_tflops={hw.peak_tflops:g}" if hw.peak_tflops else f"{hw.gpu}'s peak"
+        return f"against {what}, {self.cfg.precision.mode}"
+
+    def _record(self, stats: StepStats, tokens_per_s: float | None, result: TrainResult) -> dict[str, Any]:
         record: dict[str, Any] = {
             "step": self.step,
             "loss": stats.loss,
             "lr": stats.lr,
             "grad_norm": stats.grad_norm,
             "tokens_per_s": tokens_per_s,
-            "mfu": result.mfu,
+            "mfu": result.mfu if tokens_per_s is not None else None,
             "peak_memory_bytes": result.peak_memory_bytes,
         }
         if stats.state_bytes is not None:

@@ -17,6 +17,8 @@ import torch
 from trainfit.train import checkpoint as ckpt
 from trainfit.train import manifest
 
+CPU = torch.device("cpu")
+
 
 def _model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
@@ -35,7 +37,7 @@ def _save(root: Path, step: int, seed: int, keep_last: int = 2) -> Path:
 
 def test_round_trip_restores_model_optimizer_and_state(tmp_path: Path) -> None:
     model, optimizer = _model_and_optimizer(0)
-    path = ckpt.save_checkpoint(tmp_path, 7, model, optimizer, {"step": 7, "rng": ckpt.rng_state()}, {"a": 1})
+    path = ckpt.save_checkpoint(tmp_path, 7, model, optimizer, {"step": 7, "rng": ckpt.rng_state(CPU)}, {"a": 1})
     fresh, fresh_opt = _model_and_optimizer(1)
     state = ckpt.load_checkpoint(path, fresh, fresh_opt)
     assert state["step"] == 7
@@ -104,7 +106,7 @@ FINGERPRINT = manifest.fingerprint({"0.weight": (32, 16), "2.weight": (4, 32)}, 
 
 def _save_run(root: Path, step: int, fingerprint: manifest.Fingerprint = FINGERPRINT) -> Path:
     model, optimizer = _model_and_optimizer(step)
-    return ckpt.save_checkpoint(root, step, model, optimizer, {"step": step, "rng": ckpt.rng_state()}, {},
+    return ckpt.save_checkpoint(root, step, model, optimizer, {"step": step, "rng": ckpt.rng_state(CPU)}, {},
                                 keep_last=3, fingerprint=fingerprint)
 
 
@@ -210,8 +212,50 @@ def test_trainer_state_is_loaded_weights_only(tmp_path: Path, monkeypatch: pytes
 
 
 def test_rng_state_round_trips() -> None:
-    state = ckpt.rng_state()
+    state = ckpt.rng_state(torch.device("cpu"))
     expected = (torch.rand(3), random.random(), np.random.rand(3))
-    ckpt.set_rng_state(state)
+    ckpt.set_rng_state(state, torch.device("cpu"))
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
     assert np.array_equal(np.random.rand(3), expected[2])
+
+
+class _FakeCudaGenerators:
+    """torch.cuda's per-device generator states on a machine with `visible` GPUs, for the CUDA
+    branch of rng_state/set_rng_state on a CPU-only machine."""
+
+    def __init__(self, visible: int) -> None:
+        self.states = {i: torch.full((8,), i, dtype=torch.uint8) for i in range(visible)}
+
+    def get_rng_state(self, device: torch.device) -> torch.Tensor:
+        return self.states[device.index].clone()
+
+    def set_rng_state(self, state: torch.Tensor, device: torch.device) -> None:
+        if device.index not in self.states:  # what torch raises for a device that is not there
+            raise IndexError(f"invalid device ordinal {device.index}")
+        self.states[device.index] = state.clone()
+
+
+def test_cuda_rng_state_is_this_ranks_device_and_resumes_where_fewer_gpus_are_visible(monkeypatch, tmp_path) -> None:
+    saving = _FakeCudaGenerators(visible=8)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", saving.get_rng_state)
+    state = ckpt.rng_state(torch.device("cuda", 3))  # local rank 3 of an 8-GPU node
+    assert torch.equal(state["cuda"], saving.states[3])
+    torch.save(state, tmp_path / "rng.pt")
+    state = torch.load(tmp_path / "rng.pt", weights_only=True)
+
+    resuming = _FakeCudaGenerators(visible=1)  # per-task binding: this rank sees one GPU, index 0
+    monkeypatch.setattr(torch.cuda, "set_rng_state", resuming.set_rng_state)
+    ckpt.set_rng_state(state, torch.device("cuda", 0))
+    assert torch.equal(resuming.states[0], saving.states[3])
+
+
+def test_cuda_rng_state_of_an_older_checkpoint_lists_every_device(monkeypatch) -> None:
+    old = {**ckpt.rng_state(torch.device("cpu")), "cuda": [torch.full((8,), i, dtype=torch.uint8) for i in range(8)]}
+    one = _FakeCudaGenerators(visible=1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", one.set_rng_state)
+    ckpt.set_rng_state(old, torch.device("cuda", 0))
+    assert torch.equal(one.states[0], old["cuda"][0])
+    eight = _FakeCudaGenerators(visible=8)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", eight.set_rng_state)
+    ckpt.set_rng_state(old, torch.device("cuda", 5))
+    assert torch.equal(eight.states[5], old["cuda"][5])
