@@ -1,5 +1,6 @@
 """`trainfit calibrate` and hardware.profile: the profile's TOML, a real quick calibration (2 gloo
-ranks), the fits against perf/comms.py's cost model, and what a profile changes in the estimate."""
+ranks), the fits against perf/comms.py's cost model, and what a profile changes in the estimate; what
+a GPU would measure, its batches sized warm and its memory checked, stood in for on this CPU."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from rich.console import Console
 
 from _profiles import profile
@@ -22,7 +25,7 @@ from trainfit import hardware
 from trainfit.cli import main
 from trainfit.config import ConfigError, HardwareConfig, load_config
 from trainfit.estimate import estimate
-from trainfit.fp8_matmul import DEADLINE_S, PROBE_SHAPE
+from trainfit.fp8_matmul import DEADLINE_S, PROBE_SHAPE, Fp8MatmulRates
 from trainfit.hardware_profile import (
     HOST_KINDS,
     CollectiveFit,
@@ -37,8 +40,9 @@ from trainfit.hardware_profile import (
 )
 from trainfit.parallel.layout import build_layout
 from trainfit.perf import calibrate
-from trainfit.perf.calibrate import QUICK
 from trainfit.perf.calibrate_comms import fit_link, fit_nonnegative, model_terms
+from trainfit.perf.calibrate_probe import median_seconds, synchronized_median_seconds
+from trainfit.perf.calibrate_settings import CUDA_DEFAULT, CUDA_QUICK, DEFAULT, QUICK, Settings, settings_for
 from trainfit.perf.comms import collective_time
 from trainfit.perf.kernels import elementwise_bytes
 
@@ -159,6 +163,84 @@ def test_fp8_without_a_measured_rate_says_so(tmp_path: Path) -> None:
         hardware.peak_flops(hw, "fp8-mixed")
 
 
+# ---------------------------------------------------------------- what is measured, and how long
+
+
+def test_a_gpu_measures_gpu_sized_work_and_a_cpu_its_own() -> None:
+    """CUDA: GEMMs of 4096-8192 tokens and dims, attention over 4096-8192 tokens at head dim 128 (and a
+    smaller one), collectives up to 1 GiB; --quick a subset of it. A CPU keeps its own small settings."""
+    assert settings_for("cpu", quick=False) is DEFAULT and settings_for("cpu", quick=True) is QUICK
+    assert settings_for("cuda", quick=False) is CUDA_DEFAULT and settings_for("cuda", quick=True) is CUDA_QUICK
+    for s in (CUDA_DEFAULT, CUDA_QUICK):
+        assert all(4096 <= d <= 8192 for shape in s.shapes for d in shape), s.shapes
+        assert {head_dim for *_, head_dim in s.attention_shapes} == {128}
+        assert all(seq <= 8192 for _, _, seq, _ in s.attention_shapes)
+        assert list(s.message_bytes) == sorted(s.message_bytes)
+    assert {(1, 32, 4096, 128), (1, 32, 8192, 128)} < set(CUDA_DEFAULT.attention_shapes)
+    assert min(seq for _, _, seq, _ in CUDA_DEFAULT.attention_shapes) < 4096  # the small one
+    assert (8192, 8192) in CUDA_DEFAULT.shapes and max(CUDA_DEFAULT.message_bytes) == 2**30
+    for field in ("shapes", "attention_shapes", "message_bytes"):
+        assert set(getattr(CUDA_QUICK, field)) <= set(getattr(CUDA_DEFAULT, field)), field
+    # a CPU's largest GEMM stays below a GPU's smallest, and its attention and messages below a GPU's
+    cpu_gemm = max(m * d * 4 * d for s in (DEFAULT, QUICK) for m, d in s.shapes)
+    assert cpu_gemm < min(m * d * d for s in (CUDA_DEFAULT, CUDA_QUICK) for m, d in s.shapes)
+    assert max(seq for s in (DEFAULT, QUICK) for _, _, seq, _ in s.attention_shapes) <= 1024
+    assert max(b for s in (DEFAULT, QUICK) for b in s.message_bytes) <= 16 * 2**20
+
+
+def first_call_slow(calls: list[None]) -> Any:
+    """A kernel whose first call pays for setup (a handle, autotuning, lazy loading) and whose later ones are fast."""
+    def call() -> None:
+        calls.append(None)
+        if len(calls) == 1:
+            time.sleep(0.3)
+    return call
+
+
+def test_a_slow_first_call_does_not_size_the_batches() -> None:
+    """Timed, the first call would make each batch one call long; sized on a warm call, a batch holds
+    as many fast calls as fill batch_s."""
+    calls: list[None] = []
+    seconds = median_seconds(first_call_slow(calls), lambda: None, batch_s=0.01, repeats=2)
+    assert len(calls) > 100 and seconds < 1e-3
+
+
+def test_ranks_in_step_size_their_batches_on_a_warm_call_too() -> None:
+    calls: list[None] = []
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        seconds = synchronized_median_seconds(first_call_slow(calls), torch.device("cpu"), batch_s=0.01, repeats=2)
+    finally:
+        dist.destroy_process_group()
+    assert len(calls) > 100 and seconds < 1e-3
+
+
+def test_work_a_gpu_cannot_hold_is_skipped_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stood in on a CPU with small shapes and a GPU's free memory of 1 MiB: what fits runs, what does
+    not is never allocated and a warning names it; a CPU's memory is not checked."""
+    assert calibrate._free_bytes("cpu") is None
+    assert calibrate._fitting_messages((2**12, 2**20), "cpu") == (2**12, 2**20)
+    monkeypatch.setattr(calibrate, "_free_bytes", lambda device: 2**20)
+    s = Settings(shapes=((64, 32), (1024, 1024)), attention_shapes=((1, 2, 16, 8), (1, 8, 1024, 64)), max_call_s=1e9,
+                 batch_s=0.001, repeats=1, memory_bytes=2**12, message_bytes=(), optimizer_params=())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        matmuls = calibrate._matmuls("fp32", "cpu", s, lambda what: None)
+        backward = calibrate._matmul_backwards("fp32", "cpu", s, lambda what: None)
+        attention = calibrate._attentions("fp32", "cpu", s, lambda what: None)
+        messages = calibrate._fitting_messages((2**12, 2**20), "cpu")
+    assert [(x.m, x.k, x.n) for x in matmuls] == [(64, 32, 32), (64, 32, 128)]
+    assert [(x.m, x.k, x.n) for x in backward] == [(64, 32, 32), (64, 32, 128)]
+    assert [(a.heads, a.seq_len) for a in attention] == [(2, 16)] and messages == (2**12,)
+    said = [str(w.message) for w in caught]
+    assert "calibrate: matmul fp32 1024 x 1024 x 1024 skipped: its tensors take about 24.0 MiB and this GPU has " \
+           "1.0 MiB free; the profile has no figure for it" in said
+    assert any(m.startswith("calibrate: matmul backward fp32 1024 x 1024 x 4096 skipped") for m in said)
+    assert any(m.startswith("calibrate: attention fp32 1 x 8 heads x 1024 x 64 skipped") for m in said)
+    assert any(m.startswith("calibrate: collectives of 1 MiB skipped") for m in said)
+    assert len(said) == 6  # 2 + 2 GEMMs, 1 attention, 1 message
+
+
 # ---------------------------------------------------------------- fp8 on a reference kernel
 
 
@@ -175,7 +257,7 @@ def test_a_reference_fp8_kernel_is_measured_once_at_the_probe_shape(monkeypatch:
 
     monkeypatch.setattr(torch, "_scaled_mm", slow)
     steps: list[str] = []
-    (shape,) = calibrate._fp8_matmuls("cpu", calibrate.DEFAULT, steps.append)
+    (shape,) = calibrate._fp8_matmuls("cpu", DEFAULT, steps.append)
     assert len(calls) == 1 and steps == ["fp8 matmul probe"]
     assert (shape.dtype, shape.m, shape.k, shape.n) == ("fp8", *PROBE_SHAPE)
     assert shape.flops_per_s < 2 * 128**3 / (2 * DEADLINE_S)
@@ -185,7 +267,21 @@ def test_the_probe_rate_bounds_the_fp8_grid(monkeypatch: pytest.MonkeyPatch) -> 
     """fp8's rate so far starts at the probe's: a shape whose one call would exceed max_call_s at it is skipped."""
     monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: pytest.fail("a grid shape was timed"))
     probe = MatmulShape("fp8", *PROBE_SHAPE, 1e6)  # every grid shape's call: longer than DEFAULT.max_call_s
-    assert calibrate._matmuls("fp8", "cpu", calibrate.DEFAULT, lambda what: None, probe=probe) == [probe]
+    assert calibrate._matmuls("fp8", "cpu", DEFAULT, lambda what: None, probe=probe) == [probe]
+
+
+def test_fp8_on_a_gpu_is_bounded_by_bf16s_rate_not_the_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU runs the probe's small GEMM in about a launch's time, a rate far below its grid shapes':
+    fp8 not slow against bf16 is bounded by a tenth of bf16's best rate, so its grid is measured."""
+    rates = Fp8MatmulRates("cpu", "tensorwise", PROBE_SHAPE, 1e6, 1e6)  # launch-bound, and not slow
+    monkeypatch.setattr(calibrate, "probe_fp8_matmul", lambda device: rates)
+    monkeypatch.setattr(calibrate, "_matmul", lambda *args: (lambda: None))
+    s = Settings(shapes=((64, 32),), attention_shapes=(), max_call_s=0.05, batch_s=0.001, repeats=1,
+                 memory_bytes=2**12, message_bytes=(), optimizer_params=())
+    measured = calibrate._fp8_matmuls("cpu", s, lambda what: None, bf16_flops_per_s=1e11)
+    assert [(x.m, x.k, x.n) for x in measured] == [(64, 32, 32), (64, 32, 128)]
+    (probe,) = calibrate._fp8_matmuls("cpu", s, lambda what: None)  # at the probe's rate every call is too long
+    assert (probe.m, probe.k, probe.n, probe.flops_per_s) == (*PROBE_SHAPE, 1e6)
 
 
 def _printed(p: HardwareProfile) -> str:

@@ -50,6 +50,7 @@ import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,7 +64,10 @@ from trainfit.parallel.layout import Layout
 if TYPE_CHECKING:  # the trainer builds its meter from this module
     from trainfit.train.trainer import StepStats, Trainer
 
-_CUDA_HISTORY_ENTRIES = 100_000
+CUDA_HISTORY = MappingProxyType({"max_entries": 100_000, "stacks": "python"})
+"""torch.cuda.memory._record_memory_history's arguments: the last 100,000 allocations and frees, each
+with its Python stack only; C++ stacks (torch's default, stacks="all") make the snapshot's dump
+symbolize every frame, far slower than the step it records."""
 
 
 @dataclass
@@ -116,7 +120,7 @@ def cuda_history(path: Path | None) -> Iterator[None]:
     if path is None:
         yield
         return
-    torch.cuda.memory._record_memory_history(max_entries=_CUDA_HISTORY_ENTRIES)
+    torch.cuda.memory._record_memory_history(**CUDA_HISTORY)
     try:
         yield
     finally:

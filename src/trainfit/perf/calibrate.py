@@ -13,8 +13,9 @@ or OMP_NUM_THREADS; torchrun sets 1 per rank):
   native support for them (README.md's Calibrate section). fp8 starts with the probe fp8-mixed
   training runs (trainfit.fp8_matmul: one small GEMM, bounded in time, against bf16's): where fp8
   runs below a tenth of bf16's rate (a reference kernel, orders of magnitude slower: no fp8
-  hardware) the probe's shape is the profile's one fp8 shape, else the probe's rate is fp8's rate
-  so far;
+  hardware) the probe's shape is the profile's one fp8 shape, else fp8's rate so far is the probe's
+  or a tenth of bf16's best, the higher (a GPU runs the probe's small GEMM in about a kernel
+  launch's time, far below its rate at the grid's shapes);
 - causal attention, forward and backward through scaled_dot_product_attention (the kernel training
   picks), per dtype over (batch, heads, sequence, head dim) shapes, skipped as the matmuls are;
 - memory bandwidth: a large fp32 copy (read + write bytes) and add (two reads, one write), the better;
@@ -29,7 +30,11 @@ or OMP_NUM_THREADS; torchrun sets 1 per rank):
 - AdamW's step on fp32 parameters (the master weights' dtype) of a few sizes, fused (where
   train/optim.py uses it) and foreach, each fitted to step_s + s_per_param x parameters.
 Every figure is the median of `repeats` timed batches of back-to-back calls, each about `batch_s`
-long (sustained within a batch; the median, as the time model predicts median step times).
+long (sustained within a batch; the median, as the time model predicts median step times), their
+length in calls set by a call made after an untimed first one (calibrate_probe.warm_seconds).
+The shapes, sizes and time limits are the device type's (trainfit.perf.calibrate_settings: a GPU
+measures GPU-sized work); on a GPU, a shape or message whose tensors would not fit the free memory
+is skipped with a warning.
 """
 
 from __future__ import annotations
@@ -38,15 +43,15 @@ import datetime
 import os
 import platform
 import time
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from rich.table import Table
 
 from trainfit.config import ConfigError
-from trainfit.fp8_matmul import fp8_is_slow, fp8_matmul, gflops, probe_fp8_matmul
+from trainfit.fp8_matmul import SLOW_FACTOR, fp8_is_slow, fp8_matmul, gflops, probe_fp8_matmul
 from trainfit.hardware_profile import (
     MATMUL_DTYPES,
     PROFILE_VERSION,
@@ -60,40 +65,27 @@ from trainfit.hardware_profile import (
     OptimizerFit,
 )
 from trainfit.memory.analytic import FUSED_DEVICES
+from trainfit.memory.report import fmt_bytes
 from trainfit.perf.calibrate_comms import fit_collectives, fit_nonnegative, measure_collectives, predicted_seconds
 from trainfit.perf.calibrate_probe import compute_probe, median_seconds
+from trainfit.perf.calibrate_settings import (
+    Settings,
+    attention_bytes,
+    fits,
+    matmul_bytes,
+    message_rank_bytes,
+    settings_for,
+)
 from trainfit.perf.flops import FLASH_ATTENTION_BWD_FACTOR
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 4}
+"""Bytes per element of a dtype's operands, for the memory check (fp8's are made from fp32 ones)."""
 OPTIMIZER_TENSORS = 8
 """Each optimizer size is split into this many equal parameters (a step's per-tensor cost is in step_s)."""
 
 Progress = Callable[[str, int, int], None]
 """progress(what starts now, steps done, steps in all)."""
-
-
-@dataclass(frozen=True)
-class Settings:
-    shapes: tuple[tuple[int, int], ...]
-    """(tokens, dim): each measured as tokens x dim x dim and tokens x dim x 4 dim."""
-    attention_shapes: tuple[tuple[int, int, int, int], ...]
-    """(batch, heads, sequence length, head dim) of causal attention."""
-    max_call_s: float
-    batch_s: float
-    repeats: int
-    memory_bytes: int
-    """Size of each tensor of the copy and add; well beyond the caches."""
-    message_bytes: tuple[int, ...]
-    optimizer_params: tuple[int, ...]
-
-
-DEFAULT = Settings(shapes=((512, 128), (2048, 256), (2048, 512), (4096, 768)),
-                   attention_shapes=((8, 8, 256, 32), (4, 8, 512, 64), (2, 16, 1024, 64)), max_call_s=0.5, batch_s=0.1,
-                   repeats=5, memory_bytes=256 * 2**20, message_bytes=tuple(4**i * 2**12 for i in range(7)),
-                   optimizer_params=(2**20, 2**22, 2**24))
-QUICK = Settings(shapes=((512, 128), (2048, 256)), attention_shapes=((2, 4, 128, 32),), max_call_s=0.05,
-                 batch_s=0.02, repeats=2,
-                 memory_bytes=64 * 2**20, message_bytes=(2**12, 2**16, 2**20, 2**22), optimizer_params=(2**18, 2**20))
 
 
 def _device_type() -> str:
@@ -120,7 +112,8 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
               progress: Progress = lambda what, done, total: None) -> HardwareProfile:
     """Measure this machine (module docstring); `quick` takes seconds instead of a minute or two;
     collectives at 2..max_ranks ranks (default: see resolve_max_ranks)."""
-    settings, device, max_ranks = QUICK if quick else DEFAULT, _device_type(), resolve_max_ranks(max_ranks)
+    device, max_ranks = _device_type(), resolve_max_ranks(max_ranks)
+    settings = settings_for(device, quick=quick)
     impls = ["fused", "foreach"] if device in FUSED_DEVICES else ["foreach"]
     worlds = range(2, max_ranks + 1)
     total = ((len(MATMUL_DTYPES) + 1) * 2 * len(settings.shapes) + 1  # fp8 too (where it runs), after its probe
@@ -137,7 +130,8 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
     torch.set_num_threads(threads)
     try:
         shapes = [s for dtype in MATMUL_DTYPES for s in _matmuls(dtype, device, settings, step)]
-        shapes += _fp8_matmuls(device, settings, step)
+        shapes += _fp8_matmuls(device, settings, step,
+                               bf16_flops_per_s=max((s.flops_per_s for s in shapes if s.dtype == "bf16"), default=0.0))
         backward = [b for dtype in MATMUL_DTYPES for b in _matmul_backwards(dtype, device, settings, step)]
         attention = [a for dtype in MATMUL_DTYPES for a in _attentions(dtype, device, settings, step)]
         step("memory bandwidth")
@@ -145,9 +139,10 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, threads: int
         alone = compute_probe(torch.device(device), copy_bytes=settings.memory_bytes, batch_s=settings.batch_s,
                               repeats=settings.repeats)
         measured, concurrency, host = {}, [], []
+        messages = _fitting_messages(settings.message_bytes, device) if worlds else ()
         for n in worlds:
             step(f"collectives at {n} ranks ({'nccl' if device == 'cuda' else 'gloo'}, spawning)")
-            ranks = measure_collectives(n, device, threads=threads, sizes=settings.message_bytes,
+            ranks = measure_collectives(n, device, threads=threads, sizes=messages,
                                         batch_s=settings.batch_s, repeats=settings.repeats,
                                         copy_bytes=settings.memory_bytes,
                                         time_shared=device == "cpu" and n * threads > cores)
@@ -185,6 +180,31 @@ def _sync(device: str) -> Callable[[], None]:
     return torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
 
+def _free_bytes(device: str) -> int | None:
+    """CUDA: the GPU's free memory, the allocator's cache released first; None on a CPU, whose
+    settings are small and whose memory is not checked."""
+    if device != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]
+
+
+def _fits(device: str, nbytes: int, what: str) -> bool:
+    """Whether `what` (needing `nbytes`) fits the device's free memory; a warning names it where not."""
+    free = _free_bytes(device)
+    if fits(nbytes, free):
+        return True
+    warnings.warn(f"calibrate: {what} skipped: its tensors take about {fmt_bytes(nbytes)} and this GPU has "
+                  f"{fmt_bytes(free)} free; the profile has no figure for it", stacklevel=2)
+    return False
+
+
+def _fitting_messages(sizes: tuple[int, ...], device: str) -> tuple[int, ...]:
+    """The message sizes whose buffers fit a rank's GPU (the first GPU's free memory, where the
+    ranks' first one runs beside this process)."""
+    return tuple(b for b in sizes if _fits(device, message_rank_bytes(b), f"collectives of {b / 2**20:,.0f} MiB"))
+
+
 # ---------------------------------------------------------------- matmuls
 
 
@@ -198,18 +218,22 @@ def _matmul(dtype: str, m: int, k: int, n: int, device: str) -> Callable[[], tor
     return lambda: F.linear(x, w)
 
 
-def _fp8_matmuls(device: str, s: Settings, step: Callable[[str], None]) -> list[MatmulShape]:
+def _fp8_matmuls(device: str, s: Settings, step: Callable[[str], None], *,
+                 bf16_flops_per_s: float = 0.0) -> list[MatmulShape]:
     """fp8's shapes, after the probe fp8-mixed training runs (trainfit.fp8_matmul: one small GEMM,
     bounded in time, against bf16's): where it says fp8 is slow (below a tenth of bf16's rate: a
     reference kernel, no fp8 hardware) the probe's shape alone, else the grid's shapes that fit at
-    the probe's rate and above; none where torch._scaled_mm cannot run."""
+    the probe's rate or a tenth of bf16's best (`bf16_flops_per_s`), the higher, and above; none
+    where torch._scaled_mm cannot run."""
     step("fp8 matmul probe")
     try:
         rates = probe_fp8_matmul(device)
     except ConfigError:
         return []
     probe = MatmulShape("fp8", *rates.shape, rates.fp8_flops_per_s)
-    return [probe] if rates.slow else _matmuls("fp8", device, s, step, probe=probe)
+    if rates.slow:
+        return [probe]
+    return _matmuls("fp8", device, s, step, probe=probe, known_flops_per_s=bf16_flops_per_s / SLOW_FACTOR)
 
 
 def _grid(s: Settings) -> list[tuple[int, int, int]]:
@@ -218,15 +242,18 @@ def _grid(s: Settings) -> list[tuple[int, int, int]]:
 
 
 def _matmuls(dtype: str, device: str, s: Settings, step: Callable[[str], None], *,
-             probe: MatmulShape | None = None) -> list[MatmulShape]:
+             probe: MatmulShape | None = None, known_flops_per_s: float = 0.0) -> list[MatmulShape]:
     """Every shape of the grid that fits in max_call_s at the dtype's rate so far (from `probe`, a
-    small shape measured first, where given), smallest first; the probe alone where none fits."""
+    small shape measured first, and `known_flops_per_s`, a rate the dtype reaches, where given),
+    smallest first; the probe alone where none fits."""
     out: list[MatmulShape] = []
     for m, k, n in _grid(s):
         step(f"matmul {dtype} {m} x {k} x {n}")
         flops = 2 * m * k * n
-        rates = [o.flops_per_s for o in [*out, *([probe] if probe else [])]]
-        if rates and flops / max(rates) > s.max_call_s:
+        rate = max([known_flops_per_s, *(o.flops_per_s for o in [*out, *([probe] if probe else [])])])
+        if rate and flops / rate > s.max_call_s:
+            continue
+        if not _fits(device, matmul_bytes(m, k, n, ITEMSIZE[dtype]), f"matmul {dtype} {m} x {k} x {n}"):
             continue
         seconds = median_seconds(_matmul(dtype, m, k, n, device), _sync(device), batch_s=s.batch_s, repeats=s.repeats)
         out.append(MatmulShape(dtype, m, k, n, flops / seconds))
@@ -241,12 +268,20 @@ def _matmul_backwards(dtype: str, device: str, s: Settings, step: Callable[[str]
         flops = 2 * m * k * n
         if out and flops / min(min(b.input_grad_flops_per_s, b.weight_grad_flops_per_s) for b in out) > s.max_call_s:
             continue
-        x, w, grad = (torch.randn(*shape, device=device, dtype=DTYPES[dtype]) for shape in ((m, k), (n, k), (m, n)))
-        sync = _sync(device)
-        input_grad = median_seconds(lambda: grad @ w, sync, batch_s=s.batch_s, repeats=s.repeats)  # noqa: B023
-        weight_grad = median_seconds(lambda: grad.t() @ x, sync, batch_s=s.batch_s, repeats=s.repeats)  # noqa: B023
+        if not _fits(device, matmul_bytes(m, k, n, ITEMSIZE[dtype]), f"matmul backward {dtype} {m} x {k} x {n}"):
+            continue
+        input_grad, weight_grad = _backward_seconds(dtype, m, k, n, device, s)
         out.append(MatmulBackward(dtype, m, k, n, flops / input_grad, flops / weight_grad))
     return out
+
+
+def _backward_seconds(dtype: str, m: int, k: int, n: int, device: str, s: Settings) -> tuple[float, float]:
+    """Seconds of a linear layer's input-gradient and weight-gradient GEMMs; their tensors are freed
+    on return, before the next shape's memory check."""
+    x, w, grad = (torch.randn(*shape, device=device, dtype=DTYPES[dtype]) for shape in ((m, k), (n, k), (m, n)))
+    sync = _sync(device)
+    return (median_seconds(lambda: grad @ w, sync, batch_s=s.batch_s, repeats=s.repeats),
+            median_seconds(lambda: grad.t() @ x, sync, batch_s=s.batch_s, repeats=s.repeats))
 
 
 def _attention(dtype: str, shape: tuple[int, int, int, int], device: str) -> Callable[[], None]:
@@ -265,8 +300,12 @@ def _attentions(dtype: str, device: str, s: Settings, step: Callable[[str], None
         flops = forward * (1 + FLASH_ATTENTION_BWD_FACTOR)
         if out and flops / max(a.flops_per_s for a in out) > s.max_call_s:
             continue
-        seconds = median_seconds(_attention(dtype, (batch, heads, seq, head_dim), device), _sync(device),
-                               batch_s=s.batch_s, repeats=s.repeats)
+        shape = (batch, heads, seq, head_dim)
+        if not _fits(device, attention_bytes(shape, ITEMSIZE[dtype]), f"attention {dtype} {batch} x {heads} heads "
+                                                                       f"x {seq} x {head_dim}"):
+            continue
+        seconds = median_seconds(_attention(dtype, shape, device), _sync(device), batch_s=s.batch_s,
+                                 repeats=s.repeats)
         out.append(AttentionShape(dtype, batch, heads, seq, head_dim, flops / seconds))
     return out
 

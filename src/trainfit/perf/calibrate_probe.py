@@ -18,14 +18,23 @@ PROBE_GEMM = (2048, 256, 1024)
 """(m, k, n) of the probe's matmul: a mid-sized transformer GEMM (tokens x dim by dim x 4 dim)."""
 
 
-def median_seconds(call: Callable[[], object], sync: Callable[[], None], *, batch_s: float, repeats: int) -> float:
-    """Median over `repeats` batches of back-to-back calls of the mean seconds per call, after a
-    warm-up call that also sizes the batches. The median, not the best: the time model predicts a
-    step's median time, which runs under the machine's usual disturbances, not its quietest moment."""
+def warm_seconds(call: Callable[[], object], sync: Callable[[], None]) -> float:
+    """Seconds of one call after an untimed one. A kernel's first call pays once for what later calls
+    reuse (cuBLAS's handle, autotuning, lazily loaded kernels, the allocator's growth, a collective's
+    connections): timed, it would size the batches at a fraction of the calls they should hold."""
+    call()
+    sync()
     start = time.perf_counter()
     call()
     sync()
-    calls = max(1, round(batch_s / (time.perf_counter() - start)))
+    return time.perf_counter() - start
+
+
+def median_seconds(call: Callable[[], object], sync: Callable[[], None], *, batch_s: float, repeats: int) -> float:
+    """Median over `repeats` batches of back-to-back calls of the mean seconds per call, the batches
+    sized by a warm call (warm_seconds). The median, not the best: the time model predicts a step's
+    median time, which runs under the machine's usual disturbances, not its quietest moment."""
+    calls = max(1, round(batch_s / warm_seconds(call, sync)))
     batches = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -69,12 +78,7 @@ def synchronized_median_seconds(call: Callable[[], object], device: torch.device
     a tensor-parallel step): each batch's time is the slowest rank's, and every rank runs the same
     number of calls."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    call()  # the first call of a size connects buffers and peers
-    sync()
-    start = time.perf_counter()
-    call()
-    sync()
-    warm = _slowest(time.perf_counter() - start, device)
+    warm = _slowest(warm_seconds(call, sync), device)
     calls = max(1, min(MAX_CALLS, round(batch_s / warm)))
     batches = []
     for _ in range(repeats):

@@ -4,6 +4,7 @@ CUDA (stood in for: this machine has no GPU) the memory snapshot beside the trac
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,6 +56,27 @@ def test_on_cuda_the_window_gets_a_trace_and_a_memory_snapshot(tmp_path: Path, m
     assert (tmp_path / "rank1.pt.trace.json").exists()
     profiler.close()  # the loop's `finally`: nothing more
     assert calls[-1] == ("step", 4)
+
+
+def test_the_cuda_memory_history_keeps_python_stacks_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The snapshot's history (memory/attribution.cuda_history, which `trainfit measure` uses too) is
+    recorded with Python stacks, not torch's default C++ ones (slow to dump), in arguments torch's
+    own signature accepts; recording stops once the snapshot is dumped."""
+    calls: list = []
+    real = torch.cuda.memory._record_memory_history
+
+    def record(*args: object, **kwargs: object) -> None:
+        bound = inspect.signature(real).bind(*args, **kwargs)  # a TypeError for an argument torch does not take
+        calls.append(("record", dict(bound.arguments)))
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", Path(path).name)))
+    monkeypatch.setattr(profile_module, "profile", lambda **kw: FakeProfiler([], **kw))
+    profiler = StepProfiler((1, 1), tmp_path, rank=0, world_size=1, device=torch.device("cuda"))
+    with profiler.step(1):
+        pass
+    assert calls == [("record", {"max_entries": 100_000, "stacks": "python"}),
+                     ("dump", "rank0.memory_snapshot.pickle"), ("record", {"enabled": None})]
 
 
 def test_notes_name_steps_that_will_not_be_plain() -> None:
