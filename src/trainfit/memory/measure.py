@@ -90,10 +90,15 @@ def _cpu_in_use_bytes() -> int:
 
 
 def current_allocated_bytes(device: torch.device | str = "cpu") -> int:
-    """Bytes currently allocated for `device`: CUDA tensors, or the whole process's C heap on CPU."""
+    """Bytes currently allocated for `device`: CUDA tensors, or the whole process's C heap on CPU.
+
+    Called after every operator of a measured step: on CUDA it reads the allocator's nested
+    statistics as they come from C++ (torch.cuda.memory_allocated flattens and sorts all of them
+    into an OrderedDict first, on each call)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
+        stats = torch.cuda.memory_stats_as_nested_dict(device)
+        return stats["allocated_bytes"]["all"]["current"] if stats else 0
     if device.type == "cpu":
         return _cpu_in_use_bytes()
     raise ValueError(f"device={str(device)!r}: memory measurement supports cpu and cuda only")

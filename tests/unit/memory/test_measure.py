@@ -166,3 +166,20 @@ def test_checkpointing_lowers_the_measured_peak_and_composes_with_sac():
     # Measuring changed nothing about the math (SAC's own dispatch modes ran under ours).
     torch.testing.assert_close(weight_selective, weight, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(weight_full, weight, rtol=1e-6, atol=1e-6)
+
+
+def test_cuda_allocated_bytes_read_without_flattening_every_statistic(monkeypatch) -> None:
+    """The per-operator probe on CUDA reads one counter of the allocator's nested statistics;
+    torch.cuda.memory_allocated would flatten and sort all of them on every operator."""
+    nested = {"allocated_bytes": {"all": {"current": 12345, "peak": 99999}, "small_pool": {"current": 45}},
+              "reserved_bytes": {"all": {"current": 20000}}}
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: nested)
+
+    def flattening(*args, **kwargs):
+        raise AssertionError("flattens every statistic")
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", flattening)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", flattening)
+    assert current_allocated_bytes("cuda:0") == 12345
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: {})  # CUDA not initialized
+    assert current_allocated_bytes("cuda:0") == 0
