@@ -34,7 +34,10 @@ class RunDevice:
 
 def run_device(hw: HardwareConfig, precision_mode: str, device_type: str, device_name: str = "") -> RunDevice:
     """hardware.* for a run on `device_type` (torch.device.type) named `device_name` (CUDA's
-    get_device_name; "" elsewhere)."""
+    get_device_name; "" elsewhere). Another device type (meta: the traced estimator's step) keeps
+    hardware.* as written."""
+    if device_type not in ("cpu", "cuda"):
+        return RunDevice(hw, peak_flops(hw, precision_mode))
     if device_type == "cpu":
         if hw.gpu == "cpu":
             return RunDevice(hw, peak_flops(hw, precision_mode))
