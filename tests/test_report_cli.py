@@ -49,6 +49,8 @@ def test_measure_json_compares_with_the_estimate(small: list[str]) -> None:
     components = ("params", "master_params", "grads", "optimizer", "activations", "logits", "buffers")
     assert sum(measured["per_rank"][name] for name in components) == peak
     assert 0 <= measured["per_rank"]["non_tensor"] < peak
+    # CUDA's reserved peak and the device's used bytes: none on the CPU, and said so (null)
+    assert measured["per_rank"]["reserved_peak"] is None and measured["per_rank"]["device_used"] is None
 
 
 def test_report_prints_errors_and_draws_both_pictures(small: list[str], tmp_path: Path) -> None:

@@ -15,6 +15,9 @@ Components (bytes, ints):
 - non_tensor: measured only: what the allocator held at the step's peak beyond the tensors (library
   caches such as oneDNN's per-shape primitives on CPU, allocator overhead), shown apart; no estimator
   models it (0 in estimates)
+- reserved_peak, device_used: measured on CUDA only (None elsewhere): the caching allocator's
+  reserved peak and the device's used bytes at the step's end (memory/measure.device_readings),
+  absolute figures to hold against the device's memory, not components
 """
 
 from __future__ import annotations
@@ -44,6 +47,12 @@ class MemoryBreakdown:
     non_tensor: int = 0
     """Measured steps: the allocator's peak above `peak` (the tensors'), so the process's own peak is
     `peak + non_tensor`; memory/attribution.py says what it holds. Estimates leave it 0."""
+    reserved_peak: int | None = None
+    """Measured on CUDA: torch.cuda.max_memory_reserved over the step (the allocator's segments, its
+    fragmentation included). None in estimates and on CPU, which has no such figure."""
+    device_used: int | None = None
+    """Measured on CUDA: the device's used bytes at the step's end (total - free, cudaMemGetInfo): the
+    CUDA context, NCCL's buffers and other processes included. None in estimates and on CPU."""
     phase_peaks: dict[str, int] = field(default_factory=dict)
     """The largest in-use bytes of each phase (forward, backward, optimizer)."""
 
