@@ -35,6 +35,7 @@ def test_traced_estimate_has_the_analytic_schema_plus_a_timeline(small: list[str
     traced = json.loads(trainfit("estimate", *on_h100, "--traced").stdout)["per_rank"]
     analytic = json.loads(trainfit("estimate", *on_h100).stdout)["per_rank"]
     assert traced["reserved_margin"] == analytic["reserved_margin"] > 0  # the CUDA context, which tracing cannot see
+    assert traced["margin_terms"] == analytic["margin_terms"]  # its terms too (one rank: no NCCL buffers)
     assert traced["fits"] == (traced["peak"] + traced["reserved_margin"] <= traced["device_memory"])
 
 
