@@ -9,11 +9,12 @@ the framework's default config at the cited commit, or is an assumption that the
 
 Memory. torchtitan logs `max_reserved` (torch.cuda.memory_stats()["reserved_bytes.all.peak"], in
 torchtitan/metrics.py at 9dec370): the caching allocator's pool, which holds the tensors alive at the peak
-plus the allocator's slack. It excludes the CUDA context, which lives outside the pool. trainfit's analytic
-`peak` is the bytes allocated at the step's peak, and its `reserved_margin` is CUDA_CONTEXT_BYTES +
-ALLOCATOR_FRAGMENTATION x peak. So a "reserved" figure is compared with peak x (1 + ALLOCATOR_FRAGMENTATION),
-and an "allocated" one with the peak itself. Sources that do not say which statistic they report are not
-compared. Pipeline rows use the worst stage, since the published figures are the maximum over pipeline ranks.
+plus the allocator's slack. It excludes the CUDA context and NCCL's buffers, which live outside the pool.
+trainfit's analytic `peak` is the bytes allocated at the step's peak, and its `reserved_margin` is
+CUDA_CONTEXT_BYTES + ALLOCATOR_FRAGMENTATION x peak + NCCL's buffers (memory/comm_buffers.py). So a
+"reserved" figure is compared with peak x (1 + ALLOCATOR_FRAGMENTATION), and an "allocated" one with the
+peak itself. Sources that do not say which statistic they report are not compared. Pipeline rows use the
+worst stage, since the published figures are the maximum over pipeline ranks.
 
 Throughput is compared in the source's own unit: tokens/s per GPU, iteration time, or model TFLOP/s and MFU.
 For TFLOP/s and MFU, the source's FLOP convention is applied to trainfit's predicted tokens/s: Megatron-LM's
@@ -658,7 +659,8 @@ def main() -> None:
     console = Console(width=None if sys.stdout.isatty() else 250)
     console.print(_table(rows, results))
     console.print(f"Memory: 'reserved' = analytic peak x (1 + ALLOCATOR_FRAGMENTATION = {ALLOCATOR_FRAGMENTATION}); "
-                  "the CUDA context (CUDA_CONTEXT_BYTES) lies outside torch's reserved pool and is not added. "
+                  "the CUDA context (CUDA_CONTEXT_BYTES) and NCCL's buffers lie outside torch's reserved pool and "
+                  "are not added. "
                   "Pipeline rows: the worst stage. TFLOP/s and MFU: Megatron's formula on the predicted tokens/s.")
     console.print(_summary(list(results.values())))
     console.print("\n[bold]Notes[/bold]")

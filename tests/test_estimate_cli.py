@@ -43,6 +43,32 @@ def test_json_schema_for_the_gpu_example() -> None:
     assert 0 < out["time"]["mfu"] < 1 and out["time"]["step_time_s"] > 0
 
 
+def test_the_reserved_margin_shows_its_terms_nccls_buffers_among_them(capsys: pytest.CaptureFixture,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the margin is the CUDA context, the allocator's fragmentation and NCCL's buffers
+    (memory/comm_buffers.py), each a row under it and a key of margin_terms, summing to it; on the
+    CPU it is 0 with no terms, as before NCCL's buffers were estimated."""
+    monkeypatch.setenv("COLUMNS", "200")
+    gpu = ["--model.preset=llama3-8b", "--hardware.gpu=H100", "--hardware.num_gpus=8", "--parallel.tp=2",
+           "--parallel.zero_stage=3", "--training.micro_batch_size=1", "--training.global_batch_size=4"]
+    assert main(["estimate", *gpu]) == 0
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in capsys.readouterr().out.splitlines() if line.startswith("│")}
+    assert rows["cuda_context"] == "500.0 MiB"
+    assert rows["comm_buffers (NCCL)"] == "661.5 MiB"  # 3 groups x 24 channels x 9.19 MiB (world, dp_shard, tp)
+    assert main(["estimate", *gpu, "--json"]) == 0
+    rank = json.loads(capsys.readouterr().out)["per_rank"]
+    assert set(rank["margin_terms"]) == {"cuda_context", "allocator_fragmentation", "comm_buffers"}
+    assert sum(rank["margin_terms"].values()) == rank["reserved_margin"]
+    cpu = [arg for arg in gpu if not arg.startswith("--hardware.gpu")]
+    assert main(["estimate", *cpu]) == 0
+    table = capsys.readouterr().out
+    assert "reserved_margin" in table and "comm_buffers" not in table and "cuda_context" not in table
+    assert main(["estimate", *cpu, "--json"]) == 0
+    rank = json.loads(capsys.readouterr().out)["per_rank"]
+    assert (rank["reserved_margin"], rank["margin_terms"]) == (0, {})
+
+
 def test_pipeline_stages_are_reported_apart() -> None:
     out = json.loads(estimate("--model.preset=llama2-7b", "--hardware.gpu=A100-SXM-80GB", "--hardware.num_gpus=8",
                               "--parallel.pp=4", "--parallel.tp=2", "--training.micro_batch_size=1",

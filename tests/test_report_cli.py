@@ -35,6 +35,7 @@ def test_traced_estimate_has_the_analytic_schema_plus_a_timeline(small: list[str
     traced = json.loads(trainfit("estimate", *on_h100, "--traced").stdout)["per_rank"]
     analytic = json.loads(trainfit("estimate", *on_h100).stdout)["per_rank"]
     assert traced["reserved_margin"] == analytic["reserved_margin"] > 0  # the CUDA context, which tracing cannot see
+    assert traced["margin_terms"] == analytic["margin_terms"]  # its terms too (one rank: no NCCL buffers)
     assert traced["fits"] == (traced["peak"] + traced["reserved_margin"] <= traced["device_memory"])
 
 
@@ -49,6 +50,8 @@ def test_measure_json_compares_with_the_estimate(small: list[str]) -> None:
     components = ("params", "master_params", "grads", "optimizer", "activations", "logits", "buffers")
     assert sum(measured["per_rank"][name] for name in components) == peak
     assert 0 <= measured["per_rank"]["non_tensor"] < peak
+    # CUDA's reserved peak and the device's used bytes: none on the CPU, and said so (null)
+    assert measured["per_rank"]["reserved_peak"] is None and measured["per_rank"]["device_used"] is None
 
 
 def test_report_prints_errors_and_draws_both_pictures(small: list[str], tmp_path: Path) -> None:

@@ -77,9 +77,10 @@ def estimate(cfg: Config, layout: Layout | None = None) -> Estimate:
 
 def with_traced_memory(est: Estimate, traced: Any) -> Estimate:
     """`est` with the traced step's breakdowns (memory/traced.TracedEstimate), each keeping the
-    analytic reserved margin: tracing sees tensors, not the CUDA context or the caching allocator's
-    fragmentation, so without it `fits` would promise memory the device does not have."""
-    stages = [dataclasses.replace(t, reserved_margin=a.reserved_margin)
+    analytic reserved margin and its terms: tracing sees tensors, not the CUDA context, the caching
+    allocator's fragmentation or NCCL's buffers, so without it `fits` would promise memory the device
+    does not have."""
+    stages = [dataclasses.replace(t, reserved_margin=a.reserved_margin, margin_terms=a.margin_terms)
               for t, a in zip(traced.per_stage, est.memory.per_stage, strict=True)]
     return dataclasses.replace(est, memory=dataclasses.replace(traced, per_stage=stages))
 

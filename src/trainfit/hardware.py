@@ -16,7 +16,7 @@ Sources, checked for each entry:
 Memory: vendors' "80GB" is binary capacity (HBM stacks are 16 GiB each); `memory_bytes` is what the
 driver reports as the device total (nvidia-smi memory.total: H100 80GB 81559 MiB, H200 143771 MiB,
 A100 80GB 81920 MiB, A100 40GB 40960 MiB, L40S 46068 MiB, RTX 4090 24564 MiB; rocm-smi for MI300X:
-205,822,885,888 B). The CUDA context and allocator slack come out of it as `reserved_margin`.
+205,822,885,888 B). The CUDA context, allocator slack and NCCL's buffers come out of it as `reserved_margin`.
 
 Host links (CPU offload's copies): the datasheets' host interface, PCIe Gen5 x16 (128 GB/s
 bidirectional) on H100 SXM/PCIe, H200 and MI300X; Gen4 x16 (64 GB/s) on A100, L40S and RTX 4090.
@@ -306,6 +306,12 @@ def compute_efficiency(hw: HardwareConfig) -> float:
     return hw.compute_efficiency or (1.0 if hw.profile else COMPUTE_EFFICIENCY)
 
 
+def intra_node_link_name(hw: HardwareConfig) -> str:
+    """The preset the GPUs of a node are linked by: hardware.intra_node_link, else the GPU's usual one
+    (a measured profile's link has a bandwidth, not a kind)."""
+    return hw.intra_node_link or _catalog_spec(hw.gpu).default_link
+
+
 def intra_node_link(hw: HardwareConfig) -> Link:
     """The link between two GPUs of one node, as one GPU sees it: the profile's measured one unless
     hardware.intra_node_link names a preset."""
@@ -313,7 +319,7 @@ def intra_node_link(hw: HardwareConfig) -> Link:
     if profile and profile.link and not hw.intra_node_link:
         name, nominal, efficiency = "measured", profile.link, 1.0
     else:
-        name = hw.intra_node_link or _catalog_spec(hw.gpu).default_link
+        name = intra_node_link_name(hw)
         nominal, efficiency = _link_preset("intra_node_link", name), COMM_EFFICIENCY
     bandwidth = hw.intra_node_gbps * GB if hw.intra_node_gbps else nominal.bytes_per_s
     latency = hw.intra_node_latency_us * 1e-6 if hw.intra_node_latency_us else nominal.latency_s

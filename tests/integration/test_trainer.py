@@ -113,6 +113,23 @@ def test_measured_steps_log_their_memory_per_component(tmp_path: Path) -> None:
         assert 0 <= record["memory_non_tensor_bytes"] < record["peak_memory_bytes"]  # shown apart, not in the peak
     assert not (fields | {"memory_non_tensor_bytes"}) & set(records[5])
     assert result.memory is not None and result.memory.peak == records[4]["peak_memory_bytes"]
+    # CUDA's reserved peak and used bytes: the CPU has neither, so they are None and never logged
+    assert result.memory.reserved_peak is None and result.memory.device_used is None
+    assert not {"memory_reserved_peak_bytes", "memory_device_used_bytes"} & {k for r in records.values() for k in r}
+
+
+def test_cuda_device_figures_of_a_measured_step_reach_its_record(tmp_path: Path, monkeypatch) -> None:
+    """The CUDA readings (memory/measure.device_readings, read at the measured step's end) flow into
+    the Measurement's breakdown, the step's metrics record and the run's result: here given on a CPU."""
+    from trainfit.memory import measure
+
+    readings = measure.DeviceReadings(reserved_peak_bytes=300 * 2**20, device_used_bytes=1200 * 2**20)
+    monkeypatch.setattr(measure, "device_readings", lambda device: readings)
+    result = _trainer(tmp_path, "--training.steps=2").train()
+    record = {r["step"]: r for r in read_metrics(tmp_path / "logs") if "loss" in r}[2]
+    assert (record["memory_reserved_peak_bytes"], record["memory_device_used_bytes"]) == (300 * 2**20, 1200 * 2**20)
+    assert result.memory is not None
+    assert (result.memory.reserved_peak, result.memory.device_used) == (300 * 2**20, 1200 * 2**20)
 
 
 def test_measure_memory_false_trains_the_same_steps_without_the_meter(tmp_path: Path) -> None:

@@ -75,6 +75,7 @@ from trainfit.memory.activations import (
     weight_pass_pending_terms,
 )
 from trainfit.memory.breakdown import MemoryBreakdown
+from trainfit.memory.comm_buffers import comm_buffer_bytes
 from trainfit.models.params import ParamCounts, param_counts
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import SINGLE_STAGE_SCHEDULES, RankPlacement
@@ -87,6 +88,18 @@ A100/H100 with torch 2.x (nvidia-smi minus torch.cuda.memory_reserved). An assum
 ALLOCATOR_FRAGMENTATION = 0.08
 """Reserved-but-unallocated share of the CUDA caching allocator at the peak: 5-10% in steady-state
 training memory snapshots. An assumption; 0 on CPU, where glibc's in-use bytes are the truth."""
+
+
+def reserved_margin_terms(hardware: HardwareConfig, peak: int, comm_buffers: int) -> dict[str, int]:
+    """The reserved margin's terms on a GPU, bytes: the CUDA context, the caching allocator's
+    fragmentation at `peak`, NCCL's communicator buffers (memory/comm_buffers.comm_buffer_bytes).
+    None on the CPU ({})."""
+    if hardware.gpu == "cpu":
+        return {}
+    return {"cuda_context": CUDA_CONTEXT_BYTES, "allocator_fragmentation": int(ALLOCATOR_FRAGMENTATION * peak),
+            "comm_buffers": comm_buffers}
+
+
 ADAM_STEP_TENSOR_BYTES = 4
 """torch.optim.Adam/AdamW keep `state["step"]` as a 0-dim fp32 tensor per parameter tensor
 (torch/optim/adam.py with capturable=False; measured)."""
@@ -726,6 +739,8 @@ class _Common(NamedTuple):
     seq: int
     block: _Block
     micro_batch: _MicroBatch
+    comm_buffers: int
+    """NCCL's communicator buffers on any rank (memory/comm_buffers.py; 0 on the CPU)."""
 
 
 def _common(run: _Run, shared: SharedSizes) -> _Common:
@@ -739,7 +754,8 @@ def _common(run: _Run, shared: SharedSizes) -> _Common:
     shape = _Shape(tokens, seq, layout.tp, layout.cp, layout.ep, layout.sequence_parallel,
                    layout.activation_checkpointing, layout.moe_imbalance, layout.chunked_loss, layout.loss_chunk_tokens,
                    _rope_table_bytes(run))
-    return _Common(shared.counts, prec, fsdp, tokens, seq, _block(run, shared.counts), shared.micro_batch(prec, shape))
+    return _Common(shared.counts, prec, fsdp, tokens, seq, _block(run, shared.counts), shared.micro_batch(prec, shape),
+                   comm_buffer_bytes(run.layout, run.hardware))
 
 
 PER_TENSOR_OPTIMIZERS = ("adamw-8bit", "adafactor")
@@ -1084,12 +1100,13 @@ def _breakdown(run: _Run, common: _Common, lay: _Layout) -> Callable[[_PipelineH
             if total > peak:
                 at, peak = moment, total
         phase, copies, activations, logits, grads, buffers = at
-        margin = 0 if run.hardware.gpu == "cpu" else int(CUDA_CONTEXT_BYTES + ALLOCATOR_FRAGMENTATION * peak)
+        terms = reserved_margin_terms(run.hardware, peak, common.comm_buffers)
         return MemoryBreakdown(
             params=int(copies) + st.compute_params + (0 if prec.mixed else st.persistent),
             master_params=st.persistent if prec.mixed else 0,
             grads=int(grads), optimizer=st.optimizer, activations=int(activations), logits=int(logits),
-            buffers=int(buffers), peak=peak, peak_phase=phase, reserved_margin=margin, phase_peaks=phase_peaks,
+            buffers=int(buffers), peak=peak, peak_phase=phase, reserved_margin=sum(terms.values()), margin_terms=terms,
+            phase_peaks=phase_peaks,
         )
 
     return with_pipeline

@@ -22,6 +22,10 @@
   figure. Either device: tensors the ledger never saw created (what torch.compile'd blocks
   allocate inside, training.compile). No estimator models it; `peak + non_tensor` is the
   process's own peak of the step.
+- reserved_peak and device_used (CUDA only; None on CPU): the caching allocator's reserved peak over
+  the step (its statistics reset with the allocated peak) and the device's used bytes at the step's
+  end (memory/measure.device_readings): what an out-of-memory error is decided on, the CUDA context
+  and NCCL's buffers included in the latter.
 - reserved_margin: what was in use before the step and is no tensor (math libraries' caches,
   oneDNN's bf16 kernels and workspaces on CPU, the first dispatch mode's imports, Python and
   autograd objects): in use at the step's start, above `trainer.memory_floor` (before the model
@@ -176,14 +180,15 @@ class MemoryMeter:
         try:
             # CPU: below the ledger, so that it samples after a collective has completed (measure.py).
             with serial, self._watching(trainer, on_forward) as ledger, trainer.listening(count_states):
-                stats = _sampled_step(trainer, ledger, probe, cuda_snapshot)
+                stats, readings = _sampled_step(trainer, ledger, probe, cuda_snapshot)
                 ledger.classify(trainer.model, trainer.optimizer, trainer.policy)
         finally:
             self.ledger.recording, self.ledger.on_sample = False, None
         tensors = self.ledger.breakdown()
         breakdown = dataclasses.replace(
             tensors, non_tensor=max(0, probe.peak - tensors.peak),  # < 0: an unseen older tensor was freed
-            reserved_margin=max(0, probe.start - trainer.memory_floor - probe.base))
+            reserved_margin=max(0, probe.start - trainer.memory_floor - probe.base),
+            reserved_peak=readings.reserved_peak_bytes, device_used=readings.device_used_bytes)
         timeline, self.ledger.timeline = self.ledger.timeline, []  # not kept alive with the trainer
         return stats, Measurement(breakdown=breakdown, timeline=timeline, peak_module=self.ledger.peak_module,
                                   forward_retained=marks["end"] - marks["start"], state_bytes=state_bytes,
@@ -191,9 +196,10 @@ class MemoryMeter:
 
 
 def _sampled_step(trainer: Trainer, ledger: StorageLedger, probe: _Probe,
-                  cuda_snapshot: str | Path | None) -> StepStats:
+                  cuda_snapshot: str | Path | None) -> tuple[StepStats, measure.DeviceReadings]:
     """One train step with the probe reading the allocator from a clean start (garbage collected,
-    then the collector paused; model states classified; CUDA's peak statistics reset)."""
+    then the collector paused; model states classified; CUDA's peak statistics reset), and the
+    device's readings at its end (None on CPU)."""
     cuda = trainer.device.type == "cuda"
     gc.collect()
     with measure.gc_paused(), cuda_history(Path(cuda_snapshot) if cuda and cuda_snapshot else None):
@@ -207,7 +213,8 @@ def _sampled_step(trainer: Trainer, ledger: StorageLedger, probe: _Probe,
         if cuda:
             torch.cuda.synchronize(trainer.device)
             probe.peak = max(probe.peak, torch.cuda.max_memory_allocated(trainer.device) - probe.start + probe.base)
-    return stats
+        readings = measure.device_readings(trainer.device)
+    return stats, readings
 
 
 def measure_trainer_step(trainer: Trainer, *, warmup_steps: int = 0,

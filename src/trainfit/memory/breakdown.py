@@ -11,10 +11,15 @@ Components (bytes, ints):
 - buffers: communication and temporary buffers (all-gather / reduce-scatter / buckets / prefetch /
   recompute / optimizer-step temporaries)
 - peak: the largest sum of the tensors over the step's phases (forward, backward, optimizer step)
-- reserved_margin: allocator fragmentation and runtime context, shown apart, never inside another figure
+- reserved_margin: what the device holds outside the tensors' peak, shown apart, never inside another
+  figure; estimates on a GPU sum it from `margin_terms` (the CUDA context, allocator fragmentation,
+  NCCL's communicator buffers: memory/analytic.reserved_margin_terms)
 - non_tensor: measured only: what the allocator held at the step's peak beyond the tensors (library
   caches such as oneDNN's per-shape primitives on CPU, allocator overhead), shown apart; no estimator
   models it (0 in estimates)
+- reserved_peak, device_used: measured on CUDA only (None elsewhere): the caching allocator's
+  reserved peak and the device's used bytes at the step's end (memory/measure.device_readings),
+  absolute figures to hold against the device's memory, not components
 """
 
 from __future__ import annotations
@@ -41,9 +46,18 @@ class MemoryBreakdown:
     peak_phase: str = ""
     """forward | backward | optimizer: where the peak lands."""
     reserved_margin: int = 0
+    margin_terms: dict[str, int] = field(default_factory=dict)
+    """Estimates on a GPU: reserved_margin's terms by name (cuda_context, allocator_fragmentation,
+    comm_buffers), summing to it; empty on the CPU and in measurements, whose margin is one figure."""
     non_tensor: int = 0
     """Measured steps: the allocator's peak above `peak` (the tensors'), so the process's own peak is
     `peak + non_tensor`; memory/attribution.py says what it holds. Estimates leave it 0."""
+    reserved_peak: int | None = None
+    """Measured on CUDA: torch.cuda.max_memory_reserved over the step (the allocator's segments, its
+    fragmentation included). None in estimates and on CPU, which has no such figure."""
+    device_used: int | None = None
+    """Measured on CUDA: the device's used bytes at the step's end (total - free, cudaMemGetInfo): the
+    CUDA context, NCCL's buffers and other processes included. None in estimates and on CPU."""
     phase_peaks: dict[str, int] = field(default_factory=dict)
     """The largest in-use bytes of each phase (forward, backward, optimizer)."""
 

@@ -21,6 +21,9 @@ PHASE_STRIP = 0.12
 """Height of the band along the bottom of the timeline (axes fraction) where the phases are shaded."""
 SMALL_SHARE = 0.01
 """Components under this share of the reference peak get no error in percent."""
+DEVICE_FIGURES = {"reserved_peak": "reserved peak", "device_used": "device used"}
+"""Measured on CUDA only (MemoryBreakdown.reserved_peak, device_used): absolute, not components; the
+table says n/a where they were not measured (the CPU has no such figures)."""
 NON_TENSOR_NOTE_SHARE = 0.05
 """A measured non_tensor figure of at least this share of its peak is explained under the table."""
 
@@ -67,6 +70,10 @@ def comparison_table(cmp: Comparison, title: str = "memory per GPU: predicted vs
     table.add_row("peak phase", *(cmp.sources[n].peak_phase for n in names))
     if reference:  # measured only: the estimators model tensors
         table.add_row("non_tensor", *(fmt_bytes(cmp.sources[n].non_tensor) if n == reference else "" for n in names))
+        for name, label in DEVICE_FIGURES.items():
+            value = getattr(cmp.sources[reference], name)
+            shown = fmt_bytes(value) if value is not None else "n/a (CUDA only)"
+            table.add_row(label, *(shown if n == reference else "" for n in names))
         table.caption = non_tensor_note(cmp.sources[reference])
     return table
 

@@ -26,6 +26,12 @@ instead of 16.80 in 6 of 10 runs), so a CPU measurement waits for every collecti
 issued (`collectives_completed`): samples then see the calling thread's allocations only, and
 the measured step loses its communication overlap (its figures, not its time, are the point). A
 GPU measurement needs none of this: NCCL's buffers are not the caching allocator's.
+
+What decides an out-of-memory error on a GPU is more than the allocated peak: the caching allocator
+reserves whole segments (`max_memory_reserved`: its fragmentation on top), and outside it sit the
+CUDA context, NCCL's communicator buffers and any other process on the device. So a CUDA
+measurement also records the step's reserved peak and the device's used bytes at the step's end
+(`device_readings`: total - free from cudaMemGetInfo). The CPU has neither figure: they stay None.
 """
 
 from __future__ import annotations
@@ -53,6 +59,32 @@ class PeakMemory:
     """Largest in-use bytes seen inside the context, minus `baseline_bytes`."""
     num_samples: int = 0
     """Operators sampled (CPU); 0 on CUDA, where the allocator tracks the peak itself."""
+    reserved_peak_bytes: int | None = None
+    """CUDA: the caching allocator's reserved peak inside the context (absolute); None on CPU."""
+    device_used_bytes: int | None = None
+    """CUDA: the device's used bytes when the context exited (DeviceReadings); None on CPU."""
+
+
+@dataclass(frozen=True)
+class DeviceReadings:
+    """What the device holds beyond the allocated bytes, read at a step's end (CUDA only)."""
+
+    reserved_peak_bytes: int | None = None
+    """torch.cuda.max_memory_reserved since the last peak reset: the allocator's segments, fragmentation
+    included, absolute."""
+    device_used_bytes: int | None = None
+    """total - free of torch.cuda.mem_get_info: everything on the device, the CUDA context, NCCL's
+    buffers and other processes included."""
+
+
+def device_readings(device: torch.device | str) -> DeviceReadings:
+    """The reserved peak and the device's used bytes on CUDA (after the peak statistics were reset at
+    the step's start); None for both elsewhere: the CPU has no such figures."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DeviceReadings()
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceReadings(reserved_peak_bytes=torch.cuda.max_memory_reserved(device), device_used_bytes=total - free)
 
 
 class _MallInfo2(ctypes.Structure):
@@ -202,7 +234,8 @@ def measure_peak(device: torch.device | str) -> Iterator[PeakMemory]:
     """Measure the peak bytes allocated above the entry baseline while the block runs.
 
     Run the whole step (forward, backward, optimizer step) inside the block. On CUDA this resets
-    the device's peak statistics, so measurements must not be nested there.
+    the device's peak statistics (allocated and reserved), so measurements must not be nested there,
+    and also records the reserved peak and the device's used bytes (device_readings).
     """
     device = torch.device(device)
     result = PeakMemory()
@@ -216,6 +249,9 @@ def measure_peak(device: torch.device | str) -> Iterator[PeakMemory]:
             finally:
                 torch.cuda.synchronize(device)
                 result.peak_bytes = torch.cuda.max_memory_allocated(device) - result.baseline_bytes
+                readings = device_readings(device)
+                result.reserved_peak_bytes, result.device_used_bytes = (readings.reserved_peak_bytes,
+                                                                        readings.device_used_bytes)
             return
         _prime_dispatch_mode()
         result.baseline_bytes = current_allocated_bytes(device)

@@ -37,6 +37,9 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1e3:,.1f} ms" if s < 1 else f"{s:,.2f} s"
 
 
+MARGIN_LABELS = {"comm_buffers": "comm_buffers (NCCL)"}
+"""Labels of reserved_margin's terms (MemoryBreakdown.margin_terms) where the name alone says too little."""
+
 MAX_RANK_COLUMNS = 4
 """Pipeline ranks shown side by side; with more, the first, the worst and the last (--json has all)."""
 
@@ -72,6 +75,9 @@ def _memory_table(est: Estimate) -> Table:
             value = getattr(worst, name)
             share = f"{value / worst.peak:.0%}" if worst.peak and name in COMPONENTS else ""
             table.add_row(name, fmt_bytes(value), share, style="bold" if name == "peak" else None)
+    for term in worst.margin_terms:  # the margin's terms (GPUs), under it: they sum to it
+        table.add_row(f"  {MARGIN_LABELS.get(term, term)}", *(fmt_bytes(s.margin_terms.get(term, 0)) for s in stages),
+                      *([""] if count == 1 else []), style="dim")
     device = fmt_bytes(est.device_memory) if est.device_memory else "n/a (cpu)"
     table.add_row("device memory", *([device] * (len(stages) if count > 1 else 1)))
     return table

@@ -44,6 +44,10 @@ def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
                                     f"+ {memory.non_tensor / MIB:,.1f} MiB outside tensors during the step "
                                     f"+ {memory.reserved_margin / MIB:,.1f} MiB reserved margin (outside tensors "
                                     "before it: libraries, runtime); per component below"))
+        if memory.reserved_peak is not None and memory.device_used is not None:  # CUDA only
+            rows.append(("device memory", f"{memory.reserved_peak / MIB:,.1f} MiB reserved peak (caching allocator), "
+                                          f"{memory.device_used / MIB:,.1f} MiB used on the device at the step's end "
+                                          "(CUDA context, NCCL buffers, other processes included)"))
     if result.state_bytes is not None:
         states = ", ".join(f"{name} {n / MIB:,.1f}" for name, n in result.state_bytes.items())
         rows.append(("model states", f"{states} MiB (this rank's tensors)"))

@@ -76,8 +76,8 @@ class StepStats:
     state_bytes: dict[str, int] | None = None
     """This rank's model-state bytes (params, grads, optimizer), on measured steps."""
     memory: MemoryBreakdown | None = None
-    """This rank's components at the peak, peak phase, phase peaks, non_tensor and reserved_margin, on
-    measured steps."""
+    """This rank's components at the peak, peak phase, phase peaks, non_tensor and reserved_margin (on
+    CUDA also the reserved peak and the device's used bytes), on measured steps."""
     compiled: bool = False
     """torch.compile compiled something during this step (training.compile: the first step, and any
     recompilation): its time is compile time, reported apart and left out of tokens/s."""
@@ -685,6 +685,9 @@ class Trainer:
             record.update(memory_peak_phase=stats.memory.peak_phase,
                           memory_non_tensor_bytes=stats.memory.non_tensor,
                           memory_reserved_margin_bytes=stats.memory.reserved_margin)
+            # CUDA only (measure.device_readings): the CPU has neither figure, so none is written there.
+            record.update({f"memory_{name}_bytes": n for name in ("reserved_peak", "device_used")
+                           if (n := getattr(stats.memory, name)) is not None})
         if self.policy.uses_loss_scaling:
             record["loss_scale"] = self.scaler.get_scale()
             record["skipped_steps"] = self.skipped_steps

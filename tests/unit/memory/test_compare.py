@@ -59,6 +59,18 @@ def test_memory_outside_tensors_is_a_measured_row_apart_and_explained_when_large
     assert "non_tensor" in rows and "outside tensors" not in text  # small: the row, no note
 
 
+def test_cuda_figures_are_measured_rows_and_say_where_they_are_not_available() -> None:
+    cmp = _comparison()
+    rows, _ = _rendered(cmp)  # a CPU measurement: no reserved or device-used figure
+    assert rows["reserved peak"] == ["reserved peak", "", "n/a (CUDA only)", ""]
+    assert rows["device used"] == ["device used", "", "n/a (CUDA only)", ""]
+    cmp.sources["measured"] = dataclasses.replace(cmp.sources["measured"], reserved_peak=128 * MiB,
+                                                  device_used=700 * MiB)
+    rows, _ = _rendered(cmp)
+    assert rows["reserved peak"] == ["reserved peak", "", "128.0 MiB", ""]
+    assert rows["device used"] == ["device used", "", "700.0 MiB", ""]
+
+
 def _timeline(phases: list[tuple[str, int]], peak_at: int) -> list[tuple[float, int, str, str]]:
     """A timeline of `count` points per phase, rising to a peak at point `peak_at`."""
     names = [phase for phase, count in phases for _ in range(count)]

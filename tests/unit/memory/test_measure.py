@@ -183,3 +183,43 @@ def test_cuda_allocated_bytes_read_without_flattening_every_statistic(monkeypatc
     assert current_allocated_bytes("cuda:0") == 12345
     monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: {})  # CUDA not initialized
     assert current_allocated_bytes("cuda:0") == 0
+class _FakeCuda:
+    """torch.cuda's memory statistics as a device would report them, for the CUDA branch on a CPU."""
+
+    def __init__(self) -> None:
+        self.allocated, self.peak, self.reserved_peak = 100 * MiB, 100 * MiB, 0
+        self.free, self.total = 70 * 1024 * MiB, 80 * 1024 * MiB
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        def reset(device: object = None) -> None:
+            self.peak, self.reserved_peak = self.allocated, 0
+
+        for name, fn in {"synchronize": lambda device=None: None, "reset_peak_memory_stats": reset,
+                         "memory_allocated": lambda device=None: self.allocated,
+                         "max_memory_allocated": lambda device=None: self.peak,
+                         "max_memory_reserved": lambda device=None: self.reserved_peak,
+                         "mem_get_info": lambda device=None: (self.free, self.total)}.items():
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+    def step(self) -> None:
+        """What a step does to the figures: 60 MiB above the start at its peak, 320 MiB reserved."""
+        self.peak, self.reserved_peak, self.free = self.allocated + 60 * MiB, 320 * MiB, self.free - 2 * MiB
+
+
+def test_cuda_reserved_peak_and_device_used_are_recorded_beside_the_allocated_peak(monkeypatch):
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    with measure_peak(torch.device("cuda")) as result:
+        fake.step()
+    assert (result.baseline_bytes, result.peak_bytes, result.num_samples) == (100 * MiB, 60 * MiB, 0)
+    assert result.reserved_peak_bytes == 320 * MiB  # the reserved peak since the reset at entry
+    assert result.device_used_bytes == 10 * 1024 * MiB + 2 * MiB  # total - free at the end: context, NCCL, ...
+    readings = measure.device_readings("cuda")
+    assert (readings.reserved_peak_bytes, readings.device_used_bytes) == (320 * MiB, 10 * 1024 * MiB + 2 * MiB)
+
+
+def test_the_cpu_has_no_reserved_or_device_figures():
+    assert measure.device_readings("cpu") == measure.DeviceReadings(None, None)
+    with measure_peak("cpu") as result:
+        torch.ones(MiB, dtype=torch.uint8)
+    assert result.reserved_peak_bytes is None and result.device_used_bytes is None
