@@ -111,10 +111,11 @@ SOURCES: dict[str, Source] = {
 NOTES: dict[str, str] = {
     # assumptions and approximations of estimated rows
     "seq?": "seq 8192 from torchtitan's train_configs at the cited commit [inferred]",
-    "compile": "torch.compile not modelled",
-    "fp8": "Float8 linears: trainfit's fp8-mixed (linears at the fp8 peak; memory counted as bf16-mixed)",
+    "compile": "torch.compile: training.compile, which the time model prices only as fusing fp8's casts "
+               "(perf/fp8_casts.py)",
+    "fp8": "Float8 linears: trainfit's fp8-mixed (block linears at the fp8 peak plus torchao's casts to fp8; memory "
+           "counted as bf16-mixed)",
     "async": "AsyncTP not modelled (all TP communication exposed): predicted as vanilla TP",
-    "rowwise": "fp8 rowwise or tensorwise: trainfit has one fp8-mixed",
     "tps?": "tokens/s per GPU [uncertain]",
     "405L": "126 layers modelled as 128 (pp x v must divide them): each rank holds the busiest rank's layers",
     "ttpp": "torchtitan under PP: microbatches = pp (its default); FSDP keeps parameters unsharded "
@@ -124,7 +125,8 @@ NOTES: dict[str, str] = {
     "op-sac": "torchtitan's op-level SAC ('selective', 'op'): trainfit's selective-alternate (its input, attention "
               "and every other matmul's output kept)",
     "loss": "e7c0cae compiles the loss with the model; trainfit counts the eager loss's fp32 logits copies",
-    "fp8-ag": "FSDP Float8 all-gather not modelled (trainfit gathers bf16 parameters)",
+    "fp8-ag": "FSDP Float8 all-gather: precision.fp8_all_gather, whose casts the time model prices but not its "
+              "traffic (it times bf16 gathers)",
     "korth": "GPT, tied embeddings, learned positions, vocab 51200; fp16 or bf16 not stated (same A100 peak)",
     "present": "SP + trainfit's selective (saves matmul and attention outputs; Megatron recomputes the "
                "attention core)",
@@ -138,6 +140,9 @@ NOTES: dict[str, str] = {
                  "tied embeddings [assumed; not stated]",
     "nemo": "distributed optimizer (ZeRO-1), SP with TP, no recompute [assumed; not stated]; TP, PP and DP "
             "communication overlap not modelled",
+    "te": "Transformer Engine's FP8 fuses its casts (cast and transpose in one kernel) and can keep a weight's fp8 "
+          "copy across a step's micro-batches (is_first_microbatch); trainfit prices torchao's eager casts, every "
+          "micro-batch",
     "gpt3": "GPT-3 shapes, GPT-2 BPE vocab 50257 (NeMo-Framework-Launcher gpt3 configs; padding ignored)",
     "long": "micro-batch 1, 1F1B, no recompute [assumed]; NeMo 24.03.01's TFLOP/s taken as Megatron's non-causal "
             "formula [assumed]",
@@ -225,16 +230,18 @@ def gpt(dim: int, layers: int, heads: int, vocab: int, seq: int, tied: bool) -> 
 
 def run(model: list[str], hw: Hardware, *, gpus: int, seq: int, mbs: int, gbs: int, tp: int = 1, cp: int = 1,
         pp: int = 1, vpp: int = 1, zero: int = 3, precision: str = "bf16-mixed", ac: str = "full",
-        sp: bool | None = None) -> tuple[str, ...]:
+        sp: bool | None = None, compiled: bool = False) -> tuple[str, ...]:
     """Overrides of one layout. Sequence parallelism follows tp unless `sp` says otherwise: torchtitan
-    bundles them, and Megatron's TP-comm overlap needs SP. vpp > 1 is the interleaved 1F1B schedule."""
+    bundles them, and Megatron's TP-comm overlap needs SP. vpp > 1 is the interleaved 1F1B schedule.
+    `compiled`: the source ran torch.compile (training.compile; NOTES "compile")."""
     out = [*model, f"--hardware.gpu={hw.gpu}", f"--hardware.num_gpus={gpus}", "--hardware.gpus_per_node=8",
            f"--hardware.inter_node_link={hw.link}", f"--training.seq_len={seq}", f"--training.micro_batch_size={mbs}",
            f"--training.global_batch_size={gbs}", f"--parallel.tp={tp}",
            f"--parallel.sequence_parallel={str(tp > 1 if sp is None else sp).lower()}", f"--parallel.cp={cp}",
            f"--parallel.pp={pp}", f"--parallel.pp_virtual_stages={vpp}",
            f"--parallel.pp_schedule={'interleaved-1f1b' if vpp > 1 else '1f1b'}", f"--parallel.zero_stage={zero}",
-           f"--precision.mode={precision}", f"--memory.activation_checkpointing={ac}"]
+           f"--precision.mode={precision}", f"--memory.activation_checkpointing={ac}",
+           f"--training.compile={str(compiled).lower()}"]
     memory = [f"--hardware.memory_gib={hw.memory_gib}"] if hw.memory_gib else []
     return (*out, *memory, *even_split(model, pp * vpp))
 
@@ -273,7 +280,7 @@ def torchtitan_2d_3d_rows() -> list[Published]:
             rows.append(Published(
                 f"{src} 70B {variant} FSDP32 TP8", src, table, mem, memory_stat="reserved", throughput=tps,
                 overrides=run(llama("llama3.1-70b", 8192), GRAND_TETON, gpus=256, seq=8192, mbs=16, gbs=512, tp=8,
-                              precision="fp8-mixed"),
+                              precision="fp8-mixed", compiled=True),
                 notes=("seq?", "fp8", "compile", *when("Async" in variant, "async"))))
     for src, table, fsdp, pp, results in (("tt-2412", "T5", 8, 8, (("1F1B", 82.5, 100), ("Interleaved", 72.7, 128))),
                                           ("tt-paper", "T4", 4, 16, (("1F1B", 78.0, 100), ("Interleaved", 80.3, 130)))):
@@ -283,7 +290,8 @@ def torchtitan_2d_3d_rows() -> list[Published]:
                 f"{src} 405B 3D FSDP{fsdp} TP8 PP{pp} {schedule}", src, table, mem, memory_stat="reserved",
                 throughput=tps,
                 overrides=run(llama("llama3.1-405b", 8192, layers=128), GRAND_TETON, gpus=8 * pp * fsdp, seq=8192,
-                              mbs=32 // pp, gbs=32 * fsdp, tp=8, pp=pp, vpp=vpp, zero=2, precision="fp8-mixed"),
+                              mbs=32 // pp, gbs=32 * fsdp, tp=8, pp=pp, vpp=vpp, zero=2, precision="fp8-mixed",
+                              compiled=True),
                 notes=("seq?", "405L", "ttpp", *when(vpp > 1, "v2"), "fp8", "async", "compile")))
     return rows
 
@@ -297,7 +305,7 @@ def torchtitan_long_context_rows() -> list[Published]:
             f"tt-2412 405B 4D FSDP{fsdp} CP{cp} {seq // 1024}K", "tt-2412", "T6", mem, memory_stat="reserved",
             throughput=tps,
             overrides=run(llama("llama3.1-405b", seq, layers=128), GRAND_TETON, gpus=512, seq=seq, mbs=1,
-                          gbs=8 * fsdp, tp=8, cp=cp, pp=8, zero=2, precision="fp8-mixed"),
+                          gbs=8 * fsdp, tp=8, cp=cp, pp=8, zero=2, precision="fp8-mixed", compiled=True),
             notes=("gbs?", "405L", "ttpp", "fp8", "async", "compile")))
     for fsdp, cp, seq, tps, mem in ((8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2), (2, 4, 131072, 1071, 84.0),
                                     (1, 8, 262144, 548, 84.5)):
@@ -305,7 +313,7 @@ def torchtitan_long_context_rows() -> list[Published]:
             f"tt-2412 8B FSDP{fsdp} CP{cp} {seq // 1024}K", "tt-2412", "T2", mem, memory_stat="reserved",
             throughput=tps,
             overrides=run(llama("llama3.1-8b", seq), GRAND_TETON, gpus=8, seq=seq, mbs=1, gbs=fsdp, cp=cp,
-                          precision="fp8-mixed"),
+                          precision="fp8-mixed", compiled=True),
             notes=("fp8", "compile")))
     rows.append(Published("tt-paper T5-T6 (8B FSDP+CP, 405B 4D)", "tt-paper", "T5, T6", notes=("dup",)))
     return rows
@@ -322,7 +330,8 @@ def torchtitan_other_rows() -> list[Published]:
                 f"tt-2412 8B 1D {gpus} GPUs {variant}", "tt-2412", "T1" if gpus == 8 else "T3", mem,
                 memory_stat="reserved", throughput=tps,
                 overrides=run(llama("llama3.1-8b", 8192), GRAND_TETON, gpus=gpus, seq=8192, mbs=2, gbs=2 * gpus,
-                              ac="selective-alternate", precision="fp8-mixed" if float8 else "bf16-mixed"),
+                              ac="selective-alternate", precision="fp8-mixed" if float8 else "bf16-mixed",
+                              compiled="compile" in variant),
                 notes=("seq?", "op-sac", *when(float8, "fp8"), *when("compile" in variant, "compile"))))
     for model, gpus, lbs, ac, results in (
             ("70B", 256, 16, "full", (("bf16", 597.3, 652.4), ("fp8 tensorwise", 809.8, 942.4),
@@ -333,11 +342,12 @@ def torchtitan_other_rows() -> list[Published]:
             for variant, tps in (("vanilla TP", vanilla), ("AsyncTP", async_tp)):
                 rows.append(Published(
                     f"tt-async {model} FSDP{gpus // 8} TP8 {precision} {variant}", "tt-async", model, throughput=tps,
-                    overrides=run(llama(f"llama3.1-{model.lower()}", 8192), GRAND_TETON, gpus=gpus, seq=8192, mbs=lbs,
-                                  gbs=lbs * gpus // 8, tp=8, ac=ac,
-                                  precision="bf16-mixed" if precision == "bf16" else "fp8-mixed"),
+                    overrides=(*run(llama(f"llama3.1-{model.lower()}", 8192), GRAND_TETON, gpus=gpus, seq=8192,
+                                    mbs=lbs, gbs=lbs * gpus // 8, tp=8, ac=ac,
+                                    precision="bf16-mixed" if precision == "bf16" else "fp8-mixed", compiled=True),
+                               *when("rowwise" in precision, "--precision.fp8_scaling=rowwise")),
                     notes=("seq?", "tps?", *when(ac != "full", "op-sac"), *when(precision != "bf16", "fp8"),
-                           *when("rowwise" in precision, "rowwise"), *when(variant == "AsyncTP", "async"), "compile")))
+                           *when(variant == "AsyncTP", "async"), "compile")))
     for variant, tps in (("bf16", 109), ("Float8", 177), ("Float8+AsyncTP", 185)):
         rows.append(Published(
             f"tt-2408 405B FSDP16 TP8 {variant}", "tt-2408", "performance.md", throughput=tps,
@@ -348,8 +358,9 @@ def torchtitan_other_rows() -> list[Published]:
         rows.append(Published(
             f"trainy 8B FSDP{gpus} H200 compile+Float8", "trainy", "results", mem, memory_stat="reserved",
             throughput=tps,
-            overrides=run(llama("llama3.1-8b", 8192), HGX_H200, gpus=gpus, seq=8192, mbs=2, gbs=2 * gpus,
-                          ac="selective-alternate", precision="fp8-mixed"),
+            overrides=(*run(llama("llama3.1-8b", 8192), HGX_H200, gpus=gpus, seq=8192, mbs=2, gbs=2 * gpus,
+                            ac="selective-alternate", precision="fp8-mixed", compiled=True),
+                       "--precision.fp8_all_gather=true"),
             notes=("op-sac", "loss", "fp8", "fp8-ag", "compile")))
     return rows
 
@@ -463,7 +474,7 @@ def nemo_summary_rows() -> list[Published]:
                     f"{src} {name}", src, "summary", throughput=tps,
                     overrides=run(model, DGX_H100, gpus=gpus, seq=seq, mbs=mbs, gbs=gbs, tp=tp, pp=pp, cp=cp, vpp=vp,
                                   zero=1, ac="none", precision="fp8-mixed"),
-                    notes=("nemo", "fp8", *when("GPT3" in name, "gpt3"))))
+                    notes=("nemo", "fp8", "te", *when("GPT3" in name, "gpt3"))))
         rows.append(Published(f"{src} Nemotron-340B TP8 PP8 VP12", src, "summary", throughput=nemotron[src],
                               notes=("nemotron",)))
     return rows
@@ -482,7 +493,7 @@ def nemo_other_rows() -> list[Published]:
             metric="TFLOP/s (Megatron)",
             overrides=run(llama("llama2-7b", seq), DGX_H100, gpus=gpus, seq=seq, mbs=1, gbs=batch, tp=tp, pp=pp,
                           cp=cp, zero=1, ac="none", precision="fp8-mixed"),
-            notes=("long", "nemo", "fp8")))
+            notes=("long", "nemo", "fp8", "te")))
     rows.append(Published("nemo-long LLAMA2-7B without CP (9 rows)", "nemo-long", "H100 without CP",
                           notes=("no-cp-layout",)))
     rows.append(Published("nemo-long LLAMA3-8B B200 (8 rows)", "nemo-long", "B200", notes=("blackwell",)))
@@ -493,12 +504,12 @@ def nemo_other_rows() -> list[Published]:
             f"bridge {release} LLAMA3-70B TP4 PP8 VP5 {precision}", "bridge", release, throughput=tps70,
             overrides=run(llama("llama3-70b", 8192), DGX_H100, gpus=64, seq=8192, mbs=1, gbs=gbs70, tp=4, pp=8, vpp=5,
                           zero=1, ac="none", precision="fp8-mixed"),
-            notes=("nemo", "fp8")))
+            notes=("nemo", "fp8", "te")))
         rows.append(Published(
             f"bridge {release} LLAMA3.1-405B TP8 PP8 CP2 VP8 {precision}", "bridge", release, throughput=tps405,
             overrides=run(llama("llama3.1-405b", 8192, layers=128), DGX_H100, gpus=1024, seq=8192, mbs=1,
                           gbs=gbs405, tp=8, pp=8, cp=2, vpp=8, zero=1, ac="none", precision="fp8-mixed"),
-            notes=("nemo", "fp8", "mb405")))
+            notes=("nemo", "fp8", "te", "mb405")))
     rows.append(Published("bridge 405B B200/GB200/GB300 (3 rows)", "bridge", "25.11", notes=("blackwell",)))
     rows.append(Published("automodel Llama3 70B LoRA TP2 PP4 VP10", "automodel", "summary", throughput=608.42,
                           notes=("lora",)))

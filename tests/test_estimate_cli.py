@@ -191,3 +191,22 @@ def test_a_chunked_loss_of_one_chunk_is_warned_about_with_the_numbers() -> None:
             "a micro-batch that a rank's loss scores (8 sequences x 256 tokens)") in one.stderr
     assert "set memory.loss_chunk_tokens below 2048, e.g. 512, or memory.chunked_loss=false" in one.stderr
     assert "warning" not in estimate(*shape, "--memory.loss_chunk_tokens=2047").stderr
+
+
+def test_eager_fp8_says_its_casts_run_as_kernels_of_their_own(capsys: pytest.CaptureFixture) -> None:
+    """The estimate says how fp8-mixed's casts are priced, and when eager fp8 is predicted to trail bf16."""
+    run = ("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
+           "--parallel.zero_stage=3", "--training.seq_len=4096", "--training.micro_batch_size=1",
+           "--training.global_batch_size=8")
+
+    def printed(*args: str) -> str:
+        assert main(["estimate", *run, *args]) == 0
+        return " ".join(capsys.readouterr().out.split())  # the console's line breaks undone
+
+    eager = printed("--precision.mode=fp8-mixed")
+    assert "fp8-mixed without training.compile: torchao's casts run as separate kernels" in eager
+    assert "predicted slower than bf16-mixed here" in eager and "fp8 casts (in compute)" in eager
+    compiled = printed("--precision.mode=fp8-mixed", "--training.compile=true")
+    assert "fp8-mixed under training.compile: torchao's casts to fp8 assumed fused" in compiled
+    assert "slower than bf16" not in compiled
+    assert "fp8" not in printed("--precision.mode=bf16-mixed")

@@ -19,7 +19,7 @@ from trainfit.memory.analytic import MemoryEstimate, assumed_attention_kernel, e
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import Layout, build_layout
-from trainfit.perf.timing import PerfEstimate, estimate_perf
+from trainfit.perf.timing import PerfEstimate, compute_time_s, estimate_perf
 
 GIB = 1024**3
 
@@ -59,6 +59,27 @@ class Estimate:
                     "fp32 heads x seq x seq probabilities saved per block")
         return (f"attention: a fused kernel assumed ({why}, training.attention_backend={backend}): "
                 "no seq x seq term")
+
+    def fp8_note(self) -> str | None:
+        """Under fp8-mixed, how its float8 casts are priced (perf/fp8_casts.py), in one line; else None.
+        Eager, the compute is compared with bf16-mixed's on the same layout."""
+        d, t = self.layout, self.perf.time
+        if d.precision != "fp8-mixed":
+            return None
+
+        def ms(seconds: float) -> str:
+            return f"{seconds * 1e3:,.1f} ms"
+
+        casts = f"{ms(t['fp8_cast_s'])} of the step's compute"
+        if d.compile:
+            return (f"fp8-mixed under training.compile: torchao's casts to fp8 assumed fused (one read for the "
+                    f"amax, one read and an fp8 write per cast): {casts}")
+        cfg = self.cfg
+        bf16 = compute_time_s(cfg.model, dataclasses.replace(d, precision="bf16-mixed"), cfg.training, cfg.hardware)
+        slower = (f"; predicted slower than bf16-mixed here (compute {ms(t['compute_s'])} against {ms(bf16)})"
+                  if t["compute_s"] > bf16 else "")
+        return (f"fp8-mixed without training.compile: torchao's casts run as separate kernels (amax, scale, clamp, "
+                f"cast, layout copies) over device memory: {casts}{slower}; training.compile=true fuses them")
 
     @property
     def fits(self) -> bool:

@@ -20,11 +20,9 @@ from torch import nn
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 from torchao.float8.float8_linear import Float8Linear
 
+from trainfit.perf.fp8_casts import DIM_MULTIPLE
 from trainfit.precision import PrecisionPolicy
 
-DIM_MULTIPLE = 16
-"""torch._scaled_mm takes fp8 operands whose dims are multiples of 16 (cuBLAS's fp8 kernels; torchao's
-own auto-filter, float8_linear_utils._auto_filter_for_*, skips other shapes for the same reason)."""
 KEPT_BF16 = frozenset({"output"})
 """Linears left in bf16 by name: the output projection (torchtitan's float8 converter filters it out
 too): its error would reach the logits and the loss directly."""

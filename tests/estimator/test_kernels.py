@@ -137,7 +137,7 @@ def test_measured_concurrency_slows_each_kind_of_work_by_its_fraction(tmp_path: 
 
     def compute(measured: HardwareProfile, name: str) -> tuple[float, float]:
         hw = dataclasses.replace(cfg.hardware, profile=str(write_profile(measured, tmp_path / name)))
-        return timing._compute_seconds(cfg.model, layout, cfg.training, timing.Rates.of(hw), flops)
+        return timing._compute_seconds(cfg.model, layout, cfg.training, timing.Rates.of(hw), flops)[:2]
 
     elementwise = [b / p.memory_bytes_per_s for b in K.elementwise_bytes(cfg.model, layout, cfg.training)]
     for alone, together, memory_bound in zip(compute(profile(), "alone.toml"), compute(p, "together.toml"),
@@ -218,3 +218,28 @@ def test_the_optimizer_steps_the_ranks_shard() -> None:
     params = (K.optimizer_seconds(p, cfg.model, whole) - 2e-5) / 1.25e-9
     assert params == pytest.approx(sum(K._rank_params(cfg.model, whole)))
     assert K.optimizer_seconds(p, cfg.model, sharded) == pytest.approx(2e-5 + 1.25e-9 * params / 2)
+
+
+def test_fp8_on_a_profile_prices_its_linears_at_fp8s_rate_and_its_casts_at_the_measured_bandwidth(
+        tmp_path: Path) -> None:
+    """fp8-mixed on a measured profile: the float8 linears at fp8's measured rate (here twice bf16's),
+    the output projection and attention at bf16's, and torchao's casts (perf/fp8_casts.py) over the
+    measured bandwidth, fewer bytes of them compiled."""
+    rates = {**profile().matmul_flops_per_s, "fp8": 4e9}
+    shapes = (*profile().matmul_shapes, MatmulShape("fp8", 512, 128, 128, 4e9))
+    path = str(write_profile(profile(matmul_flops_per_s=rates, matmul_shapes=shapes), tmp_path / "fp8.toml"))
+
+    def time(*args: str) -> tuple[dict, float]:
+        cfg, layout = cpu(f"--hardware.profile={path}", *args)
+        flops = timing._rank_flops(cfg.model, layout, cfg.training)
+        cast_bytes = sum(timing._fp8_cast_bytes(cfg.model, layout, cfg.training, flops))
+        return timing.estimate_perf(cfg.model, layout, cfg.training, cfg.hardware).time, cast_bytes
+
+    eager, eager_bytes = time("--precision.mode=fp8-mixed")
+    compiled, compiled_bytes = time("--precision.mode=fp8-mixed", "--training.compile=true")
+    bf16, no_casts = time("--precision.mode=bf16-mixed")
+    assert no_casts == 0 and bf16["fp8_cast_s"] == 0
+    assert 0 < compiled_bytes < eager_bytes
+    for t, cast_bytes in ((eager, eager_bytes), (compiled, compiled_bytes)):
+        assert t["fp8_cast_s"] == pytest.approx(cast_bytes / profile().memory_bytes_per_s)
+        assert t["compute_s"] - t["fp8_cast_s"] < bf16["compute_s"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trainfit import hardware
-from trainfit.config import ConfigError, load_config
+from trainfit.config import ConfigError, ModelConfig, load_config
 from trainfit.hardware import COMPUTE_EFFICIENCY, peak_flops
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import build_layout
@@ -119,12 +119,51 @@ def test_precision_and_efficiency_set_the_compute_time() -> None:
     base = (*H100, "--model.preset=llama3-8b", "--hardware.num_gpus=8", "--parallel.zero_stage=3",
             "--training.seq_len=4096", "--training.micro_batch_size=1", "--training.global_batch_size=8")
     bf16 = perf(*base)[2].time["compute_s"]
-    fp8 = perf(*base, "--precision.mode=fp8-mixed")[2].time["compute_s"]
-    assert 0.5 * bf16 < fp8 < 0.75 * bf16  # linears at twice the rate, attention stays bf16
+    fp8 = perf(*base, "--precision.mode=fp8-mixed", "--training.compile=true")[2].time["compute_s"]
+    assert 0.5 * bf16 < fp8 < 0.75 * bf16  # block linears at twice the rate, casts fused; attention stays bf16
     assert perf(*base, "--hardware.compute_efficiency=0.25")[2].time["compute_s"] == pytest.approx(2 * bf16)
     assert perf(*base, "--precision.mode=fp32")[2].time["compute_s"] > 10 * bf16
     with pytest.raises(ConfigError, match="A100-SXM-80GB has no fp8"):
         perf(*base, "--hardware.gpu=A100-SXM-80GB", "--precision.mode=fp8-mixed")
+
+
+def eager_minus_bf16_s(m: ModelConfig, rows: int, micro_batches: int, hbm: float, bf16: float, fp8: float) -> float:
+    """What eager fp8 adds to a rank's compute over bf16, counted by hand from torchao 0.18's code
+    (perf/fp8_casts.py's table): per block Linear (rows x k -> n), six casts of a bf16 tensor at 33
+    bytes per element (the input, weight and output gradient twice each) and three layout copies of
+    2 bytes per element, over the memory bandwidth, less what its 6 rows k n FLOPs save at the fp8
+    rate. So eager fp8 is slower unless rows, k and n are all large: on an H100 (fp8 = 2 x bf16) only
+    where 1/rows + 1/k + 1/n < 3 x bandwidth / (68 x the bf16 rate)."""
+    head_dim = m.dim // m.num_heads
+    q, kv = m.num_heads * head_dim, m.num_kv_heads * head_dim
+    linears = [(m.dim, q), (m.dim, kv), (m.dim, kv), (q, m.dim), (m.dim, m.ffn_dim), (m.dim, m.ffn_dim),
+               (m.ffn_dim, m.dim)]
+    per_block = sum((33 * 2 + 2) * (rows * k + rows * n + k * n) / hbm - 6 * rows * k * n * (1 / bf16 - 1 / fp8)
+                    for k, n in linears)
+    return micro_batches * m.num_layers * per_block
+
+
+@pytest.mark.parametrize(("preset", "gpus", "seq", "mbs", "eager_is_slower"),
+                         [("llama3-8b", 8, 4096, 1, True), ("llama3.1-405b", 64, 8192, 2, False)])
+def test_eager_fp8_pays_for_torchaos_cast_kernels(preset: str, gpus: int, seq: int, mbs: int,
+                                                  eager_is_slower: bool) -> None:
+    """fp8-mixed without training.compile runs torchao's casts as separate kernels over HBM: slower than
+    compiled always, and slower than bf16 where the linears are small against what they cast (an 8B
+    model at 4k tokens per micro-batch), faster where they are large (405B at 16k)."""
+    base = (*H100, f"--model.preset={preset}", f"--hardware.num_gpus={gpus}", "--parallel.zero_stage=3",
+            f"--training.seq_len={seq}", f"--training.micro_batch_size={mbs}",
+            f"--training.global_batch_size={gpus * mbs}")
+    cfg, layout, bf16 = perf(*base)
+    eager = perf(*base, "--precision.mode=fp8-mixed")[2].time
+    compiled = perf(*base, "--precision.mode=fp8-mixed", "--training.compile=true")[2].time
+    assert eager["step_time_s"] > compiled["step_time_s"]
+    assert eager["fp8_cast_s"] > 33 / 5 * compiled["fp8_cast_s"] > 0  # 33 bytes per element eager, 5 fused
+    spec = hardware.GPUS["H100-SXM-80GB"]
+    bf16_rate, fp8_rate = (spec.peak_flops[d] * COMPUTE_EFFICIENCY for d in ("bf16", "fp8"))
+    expected = eager_minus_bf16_s(cfg.model, mbs * seq, layout.num_microbatches, spec.hbm_bytes_per_s, bf16_rate,
+                                  fp8_rate)
+    assert eager["compute_s"] - bf16.time["compute_s"] == pytest.approx(expected)
+    assert (eager["compute_s"] > bf16.time["compute_s"]) == eager_is_slower
 
 
 def test_recomputation_costs_time_not_mfu_credit() -> None:

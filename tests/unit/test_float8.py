@@ -1,5 +1,5 @@
 """fp8-mixed's float8 linears (trainfit/float8.py): what is converted, what stays bf16 and is listed,
-the named errors, FSDP2 float8 all-gather, and the analytic estimate's view of the same filter."""
+the named errors, FSDP2 float8 all-gather, and the estimators' view of the same filter (perf/fp8_casts.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 from _dist import DP_BATCH, fake_world
 from _runs import run_config
 from trainfit.config import ConfigError
-from trainfit.float8 import DIM_MULTIPLE, convert_to_float8, float8_notes
-from trainfit.memory import analytic
+from trainfit.float8 import convert_to_float8, float8_notes
 from trainfit.models import build_model
 from trainfit.parallel.apply import parallelize
 from trainfit.parallel.layout import build_layout
 from trainfit.parallel.mesh import build_mesh
+from trainfit.perf.fp8_casts import float8_linears
 from trainfit.precision import precision_policy
 
 FP8 = "--precision.mode=fp8-mixed"
@@ -36,9 +36,8 @@ def test_block_linears_become_float8_the_output_and_odd_shapes_stay_bf16_and_are
     assert note.startswith("fp8-mixed: 8 linear(s) compute in float8; kept in bf16: ")
     assert "output (the output projection, kept in bf16 by design)" in note
     assert "layers.1.feed_forward.w2 (72 -> 64 features: fp8 matmuls need multiples of 16)" in note
-    # the analytic estimate converts the same ones (it cannot import torchao)
-    assert analytic.FLOAT8_DIM_MULTIPLE == DIM_MULTIPLE
-    assert set(analytic._float8_linears(cfg.model)) == {"wq", "wk", "wv", "wo"}
+    # the estimators convert the same ones (they cannot import torchao)
+    assert set(float8_linears(cfg.model)) == {"wq", "wk", "wv", "wo"}
 
 
 def test_named_errors(tmp_path, monkeypatch) -> None:

@@ -139,7 +139,8 @@ class TrainingConfig:
     """torch.compile each transformer block (inductor; after activation checkpointing, before FSDP):
     the steps that compile are timed apart ("compile: 31.2 s") and left out of tokens/s. Fused
     pointwise kernels keep fewer tensors than eager: both estimators predict the eager step, which
-    overestimates a compiled one's peak by 2-31% (measured on CPU: benchmarks/compile.py). Tested
+    overestimates a compiled one's peak by 2-31% (measured on CPU: benchmarks/compile.py); the time
+    model prices compile only as fusing fp8-mixed's casts to fp8 (perf/fp8_casts.py). Tested
     with FSDP2 and activation checkpointing; pipeline and context parallelism ran by hand (2 gloo
     ranks, 4 steps: the eager process's losses); not with tensor parallelism (a named error)."""
     attention_backend: AttentionBackend = "auto"

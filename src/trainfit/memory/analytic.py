@@ -79,6 +79,7 @@ from trainfit.memory.comm_buffers import comm_buffer_bytes
 from trainfit.models.params import ParamCounts, param_counts
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import SINGLE_STAGE_SCHEDULES, RankPlacement
+from trainfit.perf.fp8_casts import float8_linears
 
 MIB = 1024**2
 
@@ -155,9 +156,6 @@ logits and their exp exist beside the logits (2 fp32 shards where the fused kern
 backward of nll + log-softmax holds the saved log-probabilities, the zeros-then-scatter gradient,
 exp(log-probabilities) and their sum (4 fp32 shards where the fused backward has 3)."""
 
-FLOAT8_DIM_MULTIPLE = 16
-"""fp8-mixed converts a Linear whose in and out features are multiples of 16 (trainfit/float8.py's
-DIM_MULTIPLE; that module imports torchao, this one stays torch-free); the output projection never."""
 FLOAT8_CAST_BYTES = 9
 """Bytes per element while torchao 0.18 casts a tensor to fp8 (float8_training_tensor.
 _ToFloat8ConstrFunc, float8_utils.to_fp8_saturated): `tensor.to(float32) * scale` (fp32; the bf16
@@ -252,9 +250,9 @@ class _Layout(NamedTuple):
     block_matmul: int
     """Weights and biases of a block's Linears (what autocast casts; norms are not cast)."""
     block_float8: int
-    """fp8-mixed: the elements of block_matmul in float8 Linears (_float8_linears), which autocast does
-    not cast (the weight goes to fp8 in the Linear, the bias to bf16, neither kept) and which FSDP2's
-    float8 all-gather gathers in fp8; 0 otherwise."""
+    """fp8-mixed: the elements of block_matmul in float8 Linears (perf/fp8_casts.float8_linears), which
+    autocast does not cast (the weight goes to fp8 in the Linear, the bias to bf16, neither kept) and
+    which FSDP2's float8 all-gather gathers in fp8; 0 otherwise."""
     block_experts: int
     """A block's routed-expert weights on the rank (its 1/ep of them): part of block_matmul."""
     block_no_decay: int
@@ -300,28 +298,6 @@ def _in_flight(run: _Run, stage: int) -> tuple[float, int]:
     if schedule == "dualpipev":
         return min(2 * p + 1, 2 * m) / 2, 1
     return float(min(p - stage, m)), 1
-
-
-def _float8_linears(m: ModelConfig) -> dict[str, tuple[int, int, int]]:
-    """fp8-mixed: a block's Linears that float8.convert_to_float8 swaps, as name -> (in features, out
-    features, bias elements); dims must be multiples of FLOAT8_DIM_MULTIPLE. MoE's routed experts
-    are stacked weights, not Linears: they stay bf16."""
-    D, head_dim = m.dim, m.dim // m.num_heads
-    q, kv = m.num_heads * head_dim, m.num_kv_heads * head_dim
-    if m.family == "gpt2":
-        dims = {"wq": (D, D, D), "wk": (D, D, D), "wv": (D, D, D), "wo": (D, D, D), "w1": (D, m.ffn_dim, m.ffn_dim),
-                "w2": (m.ffn_dim, D, D)}
-    else:
-        b = 1 if m.qkv_bias else 0
-        dims = {"wq": (D, q, b * q), "wk": (D, kv, b * kv), "wv": (D, kv, b * kv), "wo": (q, D, 0)}
-        if m.num_experts:
-            shared = m.num_shared_experts * m.expert_ffn_dim
-            dims["router"] = (D, m.num_experts, 0)
-            if shared:
-                dims.update({"shared_w1": (D, shared, 0), "shared_w3": (D, shared, 0), "shared_w2": (shared, D, 0)})
-        else:
-            dims.update({"w1": (D, m.ffn_dim, 0), "w3": (D, m.ffn_dim, 0), "w2": (m.ffn_dim, D, 0)})
-    return {name: d for name, d in dims.items() if not (d[0] % FLOAT8_DIM_MULTIPLE or d[1] % FLOAT8_DIM_MULTIPLE)}
 
 
 def _float8_backward_bytes(linear: tuple[int, int, int], tokens: int, casts_weight: bool) -> int:
@@ -385,7 +361,7 @@ def _block(run: _Run, counts: ParamCounts) -> _Block:
     experts_local = max(1, m.num_experts // ep) * (m.expert_ffn_dim or 0) * m.dim
     return _Block(
         params=matmul + counts.norms, matmul=matmul,
-        float8=sum(k * n + b for k, n, b in _float8_linears(m).values()) // tp
+        float8=sum(k * n + b for k, n, b in float8_linears(m).values()) // tp
         if run.layout.precision == "fp8-mixed" else 0,
         experts=counts.routed_experts // ep, no_decay=counts.norms + biases // tp, mlp_out=mlp_out, tensors=tensors,
         norm_tensors=2 if m.family == "gpt2" else 1, vocab=m.vocab_size * m.dim // tp,
@@ -1004,7 +980,7 @@ def _breakdown(run: _Run, common: _Common, lay: _Layout) -> Callable[[_PipelineH
     # fp8-mixed: the largest float8 backward's own allocations (_float8_backward_bytes), at the start
     # of the block's backward (its saved activations all there): the MLP's output Linear (w2) or the
     # attention's (wo), the first of each branch to run backward. MoE: wo and the shared experts' w2.
-    float8 = _float8_linears(run.model) if lay.block_float8 else {}
+    float8 = float8_linears(run.model) if lay.block_float8 else {}
     fp8_backward = max((_float8_backward_bytes(float8[name], st.tokens, not run.layout.fp8_gathers)
                         for name in ("w2", "wo", "shared_w2") if name in float8), default=0)
 

@@ -93,6 +93,8 @@ def _perf_table(est: Estimate) -> Table:
     table.add_row("model FLOPs / step", f"{f['model_flops_per_step']:.3e}")
     table.add_row("hardware FLOPs / step (with recompute)", f"{f['hardware_flops_per_step']:.3e}")
     table.add_row("compute", fmt_seconds(t["compute_s"]))
+    if t["fp8_cast_s"]:
+        table.add_row("  fp8 casts (in compute)", fmt_seconds(t["fp8_cast_s"]))
     for kind, seconds in t["comm_s"].items():
         if seconds:
             table.add_row(f"  {kind} (total)", fmt_seconds(seconds))
@@ -124,6 +126,9 @@ def print_estimate(est: Estimate, console: Console | None = None, fixes: Sequenc
                   f" | micro-batch {cfg.training.micro_batch_size} x {cfg.training.seq_len} tokens, "
                   f"{d.grad_accum_steps} accumulation steps")
     console.print(est.attention_note())
+    fp8 = est.fp8_note()
+    if fp8:
+        console.print(fp8)
     console.print(_memory_table(est))
     worst = est.worst
     top = ", ".join(f"{name} {fmt_bytes(value)}" for name, value in worst.largest(3))

@@ -5,7 +5,8 @@ the work of a step. A profile (`trainfit calibrate`) measured each kind of work,
 on its own (trainfit.perf.timing adds them up):
 - matmuls: every GEMM a block and the output projection run (m tokens x k by k x n), forward and
   its two backward products (input and weight gradients), each at the rate measured for that pass
-  at the nearest shape of its dtype (nearest in log space over m, k, n);
+  at the nearest shape of its dtype (nearest in log space over m, k, n; fp8-mixed: its float8
+  linears at fp8's shapes, the rest at bf16's, torchao's casts with the elementwise work);
 - attention: its FLOPs (trainfit.perf.flops: causal half, fused backward) at the rate measured for
   causal scaled_dot_product_attention of the nearest (sequence, head dim); profiles written before
   attention was measured price it at the matmul rate;
@@ -53,7 +54,7 @@ kernels its host launches ahead.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from trainfit.config import HardwareConfig, ModelConfig, TrainingConfig
 from trainfit.parallel.layout import Layout
@@ -84,35 +85,59 @@ def _nearest_rate(measured: list[tuple[tuple[int, ...], float]], shape: tuple[in
     return min(measured, key=lambda entry: distance(entry[0]))[1]
 
 
-def block_gemms(m: ModelConfig, layout: Layout) -> list[tuple[int, int, float]]:
-    """(k, n, tokens share) of each forward GEMM of one block on one rank: wq, wk, wv, wo, then the MLP
-    (MoE: the router, and each token's top-k routed and its shared experts at their share of the tokens)."""
+class Gemm(NamedTuple):
+    """One forward GEMM of a block on one rank: (tokens share x k) @ (k x n)."""
+
+    name: str
+    """The Linear's name in the block (perf/fp8_casts.float8_linears' names); experts_*: routed experts."""
+    k: int
+    n: int
+    share: float
+    """The share of the micro-batch's tokens it multiplies."""
+
+
+def block_gemms(m: ModelConfig, layout: Layout) -> list[Gemm]:
+    """Each forward GEMM of one block on one rank: wq, wk, wv, wo, then the MLP (MoE: the router, each
+    token's top-k routed experts at their share of the tokens, and the shared experts, one SwiGLU of
+    their summed width as models/moe.py runs them)."""
     head_dim, tp = m.dim // m.num_heads, layout.tp
     q, kv = m.num_heads * head_dim // tp, m.num_kv_heads * head_dim // tp
-    attention = [(m.dim, q, 1.0), (m.dim, kv, 1.0), (m.dim, kv, 1.0), (q, m.dim, 1.0)]
+    attention = [Gemm("wq", m.dim, q, 1.0), Gemm("wk", m.dim, kv, 1.0), Gemm("wv", m.dim, kv, 1.0),
+                 Gemm("wo", q, m.dim, 1.0)]
     if m.family == "gpt2":
-        return [*attention, (m.dim, m.ffn_dim // tp, 1.0), (m.ffn_dim // tp, m.dim, 1.0)]
+        return [*attention, Gemm("w1", m.dim, m.ffn_dim // tp, 1.0), Gemm("w2", m.ffn_dim // tp, m.dim, 1.0)]
     if not m.num_experts:
-        return [*attention, (m.dim, m.ffn_dim // tp, 1.0), (m.dim, m.ffn_dim // tp, 1.0), (m.ffn_dim // tp, m.dim, 1.0)]
+        return [*attention, Gemm("w1", m.dim, m.ffn_dim // tp, 1.0), Gemm("w3", m.dim, m.ffn_dim // tp, 1.0),
+                Gemm("w2", m.ffn_dim // tp, m.dim, 1.0)]
     hidden = m.expert_ffn_dim // tp
     routed = m.experts_per_token / m.num_experts  # each expert's share of the tokens
-    experts = [(m.dim, hidden, routed)] * 2 + [(hidden, m.dim, routed)]
-    shared = [(m.dim, hidden, 1.0)] * 2 + [(hidden, m.dim, 1.0)]
-    return [*attention, (m.dim, m.num_experts, 1.0), *experts * m.num_experts, *shared * m.num_shared_experts]
+    experts = [Gemm("experts_w1", m.dim, hidden, routed), Gemm("experts_w3", m.dim, hidden, routed),
+               Gemm("experts_w2", hidden, m.dim, routed)]
+    shared = m.num_shared_experts * hidden
+    shared_gemms = [Gemm("shared_w1", m.dim, shared, 1.0), Gemm("shared_w3", m.dim, shared, 1.0),
+                    Gemm("shared_w2", shared, m.dim, 1.0)] if shared else []
+    return [*attention, Gemm("router", m.dim, m.num_experts, 1.0), *experts * m.num_experts, *shared_gemms]
 
 
-def matmul_rate(profile: HardwareProfile, dtype: str, m: ModelConfig, layout: Layout, tokens: int) -> float:
-    """FLOPs over seconds of a block's and the output projection's GEMMs, forward and backward, each
-    pass at the rate measured for it at the nearest shape: the rate their FLOPs run at on this rank
-    (micro-batches of `tokens`)."""
+def head_gemm(m: ModelConfig, layout: Layout) -> Gemm:
+    """The output projection's GEMM (on the last pipeline stage; vocabulary sharded over tp)."""
+    return Gemm("output", m.dim, m.vocab_size // layout.tp, 1.0)
+
+
+def matmul_rate(profile: HardwareProfile, dtype: str, m: ModelConfig, layout: Layout, tokens: int,
+                gemms: list[Gemm] | None = None) -> float:
+    """FLOPs over seconds of `gemms` (default: a block's and the output projection's), forward and
+    backward, each pass at the rate measured for it at the nearest shape: the rate their FLOPs run at
+    on this rank (micro-batches of `tokens`)."""
     forward = [((s.m, s.k, s.n), s.flops_per_s) for s in profile.matmul_shapes if s.dtype == dtype]
     backward = [b for b in profile.matmul_backward if b.dtype == dtype]
     passes = [forward,  # the input and weight gradients at their own rates, else (not measured) the forward's
               [((b.m, b.k, b.n), b.input_grad_flops_per_s) for b in backward] or forward,
               [((b.m, b.k, b.n), b.weight_grad_flops_per_s) for b in backward] or forward]
-    gemms = [*block_gemms(m, layout), (m.dim, m.vocab_size // layout.tp, 1.0)]
+    if gemms is None:
+        gemms = [*block_gemms(m, layout), head_gemm(m, layout)]
     flops = seconds = 0.0
-    for k, n, share in gemms:
+    for _, k, n, share in gemms:
         rows = max(1, round(tokens * share))
         for measured in passes:
             flops += 2 * rows * k * n

@@ -3,10 +3,15 @@
 Compute: the busiest rank's hardware FLOPs (trainfit.perf.flops: model FLOPs + fused-attention
 backward + recomputation; the pipeline stage holding the output projection) divided by the dense
 peak of the precision's dtype times `hardware.compute_efficiency`, which stands for everything
-else a step computes. fp8-mixed runs its linear layers at the fp8 peak and attention at the bf16
-peak. A measured profile (hardware.profile) prices each kind of work apart instead: GEMMs at the
-rate of their shape, attention at its kernel's, elementwise traffic at the memory bandwidth, each
-slowed by what the machine's other ranks take of it (trainfit.perf.kernels).
+else a step computes. fp8-mixed runs its float8 linears (perf/fp8_casts.float8_linears: not the
+output projection, not MoE's routed experts) at the fp8 peak, every other matmul and attention at
+the bf16 peak, and adds torchao's casts to fp8 as memory traffic at the memory bandwidth
+(perf/fp8_casts.py: eager, 33 bytes per bf16 element cast plus layout copies; under
+training.compile, fused, 5), so eager fp8 trails bf16 where the GEMMs it speeds up are small
+against the tensors it casts. A measured profile (hardware.profile) prices each kind of work apart
+instead: GEMMs at the rate of their shape, attention at its kernel's, elementwise traffic (fp8's
+casts with it) at the memory bandwidth, each slowed by what the machine's other ranks take of it
+(trainfit.perf.kernels).
 
 Host work: DTensor's dispatch under tensor parallelism and FSDP2's hooks, as the profile measured
 them (trainfit.perf.kernels); all of it on a CPU, where the host computes too; on a GPU only what
@@ -65,7 +70,7 @@ on two cores: its stage waiting for the first micro-batch leaves both cores to t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from trainfit.config import HardwareConfig, ModelConfig, TrainingConfig
 from trainfit.hardware import (
@@ -94,6 +99,7 @@ from trainfit.perf.comms import (
     stage_params,
     step_collectives,
 )
+from trainfit.perf.fp8_casts import SCALE_PRECOMPUTE_BYTES, float8_linears, gathered_shard_bytes, linear_cast_bytes
 
 if TYPE_CHECKING:
     from trainfit.hardware_profile import HardwareProfile
@@ -112,7 +118,8 @@ class PerfEstimate:
     """model_flops_per_token, hardware_flops_per_token, model_flops_per_step, hardware_flops_per_step,
     recompute_flops_per_step, flops_per_rank_per_step (hardware FLOPs of the busiest rank)."""
     time: dict[str, Any]
-    """step_time_s, compute_s, comm_s {kind: total s}, exposed_comm_s, exposed_comm_by_kind_s {kind: s},
+    """step_time_s, compute_s, fp8_cast_s (of compute_s: fp8-mixed's float8 casts), comm_s {kind: total
+    s}, exposed_comm_s, exposed_comm_by_kind_s {kind: s},
     offload_s {h2d, d2h, host_optimizer: s per step; empty without offload}, exposed_offload_s, bubble_s,
     bubble_fraction, exposed_host_s (the parallel frameworks' host work on the critical path), optimizer_s
     (the device's optimizer step), num_microbatches, tokens_per_second (whole
@@ -173,52 +180,124 @@ def bubble_fraction(schedule: str, pp: int, num_microbatches: int, virtual_stage
     return base
 
 
-def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> tuple[float, float, float, float]:
-    """(forward, backward incl. recomputation) hardware FLOPs of the busiest rank per step, then the
-    attention kernel's part of each."""
+class RankFlops(NamedTuple):
+    """The busiest rank's hardware FLOPs per step, and what of them runs where."""
+
+    forward: float
+    backward: float
+    """Incl. activation checkpointing's recomputation."""
+    forward_attention: float
+    backward_attention: float
+    forward_fp8: float
+    """Of forward: the float8 linears' GEMMs (fp8-mixed; else 0)."""
+    backward_fp8: float
+    blocks: int
+    """Blocks the rank runs."""
+    wrapped: int
+    """... of them checkpointed (0 without activation checkpointing)."""
+
+
+def _fp8_gemms(m: ModelConfig, layout: Layout) -> list[K.Gemm]:
+    """A block's GEMMs on one rank that fp8-mixed runs in float8 (perf/fp8_casts.float8_linears); none
+    in other modes."""
+    if layout.precision != "fp8-mixed":
+        return []
+    converted = float8_linears(m)
+    return [g for g in K.block_gemms(m, layout) if g.name in converted]
+
+
+def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> RankFlops:
+    """The busiest rank's hardware FLOPs per step: forward, backward incl. recomputation, the
+    attention kernel's part of each, and the float8 linears' (a checkpointed block reruns them in
+    proportion to its matmul FLOPs)."""
     mm, at = 2 * F.block_matmul_params(m), F.block_attention_flops(m, t.seq_len)
     rc_mm, rc_at = F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing)
+    fp8_gemms = _fp8_gemms(m, layout)
+    fp8 = (sum(g.k * g.n * g.share for g in fp8_gemms) / sum(g.k * g.n * g.share for g in K.block_gemms(m, layout))
+           if fp8_gemms else 0.0)  # the float8 linears' share of a block's matmul FLOPs
 
-    def rank(layers: int, wrapped: int, last_stage: bool) -> tuple[float, float, float, float]:
+    def rank(layers: int, wrapped: int, last_stage: bool) -> RankFlops:
         wrapped = 0 if layout.activation_checkpointing == "none" else wrapped
         head = 2 * F.head_matmul_params(m) * last_stage  # the last stage's rank holds the output projection
         forward = layers * (mm + at) + head
         backward = (layers * (2 * mm + F.FLASH_ATTENTION_BWD_FACTOR * at) + 2 * head + wrapped * (rc_mm + rc_at)
                     + head * layout.chunked_loss)  # the chunked loss reruns the output projection
-        return forward, backward, layers * at, layers * at * F.FLASH_ATTENTION_BWD_FACTOR + wrapped * rc_at
+        return RankFlops(forward, backward, layers * at, layers * at * F.FLASH_ATTENTION_BWD_FACTOR + wrapped * rc_at,
+                         fp8 * layers * mm, fp8 * (2 * layers * mm + wrapped * rc_mm), layers, wrapped)
 
-    flops = max((rank(*shape) for shape in layout.rank_shapes()), key=lambda f: f[0] + f[1])
+    busiest = max((rank(*shape) for shape in layout.rank_shapes()), key=lambda f: f.forward + f.backward)
     tokens = layout.global_batch_size * t.seq_len / (layout.dp * layout.cp)  # per rank; tp ranks split its FLOPs
-    fwd, bwd, fwd_attention, bwd_attention = (f * tokens / layout.tp for f in flops)
-    return fwd, bwd, fwd_attention, bwd_attention
+    return RankFlops(*(f * tokens / layout.tp for f in busiest[:6]), busiest.blocks, busiest.wrapped)
 
 
-def _compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: Rates,
-                     flops: tuple[float, float, float, float]) -> tuple[float, float]:
+def _fp8_cast_bytes(m: ModelConfig, layout: Layout, t: TrainingConfig, flops: RankFlops) -> tuple[float, float]:
+    """(forward, backward) bytes the busiest rank's float8 casts move per step (perf/fp8_casts.py):
+    its blocks' float8 linears every micro-batch, a checkpointed block's forward casts again in
+    proportion to the matmul FLOPs it reruns; under FSDP2 float8 all-gather, each all-gather's cast
+    of the rank's shard and the scales' read after the optimizer step."""
+    gemms = _fp8_gemms(m, layout)
+    if not gemms:
+        return 0.0, 0.0
+    rows = layout.micro_batch_size * t.seq_len / layout.cp
+    weight_bytes = 4 if layout.zero_stage == 0 else 2  # autocast's fp32 parameter; FSDP2 and ZeRO-1 run bf16
+    casts = [linear_cast_bytes(rows * g.share, g.k, g.n, scaling=layout.fp8_scaling, compiled=layout.compile,
+                               weight_bytes=weight_bytes, weight_gathered=layout.fp8_gathers) for g in gemms]
+    block_fwd, block_bwd = sum(c.forward for c in casts), sum(c.backward for c in casts)
+    rerun = F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing)[0] / (2 * F.block_matmul_params(m))
+    n_mb = layout.num_microbatches
+    forward = n_mb * flops.blocks * block_fwd
+    backward = n_mb * (flops.blocks * block_bwd + flops.wrapped * rerun * block_fwd)
+    if layout.fp8_gathers:
+        shard = flops.blocks * sum(g.k * g.n for g in gemms) / layout.zero_shards
+        forward += n_mb * gathered_shard_bytes(shard)
+        backward += n_mb * gathered_shard_bytes(shard) * (layout.zero_stage == 3) + SCALE_PRECOMPUTE_BYTES * shard
+    return forward, backward
+
+
+class ComputeTime(NamedTuple):
+    forward: float
+    backward: float
+    fp8_casts: float
+    """Of forward + backward: the float8 casts' memory traffic (fp8-mixed; else 0)."""
+
+
+def _compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: Rates, flops: RankFlops
+                     ) -> ComputeTime:
     """Forward and backward compute time of the busiest rank: on the catalog, FLOPs at the peak times
-    the efficiency (fp8: attention at the bf16 peak); on a measured profile, each kind of work at its
-    own measured rate (trainfit.perf.kernels)."""
-    fwd, bwd, fwd_attention, bwd_attention = flops
+    the efficiency (fp8-mixed: its float8 linears at the fp8 peak, every other matmul and attention at
+    the bf16 peak, and the float8 casts' traffic at the memory bandwidth); on a measured profile, each
+    kind of work at its own measured rate (trainfit.perf.kernels), the casts with the elementwise work."""
     profile, efficiency = rates.profile, rates.efficiency
+    bandwidth = rates.device.hbm_bytes_per_s
+    casts_fwd, casts_bwd = _fp8_cast_bytes(m, layout, t, flops)
     if profile is not None:
         rates.peak(layout.precision)  # a named error when the profile measured no rate for the dtype
         dtype = compute_dtype_of(layout.precision)
+        high = "bf16" if dtype == "fp8" else dtype  # what runs outside the float8 linears
         tokens = layout.micro_batch_size * t.seq_len / layout.cp
-        matmul = K.matmul_rate(profile, dtype, m, layout, tokens) * efficiency
-        measured = K.attention_rate(profile, "bf16" if dtype == "fp8" else dtype, m, t.seq_len // layout.cp)
+        fp8_gemms = _fp8_gemms(m, layout)
+        others = [g for g in [*K.block_gemms(m, layout), K.head_gemm(m, layout)] if g not in fp8_gemms]
+        matmul = K.matmul_rate(profile, high, m, layout, tokens, others) * efficiency
+        matmul_fp8 = K.matmul_rate(profile, "fp8", m, layout, tokens, fp8_gemms) * efficiency if fp8_gemms else 1.0
+        measured = K.attention_rate(profile, high, m, t.seq_len // layout.cp)
         attention = measured * efficiency if measured else matmul
-        bandwidth = rates.device.hbm_bytes_per_s
         ew_fwd, ew_bwd = K.elementwise_bytes(m, layout, t)
         compute, memory = K.concurrency_slowdown(profile, rates.hw, layout)
-        return (compute * ((fwd - fwd_attention) / matmul + fwd_attention / attention) + memory * ew_fwd / bandwidth,
-                compute * ((bwd - bwd_attention) / matmul + bwd_attention / attention) + memory * ew_bwd / bandwidth)
+
+        def seconds(total: float, fp8: float, att: float, elementwise: float) -> float:
+            gemms = (total - fp8 - att) / matmul + fp8 / matmul_fp8 + att / attention
+            return compute * gemms + memory * elementwise / bandwidth
+
+        return ComputeTime(seconds(flops.forward, flops.forward_fp8, flops.forward_attention, ew_fwd + casts_fwd),
+                           seconds(flops.backward, flops.backward_fp8, flops.backward_attention, ew_bwd + casts_bwd),
+                           memory * (casts_fwd + casts_bwd) / bandwidth)
     rate = rates.peak(layout.precision) * efficiency
     if layout.precision != "fp8-mixed":
-        return fwd / rate, bwd / rate
-    attention_rate = rates.device.peak_flops["bf16"] * efficiency
-    attention = fwd_attention + bwd_attention
-    slowdown = (attention / attention_rate - attention / rate) / (fwd + bwd)  # per FLOP, spread evenly
-    return fwd / rate + fwd * slowdown, bwd / rate + bwd * slowdown
+        return ComputeTime(flops.forward / rate, flops.backward / rate, 0.0)
+    high = rates.device.peak_flops["bf16"] * efficiency  # everything but the float8 linears
+    return ComputeTime((flops.forward - flops.forward_fp8) / high + flops.forward_fp8 / rate + casts_fwd / bandwidth,
+                       (flops.backward - flops.backward_fp8) / high + flops.backward_fp8 / rate + casts_bwd / bandwidth,
+                       (casts_fwd + casts_bwd) / bandwidth)
 
 
 def _device_optimizer_seconds(m: ModelConfig, layout: Layout, rates: Rates) -> float:
@@ -246,7 +325,8 @@ def compute_time_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwa
                    rates: Rates | None = None) -> float:
     """The busiest rank's forward and backward compute per step (estimate_perf's compute_s), alone:
     part of the lower bounds plan/search.py computes before whole estimates."""
-    return sum(_compute_seconds(m, layout, t, rates or Rates.of(hw), _rank_flops(m, layout, t)))
+    compute = _compute_seconds(m, layout, t, rates or Rates.of(hw), _rank_flops(m, layout, t))
+    return compute.forward + compute.backward
 
 
 def timed_collectives(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: Rates
@@ -351,8 +431,8 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
                                                  layout.ac_every_n_layers)
                      + F.loss_recompute_flops_per_token(m, layout.chunked_loss))
     rank_flops = _rank_flops(m, layout, t)
-    fwd, bwd = rank_flops[:2]
-    fwd_s, bwd_s = _compute_seconds(m, layout, t, rates, rank_flops)
+    fwd, bwd = rank_flops.forward, rank_flops.backward
+    fwd_s, bwd_s, fp8_cast_s = _compute_seconds(m, layout, t, rates, rank_flops)
     compute_s = fwd_s + bwd_s
     optimizer_s = _device_optimizer_seconds(m, layout, rates) if layout.offload == "none" else 0.0  # else _offload's
 
@@ -387,6 +467,7 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
     time = {
         "step_time_s": step_s,
         "compute_s": compute_s,
+        "fp8_cast_s": fp8_cast_s,
         "comm_s": comm,
         "exposed_comm_s": exposed_s,
         "exposed_comm_by_kind_s": exposed,

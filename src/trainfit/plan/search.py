@@ -253,14 +253,16 @@ class _Evaluator:
 
 
 def _mesh_bound(mesh: _Mesh, groups: list[_Group], rates: Rates) -> float:
-    """A lower bound of the step time of every group of a mesh (`groups`, not empty): their compute
-    (the same in all: each data-parallel split runs the same tokens per rank) with the bubble of
-    the most micro-batches any of them runs, plus the tensor, context and pipeline traffic of the one
-    with the fewest calls (the largest micro-batch: the same bytes, the fewest latencies). Every
-    group runs at least that much; its data-parallel traffic and memory knobs only add."""
+    """A lower bound of the step time of every group of a mesh (`groups`, not empty): the least of
+    their compute (each data-parallel split runs the same FLOPs per rank, but not the same bytes:
+    fp8-mixed casts its weights every micro-batch, and a measured profile prices autocast's casts
+    and stream) with the bubble of the most micro-batches any of them runs, plus the tensor, context
+    and pipeline traffic of the one with the fewest calls (the largest micro-batch: the same bytes,
+    the fewest latencies). Every group runs at least that much; its data-parallel traffic and memory
+    knobs only add."""
     first, fewest_calls = groups[0], max(groups, key=lambda g: (g.layout.micro_batch_size, g.layout.zero_stage))
     c = first.cfg
-    compute = compute_time_s(c.model, first.layout, c.training, c.hardware, rates)
+    compute = min(compute_time_s(c.model, g.layout, c.training, c.hardware, rates) for g in groups)
     rows = c.training.global_batch_size // mesh.dp
     bubble = bubble_fraction(mesh.schedule, mesh.pp, rows, first.layout.pp_virtual_stages)
     return compute * (1 + bubble) + model_parallel_comm_s(c.model, fewest_calls.layout, c.training, c.hardware, rates)
