@@ -140,9 +140,9 @@ NOTES: dict[str, str] = {
                  "tied embeddings [assumed; not stated]",
     "nemo": "distributed optimizer (ZeRO-1), SP with TP, no recompute [assumed; not stated]; TP, PP and DP "
             "communication overlap not modelled",
-    "te": "Transformer Engine's FP8 fuses its casts (cast and transpose in one kernel) and can keep a weight's fp8 "
-          "copy across a step's micro-batches (is_first_microbatch); trainfit prices torchao's eager casts, every "
-          "micro-batch",
+    "te": "Transformer Engine's FP8 fuses its casts (amax, cast and transpose in one kernel): priced as fused casts "
+          "(training.compile's price of torchao's casts, one read and one fp8 write per cast); its fp8 copy of a "
+          "weight kept across a step's micro-batches (is_first_microbatch) is not modelled",
     "gpt3": "GPT-3 shapes, GPT-2 BPE vocab 50257 (NeMo-Framework-Launcher gpt3 configs; padding ignored)",
     "long": "micro-batch 1, 1F1B, no recompute [assumed]; NeMo 24.03.01's TFLOP/s taken as Megatron's non-causal "
             "formula [assumed]",
@@ -473,7 +473,7 @@ def nemo_summary_rows() -> list[Published]:
                 rows.append(Published(
                     f"{src} {name}", src, "summary", throughput=tps,
                     overrides=run(model, DGX_H100, gpus=gpus, seq=seq, mbs=mbs, gbs=gbs, tp=tp, pp=pp, cp=cp, vpp=vp,
-                                  zero=1, ac="none", precision="fp8-mixed"),
+                                  zero=1, ac="none", precision="fp8-mixed", compiled=True),
                     notes=("nemo", "fp8", "te", *when("GPT3" in name, "gpt3"))))
         rows.append(Published(f"{src} Nemotron-340B TP8 PP8 VP12", src, "summary", throughput=nemotron[src],
                               notes=("nemotron",)))
@@ -492,7 +492,7 @@ def nemo_other_rows() -> list[Published]:
             f"nemo-long LLAMA2-7B {seq_k}K TP{tp} PP{pp} DP{dp} CP{cp}", "nemo-long", "H100 with CP", throughput=tflops,
             metric="TFLOP/s (Megatron)",
             overrides=run(llama("llama2-7b", seq), DGX_H100, gpus=gpus, seq=seq, mbs=1, gbs=batch, tp=tp, pp=pp,
-                          cp=cp, zero=1, ac="none", precision="fp8-mixed"),
+                          cp=cp, zero=1, ac="none", precision="fp8-mixed", compiled=True),
             notes=("long", "nemo", "fp8", "te")))
     rows.append(Published("nemo-long LLAMA2-7B without CP (9 rows)", "nemo-long", "H100 without CP",
                           notes=("no-cp-layout",)))
@@ -503,12 +503,12 @@ def nemo_other_rows() -> list[Published]:
         rows.append(Published(
             f"bridge {release} LLAMA3-70B TP4 PP8 VP5 {precision}", "bridge", release, throughput=tps70,
             overrides=run(llama("llama3-70b", 8192), DGX_H100, gpus=64, seq=8192, mbs=1, gbs=gbs70, tp=4, pp=8, vpp=5,
-                          zero=1, ac="none", precision="fp8-mixed"),
+                          zero=1, ac="none", precision="fp8-mixed", compiled=True),
             notes=("nemo", "fp8", "te")))
         rows.append(Published(
             f"bridge {release} LLAMA3.1-405B TP8 PP8 CP2 VP8 {precision}", "bridge", release, throughput=tps405,
             overrides=run(llama("llama3.1-405b", 8192, layers=128), DGX_H100, gpus=1024, seq=8192, mbs=1,
-                          gbs=gbs405, tp=8, pp=8, cp=2, vpp=8, zero=1, ac="none", precision="fp8-mixed"),
+                          gbs=gbs405, tp=8, pp=8, cp=2, vpp=8, zero=1, ac="none", precision="fp8-mixed", compiled=True),
             notes=("nemo", "fp8", "te", "mb405")))
     rows.append(Published("bridge 405B B200/GB200/GB300 (3 rows)", "bridge", "25.11", notes=("blackwell",)))
     rows.append(Published("automodel Llama3 70B LoRA TP2 PP4 VP10", "automodel", "summary", throughput=608.42,
