@@ -1,0 +1,217 @@
+"""One pass over trainfit's CUDA paths on a GPU machine, for a session that has a GPU for minutes:
+each check (benchmarks/gpu_checks.py) in a process of its own (a CUDA error or an OOM ends that check
+only, and the allocator's statistics start fresh), with its own time limit, under one budget; a table
+as it goes and DIR/gpu_check.json with the machine (device, torch, CUDA, driver), the trainfit commit
+and each check's status, seconds, figures and error tail.
+
+    PYTHONPATH=src python benchmarks/gpu_check.py --out DIR [--only sdpa,mfu] [--budget-s 480]
+    PYTHONPATH=src python benchmarks/gpu_check.py --device cpu --out DIR   # the same code on the CPU
+
+On the CPU the CUDA-only checks are skipped ("skipped: needs CUDA") and the rest run on the debug
+model, which is how this script is tested before a GPU minute is spent on it. This driver imports no
+torch: a CUDA context here would hold device memory through every check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "gpu_checks.py"
+ERROR_TAIL = 3000
+"""Characters of a failed check's output kept in the JSON (its whole output is in DIR/logs)."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    cuda_s: float
+    """Seconds expected on one H100, process start included: a plan made before any GPU run, to be
+    replaced by the seconds the first run records."""
+    cpu_s: float
+    """Seconds on the 2-core development machine (measured)."""
+    limit_s: float
+    """The check's time limit on either device."""
+    cuda_only: bool = False
+
+
+CHECKS = {
+    "sdpa": Spec(cuda_s=20, cpu_s=10, limit_s=90),
+    "mfu": Spec(cuda_s=35, cpu_s=15, limit_s=120),
+    "memory": Spec(cuda_s=25, cpu_s=10, limit_s=120),
+    "offload": Spec(cuda_s=20, cpu_s=10, limit_s=90),
+    "resume_rng": Spec(cuda_s=20, cpu_s=10, limit_s=90),
+    "profile_dump": Spec(cuda_s=30, cpu_s=15, limit_s=120),
+    "measure_snapshot": Spec(cuda_s=25, cpu_s=0, limit_s=120, cuda_only=True),
+    "zero1_nccl": Spec(cuda_s=40, cpu_s=35, limit_s=150),
+    "calibrate": Spec(cuda_s=40, cpu_s=15, limit_s=150),
+    "fp8": Spec(cuda_s=45, cpu_s=25, limit_s=240),
+    "compile": Spec(cuda_s=90, cpu_s=70, limit_s=240),
+}
+"""In the order they run: the quick ones first, those that compile last, so a short budget still covers
+the most paths. fp8 starts with its eager runs and skips its compiled ones that would not finish in
+the time it has (gpu_checks.check_fp8)."""
+
+
+def run_quiet(*cmd: str) -> str | None:
+    """A command's stdout, or None when it is missing or fails."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def nvidia_smi() -> dict[str, str] | None:
+    out = run_quiet("nvidia-smi", "--query-gpu=driver_version,name,memory.total", "--format=csv,noheader")
+    if not out:
+        return None
+    lines = out.splitlines()
+    driver, name, memory = ([part.strip() for part in lines[0].split(",")] + ["", "", ""])[:3]
+    return {"driver_version": driver, "name": name, "memory_total": memory, "gpus": len(lines), "raw": out}
+
+
+def probe_machine(env: dict[str, str]) -> dict[str, Any]:
+    """torch's view of this machine, from a process of its own (gpu_checks.py --env)."""
+    proc = subprocess.run([sys.executable, str(WORKER), "--env"], capture_output=True, text=True, env=env, cwd=ROOT)
+    try:
+        return json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        return {"probe_error": f"exit code {proc.returncode}\n" + (proc.stdout + proc.stderr)[-ERROR_TAIL:]}
+
+
+def trainfit_source() -> dict[str, Any]:
+    """The commit checked out (when the copy has its .git) and a digest of src/ (always): which code ran."""
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "src").rglob("*.py")):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    status = run_quiet("git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no")
+    return {"commit": run_quiet("git", "-C", str(ROOT), "rev-parse", "HEAD"),
+            "dirty": bool(status) if status is not None else None, "src_sha256": digest.hexdigest()}
+
+
+def child_env(device: str, work: Path) -> dict[str, str]:
+    """The checks' environment: trainfit importable from this checkout, the data cache under the
+    work folder, and on `--device cpu` no GPU visible (calibrate picks cuda whenever it sees one)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    env["XDG_CACHE_HOME"] = str(work / "cache")
+    env["PYTHONUNBUFFERED"] = "1"
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def run_check(name: str, device: str, out: Path, env: dict[str, str], limit_s: float) -> dict[str, Any]:
+    """The check in its own process group (torchrun's and calibrate's children die with it at the limit)."""
+    work, result, log = out / "work" / name, out / "figures" / f"{name}.json", out / "logs" / f"{name}.log"
+    for folder in (work, result.parent, log.parent):
+        folder.mkdir(parents=True, exist_ok=True)
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, str(WORKER), name, "--device", device, "--work", str(work), "--result", str(result),
+           "--time-s", f"{limit_s:.0f}"]
+    start = time.monotonic()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    seconds = time.monotonic() - start
+    found = json.loads(result.read_text()) if result.is_file() else {}
+    entry: dict[str, Any] = {"status": "ok" if rc == 0 else "failed", "seconds": round(seconds, 1),
+                             "limit_s": round(limit_s), "figures": found.get("figures", {}),
+                             "summary": found.get("summary", "")}
+    if rc != 0:
+        tail = log.read_text(errors="replace")[-ERROR_TAIL:]
+        entry["error"] = (f"timed out after {limit_s:.0f} s\n" if rc is None else f"exit code {rc}\n") + tail
+    return entry
+
+
+def last_error_line(entry: dict[str, Any]) -> str:
+    lines = [line for line in entry.get("error", "").splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error" in line or "assert" in line]
+    return (errors or lines or [""])[-1].strip()
+
+
+def print_row(name: str, status: str, seconds: float | None, figures: str) -> None:
+    secs = f"{seconds:7.1f}" if seconds is not None else " " * 7
+    print(f"{name:<17} {status:<20} {secs}  {figures[:150]}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder of gpu_check.json, logs and scratch runs")
+    parser.add_argument("--only", help=f"comma-separated checks (default all): {','.join(CHECKS)}")
+    parser.add_argument("--budget-s", type=float, default=480, help="the whole run's time limit (default 480)")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="auto: cuda when torch sees a GPU, else cpu")
+    parser.add_argument("--keep-work", action="store_true", help="keep the scratch runs (checkpoints, traces)")
+    args = parser.parse_args()
+    names = list(CHECKS) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        parser.error(f"--only: unknown check(s) {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
+    start = time.monotonic()
+    out: Path = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    env = child_env(args.device, out / "work")
+    smi = nvidia_smi()
+    machine = probe_machine(env)
+    if "probe_error" in machine:  # torch itself failed: the checks will say how, the header records it
+        print(machine["probe_error"], file=sys.stderr)
+        machine["cuda_available"] = smi is not None
+    device = args.device if args.device != "auto" else ("cuda" if machine["cuda_available"] else "cpu")
+    if device == "cuda" and not machine["cuda_available"]:
+        parser.error("--device cuda: torch sees no GPU here")
+    if device == "cpu":
+        env = child_env("cpu", out / "work")
+    report: dict[str, Any] = {
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "device": device,
+        "budget_s": args.budget_s, "machine": {**machine, "nvidia_smi": smi}, "trainfit": trainfit_source(),
+        "command": " ".join(sys.argv), "checks": {}}
+    json_path = out / "gpu_check.json"
+    print(f"gpu_check on {machine.get('device_name') or machine.get('cpu')} ({device}), torch {machine.get('torch')}, "
+          f"CUDA {machine.get('cuda')}, driver {(smi or {}).get('driver_version')}, budget {args.budget_s:.0f} s",
+          flush=True)
+    print_row("check", "status", None, "figures")
+    for name in names:
+        spec = CHECKS[name]
+        left = args.budget_s - (time.monotonic() - start)
+        if spec.cuda_only and device != "cuda":
+            entry: dict[str, Any] = {"status": "skipped: needs CUDA", "seconds": 0.0, "figures": {}}
+        elif left < (spec.cuda_s if device == "cuda" else spec.cpu_s):
+            entry = {"status": "skipped: budget", "seconds": 0.0, "figures": {}}
+        else:
+            entry = run_check(name, device, out, env, min(spec.limit_s, left))
+            if not args.keep_work:
+                shutil.rmtree(out / "work" / name, ignore_errors=True)
+        entry["expected_s"] = spec.cuda_s if device == "cuda" else spec.cpu_s
+        report["checks"][name] = entry
+        report["total_seconds"] = round(time.monotonic() - start, 1)
+        json_path.write_text(json.dumps(report, indent=1))
+        shown = entry.get("summary", "") if entry["status"] == "ok" else last_error_line(entry)
+        print_row(name, entry["status"], entry["seconds"] if entry["seconds"] else None, shown)
+    if not args.keep_work:
+        shutil.rmtree(out / "work", ignore_errors=True)
+    failed = [n for n, e in report["checks"].items() if e["status"] == "failed"]
+    print(f"total {report['total_seconds']:.1f} s; {len(failed)} failed{': ' + ', '.join(failed) if failed else ''}; "
+          f"wrote {json_path}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,655 @@
+"""The checks of benchmarks/gpu_check.py, one per process: `python benchmarks/gpu_checks.py NAME --device
+cuda|cpu --work DIR --result FILE`. Each exercises a CUDA path of trainfit through its own APIs and
+writes plain figures (numbers, strings, booleans) to FILE as it goes, so a check killed at its
+timeout still leaves what it measured. A check fails by raising: what must hold (a resume, a finite
+loss, two MFUs against one peak) is asserted; what is only observed (an attention backend that does
+not run, a compiled fp8 variant that fails) is recorded and, for fp8, fails the check at its end.
+
+Shapes: on CUDA a ~124M-parameter Llama at 8 x 1024 tokens (GPU-sized work, milliseconds a step on
+an H100) and the debug model where only a code path matters; on the CPU the debug model throughout,
+so that the same code runs here in seconds.
+
+Also `--env` (this machine's torch and device, as JSON on stdout) and `--torchrun-train RESULT --
+ARGS` (what torchrun launches: `trainfit train ARGS`, recording the process group it trained in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import math
+import os
+import pickle
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _runs import DEBUG_RUN, run_config  # noqa: E402
+from trainfit.config import Config  # noqa: E402
+from trainfit.train.metrics import read_metrics  # noqa: E402
+from trainfit.train.trainer import Trainer, TrainResult  # noqa: E402
+
+GPU_MODEL = ("--model.preset=tiny", "--model.dim=768", "--model.num_layers=12", "--model.num_heads=12",
+             "--model.num_kv_heads=4", "--model.ffn_dim=2048", "--model.vocab_size=32000",
+             "--model.max_seq_len=1024", "--training.seq_len=1024", "--training.micro_batch_size=8",
+             "--training.global_batch_size=8", "--training.warmup_steps=2")
+"""~124M parameters (49M of them the 32,000-token embedding and output; the byte tokenizer uses 256)."""
+FP8_GPU_MODEL = ("--model.preset=tiny", "--model.dim=1024", "--model.num_layers=4", "--model.num_heads=16",
+                 "--model.num_kv_heads=8", "--model.ffn_dim=2816", "--model.max_seq_len=128",
+                 "--training.warmup_steps=2")
+"""Every block linear's dims a multiple of 16 (all of them fp8); the debug model's are too."""
+SDPA_SHAPE = {"cuda": (1, 32, 4096, 128), "cpu": (1, 4, 256, 32)}
+"""(batch, heads, sequence, head dim) of the causal attention timed per backend."""
+SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
+FP8_TOKENS = (100, 128)
+"""Micro-batch tokens of the fp8 runs (one sequence each): 100 is no multiple of 16, which the
+weight-gradient GEMMs' inner dimension must be (trainfit.float8.pads_inner_dim)."""
+EAGER_RUN_S, COMPILED_RUN_S = 15, 75
+"""The least time left in the fp8 check for one more eager or compiled run to start (a plan for an
+H100, where a compile takes most of it)."""
+EXIT_S = 5
+"""The check's time kept for the process to exit before its limit."""
+OLD_CUDA_DEVICES = 8
+"""The older checkpoints' CUDA RNG state: torch.cuda.get_rng_state_all() on an 8-GPU machine."""
+
+
+@dataclasses.dataclass
+class Context:
+    device: str
+    """cuda or cpu: where every run trains."""
+    work: Path
+    """This check's scratch folder (runs, checkpoints, traces)."""
+    result: Path
+    deadline: float
+    """time.monotonic() by which the check should be done: the fp8 check skips variants that would end past it."""
+    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
+    summary: str = ""
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    def put(self, **figures: Any) -> None:
+        """Record figures and rewrite the result file at once (a killed check keeps them)."""
+        self.figures.update({key: plain(value) for key, value in figures.items()})
+        self.write()
+
+    def say(self, summary: str) -> None:
+        self.summary = summary
+        self.write()
+
+    def write(self) -> None:
+        tmp = self.result.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"figures": self.figures, "summary": self.summary}, indent=1))
+        os.replace(tmp, self.result)
+
+    def model(self) -> tuple[str, ...]:
+        """The GPU-sized model on CUDA, the debug one on the CPU, both in bf16-mixed."""
+        return (*(GPU_MODEL if self.cuda else DEBUG_RUN), "--precision.mode=bf16-mixed")
+
+    def small(self) -> tuple[str, ...]:
+        """The debug model on either device: where only the code path matters."""
+        return (*DEBUG_RUN, "--precision.mode=bf16-mixed")
+
+
+def plain(value: Any) -> Any:
+    """A JSON scalar: floats to 4 significant digits, anything else that is no scalar as its str."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if not math.isfinite(value) or value == 0 else float(f"{value:.4g}")
+    return str(value)
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+
+
+# ---------------------------------------------------------------- runs
+
+
+class NoFinalSave(Trainer):
+    """A Trainer that writes no checkpoint: where the check is about speed or memory, the end-of-run
+    save of a 124M model (1.5 GB with its optimizer states, hashed) would cost seconds for nothing."""
+
+    def save(self) -> Path | None:  # type: ignore[override]
+        return None
+
+
+@dataclasses.dataclass
+class Run:
+    cfg: Config
+    result: TrainResult
+    records: list[dict[str, Any]]
+    """metrics.jsonl: step records and notes."""
+    seen: dict[str, Any]
+    """What `inspect` returned."""
+    seconds: float
+
+    @property
+    def steps(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if "loss" in r]
+
+    @property
+    def notes(self) -> list[str]:
+        return [r["note"] for r in self.records if "note" in r]
+
+    def median(self, key: str) -> float | None:
+        values = [r[key] for r in self.steps if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    def finite(self) -> bool:
+        return bool(self.result.losses) and all(math.isfinite(v) for v in self.result.losses.values())
+
+
+def config(ctx: Context, name: str, *overrides: str) -> Config:
+    return run_config(ctx.work / name, f"--training.device={ctx.device}", *overrides, base=())
+
+
+def train(ctx: Context, name: str, *overrides: str, save: bool = False,
+          inspect: Callable[[Trainer, TrainResult], dict[str, Any]] | None = None) -> Run:
+    """Train `overrides` (a whole shape: base=() below) in this process under ctx.work/name; `inspect`
+    reads the trainer after training, before it is closed."""
+    cfg = config(ctx, name, *overrides)
+    torch._dynamo.reset()  # each run compiles its own shapes from scratch (training.compile)
+    start = time.perf_counter()
+    trainer = (Trainer if save else NoFinalSave)(cfg)
+    try:
+        result = trainer.train()
+        seen = inspect(trainer, result) if inspect else {}
+    finally:
+        trainer.close()
+        free_memory()
+    return Run(cfg, result, read_metrics(cfg.logging.dir), seen, time.perf_counter() - start)
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sync(device: str) -> Callable[[], None]:
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def attention_seconds(backends: list[Any] | None, shape: tuple[int, ...], device: str) -> float:
+    """Median seconds of one bf16 causal attention's forward and backward under `backends` (None: torch picks)."""
+    from torch.nn.attention import sdpa_kernel
+
+    from trainfit.perf.calibrate_probe import median_seconds
+
+    q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape, device=device, dtype=torch.bfloat16)
+
+    def call() -> None:
+        with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    return median_seconds(call, sync(device), batch_s=0.05, repeats=3)
+
+
+def check_sdpa(ctx: Context) -> None:
+    """Each attention backend on bf16 causal attention: does it run (trainfit's probe, the kernel
+    training would use), and its forward + backward time and TFLOP/s (useful causal FLOPs)."""
+    from trainfit.attention import BACKENDS, probe_attention_kernel
+    from trainfit.config import ConfigError
+    from trainfit.perf.flops import FLASH_ATTENTION_BWD_FACTOR
+
+    batch, heads, seq, head_dim = shape = SDPA_SHAPE[ctx.device]
+    flops = 2 * 2 * batch * heads * seq * seq * head_dim / 2 * (1 + FLASH_ATTENTION_BWD_FACTOR)
+    ctx.put(shape="x".join(map(str, shape)), dtype="bf16", flops_per_call=flops)
+    ran, not_run = [], []
+    for backend in SDPA_BACKENDS:
+        try:
+            kernel = probe_attention_kernel(backend, torch.device(ctx.device), torch.bfloat16, heads, heads, head_dim)
+        except ConfigError as err:
+            not_run.append(backend)
+            ctx.put(**{f"{backend}_runs": False, f"{backend}_error": str(err)[:600]})
+            continue
+        try:
+            seconds = attention_seconds(BACKENDS[backend], shape, ctx.device)
+        except RuntimeError as err:  # the probe's tiny shape ran, this one does not (an OOM, a size limit)
+            not_run.append(backend)
+            ctx.put(**{f"{backend}_runs": False, f"{backend}_kernel": kernel.name, f"{backend}_error": first_line(err)})
+            continue
+        finally:
+            free_memory()
+        ran.append(f"{backend} {flops / seconds / 1e12:.3g}")
+        ctx.put(**{f"{backend}_runs": True, f"{backend}_kernel": kernel.name, f"{backend}_op": kernel.op,
+                   f"{backend}_ms": seconds * 1e3, f"{backend}_tflops": flops / seconds / 1e12})
+    ctx.say("TFLOP/s " + ", ".join(ran) + f"; not run: {', '.join(not_run) or 'none'}")
+
+
+def catalog_device(ctx: Context) -> tuple[str, str | None]:
+    """(this device's name, its catalog entry or None)."""
+    from trainfit.hardware import catalog_gpu_of
+
+    if not ctx.cuda:
+        return platform.processor() or "cpu", "cpu"
+    name = torch.cuda.get_device_name(0)
+    return name, catalog_gpu_of(name)
+
+
+def check_mfu(ctx: Context) -> None:
+    """12 steps with hardware.gpu at its default, then named as the catalog's entry for this device:
+    tokens/s, MFU and its note; both runs' MFUs must be against one peak; the instrumented steps (the
+    first and the memory-measured one) have no tokens/s in metrics.jsonl."""
+    from trainfit.perf.flops import training_flops_per_token
+
+    name, matched = catalog_device(ctx)
+    ctx.put(device_name=name, catalog_device=matched)
+    steps = ("--training.steps=12",)
+    runs = {"default": train(ctx, "default", *ctx.model(), *steps)}
+    if matched is None:
+        ctx.put(named="skipped: this device is not in the catalog")
+    else:
+        runs["named"] = train(ctx, "named", *ctx.model(), *steps, f"--hardware.gpu={matched}")
+    peaks = {}
+    for key, run in runs.items():
+        r = run.result
+        flops_per_token = training_flops_per_token(run.cfg.model, run.cfg.training.seq_len)
+        null = [s["step"] for s in run.steps if s.get("tokens_per_s") is None]
+        peaks[key] = r.tokens_per_s * flops_per_token / r.mfu if r.tokens_per_s and r.mfu else None
+        ctx.put(**{f"{key}_tokens_per_s": r.tokens_per_s, f"{key}_mfu": r.mfu, f"{key}_mfu_note": r.mfu_note,
+                   f"{key}_median_tokens_per_s": run.median("tokens_per_s"), f"{key}_median_mfu": run.median("mfu"),
+                   f"{key}_peak_tflops": peaks[key] / 1e12 if peaks[key] else None,
+                   f"{key}_notes": " | ".join(run.notes)[:1500],
+                   f"{key}_null_tokens_per_s_steps": ",".join(map(str, null)), f"{key}_seconds": run.seconds,
+                   f"{key}_num_params": r.num_params})
+        assert null == [1, 2], f"{key}: tokens_per_s is null on steps {null}, expected the instrumented 1 and 2"
+        assert run.finite(), f"{key}: a loss is not finite: {run.result.losses}"
+    if "named" in peaks:
+        a, b = peaks["default"], peaks["named"]
+        agree = (a is None and b is None) or (a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9))
+        ctx.put(mfu_peaks_agree=agree)
+        assert agree, f"MFU against different peaks: {peaks}"
+    r = runs["default"].result
+    ctx.say(f"{r.tokens_per_s or 0:,.0f} tok/s, MFU {r.mfu if r.mfu is not None else float('nan'):.1%} "
+            f"({matched}); peaks agree: {ctx.figures.get('mfu_peaks_agree')}")
+
+
+def check_memory(ctx: Context) -> None:
+    """The measured step's peak and every memory_/device_ figure its metrics record holds, the CUDA
+    allocator's own counters, and the analytic estimate of the same config on this device."""
+    from trainfit.estimate import estimate
+    from trainfit.memory.report import fmt_bytes
+    from trainfit.train.run_device import this_run_device
+
+    def inspect(trainer: Trainer, result: TrainResult) -> dict[str, Any]:
+        cfg = trainer.cfg
+        here = dataclasses.replace(cfg, hardware=this_run_device(cfg.hardware, cfg.precision.mode,
+                                                                 trainer.device).hardware)
+        stage = estimate(here, trainer.layout).memory.per_stage[0]
+        seen = {"estimated_gpu": here.hardware.gpu, "estimated_peak_bytes": stage.peak,
+                "estimated_reserved_margin_bytes": stage.reserved_margin,
+                "estimated_total_bytes": stage.peak + stage.reserved_margin}
+        if trainer.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(trainer.device)
+            seen.update(cuda_max_memory_allocated=torch.cuda.max_memory_allocated(trainer.device),
+                        cuda_max_memory_reserved=torch.cuda.max_memory_reserved(trainer.device),
+                        cuda_memory_reserved=torch.cuda.memory_reserved(trainer.device),
+                        cuda_mem_get_info_free=free, cuda_mem_get_info_total=total,
+                        cuda_device_used_bytes=total - free)
+        return seen
+
+    run = train(ctx, "memory", *ctx.model(), "--training.steps=3", inspect=inspect)
+    m = run.result.memory
+    assert m is not None, "no measured step"
+    measured = [r for r in run.steps if any(k.startswith("memory_") for k in r)]
+    record = measured[-1] if measured else {}
+    ctx.put(measured_step=record.get("step"), peak_bytes=m.peak, non_tensor_bytes=m.non_tensor,
+            reserved_margin_bytes=m.reserved_margin, allocator_peak_bytes=m.peak + m.non_tensor,
+            peak_phase=m.peak_phase, **run.seen,
+            **{k: v for k, v in record.items() if k.startswith(("memory_", "device_"))})
+    ctx.put(estimated_over_measured_peak=run.seen["estimated_peak_bytes"] / m.peak,
+            estimated_total_over_allocator_peak=run.seen["estimated_total_bytes"] / (m.peak + m.non_tensor))
+    reserved = run.seen.get("cuda_max_memory_reserved")
+    if reserved:
+        ctx.put(estimated_total_over_max_reserved=run.seen["estimated_total_bytes"] / reserved)
+    ctx.say(f"peak {fmt_bytes(m.peak)} (+{fmt_bytes(m.non_tensor)} non-tensor), estimate "
+            f"{fmt_bytes(run.seen['estimated_peak_bytes'])}"
+            + (f", max reserved {fmt_bytes(reserved)}" if reserved else ""))
+
+
+def check_fp8(ctx: Context) -> None:
+    """fp8-mixed at 100 and 128 tokens per micro-batch and bf16-mixed at the same shapes, eager, then
+    fp8-mixed compiled (on CUDA only: a CPU compile of fp8 takes a minute per shape): 4 steps each or
+    its error; a variant that would not finish in the check's time is skipped. Fails at the end when
+    any variant failed."""
+    shape = FP8_GPU_MODEL if ctx.cuda else DEBUG_RUN
+    variants = [(mode, tokens, False) for tokens in FP8_TOKENS for mode in ("bf16-mixed", "fp8-mixed")]
+    variants += [("fp8-mixed", tokens, True) for tokens in FP8_TOKENS]
+    failed, rows = [], []
+    for mode, tokens, compiled in variants:
+        key = f"{mode.split('-')[0]}_{tokens}_{'compiled' if compiled else 'eager'}"
+        if compiled and not ctx.cuda:
+            ctx.put(**{f"{key}_status": "skipped: compile on the CPU"})
+            continue
+        if ctx.deadline - time.monotonic() < (COMPILED_RUN_S if compiled else EAGER_RUN_S):
+            ctx.put(**{f"{key}_status": "skipped: the check's time is up"})
+            continue
+        try:
+            run = train(ctx, key, *shape, f"--precision.mode={mode}", f"--training.seq_len={tokens}",
+                        "--training.micro_batch_size=1", "--training.global_batch_size=1",
+                        f"--training.compile={str(compiled).lower()}", "--training.steps=4")
+        except Exception as err:
+            traceback.print_exc()
+            failed.append(key)
+            ctx.put(**{f"{key}_status": "failed", f"{key}_error": first_line(err)})
+            continue
+        r = run.result
+        probe = next((rec for rec in run.records if "fp8_matmul_flops_per_s" in rec), {})
+        ctx.put(**{f"{key}_status": "ok" if run.finite() else "failed: a loss is not finite",
+                   f"{key}_tokens_per_s": r.tokens_per_s, f"{key}_compile_s": r.compile_seconds,
+                   f"{key}_last_loss": r.losses.get(r.steps_done), f"{key}_seconds": run.seconds,
+                   **({f"{key}_probe_fp8_gflops": probe["fp8_matmul_flops_per_s"] / 1e9,
+                       f"{key}_probe_bf16_gflops": probe["bf16_matmul_flops_per_s"] / 1e9} if probe else {})})
+        if not run.finite():
+            failed.append(key)
+        rows.append(f"{key} {r.tokens_per_s or 0:,.0f}")
+    ctx.say("tok/s " + ", ".join(rows) + (f"; FAILED {', '.join(failed)}" if failed else ""))
+    assert not failed, f"failed: {', '.join(failed)} (errors in the figures)"
+
+
+def process_group(trainer: Trainer) -> dict[str, Any]:
+    """The process group the trainer runs in, read before close() destroys it."""
+    if not dist.is_initialized():
+        return {"process_group": False}
+    seen: dict[str, Any] = {"process_group": True, "world_size": dist.get_world_size()}
+    for key, read in (("backend", dist.get_backend), ("backend_config", dist.get_backend_config)):
+        try:
+            seen[key] = str(read())
+        except Exception as err:  # recorded, not fatal: the run itself is what the check asserts
+            seen[key] = first_line(err)
+    return seen
+
+
+def check_offload(ctx: Context) -> None:
+    """memory.offload=optimizer under ZeRO-3 in one process (a 1-rank group: on CUDA nccl for the
+    device, gloo for the host's gradient shards): the backend it made, where the optimizer states
+    live, and a finite loss."""
+    from trainfit.train.distributed import process_group_backend
+
+    def inspect(trainer: Trainer, result: TrainResult) -> dict[str, Any]:
+        seen = process_group(trainer)
+        states = [t for s in trainer.optimizer.state.values() for t in s.values()
+                  if isinstance(t, torch.Tensor) and t.dim() > 0]  # exp_avg, exp_avg_sq (not the step count)
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in states]
+        seen["optimizer_state_devices"] = ",".join(sorted({t.device.type for t in local}))
+        return seen
+
+    run = train(ctx, "offload", *ctx.small(), "--parallel.zero_stage=3", "--memory.offload=optimizer",
+                "--training.steps=3", save=True, inspect=inspect)
+    expected = process_group_backend(ctx.device, "optimizer")
+    ctx.put(expected_backend=expected, **run.seen, losses_finite=run.finite(),
+            last_loss=run.result.losses.get(run.result.steps_done), checkpoint=str(run.result.checkpoint),
+            seconds=run.seconds)
+    ctx.say(f"backend {run.seen.get('backend')} ({expected} asked), states on {run.seen['optimizer_state_devices']}, "
+            f"loss finite: {run.finite()}")
+    assert run.seen["process_group"], "no process group was made"
+    assert run.finite(), f"a loss is not finite: {run.result.losses}"
+    assert run.seen["optimizer_state_devices"] == "cpu", "optimizer states are not on the host"
+
+
+def check_resume_rng(ctx: Context) -> None:
+    """Two steps and a checkpoint; its CUDA RNG state rewritten to the older format (a list of 8 per-device
+    states, this device's first; no CUDA state on the CPU), the manifest's checksum updated; a resume
+    for one step must run and restore the saved streams."""
+    from trainfit.train import checkpoint as ckpt
+    from trainfit.train import manifest
+
+    shape = (*ctx.small(), "--checkpoint.resume=must")
+    first = train(ctx, "run", *shape, "--checkpoint.resume=never", "--training.steps=2", save=True)
+    path = first.result.checkpoint
+    assert path is not None, "the first run saved no checkpoint"
+    state_file = path / ckpt.TRAINER_STATE
+    state = torch.load(state_file, weights_only=True)
+    rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
+    saved_cuda = rngs[0].get("cuda")
+    if saved_cuda is not None:
+        others = [torch.Generator(device="cuda").manual_seed(i).get_state() for i in range(1, OLD_CUDA_DEVICES)]
+        rngs[0]["cuda"] = [saved_cuda, *others]
+    state["rng"] = rngs
+    torch.save(state, state_file)
+    saved = manifest.read_manifest(path)
+    manifest.write_manifest(path, saved.step, {**saved.files, ckpt.TRAINER_STATE: manifest.file_digest(state_file)},
+                            saved.fingerprint)
+    ctx.put(checkpoint_step=saved.step, cuda_states_written=OLD_CUDA_DEVICES if saved_cuda is not None else 0)
+
+    cfg = config(ctx, "run", *shape, "--training.steps=3")
+    trainer = Trainer(cfg)
+    try:
+        restored = {"torch_rng_restored": torch.equal(torch.get_rng_state(), rngs[0]["torch"])}
+        if saved_cuda is not None:
+            restored["cuda_rng_restored"] = torch.equal(torch.cuda.get_rng_state(trainer.device), saved_cuda)
+        ctx.put(resumed_from=str(trainer.resumed_from), resumed_at=trainer.step, **restored)
+        result = trainer.train()
+    finally:
+        trainer.close()
+    finite = all(math.isfinite(v) for v in result.losses.values())
+    ctx.put(steps_done=result.steps_done, started_at=result.started_at, losses_finite=finite,
+            last_loss=result.losses.get(result.steps_done))
+    ctx.say(f"resumed at step {result.started_at} -> {result.steps_done}; "
+            + ", ".join(f"{k} {v}" for k, v in restored.items()))
+    assert trainer.resumed_from == path, f"resumed from {trainer.resumed_from}, not {path}"
+    assert (result.started_at, result.steps_done) == (2, 3), (result.started_at, result.steps_done)
+    assert all(restored.values()), restored
+    assert finite, result.losses
+
+
+def check_profile_dump(ctx: Context) -> None:
+    """logging.profile_steps=3 of a 4-step run (on CUDA the allocator snapshot too): how long stopping
+    the profiler and writing its files takes, their sizes, and `trainfit report --profile` on them."""
+    from trainfit.train.profile import StepProfiler
+
+    dumps: list[float] = []
+    close = StepProfiler.close
+
+    def timed_close(self: StepProfiler) -> None:
+        start = time.perf_counter()
+        close(self)
+        dumps.append(time.perf_counter() - start)
+
+    StepProfiler.close = timed_close  # type: ignore[method-assign]
+    run = train(ctx, "profile", *ctx.model(), "--training.steps=4", "--logging.profile_steps=3")
+    out = Path(run.cfg.logging.dir) / "profile"
+    files = {p.name: p.stat().st_size for p in sorted(out.iterdir())} if out.is_dir() else {}
+    ctx.put(dump_seconds=dumps[0] if dumps else None, files=",".join(files),
+            **{f"bytes_{name}": size for name, size in files.items()}, run_seconds=run.seconds)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "trainfit", "report", "--profile", str(out), "--json"],
+                          capture_output=True, text=True)
+    ctx.put(report_rc=proc.returncode, report_seconds=time.perf_counter() - start)
+    if proc.returncode == 0:
+        rank0 = json.loads(proc.stdout)["ranks"][0]
+        ctx.put(**{f"report_{k}": v for k, v in rank0.items() if isinstance(v, (int, float, str)) and k != "host"})
+    else:
+        print(proc.stdout + proc.stderr, file=sys.stderr)
+    ctx.say(f"dump {dumps[0] if dumps else float('nan'):.2f} s, "
+            + ", ".join(f"{n} {s / 2**20:.1f} MiB" for n, s in files.items()) + f"; report rc {proc.returncode}")
+    assert files, f"no profile files in {out}"
+    assert proc.returncode == 0, "trainfit report --profile failed"
+
+
+def check_measure_snapshot(ctx: Context) -> None:
+    """CUDA only: a measured step (trainfit measure's) recording the allocator's history, dumped as a
+    snapshot for pytorch.org/memory_viz: the step's time with it, the file's size and entries."""
+    from trainfit.train.trainer import measure_step
+
+    cfg = config(ctx, "snapshot", *ctx.model())
+    path = ctx.work / "measured.memory_snapshot.pickle"
+    start = time.perf_counter()
+    measurement = measure_step(cfg, steps=2, cuda_snapshot=path)
+    seconds = time.perf_counter() - start
+    free_memory()
+    with open(path, "rb") as f:
+        snapshot = pickle.load(f)
+    entries = sum(len(trace) for trace in snapshot.get("device_traces", []))
+    ctx.put(seconds=seconds, snapshot_bytes=path.stat().st_size, trace_entries=entries,
+            segments=len(snapshot.get("segments", [])), peak_bytes=measurement.breakdown.peak)
+    ctx.say(f"{seconds:.1f} s with the snapshot, {path.stat().st_size / 2**20:.1f} MiB, {entries} entries")
+    path.unlink()
+
+
+def check_calibrate(ctx: Context) -> None:
+    """`trainfit calibrate --quick --max-ranks 1` (one process: no collectives): its wall time and the
+    profile's key rates; the profile is kept beside the results."""
+    out = ctx.result.parent / "calibrate-quick.toml"
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "trainfit", "calibrate", "--quick", "--max-ranks", "1",
+                           "--out", str(out), "--force", "--json"], capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    print(proc.stderr, file=sys.stderr)
+    assert proc.returncode == 0, f"calibrate exited {proc.returncode}"
+    profile = json.loads(proc.stdout)
+    rates = {f"matmul_{dtype}_tflops": rate / 1e12 for dtype, rate in profile["matmul_flops_per_s"].items()}
+    attention = {}
+    for a in profile.get("attention", []):
+        key = f"attention_{a['dtype']}_tflops"
+        attention[key] = max(attention.get(key, 0.0), a["flops_per_s"] / 1e12)
+    fused = [o for o in profile.get("optimizer", []) if o["impl"] == "fused"]
+    ctx.put(wall_seconds=seconds, profile_seconds=profile["machine"].get("seconds"),
+            device=profile["machine"]["device"], name=profile["machine"]["name"], **rates, **attention,
+            memory_gb_per_s=profile["memory_bytes_per_s"] / 1e9,
+            adamw_fused_ns_per_param=fused[0]["s_per_param"] * 1e9 if fused else None, profile=out.name)
+    ctx.say(f"{seconds:.0f} s; bf16 matmul {rates.get('matmul_bf16_tflops', 0):.3g} TFLOP/s, "
+            f"{profile['memory_bytes_per_s'] / 1e9:,.0f} GB/s")
+
+
+def check_zero1_nccl(ctx: Context) -> None:
+    """`torchrun --nproc_per_node=1 -m trainfit train` at parallel.zero_stage=1 (one rank holds every
+    shard: trainfit warns and makes no process group), then at zero_stage=3 with memory.offload=optimizer,
+    which makes a 1-rank group through torchrun's store (nccl, with gloo for the host, on CUDA)."""
+    runs = {"zero1": ("--parallel.zero_stage=1",),
+            "zero3_offload": ("--parallel.zero_stage=3", "--memory.offload=optimizer")}
+    failed = []
+    for key, layout in runs.items():
+        seen = ctx.work / f"{key}.json"
+        args = ["--", "train", *ctx.small(), f"--training.device={ctx.device}", "--training.steps=3", *layout,
+                "--training.eval_interval=0", "--checkpoint.interval=0", f"--checkpoint.dir={ctx.work / key / 'ckpt'}",
+                f"--logging.dir={ctx.work / key / 'logs'}", "--logging.progress=false"]
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                               __file__, "--torchrun-train", str(seen), *args], capture_output=True, text=True)
+        print(proc.stdout[-4000:] + proc.stderr[-4000:], file=sys.stderr)
+        group = json.loads(seen.read_text()) if seen.is_file() else {}
+        records = [r for r in read_metrics(ctx.work / key / "logs") if "loss" in r]
+        ctx.put(**{f"{key}_rc": proc.returncode, f"{key}_seconds": time.perf_counter() - start,
+                   **{f"{key}_{k}": v for k, v in group.items()},
+                   f"{key}_last_loss": records[-1]["loss"] if records else None,
+                   f"{key}_no_effect_warning": "has no effect" in proc.stderr})
+        if proc.returncode != 0 or not records or not math.isfinite(records[-1]["loss"]):
+            failed.append(key)
+    f = ctx.figures
+    ctx.say(f"zero1 rc {f['zero1_rc']} (group: {f.get('zero1_process_group')}), zero3+offload rc "
+            f"{f['zero3_offload_rc']} (backend {f.get('zero3_offload_backend')})")
+    assert not failed, f"failed: {', '.join(failed)}"
+
+
+def check_compile(ctx: Context) -> None:
+    """training.compile=true against eager, 6 steps each: compile seconds, tokens/s, first losses."""
+    steps = "--training.steps=6"
+    eager = train(ctx, "eager", *ctx.model(), steps)
+    compiled = train(ctx, "compiled", *ctx.model(), steps, "--training.compile=true")
+    speedup = (compiled.result.tokens_per_s / eager.result.tokens_per_s
+               if compiled.result.tokens_per_s and eager.result.tokens_per_s else None)
+    ctx.put(eager_tokens_per_s=eager.result.tokens_per_s, compiled_tokens_per_s=compiled.result.tokens_per_s,
+            compiled_over_eager=speedup, compile_seconds=compiled.result.compile_seconds,
+            eager_loss_step1=eager.result.losses.get(1), compiled_loss_step1=compiled.result.losses.get(1),
+            eager_peak_bytes=eager.result.peak_memory_bytes, compiled_peak_bytes=compiled.result.peak_memory_bytes,
+            eager_seconds=eager.seconds, compiled_seconds=compiled.seconds)
+    ctx.say(f"compile {compiled.result.compile_seconds:.1f} s; tok/s eager {eager.result.tokens_per_s or 0:,.0f}, "
+            f"compiled {compiled.result.tokens_per_s or 0:,.0f}")
+    assert compiled.result.compile_seconds > 0, "no step compiled"
+    assert eager.finite() and compiled.finite(), (eager.result.losses, compiled.result.losses)
+
+
+CHECKS: dict[str, Callable[[Context], None]] = {
+    "sdpa": check_sdpa, "mfu": check_mfu, "memory": check_memory, "offload": check_offload,
+    "resume_rng": check_resume_rng, "profile_dump": check_profile_dump, "measure_snapshot": check_measure_snapshot,
+    "zero1_nccl": check_zero1_nccl, "calibrate": check_calibrate, "compile": check_compile, "fp8": check_fp8,
+}
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def environment() -> dict[str, Any]:
+    """This machine's torch and device, as the results name them."""
+    import importlib.metadata
+
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+                            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
+    for package in ("torchao",):
+        try:
+            info[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            info[package] = None
+    if torch.cuda.is_available():
+        reads = {"device_name": lambda: torch.cuda.get_device_name(0), "device_count": torch.cuda.device_count,
+                 "capability": lambda: ".".join(map(str, torch.cuda.get_device_capability(0))),
+                 "cudnn": torch.backends.cudnn.version, "nccl": lambda: str(torch.cuda.nccl.version())}
+        for key, read in reads.items():
+            try:
+                info[key] = read()
+            except Exception as err:  # one unreadable figure must not cost the run its header
+                info[key] = first_line(err)
+    return info
+
+
+def torchrun_train(seen: Path, args: list[str]) -> int:
+    """`trainfit train ARGS` as torchrun's worker, writing the process group it trained in to `seen`."""
+    from trainfit import cli
+
+    close = Trainer.close
+
+    def recording_close(self: Trainer) -> None:
+        if self.world.is_main:
+            seen.write_text(json.dumps(process_group(self)))
+        close(self)
+
+    Trainer.close = recording_close  # type: ignore[method-assign]
+    return cli.main(args)
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--env"]:
+        print(json.dumps(environment()))
+        return 0
+    if sys.argv[1:2] == ["--torchrun-train"]:
+        return torchrun_train(Path(sys.argv[2]), sys.argv[sys.argv.index("--") + 1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("check", choices=sorted(CHECKS))
+    parser.add_argument("--device", choices=("cuda", "cpu"), required=True)
+    parser.add_argument("--work", type=Path, required=True, help="scratch folder of this check")
+    parser.add_argument("--result", type=Path, required=True, help="JSON file of the figures")
+    parser.add_argument("--time-s", type=float, default=600, help="time the check may take")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    ctx = Context(args.device, args.work, args.result, time.monotonic() + args.time_s - EXIT_S)
+    ctx.write()
+    CHECKS[args.check](ctx)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
