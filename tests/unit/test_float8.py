@@ -19,7 +19,7 @@ from trainfit.models import build_model
 from trainfit.parallel.apply import parallelize
 from trainfit.parallel.layout import build_layout
 from trainfit.parallel.mesh import build_mesh
-from trainfit.perf.fp8_casts import float8_linears
+from trainfit.perf.fp8_casts import DIM_MULTIPLE, float8_linears
 from trainfit.precision import precision_policy
 
 FP8 = "--precision.mode=fp8-mixed"
