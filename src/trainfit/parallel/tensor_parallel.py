@@ -45,22 +45,23 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from trainfit.config.schema import ModelConfig
+from trainfit.models.block_spec import tp_split_linears
+
 
 def _between_blocks(sequence_parallel: bool) -> Shard | Replicate:
     """The residual stream's placement on the tp ranks."""
     return Shard(1) if sequence_parallel else Replicate()
 
 
-def block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The plan of one transformer block (llama dense or MoE, gpt2), keyed by submodule name."""
+def block_plan(cfg: ModelConfig, block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The plan of one transformer block (llama dense or MoE, gpt2), keyed by submodule name: each
+    linear as models/block_spec.py splits it (the estimators read the same list)."""
     stream = _between_blocks(sequence_parallel)
     attention_inputs = len(_forward_inputs(block.attention))  # llama: (x, cos, sin); gpt2: (x,)
     plan: dict[str, ParallelStyle] = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=stream),
-    }
+        linear.path: ColwiseParallel() if linear.tp == "column" else RowwiseParallel(output_layouts=stream)
+        for linear in tp_split_linears(cfg)}
     if sequence_parallel:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
@@ -70,18 +71,13 @@ def block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
     plan["attention"] = PrepareModuleInput(
         input_layouts=(stream, *[None] * (attention_inputs - 1)),
         desired_input_layouts=(Replicate(), *[None] * (attention_inputs - 1)))
-    mlp = block.feed_forward
-    if hasattr(mlp, "router"):  # MoE: replicated, on the whole sequence (module docstring)
+    if cfg.num_experts:  # MoE: replicated, on the whole sequence (module docstring)
         if sequence_parallel:
             plan["feed_forward"] = PrepareModuleInputOutput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
                 output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),))
         return plan
     plan["feed_forward"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
-    plan["feed_forward.w1"] = ColwiseParallel()
-    plan["feed_forward.w2"] = RowwiseParallel(output_layouts=stream)
-    if hasattr(mlp, "w3"):  # SwiGLU's up projection (GPT-2's MLP has none)
-        plan["feed_forward.w3"] = ColwiseParallel()
     return plan
 
 
@@ -109,7 +105,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     tied = model.output is not None and model.tok_embeddings is not None and \
         model.output.weight is model.tok_embeddings.weight
     for block in model.layers:
-        parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel))
+        parallelize_module(block, tp_mesh, block_plan(model.cfg, block, sequence_parallel))
     parallelize_module(model, tp_mesh, root_plan(model, sequence_parallel))
     if tied:
         model.output.weight = model.tok_embeddings.weight

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 from trainfit.config import ModelConfig, TrainingConfig
 from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link
+from trainfit.models.block_spec import block_linears
 from trainfit.models.params import param_counts
 from trainfit.models.routing import expert_capacity
 from trainfit.parallel.layout import AXES, Layout
@@ -175,11 +176,13 @@ def precision_bytes(mode: str) -> tuple[int, int, int]:
 def stage_params(model: ModelConfig, layout: Layout) -> tuple[int, int]:
     """(one block's, the root unit's) parameters on one rank of the busiest stage, before ZeRO sharding.
 
-    Blocks: dense weights / tp, routed experts / (ep x tp). Root (embeddings, final norm, output):
-    all of it without pipeline parallelism, else the larger of the first and last stage's part.
+    Blocks: each linear as tensor and expert parallelism split it (models/block_spec.py: an MoE
+    feed-forward whole on the tp ranks, its routed experts / ep), norms whole. Root (embeddings,
+    final norm, output): all of it without pipeline parallelism, else the larger of the first and
+    last stage's part.
     """
     c = param_counts(model)
-    block = (c.per_layer - c.routed_experts) // layout.tp + c.routed_experts // (layout.ep * layout.tp)
+    block = sum(linear.local_params(layout.tp, layout.ep) for linear in block_linears(model)) + c.norms
     root = c.embedding + c.final_norm + c.output if layout.pp == 1 else max(c.embedding, c.final_norm + c.output)
     return block, root // layout.tp
 

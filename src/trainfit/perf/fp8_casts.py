@@ -62,6 +62,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from trainfit.config import ModelConfig
+from trainfit.models.block_spec import block_linears
 
 DIM_MULTIPLE = 16
 """torch._scaled_mm takes fp8 operands whose dims are multiples of 16 (cuBLAS's fp8 kernels; torchao's
@@ -93,24 +94,12 @@ class CastBytes(NamedTuple):
 
 def float8_linears(m: ModelConfig) -> dict[str, tuple[int, int, int]]:
     """A block's Linears that trainfit.float8.convert_to_float8 swaps, as name -> (in features, out
-    features, bias elements); dims must be multiples of DIM_MULTIPLE. MoE's routed experts are
-    stacked weights, not Linears: they stay bf16, and so does the output projection."""
-    D, head_dim = m.dim, m.dim // m.num_heads
-    q, kv = m.num_heads * head_dim, m.num_kv_heads * head_dim
-    if m.family == "gpt2":
-        dims = {"wq": (D, D, D), "wk": (D, D, D), "wv": (D, D, D), "wo": (D, D, D), "w1": (D, m.ffn_dim, m.ffn_dim),
-                "w2": (m.ffn_dim, D, D)}
-    else:
-        b = 1 if m.qkv_bias else 0
-        dims = {"wq": (D, q, b * q), "wk": (D, kv, b * kv), "wv": (D, kv, b * kv), "wo": (q, D, 0)}
-        if m.num_experts:
-            shared = m.num_shared_experts * m.expert_ffn_dim
-            dims["router"] = (D, m.num_experts, 0)
-            if shared:
-                dims.update({"shared_w1": (D, shared, 0), "shared_w3": (D, shared, 0), "shared_w2": (shared, D, 0)})
-        else:
-            dims.update({"w1": (D, m.ffn_dim, 0), "w3": (D, m.ffn_dim, 0), "w2": (m.ffn_dim, D, 0)})
-    return {name: d for name, d in dims.items() if not (d[0] % DIM_MULTIPLE or d[1] % DIM_MULTIPLE)}
+    features, bias elements), from the block's one description (models/block_spec.py); dims must be
+    multiples of DIM_MULTIPLE. MoE's routed experts are stacked weights, not Linears: they stay
+    bf16, and so does the output projection (not a block's)."""
+    return {linear.name: (linear.in_features, linear.out_features, linear.out_features if linear.bias else 0)
+            for linear in block_linears(m)
+            if not linear.routed and not (linear.in_features % DIM_MULTIPLE or linear.out_features % DIM_MULTIPLE)}
 
 
 def cast_bytes(hp_bytes: int, *, compiled: bool) -> int:

@@ -57,6 +57,7 @@ import math
 from typing import TYPE_CHECKING, NamedTuple
 
 from trainfit.config import HardwareConfig, ModelConfig, TrainingConfig
+from trainfit.models.block_spec import block_linears
 from trainfit.parallel.layout import Layout
 from trainfit.perf.comms import stage_params
 
@@ -97,26 +98,14 @@ class Gemm(NamedTuple):
 
 
 def block_gemms(m: ModelConfig, layout: Layout) -> list[Gemm]:
-    """Each forward GEMM of one block on one rank: wq, wk, wv, wo, then the MLP (MoE: the router, each
-    token's top-k routed experts at their share of the tokens, and the shared experts, one SwiGLU of
-    their summed width as models/moe.py runs them)."""
-    head_dim, tp = m.dim // m.num_heads, layout.tp
-    q, kv = m.num_heads * head_dim // tp, m.num_kv_heads * head_dim // tp
-    attention = [Gemm("wq", m.dim, q, 1.0), Gemm("wk", m.dim, kv, 1.0), Gemm("wv", m.dim, kv, 1.0),
-                 Gemm("wo", q, m.dim, 1.0)]
-    if m.family == "gpt2":
-        return [*attention, Gemm("w1", m.dim, m.ffn_dim // tp, 1.0), Gemm("w2", m.ffn_dim // tp, m.dim, 1.0)]
-    if not m.num_experts:
-        return [*attention, Gemm("w1", m.dim, m.ffn_dim // tp, 1.0), Gemm("w3", m.dim, m.ffn_dim // tp, 1.0),
-                Gemm("w2", m.ffn_dim // tp, m.dim, 1.0)]
-    hidden = m.expert_ffn_dim // tp
-    routed = m.experts_per_token / m.num_experts  # each expert's share of the tokens
-    experts = [Gemm("experts_w1", m.dim, hidden, routed), Gemm("experts_w3", m.dim, hidden, routed),
-               Gemm("experts_w2", hidden, m.dim, routed)]
-    shared = m.num_shared_experts * hidden
-    shared_gemms = [Gemm("shared_w1", m.dim, shared, 1.0), Gemm("shared_w3", m.dim, shared, 1.0),
-                    Gemm("shared_w2", shared, m.dim, 1.0)] if shared else []
-    return [*attention, Gemm("router", m.dim, m.num_experts, 1.0), *experts * m.num_experts, *shared_gemms]
+    """Each forward GEMM of one block on one rank, as models/block_spec.py describes and splits its
+    linears: wq, wk, wv, wo, then the MLP (MoE: the router, each routed expert at its share of the
+    tokens, the shared experts as one SwiGLU of their summed width; whole on every tp rank)."""
+    gemms = []
+    for linear in block_linears(m):
+        k, n = linear.local_shape(layout.tp)
+        gemms += [Gemm(linear.name, k, n, linear.token_share)] * linear.copies
+    return gemms
 
 
 def head_gemm(m: ModelConfig, layout: Layout) -> Gemm:

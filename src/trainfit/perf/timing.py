@@ -212,9 +212,14 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> RankFlops:
     proportion to its matmul FLOPs)."""
     mm, at = 2 * F.block_matmul_params(m), F.block_attention_flops(m, t.seq_len)
     rc_mm, rc_at = F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing)
+    local = sum(g.k * g.n * g.share for g in K.block_gemms(m, layout))  # one tp rank's share of a block's
+    # The tp ranks split attention, the output projection and a dense block's linears; an MoE
+    # feed-forward is whole on each (models/block_spec.py): its matmuls are not divided below.
+    # Recomputation's matmuls are taken to split as the block's do (exact for dense blocks).
+    whole = 2 * local * layout.tp / mm
+    mm, rc_mm = mm * whole, rc_mm * whole
     fp8_gemms = _fp8_gemms(m, layout)
-    fp8 = (sum(g.k * g.n * g.share for g in fp8_gemms) / sum(g.k * g.n * g.share for g in K.block_gemms(m, layout))
-           if fp8_gemms else 0.0)  # the float8 linears' share of a block's matmul FLOPs
+    fp8 = sum(g.k * g.n * g.share for g in fp8_gemms) / local if fp8_gemms else 0.0  # float8 linears' share
 
     def rank(layers: int, wrapped: int, last_stage: bool) -> RankFlops:
         wrapped = 0 if layout.activation_checkpointing == "none" else wrapped

@@ -1,0 +1,96 @@
+"""models/block_spec.py is the one description of a block's linears: every real block matches it,
+the tensor-parallel plan places each weight as it says, and the time model's GEMMs, per-rank FLOPs
+and data-parallel volumes split each layer as it says (an MoE feed-forward whole on the tp ranks)."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from _dist import fake_world
+from _runs import run_config
+from trainfit.config import ModelConfig, load_config
+from trainfit.models import build_model
+from trainfit.models.block_spec import block_linears
+from trainfit.models.params import param_counts
+from trainfit.parallel.layout import build_layout
+from trainfit.parallel.tensor_parallel import apply_tensor_parallel
+from trainfit.perf import comms, kernels, timing
+
+FAMILIES = {
+    "llama": ("--model.preset=debug",),
+    "llama qkv bias": ("--model.preset=debug", "--model.qkv_bias=true"),
+    "gpt2": ("--model.preset=debug-gpt2",),
+    "moe": ("--model.preset=debug-moe",),
+    "moe with shared experts": ("--model.preset=debug-moe", "--model.num_shared_experts=2"),
+}
+
+
+def _model(*overrides: str) -> ModelConfig:
+    return load_config(None, list(overrides)).model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_linear_and_expert_weight_of_a_real_block_is_described(family: str) -> None:
+    m = _model(*FAMILIES[family])
+    block = build_model(m).layers[0]
+    spec = {linear.path: linear for linear in block_linears(m)}
+    linears = {name: module for name, module in block.named_modules() if isinstance(module, nn.Linear)}
+    experts = {name: p for name, p in block.named_parameters() if name.startswith("feed_forward.experts.")}
+    assert set(spec) == set(linears) | set(experts)
+    for path, module in linears.items():
+        linear = spec[path]
+        assert (module.in_features, module.out_features, module.bias is not None) == \
+            (linear.in_features, linear.out_features, linear.bias), path
+        assert linear.copies == 1 and not linear.routed
+    for path, weight in experts.items():
+        linear = spec[path]
+        assert linear.routed and tuple(weight.shape) == (linear.copies, linear.out_features, linear.in_features)
+        assert linear.token_share == m.experts_per_token / m.num_experts
+    assert sum(linear.local_params(1) for linear in spec.values()) + param_counts(m).norms == \
+        param_counts(m).per_layer
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "moe with shared experts"])
+def test_the_tensor_parallel_plan_places_each_weight_as_described(family: str) -> None:
+    m = _model(*FAMILIES[family])
+    model = build_model(m)
+    with fake_world(2):
+        apply_tensor_parallel(model, init_device_mesh("cpu", (2,)), sequence_parallel=True)
+        block = model.layers[0]
+        for linear in block_linears(m):
+            weight = block.get_parameter(f"{linear.path}.weight" if not linear.routed else linear.path)
+            if linear.tp == "replicated":
+                assert not isinstance(weight, DTensor), linear.path
+                continue
+            assert isinstance(weight, DTensor), linear.path
+            assert weight.placements == (Shard(0 if linear.tp == "column" else 1),), linear.path
+            k, n = linear.local_shape(2)
+            assert tuple(weight.to_local().shape) == (n, k), linear.path
+
+
+def test_an_moe_feed_forward_is_priced_whole_on_each_tp_rank(tmp_path) -> None:
+    base = ("--model.preset=debug-moe", "--training.micro_batch_size=2", "--training.global_batch_size=0")
+    one = run_config(tmp_path, *base)
+    two = run_config(tmp_path, *base, "--hardware.num_gpus=2", "--parallel.tp=2")
+    m = one.model
+    gemms = {g.name: g for g in kernels.block_gemms(m, build_layout(two, 2))}
+    assert (gemms["experts_w1"].k, gemms["experts_w1"].n) == (m.dim, m.expert_ffn_dim)  # whole, not / tp
+    assert (gemms["router"].k, gemms["router"].n) == (m.dim, m.num_experts)
+    assert (gemms["wq"].k, gemms["wq"].n) == (m.dim, m.dim // 2)
+    c = param_counts(m)
+    block_one, _ = comms.stage_params(m, build_layout(one, 1))
+    block_two, _ = comms.stage_params(m, build_layout(two, 2))
+    assert block_one == c.per_layer
+    assert block_two == c.per_layer - c.attention // 2  # attention halves; the MoE and the norms stay whole
+    # Per rank and token, tp=2 halves the attention's matmuls and none of the MoE's.
+    flops_one = timing._rank_flops(m, build_layout(one, 1), one.training)
+    flops_two = timing._rank_flops(m, build_layout(two, 2), two.training)
+    tokens = one.training.micro_batch_size * one.training.seq_len  # per rank in both (dp 1)
+    local = 2 * sum(g.k * g.n * g.share for g in kernels.block_gemms(m, build_layout(two, 2)))
+    whole = 2 * sum(g.k * g.n * g.share for g in kernels.block_gemms(m, build_layout(one, 1)))
+    assert whole / 2 < local < whole
+    assert flops_two.forward - flops_one.forward / 2 == pytest.approx(m.num_layers * tokens * (local - whole / 2),
+                                                                    rel=1e-9)
