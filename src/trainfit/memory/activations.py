@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from trainfit.config import ModelConfig
+from trainfit.models.block_spec import odd_expert_share, shared_experts_first_matmul
 from trainfit.models.routing import dropless_loads, expert_capacity, expert_parallel_loads
 
 FP32 = 4
@@ -357,26 +358,12 @@ def _reduction(m: ModelConfig, d: ActDtypes, tp: int) -> Terms:
     return Terms(seq=d.compute * m.dim) if tp > 1 else Terms()
 
 
-def _shared_experts_first_matmul(m: ModelConfig, r: Routing) -> int:
-    """The 1-based position of the shared experts' w1 among an MoE block's matmuls: wq, wk, wv, wo,
-    the router, then the routed experts' (w1, w3, w2 per expert, dropless; one batched matmul per
-    weight with a capacity factor)."""
-    return 9 if r.capacity else 6 + 3 * r.local_experts(m.num_experts)
-
-
 def _policy_keeps_shared_output(m: ModelConfig, r: Routing, policy: str) -> bool:
     """Whether a checkpointing policy saves the shared experts' w2 output (selective: every matmul's;
     selective-alternate: when w2 is an odd-numbered matmul)."""
     if policy == "selective-alternate":
-        return _shared_experts_first_matmul(m, r) % 2 == 1
+        return shared_experts_first_matmul(r.local_experts(m.num_experts), r.capacity) % 2 == 1
     return policy == "selective"
-
-
-def _odd_experts(m: ModelConfig, r: Routing) -> float:
-    """Dropless: the share of a rank's experts (and, balanced, of their rows) numbered 1, 3, 5, ...
-    among those it runs, whose w1 and w2 outputs selective-alternate keeps."""
-    local = r.local_experts(m.num_experts)
-    return (local // 2) / local
 
 
 def _all_to_all_outputs(m: ModelConfig, d: ActDtypes, r: Routing) -> Terms:
@@ -418,7 +405,7 @@ def _alternate_kept(m: ModelConfig, d: ActDtypes, routing: Routing | None, tp: i
     if r.capacity:
         routed = r.rows * c * F
     else:
-        odd = _odd_experts(m, r)  # each keeps w1 and w2, the even-numbered ones w3
+        odd = odd_expert_share(r.local_experts(m.num_experts))  # (and, balanced, of their rows) keep w1 and w2
         routed = r.rows * c * ((1 - odd) * F + odd * (F + D))
     shared = m.num_shared_experts * F
     shared_kept = c * (shared + D) if _policy_keeps_shared_output(m, r, "selective-alternate") else c * shared
@@ -473,7 +460,7 @@ def _expert_parallel_released(m: ModelConfig, d: ActDtypes, r: Routing, policy: 
     source, into the combine's input; on one rank the routing weights' product saves them)."""
     if r.ep == 1:
         return Terms()
-    w2_kept = 1.0 if policy == "selective" else 0.0 if r.capacity else _odd_experts(m, r)
+    w2_kept = 1.0 if policy == "selective" else 0.0 if r.capacity else odd_expert_share(r.local_experts(m.num_experts))
     return Terms(gathered=r.rows * d.compute * m.dim * (1 + w2_kept))
 
 

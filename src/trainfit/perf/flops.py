@@ -30,6 +30,7 @@ Checked against torch.utils.flop_counter.FlopCounterMode on our models (tests/es
 from __future__ import annotations
 
 from trainfit.config import ModelConfig
+from trainfit.models.block_spec import odd_expert_share, shared_experts_first_matmul
 
 FWD_BWD_FACTOR = 3  # backward = 2x forward (grad wrt inputs + grad wrt weights)
 # Matmuls in a flash-attention backward per matmul of its forward: 5 / 2 (see the module docstring).
@@ -89,42 +90,47 @@ def num_checkpointed_blocks(num_layers: int, every_n_layers: int) -> int:
     return (num_layers + every_n_layers - 1) // every_n_layers
 
 
-def alternate_recompute_params(m: ModelConfig, even_share: float | None = None) -> float:
+def alternate_recompute_params(m: ModelConfig, even_share: float | None = None, ep: int = 1) -> float:
     """Weights per token whose matmuls selective-alternate reruns in backward (trainfit.recompute):
     wk and wo; Llama's w3 (w1 and w2 kept), not GPT-2's fc2 (the block's last, skipped as under full).
     MoE (the router is kept): dropless expert e's w1, w3, w2 are matmuls 6 + 3e to 8 + 3e, so
     even-numbered experts rerun w1 and w2, odd-numbered ones w3, weighted by `even_share`, the share
     of routed tokens on even-numbered experts (default: balanced routing, their share of the
     experts); with a capacity factor the batched w1 and w2; the shared experts' w3, or w1 and w2,
-    by the parity of their first matmul."""
+    by the parity of their first matmul. The parity counts a rank's matmuls: under expert
+    parallelism its num_experts / ep experts (models/block_spec.py's odd_expert_share and
+    shared_experts_first_matmul, which the memory estimate reads too)."""
     head_dim = m.dim // m.num_heads
     attention = m.dim * (m.num_kv_heads + m.num_heads) * head_dim  # wk, wo
     if m.family == "gpt2":
         return attention
     if not m.num_experts:
         return attention + m.dim * m.ffn_dim  # w3
-    E, expert = m.num_experts, m.dim * m.expert_ffn_dim  # one weight of one expert
-    if m.capacity_factor:
-        routed, first_shared = 2.0, 9
+    local, expert = m.num_experts // ep, m.dim * m.expert_ffn_dim  # one weight of one expert
+    capacity = bool(m.capacity_factor)
+    if capacity:
+        routed = 2.0
     else:
-        even = -(-E // 2) / E if even_share is None else even_share
-        routed, first_shared = even * 2 + (1 - even), 6 + 3 * E
-    shared = m.num_shared_experts * (1 if first_shared % 2 else 2)
+        even = 1 - odd_expert_share(local) if even_share is None else even_share
+        routed = even * 2 + (1 - even)
+    shared = m.num_shared_experts * (1 if shared_experts_first_matmul(local, capacity) % 2 else 2)
     return attention + (m.experts_per_token * routed + shared) * expert
 
 
-def block_recompute_flops(m: ModelConfig, seq_len: int, policy: str) -> tuple[int, int]:
-    """(matmul, attention) FLOPs per token that one wrapped block reruns in backward."""
+def block_recompute_flops(m: ModelConfig, seq_len: int, policy: str, ep: int = 1) -> tuple[int, int]:
+    """(matmul, attention) FLOPs per token that one wrapped block reruns in backward (`ep`: the
+    expert-parallel degree, which decides selective-alternate's parity of a rank's experts)."""
     if policy == "selective-alternate":
-        return int(2 * alternate_recompute_params(m)), 0
+        return int(2 * alternate_recompute_params(m, ep=ep)), 0
     if policy != "full":
         return 0, 0
     return 2 * (block_matmul_params(m) - skipped_recompute_params(m)), block_attention_flops(m, seq_len)
 
 
-def recompute_flops_per_token(m: ModelConfig, seq_len: int, policy: str, every_n_layers: int = 1) -> int:
+def recompute_flops_per_token(m: ModelConfig, seq_len: int, policy: str, every_n_layers: int = 1,
+                              ep: int = 1) -> int:
     """Extra forward FLOPs per token that activation checkpointing reruns during backward."""
-    matmul, attention = block_recompute_flops(m, seq_len, policy)
+    matmul, attention = block_recompute_flops(m, seq_len, policy, ep)
     return num_checkpointed_blocks(m.num_layers, every_n_layers) * (matmul + attention)
 
 
@@ -139,11 +145,11 @@ def flash_backward_extra_flops_per_token(m: ModelConfig, seq_len: int) -> int:
 
 
 def hardware_flops_per_token(m: ModelConfig, seq_len: int, policy: str = "none", every_n_layers: int = 1, *,
-                             chunked_loss: bool = False) -> int:
+                             chunked_loss: bool = False, ep: int = 1) -> int:
     """FLOPs the devices execute per token: model FLOPs + fused-attention backward + recomputation
     (activation checkpointing's, and the chunked loss's output projection)."""
     return (training_flops_per_token(m, seq_len) + flash_backward_extra_flops_per_token(m, seq_len)
-            + recompute_flops_per_token(m, seq_len, policy, every_n_layers)
+            + recompute_flops_per_token(m, seq_len, policy, every_n_layers, ep)
             + loss_recompute_flops_per_token(m, chunked_loss))
 
 

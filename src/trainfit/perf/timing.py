@@ -211,7 +211,7 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> RankFlops:
     attention kernel's part of each, and the float8 linears' (a checkpointed block reruns them in
     proportion to its matmul FLOPs)."""
     mm, at = 2 * F.block_matmul_params(m), F.block_attention_flops(m, t.seq_len)
-    rc_mm, rc_at = F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing)
+    rc_mm, rc_at = F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing, layout.ep)
     local = sum(g.k * g.n * g.share for g in K.block_gemms(m, layout))  # one tp rank's share of a block's
     # The tp ranks split attention, the output projection and a dense block's linears; an MoE
     # feed-forward is whole on each (models/block_spec.py): its matmuls are not divided below.
@@ -248,7 +248,8 @@ def _fp8_cast_bytes(m: ModelConfig, layout: Layout, t: TrainingConfig, flops: Ra
     casts = [linear_cast_bytes(rows * g.share, g.k, g.n, scaling=layout.fp8_scaling, compiled=layout.compile,
                                weight_bytes=weight_bytes, weight_gathered=layout.fp8_gathers) for g in gemms]
     block_fwd, block_bwd = sum(c.forward for c in casts), sum(c.backward for c in casts)
-    rerun = F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing)[0] / (2 * F.block_matmul_params(m))
+    rerun = (F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing, layout.ep)[0]
+             / (2 * F.block_matmul_params(m)))
     n_mb = layout.num_microbatches
     forward = n_mb * flops.blocks * block_fwd
     backward = n_mb * (flops.blocks * block_bwd + flops.wrapped * rerun * block_fwd)
@@ -431,9 +432,9 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
     tokens_per_step = layout.global_batch_size * t.seq_len
     model_tok = F.training_flops_per_token(m, t.seq_len)
     hardware_tok = F.hardware_flops_per_token(m, t.seq_len, layout.activation_checkpointing, layout.ac_every_n_layers,
-                                              chunked_loss=layout.chunked_loss)
+                                              chunked_loss=layout.chunked_loss, ep=layout.ep)
     recompute_tok = (F.recompute_flops_per_token(m, t.seq_len, layout.activation_checkpointing,
-                                                 layout.ac_every_n_layers)
+                                                 layout.ac_every_n_layers, layout.ep)
                      + F.loss_recompute_flops_per_token(m, layout.chunked_loss))
     rank_flops = _rank_flops(m, layout, t)
     fwd, bwd = rank_flops.forward, rank_flops.backward

@@ -270,7 +270,7 @@ def _mesh_bound(mesh: _Mesh, groups: list[_Group], rates: Rates) -> float:
 
 def _knob_cost(cfg: Config, ac: tuple[str, int]) -> float:
     """Recomputed FLOPs per token of a checkpointing option (orders the options cheapest first)."""
-    return F.recompute_flops_per_token(cfg.model, cfg.training.seq_len, ac[0], ac[1])
+    return F.recompute_flops_per_token(cfg.model, cfg.training.seq_len, ac[0], ac[1], cfg.parallel.ep)
 
 
 def _valid_offload(layout: Layout, offload: str) -> bool:

@@ -94,3 +94,23 @@ def test_an_moe_feed_forward_is_priced_whole_on_each_tp_rank(tmp_path) -> None:
     assert whole / 2 < local < whole
     assert flops_two.forward - flops_one.forward / 2 == pytest.approx(m.num_layers * tokens * (local - whole / 2),
                                                                     rel=1e-9)
+
+
+def test_selective_alternate_counts_the_parity_of_a_ranks_own_experts() -> None:
+    """Expert e of a rank runs its matmuls 6 + 3e to 8 + 3e, numbered from the rank's first expert,
+    so the parity of what selective-alternate reruns depends on E / ep, not E (6 experts: 3 per rank
+    at ep 2). The memory estimate reads the same two facts (memory/activations.py)."""
+    m = _model("--model.preset=debug-moe", "--model.num_experts=6", "--model.num_shared_experts=1")
+    from trainfit.models.block_spec import odd_expert_share, shared_experts_first_matmul
+    from trainfit.perf import flops
+
+    assert (odd_expert_share(6), odd_expert_share(3)) == (0.5, 1 / 3)
+    assert (shared_experts_first_matmul(6, False), shared_experts_first_matmul(3, False)) == (24, 15)
+    head_dim = m.dim // m.num_heads
+    attention = m.dim * (m.num_kv_heads + m.num_heads) * head_dim  # wk, wo
+    expert = m.dim * m.expert_ffn_dim
+    # even-numbered experts rerun w1 and w2 (2 weights), odd ones w3; the shared experts by their parity
+    at_ep1 = attention + (m.experts_per_token * (0.5 * 2 + 0.5) + 2) * expert  # shared w1 is the 24th: even
+    at_ep2 = attention + (m.experts_per_token * (2 / 3 * 2 + 1 / 3) + 1) * expert  # the 15th: odd
+    assert flops.alternate_recompute_params(m) == pytest.approx(at_ep1)
+    assert flops.alternate_recompute_params(m, ep=2) == pytest.approx(at_ep2)
