@@ -38,6 +38,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from trainfit.config import ACPolicy, ConfigError
+from trainfit.parallel.stage_split import checkpointed
 
 _aten = torch.ops.aten
 
@@ -119,7 +120,7 @@ def apply_activation_checkpointing(model: nn.Module, policy: str, every_n_layers
     options: dict[str, Any] = {"context_fn": _CONTEXTS[policy]} if policy in _CONTEXTS else {}
     wrapped = 0
     for i, block in model.layers.indexed():  # global indices: a pipeline stage holds some of them
-        if i % every_n_layers == 0:
+        if checkpointed(i, every_n_layers):
             model.layers[i] = checkpoint_wrapper(block, **options)
             wrapped += 1
     return wrapped

@@ -78,7 +78,7 @@ from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.comm_buffers import comm_buffer_bytes
 from trainfit.models.params import ParamCounts, param_counts
 from trainfit.parallel.layout import Layout
-from trainfit.parallel.stage_split import SINGLE_STAGE_SCHEDULES, RankPlacement
+from trainfit.parallel.stage_split import SINGLE_STAGE_SCHEDULES, RankPlacement, checkpointed
 from trainfit.perf.fp8_casts import float8_linears
 
 MIB = 1024**2
@@ -315,10 +315,6 @@ def _float8_backward_bytes(linear: tuple[int, int, int], tokens: int, casts_weig
                tokens * (2 * n + 2 * k + FLOAT8_CAST_BYTES * k) + w)
 
 
-def _wrapped(index: int, n: int) -> bool:
-    return index % n == 0  # recompute.apply_activation_checkpointing
-
-
 class _Block(NamedTuple):
     """A block's parameters on a rank (elements after tp and ep), and what sizes a rank's ends: the
     same on every pipeline rank of a layout (_Layout's block_* fields)."""
@@ -372,7 +368,7 @@ def _layout(run: _Run, common: _Common, place: RankPlacement) -> _Layout:
     m, mem, b = run.model, run.layout, common.block
     first, last, blocks = place.first, place.last, place.blocks  # blocks: global indices, model order
     n = mem.ac_every_n_layers
-    policy_blocks = sum(_wrapped(i, n) for i in blocks) if mem.activation_checkpointing != "none" else 0
+    policy_blocks = sum(checkpointed(i, n) for i in blocks) if mem.activation_checkpointing != "none" else 0
     tied_here = first and last and bool(m.tie_embeddings)
     head = common.counts.final_norm + (0 if tied_here else b.vocab) if last else 0
     tensors = len(blocks) * b.tensors + b.norm_tensors * first  # + pos embedding (gpt2)
@@ -380,8 +376,8 @@ def _layout(run: _Run, common: _Common, place: RankPlacement) -> _Layout:
     in_flight, head_in_flight = _in_flight(run, place.rank)
     return _Layout(
         blocks=len(blocks), policy_blocks=policy_blocks,
-        last_wrapped=policy_blocks > 0 and _wrapped(blocks[-1], n),
-        first_wrapped=policy_blocks > 0 and _wrapped(blocks[0], n),
+        last_wrapped=policy_blocks > 0 and checkpointed(blocks[-1], n),
+        first_wrapped=policy_blocks > 0 and checkpointed(blocks[0], n),
         in_flight=in_flight, head_in_flight=head_in_flight, first=first, last=last,
         block=b.params, block_matmul=b.matmul, block_experts=b.experts, block_float8=b.float8,
         block_no_decay=b.no_decay, mlp_out=b.mlp_out, embedding=common.counts.embedding // mem.tp if first else 0,

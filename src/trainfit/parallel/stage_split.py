@@ -110,6 +110,14 @@ def rank_placements(layers_per_stage: tuple[int, ...], pp: int, virtual_stages: 
     return tuple(placements)
 
 
+def checkpointed(block: int, every_n_layers: int) -> bool:
+    """Does activation checkpointing wrap global block `block` (memory.ac_every_n_layers = n)? The
+    blocks i with i % n == 0, counted from the model's first block, whichever pipeline stage runs
+    them: the last block stays unwrapped when n > 1, where backward starts at the step's peak
+    (recompute.apply_activation_checkpointing wraps by this; the estimators count by it)."""
+    return block % every_n_layers == 0
+
+
 @functools.lru_cache(maxsize=4096)
 def rank_shapes(layers_per_stage: tuple[int, ...], pp: int, virtual_stages: int, schedule: str, every_n_layers: int
                 ) -> frozenset[tuple[int, int, bool]]:
@@ -117,7 +125,7 @@ def rank_shapes(layers_per_stage: tuple[int, ...], pp: int, virtual_stages: int,
     pipeline ranks: all a per-rank cost model needs to find the busiest."""
     last = len(layers_per_stage) - 1
     return frozenset(
-        (len(blocks), sum(i % every_n_layers == 0 for i in blocks),
+        (len(blocks), sum(checkpointed(i, every_n_layers) for i in blocks),
          last in rank_stages(r, pp, virtual_stages, schedule))
         for r in range(pp) for blocks in [rank_blocks(r, layers_per_stage, pp, virtual_stages, schedule)])
 

@@ -294,10 +294,12 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
     m, t = model, training
     param_b, grad_b, act_b = precision_bytes(layout.precision)
     n_mb = layout.num_microbatches
-    layers = layout.busiest_rank_blocks()
+    # The rank with the most blocks, and how many of them are checkpointed (global indices: a stage
+    # that starts at an odd block wraps other ones than its count alone says).
+    layers, wrapped = max((blocks, wrapped) for blocks, wrapped, _ in layout.rank_shapes())
     block, root = stage_params(model, layout)
     policy = layout.activation_checkpointing
-    wrapped = 0 if policy == "none" else -(-layers // layout.ac_every_n_layers)
+    wrapped = 0 if policy == "none" else wrapped
     seqs = layout.global_batch_size / (layout.dp * n_mb)  # sequences per micro-batch on a rank
     act = int(seqs * t.seq_len / layout.cp * m.dim * act_b)  # one micro-batch's hidden states, full width
     calls = n_mb * layers

@@ -86,7 +86,8 @@ def skipped_recompute_params(m: ModelConfig) -> int:
 
 
 def num_checkpointed_blocks(num_layers: int, every_n_layers: int) -> int:
-    """Blocks i with i % n == 0 are wrapped (trainfit.recompute.apply_activation_checkpointing)."""
+    """Blocks of the whole model that checkpointing wraps (parallel/stage_split.checkpointed: i % n
+    == 0, which holds for ceil(num_layers / n) of blocks 0 .. num_layers - 1)."""
     return (num_layers + every_n_layers - 1) // every_n_layers
 
 

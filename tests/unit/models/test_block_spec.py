@@ -114,3 +114,29 @@ def test_selective_alternate_counts_the_parity_of_a_ranks_own_experts() -> None:
     at_ep2 = attention + (m.experts_per_token * (2 / 3 * 2 + 1 / 3) + 1) * expert  # the 15th: odd
     assert flops.alternate_recompute_params(m) == pytest.approx(at_ep1)
     assert flops.alternate_recompute_params(m, ep=2) == pytest.approx(at_ep2)
+
+
+def test_checkpointed_blocks_of_a_stage_starting_at_an_odd_block(tmp_path) -> None:
+    """Stages of 1 and 3 blocks, every 2nd block wrapped: the second stage runs blocks 1-3 and wraps
+    block 2 alone (global indices), though a count of its own blocks would say ceil(3 / 2) = 2. The
+    trainer's wrapping, the layout's per-rank shapes and the time model's collectives agree."""
+    from trainfit.parallel.pipeline import split_stages
+    from trainfit.recompute import apply_activation_checkpointing
+
+    cfg = run_config(tmp_path, "--model.num_layers=4", "--hardware.num_gpus=2", "--parallel.pp=2",
+                     "--parallel.pp_layers_per_stage=1,3", "--parallel.pp_schedule=1f1b",
+                     "--memory.activation_checkpointing=full", "--memory.ac_every_n_layers=2",
+                     "--parallel.cp=1", "--training.global_batch_size=8")
+    layout = build_layout(cfg, 2)
+    (stage,) = split_stages(build_model(cfg.model), layout, pp_rank=1)
+    assert apply_activation_checkpointing(stage, "full", 2) == 1
+    assert max(layout.rank_shapes())[:2] == (3, 1)
+    cp = run_config(tmp_path, "--model.num_layers=8", "--hardware.num_gpus=4", "--parallel.pp=2",
+                    "--parallel.cp=2", "--parallel.pp_layers_per_stage=1,7", "--parallel.pp_schedule=1f1b",
+                    "--memory.activation_checkpointing=full", "--memory.ac_every_n_layers=2",
+                    "--training.global_batch_size=8")
+    layout = build_layout(cp, 4)
+    recomputed_kv = [c for c in comms.step_collectives(cp.model, layout, cp.training)
+                     if c.purpose == "cp" and c.phase == "backward" and c.kind == "all_gather"]
+    # blocks 1-7 wrap 2, 4 and 6: each recomputation all-gathers keys and values again (2 per block)
+    assert sum(c.count for c in recomputed_kv) == 2 * 3 * layout.num_microbatches
