@@ -278,3 +278,34 @@ def test_tensor_parallel_collectives_match_parallelize_module(sequence_parallel:
                 torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
         assert log.calls == expected(cfg, dims), policy
         assert observed_total(log) == sum(log.calls.values())
+
+
+def test_fsdp_float8_all_gather_bytes_match_fully_shard() -> None:
+    """precision.fp8_all_gather: each block's all-gather carries its float8 linears' weights in fp8
+    (torchao's WeightWithDynamicFloat8CastTensor) and the rest in bf16, in one call per block."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from trainfit.float8 import convert_to_float8, precompute_scales
+    from trainfit.precision import precision_policy
+
+    cfg, dims = _dims("--model.preset=debug", "--model.num_layers=2", "--hardware.num_gpus=4",
+                      "--parallel.zero_stage=3", "--precision.mode=fp8-mixed", "--precision.fp8_all_gather=true",
+                      "--training.seq_len=16", "--training.micro_batch_size=2", "--training.global_batch_size=8")
+    policy = precision_policy("fp8-mixed", "cpu", fp8_all_gather=True)
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (4,))
+        model = build_model(cfg.model)
+        convert_to_float8(model, policy, tokens_per_matmul=32)
+        options = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                  reduce_dtype=torch.float32))
+        for block in model.layers:
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+        materialize(model, "cpu")
+        precompute_scales(model, policy)  # as the trainer does after each optimizer step
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
+        with CollectiveLog() as log:
+            model(tokens).float().mean().backward()
+    gathers = Counter({key: n for key, n in log.calls.items() if key[0] == "all_gather"})
+    assert gathers == Counter({key: n for key, n in expected(cfg, dims).items() if key[0] == "all_gather"})

@@ -34,6 +34,7 @@ from trainfit.models.block_spec import block_linears
 from trainfit.models.params import param_counts
 from trainfit.models.routing import expert_capacity
 from trainfit.parallel.layout import AXES, Layout
+from trainfit.perf.fp8_casts import FP8_BYTES, float8_linears
 
 KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
 
@@ -330,11 +331,14 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
         add("all_gather", "zero1_params", shard, layout.dp_shard, per_bucket * param_b, buckets, "step",
             "buckets", per_microbatch=False)
     else:
+        gathered = block * param_b
+        if layout.fp8_gathers:  # the float8 linears' weights travel in fp8 (precision.fp8_all_gather), the rest as is
+            fp8_weights = sum(k * n for k, n, _ in float8_linears(model).values()) // layout.tp
+            gathered = (block - fp8_weights) * param_b + fp8_weights * FP8_BYTES
         add("all_gather", "fsdp_param", shard, layout.dp_shard, root * param_b, n_mb, "forward", "root")
-        add("all_gather", "fsdp_param", shard, layout.dp_shard, block * param_b, n_mb * layers, "forward", "blocks")
+        add("all_gather", "fsdp_param", shard, layout.dp_shard, gathered, n_mb * layers, "forward", "blocks")
         if layout.zero_stage == 3:
-            add("all_gather", "fsdp_param", shard, layout.dp_shard, block * param_b, n_mb * layers, "backward",
-                "blocks")
+            add("all_gather", "fsdp_param", shard, layout.dp_shard, gathered, n_mb * layers, "backward", "blocks")
         add("reduce_scatter", "grad_sync", shard, layout.dp_shard, block * grad_b, n_mb * layers, "backward", "blocks")
         add("reduce_scatter", "grad_sync", shard, layout.dp_shard, root * grad_b, n_mb, "backward", "root")
         add("all_reduce", "grad_sync", rest, replicas, block * grad_b / layout.dp_shard, layers, "backward", "blocks",
