@@ -77,6 +77,7 @@ from trainfit.memory.activations import (
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.comm_buffers import comm_buffer_bytes
 from trainfit.models.params import ParamCounts, param_counts
+from trainfit.parallel.engine import DDP_GRADIENT_AS_BUCKET_VIEW, FSDP_PREFETCH_BLOCKS, FSDP_REDUCE_BYTES_MIXED
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import SINGLE_STAGE_SCHEDULES, RankPlacement, checkpointed
 from trainfit.perf.fp8_casts import float8_linears
@@ -136,18 +137,6 @@ shard has fewer values than this, or a number of values no multiple of EIGHT_BIT
 _new_buffer)."""
 EIGHT_BIT_TABLE_BYTES = 256 * 4
 """The code table (qmap) each 8-bit state tensor carries: 2**8 fp32 values."""
-DDP_GRADIENT_AS_BUCKET_VIEW = True
-"""parallel/data_parallel.apply_ddp passes gradient_as_bucket_view=True to DDP (torch's default is
-False): DDP's flat all-reduce buckets (25 MiB each), allocated when DDP is built and alive as long
-as the module, *are* the gradients: autograd's gradient is copied into its bucket slot and `.grad`
-becomes a view of it ("the saved memory size will be equal to the total gradients size", DDP
-docs). So the gradients exist all step long, the forward included (set_to_none only drops the
-views), and no second copy sits in buffers; False would add the buckets beside `.grad`."""
-FSDP_PREFETCH_BLOCKS = 1
-"""parallel/data_parallel.py prefetches one block: the next block's all-gather is issued when a
-block starts its forward (the previous one's in backward)."""
-FSDP_REDUCE_BYTES_MIXED = 4
-"""*-mixed under FSDP2 reduces gradients in fp32 (MixedPrecisionPolicy(reduce_dtype=float32))."""
 LOSS_PARALLEL_FP32_COPIES = (2, 4)
 """Under tp the logits stay sharded over the vocabulary into torch's loss_parallel (a rank holds
 ceil(V / tp) columns), whose log-softmax and its backward are written out op by op

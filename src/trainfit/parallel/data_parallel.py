@@ -85,6 +85,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor, Shard
 
+from trainfit.parallel.engine import (
+    DDP_BUCKET_BYTES,
+    DDP_GRADIENT_AS_BUCKET_VIEW,
+    FSDP_PREFETCH_BLOCKS,
+    FSDP_REDUCE_BYTES_MIXED,
+)
 from trainfit.parallel.zero import ZeroOptimizer, plain_tensors
 from trainfit.precision import PrecisionPolicy
 
@@ -101,14 +107,16 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     # Buffers (RoPE tables) never change: synced once at the first forward, not at every one.
     # gradient_as_bucket_view: replicate passes it on to DistributedDataParallel, whose gradients
     # then are views into its all-reduce buckets instead of one more copy of every gradient.
-    return replicate(model, device_mesh=dp_mesh, forward_sync_buffers=False, gradient_as_bucket_view=True)
+    return replicate(model, device_mesh=dp_mesh, forward_sync_buffers=False,
+                     gradient_as_bucket_view=DDP_GRADIENT_AS_BUCKET_VIEW, bucket_cap_mb=DDP_BUCKET_BYTES / 2**20)
 
 
 def mixed_precision_policy(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
     """*-mixed: compute copies in the low dtype, fp32 gradient reduction (and fp32 master shards).
     fp32 and bf16-pure: everything in the parameters' own dtype."""
     if policy.keeps_master_weights:
-        return MixedPrecisionPolicy(param_dtype=policy.autocast_dtype, reduce_dtype=torch.float32)
+        reduce = {4: torch.float32, 2: policy.autocast_dtype}[FSDP_REDUCE_BYTES_MIXED]
+        return MixedPrecisionPolicy(param_dtype=policy.autocast_dtype, reduce_dtype=reduce)
     return MixedPrecisionPolicy()
 
 
@@ -158,9 +166,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionP
     # The root's parameters are needed again as soon as backward starts: never reshard them.
     fully_shard(model, reshard_after_forward=False, **options)
     if reshard_after_forward:
-        for block, following in zip(blocks, blocks[1:], strict=False):
-            block.set_modules_to_forward_prefetch([following])
-            following.set_modules_to_backward_prefetch([block])
+        ahead = FSDP_PREFETCH_BLOCKS
+        for i, block in enumerate(blocks):
+            if blocks[i + 1:i + 1 + ahead]:
+                block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + ahead])
+            if blocks[max(0, i - ahead):i]:
+                block.set_modules_to_backward_prefetch(blocks[max(0, i - ahead):i][::-1])
     return model
 
 

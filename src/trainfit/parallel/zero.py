@@ -99,10 +99,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-BUCKET_BYTES = 25 * 2**20
-"""Largest bucket (its N chunks together, in the wider of gradient and parameter dtype): DDP's
-default bucket_cap_mb. It bounds the transient reduce-scatter and all-gather buffers, which exist
-for one bucket at a time; a parameter larger than this gets a bucket of its own."""
+from trainfit.parallel.engine import ZERO1_BUCKET_BYTES
+
+BUCKET_BYTES = ZERO1_BUCKET_BYTES
+"""Largest bucket (parallel/engine.py, where the estimators read it too)."""
 
 # torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single (the old names are
 # deprecated aliases warning at every call); the project supports torch >= 2.6, which has only those.

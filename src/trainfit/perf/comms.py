@@ -33,17 +33,12 @@ from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link
 from trainfit.models.block_spec import block_linears
 from trainfit.models.params import param_counts
 from trainfit.models.routing import expert_capacity
+from trainfit.parallel.engine import DDP_BUCKET_BYTES, ZERO1_BUCKET_BYTES
 from trainfit.parallel.layout import AXES, Layout
 from trainfit.perf.fp8_casts import FP8_BYTES, float8_linears
 
 KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
 
-DDP_BUCKET_BYTES = 25 * 1024**2
-"""torch DDP's default bucket (DistributedDataParallel(bucket_cap_mb=25)); a bucket is sent once it
-holds at least this many bytes of gradients."""
-ZERO1_BUCKET_BYTES = DDP_BUCKET_BYTES
-"""parallel/zero.py's BUCKET_BYTES: ZeRO-1 reduce-scatters and all-gathers bucket by bucket, each
-at most this many bytes in the wider of its gradient and parameter dtypes."""
 COUNT_BYTES = 8
 """Dropless expert parallelism exchanges its per-expert row counts as int64 first."""
 FP32_BYTES, LOW_BYTES = 4, 2
