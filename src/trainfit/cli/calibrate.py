@@ -1,0 +1,45 @@
+"""`trainfit calibrate`: measure this machine (matmuls, memory bandwidth, collectives, the optimizer
+step) into a hardware profile that estimate and train read with --hardware.profile."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trainfit.cli.common import reject_overrides
+from trainfit.config import ConfigError, check_writable
+
+
+def cmd_calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from trainfit.hardware_profile import write_profile
+    from trainfit.perf.calibrate import calibrate, profile_tables, resolve_max_ranks
+
+    reject_overrides(overrides)
+    check_writable("--out", args.out, replace=args.force)
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads {args.threads}: must be >= 1 (default: what torch uses here, "
+                          f"{torch.get_num_threads()})")
+    max_ranks = resolve_max_ranks(args.max_ranks)
+    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    err = Console(stderr=True)
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task("calibrating", total=None)
+        profile = calibrate(quick=args.quick, max_ranks=max_ranks, threads=args.threads or torch.get_num_threads(),
+                            progress=lambda what, done, total: bar.update(task, description=what, completed=done,
+                                                                          total=total))
+    write_profile(profile, args.out)
+    if args.json:
+        print(json.dumps(profile.as_dict(), indent=2))
+    else:
+        console = Console()
+        for table in profile_tables(profile):
+            console.print(table)
+    print(f"wrote {args.out}: use it as trainfit estimate --hardware.profile={args.out}",
+          file=sys.stderr if args.json else sys.stdout)
+    return 0

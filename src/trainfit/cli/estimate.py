@@ -1,0 +1,52 @@
+"""`trainfit estimate`: per-GPU memory, FLOPs, step time and MFU of one config, and the fewest
+changes that make it fit when it does not (torch-free unless --traced)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trainfit.config import load_config
+
+
+def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    from trainfit.estimate import as_json, estimate, with_traced_memory
+    from trainfit.memory.report import check_figure_path, plot_breakdown, print_estimate
+    from trainfit.plan.fixes import fewest_changes
+    from trainfit.plan.space import with_global_batch
+
+    cfg = load_config(args.config, overrides)
+    if args.plot:
+        check_figure_path("--plot", args.plot)
+    est = estimate(cfg)
+    for message in est.layout.ineffective_options():  # as `trainfit train` warns of them
+        print(f"warning: {message}", file=sys.stderr)
+    if args.traced:
+        from trainfit.memory.traced import trace_step
+
+        est = with_traced_memory(est, trace_step(cfg))
+    # the fixes keep the global batch: when it is 0, the one this config's run derives (named in the output)
+    fixable, batch = with_global_batch(cfg)
+    fixes = [] if est.fits else fewest_changes(fixable)
+    if args.json:
+        out = as_json(est)
+        if args.traced:
+            out["timeline"] = [list(point) for point in est.memory.timeline]
+        if not est.fits:
+            out["fixes"] = [{"changes": list(f.changes), "memory_bytes": f.candidate.memory_bytes,
+                             "tokens_per_second": f.candidate.tokens_per_second, "mfu": f.candidate.mfu}
+                            for f in fixes]
+            out["fixes_global_batch"] = batch.as_dict()
+        print(json.dumps(out, indent=2))
+    else:
+        print_estimate(est, fixes=fixes, fixes_batch=None if est.fits else batch)
+        if args.traced:
+            print(f"traced in {est.memory.seconds:.1f} s ({est.memory.num_ops:,} operators, peak in "
+                  f"{est.memory.peak_module!r}); estimating process peak RSS "
+                  f"{est.memory.peak_rss_bytes / 2**30:.2f} GiB")
+    if args.plot:
+        path = plot_breakdown(est, args.plot)
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
