@@ -706,8 +706,8 @@ class _Common(NamedTuple):
 
 def _common(run: _Run, shared: SharedSizes) -> _Common:
     layout = run.layout
-    fsdp = layout.zero_stage >= 2 or layout.offload != "none"
-    prec = _precision(layout.precision, fsdp or layout.data_parallel == "zero1")
+    fsdp = layout.data_parallel == "fsdp"
+    prec = _precision(layout.precision, not layout.autocast)
     if assumed_attention_kernel(run.model, layout, run.training, run.hardware) == "math":
         prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, math_attention=True))
     seq = run.training.seq_len // layout.cp

@@ -66,7 +66,7 @@ ShardedGradScaler whose inf check is all-reduced so every rank skips the same st
 then off. DDP keeps the single-device form (fp32 parameters, autocast).
 
 The trainer reaches the engines through the functions below only (reduce_gradients,
-clip_grad_norm_, set_gradient_sync, grad_scaler, uses_autocast, state_dicts / load_state_dicts,
+clip_grad_norm_, set_gradient_sync, grad_scaler, state_dicts / load_state_dicts,
 model_state_tensors / local_state_bytes), never by testing which engine it has.
 """
 
@@ -192,12 +192,6 @@ def apply_zero1(model: nn.Module, param_groups: list[dict[str, Any]],
 def is_fully_sharded(model: nn.Module) -> bool:
     """FSDP2 holds the model's parameters (a pipeline rank's StageParts: its stages' blocks)."""
     return any(isinstance(module, FSDPModule) for module in model.modules())
-
-
-def uses_autocast(model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the forward runs under the precision policy's autocast: only where the parameters
-    stay fp32 (one process, DDP); FSDP2 and ZeRO-1 compute with parameters in the compute dtype."""
-    return not (is_fully_sharded(model) or isinstance(optimizer, ZeroOptimizer))
 
 
 def grad_scaler(policy: PrecisionPolicy, model: nn.Module, optimizer: torch.optim.Optimizer, *,

@@ -162,6 +162,20 @@ class Layout:
         return {0: "ddp", 1: "zero1"}.get(self.zero_stage, "fsdp")
 
     @property
+    def autocast(self) -> bool:
+        """The forward runs under torch.amp's autocast (per-op casts to the compute dtype, fp32
+        parameters and residual stream): the *-mixed modes where the parameters stay fp32, one
+        process and DDP. FSDP2's MixedPrecisionPolicy and ZeRO-1 run the module itself in the 16-bit
+        dtype. The trainer, both estimators and the time model read this."""
+        return self.precision.endswith("-mixed") and self.data_parallel in ("none", "ddp")
+
+    @property
+    def stream_bytes(self) -> int:
+        """Bytes per element of the residual stream (block inputs and outputs, norms' inputs): fp32
+        under fp32 and autocast, else the 16-bit compute dtype's."""
+        return 4 if self.precision == "fp32" or self.autocast else 2
+
+    @property
     def splits_backward(self) -> bool:
         """The pipeline schedule runs each micro-batch's input and weight gradients apart."""
         return self.pp > 1 and self.pp_schedule in ZERO_BUBBLE_SCHEDULES

@@ -342,8 +342,7 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
             per_microbatch=False)
 
     # Tensor parallel.
-    autocast = layout.precision.endswith("-mixed") and layout.data_parallel in ("none", "ddp")
-    stream_b = FP32_BYTES if autocast else act_b
+    stream_b = layout.stream_bytes
     tokens = seqs * t.seq_len / layout.cp
     moved = {"out": act, "stream": act / act_b * stream_b, "loss": tokens * FP32_BYTES,
              "pos": t.seq_len / layout.cp * m.dim * stream_b, "gain": m.dim * param_b}

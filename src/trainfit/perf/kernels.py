@@ -143,8 +143,7 @@ def attention_rate(profile: HardwareProfile, dtype: str, m: ModelConfig, seq_len
 def elementwise_bytes(m: ModelConfig, layout: Layout, t: TrainingConfig) -> tuple[float, float]:
     """(forward, backward incl. recomputation) bytes of elementwise work the busiest rank moves per step."""
     tp, sp = layout.tp, layout.tp if layout.sequence_parallel else 1
-    autocast = layout.precision.endswith("-mixed") and layout.zero_stage == 0
-    stream = 4 if layout.precision == "fp32" or autocast else 2  # the residual stream's and the norms' element
+    stream, autocast = layout.stream_bytes, layout.autocast  # the residual stream's and the norms' element
     inner = 4 if layout.precision == "fp32" else 2  # what matmuls output: RoPE's and the MLP's elements
     head_dim = m.dim // m.num_heads
     ffn = m.ffn_dim if not m.num_experts else m.expert_ffn_dim * (m.experts_per_token + m.num_shared_experts)

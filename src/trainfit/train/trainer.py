@@ -42,7 +42,6 @@ from trainfit.parallel.data_parallel import (
     grad_scaler,
     reduce_gradients,
     set_gradient_sync,
-    uses_autocast,
 )
 from trainfit.parallel.layout import Layout, build_layout
 from trainfit.parallel.pipeline import PipelineStep, carry_aux_loss, stage_boundary
@@ -243,7 +242,7 @@ class Trainer:
         self.optimizer = parallelize_optimizer(model, param_groups(model, cfg.training.weight_decay), make,
                                                self.layout, self.world.mesh, self.policy)
         # FSDP2 and ZeRO-1 compute with parameters in the compute dtype; autocast is the fp32-parameter form.
-        self.autocast = self.policy.autocast if uses_autocast(model, self.optimizer) else contextlib.nullcontext
+        self.autocast = self.policy.autocast if self.layout.autocast else contextlib.nullcontext
         # Tensor parallelism leaves the logits sharded over the vocabulary (parallel/tensor_parallel.py).
         self.loss_context = functools.partial(vocabulary_parallel_loss, self.layout.tp > 1)
         self.lm_loss = loss_function(self.layout.loss_chunk_tokens if self.layout.chunked_loss else 0,
