@@ -62,16 +62,16 @@ from torch.distributed.tensor import DTensor
 from trainfit.config import Config, ConfigError
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.ledger import StorageLedger, TimelinePoint, phase_listener, unsharded_component
-from trainfit.models import build_model, count_params, materialize
+from trainfit.models import materialize
 from trainfit.models.moe import GroupedExperts
 from trainfit.models.routing import dropless_loads, expert_parallel_loads
-from trainfit.parallel.apply import parallelize
 from trainfit.parallel.data_parallel import init_optimizer_states, local_state_bytes
 from trainfit.parallel.expert import Routes
 from trainfit.parallel.layout import Layout, build_layout
 from trainfit.parallel.mesh import build_mesh
 from trainfit.parallel.pipeline import PipelineStep
 from trainfit.precision import precision_policy
+from trainfit.train.build import build_parallel_model
 from trainfit.train.distributed import World
 from trainfit.train.trainer import StepParts, Trainer
 
@@ -397,10 +397,8 @@ def _trace_rank(cfg: Config, layout: Layout, rank: int) -> _RankTrace:
         if grouped:  # the mesh outside FakeTensorMode: DTensor and FSDP2 read real device tensors there
             world.attach_mesh(build_mesh(layout, "cpu"))
         mesh = world.mesh
-        model = build_model(cfg.model)
-        num_params = count_params(model)
-        policy.prepare_model(model)
-        model = parallelize(model, layout, mesh, policy)
+        built = build_parallel_model(cfg, layout, mesh, policy)  # the trainer's own build
+        model, num_params = built.model, built.num_params
         if layout.ep > 1 and not cfg.model.capacity_factor:
             _modeled_expert_routes(model, cfg, layout)
         if hasattr(model, "register_comm_hook"):  # DDP (replicate), zero_stage 0 and 1

@@ -34,9 +34,8 @@ from trainfit.fp8_matmul import Fp8MatmulRates, probe_fp8_matmul
 from trainfit.memory.attribution import Measurement, MemoryMeter, measure_trainer_step
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.measure import current_allocated_bytes
-from trainfit.models import build_model, count_params, materialize
-from trainfit.models.init import canonical_name
-from trainfit.parallel.apply import parallelize, parallelize_optimizer
+from trainfit.models import materialize
+from trainfit.parallel.apply import parallelize_optimizer
 from trainfit.parallel.data_parallel import (
     clip_grad_norm_,
     grad_scaler,
@@ -49,7 +48,7 @@ from trainfit.parallel.tensor_parallel import uneven_vocabulary, vocabulary_para
 from trainfit.perf.flops import mfu, training_flops_per_token
 from trainfit.precision import precision_policy, step_optimizer
 from trainfit.train import checkpoint as ckpt
-from trainfit.train import manifest
+from trainfit.train.build import build_parallel_model
 from trainfit.train.data import BatchSampler, TokenData, eval_batches, resolve_data
 from trainfit.train.distributed import World, init_world, run_layout
 from trainfit.train.loss import loss_function
@@ -334,14 +333,10 @@ class Trainer:
         holds; the values depend on the seed and each parameter's name, not on the layout
         (models/init.py), so every layout starts from the same weights with no broadcast."""
         cfg = self.cfg
-        model = build_model(cfg.model)
-        num_params = count_params(model)
-        self.fingerprint = manifest.fingerprint(
-            {canonical_name(name): p.shape for name, p in model.named_parameters()}, cfg.optimizer.name,
-            cfg.precision.mode, config_to_dict(cfg)["model"])
+        built = build_parallel_model(cfg, self.layout, self.world.mesh, self.policy)
+        model, num_params = built.model, built.num_params
+        self.fingerprint = built.fingerprint
         """What this run's checkpoints hold (train/manifest.py): a checkpoint must match it to resume."""
-        self.policy.prepare_model(model)
-        model = parallelize(model, self.layout, self.world.mesh, self.policy)
         # CPU offload: FSDP2 wants the shards in host memory; buffers (RoPE) compute on the device.
         offload = self.layout.offload != "none"
         materialize(model, "cpu" if offload else self.device, cfg.training.seed)

@@ -1,0 +1,42 @@
+"""The one way a run's model is built: on the meta device from the config, its fingerprint taken,
+the precision policy's preparation, then parallelized for the layout on this rank's mesh. The
+trainer and the traced estimator (memory/traced.py) both build through here, so the model whose
+step is traced is the model that trains; each then materializes it where it runs (the trainer on
+its device, the traced estimator under fake tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from trainfit.config import Config, config_to_dict
+from trainfit.models import build_model, count_params
+from trainfit.models.init import canonical_name
+from trainfit.parallel.apply import parallelize
+from trainfit.parallel.layout import Layout
+from trainfit.precision import PrecisionPolicy
+from trainfit.train import manifest
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    model: nn.Module
+    """Parallelized, still on the meta device: materialize it where it runs."""
+    num_params: int
+    """Parameters of the whole model (every rank's together)."""
+    fingerprint: manifest.Fingerprint
+    """What this run's checkpoints hold (train/manifest.py): a checkpoint must match it to resume."""
+
+
+def build_parallel_model(cfg: Config, layout: Layout, mesh: DeviceMesh | None, policy: PrecisionPolicy) -> BuiltModel:
+    """The model of `cfg` for `layout`, this rank's part of it (pipeline stages, tensor and data
+    parallel shards), on the meta device."""
+    model = build_model(cfg.model)
+    num_params = count_params(model)
+    fingerprint = manifest.fingerprint({canonical_name(name): p.shape for name, p in model.named_parameters()},
+                                       cfg.optimizer.name, cfg.precision.mode, config_to_dict(cfg)["model"])
+    policy.prepare_model(model)
+    return BuiltModel(parallelize(model, layout, mesh, policy), num_params, fingerprint)
