@@ -76,6 +76,7 @@ from trainfit.memory.activations import (
 )
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.comm_buffers import comm_buffer_bytes
+from trainfit.models.block_spec import block_linears
 from trainfit.models.params import ParamCounts, param_counts
 from trainfit.parallel.engine import DDP_GRADIENT_AS_BUCKET_VIEW, FSDP_PREFETCH_BLOCKS, FSDP_REDUCE_BYTES_MIXED
 from trainfit.parallel.layout import Layout
@@ -326,14 +327,12 @@ class _Block(NamedTuple):
 
 def _block(run: _Run, counts: ParamCounts) -> _Block:
     m, tp, ep = run.model, run.layout.tp, run.layout.ep
-    # tp shards every Linear of a block (norm gains stay whole), except an MoE feed-forward's:
-    # router, routed and shared experts stay whole on the tp ranks (parallel/tensor_parallel.py);
-    # ep shards the routed experts.
-    if m.num_experts:
-        mlp = counts.mlp - counts.routed_experts + counts.routed_experts // ep
-    else:
-        mlp = counts.mlp // tp
-    matmul = counts.attention // tp + mlp
+    # Each linear as tensor and expert parallelism split it (models/block_spec.py: an MoE
+    # feed-forward whole on the tp ranks, its routed experts / ep; a row-parallel bias whole); norm
+    # gains stay whole.
+    linears = block_linears(m)
+    matmul = sum(linear.local_params(tp, ep) for linear in linears)
+    mlp = sum(linear.local_params(tp, ep) for linear in linears if linear.path.startswith("feed_forward."))
     head_dim = m.dim // m.num_heads
     if m.family == "gpt2":
         biases, tensors, mlp_out = 4 * m.dim + m.ffn_dim + m.dim, 16, m.dim * m.ffn_dim // tp
