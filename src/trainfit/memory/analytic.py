@@ -412,21 +412,14 @@ def _matrix_shapes(run: _Run, lay: _Layout, shards: int) -> list[tuple[int, ...]
     ranks, shards / ep). The tp x ZeRO-sharded row-parallel weights take rows / shards of whole
     columns / tp (FSDP2's second mesh dimension)."""
     m, tp, ep = run.model, run.layout.tp, run.layout.ep
-    head_dim = m.dim // m.num_heads
-    q, kv = m.num_heads * head_dim, m.num_kv_heads * head_dim
-    block: list[tuple[int, ...]] = [(q // tp, m.dim), (kv // tp, m.dim), (kv // tp, m.dim), (m.dim, q // tp)]
+    block: list[tuple[int, ...]] = []
     experts: list[tuple[int, ...]] = []
-    if m.num_experts:
-        f, e = m.expert_ffn_dim, max(1, m.num_experts // ep)
-        block.append((m.num_experts, m.dim))
-        experts = [(e, f, m.dim), (e, m.dim, f), (e, f, m.dim)]
-        if m.num_shared_experts:
-            s = m.num_shared_experts * f
-            block += [(s, m.dim), (m.dim, s), (s, m.dim)]
-    elif m.family == "gpt2":
-        block += [(m.ffn_dim // tp, m.dim), (m.dim, m.ffn_dim // tp)]
-    else:
-        block += [(m.ffn_dim // tp, m.dim), (m.dim, m.ffn_dim // tp), (m.ffn_dim // tp, m.dim)]
+    for linear in block_linears(m):  # each weight as tp splits it (models/block_spec.py), (out, in)
+        k, n = linear.local_shape(tp)
+        if linear.routed:
+            experts.append((max(1, linear.copies // ep), n, k))
+        else:
+            block.append((n, k))
     vocab = (-(-m.vocab_size // tp), m.dim)
     ends = [vocab] * lay.first + [(m.max_seq_len, m.dim)] * (lay.first and m.family == "gpt2")
     ends += [vocab] * (lay.last and not lay.tied_here)
@@ -472,12 +465,12 @@ def _largest_layout_group(run: _Run, lay: _Layout, decay: int) -> int:
     tp, m = run.layout.tp, run.model
     if tp == 1:
         return decay
-    head_dim = m.dim // m.num_heads
-    q, kv = m.num_heads * head_dim, m.num_kv_heads * head_dim
-    mlp = 0 if m.num_experts else m.dim * m.ffn_dim
-    column = lay.blocks * (m.dim * (q + 2 * kv) + (1 if m.family == "gpt2" else 2) * mlp) // tp
-    column += lay.embedding + lay.output_matmul * (not lay.tied_here)
-    row = lay.blocks * (q * m.dim + mlp) // tp
+
+    def weights(style: str) -> int:  # a block's weights of one tensor-parallel style, on the rank
+        return sum(math.prod(linear.local_shape(tp)) for linear in block_linears(m) if linear.tp == style)
+
+    column = lay.blocks * weights("column") + lay.embedding + lay.output_matmul * (not lay.tied_here)
+    row = lay.blocks * weights("row")
     return max(column, row, decay - column - row)
 
 
