@@ -111,10 +111,10 @@ SOURCES: dict[str, Source] = {
 NOTES: dict[str, str] = {
     # assumptions and approximations of estimated rows
     "seq?": "seq 8192 from torchtitan's train_configs at the cited commit [inferred]",
-    "compile": "torch.compile: training.compile, which the time model prices only as fusing fp8's casts "
-               "(perf/fp8_casts.py)",
+    "compile": "torch.compile: training.compile, which the estimates price only where it changes fp8-mixed: "
+               "its casts to fp8 fused (perf/fp8_casts.py's traffic, memory/analytic.py's backward temporaries)",
     "fp8": "Float8 linears: trainfit's fp8-mixed (block linears at the fp8 peak plus torchao's casts to fp8; memory "
-           "counted as bf16-mixed)",
+           "bf16-mixed's, less the float8 linears' bf16 weight copies, plus their backward's casts)",
     "async": "AsyncTP not modelled (all TP communication exposed): predicted as vanilla TP",
     "tps?": "tokens/s per GPU [uncertain]",
     "405L": "126 layers modelled as 128 (pp x v must divide them): each rank holds the busiest rank's layers",

@@ -62,6 +62,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from trainfit.config import ModelConfig
+from trainfit.parallel.layout import Layout
+from trainfit.perf.kernels import Gemm, block_gemms
 
 DIM_MULTIPLE = 16
 """torch._scaled_mm takes fp8 operands whose dims are multiples of 16 (cuBLAS's fp8 kernels; torchao's
@@ -111,6 +113,17 @@ def float8_linears(m: ModelConfig) -> dict[str, tuple[int, int, int]]:
         else:
             dims.update({"w1": (D, m.ffn_dim, 0), "w3": (D, m.ffn_dim, 0), "w2": (m.ffn_dim, D, 0)})
     return {name: d for name, d in dims.items() if not (d[0] % DIM_MULTIPLE or d[1] % DIM_MULTIPLE)}
+
+
+def float8_gemms(m: ModelConfig, layout: Layout) -> list[Gemm]:
+    """The float8 linears' GEMMs of one block on one rank: perf/kernels.block_gemms' shapes (after
+    tensor parallelism: a column-parallel linear's n and a row-parallel one's k over tp), of the
+    Linears float8_linears names; none outside fp8-mixed. The time model prices their casts, the
+    analytic memory their backward's (memory/analytic.py)."""
+    if layout.precision != "fp8-mixed":
+        return []
+    converted = float8_linears(m)
+    return [g for g in block_gemms(m, layout) if g.name in converted]
 
 
 def cast_bytes(hp_bytes: int, *, compiled: bool) -> int:
