@@ -11,7 +11,10 @@ and its fused backward frees temporaries eager keeps between separate kernels. W
 cut depends on the graph and inductor's heuristics (fusibility, a recompute cost model), which the
 estimators do not model.
 
-    PYTHONPATH=src python benchmarks/compile.py [--steps 8] [--quick]
+fp8-mixed: the analytic estimate prices a compiled step's casts to fp8 fused (memory/analytic.py,
+FLOAT8_CAST_BYTES_COMPILED) and its other tensors as eager's; the traced one traces the eager step.
+
+    PYTHONPATH=src python benchmarks/compile.py [--steps 8] [--quick] [--precision MODE ...]
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ SHAPE = ("--model.preset=debug", "--model.ffn_dim=384", "--model.dim=128", "--mo
          "--model.max_seq_len=256", "--training.seq_len=256", "--training.micro_batch_size=4",
          "--training.global_batch_size=4")
 """tests/estimator/accuracy_grid.py's LLAMA row: 2 blocks, GQA, SwiGLU."""
-CONFIGS = [(ac, precision) for precision in ("fp32", "bf16-mixed") for ac in ("none", "selective", "full")]
+PRECISIONS = ("fp32", "bf16-mixed", "fp8-mixed")
+CONFIGS = [(ac, precision) for precision in PRECISIONS for ac in ("none", "selective", "full")]
 
 
 def run(ac: str, precision: str, compiled: bool, steps: int) -> dict[str, float]:
@@ -57,12 +61,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8, help="steps per run (the first compiles, the 2nd is measured)")
     parser.add_argument("--quick", action="store_true", help="fp32 only")
+    parser.add_argument("--precision", nargs="*", choices=PRECISIONS, default=PRECISIONS, help="these modes only")
     args = parser.parse_args()
     table = Table(title="training.compile: eager vs compiled blocks (1 process, CPU)")
     for column in ("AC", "precision", "blocks", "tokens/s", "compile s", "peak MiB", "vs eager", "traced",
                    "analytic"):
         table.add_column(column, justify="right")
-    for ac, precision in CONFIGS[:3] if args.quick else CONFIGS:
+    for ac, precision in CONFIGS[:3] if args.quick else [c for c in CONFIGS if c[1] in args.precision]:
         eager = run(ac, precision, False, args.steps)
         for compiled, row in ((False, eager), (True, run(ac, precision, True, args.steps))):
             table.add_row(ac, precision, "compiled" if compiled else "eager", f"{row['tokens_per_s']:,.0f}",
@@ -70,7 +75,7 @@ def main() -> None:
                           f"{row['peak'] / eager['peak'] - 1:+.1%}",
                           f"{row['traced'] / MiB:.2f} ({row['traced'] / row['peak'] - 1:+.1%})",
                           f"{row['analytic'] / MiB:.2f} ({row['analytic'] / row['peak'] - 1:+.1%})")
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 
 if __name__ == "__main__":

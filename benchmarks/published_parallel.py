@@ -22,7 +22,11 @@ For TFLOP/s and MFU, the source's FLOP convention is applied to trainfit's predi
 count. trainfit's step time is the sum of three parts (perf/timing.py): compute at hardware.compute_efficiency
 (0.5) of the dense peak, communication it does not overlap, and the pipeline bubble.
 
-    python benchmarks/published_parallel.py [--only SUBSTRING ...]
+    python benchmarks/published_parallel.py [--only SUBSTRING ...] [--check] [--record "REASON"]
+
+The errors are recorded (published_record.py, published_record.json) and the suite holds every change
+to them (tests/estimator/test_published_record.py); --check applies that gate here, --record re-records
+a deliberate change with its reason.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import argparse
 import statistics
 import sys
 from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
 from typing import NamedTuple
 
 from rich.console import Console
@@ -43,6 +49,9 @@ from trainfit.hardware import device_spec
 from trainfit.memory.analytic import ALLOCATOR_FRAGMENTATION
 from trainfit.perf import flops as F
 from trainfit.perf.timing import bubble_fraction
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import published_record as record  # noqa: E402 (beside this script)
 
 GIB = 1024**3
 GB = 1e9
@@ -111,10 +120,10 @@ SOURCES: dict[str, Source] = {
 NOTES: dict[str, str] = {
     # assumptions and approximations of estimated rows
     "seq?": "seq 8192 from torchtitan's train_configs at the cited commit [inferred]",
-    "compile": "torch.compile: training.compile, which the time model prices only as fusing fp8's casts "
-               "(perf/fp8_casts.py)",
+    "compile": "torch.compile: training.compile, which the estimates price only where it changes fp8-mixed: "
+               "its casts to fp8 fused (perf/fp8_casts.py's traffic, memory/analytic.py's backward temporaries)",
     "fp8": "Float8 linears: trainfit's fp8-mixed (block linears at the fp8 peak plus torchao's casts to fp8; memory "
-           "counted as bf16-mixed)",
+           "bf16-mixed's, less the float8 linears' bf16 weight copies, plus their backward's casts)",
     "async": "AsyncTP not modelled (all TP communication exposed): predicted as vanilla TP",
     "tps?": "tokens/s per GPU [uncertain]",
     "405L": "126 layers modelled as 128 (pp x v must divide them): each rank holds the busiest rank's layers",
@@ -585,6 +594,18 @@ def predict(row: Published) -> Result:
     return Result(row, est, memory, throughput)
 
 
+def errors_of(results: list[Result]) -> record.Errors:
+    """Each row's signed errors in percentage points, by metric, where compared (the record's form)."""
+    return {r.row.name: {metric: 100 * e for metric, e in (("memory", r.memory_error()),
+                                                             ("throughput", r.throughput_error())) if e is not None}
+            for r in results}
+
+
+def current_errors() -> record.Errors:
+    """errors_of every estimated row of CONFIGS: what the record holds."""
+    return errors_of([predict(row) for row in CONFIGS if row.overrides])
+
+
 def attention_share(cfg: Config) -> float:
     """Attention's share of the hardware FLOPs (fused backward and full recomputation included): the part
     trainfit runs at the bf16 peak under fp8, and the part context parallelism splits into chunks."""
@@ -664,7 +685,13 @@ def _summary(results: list[Result]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", default=[], help="rows whose name contains one of these")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the errors break the published record's "
+                        "gate (published_record.py), as the suite does")
+    parser.add_argument("--record", metavar="REASON", help="re-record every row's errors, with the reason for "
+                        "the change (published_record.json)")
     args = parser.parse_args()
+    if args.only and (args.check or args.record is not None):
+        parser.error("--check and --record take every row: leave out --only")
     rows = [row for row in CONFIGS if not args.only or any(s in row.name for s in args.only)]
     results = {row.name: predict(row) for row in rows if row.overrides}
     console = Console(width=None if sys.stdout.isatty() else 250)
@@ -681,6 +708,21 @@ def main() -> None:
     for r in results.values():
         if any(e is not None and abs(e) > GAP for e in (r.memory_error(), r.throughput_error())):
             console.print(_breakdown(r))
+    if args.check or args.record is not None:
+        errors = errors_of(list(results.values()))
+        if record.RECORD.exists():
+            recorded = record.read()
+            found = record.problems(recorded, errors)
+            console.print("\n" + escape(record.message(found, recorded) if found else
+                                         f"The published record of {recorded['recorded']} holds."))
+        else:
+            found = [f"no record yet ({record.RECORD.name})"]
+            console.print(f"\n{found[0]}")
+        if args.record is not None:
+            record.write(record.make_record(errors, args.record, date.today().isoformat()))
+            console.print(f"Re-recorded in {record.RECORD.name}: {escape(args.record)}")
+        elif found:
+            sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -298,6 +298,27 @@ def test_a_chunked_loss_of_one_chunk_moves_the_hidden_states_and_saves_nothing(m
     assert one.peak - whole.peak == (0 if mode == "fp32" else hidden)
 
 
+@pytest.mark.parametrize(("compiled", "cast"), [(False, 9), (True, 1)])
+def test_float8_backward_is_counted_on_the_ranks_shards(compiled: bool, cast: int) -> None:
+    """llama3.1-8b at tp 8 with SP and 2 FSDP shards, full checkpointing, 2 x 8192 tokens (the loss chunked away): the
+    peak is the MLP's output linear's backward (w2), the same moment in bf16-mixed and fp8-mixed but
+    for the float8 backward's own tensors, counted on the rank's shard of w2 (14336 / 8 = 1792 -> 4096
+    features), beside its incoming gradient (the all-gathered one, as bf16-mixed has it). Eager, the
+    second output-gradient cast runs at 9 bytes per element (fp32 upcast, scaled product and clamp,
+    fp8 bits) beside the first cast's fp8 bits, the weight's and the bf16 input gradient; compiled,
+    a cast is one fused kernel writing fp8 only, and the input's cast is the largest moment."""
+    shape = ("--model.preset=llama3.1-8b", "--hardware.num_gpus=16", "--parallel.tp=8",
+             "--parallel.sequence_parallel=true", "--parallel.zero_stage=3", "--training.seq_len=8192",
+             "--model.max_seq_len=8192", "--training.micro_batch_size=2", "--training.global_batch_size=4",
+             "--memory.activation_checkpointing=full", "--memory.chunked_loss=true",
+             f"--training.compile={str(compiled).lower()}")
+    bf16, fp8 = (estimate_memory(cfg_of(*shape, f"--precision.mode={mode}")).worst
+                 for mode in ("bf16-mixed", "fp8-mixed"))
+    rows, k, n = 2 * 8192, 14336 // 8, 4096
+    second_grad_cast = rows * (n + 2 * k + cast * n)  # G8, the input gradient, the cast running
+    input_cast = rows * (2 * n + 2 * k + cast * k)  # both G8s, the input gradient, the cast running
+    assert fp8.peak - bf16.peak == max(second_grad_cast, input_cast) + k * n  # + the weight's fp8 bits
+
 def test_optimizers_and_their_step_temporaries():
     def states(name: str, *extra: str):
         return model_states(cfg_of("--model.preset=llama3-8b", f"--optimizer.name={name}", *extra))

@@ -1,7 +1,7 @@
 """benchmarks/published_parallel.py's published configurations. Each row the script can express
 builds a valid config and gets a finite, positive estimate. Each row it cannot express names its
-source and the reason. How close the estimates come is for the benchmark to print, not for a
-test to bound."""
+source and the reason. How close the estimates come is the benchmark's to print and
+test_published_record.py's to hold to the recorded errors."""
 
 from __future__ import annotations
 

@@ -38,6 +38,9 @@ of model-state forms per ZeRO stage):
   host. On the device stay the unsharded compute copies (ZeRO-2: all of them from forward to
   backward; ZeRO-3: the current and prefetched block and the root), the unsharded gradients
   until their reduce-scatter, activations and logits.
+- training.compile: the eager step's tensors (what inductor's partitioner saves instead follows its
+  graph heuristics; benchmarks/compile.py measures the gap), but fp8-mixed's casts to fp8, which fuse
+  into kernels that allocate only their fp8 output (FLOAT8_CAST_BYTES_COMPILED).
 
 Also here: `model_states` (a rank's resident model states after backward), `forward_retained_bytes`
 (what a micro-batch's forward leaves for its backward: the measurable activation figure) and
@@ -82,6 +85,7 @@ from trainfit.parallel.engine import DDP_GRADIENT_AS_BUCKET_VIEW, FSDP_PREFETCH_
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import SINGLE_STAGE_SCHEDULES, RankPlacement, checkpointed
 from trainfit.perf.fp8_casts import float8_linears
+from trainfit.perf.kernels import float8_gemms
 
 MIB = 1024**2
 
@@ -147,11 +151,15 @@ backward of nll + log-softmax holds the saved log-probabilities, the zeros-then-
 exp(log-probabilities) and their sum (4 fp32 shards where the fused backward has 3)."""
 
 FLOAT8_CAST_BYTES = 9
-"""Bytes per element while torchao 0.18 casts a tensor to fp8 (float8_training_tensor.
+"""Bytes per element while torchao 0.18 casts a tensor to fp8, eager (float8_training_tensor.
 _ToFloat8ConstrFunc, float8_utils.to_fp8_saturated): `tensor.to(float32) * scale` (fp32; the bf16
 input's fp32 copy is freed once multiplied), then its clamp (fp32) while the product is still
 referenced, then the fp8 bits of the clamp: 4 + 4 + 1. The amax's abs() (the input's dtype) is freed
 before. The same for tensorwise and rowwise scales (one fp32 per tensor, or per row: negligible)."""
+FLOAT8_CAST_BYTES_COMPILED = 1
+"""The same cast inside a block compiled by training.compile: inductor fuses its pointwise chain
+(upcast, scale, clamp, fp8 conversion) into one kernel after the amax's reduction, so only its fp8
+output is allocated (perf/fp8_casts.py prices the same fusion's traffic)."""
 
 WEIGHT_PASS_SCHEDULES = frozenset({"interleaved-zero-bubble", "zbv-zero-bubble"})
 """Schedules whose backward is split into an input pass (I) and a later weight pass (W) at their
@@ -290,19 +298,21 @@ def _in_flight(run: _Run, stage: int) -> tuple[float, int]:
     return float(min(p - stage, m)), 1
 
 
-def _float8_backward_bytes(linear: tuple[int, int, int], tokens: int, casts_weight: bool) -> int:
+def _float8_backward_bytes(k: int, n: int, tokens: int, casts_weight: bool, cast_bytes: int) -> int:
     """What one float8 Linear's backward allocates beyond its saved input and incoming gradient, at its
     largest moment (torchao 0.18, float8_linear.matmul_with_hp_or_float8_args.backward, whose locals
-    live until it returns): the output gradient cast to fp8 for the input gradient (G8), the weight
-    cast (unless FSDP2 gathered it in fp8), the input gradient (bf16), the output gradient cast again
-    for the weight gradient, the input cast; each cast at FLOAT8_CAST_BYTES while it runs. Moments:
-    casting the weight, the second output-gradient cast, the input cast. The weight gradient's matmul
-    comes after, with the casts' temporaries freed (bf16 weight gradient: <= what the input cast held)."""
-    k, n, _ = linear
+    live until it returns), for the rank's k -> n shard of it (perf/kernels.float8_gemms): the
+    output gradient cast to fp8 for the input gradient (G8), the weight cast (unless FSDP2 gathered it
+    in fp8), the input gradient (bf16), the output gradient cast again for the weight gradient, the
+    input cast; each cast at `cast_bytes` per element while it runs (FLOAT8_CAST_BYTES eager,
+    FLOAT8_CAST_BYTES_COMPILED compiled, where the kernels free what they no longer need: a bound).
+    Moments: casting the weight, the second output-gradient cast, the input cast. The weight
+    gradient's matmul comes after, with the casts' temporaries freed (bf16 weight gradient: <= what
+    the input cast held)."""
     w = k * n if casts_weight else 0
-    return max(tokens * n + FLOAT8_CAST_BYTES * w,
-               tokens * (n + 2 * k + FLOAT8_CAST_BYTES * n) + w,
-               tokens * (2 * n + 2 * k + FLOAT8_CAST_BYTES * k) + w)
+    return max(tokens * n + cast_bytes * w,
+               tokens * (n + 2 * k + cast_bytes * n) + w,
+               tokens * (2 * n + 2 * k + cast_bytes * k) + w)
 
 
 class _Block(NamedTuple):
@@ -957,9 +967,12 @@ def _breakdown(run: _Run, common: _Common, lay: _Layout) -> Callable[[_PipelineH
     # fp8-mixed: the largest float8 backward's own allocations (_float8_backward_bytes), at the start
     # of the block's backward (its saved activations all there): the MLP's output Linear (w2) or the
     # attention's (wo), the first of each branch to run backward. MoE: wo and the shared experts' w2.
-    float8 = float8_linears(run.model) if lay.block_float8 else {}
-    fp8_backward = max((_float8_backward_bytes(float8[name], st.tokens, not run.layout.fp8_gathers)
-                        for name in ("w2", "wo", "shared_w2") if name in float8), default=0)
+    # Their incoming gradient is the branch's: with sequence parallelism the all-gathered one.
+    float8 = {g.name: g for g in float8_gemms(run.model, run.layout)} if lay.block_float8 else {}
+    cast_bytes = FLOAT8_CAST_BYTES_COMPILED if run.layout.compile else FLOAT8_CAST_BYTES
+    fp8_backward = max((_float8_backward_bytes(float8[name].k, float8[name].n, st.tokens, not run.layout.fp8_gathers,
+                                               cast_bytes) for name in ("w2", "wo", "shared_w2") if name in float8),
+                       default=0)
 
     def in_backward(wrapped: bool) -> tuple[int, int, int, int]:
         """(grads, buffers, activations, 16-bit casts) a block adds at its backward's peak.
@@ -968,6 +981,7 @@ def _breakdown(run: _Run, common: _Common, lay: _Layout) -> Callable[[_PipelineH
         is freed). MoE: or a moment of the routed experts' backward."""
         # With sequence parallelism the branch's cast is all-gathered (branch_grad) and freed.
         stream, cast = mb.grad_stream + tied_pending, 0 if run.layout.sequence_parallel else mb.grad_cast
+        incoming = mb.branch_grad if run.layout.sequence_parallel else cast  # a branch's output gradient
         # The math attention kernel's backward (S²-sized gradients) comes after the MLP's and the
         # output projection's, whose saved (or rebuilt) tensors are freed by then.
         freed = mb.attention_freed
@@ -978,7 +992,7 @@ def _breakdown(run: _Run, common: _Common, lay: _Layout) -> Callable[[_PipelineH
             moments = [(w2[0], w2[1], a_none + stream + cast + max(fused_attention, mlp + w2[2]), 0)]
             moments += [attention] if act.math_attention else []
             if fp8_backward:  # before any of the block's weight gradients exists
-                moments.append((0, 0, a_none + stream + cast + fp8_backward, 0))
+                moments.append((0, 0, a_none + stream + incoming + fp8_backward, 0))
             for r in routed_moments:
                 acts = a_none - shared_kept - shared_rebuilt - r.freed + stream + r.added
                 moments.append((*routed(r.done), acts, -r.uncast))
@@ -988,7 +1002,7 @@ def _breakdown(run: _Run, common: _Common, lay: _Layout) -> Callable[[_PipelineH
         mlp_moment = (w2[0], w2[1] + rebuild - mb.mlp_freed, kept + cast + mb.mlp_new + w2[2], 0)
         moments = [recomputed, mlp_moment]
         if fp8_backward:
-            moments.append((0, rebuild, kept + cast + fp8_backward, 0))
+            moments.append((0, rebuild, kept + incoming + fp8_backward, 0))
         if act.math_attention:  # the kept tensors and the recompute's, less what the MLP's backward freed
             moments.append((w2[0], w2[1] + max(0, rebuild - freed), kept + cast + mb.attention, 0))
         for r in routed_moments:

@@ -60,6 +60,7 @@ from trainfit.config import HardwareConfig, ModelConfig, TrainingConfig
 from trainfit.models.block_spec import block_linears
 from trainfit.parallel.layout import Layout
 from trainfit.perf.comms import stage_params
+from trainfit.perf.fp8_casts import float8_linears
 
 if TYPE_CHECKING:
     from trainfit.hardware_profile import HardwareProfile
@@ -106,6 +107,17 @@ def block_gemms(m: ModelConfig, layout: Layout) -> list[Gemm]:
         k, n = linear.local_shape(layout.tp)
         gemms += [Gemm(linear.name, k, n, linear.token_share)] * linear.copies
     return gemms
+
+
+def float8_gemms(m: ModelConfig, layout: Layout) -> list[Gemm]:
+    """The float8 linears' GEMMs of one block on one rank: block_gemms' shapes (after
+    tensor parallelism: a column-parallel linear's n and a row-parallel one's k over tp), of the
+    Linears float8_linears names; none outside fp8-mixed. The time model prices their casts, the
+    analytic memory their backward's (memory/analytic.py)."""
+    if layout.precision != "fp8-mixed":
+        return []
+    converted = float8_linears(m)
+    return [g for g in block_gemms(m, layout) if g.name in converted]
 
 
 def head_gemm(m: ModelConfig, layout: Layout) -> Gemm:

@@ -99,7 +99,8 @@ from trainfit.perf.comms import (
     stage_params,
     step_collectives,
 )
-from trainfit.perf.fp8_casts import SCALE_PRECOMPUTE_BYTES, float8_linears, gathered_shard_bytes, linear_cast_bytes
+from trainfit.perf.fp8_casts import SCALE_PRECOMPUTE_BYTES, gathered_shard_bytes, linear_cast_bytes
+from trainfit.perf.kernels import float8_gemms
 
 if TYPE_CHECKING:
     from trainfit.hardware_profile import HardwareProfile
@@ -197,15 +198,6 @@ class RankFlops(NamedTuple):
     """... of them checkpointed (0 without activation checkpointing)."""
 
 
-def _fp8_gemms(m: ModelConfig, layout: Layout) -> list[K.Gemm]:
-    """A block's GEMMs on one rank that fp8-mixed runs in float8 (perf/fp8_casts.float8_linears); none
-    in other modes."""
-    if layout.precision != "fp8-mixed":
-        return []
-    converted = float8_linears(m)
-    return [g for g in K.block_gemms(m, layout) if g.name in converted]
-
-
 def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> RankFlops:
     """The busiest rank's hardware FLOPs per step: forward, backward incl. recomputation, the
     attention kernel's part of each, and the float8 linears' (a checkpointed block reruns them in
@@ -218,7 +210,7 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> RankFlops:
     # Recomputation's matmuls are taken to split as the block's do (exact for dense blocks).
     whole = 2 * local * layout.tp / mm
     mm, rc_mm = mm * whole, rc_mm * whole
-    fp8_gemms = _fp8_gemms(m, layout)
+    fp8_gemms = float8_gemms(m, layout)
     fp8 = sum(g.k * g.n * g.share for g in fp8_gemms) / local if fp8_gemms else 0.0  # float8 linears' share
 
     def rank(layers: int, wrapped: int, last_stage: bool) -> RankFlops:
@@ -240,7 +232,7 @@ def _fp8_cast_bytes(m: ModelConfig, layout: Layout, t: TrainingConfig, flops: Ra
     its blocks' float8 linears every micro-batch, a checkpointed block's forward casts again in
     proportion to the matmul FLOPs it reruns; under FSDP2 float8 all-gather, each all-gather's cast
     of the rank's shard and the scales' read after the optimizer step."""
-    gemms = _fp8_gemms(m, layout)
+    gemms = float8_gemms(m, layout)
     if not gemms:
         return 0.0, 0.0
     rows = layout.micro_batch_size * t.seq_len / layout.cp
@@ -281,7 +273,7 @@ def _compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: R
         dtype = compute_dtype_of(layout.precision)
         high = "bf16" if dtype == "fp8" else dtype  # what runs outside the float8 linears
         tokens = layout.micro_batch_size * t.seq_len / layout.cp
-        fp8_gemms = _fp8_gemms(m, layout)
+        fp8_gemms = float8_gemms(m, layout)
         others = [g for g in [*K.block_gemms(m, layout), K.head_gemm(m, layout)] if g not in fp8_gemms]
         matmul = K.matmul_rate(profile, high, m, layout, tokens, others) * efficiency
         matmul_fp8 = K.matmul_rate(profile, "fp8", m, layout, tokens, fp8_gemms) * efficiency if fp8_gemms else 1.0
