@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +172,44 @@ def test_the_gpu_example_plans_within_its_own_fixed_fields(capsys: pytest.Captur
     assert rows and all(r["settings"]["parallel.dp_shard"] == 8 and r["settings"]["parallel.zero_stage"] == 3
                         and r["settings"]["memory.activation_checkpointing"] == "selective" for r in rows)
     assert len({(r["settings"]["memory.offload"], r["settings"]["memory.chunked_loss"]) for r in rows}) == len(rows)
+
+
+ADAFACTOR_4 = ("--model.preset=debug", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=4",
+               "--training.seq_len=128", "--training.global_batch_size=8", "--optimizer.name=adafactor")
+
+
+def test_adafactor_is_planned_on_whole_parameters_and_train_refuses_the_rest_before_any_group(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Adafactor needs whole parameters (Layout.untrainable_reason): the plan lists no ZeRO-1, FSDP2
+    or tensor-parallel layout and counts what it left out for it; `train` of a ZeRO-1 layout, started
+    as rank 0 of 2 (rank 1 never comes: a process group would wait for it), and of FSDP2 on one rank
+    under CPU offload, fails with the named error before any folder or process group exists."""
+    result = json.loads(plan(*ADAFACTOR_4, "--top", "10", "--json").stdout)
+    listed = [c["settings"] for c in result["candidates"]]
+    assert listed and all(s["parallel.zero_stage"] == 0 and s["parallel.tp"] == 1 and s["memory.offload"] == "none"
+                          for s in listed), listed
+    assert any(why.startswith("not trainable: optimizer.name") for why in result["search"]["rejected"])
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    rank_0_of_2 = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port)}
+    zero1 = run_overrides(tmp_path / "zero1", "--optimizer.name=adafactor", "--hardware.num_gpus=2",
+                          "--parallel.zero_stage=1", "--training.global_batch_size=8")
+    proc = subprocess.run([sys.executable, "-m", "trainfit", "train", *zero1], capture_output=True, text=True,
+                          env=rank_0_of_2, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert ("error: optimizer.name='adafactor' with parallel.zero_stage=1 on 2 ranks: Adafactor's factored "
+            "statistics span whole parameters, and ZeRO-1 shards its states by rows; set parallel.zero_stage=0, or "
+            "use another optimizer") in proc.stderr
+    assert not (tmp_path / "zero1").exists()
+
+    import torch.distributed as dist
+
+    offload = run_overrides(tmp_path / "offload", "--optimizer.name=adafactor", "--parallel.zero_stage=2",
+                            "--memory.offload=optimizer")
+    assert main(["train", *offload]) == 2
+    assert "error: optimizer.name='adafactor' with memory.offload='optimizer': the parameters are sharded DTensors" \
+        in capsys.readouterr().err
+    assert not dist.is_initialized() and not (tmp_path / "offload").exists()

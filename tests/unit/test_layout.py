@@ -165,6 +165,44 @@ def test_expert_parallel_trains_under_fsdp2_only() -> None:
     assert "set parallel.dp_replicate=1 (dp_shard=4" in hsdp.untrainable_reason()
 
 
+def test_adafactor_trains_on_whole_parameters_only() -> None:
+    """Its factored statistics span whole rows and columns: one process, DDP, context parallelism and
+    pipeline stages keep parameters whole; ZeRO-1 shards its states by rows, and FSDP2 (on one rank
+    too, under CPU offload) and tensor parallelism make the parameters DTensors, on which torch's
+    Adafactor fails."""
+    af = ("--optimizer.name=adafactor", "--training.micro_batch_size=2")
+    for whole in ((), ("--hardware.num_gpus=2",), ("--hardware.num_gpus=2", "--parallel.cp=2"),
+                  ("--hardware.num_gpus=2", "--parallel.pp=2", "--training.global_batch_size=4"),
+                  ("--parallel.zero_stage=3",)):  # one rank: nothing to shard
+        assert layout_of(*af, *whole).untrainable_reason() is None, whole
+    assert layout_of(*af, "--hardware.num_gpus=2", "--parallel.zero_stage=1").untrainable_reason() == (
+        "optimizer.name='adafactor' with parallel.zero_stage=1 on 2 ranks: Adafactor's factored statistics span "
+        "whole parameters, and ZeRO-1 shards its states by rows; set parallel.zero_stage=0, or use another optimizer")
+    for sharded, named in ((("--hardware.num_gpus=2", "--parallel.zero_stage=2"), "parallel.zero_stage=2 on 2 ranks"),
+                           (("--hardware.num_gpus=4", "--parallel.cp=2", "--parallel.zero_stage=3"),
+                            "parallel.zero_stage=3 on 4 ranks"),
+                           (("--parallel.zero_stage=2", "--memory.offload=optimizer"), "memory.offload='optimizer'"),
+                           (("--hardware.num_gpus=2", "--parallel.tp=2"), "parallel.tp=2")):
+        reason = layout_of(*af, *sharded).untrainable_reason()
+        assert reason.startswith(f"optimizer.name='adafactor' with {named}: the parameters are sharded "
+                                 "DTensors"), reason
+        assert reason.endswith("set parallel.zero_stage=0, parallel.tp=1 and memory.offload='none', or use another "
+                               "optimizer")
+    for other in ("adamw", "adam", "sgd", "adamw-8bit"):
+        assert layout_of(f"--optimizer.name={other}", "--hardware.num_gpus=2", "--parallel.zero_stage=1"
+                         ).untrainable_reason() is None
+
+
+def test_tied_embeddings_do_not_split_over_pipeline_stages() -> None:
+    tied = ("--model.preset=debug-gpt2", "--hardware.num_gpus=2", "--parallel.pp=2", "--training.micro_batch_size=2",
+            "--training.global_batch_size=4")
+    assert layout_of(*tied).untrainable_reason().startswith(
+        "model.tie_embeddings=True with parallel.pp=2: the embedding lives on the first stage and the output "
+        "projection on the last")
+    assert layout_of(*tied, "--model.tie_embeddings=false").untrainable_reason() is None
+    assert layout_of("--model.preset=debug-gpt2").untrainable_reason() is None
+
+
 def test_context_parallel_ranks_shard_the_model_states_and_average_gradients() -> None:
     """torchtitan and Megatron shard over dp_shard x cp: the cp ranks hold the same parameters."""
     cp = layout_of("--hardware.num_gpus=8", "--parallel.cp=2", "--parallel.zero_stage=3")

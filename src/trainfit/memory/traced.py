@@ -59,7 +59,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from trainfit.config import Config, ConfigError
+from trainfit.config import Config
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.ledger import StorageLedger, TimelinePoint, phase_listener, unsharded_component
 from trainfit.models import materialize
@@ -72,7 +72,7 @@ from trainfit.parallel.mesh import build_mesh
 from trainfit.parallel.pipeline import PipelineStep
 from trainfit.precision import precision_policy
 from trainfit.train.build import build_parallel_model
-from trainfit.train.distributed import World
+from trainfit.train.distributed import World, trainable
 from trainfit.train.trainer import StepParts, Trainer
 
 
@@ -356,10 +356,7 @@ def trace_step(cfg: Config, layout: Layout | None = None) -> TracedEstimate:
     save fewer activations than eager ones: benchmarks/compile.py measures by how much (the
     trace is that much above a compiled step's peak)."""
     start = time.perf_counter()
-    layout = dataclasses.replace(layout or build_layout(cfg), compile=False)
-    reason = layout.untrainable_reason()
-    if reason:
-        raise ConfigError(reason)
+    layout = trainable(dataclasses.replace(layout or build_layout(cfg), compile=False))
     ranks_per_stage = layout.world_size // layout.pp  # pp is the mesh's outermost axis (layout.AXES)
     traces = [_trace_rank(cfg, layout, pp_rank * ranks_per_stage) for pp_rank in range(layout.pp)]
     worst = max(range(len(traces)), key=lambda i: traces[i].breakdown.peak)

@@ -92,6 +92,10 @@ class Layout:
     assume for dropless routing (the estimators' assumption; training does not read it)."""
     compile: bool = False
     """training.compile: each transformer block torch.compile'd (parallel/apply.py)."""
+    optimizer: str = "adamw"
+    """optimizer.name: some optimizers need whole parameters (untrainable_reason)."""
+    tie_embeddings: bool = False
+    """model.tie_embeddings: the embedding and the output projection share one weight."""
 
     @property
     def dp(self) -> int:
@@ -238,7 +242,9 @@ class Layout:
         return self.fp8_all_gather and self.precision == "fp8-mixed" and self.data_parallel == "fsdp"
 
     def untrainable_reason(self) -> str | None:
-        """Why `trainfit train` cannot run this layout yet (the estimators can), or None."""
+        """Why `trainfit train` cannot run this layout yet (the analytic estimator can), or None. Every
+        such rule is here and nowhere else: train reads it before any process group exists, the traced
+        estimator before it builds anything, and the planner lists no layout it refuses."""
         if self.pp > 1 and self.data_parallel in ("ddp", "zero1"):
             ranks = f"{self.dp} data-parallel" + (f" x {self.cp} context-parallel" if self.cp > 1 else "")
             return (f"parallel.zero_stage={self.zero_stage} with parallel.pp={self.pp} and {ranks} ranks: pipeline "
@@ -278,6 +284,22 @@ class Layout:
             return (f"precision.mode='fp8-mixed' with parallel.tp={self.tp}: float8 linears need torchao's float8 "
                     "tensor-parallel styles (Float8ColwiseParallel, ...), which trainfit's plans do not use yet; "
                     "set parallel.tp=1 or use bf16-mixed")
+        if self.tie_embeddings and self.pp > 1:
+            return (f"model.tie_embeddings=True with parallel.pp={self.pp}: the embedding lives on the first stage and "
+                    "the output projection on the last, and training does not keep the two copies in step (Megatron "
+                    "all-reduces their gradients; the estimators count that copy); set model.tie_embeddings=false or "
+                    "parallel.pp=1")
+        if self.optimizer == "adafactor" and self.data_parallel == "zero1":
+            return (f"optimizer.name='adafactor' with parallel.zero_stage=1 on {self.zero_shards} ranks: Adafactor's "
+                    "factored statistics span whole parameters, and ZeRO-1 shards its states by rows; set "
+                    "parallel.zero_stage=0, or use another optimizer")
+        if self.optimizer == "adafactor" and (self.data_parallel == "fsdp" or self.tp > 1):
+            by = (f"parallel.tp={self.tp}" if self.tp > 1 else f"memory.offload={self.offload!r}"
+                  if self.offload != "none" else f"parallel.zero_stage={self.zero_stage} on {self.zero_shards} ranks")
+            return (f"optimizer.name='adafactor' with {by}: the parameters are sharded DTensors (FSDP2's or tensor "
+                    "parallelism's), on which torch's Adafactor fails (an in-place power of a partial norm), and "
+                    "statistics factored per shard would not be Adafactor's; set parallel.zero_stage=0, "
+                    "parallel.tp=1 and memory.offload='none', or use another optimizer")
         return None
 
 
@@ -377,7 +399,8 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
                   offload=mem.offload, chunked_loss=mem.chunked_loss, precision=cfg.precision.mode,
                   fp8_scaling=cfg.precision.fp8_scaling, fp8_all_gather=cfg.precision.fp8_all_gather,
                   grad_accum_dtype=cfg.optimizer.grad_accum_dtype, moe_imbalance=mem.moe_imbalance,
-                  loss_chunk_tokens=mem.loss_chunk_tokens, compile=t.compile)
+                  loss_chunk_tokens=mem.loss_chunk_tokens, compile=t.compile, optimizer=cfg.optimizer.name,
+                  tie_embeddings=bool(m.tie_embeddings))
 
 
 class GlobalBatch(NamedTuple):

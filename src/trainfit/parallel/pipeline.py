@@ -38,7 +38,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from trainfit.config import ConfigError, ModelConfig
+from trainfit.config import ModelConfig
 from trainfit.models.common import LayerStack
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import stage_ranges
@@ -64,11 +64,8 @@ _EMBEDDINGS = ("tok_embeddings", "pos_embeddings")  # pos_embeddings: GPT-2's
 def split_stages(model: nn.Module, layout: Layout, pp_rank: int) -> list[nn.Module]:
     """This rank's stages of the meta-device `model`, in model order (`model` is left whole)."""
     embedding, output = model.tok_embeddings, model.output
-    if output is not None and embedding is not None and output.weight is embedding.weight:
-        raise ConfigError(f"model.tie_embeddings=True: with parallel.pp={layout.pp} the embedding lives on the first "
-                          "stage and the output projection on the last, and training does not keep the two copies "
-                          "in step (Megatron all-reduces their gradients; the estimators count that copy); set "
-                          "model.tie_embeddings=false or parallel.pp=1")
+    assert output is None or embedding is None or output.weight is not embedding.weight, \
+        "Layout.untrainable_reason refuses tied embeddings under pipeline parallelism"
     ranges = stage_ranges(layout.pp_layers)
     stages = []
     for stage_id in layout.rank_stages(pp_rank):

@@ -7,7 +7,8 @@ derives from the config as given, micro_batch_size x its data-parallel ranks); e
 (memory/analytic.py for the fit, perf/timing.py for the time) on its own Layout, so a candidate
 is exactly what `trainfit estimate` would say of it.
 
-Only layouts `trainfit train` runs are kept (Layout.untrainable_reason). A candidate fits when
+Only layouts `trainfit train` runs are kept (Layout.untrainable_reason, asked of each group and of
+each of its memory settings: some rules read checkpointing or offload). A candidate fits when
 every pipeline stage's peak plus its reserved margin is within the device memory.
 
 What is listed: the fastest candidate, then each next fastest that needs at least MEMORY_STEP less
@@ -176,8 +177,6 @@ def _mesh_groups(space: Space, stats: SearchStats, mesh: _Mesh) -> Iterator[_Gro
     for replicate in space.dp_replicates(mesh.dp, mesh.cp * mesh.tp):
         for ep in space.ep:
             for zero in space.zero:
-                if zero < 2 and (mesh.tp > 1 or mesh.pp > 1 or ep > 1) and mesh.dp * mesh.cp > 1:
-                    continue  # DDP and ZeRO-1 compose with neither (Layout.untrainable_reason)
                 for micro in space.micro_batches(mesh.dp):
                     if mesh.pp > 1 and space.cfg.training.global_batch_size // (mesh.dp * micro) < mesh.pp:
                         continue  # fewer micro-batches than pipeline ranks
@@ -369,13 +368,22 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
         if groups:
             heapq.heappush(heap, (_mesh_bound(mesh, groups, ev.rates), next(order), groups))
 
-    def push(knobs: _Knobs, index: Setting, bound: float | None = None) -> None:
-        """A setting keyed by its own step time, or lazily by `bound` (its leaner-than parent's
-        time: a lower bound), its own estimated once it is popped."""
-        if bound is not None:
-            heapq.heappush(heap, (bound, next(order), (knobs, index, None)))
-            return
+    def push(knobs: _Knobs, index: Setting, bound: float) -> None:
+        """A setting keyed lazily by `bound` (its leaner-than parent's time: a lower bound), its own
+        estimated once it is popped."""
+        heapq.heappush(heap, (bound, next(order), (knobs, index, None)))
+
+    def push_estimated(knobs: _Knobs, index: Setting, bound: float) -> None:
+        """A setting keyed by its own step time; one Layout.untrainable_reason refuses is neither
+        estimated nor listed, and its leaner settings, which may train, go on at `bound` (its own
+        lower bound: its parent's time, or for a group's first setting its mesh's bound)."""
         layout = knobs.layout(index)
+        reason = layout.untrainable_reason()
+        if reason is not None:
+            stats.rejected["not trainable: " + _kind(reason)] += 1
+            for step in knobs.successors(index):
+                push(knobs, step, bound)
+            return
         perf = ev.perf(knobs, layout)
         heapq.heappush(heap, (perf.time["step_time_s"], next(order), (knobs, index, (layout, perf))))
 
@@ -387,13 +395,13 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
             break
         if isinstance(item, list):  # a mesh's groups
             for group in item:
-                push(_Knobs(group, space, ac), (0, 0, 0))
+                push_estimated(_Knobs(group, space, ac), (0, 0, 0), bound)
             continue
         knobs, index, estimated = item
         if knobs.done:
             continue
         if estimated is None:
-            push(knobs, index)
+            push_estimated(knobs, index, bound)
             continue
         if not _worth_trying(knobs, ev, stats, bound, [] if exhaustive else listed):
             continue

@@ -13,7 +13,7 @@ user set have one). Torch-free.
 | parallel.ep                 | MoE: divisors of the experts that divide dp_shard x cp                |
 | parallel.dp_replicate       | 1 (FSDP over all data-parallel ranks), or HSDP with shard groups of   |
 |                             | 1, 2, 4 or 8 whole nodes                                              |
-| parallel.zero_stage         | 0-3 (DDP and ZeRO-1 only where they train: no tp, pp or ep)           |
+| parallel.zero_stage         | 0-3                                                                   |
 | training.micro_batch_size   | divisors of a data-parallel rank's sequences per step, up to          |
 |                             | MAX_MICRO_BATCH; the rest is accumulation (pipeline micro-batches).   |
 |                             | The global batch stays: the config's, or when 0 the one `train`       |
@@ -25,6 +25,10 @@ user set have one). Torch-free.
 |                             | tokens on a rank: plan/search.py's _Knobs)                            |
 | precision.mode              | the config's (bf16-mixed on a GPU when the user leaves it), or those  |
 |                             | the caller allows                                                     |
+
+Every option is searched only where it trains: plan/search.py keeps no layout, and no memory
+setting of one, that Layout.untrainable_reason refuses (DDP and ZeRO-1 with tp, pp or ep;
+selective checkpointing under zero-bubble schedules; Adafactor with ZeRO-1, FSDP2 or tp; ...).
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 
 `run_layout(cfg)` builds the run's Layout (parallel/layout.py) once, on the world this process
 belongs to: the launcher's (torchrun's RANK / WORLD_SIZE / LOCAL_RANK environment), an already
-initialized default process group (tests), or one process. `init_world(cfg, layout)` then picks
-the device (CUDA: one per local rank, modulo the GPUs this process sees) and the backend (CPU:
-gloo; CUDA: nccl, with gloo for CPU tensors under memory.offload), initializes the process group
-with training.collective_timeout_minutes when the layout needs one and builds the device mesh.
-Everything rank-dependent in training goes through the returned World; there is no module-level
-state.
+initialized default process group (tests), or one process, and refuses one that training cannot run
+(Layout.untrainable_reason). `init_world(cfg, layout)` then picks the device (CUDA: one per local
+rank, modulo the GPUs this process sees) and the backend (CPU: gloo; CUDA: nccl, with gloo for CPU
+tensors under memory.offload), initializes the process group with
+training.collective_timeout_minutes when the layout needs one and builds the device mesh. Everything
+rank-dependent in training goes through the returned World; there is no module-level state.
 """
 
 from __future__ import annotations
@@ -146,9 +146,18 @@ def _attempt_rendezvous() -> dict[str, Any]:
 
 
 def run_layout(cfg: Config) -> Layout:
-    """The Layout of this run: `cfg` on the world this process belongs to (the launcher's, or one)."""
+    """The Layout of this run: `cfg` on the world this process belongs to (the launcher's, or one);
+    one that training cannot run is refused here, before any folder, estimate or process group."""
     place = _place()
-    return build_layout(cfg, resolve_world_size(cfg, place[1] if place else 1))
+    return trainable(build_layout(cfg, resolve_world_size(cfg, place[1] if place else 1)))
+
+
+def trainable(layout: Layout) -> Layout:
+    """`layout`, or Layout.untrainable_reason's named error."""
+    reason = layout.untrainable_reason()
+    if reason:
+        raise ConfigError(reason)
+    return layout
 
 
 def process_group_backend(device_type: str, offload: str) -> str:
@@ -183,9 +192,7 @@ def pick_device(name: str, local_rank: int) -> tuple[torch.device, str | None]:
 
 def init_world(cfg: Config, layout: Layout) -> World:
     """This process's World for `layout` (run_layout's): device, process group and mesh."""
-    reason = layout.untrainable_reason()
-    if reason:
-        raise ConfigError(reason)
+    trainable(layout)  # a layout the caller built
     rank, size, local_rank = _place() or (0, 1, 0)
     if size != layout.world_size:
         raise ConfigError(f"hardware.num_gpus={layout.world_size}: the world has {size} ranks; build the layout "

@@ -13,7 +13,8 @@ optimizer.betas and optimizer.eps (Adam's) do not apply: torch's own defaults st
 t^-0.8, eps = (dtype's machine epsilon, 1e-3), update clipping d = 1). It needs whole parameters:
 its column statistics and RMS values span every row, so states sharded by rows (ZeRO-1, FSDP2)
 or by tensor parallelism would change the algorithm, and torch's implementation fails on DTensors
-anyway (in-place ops on a partial norm): trainer.py refuses those layouts.
+anyway (in-place ops on a partial norm; FSDP2 on one rank under CPU offload too):
+Layout.untrainable_reason refuses those layouts.
 
 adamw-8bit: torchao.optim.AdamW8bit (torchao 0.18), chosen over bitsandbytes 0.50.2's AdamW8bit by
 measurement on this machine: both run on CPU and CUDA and keep the same states (uint8 codes, one
@@ -75,9 +76,8 @@ def make_optimizer(groups: list[dict], opt: OptimizerConfig, train: TrainingConf
     if opt.name == "sgd":
         return torch.optim.SGD(groups, lr=train.lr, momentum=opt.momentum, foreach=opt.foreach)
     if opt.name == "adafactor":
-        if any(isinstance(p, DTensor) for g in groups for p in g["params"]):
-            raise ConfigError("optimizer.name='adafactor' with sharded (DTensor) parameters: torch's Adafactor needs "
-                              "whole parameters; use parallel.zero_stage=0 and tp=1, or another optimizer")
+        assert not any(isinstance(p, DTensor) for g in groups for p in g["params"]), \
+            "Layout.untrainable_reason refuses Adafactor on sharded parameters"
         return torch.optim.Adafactor(groups, lr=train.lr, foreach=opt.foreach)
     if opt.name == "adamw-8bit":
         return _adamw_8bit(groups, opt, train)

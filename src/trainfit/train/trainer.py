@@ -232,9 +232,6 @@ class Trainer:
         optimizer, schedule, loss scaler, batches, counters."""
         cfg = self.cfg
         self.model, self.num_params = model, num_params
-        if cfg.optimizer.name == "adafactor" and self.layout.data_parallel == "zero1":
-            raise ConfigError("optimizer.name='adafactor' with parallel.zero_stage=1: Adafactor's factored statistics "
-                              "span whole parameters, ZeRO-1 shards them by rows; use parallel.zero_stage=0")
         make = functools.partial(make_optimizer, opt=cfg.optimizer, train=cfg.training,
                                  device_type=optimizer_device_type,
                                  sharded_loss_scaling=self.layout.sharded_loss_scaling)
