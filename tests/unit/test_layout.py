@@ -308,3 +308,15 @@ def test_a_chunked_loss_of_one_chunk_is_reported_with_the_numbers() -> None:
         "memory.chunked_loss=true saves no memory: memory.loss_chunk_tokens=512 >= the 512 tokens of a micro-batch "
         "that a rank's loss scores (2 sequences x 256 tokens), so one chunk holds the whole logits (and is "
         "recomputed in backward); set memory.loss_chunk_tokens below 512, e.g. 128, or memory.chunked_loss=false"])
+
+
+@pytest.mark.parametrize("schedule", ["zbv-zero-bubble", "dualpipev", "interleaved-1f1b"])
+def test_a_pipeline_schedule_without_pipeline_parallelism_places_the_one_stage(schedule: str) -> None:
+    """pp=1 with a V schedule named (its two stages per rank need pp > 1): the model is one stage on the
+    one rank; estimate and plan used to fail there (IndexError)."""
+    from trainfit.estimate import estimate
+
+    cfg = load_config(None, ["--model.preset=debug", f"--parallel.pp_schedule={schedule}"])
+    layout = build_layout(cfg, 1)
+    assert layout.rank_blocks(0) == tuple(range(cfg.model.num_layers)) and layout.stage_owners() == (0,)
+    assert estimate(cfg, layout).memory.per_stage[0].peak > 0

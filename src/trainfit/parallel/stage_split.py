@@ -44,8 +44,8 @@ def default_virtual_stages(schedule: str) -> int:
 @functools.lru_cache(maxsize=4096)
 def rank_stages(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> tuple[int, ...]:
     """The stages pipeline rank `pp_rank` runs, in model order: r, r + pp, ... (looped), or r and
-    2 pp - 1 - r (V schedules)."""
-    if schedule in V_SCHEDULES:
+    2 pp - 1 - r (V schedules; without pipeline parallelism the one stage, whatever the schedule)."""
+    if schedule in V_SCHEDULES and virtual_stages == 2:
         return (pp_rank, 2 * pp - 1 - pp_rank)
     return tuple(pp_rank + k * pp for k in range(virtual_stages))
 
