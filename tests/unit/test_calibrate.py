@@ -436,8 +436,11 @@ def test_the_measured_profile_drives_the_estimate(quick: tuple[Path, str], capsy
     assert min(slowdowns) * (flops / max(rates) + elementwise) <= compute * (1 + 1e-9)
     assert compute <= max(slowdowns) * (flops / min(rates) + elementwise) * (1 + 1e-9)
     assert {(a.dtype, a.seq_len) for a in p.attention} >= {("fp32", QUICK.attention_shapes[0][2])}
-    assert {(b.m, b.k, b.n) for b in p.matmul_backward if b.dtype == "fp32"} == \
-        {(s.m, s.k, s.n) for s in p.matmul_shapes if s.dtype == "fp32"}
+    # backward at the forward's shapes, the smallest always; a larger one is skipped where its call would
+    # outlast max_call_s at the rate measured so far (a busy machine's slower rates skip more)
+    backward = {(b.m, b.k, b.n) for b in p.matmul_backward if b.dtype == "fp32"}
+    forward = [(s.m, s.k, s.n) for s in p.matmul_shapes if s.dtype == "fp32"]
+    assert min(forward) in backward and backward <= set(forward)
     assert all(1e7 < a.flops_per_s < 1e13 for a in p.attention)
     catalog = estimate_json(capsys)
     assert out["time"]["step_time_s"] != catalog["time"]["step_time_s"]
