@@ -135,3 +135,13 @@ def test_expert_parallelism_is_traced_as_its_busiest_rank(routing: str) -> None:
     assert (ceiling.worst.peak > balanced.worst.peak) == routing.endswith("=0")
     assert sum(ceiling.state_bytes.values()) == states_of(config("inf")).model_states
     assert ceiling.worst.peak == pytest.approx(memory_of(config("inf")).worst.peak, rel=0.01)
+
+
+def test_moe_pipeline_stages_are_traced() -> None:
+    """debug-moe on 2 pipeline stages (FSDP2 per stage): the pipeline axis is sliced from the mesh once,
+    outside the fake tensors (a slice taken inside them computed its coordinates from fake values and
+    failed), so each stage's step is traced."""
+    cfg = load_config(None, ["--model.preset=debug-moe", "--hardware.num_gpus=2", "--parallel.pp=2",
+                             "--parallel.zero_stage=3", "--training.global_batch_size=16"])
+    traced = trace_step(cfg)
+    assert len(traced.per_stage) == 2 and all(stage.peak > 0 for stage in traced.per_stage)

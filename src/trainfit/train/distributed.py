@@ -43,6 +43,8 @@ class World:
     """How the run is spread over the world (parallel/layout.py); None: one plain process."""
     mesh: DeviceMesh | None = None
     """The world's DeviceMesh (parallel/mesh.py), when the layout needs a process group."""
+    pp_mesh: DeviceMesh | None = None
+    """Its pipeline axis, under pipeline parallelism."""
     dp_rank: int = 0
     """Rank among the data-parallel ranks: which rows of each global batch this rank reads."""
     dp_size: int = 1
@@ -93,8 +95,11 @@ class World:
         return out
 
     def attach_mesh(self, mesh: DeviceMesh) -> None:
-        """Use `mesh` for collectives; the sampler reads the data-parallel rank and size off it."""
+        """Use `mesh` for collectives; the sampler reads the data-parallel rank and size off it. The
+        pipeline axis is sliced here, once: a DeviceMesh sliced later under fake tensors (the traced
+        estimator's step) computes its coordinates from fake values and fails."""
         self.mesh = mesh
+        self.pp_mesh = mesh["pp"] if "pp" in (mesh.mesh_dim_names or ()) else None
         data_mesh = dp_mesh(mesh)
         self.dp_rank, self.dp_size = data_mesh.get_local_rank(), data_mesh.size()
 

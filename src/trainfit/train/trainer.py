@@ -295,7 +295,8 @@ class Trainer:
             for stage in self.model.stages:
                 carry_aux_loss(stage, lambda: coefficient * scale() / m)
         boundary = stage_boundary(self.cfg.model, self.cfg.training.seq_len, self.layout, self.policy)
-        return PipelineStep(self.model, self.layout, self.world.mesh["pp"], self.device, boundary, loss_fn,
+        assert self.world.pp_mesh is not None
+        return PipelineStep(self.model, self.layout, self.world.pp_mesh, self.device, boundary, loss_fn,
                             self._moment)
 
     @contextlib.contextmanager
@@ -459,7 +460,7 @@ class Trainer:
         reduce_gradients(self.optimizer)
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.training.grad_clip or math.inf
-        pp_group = self.world.mesh["pp"].get_group() if self.layout.pp > 1 else None
+        pp_group = self.world.pp_mesh.get_group() if self.world.pp_mesh is not None else None
         grad_norm = clip_grad_norm_(self.model, self.optimizer, clip, pp_group)
         # A float now: torchao's AdamW8bit keeps lr a tensor, which the scheduler refills in place below.
         lr = float(self.optimizer.param_groups[0]["lr"])
