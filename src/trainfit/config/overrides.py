@@ -6,7 +6,7 @@ turns them into Python values (the checks against the type itself are load.py's)
 
 Ours rather than tyro or jsonargparse: this file is ~80 lines, keeps the `field=value: fix` errors
 and the TOML path, and costs nothing at import; either library would add 60-80 ms of import and
-new dependencies to a `trainfit estimate` process of ~0.2 s (measured on 2 cores, best of 5).
+new dependencies to a `trainfit estimate` process (benchmarks/README.md has the timings).
 """
 
 from __future__ import annotations

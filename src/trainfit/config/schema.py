@@ -139,7 +139,7 @@ class TrainingConfig:
     """torch.compile each transformer block (inductor; after activation checkpointing, before FSDP):
     the steps that compile are timed apart ("compile: 31.2 s") and left out of tokens/s. Fused
     pointwise kernels keep fewer tensors than eager: both estimators predict the eager step, which
-    overestimates a compiled one's peak by 2-31% (measured on CPU: benchmarks/compile.py); the time
+    overestimates a compiled one's peak (by how much: benchmarks/compile.py); the time
     model prices compile only as fusing fp8-mixed's casts to fp8 (perf/fp8_casts.py). Tested
     with FSDP2 and activation checkpointing; pipeline and context parallelism ran by hand (2 gloo
     ranks, 4 steps: the eager process's losses); not with tensor parallelism (a named error)."""
@@ -182,7 +182,7 @@ class OptimizerConfig:
     """SGD momentum."""
     fused: bool | None = None
     """adamw / adam: torch's fused kernel (one kernel over all tensors, no temporaries). Unset: fused
-    where torch has it for the device (CUDA and CPU; on CPU measured 7x faster than foreach,
+    where torch has it for the device (CUDA and CPU; faster than foreach where measured,
     benchmarks/optimizers.py), foreach elsewhere; true forces it, false uses `foreach`."""
     foreach: bool = True
     """Use the multi-tensor (foreach) implementation when not fused (false: a loop over tensors)."""
@@ -255,8 +255,8 @@ class MemoryConfig:
     (tokens x experts_per_token / num_experts) at which memory is estimated, capped at the ceiling
     where it takes every token (num_experts / experts_per_token). Only that expert's own tensors
     grow with it (the routed tokens' total is fixed). Default inf, the ceiling: our routers came
-    within 3% of it in their first 30 training steps in every configuration measured (benchmarks/
-    moe_routing.py; 1.2-5.6 at init; see MOE_IMBALANCE); set a measured value for a trained,
+    close to it early in training in every configuration measured (benchmarks/moe_routing.py;
+    see MOE_IMBALANCE); set a measured value for a trained,
     balanced router, or 1 for perfectly balanced routing. A capacity factor bounds memory without
     this assumption."""
 

@@ -21,8 +21,8 @@ library's one-time buffers (BLAS packing, thread pools) count on the first call,
 The other threads that allocate during a step are gloo's: its worker threads run collectives with
 scratch of their own (a ring all-reduce holds two segments, 0.5 MiB for DDP's 1 MiB first bucket
 on 2 ranks) while the calling thread goes on with backward. Whether that scratch is alive at the
-peak's sample depends on scheduling (on a busy machine a 2-rank ZeRO-1 step measured 17.30 MiB
-instead of 16.80 in 6 of 10 runs), so a CPU measurement waits for every collective as it is
+peak's sample depends on scheduling (benchmarks/README.md: a 2-rank ZeRO-1 step on a busy machine),
+so a CPU measurement waits for every collective as it is
 issued (`collectives_completed`): samples then see the calling thread's allocations only, and
 the measured step loses its communication overlap (its figures, not its time, are the point). A
 GPU measurement needs none of this: NCCL's buffers are not the caching allocator's.

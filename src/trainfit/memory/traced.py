@@ -36,9 +36,9 @@ there, as in a trained step.
 
 Fidelity limits: a CPU build runs the CPU kernels' output shapes, torch.amp's CPU autocast op list
 and CPU fused attention; CUDA's caching-allocator rounding and fragmentation are not modelled
-(analytic.py's reserved_margin is). On CPU, traced peaks land within 3% of measured ones
-(tests/estimator/test_accuracy.py), usually 0.5-1.5% below: the allocator also holds autograd's
-graph objects and tensor headers, which no storage accounts for.
+(analytic.py's reserved_margin is). On CPU, traced peaks land within 3% of measured ones (the bound
+tests/estimator/test_accuracy.py holds them to), usually a little below: the allocator also holds
+autograd's graph objects and tensor headers, which no storage accounts for.
 """
 
 from __future__ import annotations

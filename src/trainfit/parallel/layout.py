@@ -214,9 +214,8 @@ class Layout:
                          "parallelism leaves whole, and parallel.tp=1")
         if self.activation_checkpointing == "full" and self.splits_backward:
             found.append(f"memory.activation_checkpointing='full' under parallel.pp_schedule={self.pp_schedule!r} "
-                         "saves no memory: the split backward keeps each block's recomputation alive (measured, "
-                         "ZB-V on 2 CPU ranks: peaks +25% and +47% against no checkpointing); the traced estimate "
-                         "counts it, the analytic one does not")
+                         "saves no memory: the split backward keeps each block's recomputation alive (measured: "
+                         "benchmarks/README.md); the traced estimate counts it, the analytic one does not")
         if self.zero_stage == 3 and self.splits_backward:
             found.append(f"parallel.zero_stage=3 keeps the parameters whole from forward to backward (as ZeRO-2) "
                          f"under parallel.pp_schedule={self.pp_schedule!r}: its split backward needs them "
