@@ -5,8 +5,8 @@ out of argv here and argparse sees only its own options. Values are text until t
 turns them into Python values (the checks against the type itself are load.py's).
 
 Ours rather than tyro or jsonargparse: this file is ~80 lines, keeps the `field=value: fix` errors
-and the TOML path, and costs nothing at import; either library would add 60-80 ms of import and
-new dependencies to a `trainfit estimate` process (benchmarks/README.md has the timings).
+and the TOML path, and costs nothing at import; either library would add import time and new
+dependencies to a `trainfit estimate` process (benchmarks/README.md has the timings).
 """
 
 from __future__ import annotations

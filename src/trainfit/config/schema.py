@@ -22,12 +22,10 @@ AttentionBackend = Literal["auto", "flash", "efficient", "cudnn", "math"]
 
 
 MOE_IMBALANCE = math.inf
-"""Default memory.moe_imbalance: the ceiling (a busiest expert taking every token). Measured by
-benchmarks/moe_routing.py on our MoE models (4, 8, 16 experts, top-1 and top-2, with and without a
-shared expert, two shapes) training on the packaged corpus with trainfit's defaults: the busiest
-expert starts at 1.2-5.6x the balanced load at init, and within the first 6-25 steps every
-configuration had a layer at 97-100% of the ceiling (experts / top_k: all its tokens' choices on
-the same experts). A memory estimate that must hold for every step has to assume it."""
+"""Default memory.moe_imbalance: the ceiling (a busiest expert taking every token). Our MoE models
+(benchmarks/moe_routing.py: several expert counts, top-k, with and without a shared expert) reach a
+layer at the ceiling within their first training steps (the figures: benchmarks/README.md), so a
+memory estimate that must hold for every step has to assume it."""
 
 
 class ConfigError(ValueError):

@@ -329,7 +329,7 @@ class _Knobs:
 def _without_cycle_collector(fn: Callable[P, R]) -> Callable[P, R]:
     """Runs `fn` with Python's cyclic garbage collector off (as it was after). The search drops
     millions of short-lived tuples and makes no reference cycles (tests/unit/test_plan.py checks),
-    so reference counting frees all of it, and the collector's passes over them cost ~12% of it."""
+    so reference counting frees all of it, and the collector's passes over them are pure cost."""
 
     @functools.wraps(fn)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:

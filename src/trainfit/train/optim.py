@@ -1,8 +1,8 @@
 """Optimizers and learning-rate schedules built from the config.
 
 adamw / adam: torch's, fused where torch has a fused kernel for the device (CUDA, and CPU since torch
-2.4: on this 2-core CPU 5.5x faster than foreach, 80.7 -> 14.7 ms per step for the tiny preset;
-benchmarks/optimizers.py), foreach otherwise; optimizer.fused forces either way.
+2.4; faster than foreach on CPU too: benchmarks/README.md), foreach otherwise; optimizer.fused forces
+either way.
 
 adafactor: torch.optim.Adafactor (Shazeer & Stern 2018, arXiv 1804.04235). No first moment; the
 second moment of a >= 2-D parameter is factored into a row and a column vector, of a 1-D one kept
@@ -22,10 +22,9 @@ fp32 absmax per 256 values, 32-bit states for tensors under 4096 values), but bi
 FSDP2's DTensor parameters ("got mixed torch.Tensor and DTensor" in its update op), while torchao
 wraps its state subclass in DTensors of the parameter's placements and saves / resumes through DCP
 (resumed steps bit-identical to uninterrupted ones, on 2 ranks and on one). Its cost on CPU: its
-update is `torch.compile`d per parameter shape, 45 s on a cold compile cache for the first step of a
-small model on 2 cores (3 s warm), and each step calls the compiled function once per tensor: 840 ms
-per step for the tiny preset's 39 tensors on one thread, where fused AdamW takes 15 ms
-(benchmarks/optimizers.py). Its memory is the point, not its CPU speed. Parameters whose (local shard)
+update is `torch.compile`d per parameter shape (a long first step on a cold compile cache), and each
+step calls the compiled function once per tensor, far slower than fused AdamW (benchmarks/README.md).
+Its memory is the point, not its CPU speed. Parameters whose (local shard)
 size is under 4096 or not a multiple of the block keep plain states in the parameter's dtype.
 bf16 stochastic rounding stays off (torchao's default).
 """
