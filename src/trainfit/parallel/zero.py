@@ -79,6 +79,10 @@ the master dtype (4Ψ/N) from reduce_gradients to zero_grad when grad_dtype is n
 (as DeepSpeed's and Megatron's cast copies); the collectives, in place, allocate nothing here (a
 backend may inside: gloo's all-reduce its transfer buffers).
 
+One engine in one file, over ~500 lines on purpose: the buckets, the hooks, the collectives, the
+step and the checkpoint forms share one flat layout of each bucket, which a split would expose
+between modules.
+
 Collectives are torch's reduce_scatter_tensor / all_gather_into_tensor (torch 2.13 names them
 reduce_scatter_single / all_gather_single; called by the new names where they exist), one
 all_reduce for the gradient norm, and under HSDP one all_reduce per bucket across the replicas.
