@@ -554,13 +554,21 @@ def _taken(schedule: str, pp: int, virtual: int, rows: int) -> list[int]:
     return [d for d in _divisors(rows) if _schedule_takes(schedule, pp, virtual, d) is None]
 
 
+def offload_refusal(offload: str, zero_stage: int) -> tuple[str, str] | None:
+    """Why memory.offload cannot run at parallel.zero_stage, and the fix; None when it can. The one
+    rule: build_layout raises it, the planner skips what it refuses. FSDP2's CPUOffloadPolicy is the
+    offload engine."""
+    if offload != "none" and zero_stage < 2:
+        return ("CPU offload is FSDP2's (CPUOffloadPolicy), which shards gradients",
+                f"set parallel.zero_stage=2 or 3 (it is {zero_stage})")
+    if offload == "optimizer+params" and zero_stage != 3:
+        return ("parameters leave the device after each block only under parallel.zero_stage=3",
+                "set it to 3, or use memory.offload='optimizer' (ZeRO-Offload: states on the host, parameters "
+                "whole on the device during the step)")
+    return None
+
+
 def _check_memory(cfg: Config) -> None:
-    """Offload and ZeRO together (FSDP2's CPUOffloadPolicy is the offload engine)."""
-    p, mem = cfg.parallel, cfg.memory
-    if mem.offload != "none" and p.zero_stage < 2:
-        raise _fail("memory.offload", mem.offload, "CPU offload is FSDP2's (CPUOffloadPolicy), which shards "
-                    "gradients", f"set parallel.zero_stage=2 or 3 (it is {p.zero_stage})")
-    if mem.offload == "optimizer+params" and p.zero_stage != 3:
-        raise _fail("memory.offload", mem.offload, "parameters leave the device after each block only under "
-                    "parallel.zero_stage=3", "set it to 3, or use memory.offload='optimizer' (ZeRO-Offload: states "
-                    "on the host, parameters whole on the device during the step)")
+    refused = offload_refusal(cfg.memory.offload, cfg.parallel.zero_stage)
+    if refused:
+        raise _fail("memory.offload", cfg.memory.offload, *refused)

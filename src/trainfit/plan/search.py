@@ -49,7 +49,7 @@ from trainfit.estimate import Estimate
 from trainfit.memory.analytic import MemoryEstimate, SharedSizes, StageMemory
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.models.params import param_counts
-from trainfit.parallel.layout import GlobalBatch, Layout, build_layout
+from trainfit.parallel.layout import GlobalBatch, Layout, build_layout, offload_refusal
 from trainfit.parallel.stage_split import balanced_split, default_virtual_stages
 from trainfit.perf import flops as F
 from trainfit.perf.comms import Collective, collectives_key
@@ -272,11 +272,6 @@ def _knob_cost(cfg: Config, ac: tuple[str, int]) -> float:
     return F.recompute_flops_per_token(cfg.model, cfg.training.seq_len, ac[0], ac[1], cfg.parallel.ep)
 
 
-def _valid_offload(layout: Layout, offload: str) -> bool:
-    """What layout.py's checks say of offload (the only memory knob with conditions)."""
-    return offload == "none" or (layout.zero_stage >= 2 and (offload == "optimizer" or layout.zero_stage == 3))
-
-
 Setting = tuple[int, int, int]
 """Indices into a group's checkpointing, offload and chunked-loss options."""
 
@@ -289,7 +284,7 @@ class _Knobs:
         """`ac`: the checkpointing options, cheapest first (the same for every group)."""
         self.group = group
         self.ac = ac
-        self.offload = [o for o in space.offload if _valid_offload(group.layout, o)]
+        self.offload = [o for o in space.offload if offload_refusal(o, group.layout.zero_stage) is None]
         # Where one chunk holds a micro-batch's whole logits the chunked loss only adds its recomputation
         # (Layout.loss_chunks): not an option, unless the user set it.
         self.chunked = [c for c in space.chunked if not c or group.layout.loss_chunks > 1] or list(space.chunked)
