@@ -39,7 +39,7 @@ QUICK = [CASES[0]]
 
 _CHILD = """
 import json, sys
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.estimate import estimate
 from trainfit.memory.traced import trace_step
 from trainfit.models.params import param_counts

@@ -17,7 +17,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._pytree import tree_flatten
 
 from _dist import fake_world
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link, inter_node_link, intra_node_link
 from trainfit.models import build_model, count_params, materialize
 from trainfit.parallel.layout import AXES, build_layout

@@ -23,7 +23,8 @@ from rich.console import Console
 from _profiles import profile
 from trainfit import hardware
 from trainfit.cli import main
-from trainfit.config import ConfigError, HardwareConfig, load_config
+from trainfit.config import ConfigError, HardwareConfig
+from trainfit.configure import load_config
 from trainfit.estimate import estimate
 from trainfit.fp8_matmul import DEADLINE_S, PROBE_SHAPE, Fp8MatmulRates
 from trainfit.hardware_profile import (

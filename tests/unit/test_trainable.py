@@ -11,8 +11,9 @@ import warnings
 
 import pytest
 
-from trainfit.config import Config, load_config
+from trainfit.config import Config
 from trainfit.config.schema import OptimizerName
+from trainfit.configure import load_config
 from trainfit.memory.traced import trace_step
 from trainfit.models.presets import PRESETS
 from trainfit.parallel.layout import Layout, build_layout

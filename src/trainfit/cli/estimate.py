@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainfit.config import load_config
+from trainfit.configure import load_config
 
 
 def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -14,7 +14,8 @@ from trainfit.parallel.layout import GlobalBatch
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
-    from trainfit.config import config_from_dict, read_raw, resolve_and_validate, write_atomic
+    from trainfit.config import write_atomic
+    from trainfit.configure import config_from_dict, read_raw, resolve_and_validate
     from trainfit.memory.report import check_figure_path, fmt_bytes
     from trainfit.plan.explain import plan_json, plan_table, plot_plan, search_summary, winner_toml
     from trainfit.plan.search import search

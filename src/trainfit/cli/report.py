@@ -7,7 +7,8 @@ import argparse
 import sys
 
 from trainfit.cli.common import check_steps
-from trainfit.config import ConfigError, load_config
+from trainfit.config import ConfigError
+from trainfit.configure import load_config
 
 
 def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -8,7 +8,8 @@ import os
 import signal
 import sys
 
-from trainfit.config import Config, load_config
+from trainfit.config import Config
+from trainfit.configure import load_config
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.parallel.layout import Layout
 

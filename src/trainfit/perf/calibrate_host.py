@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.debug import CommDebugMode
 
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.hardware_profile import HOST_KINDS
 from trainfit.models import build_model, materialize
 from trainfit.parallel.apply import parallelize

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainfit.config import Config, config_to_dict
+from trainfit.config import Config
+from trainfit.configure import config_to_dict
 from trainfit.models import build_model, count_params
 from trainfit.models.init import canonical_name
 from trainfit.parallel.apply import parallelize

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from trainfit.attention import AttentionKernel, probe_attention_kernel, set_attention_backend
-from trainfit.config import Config, ConfigError, config_to_dict
+from trainfit.config import Config, ConfigError
+from trainfit.configure import config_to_dict
 from trainfit.fp8_matmul import Fp8MatmulRates, probe_fp8_matmul
 from trainfit.memory.attribution import Measurement, MemoryMeter, measure_trainer_step
 from trainfit.memory.breakdown import MemoryBreakdown
