@@ -296,7 +296,7 @@ def _attentions(dtype: str, device: str, s: Settings, step: Callable[[str], None
     out: list[AttentionShape] = []
     for batch, heads, seq, head_dim in sorted(s.attention_shapes, key=lambda b: b[0] * b[1] * b[2] ** 2 * b[3]):
         step(f"attention {dtype} {batch} x {heads} heads x {seq} x {head_dim}")
-        forward = 2 * 2 * heads * head_dim * seq // 2 * batch * seq  # flops.block_attention_flops x tokens
+        forward = 2 * 2 * heads * head_dim * seq // 2 * batch * seq  # block_cost.block_attention_flops x tokens
         flops = forward * (1 + FLASH_ATTENTION_BWD_FACTOR)
         if out and flops / max(a.flops_per_s for a in out) > s.max_call_s:
             continue
