@@ -20,7 +20,7 @@ of a rank's tokens travels to the rank holding its expert and back, by all-to-al
 
 Gradients: backward runs the same all-to-alls in reverse, so an expert-weight gradient sums the
 contributions of the tokens its group routed to it; FSDP2 sums those over edp and must divide by
-every rank whose mean loss the step averages (dp_shard x cp), not by edp (apply.py sets it).
+every rank whose mean loss the step averages (dp_shard x cp), not by edp (train/parallelize.py sets it).
 
 Shape suffixes (moe.py's, and): P the rank's (token, choice) pairs, R rows it receives, G ranks of
 its expert group, L its local experts.

@@ -16,10 +16,10 @@ from trainfit.config import Config
 from trainfit.configure import config_to_dict
 from trainfit.models import build_model, count_params
 from trainfit.models.init import canonical_name
-from trainfit.parallel.apply import parallelize
 from trainfit.parallel.layout import Layout
 from trainfit.precision import PrecisionPolicy
 from trainfit.train import manifest
+from trainfit.train.parallelize import parallelize
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,6 @@ from trainfit.memory.attribution import Measurement, MemoryMeter, measure_traine
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.measure import current_allocated_bytes
 from trainfit.models import materialize
-from trainfit.parallel.apply import parallelize_optimizer
 from trainfit.parallel.data_parallel import (
     clip_grad_norm_,
     grad_scaler,
@@ -55,6 +54,7 @@ from trainfit.train.distributed import World, init_world, run_layout
 from trainfit.train.loss import loss_function
 from trainfit.train.metrics import MetricsWriter, ThroughputWindow
 from trainfit.train.optim import build_scheduler, lr_at, make_optimizer, param_groups
+from trainfit.train.parallelize import parallelize_optimizer
 from trainfit.train.profile import StepProfiler
 from trainfit.train.progress import TrainProgress
 from trainfit.train.run_device import this_run_device
