@@ -194,7 +194,7 @@ def attention_seconds(backends: list[Any] | None, shape: tuple[int, ...], device
     """Median seconds of one bf16 causal attention's forward and backward under `backends` (None: torch picks)."""
     from torch.nn.attention import sdpa_kernel
 
-    from trainfit.perf.calibrate_probe import median_seconds
+    from trainfit.calibrate.probe import median_seconds
 
     q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     grad = torch.randn(shape, device=device, dtype=torch.bfloat16)

@@ -2,7 +2,7 @@
 Python dispatch (sharding propagation, to and from local tensors, redistribution) around the ops of
 every tensor-parallel module, and FSDP2's hooks around every fully_shard unit (unsharding and
 resharding, copying into and out of the collectives' buffers, gradient bookkeeping). Run by
-trainfit.perf.calibrate_comms's ranks, all in one group; imports torch.
+trainfit.calibrate.comms's ranks, all in one group; imports torch.
 
 A tiny Llama (TINY: its compute, and its messages, a small part of its step) runs forward and
 backward on one rank plain, then on every rank parallelized as training parallelizes it
@@ -21,13 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.debug import CommDebugMode
 
+from trainfit.calibrate.probe import synchronized_median_seconds
 from trainfit.configure import load_config
 from trainfit.hardware_profile import HOST_KINDS
 from trainfit.models import build_model, materialize
 from trainfit.parallel.layout import build_layout
 from trainfit.parallel.mesh import build_mesh
 from trainfit.parallel.tensor_parallel import vocabulary_parallel_loss
-from trainfit.perf.calibrate_probe import synchronized_median_seconds
 from trainfit.precision import precision_policy
 from trainfit.train.parallelize import parallelize
 
