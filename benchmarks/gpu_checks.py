@@ -290,8 +290,8 @@ def check_memory(ctx: Context) -> None:
     """The measured step's peak and every memory_/device_ figure its metrics record holds, the CUDA
     allocator's own counters, and the analytic estimate of the same config on this device."""
     from trainfit.estimate import estimate
-    from trainfit.memory.report import fmt_bytes
     from trainfit.train.run_device import this_run_device
+    from trainfit.units import fmt_bytes
 
     def inspect(trainer: Trainer, result: TrainResult) -> dict[str, Any]:
         cfg = trainer.cfg

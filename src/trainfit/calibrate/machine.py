@@ -75,8 +75,8 @@ from trainfit.hardware_profile import (
     OptimizerFit,
 )
 from trainfit.memory.analytic import FUSED_DEVICES
-from trainfit.memory.report import fmt_bytes
 from trainfit.perf.flops import FLASH_ATTENTION_BWD_FACTOR
+from trainfit.units import fmt_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 4}

@@ -13,7 +13,8 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
     from trainfit.estimate import as_json, estimate, with_traced_memory
-    from trainfit.memory.report import check_figure_path, plot_breakdown, print_estimate
+    from trainfit.estimate.report import plot_breakdown, print_estimate
+    from trainfit.figures import check_figure_path
     from trainfit.plan.fixes import fewest_changes
     from trainfit.plan.space import with_global_batch
 

@@ -16,10 +16,11 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from trainfit.config import write_atomic
     from trainfit.configure import config_from_dict, read_raw, resolve_and_validate
-    from trainfit.memory.report import check_figure_path, fmt_bytes
+    from trainfit.figures import check_figure_path
     from trainfit.plan.explain import plan_json, plan_table, plot_plan, search_summary, winner_toml
     from trainfit.plan.search import search
     from trainfit.plan.space import with_global_batch
+    from trainfit.units import fmt_bytes
 
     raw = read_raw(args.config, overrides)
     cfg = config_from_dict(raw)

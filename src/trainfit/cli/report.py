@@ -19,8 +19,8 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
     from rich.console import Console
 
     from trainfit.estimate import estimate
+    from trainfit.figures import check_figure_path
     from trainfit.memory.compare import Comparison, comparison_table, plot_comparison
-    from trainfit.memory.report import check_figure_path
     from trainfit.memory.traced import trace_step
     from trainfit.train.trainer import measure_step
 
@@ -50,7 +50,7 @@ def _report_profile(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from rich.console import Console
 
-    from trainfit.memory.report import check_figure_path
+    from trainfit.figures import check_figure_path
     from trainfit.perf.trace import load_profiles
     from trainfit.perf.trace_report import operator_table, plot_timeline, time_table
 
