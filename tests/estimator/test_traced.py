@@ -13,7 +13,7 @@ import torch.distributed as dist
 from trainfit.config import Config
 from trainfit.configure import load_config
 from trainfit.memory.breakdown import PHASES
-from trainfit.memory.traced import TracedEstimate, trace_step
+from trainfit.traced import TracedEstimate, trace_step
 
 
 def _rss_bytes(field: str = "VmRSS") -> int:

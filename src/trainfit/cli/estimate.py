@@ -25,7 +25,7 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     for message in est.layout.ineffective_options():  # as `trainfit train` warns of them
         print(f"warning: {message}", file=sys.stderr)
     if args.traced:
-        from trainfit.memory.traced import trace_step
+        from trainfit.traced import trace_step
 
         est = with_traced_memory(est, trace_step(cfg))
     # the fixes keep the global batch: when it is 0, the one this config's run derives (named in the output)

@@ -127,7 +127,7 @@ def _traced_checks(candidates: list) -> list[int]:
     """The traced estimator's memory per GPU (its worst stage's peak plus the analytic reserved
     margin, as `estimate --traced` counts it) of each candidate, in order."""
     from trainfit.estimate import estimate, with_traced_memory
-    from trainfit.memory.traced import trace_step
+    from trainfit.traced import trace_step
 
     checks = []
     for i, c in enumerate(candidates):

@@ -42,7 +42,7 @@ from trainfit.models.moe import GroupedExperts, dispatch_slots, swiglu_experts, 
 @dataclass(frozen=True)
 class Routes:
     """Where a rank's dropless pairs go and what it receives: the one step that reads the routing's
-    values (the traced estimator stands in for it: memory/traced.py)."""
+    values (the traced estimator stands in for it: traced.py)."""
 
     order_P: torch.Tensor
     """The rank's (token, choice) pairs, token-major, sorted by expert (stably: by token within one)."""

@@ -1,6 +1,6 @@
 """The one way a run's model is built: on the meta device from the config, its fingerprint taken,
 the precision policy's preparation, then parallelized for the layout on this rank's mesh. The
-trainer and the traced estimator (memory/traced.py) both build through here, so the model whose
+trainer and the traced estimator (traced.py) both build through here, so the model whose
 step is traced is the model that trains; each then materializes it where it runs (the trainer on
 its device, the traced estimator under fake tensors).
 """
