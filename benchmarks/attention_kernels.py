@@ -16,7 +16,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from trainfit.config import ConfigError, load_config
+from trainfit.config import ConfigError
+from trainfit.configure import load_config
 from trainfit.estimate import estimate
 from trainfit.train.distributed import World
 from trainfit.train.trainer import Trainer, measure_step

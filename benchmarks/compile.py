@@ -1,7 +1,7 @@
 """Eager vs torch.compile'd blocks (training.compile) on this machine: tokens/s without the
 compiling step, the compile time apart, and the peak measured at the allocator (the tensors' peak
 + non_tensor: what a compiled block allocates inside is no tensor the memory meter sees) against both
-estimators, which model the eager step (memory/traced.py traces it; memory/analytic.py counts
+estimators, which model the eager step (traced.py traces it; memory/analytic.py counts
 eager's saved tensors), so a compiled row's estimate gaps are what fusion saves.
 
 Inductor's partitioner (torch/_functorch/partitioners.py, min_cut_rematerialization_partition)
@@ -31,7 +31,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _analytic import memory_of  # noqa: E402
 from _runs import run_config  # noqa: E402
-from trainfit.memory.traced import trace_step  # noqa: E402
+from trainfit.traced import trace_step  # noqa: E402
 from trainfit.train.trainer import Trainer  # noqa: E402
 
 MiB = 2**20

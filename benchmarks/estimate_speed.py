@@ -17,7 +17,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.estimate import estimate
 
 # llama3.1-405b: 126 layers, so pp must divide 126 (2, 3, 6, 7, ...); tp 8 in a node, cp 2, pp 2, dp 512.

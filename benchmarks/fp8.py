@@ -24,10 +24,11 @@ from rich.console import Console
 from rich.table import Table
 
 from techniques import tokens_per_s  # beside this script
-from trainfit.config import Config, load_config
+from trainfit.config import Config
+from trainfit.configure import load_config
 from trainfit.memory.analytic import estimate_memory
-from trainfit.memory.traced import trace_step
 from trainfit.parallel.layout import build_layout
+from trainfit.traced import trace_step
 from trainfit.train.trainer import measure_step
 
 MiB = 2**20

@@ -194,7 +194,7 @@ def attention_seconds(backends: list[Any] | None, shape: tuple[int, ...], device
     """Median seconds of one bf16 causal attention's forward and backward under `backends` (None: torch picks)."""
     from torch.nn.attention import sdpa_kernel
 
-    from trainfit.perf.calibrate_probe import median_seconds
+    from trainfit.calibrate.probe import median_seconds
 
     q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     grad = torch.randn(shape, device=device, dtype=torch.bfloat16)
@@ -290,8 +290,8 @@ def check_memory(ctx: Context) -> None:
     """The measured step's peak and every memory_/device_ figure its metrics record holds, the CUDA
     allocator's own counters, and the analytic estimate of the same config on this device."""
     from trainfit.estimate import estimate
-    from trainfit.memory.report import fmt_bytes
     from trainfit.train.run_device import this_run_device
+    from trainfit.units import fmt_bytes
 
     def inspect(trainer: Trainer, result: TrainResult) -> dict[str, Any]:
         cfg = trainer.cfg

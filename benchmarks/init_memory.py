@@ -44,7 +44,7 @@ def peak_rss() -> int:
 def run_rank(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from trainfit.config import load_config
+    from trainfit.configure import load_config
     from trainfit.train.trainer import Trainer
 
     warnings.filterwarnings("ignore")

@@ -74,7 +74,7 @@ def estimate(cfg) -> tuple[int, int]:
 
 
 def run_rank(args: argparse.Namespace) -> None:
-    from trainfit.config import load_config
+    from trainfit.configure import load_config
     from trainfit.train.trainer import Trainer
 
     warnings.filterwarnings("ignore")

@@ -25,7 +25,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.train.distributed import World
 from trainfit.train.trainer import Trainer
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.memory.analytic import model_states
 from trainfit.models import build_model, materialize
 from trainfit.parallel.data_parallel import local_state_bytes

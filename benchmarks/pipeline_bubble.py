@@ -77,7 +77,7 @@ def measure(trainer: Any, steps: int) -> tuple[float, float]:
 def run_rank(args: argparse.Namespace) -> None:
     import torch
 
-    from trainfit.config import load_config
+    from trainfit.configure import load_config
     from trainfit.perf.timing import bubble_fraction
     from trainfit.train.trainer import Trainer
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.estimate import estimate
 from trainfit.plan.search import search
 from trainfit.plan.space import settings_of

@@ -43,7 +43,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from trainfit.config import Config, load_config
+from trainfit.config import Config
+from trainfit.configure import load_config
 from trainfit.estimate import Estimate, estimate
 from trainfit.hardware import device_spec
 from trainfit.memory.analytic import ALLOCATOR_FRAGMENTATION

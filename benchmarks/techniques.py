@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _analytic import memory_of  # noqa: E402
 from _runs import run_config  # noqa: E402
 from trainfit.config import Config  # noqa: E402
-from trainfit.memory.traced import trace_step  # noqa: E402
+from trainfit.traced import trace_step  # noqa: E402
 from trainfit.train.distributed import World  # noqa: E402
 from trainfit.train.trainer import Trainer, measure_step  # noqa: E402
 

@@ -39,9 +39,9 @@ QUICK = [CASES[0]]
 
 _CHILD = """
 import json, sys
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.estimate import estimate
-from trainfit.memory.traced import trace_step
+from trainfit.traced import trace_step
 from trainfit.models.params import param_counts
 cfg = load_config(None, sys.argv[1:])
 est = trace_step(cfg)

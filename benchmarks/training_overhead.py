@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from trainfit.config import Config, load_config
+from trainfit.config import Config
+from trainfit.configure import load_config
 from trainfit.models import build_model, count_params, materialize
 from trainfit.train.data import BatchSampler, resolve_data
 from trainfit.train.optim import lr_at

@@ -10,7 +10,8 @@ from types import ModuleType
 
 import torch
 
-from trainfit.config import Config, ModelConfig, load_config
+from trainfit.config import Config, ModelConfig
+from trainfit.configure import load_config
 from trainfit.models import build_model, materialize
 
 DEBUG_RUN = ("--model.preset=debug", "--training.seq_len=32", "--training.micro_batch_size=4",

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from _runs import run_config, run_overrides
+from trainfit import traced
 from trainfit.cli import main
-from trainfit.memory import traced
 from trainfit.train import checkpoint as ckpt
 from trainfit.train.metrics import METRICS_FILE, read_metrics
 from trainfit.train.optim import lr_at

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from trainfit.cli import main
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.estimate import estimate as estimate_config
 from trainfit.plan.fixes import fewest_changes
 

@@ -14,7 +14,7 @@ import pytest
 
 from _runs import run_overrides
 from trainfit.cli import main
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.estimate import estimate
 
 LLAMA8B_8 = ("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",

@@ -1,5 +1,5 @@
 """fp8-mixed's float8 linears (torchao 0.18's float8 training), kept apart from precision.py so that
-only fp8 runs import torchao (parallel/apply.py and the trainer import this module lazily).
+only fp8 runs import torchao (train/parallelize.py and the trainer import this module lazily).
 
 What changes in a converted nn.Linear (torchao/float8/float8_linear.py, matmul_with_hp_or_float8_args):
 the forward casts the input and the weight to fp8 (e4m3) with a dynamic scale (tensorwise: one

@@ -1,5 +1,5 @@
 """Does this device multiply in fp8 faster than in bf16? A probe bounded in time, run by fp8-mixed
-training before step 1 (train/trainer.py) and by `trainfit calibrate` (perf/calibrate.py).
+training before step 1 (train/trainer.py) and by `trainfit calibrate` (calibrate/machine.py).
 
 fp8 training exists to run its GEMMs faster than bf16's, on fp8 tensor cores (H100, H200, MI300X...).
 Elsewhere torch._scaled_mm may still run, on a reference kernel: some CPUs multiply fp8 orders of

@@ -1,6 +1,6 @@
 """A measured hardware profile: what `trainfit calibrate` measured on one machine, as TOML. Torch-free.
 
-trainfit.perf.calibrate measures and writes it; config validation reads it (hardware.profile) and
+trainfit.calibrate.machine measures and writes it; config validation reads it (hardware.profile) and
 trainfit.hardware uses its figures in place of the catalog's. The TOML layout is the dataclasses'
 own (field names are the keys), so the file, `trainfit calibrate --json` and `HardwareProfile`
 read alike:
@@ -156,7 +156,7 @@ parallelism), FSDP2's hooks around its units."""
 @dataclass(frozen=True)
 class HostOverhead:
     """Host seconds of one forward and backward that a parallel framework adds to a rank beyond its
-    compute and collectives, measured on `ranks` ranks in one group (trainfit.perf.calibrate_host)."""
+    compute and collectives, measured on `ranks` ranks in one group (trainfit.calibrate.host)."""
 
     ranks: int
     kind: str

@@ -13,7 +13,7 @@
   one per tensor or one per row) and run torch._scaled_mm. The output projection stays in bf16
   (as torchtitan keeps it: the logits are where fp8's error would land undiluted), and so do
   linears whose dims are not multiples of 16 (_scaled_mm's constraint) and anything that is not an
-  nn.Linear (MoE's grouped experts). float8.py converts (parallel/apply.py calls it) and lists what
+  nn.Linear (MoE's grouped experts). float8.py converts (train/parallelize.py calls it) and lists what
   stays bf16 when training starts. Under FSDP2, precision.fp8_all_gather all-gathers the float8
   weights in fp8 (tensorwise only).
 

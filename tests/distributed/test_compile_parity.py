@@ -1,12 +1,12 @@
 """training.compile composes with FSDP2 and activation checkpointing: 2 gloo ranks, each block compiled
-after checkpointing and before fully_shard (parallel/apply.py), train like one eager process; the
+after checkpointing and before fully_shard (train/parallelize.py), train like one eager process; the
 compiling step is timed apart and left out of tokens/s; the measured step runs the compiled blocks.
 One 1-block, fully checkpointed model keeps it to one compilation per rank (~30 s cold on 2 busy
 cores): its compiled recomputation is what the memory meter must follow.
 
 Tensor parallelism with sequence parallelism and selective checkpointing, compiled, trains like one eager process
 too: its first block's input is the embedding's pending reduce-scatter (an AsyncCollectiveTensor), which the
-compiled block would otherwise give no gradient (parallel/apply.py _awaited_inputs).
+compiled block would otherwise give no gradient (train/parallelize.py _awaited_inputs).
 
 Measured (and the tolerance), fp32, 3 steps: full checkpointing, ZeRO-3: loss 2e-7, parameters 3e-6; tp2 + SP,
 selective checkpointing: loss 9e-8, parameters 4e-6 (COMPILED)."""

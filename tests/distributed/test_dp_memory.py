@@ -1,5 +1,5 @@
 """Per-rank model states of every ZeRO stage on 2 and 4 gloo ranks: what each rank holds, measured,
-against the traced step (memory/traced.py: the same trainer on fake tensors in a fake world), the
+against the traced step (traced.py: the same trainer on fake tensors in a fake world), the
 forms of parallel/data_parallel.py's table, and the analytic estimate.
 
 A model whose states dominate its activations (4 blocks of dim 256, ~3.5M parameters, P = 14 MB
@@ -30,7 +30,7 @@ from _analytic import states_of
 from _dist import DP_BATCH, spawn_gloo
 from _runs import run_config
 from trainfit.config import Config
-from trainfit.memory.traced import trace_step
+from trainfit.traced import trace_step
 from trainfit.train.trainer import Trainer
 
 WIDE = ("--model.num_layers=4", "--model.dim=256", "--model.ffn_dim=768", "--model.num_heads=4",

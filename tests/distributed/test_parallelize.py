@@ -9,10 +9,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from _dist import DP_BATCH, fake_world
 from _runs import run_config
-from trainfit.parallel.apply import parallelize
 from trainfit.parallel.layout import build_layout
 from trainfit.parallel.mesh import build_mesh, dp_mesh, fsdp_mesh
 from trainfit.precision import precision_policy
+from trainfit.train.parallelize import parallelize
 
 
 def test_mesh_axes_follow_the_degrees(tmp_path) -> None:

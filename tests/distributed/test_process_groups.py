@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_group, _world
 
 from _dist import FourRankGlooTestCase, with_comms
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.parallel.groups import FLATTENED, mesh_groups, process_groups
 from trainfit.parallel.layout import build_layout
 from trainfit.parallel.mesh import build_mesh, expert_mesh

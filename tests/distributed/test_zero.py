@@ -36,7 +36,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim.lr_scheduler import LambdaLR
 
 from _dist import FourRankGlooTestCase, GlooTestCase, with_comms
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.parallel.zero import ZeroOptimizer
 from trainfit.precision import step_optimizer
 from trainfit.train.optim import make_optimizer, param_groups

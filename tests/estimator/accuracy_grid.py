@@ -1,6 +1,6 @@
 """The estimator accuracy grid, shared by tests/estimator/test_accuracy.py and
 benchmarks/estimator_accuracy.py: configurations on 1, 2 and 4 CPU processes, each measured
-(memory/attribution.py), traced (memory/traced.py) and estimated (memory/analytic.py).
+(memory/attribution.py), traced (traced.py) and estimated (memory/analytic.py).
 
 Ground truth on CPU: the live tensors of a real step, counted per component at every aten
 operator, and beside them glibc's in-use bytes read at the same moments. The estimators are held
@@ -36,8 +36,8 @@ from _runs import run_config
 from trainfit.config import Config
 from trainfit.memory.attribution import Measurement
 from trainfit.memory.breakdown import COMPONENTS, MemoryBreakdown
-from trainfit.memory.traced import trace_step
 from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES
+from trainfit.traced import trace_step
 from trainfit.train.trainer import measure_step
 
 MiB = 2**20

@@ -13,7 +13,7 @@ import pytest
 from _analytic import memory_of as estimate_memory
 from _analytic import retained_of as forward_retained_bytes
 from _analytic import states_of as model_states
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.estimate import estimate
 from trainfit.memory import analytic
 from trainfit.memory.activations import FP32, ActDtypes, block_terms, korthikanti_layer_bytes

@@ -18,7 +18,7 @@ from _ranks import start_ranks
 from _runs import run_config
 from trainfit.memory.attribution import measure_trainer_step
 from trainfit.memory.breakdown import PHASES
-from trainfit.memory.traced import trace_step
+from trainfit.traced import trace_step
 from trainfit.train.distributed import World
 from trainfit.train.trainer import Trainer, measure_step
 

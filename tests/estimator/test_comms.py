@@ -17,7 +17,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._pytree import tree_flatten
 
 from _dist import fake_world
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link, inter_node_link, intra_node_link
 from trainfit.models import build_model, count_params, materialize
 from trainfit.parallel.layout import AXES, build_layout
@@ -225,10 +225,10 @@ def test_ddp_collectives_match_distributed_data_parallel() -> None:
 def test_zero1_collectives_match_the_zero_optimizer(precision: str, grad_accum_dtype: str) -> None:
     """parallel/zero.py's step: one reduce-scatter of the gradients (their accumulation dtype), one
     all-gather of the parameters (compute dtype), per bucket (one here), nothing in backward."""
-    from trainfit.parallel.apply import parallelize_optimizer
     from trainfit.parallel.mesh import build_mesh
     from trainfit.precision import precision_policy
     from trainfit.train.optim import make_optimizer, param_groups
+    from trainfit.train.parallelize import parallelize_optimizer
 
     cfg, dims = _dims("--model.preset=debug", "--hardware.num_gpus=4", "--parallel.zero_stage=1",
                       f"--precision.mode={precision}", f"--optimizer.grad_accum_dtype={grad_accum_dtype}",

@@ -18,7 +18,7 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainfit.config import ModelConfig
-from trainfit.models import build_model, materialize
+from trainfit.models import block_cost, build_model, materialize
 from trainfit.models.params import param_counts
 from trainfit.models.presets import PRESETS, resolve_model_config
 from trainfit.perf import flops
@@ -68,15 +68,15 @@ def test_hardware_flops_add_flash_backward_and_recomputation() -> None:
     none = flops.hardware_flops_per_token(m, s, "none")
     assert none == model + attention // 2  # backward attention 2.5x instead of 2x the forward
     assert flops.hardware_flops_per_token(m, s, "selective") == none
-    block = 2 * flops.block_matmul_params(m) - 2 * m.dim * m.ffn_dim + flops.block_attention_flops(m, s)
+    block = 2 * block_cost.block_matmul_params(m) - 2 * m.dim * m.ffn_dim + block_cost.block_attention_flops(m, s)
     assert flops.hardware_flops_per_token(m, s, "full") == none + m.num_layers * block
     assert flops.hardware_flops_per_token(m, s, "full", every_n_layers=3) == none + 11 * block  # 0, 3, ..., 30
     # full recomputation costs less than one more forward (1/3): not the output head, nor each w2
     assert 0.2 < (flops.hardware_flops_per_token(m, s, "full") - none) / model < 1 / 3
     # MoE blocks rerun everything (the load-balancing loss needs the router after the experts)
     moe = model_config("mixtral-8x7b")
-    assert flops.block_recompute_flops(moe, s, "full") == (2 * flops.block_matmul_params(moe),
-                                                           flops.block_attention_flops(moe, s))
+    assert flops.block_recompute_flops(moe, s, "full") == (2 * block_cost.block_matmul_params(moe),
+                                                           block_cost.block_attention_flops(moe, s))
 
 
 def test_flash_backward_factor_is_torchs_own_accounting() -> None:
@@ -121,7 +121,8 @@ def test_flop_counter_on_our_models(preset: str) -> None:
             continue
         # math backend: bmm over the full square, forward 1x, backward 2x, recomputed forward 1x
         full_square = flops.attention_flops_per_token(m, seq, causal=False)
-        recompute_attention = wrapped * flops.block_attention_flops(m, seq, causal=False) if policy == "full" else 0
+        recompute_attention = (wrapped * block_cost.block_attention_flops(m, seq, causal=False)
+                               if policy == "full" else 0)
         math = counted_flops(m, policy, every_n, math_sdpa=True, batch=batch, seq=seq)
         assert math - flash == tokens * (3 * full_square + recompute_attention), (policy, every_n)
 

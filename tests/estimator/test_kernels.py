@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from _profiles import profile
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.hardware_profile import (
     AttentionShape,
     Concurrency,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from trainfit import hardware
-from trainfit.config import ConfigError, ModelConfig, load_config
+from trainfit.config import ConfigError, ModelConfig
+from trainfit.configure import load_config
 from trainfit.hardware import COMPUTE_EFFICIENCY, peak_flops
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import build_layout

@@ -10,9 +10,10 @@ import os
 import pytest
 import torch.distributed as dist
 
-from trainfit.config import Config, load_config
+from trainfit.config import Config
+from trainfit.configure import load_config
 from trainfit.memory.breakdown import PHASES
-from trainfit.memory.traced import TracedEstimate, trace_step
+from trainfit.traced import TracedEstimate, trace_step
 
 
 def _rss_bytes(field: str = "VmRSS") -> int:

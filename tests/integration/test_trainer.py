@@ -14,7 +14,7 @@ from _analytic import memory_of
 from _runs import run_config
 from trainfit.config import ConfigError
 from trainfit.memory.breakdown import COMPONENTS, PHASES
-from trainfit.memory.traced import trace_step
+from trainfit.traced import trace_step
 from trainfit.train import checkpoint as ckpt
 from trainfit.train.metrics import ThroughputWindow, read_metrics
 from trainfit.train.optim import lr_at

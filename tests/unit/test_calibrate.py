@@ -22,8 +22,13 @@ from rich.console import Console
 
 from _profiles import profile
 from trainfit import hardware
+from trainfit.calibrate import machine
+from trainfit.calibrate.comms import fit_link, fit_nonnegative, model_terms
+from trainfit.calibrate.probe import median_seconds, synchronized_median_seconds
+from trainfit.calibrate.settings import CUDA_DEFAULT, CUDA_QUICK, DEFAULT, QUICK, Settings, settings_for
 from trainfit.cli import main
-from trainfit.config import ConfigError, HardwareConfig, load_config
+from trainfit.config import ConfigError, HardwareConfig
+from trainfit.configure import load_config
 from trainfit.estimate import estimate
 from trainfit.fp8_matmul import DEADLINE_S, PROBE_SHAPE, Fp8MatmulRates
 from trainfit.hardware_profile import (
@@ -39,10 +44,6 @@ from trainfit.hardware_profile import (
     write_profile,
 )
 from trainfit.parallel.layout import build_layout
-from trainfit.perf import calibrate
-from trainfit.perf.calibrate_comms import fit_link, fit_nonnegative, model_terms
-from trainfit.perf.calibrate_probe import median_seconds, synchronized_median_seconds
-from trainfit.perf.calibrate_settings import CUDA_DEFAULT, CUDA_QUICK, DEFAULT, QUICK, Settings, settings_for
 from trainfit.perf.comms import collective_time
 from trainfit.perf.kernels import elementwise_bytes
 
@@ -218,17 +219,17 @@ def test_ranks_in_step_size_their_batches_on_a_warm_call_too() -> None:
 def test_work_a_gpu_cannot_hold_is_skipped_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stood in on a CPU with small shapes and a GPU's free memory of 1 MiB: what fits runs, what does
     not is never allocated and a warning names it; a CPU's memory is not checked."""
-    assert calibrate._free_bytes("cpu") is None
-    assert calibrate._fitting_messages((2**12, 2**20), "cpu") == (2**12, 2**20)
-    monkeypatch.setattr(calibrate, "_free_bytes", lambda device: 2**20)
+    assert machine._free_bytes("cpu") is None
+    assert machine._fitting_messages((2**12, 2**20), "cpu") == (2**12, 2**20)
+    monkeypatch.setattr(machine, "_free_bytes", lambda device: 2**20)
     s = Settings(shapes=((64, 32), (1024, 1024)), attention_shapes=((1, 2, 16, 8), (1, 8, 1024, 64)), max_call_s=1e9,
                  batch_s=0.001, repeats=1, memory_bytes=2**12, message_bytes=(), optimizer_params=())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        matmuls = calibrate._matmuls("fp32", "cpu", s, lambda what: None)
-        backward = calibrate._matmul_backwards("fp32", "cpu", s, lambda what: None)
-        attention = calibrate._attentions("fp32", "cpu", s, lambda what: None)
-        messages = calibrate._fitting_messages((2**12, 2**20), "cpu")
+        matmuls = machine._matmuls("fp32", "cpu", s, lambda what: None)
+        backward = machine._matmul_backwards("fp32", "cpu", s, lambda what: None)
+        attention = machine._attentions("fp32", "cpu", s, lambda what: None)
+        messages = machine._fitting_messages((2**12, 2**20), "cpu")
     assert [(x.m, x.k, x.n) for x in matmuls] == [(64, 32, 32), (64, 32, 128)]
     assert [(x.m, x.k, x.n) for x in backward] == [(64, 32, 32), (64, 32, 128)]
     assert [(a.heads, a.seq_len) for a in attention] == [(2, 16)] and messages == (2**12,)
@@ -257,7 +258,7 @@ def test_a_reference_fp8_kernel_is_measured_once_at_the_probe_shape(monkeypatch:
 
     monkeypatch.setattr(torch, "_scaled_mm", slow)
     steps: list[str] = []
-    (shape,) = calibrate._fp8_matmuls("cpu", DEFAULT, steps.append)
+    (shape,) = machine._fp8_matmuls("cpu", DEFAULT, steps.append)
     assert len(calls) == 1 and steps == ["fp8 matmul probe"]
     assert (shape.dtype, shape.m, shape.k, shape.n) == ("fp8", *PROBE_SHAPE)
     assert shape.flops_per_s < 2 * 128**3 / (2 * DEADLINE_S)
@@ -267,26 +268,26 @@ def test_the_probe_rate_bounds_the_fp8_grid(monkeypatch: pytest.MonkeyPatch) -> 
     """fp8's rate so far starts at the probe's: a shape whose one call would exceed max_call_s at it is skipped."""
     monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: pytest.fail("a grid shape was timed"))
     probe = MatmulShape("fp8", *PROBE_SHAPE, 1e6)  # every grid shape's call: longer than DEFAULT.max_call_s
-    assert calibrate._matmuls("fp8", "cpu", DEFAULT, lambda what: None, probe=probe) == [probe]
+    assert machine._matmuls("fp8", "cpu", DEFAULT, lambda what: None, probe=probe) == [probe]
 
 
 def test_fp8_on_a_gpu_is_bounded_by_bf16s_rate_not_the_probes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU runs the probe's small GEMM in about a launch's time, a rate far below its grid shapes':
     fp8 not slow against bf16 is bounded by a tenth of bf16's best rate, so its grid is measured."""
     rates = Fp8MatmulRates("cpu", "tensorwise", PROBE_SHAPE, 1e6, 1e6)  # launch-bound, and not slow
-    monkeypatch.setattr(calibrate, "probe_fp8_matmul", lambda device: rates)
-    monkeypatch.setattr(calibrate, "_matmul", lambda *args: (lambda: None))
+    monkeypatch.setattr(machine, "probe_fp8_matmul", lambda device: rates)
+    monkeypatch.setattr(machine, "_matmul", lambda *args: (lambda: None))
     s = Settings(shapes=((64, 32),), attention_shapes=(), max_call_s=0.05, batch_s=0.001, repeats=1,
                  memory_bytes=2**12, message_bytes=(), optimizer_params=())
-    measured = calibrate._fp8_matmuls("cpu", s, lambda what: None, bf16_flops_per_s=1e11)
+    measured = machine._fp8_matmuls("cpu", s, lambda what: None, bf16_flops_per_s=1e11)
     assert [(x.m, x.k, x.n) for x in measured] == [(64, 32, 32), (64, 32, 128)]
-    (probe,) = calibrate._fp8_matmuls("cpu", s, lambda what: None)  # at the probe's rate every call is too long
+    (probe,) = machine._fp8_matmuls("cpu", s, lambda what: None)  # at the probe's rate every call is too long
     assert (probe.m, probe.k, probe.n, probe.flops_per_s) == (*PROBE_SHAPE, 1e6)
 
 
 def _printed(p: HardwareProfile) -> str:
     console = Console(file=io.StringIO(), width=200)
-    for table in calibrate.profile_tables(p):
+    for table in machine.profile_tables(p):
         console.print(table)
     return console.file.getvalue()
 

@@ -8,15 +8,8 @@ from pathlib import Path
 import pytest
 
 from trainfit.cli import main
-from trainfit.config import (
-    SECTIONS,
-    ConfigError,
-    config_from_dict,
-    field_docs,
-    iter_fields,
-    load_config,
-    split_overrides,
-)
+from trainfit.config import SECTIONS, ConfigError, field_docs, iter_fields, split_overrides
+from trainfit.configure import config_from_dict, load_config
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 

@@ -16,11 +16,11 @@ from _runs import run_config
 from trainfit.config import ConfigError
 from trainfit.float8 import convert_to_float8, float8_notes
 from trainfit.models import build_model
-from trainfit.parallel.apply import parallelize
 from trainfit.parallel.layout import build_layout
 from trainfit.parallel.mesh import build_mesh
 from trainfit.perf.fp8_casts import DIM_MULTIPLE, float8_linears
 from trainfit.precision import precision_policy
+from trainfit.train.parallelize import parallelize
 
 FP8 = "--precision.mode=fp8-mixed"
 
@@ -131,4 +131,4 @@ def test_the_run_pads_only_when_its_micro_batch_tokens_need_it(tmp_path) -> None
         assert any("pad them with zeros" in n for n in float8_notes(model)) is pads
     cfg = run_config(tmp_path, FP8, "--training.micro_batch_size=3", "--training.global_batch_size=3",
                      "--training.seq_len=36")
-    assert build_layout(cfg, 1).micro_batch_tokens == 108  # what parallel/apply.py converts with
+    assert build_layout(cfg, 1).micro_batch_tokens == 108  # what train/parallelize.py converts with

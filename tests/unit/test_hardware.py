@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from trainfit import hardware
-from trainfit.config import ConfigError, HardwareConfig, field_docs, load_config
+from trainfit.config import ConfigError, HardwareConfig, field_docs
+from trainfit.configure import load_config
 
 TERA, GB = 1e12, 1e9
 

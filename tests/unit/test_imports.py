@@ -1,8 +1,10 @@
-"""The import graph of trainfit has no cycles, and config's layers depend one way.
+"""The import graph of trainfit has no cycles, between modules or between the package's parts.
 
 Read from the source with `ast`, like shared/tools/import_cycles.py: an import inside a function
 counts (a lazy import that closes a cycle is still a cycle); one under `if TYPE_CHECKING:` does not;
-a package's __init__ importing its own submodules (and they it) is not a cycle.
+a package's __init__ importing its own submodules (and they it) is not a cycle. The parts are the
+top-level entries of src/trainfit (config, models, memory, ..., units.py, traced.py): they form
+layers, each importing only parts below it (README.md's architecture section gives the order).
 """
 
 from __future__ import annotations
@@ -84,9 +86,70 @@ def test_the_finder_counts_lazy_imports_and_skips_type_checking(tmp_path: Path) 
     assert cycles(graph) == {("a", "c")}
 
 
+def part_of(module: str) -> str:
+    """The top-level part a module belongs to: trainfit.memory.analytic -> memory, trainfit.units ->
+    units; the package itself -> ""."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def part_graph(graph: dict[str, set[str]]) -> dict[str, dict[str, set[str]]]:
+    """part -> {part it imports: the modules that import it}; a part's imports of itself and
+    everything of the package's own __init__ (the public API, which imports down) left out."""
+    parts: dict[str, dict[str, set[str]]] = {}
+    for module, targets in graph.items():
+        src = part_of(module)
+        if not src:
+            continue
+        edges = parts.setdefault(src, {})
+        for target in targets:
+            dst = part_of(target)
+            if dst and dst != src:
+                edges.setdefault(dst, set()).add(module.removeprefix(PACKAGE + "."))
+    return parts
+
+
+def part_cycles_message(parts: dict[str, dict[str, set[str]]]) -> str:
+    """Each cycle of parts with the imports that close it, or "" when the parts form layers."""
+    nodes = set(parts) | {dst for edges in parts.values() for dst in edges}
+    found = cycles({p: set(parts.get(p, {})) for p in nodes})
+    lines = []
+    for cycle in sorted(found):
+        lines.append("parts import each other: " + ", ".join(cycle))
+        lines += [f"  {src} -> {dst}: imported by {', '.join(sorted(parts[src][dst]))}"
+                  for src in cycle for dst in sorted(parts.get(src, {})) if dst in cycle]
+    if lines:
+        lines.append("move the code that closes the cycle to the layer it belongs in (README.md's architecture "
+                     "section), or import it under `if TYPE_CHECKING:` if only annotations need it")
+    return "\n".join(lines)
+
+
+def test_the_parts_form_layers() -> None:
+    message = part_cycles_message(part_graph(import_graph()))
+    assert not message, message
+
+
+def test_a_part_cycle_names_the_importing_modules() -> None:
+    graph = {"trainfit.a.x": {"trainfit.b"}, "trainfit.b": {"trainfit.a.y", "trainfit.c"},
+             "trainfit.a.y": {"trainfit.a.x"}, "trainfit.c": set(), "trainfit": {"trainfit.a.x"}}
+    parts = part_graph(graph)
+    assert parts == {"a": {"b": {"a.x"}}, "b": {"a": {"b"}, "c": {"b"}}, "c": {}}
+    message = part_cycles_message(parts)
+    assert message.splitlines()[:3] == ["parts import each other: a, b", "  a -> b: imported by a.x",
+                                         "  b -> a: imported by b"]
+    assert part_cycles_message({"a": {"b": {"a"}}, "b": {}}) == ""
+
+
+def test_config_imports_nothing_of_trainfit_outside_config() -> None:
+    """config is the bottom layer: the schema and its helpers. Loading a file, which resolves model
+    presets and checks the hardware, is trainfit.configure's, above models and hardware."""
+    outside = {m: sorted(t for t in targets if part_of(t) not in ("config", ""))
+               for m, targets in import_graph().items() if part_of(m) == "config"}
+    assert not any(outside.values()), {m: t for m, t in outside.items() if t}
+
+
 def test_the_schema_is_the_bottom_layer() -> None:
-    """schema.py imports nothing of trainfit's; what validation imports (hardware, models) takes
-    only the schema from config, so loading and validation sit above them, never below."""
+    """schema.py imports nothing of trainfit's; the modules trainfit.configure imports (hardware,
+    models) take only the schema from config."""
     graph = import_graph()
     assert graph["trainfit.config.schema"] == set()
     below_validation = ["trainfit.hardware"] + [m for m in graph if m == "trainfit.models" or

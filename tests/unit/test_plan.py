@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from trainfit.config import ConfigError, load_config, resolve_and_validate
+from trainfit.config import ConfigError
+from trainfit.configure import load_config, resolve_and_validate
 from trainfit.estimate import estimate
 from trainfit.parallel.layout import GlobalBatch, build_layout
 from trainfit.plan.explain import versus, winner_toml
@@ -48,7 +49,7 @@ def test_the_search_makes_no_reference_cycles() -> None:
     """search runs with the cyclic garbage collector off, so what it drops must be freed by
     reference counting alone: after a search a collection finds nothing (in a fresh process, where
     nothing else leaves cycles behind)."""
-    code = ("import gc; from trainfit.config import load_config; from trainfit.plan.search import search; "
+    code = ("import gc; from trainfit.configure import load_config; from trainfit.plan.search import search; "
             f"args = {list(LLAMA8B_8)!r}; cfg = load_config(None, args); gc.collect(); "
             "gc.set_debug(gc.DEBUG_SAVEALL); search(cfg, frozenset(a[2:].split('=')[0] for a in args), top=5, "
             "exhaustive=True); assert gc.isenabled(); gc.collect(); assert gc.garbage == [], gc.garbage[:5]")

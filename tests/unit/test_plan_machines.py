@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainfit.config import ConfigError, load_config
+from trainfit.config import ConfigError
+from trainfit.configure import load_config
 from trainfit.hardware import PRICE_PER_GPU_HOUR
 from trainfit.plan.machines import check_gpus, compare_machines, gpu_counts, on_cost_frontier, parse_prices
 from trainfit.plan.search import search

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.parallel.layout import build_layout
 from trainfit.parallel.pipeline import stage_boundary
 from trainfit.precision import precision_policy

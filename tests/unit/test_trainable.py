@@ -11,12 +11,13 @@ import warnings
 
 import pytest
 
-from trainfit.config import Config, load_config
+from trainfit.config import Config
 from trainfit.config.schema import OptimizerName
-from trainfit.memory.traced import trace_step
+from trainfit.configure import load_config
 from trainfit.models.presets import PRESETS
 from trainfit.parallel.layout import Layout, build_layout
 from trainfit.plan.search import Plan, search
+from trainfit.traced import trace_step
 
 OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
 WORLDS = (1, 2, 4, 8)

@@ -17,8 +17,8 @@ def cmd_calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from trainfit.calibrate.machine import calibrate, profile_tables, resolve_max_ranks
     from trainfit.hardware_profile import write_profile
-    from trainfit.perf.calibrate import calibrate, profile_tables, resolve_max_ranks
 
     reject_overrides(overrides)
     check_writable("--out", args.out, replace=args.force)

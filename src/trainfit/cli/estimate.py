@@ -6,14 +6,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainfit.config import load_config
+from trainfit.configure import load_config
 
 
 def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
     from trainfit.estimate import as_json, estimate, with_traced_memory
-    from trainfit.memory.report import check_figure_path, plot_breakdown, print_estimate
+    from trainfit.estimate.report import plot_breakdown, print_estimate
+    from trainfit.figures import check_figure_path
     from trainfit.plan.fixes import fewest_changes
     from trainfit.plan.space import with_global_batch
 
@@ -24,7 +25,7 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     for message in est.layout.ineffective_options():  # as `trainfit train` warns of them
         print(f"warning: {message}", file=sys.stderr)
     if args.traced:
-        from trainfit.memory.traced import trace_step
+        from trainfit.traced import trace_step
 
         est = with_traced_memory(est, trace_step(cfg))
     # the fixes keep the global batch: when it is 0, the one this config's run derives (named in the output)

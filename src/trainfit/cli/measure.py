@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from trainfit.cli.common import check_steps
-from trainfit.config import load_config
+from trainfit.configure import load_config
 
 
 def cmd_measure(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -14,11 +14,13 @@ from trainfit.parallel.layout import GlobalBatch
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
-    from trainfit.config import config_from_dict, read_raw, resolve_and_validate, write_atomic
-    from trainfit.memory.report import check_figure_path, fmt_bytes
+    from trainfit.config import write_atomic
+    from trainfit.configure import config_from_dict, read_raw, resolve_and_validate
+    from trainfit.figures import check_figure_path
     from trainfit.plan.explain import plan_json, plan_table, plot_plan, search_summary, winner_toml
     from trainfit.plan.search import search
     from trainfit.plan.space import with_global_batch
+    from trainfit.units import fmt_bytes
 
     raw = read_raw(args.config, overrides)
     cfg = config_from_dict(raw)
@@ -125,7 +127,7 @@ def _traced_checks(candidates: list) -> list[int]:
     """The traced estimator's memory per GPU (its worst stage's peak plus the analytic reserved
     margin, as `estimate --traced` counts it) of each candidate, in order."""
     from trainfit.estimate import estimate, with_traced_memory
-    from trainfit.memory.traced import trace_step
+    from trainfit.traced import trace_step
 
     checks = []
     for i, c in enumerate(candidates):

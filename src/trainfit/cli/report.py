@@ -7,7 +7,8 @@ import argparse
 import sys
 
 from trainfit.cli.common import check_steps
-from trainfit.config import ConfigError, load_config
+from trainfit.config import ConfigError
+from trainfit.configure import load_config
 
 
 def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -18,9 +19,9 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
     from rich.console import Console
 
     from trainfit.estimate import estimate
+    from trainfit.figures import check_figure_path
     from trainfit.memory.compare import Comparison, comparison_table, plot_comparison
-    from trainfit.memory.report import check_figure_path
-    from trainfit.memory.traced import trace_step
+    from trainfit.traced import trace_step
     from trainfit.train.trainer import measure_step
 
     cfg = load_config(args.config, overrides)
@@ -49,7 +50,7 @@ def _report_profile(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from rich.console import Console
 
-    from trainfit.memory.report import check_figure_path
+    from trainfit.figures import check_figure_path
     from trainfit.perf.trace import load_profiles
     from trainfit.perf.trace_report import operator_table, plot_timeline, time_table
 

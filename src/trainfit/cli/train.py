@@ -8,7 +8,8 @@ import os
 import signal
 import sys
 
-from trainfit.config import Config, load_config
+from trainfit.config import Config
+from trainfit.configure import load_config
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.parallel.layout import Layout
 
@@ -68,7 +69,7 @@ def _warn_if_it_will_not_fit(cfg: Config, layout: Layout) -> MemoryBreakdown:
 def _traced_estimate(cfg: Config, layout: Layout) -> dict[str, MemoryBreakdown]:
     """{"traced": rank 0's traced estimate (pipeline rank 0's, as the analytic one)}, or {} with a
     warning when tracing fails (the run goes on)."""
-    from trainfit.memory.traced import trace_step
+    from trainfit.traced import trace_step
 
     try:
         return {"traced": trace_step(cfg, layout).per_stage[0]}

@@ -1,14 +1,13 @@
-"""One typed schema for a trainfit run: loaded from TOML, overridden by `--section.field=value`.
+"""One typed schema for a trainfit run, and its helpers: the bottom layer of trainfit.
 
-Split by job, dependencies one way: schema.py (the dataclasses, ConfigError; imports nothing of
-trainfit's) <- hardware.py, models/presets.py, models/hf.py <- validate.py <- load.py; docs.py and
-overrides.py read the schema only. Modules that the validation layer imports take their types from
-`trainfit.config.schema`, never from here: this package imports them.
+schema.py (the dataclasses, ConfigError), docs.py, dump.py and overrides.py import nothing of
+trainfit's outside this package. Reading a TOML file, resolving model presets and validating the
+hardware need models/ and hardware.py, which sit above the schema: that is `trainfit.configure`
+(load_config, config_from_dict, resolve_and_validate), one layer above them.
 """
 
 from trainfit.config.docs import field_docs, iter_fields
 from trainfit.config.dump import check_writable, dump_toml, write_atomic
-from trainfit.config.load import config_from_dict, config_to_dict, load_config, read_raw
 from trainfit.config.overrides import split_overrides
 from trainfit.config.schema import (
     SECTIONS,
@@ -31,12 +30,10 @@ from trainfit.config.schema import (
     TrainingConfig,
     field_error,
 )
-from trainfit.config.validate import resolve_and_validate
 
 __all__ = [
     "SECTIONS", "ACPolicy", "check_writable", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "Device",
     "HardwareConfig", "LRSchedule", "LoggingConfig", "MemoryConfig", "ModelConfig", "OptimizerConfig",
     "OptimizerName", "ParallelConfig", "PrecisionConfig", "PrecisionMode", "TrainingConfig",
-    "config_from_dict", "config_to_dict", "dump_toml", "field_docs", "field_error", "iter_fields", "load_config",
-    "read_raw", "resolve_and_validate", "split_overrides", "write_atomic",
+    "dump_toml", "field_docs", "field_error", "iter_fields", "split_overrides", "write_atomic",
 ]

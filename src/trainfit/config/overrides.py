@@ -2,7 +2,7 @@
 
 Kept apart from argparse: the fields are many and documented in the schema, so the CLI takes them
 out of argv here and argparse sees only its own options. Values are text until the field's type hint
-turns them into Python values (the checks against the type itself are load.py's).
+turns them into Python values (the checks against the type itself are trainfit/configure/load.py's).
 
 Ours rather than tyro or jsonargparse: this file is ~80 lines, keeps the `field=value: fix` errors
 and the TOML path, and costs nothing at import; either library would add import time and new

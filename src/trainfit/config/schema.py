@@ -1,7 +1,7 @@
 """The schema of a trainfit run: one dataclass per section, each field with an attribute docstring.
 
 Imports nothing of trainfit's, so every module (hardware.py, models/) can take its types from here
-while loading and validation (load.py, validate.py) import those modules: dependencies run one way.
+while loading and validation (trainfit.configure) import those modules: dependencies run one way.
 Pure Python, no torch, so that `trainfit estimate` stays instant.
 """
 

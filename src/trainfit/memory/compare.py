@@ -13,8 +13,9 @@ from typing import Any
 
 from rich.table import Table
 
+from trainfit.figures import pyplot, save_figure, stack_bars
 from trainfit.memory.breakdown import COMPONENTS, MemoryBreakdown
-from trainfit.memory.report import GIB, fmt_bytes, pyplot, save_figure, stack_bars
+from trainfit.units import GIB, fmt_bytes
 
 PHASE_COLORS = {"forward": "#C9DEF2", "backward": "#F6D5B5", "optimizer": "#C8E6C8"}
 PHASE_STRIP = 0.12

@@ -20,7 +20,7 @@ of a rank's tokens travels to the rank holding its expert and back, by all-to-al
 
 Gradients: backward runs the same all-to-alls in reverse, so an expert-weight gradient sums the
 contributions of the tokens its group routed to it; FSDP2 sums those over edp and must divide by
-every rank whose mean loss the step averages (dp_shard x cp), not by edp (apply.py sets it).
+every rank whose mean loss the step averages (dp_shard x cp), not by edp (train/parallelize.py sets it).
 
 Shape suffixes (moe.py's, and): P the rank's (token, choice) pairs, R rows it receives, G ranks of
 its expert group, L its local experts.
@@ -42,7 +42,7 @@ from trainfit.models.moe import GroupedExperts, dispatch_slots, swiglu_experts, 
 @dataclass(frozen=True)
 class Routes:
     """Where a rank's dropless pairs go and what it receives: the one step that reads the routing's
-    values (the traced estimator stands in for it: memory/traced.py)."""
+    values (the traced estimator stands in for it: traced.py)."""
 
     order_P: torch.Tensor
     """The rank's (token, choice) pairs, token-major, sorted by expert (stably: by token within one)."""

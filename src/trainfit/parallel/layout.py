@@ -91,7 +91,7 @@ class Layout:
     """memory.moe_imbalance: the busiest expert's load over the balanced one that memory estimates
     assume for dropless routing (the estimators' assumption; training does not read it)."""
     compile: bool = False
-    """training.compile: each transformer block torch.compile'd (parallel/apply.py)."""
+    """training.compile: each transformer block torch.compile'd (train/parallelize.py)."""
     optimizer: str = "adamw"
     """optimizer.name: some optimizers need whole parameters (untrainable_reason)."""
     tie_embeddings: bool = False

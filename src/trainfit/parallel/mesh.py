@@ -60,7 +60,7 @@ def expert_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
     """The 2-D (edp, ep) mesh over shard_mesh's ranks, in their order: ep fastest, so an expert group
     is ep consecutive shard ranks (perf/comms.py's group_is_intra_node assumes it). Built from the Layout
     and this rank's own (pipeline stage's) mesh. Collective: it creates process groups, so build it
-    once per model (parallel/apply.py does)."""
+    once per model (train/parallelize.py does)."""
     shards = shard_mesh(mesh)
     return shards._unflatten(0, (shards.size() // layout.ep, layout.ep), ("edp", "ep"))
 

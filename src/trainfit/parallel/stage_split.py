@@ -23,8 +23,8 @@ from functools import cache
 from typing import NamedTuple
 
 from trainfit.config.schema import ModelConfig
+from trainfit.models.block_cost import block_attention_flops, block_matmul_params, head_matmul_params
 from trainfit.models.params import param_counts
-from trainfit.perf.flops import block_attention_flops, block_matmul_params, head_matmul_params
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 V_SCHEDULES = ("zbv-zero-bubble", "dualpipev")

@@ -20,7 +20,7 @@ input of each column-parallel group all-gathered, and the norms compute on 1/tp 
 (their gains are replicated DTensors, whose gradients DTensor sums over the tp ranks).
 
 Applied to the meta-device model before activation checkpointing and data parallelism
-(parallel/apply.py); parameter names are untouched, so checkpoints and the layout-independent
+(train/parallelize.py); parameter names are untouched, so checkpoints and the layout-independent
 init (models/init.py, which fills each rank's slice) do not change.
 """
 

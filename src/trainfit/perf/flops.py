@@ -24,12 +24,15 @@ Hardware FLOPs are what the GPUs execute: model FLOPs plus
   dense block's last, as full. Every-n-layers wraps ceil(L / n) blocks;
 - the chunked loss (memory.chunked_loss, train/loss.py): each chunk of the output projection and
   cross-entropy is checkpointed, so backward reruns the projection once, 2 x dim x vocab per token.
-Checked against torch.utils.flop_counter.FlopCounterMode on our models (tests/estimator/test_flops.py).
+The per-block counts (matmul weights, attention FLOPs) are models/block_cost.py's, which the
+pipeline's stage split reads too. Checked against torch.utils.flop_counter.FlopCounterMode on our
+models (tests/estimator/test_flops.py).
 """
 
 from __future__ import annotations
 
 from trainfit.config import ModelConfig
+from trainfit.models.block_cost import block_attention_flops, block_matmul_params, head_matmul_params
 from trainfit.models.block_spec import odd_expert_share, shared_experts_first_matmul
 
 FWD_BWD_FACTOR = 3  # backward = 2x forward (grad wrt inputs + grad wrt weights)
@@ -37,36 +40,12 @@ FWD_BWD_FACTOR = 3  # backward = 2x forward (grad wrt inputs + grad wrt weights)
 FLASH_ATTENTION_BWD_FACTOR = 2.5
 
 
-def block_matmul_params(m: ModelConfig) -> int:
-    """Weights one token multiplies through in one block (MoE: router + shared + its top-k experts)."""
-    head_dim = m.dim // m.num_heads
-    q_and_o = 2 * m.dim * m.num_heads * head_dim
-    k_and_v = 2 * m.dim * m.num_kv_heads * head_dim
-    if m.family == "gpt2":
-        mlp = 2 * m.dim * m.ffn_dim
-    elif m.num_experts:
-        expert = 3 * m.dim * m.expert_ffn_dim
-        mlp = m.dim * m.num_experts + (m.experts_per_token + m.num_shared_experts) * expert
-    else:
-        mlp = 3 * m.dim * m.ffn_dim
-    return q_and_o + k_and_v + mlp
-
-
-def head_matmul_params(m: ModelConfig) -> int:
-    """The output projection (a matmul even when its weight is tied to the embedding)."""
-    return m.dim * m.vocab_size
 
 
 def matmul_params_per_token(m: ModelConfig) -> int:
     """Weights each token multiplies through (MoE: router + shared + top-k routed experts only)."""
     return m.num_layers * block_matmul_params(m) + head_matmul_params(m)
 
-
-def block_attention_flops(m: ModelConfig, seq_len: int, *, causal: bool = True) -> int:
-    """Forward FLOPs of QK^T and AV per token in one block; causal halves the average context."""
-    head_dim = m.dim // m.num_heads
-    full = 2 * 2 * m.num_heads * head_dim * seq_len
-    return full // 2 if causal else full
 
 
 def attention_flops_per_token(m: ModelConfig, seq_len: int, *, causal: bool = True) -> int:

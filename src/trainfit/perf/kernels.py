@@ -45,7 +45,7 @@ sequence parallelism; activation checkpointing reruns the forward third of a wra
 
 Host work: tensor parallelism's DTensor dispatch (sharding propagation, to and from local tensors,
 redistribution) runs in Python around every op of its modules, and FSDP2's hooks around every
-unit (trainfit.perf.calibrate_host): milliseconds per block forward and backward on a 2-core CPU,
+unit (trainfit.calibrate.host): milliseconds per block forward and backward on a 2-core CPU,
 whatever the block's size. The profile measures them per block and for the rest of the model; the
 time model adds them to a CPU's step (the host is the device) and lets a GPU hide them behind the
 kernels its host launches ahead.

@@ -86,6 +86,7 @@ from trainfit.hardware import (
     measured_profile,
     peak_flops,
 )
+from trainfit.models import block_cost as B
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES
 from trainfit.perf import flops as F
@@ -202,7 +203,7 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> RankFlops:
     """The busiest rank's hardware FLOPs per step: forward, backward incl. recomputation, the
     attention kernel's part of each, and the float8 linears' (a checkpointed block reruns them in
     proportion to its matmul FLOPs)."""
-    mm, at = 2 * F.block_matmul_params(m), F.block_attention_flops(m, t.seq_len)
+    mm, at = 2 * B.block_matmul_params(m), B.block_attention_flops(m, t.seq_len)
     rc_mm, rc_at = F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing, layout.ep)
     local = sum(g.k * g.n * g.share for g in K.block_gemms(m, layout))  # one tp rank's share of a block's
     # The tp ranks split attention, the output projection and a dense block's linears; an MoE
@@ -215,7 +216,7 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> RankFlops:
 
     def rank(layers: int, wrapped: int, last_stage: bool) -> RankFlops:
         wrapped = 0 if layout.activation_checkpointing == "none" else wrapped
-        head = 2 * F.head_matmul_params(m) * last_stage  # the last stage's rank holds the output projection
+        head = 2 * B.head_matmul_params(m) * last_stage  # the last stage's rank holds the output projection
         forward = layers * (mm + at) + head
         backward = (layers * (2 * mm + F.FLASH_ATTENTION_BWD_FACTOR * at) + 2 * head + wrapped * (rc_mm + rc_at)
                     + head * layout.chunked_loss)  # the chunked loss reruns the output projection
@@ -241,7 +242,7 @@ def _fp8_cast_bytes(m: ModelConfig, layout: Layout, t: TrainingConfig, flops: Ra
                                weight_bytes=weight_bytes, weight_gathered=layout.fp8_gathers) for g in gemms]
     block_fwd, block_bwd = sum(c.forward for c in casts), sum(c.backward for c in casts)
     rerun = (F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing, layout.ep)[0]
-             / (2 * F.block_matmul_params(m)))
+             / (2 * B.block_matmul_params(m)))
     n_mb = layout.num_microbatches
     forward = n_mb * flops.blocks * block_fwd
     backward = n_mb * (flops.blocks * block_bwd + flops.wrapped * rerun * block_fwd)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from rich.table import Table
 
-from trainfit.memory.report import fmt_bytes, pyplot, save_figure
+from trainfit.figures import pyplot, save_figure
 from trainfit.perf.trace import RankProfile, subtract
+from trainfit.units import fmt_bytes
 
 TOP_OPERATORS = 10
 COLORS = {"compute": "#4C72B0", "communication": "#DD8452", "exposed": "#C44E52"}

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainfit.config import dump_toml
-from trainfit.memory.report import fmt_bytes
 from trainfit.plan.machines import MachineOption, on_cost_frontier
 from trainfit.plan.search import Candidate, Plan, model_summary
+from trainfit.units import fmt_bytes
 
 if TYPE_CHECKING:  # rich only where a table is drawn (not for --json)
     from rich.table import Table
@@ -131,7 +131,7 @@ def winner_toml(raw: dict[str, dict[str, Any]], c: Candidate) -> str:
 
 def plot_plan(plan: Plan, path: str | Path) -> Path:
     """Tokens/s against memory per GPU for every fitting candidate the search evaluated, the top ones marked."""
-    from trainfit.memory.report import pyplot, save_figure  # matplotlib only when asked
+    from trainfit.figures import pyplot, save_figure  # matplotlib only when asked
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -191,7 +191,7 @@ def machines_json(options: list[MachineOption]) -> dict[str, Any]:
 
 def plot_machines(options: list[MachineOption], path: str | Path) -> Path:
     """Cost against time to train, one marker per device, the cost-time frontier joined."""
-    from trainfit.memory.report import pyplot, save_figure  # matplotlib only when asked
+    from trainfit.figures import pyplot, save_figure  # matplotlib only when asked
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))

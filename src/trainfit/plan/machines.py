@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trainfit.config import Config, ConfigError, resolve_and_validate
+from trainfit.config import Config, ConfigError
+from trainfit.configure import resolve_and_validate
 from trainfit.hardware import GPU_ALIASES, GPUS, canonical_gpu, price_per_gpu_hour
 from trainfit.plan.search import Candidate, search
 from trainfit.plan.space import replace_sections, with_global_batch

@@ -1,6 +1,6 @@
 """The one way a run's model is built: on the meta device from the config, its fingerprint taken,
 the precision policy's preparation, then parallelized for the layout on this rank's mesh. The
-trainer and the traced estimator (memory/traced.py) both build through here, so the model whose
+trainer and the traced estimator (traced.py) both build through here, so the model whose
 step is traced is the model that trains; each then materializes it where it runs (the trainer on
 its device, the traced estimator under fake tensors).
 """
@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainfit.config import Config, config_to_dict
+from trainfit.config import Config
+from trainfit.configure import config_to_dict
 from trainfit.models import build_model, count_params
 from trainfit.models.init import canonical_name
-from trainfit.parallel.apply import parallelize
 from trainfit.parallel.layout import Layout
 from trainfit.precision import PrecisionPolicy
 from trainfit.train import manifest
+from trainfit.train.parallelize import parallelize
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from trainfit.config import Config
-from trainfit.config.validate import profile_window
+from trainfit.configure.validate import profile_window
 from trainfit.memory.attribution import cuda_history
 
 TRACE_SUFFIX = ".pt.trace.json"

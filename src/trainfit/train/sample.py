@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 
-from trainfit.config import Config, ConfigError, config_from_dict, resolve_and_validate
+from trainfit.config import Config, ConfigError
+from trainfit.configure import config_from_dict, resolve_and_validate
 from trainfit.models import build_model, materialize
 from trainfit.models.generate import generate
 from trainfit.models.hf import save_hf_weights

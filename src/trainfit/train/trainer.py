@@ -29,13 +29,13 @@ import torch
 from torch import nn
 
 from trainfit.attention import AttentionKernel, probe_attention_kernel, set_attention_backend
-from trainfit.config import Config, ConfigError, config_to_dict
+from trainfit.config import Config, ConfigError
+from trainfit.configure import config_to_dict
 from trainfit.fp8_matmul import Fp8MatmulRates, probe_fp8_matmul
 from trainfit.memory.attribution import Measurement, MemoryMeter, measure_trainer_step
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.measure import current_allocated_bytes
 from trainfit.models import materialize
-from trainfit.parallel.apply import parallelize_optimizer
 from trainfit.parallel.data_parallel import (
     clip_grad_norm_,
     grad_scaler,
@@ -54,6 +54,7 @@ from trainfit.train.distributed import World, init_world, run_layout
 from trainfit.train.loss import loss_function
 from trainfit.train.metrics import MetricsWriter, ThroughputWindow
 from trainfit.train.optim import build_scheduler, lr_at, make_optimizer, param_groups
+from trainfit.train.parallelize import parallelize_optimizer
 from trainfit.train.profile import StepProfiler
 from trainfit.train.progress import TrainProgress
 from trainfit.train.run_device import this_run_device

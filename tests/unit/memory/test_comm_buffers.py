@@ -4,7 +4,7 @@ The group count itself is checked against a real mesh in tests/distributed/test_
 
 from __future__ import annotations
 
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.memory import comm_buffers
 from trainfit.memory.analytic import ALLOCATOR_FRAGMENTATION, CUDA_CONTEXT_BYTES, estimate_memory
 from trainfit.memory.comm_buffers import comm_buffer_bytes

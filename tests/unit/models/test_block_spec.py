@@ -11,7 +11,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from _dist import fake_world
 from _runs import run_config
-from trainfit.config import ModelConfig, load_config
+from trainfit.config import ModelConfig
+from trainfit.configure import load_config
 from trainfit.models import build_model
 from trainfit.models.block_spec import block_linears
 from trainfit.models.params import param_counts

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from trainfit.config import ModelConfig, load_config
+from trainfit.config import ModelConfig
+from trainfit.configure import load_config
 from trainfit.models import build_model, count_params
 from trainfit.models.params import param_counts
 from trainfit.models.presets import PRESETS, PUBLISHED_NUM_PARAMS

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from _runs import seeded_model
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.train.loss import chunked_cross_entropy, cross_entropy, loss_function
 
 TOKENS_BT = (3, 40)  # 120 tokens: chunks of 32 leave a last one of 24

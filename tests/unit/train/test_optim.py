@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.memory.analytic import uses_fused_adam
 from trainfit.train.optim import build_optimizer, build_scheduler, lr_at, param_groups
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from _runs import run_overrides
-from trainfit.config import load_config
+from trainfit.configure import load_config
 from trainfit.train.distributed import World
 from trainfit.train.trainer import Trainer
 

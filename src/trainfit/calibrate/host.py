@@ -2,11 +2,11 @@
 Python dispatch (sharding propagation, to and from local tensors, redistribution) around the ops of
 every tensor-parallel module, and FSDP2's hooks around every fully_shard unit (unsharding and
 resharding, copying into and out of the collectives' buffers, gradient bookkeeping). Run by
-trainfit.perf.calibrate_comms's ranks, all in one group; imports torch.
+trainfit.calibrate.comms's ranks, all in one group; imports torch.
 
 A tiny Llama (TINY: its compute, and its messages, a small part of its step) runs forward and
 backward on one rank plain, then on every rank parallelized as training parallelizes it
-(parallel/apply.py: tensor parallelism with and without sequence parallelism, ZeRO-3's fully_shard
+(train/parallelize.py: tensor parallelism with and without sequence parallelism, ZeRO-3's fully_shard
 per block and at the root), at two depths. The parallel step's time, less the plain step's and less its
 collectives (counted at the dispatcher by DTensor's CommDebugMode, each at the time just measured
 for the smallest message), is host work: per block from the difference of the depths, the rest
@@ -21,15 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.debug import CommDebugMode
 
-from trainfit.config import load_config
+from trainfit.calibrate.probe import synchronized_median_seconds
+from trainfit.configure import load_config
 from trainfit.hardware_profile import HOST_KINDS
 from trainfit.models import build_model, materialize
-from trainfit.parallel.apply import parallelize
 from trainfit.parallel.layout import build_layout
 from trainfit.parallel.mesh import build_mesh
 from trainfit.parallel.tensor_parallel import vocabulary_parallel_loss
-from trainfit.perf.calibrate_probe import synchronized_median_seconds
 from trainfit.precision import precision_policy
+from trainfit.train.parallelize import parallelize
 
 TINY = ["--model.preset=", "--model.family=llama", "--model.dim=48", "--model.num_heads=12", "--model.num_kv_heads=12",
         "--model.ffn_dim=96", "--model.vocab_size=384", "--model.max_seq_len=24", "--training.seq_len=24",

@@ -97,7 +97,7 @@ def estimate(cfg: Config, layout: Layout | None = None) -> Estimate:
 
 
 def with_traced_memory(est: Estimate, traced: Any) -> Estimate:
-    """`est` with the traced step's breakdowns (memory/traced.TracedEstimate), each keeping the
+    """`est` with the traced step's breakdowns (traced.TracedEstimate), each keeping the
     analytic reserved margin and its terms: tracing sees tensors, not the CUDA context, the caching
     allocator's fragmentation or NCCL's buffers, so without it `fits` would promise memory the device
     does not have."""

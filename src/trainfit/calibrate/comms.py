@@ -8,11 +8,11 @@ fp32. A call lasts as long as its slowest rank; each point is the median of `rep
 back-to-back calls (sustained within a batch; the median, as the time model predicts median step
 times).
 
-After the collectives, every rank runs trainfit.perf.calibrate_probe's compute probe at once, each
+After the collectives, every rank runs trainfit.calibrate.probe's compute probe at once, each
 batch lasting until the slowest rank's ends (a synchronous step waits for it); its rates against
 one rank's alone are the profile's `concurrency` at n ranks. Where the ranks do not outnumber the
 cores, they then measure, as one group, the host work of tensor parallelism and FSDP2
-(trainfit.perf.calibrate_host).
+(trainfit.calibrate.host).
 
 Fit: comms.py's model, time = a0 + steps x a + factor x B / bw, with a0 its fixed launch cost
 (trainfit.hardware.COLLECTIVE_BASE_LATENCY_S), B as comms.py defines it per kind, and
@@ -41,10 +41,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from trainfit.calibrate.host import host_overhead_seconds
+from trainfit.calibrate.probe import compute_probe, synchronized_median_seconds
 from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S
 from trainfit.hardware_profile import CollectiveFit, LinkFit
-from trainfit.perf.calibrate_host import host_overhead_seconds
-from trainfit.perf.calibrate_probe import compute_probe, synchronized_median_seconds
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 """Measured at every world size; p2p at 2 ranks only (a send/recv pairs two ranks)."""
@@ -128,7 +128,7 @@ class RanksMeasured(NamedTuple):
     probe: tuple[float, float]
     """The compute probe's rates (fp32 matmul FLOP/s, copy bytes/s) while all ranks ran it, in step."""
     host_overhead: dict[str, tuple[float, float]] | None
-    """trainfit.perf.calibrate_host's {kind: (block, root host seconds)} on these ranks."""
+    """trainfit.calibrate.host's {kind: (block, root host seconds)} on these ranks."""
 
 
 def measure_collectives(world_size: int, device_type: str, *, threads: int, sizes: tuple[int, ...], batch_s: float,

@@ -1,6 +1,6 @@
-"""Human-readable estimates: tables (rich) and the stacked-bar picture (matplotlib).
+"""An Estimate as people read it: tables (rich) and the stacked-bar picture (matplotlib).
 
-Bytes are ints everywhere else; units appear only here.
+Bytes are ints everywhere else; units appear only when printed (trainfit.units).
 """
 
 from __future__ import annotations
@@ -9,33 +9,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainfit.config import ConfigError
 from trainfit.estimate import Estimate, advice
-from trainfit.memory.breakdown import COMPONENTS, MemoryBreakdown
+from trainfit.figures import pyplot, save_figure, stack_bars
+from trainfit.memory.breakdown import COMPONENTS
 from trainfit.models.params import format_count, param_counts
+from trainfit.units import GIB, fmt_bytes, fmt_seconds
 
-if TYPE_CHECKING:  # rich only where a table is drawn (`plan --json` and fmt_bytes's users draw none)
+if TYPE_CHECKING:  # rich only where a table is drawn
     from rich.console import Console
     from rich.table import Table
 
     from trainfit.parallel.layout import GlobalBatch
-
-GIB = 1024**3
-MIB = 1024**2
-COLORS = {"params": "#4C72B0", "master_params": "#8172B2", "grads": "#DD8452", "optimizer": "#C44E52",
-          "activations": "#55A868", "logits": "#937860", "buffers": "#8C8C8C", "reserved_margin": "#DADADA",
-          "non_tensor": "#E4D8B4"}
-
-
-def fmt_bytes(n: float) -> str:
-    if abs(n) >= GIB:
-        return f"{n / GIB:,.2f} GiB"
-    return f"{n / MIB:,.1f} MiB"
-
-
-def fmt_seconds(s: float) -> str:
-    return f"{s * 1e3:,.1f} ms" if s < 1 else f"{s:,.2f} s"
-
 
 MARGIN_LABELS = {"comm_buffers": "comm_buffers (NCCL)"}
 """Labels of reserved_margin's terms (MemoryBreakdown.margin_terms) where the name alone says too little."""
@@ -173,53 +157,3 @@ def plot_breakdown(est: Estimate, path: str | Path) -> Path:
     ax.set_title(f"{est.cfg.model.preset or 'model'}: memory at the peak ({est.worst.peak_phase})")
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
     return save_figure(fig, path)
-
-
-def pyplot() -> Any:
-    """matplotlib.pyplot on the file-only Agg backend, or a clear error when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise RuntimeError("--plot needs matplotlib: pip install 'trainfit[plot]'") from err
-    return plt
-
-
-def stack_bars(ax: Any, labels: list[str], breakdowns: Sequence[MemoryBreakdown], names: Sequence[str],
-               scale: float) -> None:
-    """One stacked bar per breakdown, one colour per component (components that are all zero skipped)."""
-    bottoms = [0.0] * len(breakdowns)
-    for name in names:
-        heights = [getattr(b, name) / scale for b in breakdowns]
-        if any(heights):
-            ax.bar(labels, heights, bottom=bottoms, label=name, color=COLORS[name], width=0.6)
-            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-
-
-FIGURE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "eps", "ps", "tif", "tiff")
-"""What --plot can write (matplotlib's Agg, PDF, SVG and PS backends, with Pillow for jpg/webp/tif)."""
-
-
-def check_figure_path(option: str, path: str | Path) -> None:
-    """Fail before any work when a figure could not be written there."""
-    out = Path(path)
-    suffix = out.suffix.lstrip(".").lower()
-    if suffix not in FIGURE_FORMATS:
-        raise ConfigError(f"{option} {str(path)!r}: " + (f"unknown image type .{suffix}" if suffix else "no extension")
-                          + f"; end the name with one of .{', .'.join(FIGURE_FORMATS)} (e.g. memory.png)")
-    parent = out.absolute().parent
-    if not parent.is_dir():
-        what = "is a file" if parent.exists() else "does not exist"
-        raise ConfigError(f"{option} {str(path)!r}: the folder {str(parent)!r} {what}; create it or write elsewhere")
-
-
-def save_figure(fig: Any, path: str | Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from trainfit.config.overrides import parse_override_value, split_overrides
 from trainfit.config.schema import SECTIONS, Config, ConfigError, field_error
-from trainfit.config.validate import resolve_and_validate
+from trainfit.configure.validate import resolve_and_validate
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -1,7 +1,7 @@
 """Traced memory estimate: trainfit's own training step, executed on fake tensors in a fake world.
 
 `trace_step(cfg)` builds the model as `Trainer` does (meta device, the precision policy's dtype,
-the real `parallel.apply.parallelize`: activation checkpointing, DDP / FSDP2; ZeRO-1's engine as
+the real `train.parallelize.parallelize`: activation checkpointing, DDP / FSDP2; ZeRO-1's engine as
 the trainer's optimizer, its buffers and master shards fake tensors too), on torch's
 built-in "fake" process group of the layout's world size as rank 0, materializes it under
 `FakeTensorMode` (shapes and dtypes, no data: no weight memory whatever the model size, ties kept

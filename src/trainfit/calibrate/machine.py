@@ -1,5 +1,5 @@
 """`trainfit calibrate`: measure this machine and return its HardwareProfile; imports torch (this
-command only: the rest of perf/ stays torch-free).
+command only: perf/, which reads the profile, stays torch-free).
 
 What it measures, on the device training would use (cuda when present, else cpu), with torch
 computing on `threads` threads (what `trainfit train` uses in the same environment: torch's default,
@@ -19,20 +19,20 @@ or OMP_NUM_THREADS; torchrun sets 1 per rank):
 - causal attention, forward and backward through scaled_dot_product_attention (the kernel training
   picks), per dtype over (batch, heads, sequence, head dim) shapes, skipped as the matmuls are;
 - memory bandwidth: a large fp32 copy (read + write bytes) and add (two reads, one write), the better;
-- collectives at 2..max_ranks ranks (trainfit.perf.calibrate_comms: spawned processes, fits);
-- concurrency: a probe (trainfit.perf.calibrate_probe: an fp32 matmul and a copy) alone, then on
+- collectives at 2..max_ranks ranks (trainfit.calibrate.comms: spawned processes, fits);
+- concurrency: a probe (trainfit.calibrate.probe: an fp32 matmul and a copy) alone, then on
   every rank of each world size at once, in step (each batch lasts until the slowest rank's ends,
   as a synchronous step does); its rates over the lone one's say how much a rank slows down while
   the machine's other ranks compute (caches, memory bandwidth, and beyond the cores the cores);
 - the host work of DTensor's dispatch (tensor parallelism, with and without sequence parallelism)
   and of FSDP2's hooks, per block and for the rest of a tiny model, on the same ranks where they do
-  not outnumber the cores (trainfit.perf.calibrate_host; beyond, the time model time-shares it);
+  not outnumber the cores (trainfit.calibrate.host; beyond, the time model time-shares it);
 - AdamW's step on fp32 parameters (the master weights' dtype) of a few sizes, fused (where
   train/optim.py uses it) and foreach, each fitted to step_s + s_per_param x parameters.
 Every figure is the median of `repeats` timed batches of back-to-back calls, each about `batch_s`
 long (sustained within a batch; the median, as the time model predicts median step times), their
-length in calls set by a call made after an untimed first one (calibrate_probe.warm_seconds).
-The shapes, sizes and time limits are the device type's (trainfit.perf.calibrate_settings: a GPU
+length in calls set by a call made after an untimed first one (probe.warm_seconds).
+The shapes, sizes and time limits are the device type's (trainfit.calibrate.settings: a GPU
 measures GPU-sized work); on a GPU, a shape or message whose tensors would not fit the free memory
 is skipped with a warning.
 """
@@ -50,6 +50,16 @@ import torch
 import torch.nn.functional as F
 from rich.table import Table
 
+from trainfit.calibrate.comms import fit_collectives, fit_nonnegative, measure_collectives, predicted_seconds
+from trainfit.calibrate.probe import compute_probe, median_seconds
+from trainfit.calibrate.settings import (
+    Settings,
+    attention_bytes,
+    fits,
+    matmul_bytes,
+    message_rank_bytes,
+    settings_for,
+)
 from trainfit.config import ConfigError
 from trainfit.fp8_matmul import SLOW_FACTOR, fp8_is_slow, fp8_matmul, gflops, probe_fp8_matmul
 from trainfit.hardware_profile import (
@@ -65,18 +75,8 @@ from trainfit.hardware_profile import (
     OptimizerFit,
 )
 from trainfit.memory.analytic import FUSED_DEVICES
-from trainfit.memory.report import fmt_bytes
-from trainfit.perf.calibrate_comms import fit_collectives, fit_nonnegative, measure_collectives, predicted_seconds
-from trainfit.perf.calibrate_probe import compute_probe, median_seconds
-from trainfit.perf.calibrate_settings import (
-    Settings,
-    attention_bytes,
-    fits,
-    matmul_bytes,
-    message_rank_bytes,
-    settings_for,
-)
 from trainfit.perf.flops import FLASH_ATTENTION_BWD_FACTOR
+from trainfit.units import fmt_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 4}
@@ -296,7 +296,7 @@ def _attentions(dtype: str, device: str, s: Settings, step: Callable[[str], None
     out: list[AttentionShape] = []
     for batch, heads, seq, head_dim in sorted(s.attention_shapes, key=lambda b: b[0] * b[1] * b[2] ** 2 * b[3]):
         step(f"attention {dtype} {batch} x {heads} heads x {seq} x {head_dim}")
-        forward = 2 * 2 * heads * head_dim * seq // 2 * batch * seq  # flops.block_attention_flops x tokens
+        forward = 2 * 2 * heads * head_dim * seq // 2 * batch * seq  # block_cost.block_attention_flops x tokens
         flops = forward * (1 + FLASH_ATTENTION_BWD_FACTOR)
         if out and flops / max(a.flops_per_s for a in out) > s.max_call_s:
             continue

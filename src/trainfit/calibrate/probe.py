@@ -1,7 +1,7 @@
 """The timing loops of every calibration measurement (one rank's, and ranks' in step), and the
 compute probe: what one rank's fp32 matmuls and memory copies run at, alone
-(trainfit.perf.calibrate) or while every rank of one machine runs it at once
-(trainfit.perf.calibrate_comms's ranks). Imports torch."""
+(trainfit.calibrate.machine) or while every rank of one machine runs it at once
+(trainfit.calibrate.comms's ranks). Imports torch."""
 
 from __future__ import annotations
 
