@@ -9,13 +9,11 @@ import functools
 import itertools
 import math
 from collections import Counter
-from typing import Any
 
 import pytest
 import torch
-from torch.distributed.tensor.debug import CommDebugMode
-from torch.utils._pytree import tree_flatten
 
+from _collectives import CollectiveLog, sync_allreduce_hook
 from _dist import fake_world
 from trainfit.configure import load_config
 from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link, inter_node_link, intra_node_link
@@ -131,32 +129,6 @@ def test_the_memory_knobs_reach_the_collectives_only_through_their_key(gpus: int
 # ---------------------------------------------------------------- against real code on the fake backend
 
 
-class CollectiveLog(CommDebugMode):
-    """CommDebugMode that also records (kind, bytes) of every collective, bytes as comms defines them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: Counter = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        name = str(func.overloadpacket).split(".")[-1]
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if name == "_allgather_base_":  # (output, input): the gathered output
-            self.calls["all_gather", tensors[0].nbytes] += 1
-        elif name == "_reduce_scatter_base_":  # (output, input): the full input
-            self.calls["reduce_scatter", tensors[1].nbytes] += 1
-        elif name == "allreduce_":
-            self.calls["all_reduce", sum(t.nbytes for t in tensors)] += 1
-        elif name == "all_gather_into_tensor":  # functional: (shard, group_size, group)
-            self.calls["all_gather", tensors[0].nbytes * args[1]] += 1
-        elif name in ("reduce_scatter_tensor", "all_reduce"):
-            self.calls[name.split("_tensor")[0], tensors[0].nbytes] += 1
-        elif name == "broadcast_":
-            self.calls["broadcast", sum(t.nbytes for t in tensors)] += 1
-        return out
-
-
 def expected(cfg, dims) -> Counter:
     out: Counter = Counter()
     for c in comms.step_collectives(cfg.model, dims, cfg.training):
@@ -194,15 +166,6 @@ def test_fsdp_collectives_match_fully_shard(zero_stage: int, dp_replicate: int) 
     assert observed_total(log) == sum(log.calls.values())
 
 
-def _sync_hook(state, bucket):  # unannotated: DDP rejects the string annotations of this module
-    """The fake backend's work objects carry no result, which DDP's reducer needs: reduce
-    synchronously and hand back a finished future."""
-    torch.distributed.all_reduce(bucket.buffer())
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_result(bucket.buffer())
-    return future
-
-
 def test_ddp_collectives_match_distributed_data_parallel() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -211,7 +174,7 @@ def test_ddp_collectives_match_distributed_data_parallel() -> None:
     with fake_world(4):
         model = materialize(build_model(cfg.model), "cpu")
         ddp = DistributedDataParallel(model, broadcast_buffers=False)  # as parallel/data_parallel.py
-        ddp.register_comm_hook(None, _sync_hook)
+        ddp.register_comm_hook(None, sync_allreduce_hook)
         tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
         with CollectiveLog() as log:
             ddp(tokens).mean().backward()

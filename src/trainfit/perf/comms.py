@@ -118,9 +118,13 @@ def axes_are_intra_node(layout: Layout, axes: tuple[str, ...], gpus_per_node: in
 
 def group_is_intra_node(layout: Layout, axes: tuple[str, ...], gpus_per_node: int) -> bool:
     """Whether a group over these mesh axes stays inside a node (its slowest hop sets its link).
-    Expert-parallel groups ("ep"): ep consecutive ranks of the dp_shard x cp block (stride tp)."""
+    Expert-parallel groups ("ep"): ep consecutive ranks of the dp_shard x cp block (stride tp); the
+    ranks holding the same experts ("edp"): that block's ranks ep x tp apart."""
     if axes == ("ep",):
         return span_is_intra_node(layout.ep, layout.tp, layout.world_size, gpus_per_node)
+    if axes == ("edp",):
+        return span_is_intra_node(layout.dp_shard * layout.cp // layout.ep, layout.tp * layout.ep, layout.world_size,
+                                  gpus_per_node)
     return axes_are_intra_node(layout, axes, gpus_per_node)
 
 
@@ -147,7 +151,8 @@ class Collective(NamedTuple):
     step, after the last backward)."""
     unit: str = ""
     """Data parallel only: "root" (the FSDP unit of embeddings/norm/output: gathered first, reduced
-    last), "blocks" (one FSDP unit per block), "buckets" (DDP)."""
+    last), "blocks" (one FSDP unit per block), "experts" (a block's routed experts under expert
+    parallelism, in the block's unit on their own mesh), "buckets" (DDP)."""
     per_microbatch: bool = False
     """The calls repeat in every micro-batch (count includes the micro-batches), else once per step."""
 
@@ -181,6 +186,11 @@ def stage_params(model: ModelConfig, layout: Layout) -> tuple[int, int]:
     block = sum(linear.local_params(layout.tp, layout.ep) for linear in block_linears(model)) + c.norms
     root = c.embedding + c.final_norm + c.output if layout.pp == 1 else max(c.embedding, c.final_norm + c.output)
     return block, root // layout.tp
+
+
+def expert_params(model: ModelConfig, layout: Layout) -> int:
+    """One block's routed-expert parameters on one rank (its num_experts / ep experts, split by tp)."""
+    return sum(linear.local_params(layout.tp, layout.ep) for linear in block_linears(model) if linear.routed)
 
 
 def _tp_recompute_calls(sequence_parallel: bool, policy: str) -> tuple[int, int, int]:
@@ -252,7 +262,9 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
       only); once per step (HSDP, or cp > 1) an all-reduce of the shards over dp_replicate x cp.
       Parameter all-gathers over dp_shard, every micro-batch: each unit in forward, and under
       ZeRO-3 each block again in backward (the root is never resharded after forward; ZeRO-2 is
-      reshard_after_forward=False, so no block is either).
+      reshard_after_forward=False, so no block is either). Under expert parallelism a block's routed
+      experts (this rank's num_experts / ep) are gathered and reduce-scattered apart, over edp
+      (dp_shard x cp / ep ranks: parallel/mesh.expert_mesh), none of it when edp is 1.
     Tensor parallel (parallel/tensor_parallel.py's DTensor plans), per micro-batch on the tp group:
     - each row-parallel output (a dense block's wo and w2; an MoE block's wo: its feed-forward is
       replicated) all-reduced forward, and the input gradient of each column-parallel group (attention,
@@ -326,14 +338,22 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
         add("all_gather", "zero1_params", shard, layout.dp_shard, per_bucket * param_b, buckets, "step",
             "buckets", per_microbatch=False)
     else:
+        # Expert parallelism: a block's routed experts are sharded within its unit on their own mesh,
+        # edp (data_parallel.ExpertShards): a second all-gather and reduce-scatter per block, over edp.
+        experts = expert_params(model, layout) if layout.ep > 1 else 0
+        block -= experts
         gathered = block * param_b
         if layout.fp8_gathers:  # the float8 linears' weights travel in fp8 (precision.fp8_all_gather), the rest as is
             fp8_weights = sum(k * n for k, n, _ in float8_linears(model).values()) // layout.tp
             gathered = (block - fp8_weights) * param_b + fp8_weights * FP8_BYTES
+        edp = layout.dp_shard * layout.cp // layout.ep
         add("all_gather", "fsdp_param", shard, layout.dp_shard, root * param_b, n_mb, "forward", "root")
-        add("all_gather", "fsdp_param", shard, layout.dp_shard, gathered, n_mb * layers, "forward", "blocks")
-        if layout.zero_stage == 3:
-            add("all_gather", "fsdp_param", shard, layout.dp_shard, gathered, n_mb * layers, "backward", "blocks")
+        for what, axes, size, nbytes in (("blocks", shard, layout.dp_shard, gathered),
+                                          ("experts", ("edp",), edp, experts * param_b)):
+            add("all_gather", "fsdp_param", axes, size, nbytes, n_mb * layers, "forward", what)
+            if layout.zero_stage == 3:
+                add("all_gather", "fsdp_param", axes, size, nbytes, n_mb * layers, "backward", what)
+        add("reduce_scatter", "grad_sync", ("edp",), edp, experts * grad_b, n_mb * layers, "backward", "experts")
         add("reduce_scatter", "grad_sync", shard, layout.dp_shard, block * grad_b, n_mb * layers, "backward", "blocks")
         add("reduce_scatter", "grad_sync", shard, layout.dp_shard, root * grad_b, n_mb, "backward", "root")
         add("all_reduce", "grad_sync", rest, replicas, block * grad_b / layout.dp_shard, layers, "backward", "blocks",

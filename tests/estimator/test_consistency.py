@@ -1,0 +1,215 @@
+"""The estimators agree with each other on one traced step: a named grid of layouts on the debug models,
+each traced once (memory/traced.py: the trainer's real step on fake tensors, in torch's "fake" process
+group of the layout's world size, as rank 0 and, under pipeline parallelism, the first rank of every
+stage; no real processes), and three models checked against it:
+
+(a) collectives: every collective the step's forward and backward issue (Trainer.forward_backward,
+    or pipeline_forward_backward) and ZeRO-1's around the optimizer step (reduce_gradients,
+    step_optimizer), as CommDebugMode sees them, equal perf/comms.step_collectives for the layout,
+    per (kind, bytes of one call): counts exact, bytes exact. Left out on both sides, as comms.py's
+    docstring says: the logged loss's all-reduce and clipping's gradient-norm all-reduces. Pipeline
+    send/recv are not collectives to CommDebugMode (torch.ops.c10d.send / recv_ are outside its list);
+    CollectiveLog notes them itself, so they are compared like the rest. The traced DDP step's
+    all-reduce hook (traced._fake_allreduce_hook) issues nothing; here it is the hook real DDP's call
+    makes (_collectives.sync_allreduce_hook). Under pipeline parallelism the busiest stage's rank is
+    compared (what comms.py models): the stage whose trace issued the most.
+(b) FLOPs: FlopCounterMode's count of the traced step equals perf/timing.py's busiest rank's FLOPs per
+    step, exactly, without attention: FlopCounterMode has no formula for the CPU flash-attention
+    kernel (tests/estimator/test_flops.py checks attention apart), so the comparison is of matmuls:
+    forward, backward and checkpointing's recomputation.
+(c) memory: analytic (memory/analytic.py) against traced, per component, per pipeline stage, with
+    accuracy_grid.component_gaps' tolerance: 10% of the traced component or 1% of the traced peak,
+    whichever is larger (2% of the peak for pipeline stages: accuracy_grid.PIPELINE_COMPONENT_FLOOR).
+
+Gradient accumulation: the traced step runs two micro-batches at most, so no grid point has more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+import pytest
+from accuracy_grid import COMPONENT_FLOOR, PIPELINE_COMPONENT_FLOOR, component_gaps
+from torch.utils.flop_counter import FlopCounterMode
+
+from _analytic import memory_of
+from _collectives import CollectiveLog, sync_allreduce_hook
+from trainfit.config import Config, load_config
+from trainfit.memory import traced
+from trainfit.memory.traced import TracedEstimate
+from trainfit.parallel.layout import build_layout
+from trainfit.perf import comms, timing
+from trainfit.train import trainer as trainer_module
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+SHAPE = ("--training.seq_len=32", "--training.micro_batch_size=1")
+"""32-token sequences, one row per micro-batch: the debug models' smallest honest step."""
+MOE = ("--model.preset=debug-moe",)
+DENSE = ("--model.preset=debug",)
+
+GRID: dict[str, tuple[str, ...]] = {
+    "moe-tp2": (*MOE, "--hardware.num_gpus=2", "--parallel.tp=2", "--training.global_batch_size=1"),
+    "moe-ep2-zero3-selective-alternate": (
+        *MOE, "--hardware.num_gpus=2", "--parallel.ep=2", "--parallel.zero_stage=3", "--model.capacity_factor=1.0",
+        "--memory.activation_checkpointing=selective-alternate", "--training.global_batch_size=2"),
+    "pp2-stage1-at-block1-full-every2": (
+        *DENSE, "--model.num_layers=3", "--hardware.num_gpus=2", "--parallel.pp=2",
+        "--parallel.pp_layers_per_stage=1,2", "--memory.activation_checkpointing=full",
+        "--memory.ac_every_n_layers=2", "--training.global_batch_size=2"),
+    "fp8-zero3-float8-all-gather": (
+        *DENSE, "--hardware.num_gpus=2", "--parallel.zero_stage=3", "--precision.mode=fp8-mixed",
+        "--precision.fp8_all_gather=true", "--training.global_batch_size=2"),
+    **{f"zero{stage}-1rank": (*DENSE, "--hardware.num_gpus=1", f"--parallel.zero_stage={stage}",
+                              "--training.global_batch_size=2") for stage in (1, 2, 3)},
+    "zero3-2ranks": (*DENSE, "--hardware.num_gpus=2", "--parallel.zero_stage=3", "--training.global_batch_size=4"),
+    "ddp-2ranks": (*DENSE, "--hardware.num_gpus=2", "--parallel.zero_stage=0", "--training.global_batch_size=4"),
+}
+"""Each point: the debug models on SHAPE, one or two micro-batches per rank."""
+
+
+@dataclasses.dataclass
+class Traced:
+    cfg: Config
+    estimate: TracedEstimate
+    calls: list[Counter]
+    """Per traced rank (pipeline stage): calls by (kind, bytes of one call)."""
+    flops: list[int]
+    """Per traced rank: FlopCounterMode's total over the traced step."""
+
+
+def _trace(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> Traced:
+    """trace_step(cfg), with each traced rank's last train_step counted (a pipeline rank's step
+    runs twice: the first allocates the receive buffers)."""
+    calls: list[Counter] = []
+    flops: list[int] = []
+    step = traced._TracedTrainer.train_step
+
+    def counted_step(trainer: Any) -> Any:
+        log, counter = CollectiveLog(modules=False), FlopCounterMode(display=False)
+        log.counting = False
+
+        def counting(run: Any) -> Any:
+            def run_counted(*args: Any, **kwargs: Any) -> Any:
+                log.counting = True
+                try:
+                    return run(*args, **kwargs)
+                finally:
+                    log.counting = False
+            return run_counted
+
+        trainer.forward_backward = counting(trainer.forward_backward)
+        trainer.pipeline_forward_backward = counting(trainer.pipeline_forward_backward)
+        with monkeypatch.context() as patch:
+            patch.setattr(trainer_module, "reduce_gradients", counting(trainer_module.reduce_gradients))
+            patch.setattr(trainer_module, "step_optimizer", counting(trainer_module.step_optimizer))
+            with log, counter:
+                out = step(trainer)
+        calls.append(log.calls)
+        flops.append(counter.get_total_flops())
+        return out
+
+    with monkeypatch.context() as patch:
+        patch.setattr(traced._TracedTrainer, "train_step", counted_step)
+        patch.setattr(traced, "_fake_allreduce_hook", sync_allreduce_hook)
+        estimate = traced.trace_step(cfg)
+    last = len(calls) // len(estimate.per_stage)  # train_steps per traced rank; its last is the traced one
+    return Traced(cfg, estimate, calls[last - 1::last], flops[last - 1::last])
+
+
+KNOWN: dict[tuple[str, str], str] = {
+    ("collectives", "fp8-zero3-float8-all-gather"):
+        "the traced step is a trainer's first: its float8 weights have no precomputed scales (the trainer "
+        "precomputes them after each optimizer step; float8.precompute_scales reads data, which fake "
+        "tensors lack), so each pre-all-gather all-reduces its weight's amax: 28 all-reduces of 4 bytes "
+        "(7 float8 linears x 2 blocks x forward and backward gathers) that comms.py, modelling a later "
+        "step, leaves out. comms.py is right for every step after the first",
+    ("flops", "moe-tp2"):
+        "FlopCounterMode counts a DTensor op at its global shapes: 22,118,400 FLOPs = the time model's "
+        "18,186,240 + 32 tokens x 6 x (6,144 attention + 8,192 output-projection weights per token), "
+        "the tp rank's other halves of wq/wk/wv/wo and of the vocabulary. The time model's count is the "
+        "rank's; the counter, not perf/, is off (a counter of local shapes is still to be written)",
+    ("memory", "moe-ep2-zero3-selective-alternate"):
+        "activations: analytic 194,316 bytes below traced, past the 29,722 allowed; which side is right is "
+        "not yet determined",
+    ("memory", "pp2-stage1-at-block1-full-every2"):
+        "stage 0 grads: analytic 180,736 bytes below traced (the first stage's gradients at its peak); "
+        "activations: analytic 67,588 (stage 0) and 75,780 (stage 1) bytes below traced; which side is "
+        "right is not yet determined",
+    **{("memory", name): "activations: analytic 74,248 bytes below traced; logits: analytic 65,524 bytes "
+                         "above (the size of one fp32 32 x 256 logits tensor, 65,536 bytes); which side "
+                         "is right is not yet determined"
+       for name in ("zero1-1rank", "zero2-1rank", "zero3-1rank")},
+    ("memory", "zero3-2ranks"):
+        "grads: analytic 427,264 bytes (the size of the whole model's fp32 gradients) below traced; "
+        "activations 74,244 below, logits 65,524 above, as on one rank; which side is right is not yet "
+        "determined",
+    ("memory", "ddp-2ranks"): "activations: analytic 41,476 bytes below traced (36,250 allowed); which side "
+                              "is right is not yet determined",
+}
+"""Grid points whose check fails today, by (check, point): the disagreement, and which side is right
+where that is known. Strict: a fix makes the test fail until its entry goes."""
+
+
+def _known(check: str, name: str) -> pytest.MarkDecorator | tuple:
+    reason = KNOWN.get((check, name))
+    return pytest.mark.xfail(strict=True, reason=reason) if reason else ()
+
+
+def _points(check: str) -> list:
+    return [pytest.param(name, id=name, marks=_known(check, name)) for name in GRID]
+
+
+@pytest.fixture(scope="module")
+def traced_points() -> dict[str, Traced]:
+    """Each grid point traced once, on first use, for the three checks."""
+    return {}
+
+
+def _point(name: str, traced_points: dict[str, Traced]) -> Traced:
+    if name not in traced_points:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            traced_points[name] = _trace(load_config(None, [*SHAPE, *GRID[name]]), monkeypatch)
+    return traced_points[name]
+
+
+def _summary(calls: Counter) -> dict[str, tuple[int, int]]:
+    """(calls, bytes) per kind: the assertion message's."""
+    out: dict[str, tuple[int, int]] = {}
+    for (kind, nbytes), n in sorted(calls.items()):
+        before = out.get(kind, (0, 0))
+        out[kind] = (before[0] + n, before[1] + n * nbytes)
+    return out
+
+
+@pytest.mark.parametrize("name", _points("collectives"))
+def test_collectives_are_what_comms_predicts(name: str, traced_points: dict[str, Traced]) -> None:
+    point = _point(name, traced_points)
+    cfg = point.cfg
+    expected: Counter = Counter()
+    for c in comms.step_collectives(cfg.model, build_layout(cfg), cfg.training):
+        expected[c.kind, c.nbytes] += c.count
+    busiest = max(point.calls, key=lambda calls: sum(calls.values()))
+    assert busiest == expected, f"traced {_summary(busiest)}, predicted {_summary(expected)}"
+
+
+@pytest.mark.parametrize("name", _points("flops"))
+def test_flops_are_what_the_time_model_counts(name: str, traced_points: dict[str, Traced]) -> None:
+    point = _point(name, traced_points)
+    cfg = point.cfg
+    f = timing._rank_flops(cfg.model, build_layout(cfg), cfg.training)
+    matmuls = f.forward + f.backward - f.forward_attention - f.backward_attention
+    assert max(point.flops) == pytest.approx(matmuls, rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("name", _points("memory"))
+def test_analytic_memory_agrees_with_traced_per_component(name: str, traced_points: dict[str, Traced]) -> None:
+    point = _point(name, traced_points)
+    floor = PIPELINE_COMPONENT_FLOOR if len(point.estimate.per_stage) > 1 else COMPONENT_FLOOR
+    analytic = memory_of(point.cfg).per_stage
+    off = {f"stage {stage} {name}": (gap, allowed)
+           for stage, (a, t) in enumerate(zip(analytic, point.estimate.per_stage, strict=True))
+           for name, (gap, allowed) in component_gaps(a, t, floor).items() if abs(gap) > allowed}
+    assert not off, off
