@@ -1,5 +1,5 @@
 """The estimators agree with each other on one traced step: a named grid of layouts on the debug models,
-each traced once (memory/traced.py: the trainer's real step on fake tensors, in torch's "fake" process
+each traced once (traced.py: the trainer's real step on fake tensors, in torch's "fake" process
 group of the layout's world size, as rank 0 and, under pipeline parallelism, the first rank of every
 stage; no real processes), and three models checked against it:
 
@@ -36,11 +36,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from _analytic import memory_of
 from _collectives import CollectiveLog, sync_allreduce_hook
-from trainfit.config import Config, load_config
-from trainfit.memory import traced
-from trainfit.memory.traced import TracedEstimate
+from trainfit import traced
+from trainfit.config import Config
+from trainfit.configure import load_config
 from trainfit.parallel.layout import build_layout
 from trainfit.perf import comms, timing
+from trainfit.traced import TracedEstimate
 from trainfit.train import trainer as trainer_module
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
