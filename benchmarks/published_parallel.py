@@ -46,7 +46,7 @@ from rich.table import Table
 from trainfit.config import Config, load_config
 from trainfit.estimate import Estimate, estimate
 from trainfit.hardware import device_spec
-from trainfit.memory.analytic import ALLOCATOR_FRAGMENTATION
+from trainfit.memory.margin import ALLOCATOR_FRAGMENTATION
 from trainfit.perf import flops as F
 from trainfit.perf.timing import bubble_fraction
 

@@ -15,8 +15,9 @@ from typing import Any
 
 from trainfit.config import Config
 from trainfit.hardware import device_spec
-from trainfit.memory.analytic import MemoryEstimate, assumed_attention_kernel, estimate_memory
+from trainfit.memory.analytic import MemoryEstimate, estimate_memory
 from trainfit.memory.breakdown import MemoryBreakdown
+from trainfit.memory.run_shape import assumed_attention_kernel
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import Layout, build_layout
 from trainfit.perf.timing import PerfEstimate, compute_time_s, estimate_perf

@@ -64,7 +64,7 @@ from trainfit.hardware_profile import (
     MatmulShape,
     OptimizerFit,
 )
-from trainfit.memory.analytic import FUSED_DEVICES
+from trainfit.memory.optimizer_memory import FUSED_DEVICES
 from trainfit.memory.report import fmt_bytes
 from trainfit.perf.calibrate_comms import fit_collectives, fit_nonnegative, measure_collectives, predicted_seconds
 from trainfit.perf.calibrate_probe import compute_probe, median_seconds
