@@ -16,9 +16,11 @@ from _analytic import states_of as model_states
 from trainfit.config import load_config
 from trainfit.estimate import estimate
 from trainfit.memory import margin
-from trainfit.memory.activations import FP32, ActDtypes, block_terms, korthikanti_layer_bytes
+from trainfit.memory.activation_terms import FP32, ActDtypes
+from trainfit.memory.activations import block_terms
 from trainfit.memory.analytic import zero_model_state_bytes
 from trainfit.memory.breakdown import COMPONENTS, PHASES
+from trainfit.memory.korthikanti import korthikanti_layer_bytes
 from trainfit.memory.pipeline_held import micro_batches_in_flight
 from trainfit.memory.run_shape import Run
 from trainfit.models.params import param_counts

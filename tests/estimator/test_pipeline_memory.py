@@ -13,7 +13,7 @@ from accuracy_grid import LLAMA, _row, row_config
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from _runs import run_config
-from trainfit.memory.activations import FP32
+from trainfit.memory.activation_terms import FP32
 from trainfit.memory.micro_batch import SharedSizes
 from trainfit.memory.pipeline_held import PipelineHeld, micro_batches_in_flight, pipeline_held
 from trainfit.memory.rank_layout import layout_common, rank_layout

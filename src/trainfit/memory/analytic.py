@@ -29,7 +29,7 @@ of model-state forms per ZeRO stage):
   `F.cross_entropy(logits.float(), ...)`), on the last stage; under memory.chunked_loss the model's
   output (the final hidden states) and one chunk's logits, log-softmax and gradients (memory/logits.py).
 - buffers: FSDP all-gather / reduce-scatter buffers (ZeRO-1's collectives run in place in its
-  gradient buffers: none), expert-parallel all-to-all buffers (in backward: activations.py's
+  gradient buffers: none), expert-parallel all-to-all buffers (in backward: moe_activations.py's
   routed moments), optimizer-step temporaries, the
   recompute buffer of a checkpointed block (what it rebuilds in backward beyond what it kept),
   and module buffers (RoPE tables).

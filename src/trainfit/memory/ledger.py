@@ -30,6 +30,11 @@ The components, as memory/breakdown.py names them and analytic.py counts them:
 
 A storage's component is its final one: when it is recognised later (a tensor becomes a `.grad`,
 a reduce-scatter result a sharded gradient), the figures of the peak moment are corrected too.
+
+One job, one module: everything here serves the ledger's attribution. The mode itself is most of
+it; the rest (the module tracker that survives pipeline stages, the global-hook juggling around a
+compiled block, the sharding propagation kept out of the count, `phase_listener`) only feeds it the
+phase and the module it attributes by, and would be read nowhere else.
 """
 
 from __future__ import annotations

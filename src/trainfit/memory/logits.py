@@ -8,10 +8,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from trainfit.config import ModelConfig
-from trainfit.memory.activations import (
-    FP32,
-    Terms,
-)
+from trainfit.memory.activation_terms import FP32, Terms
 from trainfit.memory.run_shape import MicroBatchShape, Precision
 
 LOSS_PARALLEL_FP32_COPIES = (2, 4)

@@ -1,36 +1,32 @@
-"""One micro-batch's activation sizes on a rank (`MicroBatch`): a block's saved, rebuilt and backward
-tensors, the head's, the loss's and a stage boundary's, from memory/activations.py's terms. They depend only
-on the model, the dtypes and the micro-batch's shape, so `SharedSizes` computes each once for all the layouts
-the planner tries of one model. Torch-free."""
+"""One micro-batch's activation sizes on a rank (`MicroBatch`): a block's saved, rebuilt and backward tensors,
+the head's, the loss's and a stage boundary's, from the terms of memory/activations.py and its siblings. They
+depend only on the model, the dtypes and the micro-batch's shape, so `SharedSizes` computes each once for all
+the layouts the planner tries of one model. Torch-free."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 from trainfit.config import ModelConfig
-from trainfit.memory.activations import (
-    Routing,
-    Terms,
-    Transient,
-    attention_backward_freed,
-    backward_transient_terms,
-    block_terms,
-    context_parallel_positions,
+from trainfit.memory.activation_terms import Terms
+from trainfit.memory.activations import block_terms, policy_only_terms
+from trainfit.memory.attention_activations import context_parallel_positions
+from trainfit.memory.backward_transients import Transient, attention_backward_freed, backward_transient_terms
+from trainfit.memory.logits import LossBytes, loss_bytes
+from trainfit.memory.moe_activations import Routing, moe_routing
+from trainfit.memory.run_shape import MicroBatchShape, Precision
+from trainfit.memory.stage_activations import (
     final_norm_terms,
     head_weight_pass_pending_terms,
-    moe_routing,
-    policy_only_terms,
     stage_boundary_terms,
     weight_pass_pending_terms,
 )
-from trainfit.memory.logits import LossBytes, loss_bytes
-from trainfit.memory.run_shape import MicroBatchShape, Precision
 from trainfit.models.params import param_counts
 
 
 class MicroBatch(NamedTuple):
     """One micro-batch's activation bytes that every pipeline rank of a layout has alike: a block's
-    (saved, rebuilt by its recompute, made by its backward: activations.Transient's sizes), the
+    (saved, rebuilt by its recompute, made by its backward: backward_transients.Transient's sizes), the
     head's and the loss's (on the rank of the last stage), a stage boundary's."""
 
     routing: Routing | None

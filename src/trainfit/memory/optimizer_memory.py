@@ -10,9 +10,7 @@ import math
 from typing import TYPE_CHECKING
 
 from trainfit.config import OptimizerConfig
-from trainfit.memory.activations import (
-    FP32,
-)
+from trainfit.memory.activation_terms import FP32
 from trainfit.memory.run_shape import Precision, Run
 from trainfit.models.block_spec import block_linears
 

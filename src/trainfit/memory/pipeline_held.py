@@ -79,7 +79,7 @@ class PipelineHeld(NamedTuple):
     (stage_backward_input) until the next step's clear_runtime_states: the same tensor it sends."""
     pending: int = 0
     """Zero-bubble: the gradients the input pass keeps for the weight pass
-    (activations.weight_pass_pending_terms), and on the last stage the head's saved activations,
+    (stage_activations.weight_pass_pending_terms), and on the last stage the head's saved activations,
     of the micro-batches awaiting their weight pass at the peak (activations)."""
     logits: int = 0
     """The last stage's output, the logits ([mb, T, V] in the compute dtype), of one micro-batch:

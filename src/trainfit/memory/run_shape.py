@@ -9,10 +9,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from trainfit.config import HardwareConfig, ModelConfig, OptimizerConfig, TrainingConfig
-from trainfit.memory.activations import (
-    FP32,
-    ActDtypes,
-)
+from trainfit.memory.activation_terms import FP32, ActDtypes
 from trainfit.parallel.layout import Layout
 
 

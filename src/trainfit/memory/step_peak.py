@@ -8,16 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from trainfit.memory.activations import (
-    RoutedMoment,
-    Terms,
-    context_parallel_mask_bytes,
-    routed_backward_moments,
-    shared_experts_saved,
-)
+from trainfit.memory.activation_terms import Terms
+from trainfit.memory.activations import shared_experts_saved
+from trainfit.memory.attention_activations import context_parallel_mask_bytes
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.logits import LossBytes
 from trainfit.memory.margin import reserved_margin_terms
+from trainfit.memory.moe_activations import RoutedMoment, routed_backward_moments
 from trainfit.memory.pipeline_held import PipelineHeld
 from trainfit.memory.rank_layout import LayoutCommon, RankLayout
 from trainfit.memory.run_shape import Run, rope_table_bytes
@@ -160,7 +157,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     w2 = (0, 0, c * lay.mlp_out) if w2_in_flight else (0, c * lay.mlp_out, 0) if st.fsdp else \
         (0, 0, int(autograd_bytes * lay.mlp_out)) if bucketed else (int(lay.mlp_out * per_param), 0, 0)
     # MoE: the shared experts' backward runs first (mlp_* of `transient`; their w2 for w2), then the
-    # routed experts' (activations.routed_backward_moments); the routed output is in the stream's
+    # routed experts' (moe_activations.routed_backward_moments); the routed output is in the stream's
     # dtype, so no grad_cast then.
     routed_moments: list[RoutedMoment] = []
     shared_kept = shared_rebuilt = 0

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from trainfit.memory.activations import (
-    FP32,
-)
+from trainfit.memory.activation_terms import FP32
 from trainfit.memory.optimizer_memory import (
     PER_TENSOR_OPTIMIZERS,
     largest_sharded_group,
