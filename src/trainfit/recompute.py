@@ -29,21 +29,26 @@ checkpoints move freely between policies. `model.named_parameters()` does still 
 
 from __future__ import annotations
 
+import functools
 import typing
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy as TorchCheckpointPolicy
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from trainfit.config import ACPolicy, ConfigError
+from trainfit.models.checkpoint_policy import POLICIES as POLICY_KEEPS
+from trainfit.models.checkpoint_policy import CheckpointPolicy, OpKind
 from trainfit.parallel.stage_split import checkpointed
 
 _aten = torch.ops.aten
 
-# Ops whose outputs selective checkpointing keeps. All are dispatch-level (post-autograd) aten
-# ops: `F.linear` never appears itself, it reaches the dispatcher as mm/addmm (plus views).
+# torch's operators by the kind models/checkpoint_policy.py's policies keep or recompute. All are
+# dispatch-level (post-autograd) aten ops: `F.linear` never appears itself, it reaches the
+# dispatcher as mm/addmm (plus views). Any other operator is of kind "other" (recomputed).
 _MATMULS = frozenset({
     _aten.mm.default,
     _aten.addmm.default,
@@ -52,53 +57,54 @@ _MATMULS = frozenset({
     _aten._scaled_mm.default,  # fp8 matmuls (torchao float8)
     _aten._scaled_mm_v2.default,
 })
-_SAVE_OPS = _MATMULS | frozenset({
+_FUSED_ATTENTION = frozenset({
     # Fused SDPA kernels (F.scaled_dot_product_attention picks one per device and inputs); their
     # outputs include the logsumexp the backward needs, so nothing inside attention is recomputed.
-    # The math fallback decomposes into bmm (saved) and softmax (recomputed).
+    # The math fallback decomposes into bmm (matmuls) and softmax.
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_fused_attention_overrideable.default,
-    # Recomputing a collective would communicate again: the reductions of tensor parallelism's
-    # row-parallel outputs (reduce-scatter with sequence parallelism, all-reduce without) are kept.
-    # All-gathers (sequence parallelism's inputs, context parallelism's K/V) are recomputed, as
-    # Megatron re-gathers in backward: kept, they would cost tp (cp) times their input.
+})
+# Tensor parallelism's reductions of row-parallel outputs (reduce-scatter with sequence parallelism,
+# all-reduce without). All-gathers (sequence parallelism's inputs, context parallelism's K/V) are
+# of kind "other".
+_TP_REDUCTIONS = frozenset({
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_reduce.default,
-    # Expert parallelism's all-to-alls (the split sizes' exchange, the dispatch and the combine) are
-    # kept too, as torchtitan's op-level policy does: each moves top-k x the block's tokens.
-    torch.ops._c10d_functional.all_to_all_single.default,
 })
+# Expert parallelism's all-to-alls (the split sizes' exchange, the dispatch and the combine).
+_ALL_TO_ALL = frozenset({torch.ops._c10d_functional.all_to_all_single.default})
 
 POLICIES: tuple[str, ...] = typing.get_args(ACPolicy)
 
 
-def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def op_kind(op: Any) -> OpKind:
+    """The kind of a dispatched torch operator, in models/checkpoint_policy.py's terms."""
+    if op in _MATMULS:
+        return "matmul"
+    if op in _FUSED_ATTENTION:
+        return "fused_attention"
+    if op in _TP_REDUCTIONS:
+        return "tp_reduction"
+    return "all_to_all" if op in _ALL_TO_ALL else "other"
 
 
-def _selective_contexts() -> tuple[Any, Any]:
-    return create_selective_checkpoint_contexts(_selective_policy)
-
-
-def _alternate_contexts() -> tuple[Any, Any]:
-    """A policy for one run of one block (context_fn is called per checkpointed call): the
-    forward and the recompute count their matmuls apart, so both pick the same ones."""
+def _policy_contexts(policy: CheckpointPolicy) -> tuple[Any, Any]:
+    """The selective-checkpointing contexts of one run of one block (context_fn is called per
+    checkpointed call): each operator kept or recomputed as `policy` says. The forward and the
+    recompute count their matmuls apart, so both pick the same ones."""
     matmuls = {False: 0, True: 0}  # by ctx.is_recompute
 
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if op in _MATMULS:
+    def decide(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> TorchCheckpointPolicy:
+        kind = op_kind(op)
+        if kind == "matmul":
             matmuls[ctx.is_recompute] += 1
-            odd = matmuls[ctx.is_recompute] % 2 == 1
-            return CheckpointPolicy.MUST_SAVE if odd else CheckpointPolicy.PREFER_RECOMPUTE
-        return _selective_policy(ctx, op, *args, **kwargs)
+        keep = policy.keeps(kind, matmuls[ctx.is_recompute])
+        return TorchCheckpointPolicy.MUST_SAVE if keep else TorchCheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
-
-
-_CONTEXTS = {"selective": _selective_contexts, "selective-alternate": _alternate_contexts}
+    return create_selective_checkpoint_contexts(decide)
 
 
 def apply_activation_checkpointing(model: nn.Module, policy: str, every_n_layers: int = 1) -> int:
@@ -116,8 +122,10 @@ def apply_activation_checkpointing(model: nn.Module, policy: str, every_n_layers
         raise ConfigError(f"memory.ac_every_n_layers={every_n_layers!r}: must be >= 1")
     if policy == "none":
         return 0
-    # Non-reentrant checkpoint: supports kwargs, autograd.grad and inputs that need no grad.
-    options: dict[str, Any] = {"context_fn": _CONTEXTS[policy]} if policy in _CONTEXTS else {}
+    # Non-reentrant checkpoint: supports kwargs, autograd.grad and inputs that need no grad. A policy
+    # that keeps outputs inside the block runs under selective checkpointing; full keeps none.
+    keeps = POLICY_KEEPS[policy]
+    options: dict[str, Any] = {"context_fn": functools.partial(_policy_contexts, keeps)} if keeps.saves else {}
     wrapped = 0
     for i, block in model.layers.indexed():  # global indices: a pipeline stage holds some of them
         if checkpointed(i, every_n_layers):

@@ -20,7 +20,8 @@ from trainfit.memory.activation_terms import (
 )
 from trainfit.memory.attention_activations import attention_kept, attention_saved
 from trainfit.memory.moe_activations import Routing, balanced_routing, moe_saved
-from trainfit.models.block_spec import odd_expert_share, shared_experts_first_matmul
+from trainfit.models.block_spec import block_linears
+from trainfit.models.checkpoint_policy import kept_linear_shares
 
 
 def block_terms(m: ModelConfig, d: ActDtypes, policy: str, routing: Routing | None = None, cp: int = 1,
@@ -31,23 +32,8 @@ def block_terms(m: ModelConfig, d: ActDtypes, policy: str, routing: Routing | No
     c, a = d.compute, d.stream
     if policy == "full":
         return Terms(seq=a * D)  # the checkpoint keeps the block input only
-    if policy == "selective":
-        # recompute._SAVE_OPS: the outputs of every matmul and of the fused attention are stored,
-        # the rest (norms, RoPE, activations, casts) is recomputed; plus the block input.
-        kept = Terms(seq=a * D, tp=c * (q_dim + 2 * kv_dim)) + attention_kept(m, d, cp, policy)  # wq, wk, wv
-        kept += Terms(gathered=c * D)  # wo output (under TP: the partial sum before the reduce-scatter)
-        kept += _row_parallel_reductions(m, d, tp)
-        if m.family == "gpt2":
-            return kept + Terms(gathered=c * D, tp=c * m.ffn_dim)  # fc2 output; fc1 output
-        if not m.num_experts:
-            return kept + Terms(gathered=c * D, tp=2 * c * m.ffn_dim)  # w2 output; w1, w3 outputs
-        E, F, rows = m.num_experts, m.expert_ffn_dim, (routing or balanced_routing(m)).rows
-        shared = m.num_shared_experts * F
-        kept += Terms(gathered=c * E + rows * c * (2 * F + D))  # router logits; each expert row: w1, w3, w2 outputs
-        kept += _all_to_all_outputs(m, d, routing or balanced_routing(m))
-        return kept + Terms(gathered=(c * D if shared else 0) + 2 * c * shared)  # shared w2; shared w1, w3
-    if policy == "selective-alternate":
-        return _alternate_kept(m, d, routing, tp, cp)
+    if policy in ("selective", "selective-alternate"):
+        return _selective_kept(m, d, policy, routing, tp, cp)
     if policy != "none":
         raise ValueError(f"activation checkpointing policy {policy!r}: choose none, selective, "
                          "selective-alternate or full")
@@ -92,9 +78,7 @@ def _reduction(m: ModelConfig, d: ActDtypes, tp: int) -> Terms:
 def policy_keeps_shared_output(m: ModelConfig, r: Routing, policy: str) -> bool:
     """Whether a checkpointing policy saves the shared experts' w2 output (selective: every matmul's;
     selective-alternate: when w2 is an odd-numbered matmul)."""
-    if policy == "selective-alternate":
-        return shared_experts_first_matmul(r.local_experts(m.num_experts), r.capacity) % 2 == 1
-    return policy == "selective"
+    return policy != "none" and _kept_shares(m, policy, r).get("shared_w2", 0.0) == 1.0
 
 
 def _all_to_all_outputs(m: ModelConfig, d: ActDtypes, r: Routing) -> Terms:
@@ -103,31 +87,42 @@ def _all_to_all_outputs(m: ModelConfig, d: ActDtypes, r: Routing) -> Terms:
     return Terms(gathered=(r.rows + r.returned) * d.compute * m.dim if r.ep > 1 else 0)
 
 
-def _alternate_kept(m: ModelConfig, d: ActDtypes, routing: Routing | None, tp: int, cp: int = 1) -> Terms:
-    """`selective-alternate` (recompute._alternate_contexts): the block input, the outputs of the
-    fused attention, of tp's reductions and of the odd-numbered matmuls in forward order: wq (1st)
-    and wv (3rd), not wk or wo; Llama's w1 (5th) and w2 (7th), not w3; GPT-2's fc1 (5th), not fc2.
-    MoE: the router (5th); dropless expert e runs matmuls 6 + 3e to 8 + 3e, so even-numbered experts
-    keep w3, odd-numbered ones w1 and w2 (counted as if the rows split between them as the experts
-    do); with a capacity factor the batched w3 (7th); the shared experts by their position."""
+def _kept_shares(m: ModelConfig, policy: str, r: Routing | None) -> dict[str, float]:
+    """The share of each linear's output a wrapped block keeps (models/checkpoint_policy.py) on a
+    rank of `r`'s routing (its experts' parity)."""
+    r = r or (balanced_routing(m) if m.num_experts else None)
+    return kept_linear_shares(m, policy, r.local_experts(m.num_experts) if r else 0, bool(r and r.capacity))
+
+
+def _selective_kept(m: ModelConfig, d: ActDtypes, policy: str, routing: Routing | None, tp: int, cp: int = 1
+                    ) -> Terms:
+    """The selective policies: the block input, and the outputs models/checkpoint_policy.py says they
+    keep: of the fused attention (attention_kept), of tp's reductions, of expert parallelism's
+    all-to-alls, and of the matmuls it keeps (selective: all; selective-alternate: the odd-numbered
+    ones), each linear's at its output's size: a column-parallel output is split over tp, a
+    row-parallel one is the partial sum before the reduction (whole). Routed experts keep their
+    rows' outputs by the share of the rank's experts that keep them (balanced, of their rows)."""
     D, q_dim, kv_dim, H, _ = block_shapes(m)
     c = d.compute
-    kept = Terms(seq=d.stream * D, tp=c * (q_dim + kv_dim)) + attention_kept(m, d, cp, "selective-alternate")  # wq, wv
+    keep = _kept_shares(m, policy, routing)
+    linears = {linear.name: linear for linear in block_linears(m)}
+
+    def out(name: str) -> int:  # bytes per token of a kept linear's output
+        return int(keep[name]) * c * linears[name].out_features
+
+    kept = Terms(seq=d.stream * D, tp=out("wq") + out("wk") + out("wv")) + attention_kept(m, d, cp, policy)
+    kept += Terms(gathered=out("wo"))  # under TP: the partial sum before the reduce-scatter
     kept += _row_parallel_reductions(m, d, tp)
     if m.family == "gpt2":
-        return kept + Terms(tp=c * m.ffn_dim)
+        return kept + Terms(gathered=out("w2"), tp=out("w1"))
     if not m.num_experts:
-        return kept + Terms(tp=c * m.ffn_dim, gathered=c * D)
+        return kept + Terms(gathered=out("w2"), tp=out("w1") + out("w3"))
     F, r = m.expert_ffn_dim, routing or balanced_routing(m)
-    if r.capacity:
-        routed = r.rows * c * F
-    else:
-        odd = odd_expert_share(r.local_experts(m.num_experts))  # (and, balanced, of their rows) keep w1 and w2
-        routed = r.rows * c * ((1 - odd) * F + odd * (F + D))
-    shared = m.num_shared_experts * F
-    shared_kept = c * (shared + D) if policy_keeps_shared_output(m, r, "selective-alternate") else c * shared
-    return kept + _all_to_all_outputs(m, d, r) + Terms(gathered=c * m.num_experts + routed +
-                                                      (shared_kept if shared else 0))
+    routed = r.rows * c * (keep["experts_w1"] * F + keep["experts_w3"] * F + keep["experts_w2"] * D)
+    kept += Terms(gathered=out("router") + routed)
+    kept += _all_to_all_outputs(m, d, r)
+    shared = out("shared_w2") + out("shared_w1") + out("shared_w3") if m.num_shared_experts else 0
+    return kept + Terms(gathered=shared)
 
 
 def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str, tp: int = 1,
@@ -177,7 +172,7 @@ def _expert_parallel_released(m: ModelConfig, d: ActDtypes, r: Routing, policy: 
     source, into the combine's input; on one rank the routing weights' product saves them)."""
     if r.ep == 1:
         return Terms()
-    w2_kept = 1.0 if policy == "selective" else 0.0 if r.capacity else odd_expert_share(r.local_experts(m.num_experts))
+    w2_kept = _kept_shares(m, policy, r)["experts_w2"]
     return Terms(gathered=r.rows * d.compute * m.dim * (1 + w2_kept))
 
 
