@@ -6,19 +6,13 @@ Policies (config: `memory.activation_checkpointing`, applied to every n-th trans
 - "full": a block keeps only its input; backward reruns its forward first, up to one extra forward
   of the block's matmuls (+1/3 of its FLOPs). Non-reentrant checkpoint stops recomputing once every
   tensor backward needs is back, so a block's last matmul (whose output nothing saves) is skipped.
-- "selective": op-level selective checkpointing (SAC). Outputs of matmuls and of the fused
-  attention kernel are saved; everything else (norms, activations, RoPE, residual adds, dropout)
-  is recomputed. Matmuls are nearly all of a block's FLOPs, so backward runs no extra matmul;
-  elementwise ops are nearly free to rerun, yet each keeps a full activation alive. Measured in
-  (batch, seq, dim) fp32 tensors kept per block: LayerNorm/GELU block 16 -> 11, Llama-style block
-  (RMSNorm, RoPE, SwiGLU) 22 -> 12; "full" keeps 1.
-- "selective-alternate": torchtitan's op-level policy ("op" selective AC): the outputs of the
-  fused attention, of the tensor-parallel reductions and of every other matmul (the 1st, 3rd, ...
-  a block runs) are saved, the rest, the other matmuls included, recomputed. Backward reruns about
-  half of a block's matmuls (perf/flops.py counts which) and keeps about half of what "selective"
-  keeps of them. Llama block, in forward order: wq saved, wk recomputed, wv saved, (attention
-  saved), wo recomputed, w1 saved, w3 recomputed, w2 saved; GPT-2: wq, wv, fc1 saved, wk, wo, fc2
-  recomputed; MoE: the router saved, then the experts' matmuls alternate in expert order.
+- "selective", "selective-alternate": op-level selective checkpointing (SAC). Which operators'
+  outputs a wrapped block keeps is models/checkpoint_policy.py's description (the estimators read
+  the same); this module maps torch's operators to its kinds (`op_kind`) and asks it per operator.
+  selective keeps every matmul's output, so backward reruns no matmul, only elementwise ops, nearly
+  free to rerun yet each keeping a full activation alive. selective-alternate (torchtitan's "op"
+  policy) keeps every other matmul's: backward reruns about half of a block's matmuls (perf/flops.py
+  counts which) and keeps about half of what "selective" keeps of them.
 
 Blocks are wrapped with PyTorch's own `checkpoint_wrapper` (what torchtitan uses): its forward is
 `torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False, ...)`, and it strips its

@@ -63,7 +63,7 @@ class PolicyOnly:
 
 
 def _row_parallel_reductions(m: ModelConfig, d: ActDtypes, tp: int) -> Terms:
-    """Tensor parallelism under the selective policies (recompute._SAVE_OPS): the reduced outputs of
+    """Tensor parallelism under the selective policies (models/checkpoint_policy.py): the reduced outputs of
     the row-parallel projections (wo; w2 / fc2 unless the feed-forward is an MoE, whole on the tp
     ranks), the reduce-scatter's sequence shard with sequence parallelism, the all-reduce's whole
     tensor without: the residual stream's shape (`seq`)."""
@@ -82,7 +82,7 @@ def policy_keeps_shared_output(m: ModelConfig, r: Routing, policy: str) -> bool:
 
 
 def _all_to_all_outputs(m: ModelConfig, d: ActDtypes, r: Routing) -> Terms:
-    """Expert parallelism under the selective policies (recompute._SAVE_OPS keeps collectives): the
+    """Expert parallelism under the selective policies (models/checkpoint_policy.py: they keep all-to-alls): the
     dispatch all-to-all's output (the rows received) and the combine's (the rows returned)."""
     return Terms(gathered=(r.rows + r.returned) * d.compute * m.dim if r.ep > 1 else 0)
 

@@ -99,7 +99,7 @@ def attention_backward(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
 
 
 def attention_kept(m: ModelConfig, d: ActDtypes, cp: int, policy: str) -> Terms:
-    """What the selective policies keep of the attention itself (recompute._SAVE_OPS). The fused
+    """What the selective policies keep of the attention itself (models/checkpoint_policy.py). The fused
     kernel: its output and fp32 logsumexp. The math kernel is two bmms among the block's matmuls:
     selective keeps both outputs, the fp32 scores [H, queries, keys] and the fp32 output, and
     recomputes the mask, the softmax and the casts; selective-alternate counts them as the 4th and
