@@ -47,7 +47,7 @@ from trainfit.config import Config
 from trainfit.configure import load_config
 from trainfit.estimate import Estimate, estimate
 from trainfit.hardware import device_spec
-from trainfit.memory.analytic import ALLOCATOR_FRAGMENTATION
+from trainfit.memory.margin import ALLOCATOR_FRAGMENTATION
 from trainfit.perf import flops as F
 from trainfit.perf.timing import bubble_fraction
 

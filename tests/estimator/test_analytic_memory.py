@@ -15,10 +15,14 @@ from _analytic import retained_of as forward_retained_bytes
 from _analytic import states_of as model_states
 from trainfit.configure import load_config
 from trainfit.estimate import estimate
-from trainfit.memory import analytic
-from trainfit.memory.activations import FP32, ActDtypes, block_terms, korthikanti_layer_bytes
+from trainfit.memory import margin
+from trainfit.memory.activation_terms import FP32, ActDtypes
+from trainfit.memory.activations import block_terms
 from trainfit.memory.analytic import zero_model_state_bytes
 from trainfit.memory.breakdown import COMPONENTS, PHASES
+from trainfit.memory.korthikanti import korthikanti_layer_bytes
+from trainfit.memory.pipeline_held import micro_batches_in_flight
+from trainfit.memory.run_shape import Run
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import build_layout
 
@@ -31,7 +35,7 @@ def cfg_of(*overrides: str):
 
 
 def test_the_analytic_path_imports_no_torch():
-    code = ("import sys, trainfit.memory.analytic as a, trainfit.config as c\n"
+    code = ("import sys, trainfit.memory.analytic as a, trainfit.configure as c\n"
             "import trainfit.parallel.layout as l\n"
             "cfg = c.load_config(None, ['--model.preset=llama3-8b', '--hardware.num_gpus=8',\n"
             "    '--parallel.zero_stage=3', '--training.micro_batch_size=1', '--training.global_batch_size=8'])\n"
@@ -200,7 +204,7 @@ def test_every_breakdown_adds_up_and_names_its_phase():
 def test_reserved_margin_only_on_gpus():
     assert estimate_memory(cfg_of()).worst.reserved_margin == 0
     gpu = estimate_memory(cfg_of("--hardware.gpu=H100-SXM-80GB")).worst
-    assert gpu.reserved_margin == int(analytic.CUDA_CONTEXT_BYTES + analytic.ALLOCATOR_FRAGMENTATION * gpu.peak)
+    assert gpu.reserved_margin == int(margin.CUDA_CONTEXT_BYTES + margin.ALLOCATOR_FRAGMENTATION * gpu.peak)
 
 
 def test_pipeline_stages_hold_their_layers_and_in_flight_micro_batches():
@@ -214,9 +218,9 @@ def test_pipeline_stages_hold_their_layers_and_in_flight_micro_batches():
     assert acts[0] > acts[1] > acts[2]
     assert acts[0] / acts[2] == pytest.approx(4 / 2, rel=0.1)
     gpipe_cfg = cfg_of(*base, "--parallel.pp_schedule=gpipe")
-    gpipe_run = analytic._Run(gpipe_cfg.model, build_layout(gpipe_cfg), gpipe_cfg.training, gpipe_cfg.hardware,
-                              gpipe_cfg.optimizer)
-    assert analytic._in_flight(gpipe_run, 0) == (16.0, 16)  # all 16 micro-batches
+    gpipe_run = Run(gpipe_cfg.model, build_layout(gpipe_cfg), gpipe_cfg.training, gpipe_cfg.hardware,
+                    gpipe_cfg.optimizer)
+    assert micro_batches_in_flight(gpipe_run, 0) == (16.0, 16)  # all 16 micro-batches
     assert estimate_memory(gpipe_cfg).per_stage[0].activations > 3.5 * acts[0]
     # Embeddings on the first stage, the output projection on the last.
     states = [model_states(cfg_of(*base), stage=i) for i in range(4)]
@@ -226,8 +230,8 @@ def test_pipeline_stages_hold_their_layers_and_in_flight_micro_batches():
     # Interleaved 1F1B: rank 0 keeps L (1 + (p - 1)/(pv)) layers' worth (Korthikanti Sec. 4.2.3).
     cfg = cfg_of(*base, "--parallel.pp_schedule=interleaved-1f1b", "--parallel.pp_virtual_stages=2",
                  "--parallel.num_microbatches=16", "--parallel.pp_layers_per_stage=" + ",".join(["4"] * 8))
-    run = analytic._Run(cfg.model, build_layout(cfg), cfg.training, cfg.hardware, cfg.optimizer)
-    in_flight, _ = analytic._in_flight(run, 0)
+    run = Run(cfg.model, build_layout(cfg), cfg.training, cfg.hardware, cfg.optimizer)
+    in_flight, _ = micro_batches_in_flight(run, 0)
     assert in_flight * (32 / 4) == pytest.approx(32 * (1 + 3 / 8))
 
 

@@ -1,4 +1,4 @@
-"""The analytic estimator's pipeline terms (memory/analytic.py `_PipelineHeld`), each checked against
+"""The analytic estimator's pipeline terms (memory/pipeline_held.py `PipelineHeld`), each checked against
 the tensor torch.distributed.pipelining holds (stage.py, schedules.py, _backward.py of torch 2.13).
 Every stage against measured steps: the pipeline rows of the accuracy grid
 (tests/estimator/test_accuracy.py)."""
@@ -13,8 +13,11 @@ from accuracy_grid import LLAMA, _row, row_config
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from _runs import run_config
-from trainfit.memory import analytic
-from trainfit.memory.activations import FP32
+from trainfit.memory.activation_terms import FP32
+from trainfit.memory.micro_batch import SharedSizes
+from trainfit.memory.pipeline_held import PipelineHeld, micro_batches_in_flight, pipeline_held
+from trainfit.memory.rank_layout import layout_common, rank_layout
+from trainfit.memory.run_shape import Run
 from trainfit.parallel.layout import build_layout
 
 MB, T, D, V, F, M = 2, 256, 128, 512, 384, 4
@@ -22,15 +25,15 @@ MB, T, D, V, F, M = 2, 256, 128, 512, 384, 4
 PP2 = ("--parallel.pp=2", "--model.num_layers=4", "--training.global_batch_size=8", "--training.micro_batch_size=2")
 
 
-def _held(tmp: Path, stage: int, *extra: str) -> analytic._PipelineHeld:
+def _held(tmp: Path, stage: int, *extra: str) -> PipelineHeld:
     cfg = row_config(_row("t", 2, LLAMA, *PP2, *extra), tmp)
     layout = build_layout(cfg)
-    run = analytic._Run(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer)
-    common = analytic._common(run, analytic.SharedSizes(cfg.model))
+    run = Run(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer)
+    common = layout_common(run, SharedSizes(cfg.model))
     place = layout.rank_placement(stage)
-    lay = analytic._layout(run, common, place)
+    lay = rank_layout(run, common, place)
     logits = common.prec.act.compute * V * common.tokens if lay.last else 0
-    return analytic._pipeline_held(run, lay, place, common.micro_batch, 0, logits)
+    return pipeline_held(run, lay, place, common.micro_batch, 0, logits)
 
 
 BOUNDARY = MB * T * D * FP32
@@ -101,7 +104,7 @@ def test_in_flight_from_torch_orders(name: str, p: int, m: int) -> None:
                      f"--parallel.pp={p}", f"--parallel.pp_schedule={name}", f"--hardware.num_gpus={p}",
                      "--training.micro_batch_size=1", f"--training.global_batch_size={m}")
     layout = build_layout(cfg)
-    run = analytic._Run(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer)
+    run = Run(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer)
     for rank, actions in _torch_order(name, p, m).items():
         alive, pending, worst = set(), set(), (0, 0)
         for action in actions:
@@ -115,7 +118,7 @@ def test_in_flight_from_torch_orders(name: str, p: int, m: int) -> None:
                 elif kind == "I":
                     pending.add(key)
                 worst = max(worst, (len(alive), len(pending)))
-        in_flight, _ = analytic._in_flight(run, rank)
+        in_flight, _ = micro_batches_in_flight(run, rank)
         assert worst[0] == in_flight * 2, (rank, worst)
         expected_pending = {"interleaved-zero-bubble": rank + 1, "zbv-zero-bubble": 1, "dualpipev": 0}[name]
         assert worst[1] == expected_pending, (rank, worst)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from _runs import load_benchmark
-from trainfit.memory import analytic
+from trainfit.memory import step_peak
 from trainfit.perf import fp8_casts
 
 published = load_benchmark("published_parallel")
@@ -41,7 +41,7 @@ def _failure(found: list[str]) -> str:
 def test_compiled_fp8_casts_priced_as_eager_ones_fail_the_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     """The memory of a compiled step's float8 backward counted with eager's fp32 temporaries: the
     published 405B float8 rows (compiled, full checkpointing) leave their bands."""
-    monkeypatch.setattr(analytic, "FLOAT8_CAST_BYTES_COMPILED", analytic.FLOAT8_CAST_BYTES)
+    monkeypatch.setattr(step_peak, "FLOAT8_CAST_BYTES_COMPILED", step_peak.FLOAT8_CAST_BYTES)
     message = _failure(gate.problems(gate.read(), published.current_errors()))
     assert "tt-2412 405B 3D FSDP8 TP8 PP8 1F1B: memory error" in message
     assert "throughput" not in message and gate.RECORD_COMMAND in message

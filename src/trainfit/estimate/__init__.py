@@ -15,8 +15,9 @@ from typing import Any
 
 from trainfit.config import Config
 from trainfit.hardware import device_spec
-from trainfit.memory.analytic import MemoryEstimate, assumed_attention_kernel, estimate_memory
+from trainfit.memory.analytic import MemoryEstimate, estimate_memory
 from trainfit.memory.breakdown import MemoryBreakdown
+from trainfit.memory.run_shape import assumed_attention_kernel
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import Layout, build_layout
 from trainfit.perf.timing import PerfEstimate, compute_time_s, estimate_perf
@@ -87,7 +88,7 @@ class Estimate:
 
 
 def estimate(cfg: Config, layout: Layout | None = None) -> Estimate:
-    """The full analytic estimate of a validated config (see trainfit.config.load_config) on
+    """The full analytic estimate of a validated config (see trainfit.configure.load_config) on
     `layout` (default: its own, on hardware.num_gpus ranks)."""
     layout = layout or build_layout(cfg)
     memory = estimate_memory(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer)

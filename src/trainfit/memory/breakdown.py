@@ -13,7 +13,7 @@ Components (bytes, ints):
 - peak: the largest sum of the tensors over the step's phases (forward, backward, optimizer step)
 - reserved_margin: what the device holds outside the tensors' peak, shown apart, never inside another
   figure; estimates on a GPU sum it from `margin_terms` (the CUDA context, allocator fragmentation,
-  NCCL's communicator buffers: memory/analytic.reserved_margin_terms)
+  NCCL's communicator buffers: memory/margin.reserved_margin_terms)
 - non_tensor: measured only: what the allocator held at the step's peak beyond the tensors (library
   caches such as oneDNN's per-shape primitives on CPU, allocator overhead), shown apart; no estimator
   models it (0 in estimates)

@@ -1,5 +1,5 @@
 """NCCL's communicator buffers, per rank: an estimate from NCCL's documented and source defaults,
-fitted to nothing. Torch-free. A term of the reserved margin on GPUs (memory/analytic.py): the
+fitted to nothing. Torch-free. A term of the reserved margin on GPUs (memory/margin.py): the
 buffers live outside torch's caching allocator, so no tensor count sees them.
 
     comm_buffers = sum over the rank's process groups (parallel/groups.process_groups) of

@@ -1,6 +1,6 @@
 """The storage ledger, `StorageLedger`: a TorchDispatchMode holding every live tensor storage with
 its bytes and its component, the total sampled after every aten operator with the phase and the
-innermost module (torch's ModTracker). The traced estimator (memory/traced.py) runs it on fake
+innermost module (torch's ModTracker). The traced estimator (traced.py) runs it on fake
 tensors, measurement (memory/attribution.py) on real ones, so both attribute by the same rules.
 Not torch's MemTracker / FSDPMemTracker: their categories (parameter, activation, temp, ...)
 cannot tell logits, autocast's 16-bit weight copies or recomputation apart, and they snapshot
@@ -30,6 +30,11 @@ The components, as memory/breakdown.py names them and analytic.py counts them:
 
 A storage's component is its final one: when it is recognised later (a tensor becomes a `.grad`,
 a reduce-scatter result a sharded gradient), the figures of the peak moment are corrected too.
+
+One job, one module: everything here serves the ledger's attribution. The mode itself is most of
+it; the rest (the module tracker that survives pipeline stages, the global-hook juggling around a
+compiled block, the sharding propagation kept out of the count, `phase_listener`) only feeds it the
+phase and the module it attributes by, and would be read nowhere else.
 """
 
 from __future__ import annotations
@@ -231,7 +236,7 @@ class StorageLedger(TorchDispatchMode):
         attention): what a fused kernel allocates it never sees created (a measurement counts it in
         non_tensor, memory/attribution.py); the 8-bit update's buffers live and die inside one call,
         unseen like any operator's workspace (memory/measure.py). Fake tensors cannot run compiled
-        code (memory/traced.py traces the eager step)."""
+        code (traced.py traces the eager step)."""
         return not self.fake
 
     def classify(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy,
@@ -331,7 +336,7 @@ class StorageLedger(TorchDispatchMode):
 
     def route(self, rows_per_expert: list[int]) -> None:
         """Fake tensors only: the n-th `nonzero` returns rows_per_expert[n % num_experts] rows (an MoE
-        layer's dropless experts query their tokens in order; memory/traced.py says why)."""
+        layer's dropless experts query their tokens in order; traced.py says why)."""
         self._route = list(rows_per_expert)
 
     # ------------------------------------------------------------ mode

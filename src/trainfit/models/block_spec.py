@@ -96,18 +96,3 @@ def block_linears(m: ModelConfig) -> tuple[BlockLinear, ...]:
 def tp_split_linears(m: ModelConfig) -> tuple[BlockLinear, ...]:
     """The block's linears tensor parallelism shards (column or row): the plan's entries."""
     return tuple(linear for linear in block_linears(m) if linear.tp != "replicated")
-
-
-def shared_experts_first_matmul(local_experts: int, capacity: bool) -> int:
-    """The 1-based position of the shared experts' w1 among an MoE block's matmuls on one rank (what
-    selective-alternate's parity counts: trainfit.recompute): wq, wk, wv, wo, the router, then the
-    rank's routed experts' (w1, w3, w2 per expert, dropless; one batched matmul per weight with a
-    capacity factor)."""
-    return 9 if capacity else 6 + 3 * local_experts
-
-
-def odd_expert_share(local_experts: int) -> float:
-    """Dropless: the share of a rank's experts numbered 1, 3, 5, ... among the `local_experts` it runs
-    (numbered from 0 on each rank): expert e's w1, w3, w2 are matmuls 6 + 3e to 8 + 3e, so
-    selective-alternate keeps an odd-numbered expert's w1 and w2 outputs and an even-numbered one's w3."""
-    return (local_experts // 2) / local_experts

@@ -198,7 +198,7 @@ def _tp_recompute_calls(sequence_parallel: bool, policy: str) -> tuple[int, int,
 
     Forward per dense block: [AR, AR] without sequence parallelism, [AG, RS, AG, RS] with it (MoE:
     [AR], [AG, RS, AG]). Full recomputation reruns them all but a dense block's last (nothing saves
-    its output); selective saves the reductions' outputs (trainfit.recompute._SAVE_OPS: reduce-scatter
+    its output); selective saves the reductions' outputs (models/checkpoint_policy.py: reduce-scatter
     and all-reduce) and reruns the all-gathers.
     """
     if policy == "none":

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from trainfit.config import ModelConfig
 from trainfit.models.block_cost import block_attention_flops, block_matmul_params, head_matmul_params
-from trainfit.models.block_spec import odd_expert_share, shared_experts_first_matmul
+from trainfit.models.checkpoint_policy import odd_expert_share, shared_experts_first_matmul
 
 FWD_BWD_FACTOR = 3  # backward = 2x forward (grad wrt inputs + grad wrt weights)
 # Matmuls in a flash-attention backward per matmul of its forward: 5 / 2 (see the module docstring).
@@ -78,7 +78,7 @@ def alternate_recompute_params(m: ModelConfig, even_share: float | None = None, 
     of routed tokens on even-numbered experts (default: balanced routing, their share of the
     experts); with a capacity factor the batched w1 and w2; the shared experts' w3, or w1 and w2,
     by the parity of their first matmul. The parity counts a rank's matmuls: under expert
-    parallelism its num_experts / ep experts (models/block_spec.py's odd_expert_share and
+    parallelism its num_experts / ep experts (models/checkpoint_policy.py's odd_expert_share and
     shared_experts_first_matmul, which the memory estimate reads too)."""
     head_dim = m.dim // m.num_heads
     attention = m.dim * (m.num_kv_heads + m.num_heads) * head_dim  # wk, wo

@@ -46,8 +46,9 @@ from typing import Any, ParamSpec, TypeVar
 
 from trainfit.config import Config, ConfigError
 from trainfit.estimate import Estimate
-from trainfit.memory.analytic import MemoryEstimate, SharedSizes, StageMemory
+from trainfit.memory.analytic import MemoryEstimate, StageMemory
 from trainfit.memory.breakdown import MemoryBreakdown
+from trainfit.memory.micro_batch import SharedSizes
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import GlobalBatch, Layout, build_layout, offload_refusal
 from trainfit.parallel.stage_split import balanced_split, default_virtual_stages

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from trainfit.config import Config, ConfigError
 from trainfit.estimate import Estimate, estimate, fitting_changes
-from trainfit.memory.analytic import OPTIMIZER_STATES
+from trainfit.memory.optimizer_memory import OPTIMIZER_STATES
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import Layout
 

@@ -148,7 +148,7 @@ class _NoMetrics:
 class StepParts:
     """A model built and parallelized by the caller, with its batches: what `Trainer(parts=...)`
     steps instead of building from the config (no data, no weight init, no resume). The traced
-    estimator (memory/traced.py) assembles its trainer so, so the step it traces is this one."""
+    estimator (traced.py) assembles its trainer so, so the step it traces is this one."""
 
     model: nn.Module
     num_params: int

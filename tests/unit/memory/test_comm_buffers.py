@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from trainfit.configure import load_config
 from trainfit.memory import comm_buffers
-from trainfit.memory.analytic import ALLOCATOR_FRAGMENTATION, CUDA_CONTEXT_BYTES, estimate_memory
+from trainfit.memory.analytic import estimate_memory
 from trainfit.memory.comm_buffers import comm_buffer_bytes
+from trainfit.memory.margin import ALLOCATOR_FRAGMENTATION, CUDA_CONTEXT_BYTES
 from trainfit.parallel.groups import process_groups
 from trainfit.parallel.layout import build_layout
 

@@ -102,7 +102,7 @@ def test_selective_alternate_counts_the_parity_of_a_ranks_own_experts() -> None:
     so the parity of what selective-alternate reruns depends on E / ep, not E (6 experts: 3 per rank
     at ep 2). The memory estimate reads the same two facts (memory/activations.py)."""
     m = _model("--model.preset=debug-moe", "--model.num_experts=6", "--model.num_shared_experts=1")
-    from trainfit.models.block_spec import odd_expert_share, shared_experts_first_matmul
+    from trainfit.models.checkpoint_policy import odd_expert_share, shared_experts_first_matmul
     from trainfit.perf import flops
 
     assert (odd_expert_share(6), odd_expert_share(3)) == (0.5, 1 / 3)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainfit.configure import load_config
-from trainfit.memory.analytic import uses_fused_adam
+from trainfit.memory.optimizer_memory import uses_fused_adam
 from trainfit.train.optim import build_optimizer, build_scheduler, lr_at, param_groups
 
 
@@ -59,7 +59,7 @@ def test_fused_adamw_by_device_unless_forced(fused: bool | None, device: str, ex
 
 
 def test_fp16_under_fsdp_takes_foreach_unless_forced() -> None:
-    """ShardedGradScaler's [1]-shaped inf flag breaks torch 2.13's fused step (analytic.uses_fused_adam)."""
+    """ShardedGradScaler's [1]-shaped inf flag breaks torch 2.13's fused step (optimizer_memory.uses_fused_adam)."""
     cfg = load_config(None, [])
     assert uses_fused_adam(cfg.optimizer, "cpu", sharded_loss_scaling=True) is False
     forced = load_config(None, ["--optimizer.fused=true"]).optimizer

@@ -1,0 +1,121 @@
+"""The vocabulary of the activation estimate: bytes per token by how tensor parallelism divides them
+(`Terms`), the dtypes they are saved in (`ActDtypes`), and the pieces every block shares (its shapes, a
+pre-norm, a SwiGLU). The modules beside it count what autograd saves for backward in OUR blocks with these
+(memory/activations.py lists them). Torch-free.
+
+Each figure below was read off the real modules (llama.TransformerBlock, moe.MoE, gpt2.Block)
+by recording every tensor autograd packs (`torch.autograd.graph.saved_tensors_hooks`) and the
+C-heap bytes each block adds, on CPU with torch 2.13; tests/estimator/ checks the sums against
+measured training steps. Conventions:
+
+- Bytes per token of one micro-batch, split by how tensor parallelism divides them:
+  `seq` (residual-stream tensors: sharded along the sequence only with sequence parallelism),
+  `gathered` (inputs of column-parallel and outputs of row-parallel matmuls: torch's DTensor
+  sequence parallelism saves the all-gathered input of wq/wk/wv/w1/w3 and the full-sequence
+  partial sum before the reduce-scatter, so tp never divides them; Megatron re-gathers in
+  backward instead, which is why Korthikanti's TP+SP figure divides everything by t), and
+  `tp` (head- and ffn-sharded tensors). Context parallelism divides the tokens.
+- A block owns its input (the previous block's output, or the embedding output for block 0);
+  the final norm owns the last block's output.
+- Precision (`ActDtypes`): `stream` bytes of the residual stream, `compute` bytes of matmul
+  outputs, `autocast` when torch.amp casts per op. Under autocast every matmul saves ITS OWN
+  low-precision cast of an fp32 input (non-leaf casts are not cached: wq, wk and wv each keep
+  one), norms, softmax and the residual stream stay fp32: that is why bf16-mixed does not halve
+  activations. RMSNorm computes in fp32 (x.float()), so with a bf16 stream it saves an fp32 copy
+  of its input (4 bytes) instead of the input itself.
+- SDPA is the fused (flash / memory-efficient, CPU flash) kernel: it saves q, k, v, the output and
+  an fp32 logsumexp of (batch, heads, seq): no seq^2 term. GQA keeps k, v at kv-head width.
+  `ActDtypes.math_attention`: torch's math kernel instead (training.attention_backend=math), which
+  saves fp32 copies and the [heads, seq, keys] fp32 probabilities (attention_activations.py).
+- MoE routing (`Routing`, models/routing.py): dropless experts save one pass per routed token,
+  k per token whatever the split between experts (exact in total); the split only decides how
+  large ONE expert's computation is, which is what its backward's transient gradients scale with:
+  sized for the busiest expert at memory.moe_imbalance. With a capacity factor every expert runs
+  on a [capacity] buffer, so everything is sized by E x capacity rows, exactly.
+- Expert parallelism (parallel/expert.py): a rank runs its experts on the rows it receives and
+  gets back its own pairs (dropless: what each side saves is sized by its own count; the busiest
+  rank receives routing.expert_parallel_loads' rows); capacity buffers keep their size.
+- Not counted: autograd's own graph (nodes, saved-variable records), ~0.1-0.2 MiB in the C heap
+  for the test models, negligible at scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from trainfit.config import ModelConfig
+
+FP32 = 4
+
+
+INDEX = 8  # int64 (token ids, top-k expert ids, torch.nonzero results)
+
+
+@dataclass(frozen=True)
+class ActDtypes:
+    stream: int
+    """Bytes per element of the residual stream (block inputs/outputs, norm statistics' inputs)."""
+    compute: int
+    """Bytes per element of matmul and attention outputs."""
+    autocast: bool
+    """torch.amp: each matmul casts (and saves) its fp32 input itself."""
+    math_attention: bool = False
+    """SDPA runs torch's math kernel (run_shape.assumed_attention_kernel), not a fused one."""
+
+
+class Terms(NamedTuple):
+    """Saved bytes per token by tensor-parallel kind, plus bytes per sequence position."""
+
+    seq: float = 0.0
+    gathered: float = 0.0
+    tp: float = 0.0
+    per_position: float = 0.0
+    """Bytes per position of the (local) sequence, independent of the batch (RoPE table casts)."""
+    per_key: float = 0.0
+    """Bytes per token and position of the local sequence, head-sharded like `tp`: the math attention
+    kernel's [heads, queries, keys] scores and probabilities (keys per query: the local sequence,
+    scaled under context parallelism by keys_per_query)."""
+
+    def __add__(self, other: Terms) -> Terms:
+        return Terms(self.seq + other.seq, self.gathered + other.gathered, self.tp + other.tp,
+                     self.per_position + other.per_position, self.per_key + other.per_key)
+
+    def bytes(self, tokens: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False) -> int:
+        """Total for `tokens` tokens (micro-batch x local sequence) of a local sequence `seq_len`."""
+        seq = self.seq / tp if sequence_parallel else self.seq
+        return int(tokens * (seq + self.gathered + self.tp / tp + seq_len * self.per_key / tp)
+                   + seq_len * self.per_position)
+
+
+def block_shapes(m: ModelConfig) -> tuple[int, int, int, int, int]:
+    head_dim = m.dim // m.num_heads
+    return m.dim, m.num_heads * head_dim, m.num_kv_heads * head_dim, m.num_heads, head_dim
+
+
+def norm_saved(m: ModelConfig, d: ActDtypes, consumers: int) -> Terms:
+    """A pre-norm (input owned by the caller) and what its consumers save of its output."""
+    D = m.dim
+    if m.family == "gpt2":
+        # native_layer_norm saves input (owned elsewhere), mean and rstd (stream dtype, 1 per token);
+        # under autocast it runs in fp32 and its output is cast by each consumer.
+        own = 2 * d.stream
+    else:
+        # RMSNorm: x.float() (the input itself, or its fp32 copy for a 16-bit stream: counted by
+        # the caller as the residual), rsqrt (fp32, 1 per token), normed (cast back to the stream
+        # dtype, saved by the gain's multiply).
+        own = FP32 + d.stream * D
+    out = consumers * d.compute * D if d.autocast else d.stream * D
+    return Terms(seq=own, gathered=out)
+
+
+def swiglu_saved(c: int, hidden: float) -> float:
+    return 4 * c * hidden  # w1 out (silu input), w3 out, silu out, their product (w2 input)
+
+
+def ffn_consumers(m: ModelConfig) -> int:
+    if m.family == "gpt2":
+        return 1
+    if m.num_experts:
+        return 1 + (2 if m.num_shared_experts else 0)  # router, shared w1 and w3
+    return 2  # w1, w3

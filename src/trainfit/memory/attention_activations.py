@@ -1,0 +1,112 @@
+"""What a block's attention saves and makes in backward: the fused SDPA kernel's q, k, v, output and
+logsumexp, torch's math kernel's fp32 copies and [heads, queries, keys] probabilities, context parallelism's
+gathered keys and values, positions and masks. Apart from the rest of the block because its terms alone scale
+with the sequence (per key) and depend on the kernel chosen. Torch-free."""
+
+from __future__ import annotations
+
+from trainfit.config import ModelConfig
+from trainfit.memory.activation_terms import (
+    FP32,
+    ActDtypes,
+    Terms,
+    block_shapes,
+)
+
+
+def attention_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
+    D, q_dim, kv_dim, H, head_dim = block_shapes(m)
+    c = d.compute
+    per_position = 4 * head_dim * c if (d.autocast and m.family == "llama") else 0  # cos/sin .to(bf16), q and k
+    if d.math_attention:
+        return _math_attention_saved(m, d, cp) + Terms(per_position=per_position)
+    # SDPA saves q (after RoPE), k (after RoPE), v, out, and an fp32 logsumexp per head.
+    own = Terms(tp=c * (2 * q_dim + 2 * kv_dim) + FP32 * H, per_position=per_position)
+    return own + _context_parallel_saved(m, d, cp)
+
+
+def keys_per_query(cp: int) -> tuple[float, float]:
+    """(keys each query attends, keys each SDPA call reads), per local token and in units of the
+    local sequence: 1 and 1 on one rank (one [T, T] call). Under context parallelism a rank's two
+    query chunks (local / 2 each) run one call each over the keys up to their chunk's end, chunks
+    c + 1 and 2 cp - c: (2 cp + 1) chunks of keys in all (parallel/context_parallel.py)."""
+    if cp == 1:
+        return 1.0, 1.0
+    return (2 * cp + 1) / 4, (2 * cp + 1) / 2
+
+
+def _math_attention_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
+    """torch 2.13's math SDPA (aten/src/ATen/native/transformers/attention.cpp,
+    _scaled_dot_product_attention_math): 16-bit q, k, v are first copied to fp32 (unless
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True); off by default, CUDA and CPU alike);
+    q and k are each multiplied by sqrt(scale) and k, v expanded to the query heads (a copy when
+    G < H); scores = q k^T (bmm), + the causal mask, _safe_softmax, out = probs v (bmm), cast back.
+    Saved for backward: the scaled q (by the first bmm), the scaled, expanded k (H heads), v (by the
+    second bmm: the expanded fp32 copy under GQA; else its fp32 copy, or v itself when fp32) and the
+    probabilities (softmax's output, fp32 [H, queries, keys]). Not the output nor a logsumexp: the
+    output projection saves its own copy of the output (c x q_dim, the transposed bmm output made
+    contiguous), as the fused kernel's `out` term counts it. Under context parallelism each query
+    chunk's call reads its keys up to the chunk's end (keys_per_query): its k, v copies are that
+    long; under fp32 without GQA v is a view of the gathered v, all of it kept."""
+    D, q_dim, kv_dim, H, _ = block_shapes(m)
+    gqa = m.num_kv_heads != m.num_heads
+    per_query, per_call = keys_per_query(cp)
+    v_view = not gqa and d.compute == FP32
+    v = FP32 * (q_dim if gqa else kv_dim) * (cp if v_view else per_call)
+    return Terms(tp=d.compute * q_dim + FP32 * (q_dim + q_dim * per_call) + v, per_key=FP32 * H * per_query)
+
+
+def _context_parallel_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
+    """What an attention saves under context parallelism beyond its unsharded form, per local token
+    (parallel/context_parallel.py): its SDPAs save the all-gathered k and v of the whole sequence,
+    cp times the rank's own (which nothing saves); each query chunk's output is its own SDPA's, so
+    the output projection saves their merged copy too (unsharded, it saves a view of SDPA's)."""
+    if cp == 1:
+        return Terms()
+    _, q_dim, kv_dim, _, _ = block_shapes(m)
+    return Terms(tp=d.compute * (2 * kv_dim * (cp - 1) + q_dim))
+
+
+def context_parallel_positions(m: ModelConfig, cp: int, table_bytes: int) -> Terms:
+    """Llama under context parallelism: the RoPE tables' rows of the rank's positions, gathered once
+    per forward (a copy; unsharded, a slice) and saved by every block's RoPE."""
+    if cp == 1 or m.family != "llama":
+        return Terms()
+    return Terms(per_position=2 * (m.dim // m.num_heads) * table_bytes)
+
+
+def context_parallel_mask_bytes(local_len: int, cp: int, compute: int) -> int:
+    """The additive causal masks of a rank's two query chunks, [chunk, end] each, in the queries'
+    dtype, built once and shared by every layer: their ends sum to (2 cp + 1) chunks for every rank."""
+    if cp == 1:
+        return 0
+    chunk = local_len // 2
+    return (2 * cp + 1) * chunk * chunk * compute
+
+
+def attention_backward(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
+    """The attention's backward at its peak, beyond what it saved. Fused: the gradients of q, k, v
+    and out. Math: inside softmax's backward, the gradients of the probabilities (from the second
+    bmm's backward) and of the scores (its output), both fp32 [H, queries, keys], while the fp32
+    gradient of v (expanded under GQA) waits for its own path (its nodes were made earlier, so
+    the engine runs them later)."""
+    _, q_dim, kv_dim, H, _ = block_shapes(m)
+    if not d.math_attention:
+        return Terms(tp=d.compute * (2 * q_dim + 2 * kv_dim))
+    per_query, per_call = keys_per_query(cp)
+    v = q_dim if m.num_kv_heads != m.num_heads else kv_dim
+    return Terms(tp=FP32 * v * per_call, per_key=2 * FP32 * H * per_query)
+
+
+def attention_kept(m: ModelConfig, d: ActDtypes, cp: int, policy: str) -> Terms:
+    """What the selective policies keep of the attention itself (models/checkpoint_policy.py). The fused
+    kernel: its output and fp32 logsumexp. The math kernel is two bmms among the block's matmuls:
+    selective keeps both outputs, the fp32 scores [H, queries, keys] and the fp32 output, and
+    recomputes the mask, the softmax and the casts; selective-alternate counts them as the 4th and
+    5th matmuls (after wq, wk, wv), so it keeps the output only and the block's other matmuls keep
+    their parity (the same projections are kept as with a fused kernel)."""
+    _, q_dim, _, H, _ = block_shapes(m)
+    if not d.math_attention:
+        return Terms(tp=d.compute * q_dim + FP32 * H)
+    scores = Terms(per_key=FP32 * H * keys_per_query(cp)[0]) if policy == "selective" else Terms()
+    return Terms(tp=FP32 * q_dim) + scores

@@ -1,0 +1,126 @@
+"""What one block's backward creates beyond its saved activations, moment by moment (`Transient`): the
+stream's incoming gradient and its cast, the attention's and the MLP's gradients, a checkpointed block's
+recompute tail, the routed experts' gradients; and what the block has freed by its attention's backward.
+memory/step_peak.py combines them with the saved tensors into the backward's moments. Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainfit.config import ModelConfig
+from trainfit.memory.activation_terms import (
+    FP32,
+    ActDtypes,
+    Terms,
+    block_shapes,
+    ffn_consumers,
+    norm_saved,
+    swiglu_saved,
+)
+from trainfit.memory.activations import policy_keeps_shared_output
+from trainfit.memory.attention_activations import attention_backward
+from trainfit.memory.moe_activations import Routing, balanced_routing
+
+
+@dataclass(frozen=True)
+class Transient:
+    """What one block's backward creates beyond its saved activations, by moment."""
+
+    grad_stream: Terms
+    """The incoming gradient of the residual stream."""
+    grad_cast: Terms
+    """Under autocast, its low-precision cast for the block's branch (once the branch's backward runs)."""
+    branch_grad: Terms
+    """The gradient of the MLP's output when its backward starts (and a checkpointed block's
+    recompute with it): the stream's gradient's cast under autocast (an MoE's output is in the
+    stream's dtype: none); with sequence parallelism, its all-gather over the sequence (the
+    reduce-scatter's backward), which frees the local one. It is freed by the output matmul's
+    backward, before the MLP's peak."""
+    attention: Terms
+    """The attention's gradients of q, k, v and out."""
+    mlp_new: Terms
+    """The MLP's intermediate gradients at their peak..."""
+    mlp_freed: Terms
+    """...when this saved forward tensor (activation, or recompute buffer) is already released."""
+    recompute_tail: Terms
+    """What a checkpointed block's recompute holds at its end beyond what it rebuilds. Dense: it
+    stops when the MLP's output matmul saves its inputs (before its kernel runs), inside the MLP's
+    forward, whose input (the norm's output, in the stream's dtype) is still referenced there; under
+    sequence parallelism its all-gathered copy too (under autocast: otherwise the matmuls save
+    them, and they are rebuilt). MoE: the same input, and as the block saves
+    something after its output (the load-balancing loss), the recompute runs to the end: the routed
+    output, the shared experts' output (unless the policy kept it) and their sum exist until it
+    returns."""
+    expert_output: Terms = Terms()
+    """MoE, the largest routed computation (`Routing.busiest` rows): its backward starts with its
+    rows of the layer's output gradient (index_select), their product with the routing weights (the
+    gradient of the w2 output) and with the w2 output (for the routing weights' gradient), each in
+    the dtype of the weighted output (the stream's: the fp32 routing weight promotes it under
+    autocast)..."""
+    expert_output_freed: Terms = Terms()
+    """...when the weighted output, saved by index_add_, is freed (from then on)."""
+    expert_hidden: Terms = Terms()
+    """MoE: its SwiGLU's gradients (as mlp_new - mlp_freed for a dense MLP)."""
+    expert_accumulation: Terms = Terms()
+    """Dropless MoE: what the busiest expert holds while its slice gradients are summed into the
+    stacked weights' (ROUTED_WEIGHT_GRAD_COPIES): the gradient of its w2 input."""
+    expert_input_grad: Terms = Terms()
+    """MoE: the layer input's gradient, summed over the shared experts', the routed experts' (each
+    dropless expert's index_select backward a full-size scatter of its rows) and the router's."""
+
+
+def attention_backward_freed(m: ModelConfig, d: ActDtypes) -> Terms:
+    """What a dense block has freed of what it saved (or its recompute rebuilt) when its attention's
+    backward runs, after its MLP's and output projection's: the MLP's tensors, its norm's, the
+    mid-block residual the norm saved, and the output projection's input. MoE blocks: none counted
+    (their experts' tensors are freed expert by expert, routed_backward_moments)."""
+    if m.num_experts:
+        return Terms()
+    _, q_dim, _, _, _ = block_shapes(m)
+    c = d.compute
+    residual = d.stream * m.dim if m.family == "gpt2" else FP32 * m.dim
+    mlp = 2 * c * m.ffn_dim if m.family == "gpt2" else swiglu_saved(c, m.ffn_dim)
+    return Terms(seq=residual, tp=mlp + c * q_dim) + norm_saved(m, d, ffn_consumers(m))
+
+
+def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | None = None,
+                             sequence_parallel: bool = False, policy: str = "none", cp: int = 1) -> Transient:
+    """Bytes while one block runs its backward, beyond its saved activations (measured on CPU):
+    the MLP's intermediate gradients (SwiGLU: the gradients of the w2 input, of silu out and of
+    w3 out, 3 F, once the w2 input is freed; GELU MLP: the gradients of the GELU output and input,
+    2 F, once the GELU output is freed) or the attention's gradients, plus the stream's gradient.
+    MoE: the largest of the shared experts' SwiGLU and the largest single routed computation
+    (`Routing.busiest`: the busiest dropless expert, or all capacity buffers at once); the experts'
+    backwards run one at a time, so only the largest one's gradients exist at once."""
+    D, q_dim, kv_dim, _, _ = block_shapes(m)
+    c = d.compute
+    # Under autocast the residual add (fp32 + bf16 branch) also casts the gradient for the branch.
+    grad_cast = Terms(seq=c * D if d.autocast else 0)
+    # The MLP's input held by its forward: saved itself (so rebuilt) unless autocast saves its casts.
+    tail = Terms(seq=d.stream * D, gathered=d.stream * D if sequence_parallel else 0) if d.autocast else Terms()
+    expert = {}
+    if m.family == "gpt2":
+        # fp32/16-bit: GELU's backward (its input's and output's gradients, fc2's input freed);
+        # autocast: inside fc2's backward (its input's gradient, before the fp32 cast-back).
+        hidden, grads = m.ffn_dim, 1 if d.autocast else 2
+    elif m.num_experts:
+        # mlp_*: the shared experts' SwiGLU, whose backward runs first; expert_*: the routed ones'.
+        F, busiest = m.expert_ffn_dim, (routing or balanced_routing(m)).busiest
+        hidden, grads = m.num_shared_experts * F, 3
+        # The routed output; with shared experts their sum, and their output unless the policy kept it.
+        shared_output = 0 if policy_keeps_shared_output(m, routing or balanced_routing(m), policy) else c * D
+        tail += Terms(gathered=d.stream * D + (d.stream * D + shared_output if m.num_shared_experts else 0))
+        expert = dict(expert_output=Terms(gathered=3 * d.stream * D * busiest),
+                      expert_output_freed=Terms(gathered=d.stream * D * busiest),
+                      expert_hidden=Terms(gathered=2 * c * F * busiest),
+                      expert_accumulation=Terms(gathered=c * F * busiest),
+                      expert_input_grad=Terms(gathered=d.stream * D))
+    else:
+        hidden, grads = m.ffn_dim, 3
+    split = "gathered" if m.num_experts else "tp"  # an MoE's shared experts are whole on the tp ranks
+    # An MoE's output is in the stream's dtype (its fp32 routing weights promote it): no cast.
+    branch_bytes = d.stream if m.num_experts else c
+    branch_grad = Terms(gathered=branch_bytes * D) if sequence_parallel else Terms() if m.num_experts else grad_cast
+    return Transient(grad_stream=Terms(seq=d.stream * D), grad_cast=grad_cast, branch_grad=branch_grad,
+                     attention=attention_backward(m, d, cp), mlp_new=Terms(**{split: grads * c * hidden}),
+                     mlp_freed=Terms(**{split: c * hidden if grads > 1 else 0}), recompute_tail=tail, **expert)

@@ -1,0 +1,99 @@
+"""One micro-batch's activation sizes on a rank (`MicroBatch`): a block's saved, rebuilt and backward tensors,
+the head's, the loss's and a stage boundary's, from the terms of memory/activations.py and its siblings. They
+depend only on the model, the dtypes and the micro-batch's shape, so `SharedSizes` computes each once for all
+the layouts the planner tries of one model. Torch-free."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from trainfit.config import ModelConfig
+from trainfit.memory.activation_terms import Terms
+from trainfit.memory.activations import block_terms, policy_only_terms
+from trainfit.memory.attention_activations import context_parallel_positions
+from trainfit.memory.backward_transients import Transient, attention_backward_freed, backward_transient_terms
+from trainfit.memory.logits import LossBytes, loss_bytes
+from trainfit.memory.moe_activations import Routing, moe_routing
+from trainfit.memory.run_shape import MicroBatchShape, Precision
+from trainfit.memory.stage_activations import (
+    final_norm_terms,
+    head_weight_pass_pending_terms,
+    stage_boundary_terms,
+    weight_pass_pending_terms,
+)
+from trainfit.models.params import param_counts
+
+
+class MicroBatch(NamedTuple):
+    """One micro-batch's activation bytes that every pipeline rank of a layout has alike: a block's
+    (saved, rebuilt by its recompute, made by its backward: backward_transients.Transient's sizes), the
+    head's and the loss's (on the rank of the last stage), a stage boundary's."""
+
+    routing: Routing | None
+    transient: Transient
+    none: int
+    """A block's saved activations without checkpointing..."""
+    policy: int
+    """...and under the checkpointing policy (the blocks it wraps)."""
+    positions: int
+    final: int
+    loss: LossBytes
+    rebuild: int
+    """What a checkpointed block recomputes in backward."""
+    released: int
+    """Saved by the policy, freed by the recompute."""
+    released_last: int
+    grad_stream: int
+    grad_cast: int
+    branch_grad: int
+    attention: int
+    mlp_new: int
+    mlp_freed: int
+    recompute_tail: int
+    attention_freed: int
+    """The math attention kernel's: what its backward finds freed (attention_backward_freed)."""
+    boundary: int
+    weight_pending: int
+    head_weight_pending: int
+
+
+def _micro_batch(m: ModelConfig, prec: Precision, shape: MicroBatchShape) -> MicroBatch:
+    act, policy, tp, cp = prec.act, shape.policy, shape.tp, shape.cp
+
+    def size(terms: Terms) -> int:
+        return terms.bytes(shape.tokens, shape.seq, tp, shape.sequence_parallel)
+
+    routing = moe_routing(m, shape.tokens, shape.moe_imbalance, shape.ep)
+    none = size(block_terms(m, act, "none", routing, cp, tp))
+    wrapped = size(block_terms(m, act, policy, routing, cp, tp)) if policy != "none" else none
+    t = backward_transient_terms(m, act, routing, shape.sequence_parallel, policy, cp)
+    only = policy_only_terms(m, act, policy, tp, routing, cp)
+    released = size(only.released)
+    return MicroBatch(
+        routing=routing, transient=t, none=none, policy=wrapped,
+        positions=size(context_parallel_positions(m, cp, shape.rope_table_bytes)),
+        final=size(final_norm_terms(m, act, projected=not shape.chunked_loss)), loss=loss_bytes(m, prec, shape),
+        rebuild=none - wrapped + released + size(only.kept), released=released,
+        released_last=size(only.released_last), grad_stream=size(t.grad_stream), grad_cast=size(t.grad_cast),
+        branch_grad=size(t.branch_grad), attention=size(t.attention), mlp_new=size(t.mlp_new),
+        mlp_freed=size(t.mlp_freed), recompute_tail=size(t.recompute_tail),
+        attention_freed=size(attention_backward_freed(m, act)) if act.math_attention else 0,
+        boundary=size(stage_boundary_terms(m, act)), weight_pending=size(weight_pass_pending_terms(m, act)),
+        head_weight_pending=size(head_weight_pass_pending_terms(m, act)))
+
+
+class SharedSizes:
+    """What the memory estimates of one model's layouts share: its parameter counts, and a
+    micro-batch's activation sizes by dtypes and shape (MicroBatchShape), each computed once. The planner's
+    thousands of layouts have a few hundred shapes; pass one SharedSizes to the StageMemory of
+    each (of this model only)."""
+
+    def __init__(self, model: ModelConfig) -> None:
+        self.model = model
+        self.counts = param_counts(model)
+        self._micro_batches: dict[tuple[Precision, MicroBatchShape], MicroBatch] = {}
+
+    def micro_batch(self, prec: Precision, shape: MicroBatchShape) -> MicroBatch:
+        if (prec, shape) not in self._micro_batches:
+            self._micro_batches[prec, shape] = _micro_batch(self.model, prec, shape)
+        return self._micro_batches[prec, shape]

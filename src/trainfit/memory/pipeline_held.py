@@ -1,0 +1,127 @@
+"""What a pipeline schedule holds on one rank: the micro-batches of activations in flight at its peak
+(`micro_batches_in_flight`, per schedule, with the papers each count follows), and what
+torch.distributed.pipelining keeps beyond them (`PipelineHeld`: receive slots, sent tensors, the zero-bubble
+weight pass's pending gradients, the last stage's logits). tests/estimator/test_pipeline_memory.py walks torch's
+own orders against it. Torch-free."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from trainfit.memory.micro_batch import MicroBatch
+from trainfit.memory.run_shape import Run
+from trainfit.parallel.stage_split import SINGLE_STAGE_SCHEDULES, RankPlacement
+
+if TYPE_CHECKING:  # annotations only: rank_layout imports this module
+    from trainfit.memory.rank_layout import RankLayout
+
+
+WEIGHT_PASS_SCHEDULES = frozenset({"interleaved-zero-bubble", "zbv-zero-bubble"})
+"""Schedules whose backward is split into an input pass (I) and a later weight pass (W) at their
+peak (torch's ScheduleDualPipeV splits only its cooldown, after its peak)."""
+
+
+def micro_batches_in_flight(run: Run, stage: int) -> tuple[float, int]:
+    """Micro-batches of activations alive on pipeline rank `stage` at its peak (in units of one
+    micro-batch through all of the rank's blocks), and of the head.
+
+    gpipe runs every forward before any backward: m; looped-bfs too, one local stage after the
+    other (Lamy-Poirier 2023, arXiv 2211.05953). 1F1B (Narayanan et al., arXiv 2104.04473): rank i
+    keeps p - i. Interleaved 1F1B (Megatron's and torch.distributed.pipelining's warm-up): rank i
+    runs (v - 1) p + 2 (p - 1 - i) chunk forwards before its first backward, so keeps that plus
+    one chunk of its v: for rank 0, Korthikanti's L (1 + (p - 1)/(pv)) layers (arXiv 2205.05198,
+    Sec. 4.2.3). Interleaved zero-bubble (torch's): a warm-up of (v - 1) p + (p - 1 - i) chunk
+    forwards plus one, and i micro-batches whose weight gradients wait with their inputs saved:
+    v p chunks, p micro-batches, on every rank. ZB-V (Qi et al., arXiv 2401.10241, Sec. 6): 1F1B's
+    first-rank peak, p, on every rank (the V balances it). DualPipeV: torch's ScheduleDualPipeV
+    order reaches 2p + 1 of the rank's chunks (its two stages) before its first backward, on every
+    rank: p + 1/2 micro-batches (the DeepSeek-V3 report's "PP + 1" counts chunks of a DualPipe
+    device, arXiv 2412.19437, Table 2). Zero-bubble micro-batches whose input pass has run keep
+    their activations (retain_graph) until their weight pass: counted here, as the chunk orders
+    show (tests/estimator/test_pipeline_memory.py walks torch's own orders).
+    """
+    layout = run.layout
+    p, v, m, schedule = layout.pp, layout.pp_virtual_stages, layout.num_microbatches, layout.pp_schedule
+    if p == 1:
+        return 1.0, 1
+    if schedule in ("gpipe", "looped-bfs"):
+        return float(m), m
+    if schedule == "interleaved-1f1b":
+        return min(m * v, (v - 1) * p + 2 * (p - 1 - stage) + 1) / v, 1
+    if schedule in ("interleaved-zero-bubble", "zbv-zero-bubble"):
+        return float(min(p, m)), 1
+    if schedule == "dualpipev":
+        return min(2 * p + 1, 2 * m) / 2, 1
+    return float(min(p - stage, m)), 1
+
+
+class PipelineHeld(NamedTuple):
+    """What torch.distributed.pipelining holds on one pipeline rank beyond its micro-batches' saved
+    activations (bytes; all 0 without pp)."""
+
+    slots: int = 0
+    """Receive slots, all step long and across steps (buffers): stage.py's
+    `_setup_forward_recv_info` allocates, for every non-first stage, one input buffer per
+    micro-batch (`_make_tensor_from_meta`, m of them), and `_create_grad_recv_info` (through
+    `_setup_backward_recv_info(num_microbatches)`) one output-gradient buffer per micro-batch for
+    every non-last stage. Between two stages of one rank (the V schedules) `set_local_fwd_input` /
+    `set_local_bwd_input` replace them with the neighbour's output / input gradient: m each still."""
+    sent: int = 0
+    """Stage outputs and input gradients at the peak that no slot holds (buffers): the outputs of
+    the in-flight micro-batches (`fwd_cache`, until their backward); Schedule1F1B's `send_work`,
+    which keeps its next-to-last warm-up forward's send (and so that output) until the cooldown;
+    Schedule1F1B's last input gradient sent (its `bwd_sends` ops list); the runtime schedules'
+    sent tensors (every schedule but stage_split.SINGLE_STAGE_SCHEDULES: torch runs them through
+    _PipelineScheduleRuntime._step_microbatches, which keeps every SEND_F / SEND_B Work in one
+    `send_ops` list until the step ends), at the end of the
+    activation plateau: every forward sent, and the input gradients of the backwards done. The
+    zero-bubble input pass also stores each input gradient in the input's `.grad`
+    (stage_backward_input) until the next step's clear_runtime_states: the same tensor it sends."""
+    pending: int = 0
+    """Zero-bubble: the gradients the input pass keeps for the weight pass
+    (stage_activations.weight_pass_pending_terms), and on the last stage the head's saved activations,
+    of the micro-batches awaiting their weight pass at the peak (activations)."""
+    logits: int = 0
+    """The last stage's output, the logits ([mb, T, V] in the compute dtype), of one micro-batch:
+    the stage keeps it in `fwd_cache` from its forward, and backward_one_chunk in a local through
+    its backward (logits; counted for every micro-batch in flight)."""
+
+
+def pipeline_held(run: Run, lay: RankLayout, place: RankPlacement, mb: MicroBatch, head_saved: int, logits: int
+                   ) -> PipelineHeld:
+    layout = run.layout
+    if layout.pp == 1:
+        return PipelineHeld()
+    p, v, m, n, schedule = layout.pp, layout.pp_virtual_stages, layout.num_microbatches, layout.num_stages, \
+        layout.pp_schedule
+    stage, boundary, cross_next, cross_prev = place.rank, mb.boundary, place.sends_next, place.sends_prev
+    slots = m * boundary * place.boundaries
+    # Chunks (one micro-batch through one local stage) awaiting their weight pass at the peak, in
+    # torch's orders: interleaved zero-bubble rank i, i + 1; ZB-V, 1; they are the rank's later
+    # stage's (its backward runs first).
+    pending_chunks = 0
+    if schedule in WEIGHT_PASS_SCHEDULES:
+        pending_chunks = min(m, stage + 1 if schedule == "interleaved-zero-bubble" else 1)
+    if schedule not in SINGLE_STAGE_SCHEDULES:  # torch's runtime schedules
+        # At the end of the plateau every forward is done, and every backward (input pass) but
+        # those of the chunks still alive.
+        chunks_alive = lay.in_flight * v
+        backwards_done = max(0.0, m * v - chunks_alive + pending_chunks)
+        sent = (m * cross_next + backwards_done * cross_prev / v) * boundary
+    else:
+        sent = lay.in_flight * cross_next * boundary
+        if schedule == "1f1b" and cross_next and min(m, p - stage) >= 2:
+            sent += boundary
+        if schedule == "1f1b" and m > 1:
+            # Schedule1F1B's `bwd_sends` (the P2P ops of the last backward's send) keeps that input
+            # gradient until the next backward replaces it.
+            sent += cross_prev * boundary
+    pending = 0
+    if pending_chunks:
+        later = place.stages[-1]
+        blocks = layout.pp_layers[later]
+        per_chunk = blocks * mb.weight_pending if later > 0 else 0
+        if later == n - 1:
+            per_chunk += mb.head_weight_pending + head_saved
+        pending = pending_chunks * per_chunk
+    return PipelineHeld(int(slots), int(sent), int(pending), logits if lay.last else 0)

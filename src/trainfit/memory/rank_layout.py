@@ -1,0 +1,160 @@
+"""What one rank of a pipeline stage holds, in element counts after tensor and expert parallelism
+(`RankLayout`): its blocks, which of them the checkpointing policy wraps, its ends (embedding, head), the
+micro-batches in flight; and what every rank of a layout shares (`LayoutCommon`: dtypes, a block's parameters,
+a micro-batch's sizes), computed once per estimate. The inputs of every per-rank term. Torch-free."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from trainfit.memory.comm_buffers import comm_buffer_bytes
+from trainfit.memory.micro_batch import MicroBatch, SharedSizes
+from trainfit.memory.pipeline_held import micro_batches_in_flight
+from trainfit.memory.run_shape import (
+    MicroBatchShape,
+    Precision,
+    Run,
+    assumed_attention_kernel,
+    precision_of,
+    rope_table_bytes,
+)
+from trainfit.models.block_spec import block_linears
+from trainfit.models.params import ParamCounts
+from trainfit.parallel.stage_split import RankPlacement, checkpointed
+from trainfit.perf.fp8_casts import float8_linears
+
+
+class RankLayout(NamedTuple):
+    """What one rank of a pipeline stage holds: element counts after tp and ep."""
+
+    blocks: int
+    policy_blocks: int
+    """Blocks the checkpointing policy wraps (global layer index divisible by ac_every_n_layers)."""
+    last_wrapped: bool
+    first_wrapped: bool
+    in_flight: float
+    """Micro-batches whose activations are alive at the peak (pipeline schedule)."""
+    head_in_flight: int
+    first: bool
+    last: bool
+    block: int
+    block_matmul: int
+    """Weights and biases of a block's Linears (what autocast casts; norms are not cast)."""
+    block_float8: int
+    """fp8-mixed: the elements of block_matmul in float8 Linears (perf/fp8_casts.float8_linears), which
+    autocast does not cast (the weight goes to fp8 in the Linear, the bias to bf16, neither kept) and
+    which FSDP2's float8 all-gather gathers in fp8; 0 otherwise."""
+    block_experts: int
+    """A block's routed-expert weights on the rank (its 1/ep of them): part of block_matmul."""
+    block_no_decay: int
+    mlp_out: int
+    embedding: int
+    head: int
+    """Final norm, plus the output projection unless it is the embedding on this same rank."""
+    output_matmul: int
+    tied_here: bool
+    tensors: int
+    largest_tensor: int
+
+
+class BlockParams(NamedTuple):
+    """A block's parameters on a rank (elements after tp and ep), and what sizes a rank's ends: the
+    same on every pipeline rank of a layout (RankLayout's block_* fields)."""
+
+    params: int
+    matmul: int
+    float8: int
+    experts: int
+    no_decay: int
+    mlp_out: int
+    tensors: int
+    """Parameter tensors of a block."""
+    norm_tensors: int
+    """Of the final norm, and of the embeddings (GPT-2 also has its learned positions)."""
+    vocab: int
+    """The embedding's and the output projection's elements on the rank."""
+    largest: int
+    """The largest tensor but those two."""
+
+
+def _block(run: Run, counts: ParamCounts) -> BlockParams:
+    m, tp, ep = run.model, run.layout.tp, run.layout.ep
+    # Each linear as tensor and expert parallelism split it (models/block_spec.py: an MoE
+    # feed-forward whole on the tp ranks, its routed experts / ep; a row-parallel bias whole); norm
+    # gains stay whole.
+    linears = block_linears(m)
+    matmul = sum(linear.local_params(tp, ep) for linear in linears)
+    mlp = sum(linear.local_params(tp, ep) for linear in linears if linear.path.startswith("feed_forward."))
+    head_dim = m.dim // m.num_heads
+    if m.family == "gpt2":
+        biases, tensors, mlp_out = 4 * m.dim + m.ffn_dim + m.dim, 16, m.dim * m.ffn_dim // tp
+    else:
+        biases = m.dim + 2 * m.num_kv_heads * head_dim if m.qkv_bias else 0
+        tensors = 9 + (3 if m.qkv_bias else 0)  # 2 norms, wq wk wv wo, w1 w2 w3
+        if m.num_experts:
+            tensors += 1 + (3 if m.num_shared_experts else 0)  # router; shared w1 w2 w3
+        mlp_out = mlp // 3
+    experts_local = max(1, m.num_experts // ep) * (m.expert_ffn_dim or 0) * m.dim
+    return BlockParams(
+        params=matmul + counts.norms, matmul=matmul,
+        float8=sum(k * n + b for k, n, b in float8_linears(m).values()) // tp
+        if run.layout.precision == "fp8-mixed" else 0,
+        experts=counts.routed_experts // ep, no_decay=counts.norms + biases // tp, mlp_out=mlp_out, tensors=tensors,
+        norm_tensors=2 if m.family == "gpt2" else 1, vocab=m.vocab_size * m.dim // tp,
+        largest=max(m.dim * m.dim // tp, m.ffn_dim * m.dim // tp, experts_local))
+
+
+def rank_layout(run: Run, common: LayoutCommon, place: RankPlacement) -> RankLayout:
+    m, mem, b = run.model, run.layout, common.block
+    first, last, blocks = place.first, place.last, place.blocks  # blocks: global indices, model order
+    n = mem.ac_every_n_layers
+    policy_blocks = sum(checkpointed(i, n) for i in blocks) if mem.activation_checkpointing != "none" else 0
+    tied_here = first and last and bool(m.tie_embeddings)
+    head = common.counts.final_norm + (0 if tied_here else b.vocab) if last else 0
+    tensors = len(blocks) * b.tensors + b.norm_tensors * first  # + pos embedding (gpt2)
+    tensors += (b.norm_tensors + (0 if tied_here else 1)) * last
+    in_flight, head_in_flight = micro_batches_in_flight(run, place.rank)
+    return RankLayout(
+        blocks=len(blocks), policy_blocks=policy_blocks,
+        last_wrapped=policy_blocks > 0 and checkpointed(blocks[-1], n),
+        first_wrapped=policy_blocks > 0 and checkpointed(blocks[0], n),
+        in_flight=in_flight, head_in_flight=head_in_flight, first=first, last=last,
+        block=b.params, block_matmul=b.matmul, block_experts=b.experts, block_float8=b.float8,
+        block_no_decay=b.no_decay, mlp_out=b.mlp_out, embedding=common.counts.embedding // mem.tp if first else 0,
+        head=head, output_matmul=b.vocab if last else 0, tied_here=tied_here, tensors=tensors,
+        largest_tensor=max(b.vocab if (first or last) else 0, b.largest),
+    )
+
+
+class LayoutCommon(NamedTuple):
+    """What every pipeline rank of a layout shares, computed once per estimate (the planner
+    estimates thousands of layouts of up to 64 ranks each)."""
+
+    counts: ParamCounts
+    prec: Precision
+    fsdp: bool
+    """ZeRO-2/3 and CPU offload are FSDP2 (offload moves the sharded parameters, their gradients
+    and the optimizer to the host together); ZeRO-0 is DDP, ZeRO-1 parallel/zero.py's engine."""
+    tokens: int
+    """Tokens of one micro-batch on the rank (its local sequences)."""
+    seq: int
+    block: BlockParams
+    micro_batch: MicroBatch
+    comm_buffers: int
+    """NCCL's communicator buffers on any rank (memory/comm_buffers.py; 0 on the CPU)."""
+
+
+def layout_common(run: Run, shared: SharedSizes) -> LayoutCommon:
+    layout = run.layout
+    fsdp = layout.data_parallel == "fsdp"
+    prec = precision_of(layout.precision, not layout.autocast)
+    if assumed_attention_kernel(run.model, layout, run.training, run.hardware) == "math":
+        prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, math_attention=True))
+    seq = run.training.seq_len // layout.cp
+    tokens = layout.micro_batch_size * seq
+    shape = MicroBatchShape(tokens, seq, layout.tp, layout.cp, layout.ep, layout.sequence_parallel,
+                   layout.activation_checkpointing, layout.moe_imbalance, layout.chunked_loss, layout.loss_chunk_tokens,
+                   rope_table_bytes(run))
+    return LayoutCommon(shared.counts, prec, fsdp, tokens, seq, _block(run, shared.counts),
+                        shared.micro_batch(prec, shape), comm_buffer_bytes(run.layout, run.hardware))

@@ -1,0 +1,291 @@
+"""A rank's memory at the step's peak moment (`rank_breakdown`): its model states (memory/zero_states.py)
+plus what each moment of the step adds (the end of the forward, the loss, the backward of the stage's last and
+first block, the optimizer step): compute copies, FSDP's gathered parameters and reduce buffers, gradients
+accumulated so far, the activations alive, fp8's backward casts; the largest moment is the peak and each phase's
+largest is kept. The one place that decides what coexists when. Torch-free."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from trainfit.memory.activation_terms import Terms
+from trainfit.memory.activations import shared_experts_saved
+from trainfit.memory.attention_activations import context_parallel_mask_bytes
+from trainfit.memory.breakdown import MemoryBreakdown
+from trainfit.memory.logits import LossBytes
+from trainfit.memory.margin import reserved_margin_terms
+from trainfit.memory.moe_activations import RoutedMoment, routed_backward_moments
+from trainfit.memory.pipeline_held import PipelineHeld
+from trainfit.memory.rank_layout import LayoutCommon, RankLayout
+from trainfit.memory.run_shape import Run, rope_table_bytes
+from trainfit.memory.zero_states import stage_states
+from trainfit.parallel.engine import DDP_GRADIENT_AS_BUCKET_VIEW, FSDP_PREFETCH_BLOCKS, FSDP_REDUCE_BYTES_MIXED
+from trainfit.perf.kernels import float8_gemms
+
+FLOAT8_CAST_BYTES = 9
+"""Bytes per element while torchao 0.18 casts a tensor to fp8, eager (float8_training_tensor.
+_ToFloat8ConstrFunc, float8_utils.to_fp8_saturated): `tensor.to(float32) * scale` (fp32; the bf16
+input's fp32 copy is freed once multiplied), then its clamp (fp32) while the product is still
+referenced, then the fp8 bits of the clamp: 4 + 4 + 1. The amax's abs() (the input's dtype) is freed
+before. The same for tensorwise and rowwise scales (one fp32 per tensor, or per row: negligible)."""
+
+
+FLOAT8_CAST_BYTES_COMPILED = 1
+"""The same cast inside a block compiled by training.compile: inductor fuses its pointwise chain
+(upcast, scale, clamp, fp8 conversion) into one kernel after the amax's reduction, so only its fp8
+output is allocated (perf/fp8_casts.py prices the same fusion's traffic)."""
+
+
+def _float8_backward_bytes(k: int, n: int, tokens: int, casts_weight: bool, cast_bytes: int) -> int:
+    """What one float8 Linear's backward allocates beyond its saved input and incoming gradient, at its
+    largest moment (torchao 0.18, float8_linear.matmul_with_hp_or_float8_args.backward, whose locals
+    live until it returns), for the rank's k -> n shard of it (perf/kernels.float8_gemms): the
+    output gradient cast to fp8 for the input gradient (G8), the weight cast (unless FSDP2 gathered it
+    in fp8), the input gradient (bf16), the output gradient cast again for the weight gradient, the
+    input cast; each cast at `cast_bytes` per element while it runs (FLOAT8_CAST_BYTES eager,
+    FLOAT8_CAST_BYTES_COMPILED compiled, where the kernels free what they no longer need: a bound).
+    Moments: casting the weight, the second output-gradient cast, the input cast. The weight
+    gradient's matmul comes after, with the casts' temporaries freed (bf16 weight gradient: <= what
+    the input cast held)."""
+    w = k * n if casts_weight else 0
+    return max(tokens * n + cast_bytes * w,
+               tokens * (n + 2 * k + cast_bytes * n) + w,
+               tokens * (2 * n + 2 * k + cast_bytes * k) + w)
+
+
+def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[[PipelineHeld], MemoryBreakdown]:
+    """A rank's breakdown, a pure function of what the ranks share and of its own (lay, pipe), as a
+    function of what its pipeline schedule holds (pipe): ranks of one RankLayout share all the rest."""
+    st = stage_states(run, common, lay)
+    mb, prec, act, tp = common.micro_batch, st.prec, st.prec.act, run.layout.tp
+    policy = run.layout.activation_checkpointing
+
+    def size(terms: Terms) -> int:
+        return terms.bytes(st.tokens, st.seq, tp, run.layout.sequence_parallel)
+
+    # ---- activations of one micro-batch
+    routing, transient, a_none, a_policy, rebuild = mb.routing, mb.transient, mb.none, mb.policy, mb.rebuild
+    none_blocks = lay.blocks - lay.policy_blocks
+    a_blocks = none_blocks * a_none + lay.policy_blocks * a_policy + mb.positions
+    chunked = run.layout.chunked_loss
+    a_final = mb.final if lay.last else 0
+    loss = mb.loss if lay.last else LossBytes(0, 0, 0, 0)
+
+    # ---- compute copies, communication and module buffers
+    c = prec.compute
+    cast_block = c * (lay.block_matmul - lay.block_float8) if act.autocast else 0
+    cast_head = c * lay.output_matmul if act.autocast else 0  # fp8-mixed: the output projection stays bf16
+    # FSDP2 float8 all-gather: a block's float8 weights are gathered (and kept) in fp8, 1 byte each.
+    fp8_gathered = lay.block_float8 * (c - 1) if run.layout.fp8_gathers else 0
+    # ZeRO-2, and ZeRO-3 under a split-backward schedule (train/parallelize.py): reshard_after_forward=False
+    kept_unsharded = st.fsdp and (run.layout.zero_stage == 2 or run.layout.splits_backward)
+    held = c * st.params - lay.blocks * fp8_gathered if kept_unsharded else 0
+    # ZeRO-3: FSDP2 never reshards the root (embeddings, final norm, output); every block reshards
+    # after its forward, so blocks are gathered only while one runs (with its prefetched neighbour).
+    zero3 = st.fsdp and not kept_unsharded
+    root_gather = c * (lay.embedding + lay.head) if zero3 else 0
+    block_gather = c * lay.block - fp8_gathered if zero3 else 0
+    reduce = (FSDP_REDUCE_BYTES_MIXED if prec.mixed else prec.param) if st.fsdp else 0
+    # Context parallelism's causal masks, and Llama's RoPE cos/sin tables
+    persistent_buffers = context_parallel_mask_bytes(st.seq, run.layout.cp, act.compute)
+    if run.model.family == "llama":
+        head_dim = run.model.dim // run.model.num_heads
+        persistent_buffers += 2 * run.model.max_seq_len * head_dim * rope_table_bytes(run)
+    kind = run.layout.data_parallel
+    if kind == "ddp" and not DDP_GRADIENT_AS_BUCKET_VIEW:
+        persistent_buffers += st.grads  # DDP's gradient buckets, beside the gradients
+    # (and the pipeline's receive slots, all step long; the forward and backward buffers: its sends)
+    fwd_buffers = persistent_buffers + root_gather
+    # FSDP's unsharded gradients of the root (output projection, final norm; a tied embedding's
+    # too), reduce-scattered when the backward ends; a block's own are in in_backward below.
+    root_grads = lay.head + (lay.embedding if lay.tied_here else 0)
+    bwd_buffers = persistent_buffers + root_gather + (c * root_grads if st.fsdp else 0)
+    # ZeRO-3 in a block's backward: the block gathered, and the next one prefetched unless this is
+    # the first block (the last to run); FSDP2 also holds the previous block's reduce-scatter input
+    # until it issues the next one.
+    last_comms = block_gather * (1 + FSDP_PREFETCH_BLOCKS)
+    first_comms = block_gather + (reduce * lay.block if st.fsdp and lay.blocks > 1 else 0)
+    # FSDP under a pipeline schedule: torch's stage runs every backward with gradient sync and
+    # resharding after backward off (stage.py backward_maybe_with_nosync) and reduce-scatters once,
+    # after the step's last micro-batch (perform_reduce_grad). Each unit's gradients accumulate
+    # unsharded in the reduce dtype (FSDP2's unsharded_accumulated_grad) from its first backward,
+    # and its parameters stay gathered after each backward until its next forward reshards them.
+    pp_fsdp = st.fsdp and run.layout.pp > 1
+    if pp_fsdp:
+        first_comms = c * lay.blocks * lay.block if zero3 else 0  # every block backwarded: still gathered
+
+    # ---- gradients present before this micro-batch's backward: accumulation or pipelining
+    m = run.layout.num_microbatches
+    accumulating = run.layout.grad_accum_steps > 1 if run.layout.pp == 1 else m > lay.in_flight
+    # Gradients that are buckets (DDP's gradient_as_bucket_view, ZeRO-1's buffers) exist from the
+    # step's start; autograd's gradient is moved into its bucket as soon as it is made, so nothing
+    # else of a parameter's gradient outlives its own backward.
+    bucketed = kind == "zero1" or (kind == "ddp" and DDP_GRADIENT_AS_BUCKET_VIEW)
+    before = st.grads if accumulating or bucketed else 0
+    # FSDP under a pipeline schedule: no sharded gradient exists before the step's reduce-scatter;
+    # the accumulated unsharded ones do, those of the blocks already backwarded in this micro-batch,
+    # or of all of them once a micro-batch is done: the parameters' own `.grad` (grads) when they
+    # are in the reduce dtype, else FSDP2's reduce-dtype copy (buffers, as its other staging).
+    accumulated = reduce * st.params if pp_fsdp and accumulating else 0
+    if pp_fsdp:
+        before = 0 if prec.mixed else accumulated
+        if prec.mixed:
+            fwd_buffers += accumulated
+            bwd_buffers += accumulated
+    # Bytes per element of the gradients autograd makes (the module's parameters' dtype) and of
+    # those held in `.grad` until the step (none beyond the buckets when bucketed).
+    autograd_bytes = c if st.fsdp or kind == "zero1" else st.grads / st.params if st.params else 0
+    per_param = 0 if bucketed else st.grads / st.params if st.params else 0
+    # A tied weight's gradient stays in autograd's accumulation buffer until the embedding's
+    # backward adds its share (FSDP2 reduces it as an unsharded gradient, in bwd_buffers).
+    tied_pending = int(lay.embedding * autograd_bytes) if lay.tied_here and not st.fsdp else 0
+    # Sharded gradients (FSDP) exist once reduce-scattered: the root's after the whole backward.
+    output_grads = 0 if st.fsdp or bucketed else int(root_grads * per_param) - tied_pending
+    later = st.params - lay.block - (0 if lay.tied_here else lay.embedding) - (root_grads if st.fsdp else 0)
+    later_grads = 0 if bucketed else int(later * per_param) - tied_pending
+    if pp_fsdp and not accumulating:
+        if prec.mixed:
+            first_comms += reduce * (later + root_grads)
+        else:
+            later_grads = reduce * (later + root_grads)
+    # The MLP's output matmul (w2 / fc2) has its weight gradient by the MLP's backward peak: in
+    # .grad after SwiGLU's w2 (under FSDP an unsharded gradient, until the block's reduce-scatter);
+    # GELU's peak is inside fc2's backward, where under autocast the 16-bit weight gradient is not
+    # yet cast and accumulated. Bucketed, the peak is w2's own backward: its weight gradient, just
+    # made (an activation gradient until the bucket's hook takes it), beside its input's gradient.
+    w2_in_flight = run.model.family == "gpt2" and act.autocast
+    w2 = (0, 0, c * lay.mlp_out) if w2_in_flight else (0, c * lay.mlp_out, 0) if st.fsdp else \
+        (0, 0, int(autograd_bytes * lay.mlp_out)) if bucketed else (int(lay.mlp_out * per_param), 0, 0)
+    # MoE: the shared experts' backward runs first (mlp_* of `transient`; their w2 for w2), then the
+    # routed experts' (moe_activations.routed_backward_moments); the routed output is in the stream's
+    # dtype, so no grad_cast then.
+    routed_moments: list[RoutedMoment] = []
+    shared_kept = shared_rebuilt = 0
+    if routing is not None:
+        m = run.model
+        shared_w2 = m.num_shared_experts * m.expert_ffn_dim * m.dim
+        w2 = (0, c * shared_w2, 0) if st.fsdp else (0, 0, int(autograd_bytes * shared_w2)) if bucketed else \
+            (int(shared_w2 * per_param), 0, 0)
+        routed_moments = routed_backward_moments(
+            m, act, transient, routing, size, expert_weight=common.counts.routed_experts // 3 // run.layout.ep,
+            grad_bytes=c if st.fsdp else autograd_bytes, num_local_experts=m.num_experts // run.layout.ep,
+            policy=policy)
+        shared_kept, shared_rebuilt = (size(t) for t in shared_experts_saved(m, act, policy))
+
+    def routed(done: int) -> tuple[int, int]:
+        """(grads, buffers) of `done` gradient elements (FSDP: unsharded compute copies, buffers)."""
+        return (0, c * done) if st.fsdp else (int(done * per_param), 0)
+
+    # fp8-mixed: the largest float8 backward's own allocations (_float8_backward_bytes), at the start
+    # of the block's backward (its saved activations all there): the MLP's output Linear (w2) or the
+    # attention's (wo), the first of each branch to run backward. MoE: wo and the shared experts' w2.
+    # Their incoming gradient is the branch's: with sequence parallelism the all-gathered one.
+    float8 = {g.name: g for g in float8_gemms(run.model, run.layout)} if lay.block_float8 else {}
+    cast_bytes = FLOAT8_CAST_BYTES_COMPILED if run.layout.compile else FLOAT8_CAST_BYTES
+    fp8_backward = max((_float8_backward_bytes(float8[name].k, float8[name].n, st.tokens, not run.layout.fp8_gathers,
+                                               cast_bytes) for name in ("w2", "wo", "shared_w2") if name in float8),
+                       default=0)
+
+    def in_backward(wrapped: bool) -> tuple[int, int, int, int]:
+        """(grads, buffers, activations, 16-bit casts) a block adds at its backward's peak.
+        Unwrapped: its saved activations with the attention's or the MLP's gradients. Checkpointed:
+        the recompute just done, or the MLP's gradients (by the attention's turn the MLP's recompute
+        is freed). MoE: or a moment of the routed experts' backward."""
+        # With sequence parallelism the branch's cast is all-gathered (branch_grad) and freed.
+        stream, cast = mb.grad_stream + tied_pending, 0 if run.layout.sequence_parallel else mb.grad_cast
+        incoming = mb.branch_grad if run.layout.sequence_parallel else cast  # a branch's output gradient
+        # The math attention kernel's backward (S²-sized gradients) comes after the MLP's and the
+        # output projection's, whose saved (or rebuilt) tensors are freed by then.
+        freed = mb.attention_freed
+        attention = (w2[0], w2[1], a_none - freed + stream + cast + mb.attention, 0)
+        if not wrapped:
+            mlp = mb.mlp_new - mb.mlp_freed
+            fused_attention = 0 if act.math_attention else mb.attention
+            moments = [(w2[0], w2[1], a_none + stream + cast + max(fused_attention, mlp + w2[2]), 0)]
+            moments += [attention] if act.math_attention else []
+            if fp8_backward:  # before any of the block's weight gradients exists
+                moments.append((0, 0, a_none + stream + incoming + fp8_backward, 0))
+            for r in routed_moments:
+                acts = a_none - shared_kept - shared_rebuilt - r.freed + stream + r.added
+                moments.append((*routed(r.done), acts, -r.uncast))
+            return max(moments, key=sum)
+        kept = a_policy - mb.released + stream
+        recomputed = (0, rebuild + mb.recompute_tail, kept + mb.branch_grad + mb.released_last, 0)
+        mlp_moment = (w2[0], w2[1] + rebuild - mb.mlp_freed, kept + cast + mb.mlp_new + w2[2], 0)
+        moments = [recomputed, mlp_moment]
+        if fp8_backward:
+            moments.append((0, rebuild, kept + incoming + fp8_backward, 0))
+        if act.math_attention:  # the kept tensors and the recompute's, less what the MLP's backward freed
+            moments.append((w2[0], w2[1] + max(0, rebuild - freed), kept + cast + mb.attention, 0))
+        for r in routed_moments:
+            grads, buffers = routed(r.done)
+            acts = kept - shared_kept + r.added - r.freed_kept
+            moments.append((grads, buffers + rebuild - shared_rebuilt - (r.freed - r.freed_kept), acts, -r.uncast))
+        return max(moments, key=sum)
+
+    last_grads, last_buffers, last_acts, last_casts = in_backward(lay.last_wrapped)
+    first_grads, first_buffers, first_acts, first_casts = in_backward(lay.first_wrapped)
+
+    head_grad = 0
+    if bucketed and lay.last and not chunked:
+        head_grad = int(autograd_bytes * lay.output_matmul) + (c * lay.output_matmul if act.autocast else 0)
+
+    n_if, h_if = lay.in_flight, lay.head_in_flight
+    older_own = (n_if - 1) * a_blocks + (h_if - 1) * a_final  # other micro-batches in flight
+    # Autocast caches one cast per parameter for its whole block, and a pipeline step runs every
+    # micro-batch in one (Trainer.pipeline_forward_backward): the other micro-batches add none.
+    # Its backward runs inside the block too, where one process's runs after it: every cast stays.
+    saved_casts = none_blocks * cast_block + cast_head
+    all_casts, pipelined = lay.blocks * cast_block + cast_head, run.layout.pp > 1
+    states = st.persistent + st.optimizer + st.compute_params
+
+    def with_pipeline(pipe: PipelineHeld) -> MemoryBreakdown:
+        older = older_own + pipe.pending
+        # The pipeline's last stage holds each in-flight micro-batch's logits (the current one's
+        # through its backward too), where one process frees them once the loss is computed, and what
+        # its loss saved (the loss region's: logits).
+        older_logits, own_logits = (h_if - 1) * (pipe.logits + loss.saved), pipe.logits
+        # The chunked loss holds the output through its own backward (one process: only then).
+        loss_bwd = loss.backward + (loss.output if loss.keeps_output and not own_logits else 0)
+        fwd, bwd = fwd_buffers + pipe.slots + pipe.sent, bwd_buffers + pipe.slots + pipe.sent
+        acts = older + a_blocks + a_final
+        moments = [  # (phase, params: compute copies, activations, logits, grads, buffers)
+            # End of the model's forward: autocast's cache still holds checkpointed blocks' casts.
+            ("forward", held + all_casts, acts, older_logits + loss.output, before, fwd),
+            ("forward", held + saved_casts, acts, older_logits + loss.forward, before, fwd),
+            ("backward", held + saved_casts, acts, older_logits + own_logits + loss_bwd, before, fwd),
+            # Bucketed gradients: the output projection's backward, its weight gradient just made
+            # (under autocast also its 16-bit form) beside the logits' gradient in the compute dtype,
+            # until the bucket's hook takes it (a large vocabulary makes this the backward's peak).
+            *([("backward", held + saved_casts, acts + head_grad, older_logits + max(own_logits, loss.output),
+                before, fwd)] if head_grad else []),
+            ("backward", held + (all_casts if pipelined else saved_casts - cast_head
+                                 + (cast_block if lay.last_wrapped else 0)) + last_casts,
+             older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, older_logits + own_logits,
+             max(before, output_grads + last_grads), bwd + last_comms + last_buffers),
+            # (under a pipeline schedule FSDP keeps every backwarded block gathered: all of them, held)
+            ("backward", (held if pp_fsdp else c * (lay.block + lay.embedding + lay.head) if held else 0)
+             + (all_casts if pipelined else cast_block) + first_casts,
+             older + first_acts, older_logits + own_logits, max(before, later_grads) + first_grads,
+             bwd + first_comms + first_buffers),
+            # The step: every gradient (ZeRO-1's master gradients too) and the optimizer's temporaries.
+            ("optimizer", 0, 0, 0, st.grads + st.master_grads, persistent_buffers + pipe.slots + st.optimizer_temp),
+        ]
+        phase_peaks: dict[str, int] = {}
+        at, peak = moments[0], -1
+        for moment in moments:
+            total = states + int(sum(moment[1:]))
+            phase_peaks[moment[0]] = max(phase_peaks.get(moment[0], 0), total)
+            if total > peak:
+                at, peak = moment, total
+        phase, copies, activations, logits, grads, buffers = at
+        terms = reserved_margin_terms(run.hardware, peak, common.comm_buffers)
+        return MemoryBreakdown(
+            params=int(copies) + st.compute_params + (0 if prec.mixed else st.persistent),
+            master_params=st.persistent if prec.mixed else 0,
+            grads=int(grads), optimizer=st.optimizer, activations=int(activations), logits=int(logits),
+            buffers=int(buffers), peak=peak, peak_phase=phase, reserved_margin=sum(terms.values()), margin_terms=terms,
+            phase_peaks=phase_peaks,
+        )
+
+    return with_pipeline

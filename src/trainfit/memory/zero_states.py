@@ -1,0 +1,87 @@
+"""A rank's model states per data-parallel engine: parameters, gradients, master weights and optimizer
+states under DDP (ZeRO-0), parallel/zero.py's ZeRO-1 and FSDP2 (ZeRO-2/3, CPU offload), in each precision
+(parallel/data_parallel.py's table of model-state forms). What is resident all step long, before the step's
+moments add what comes and goes (memory/step_peak.py). Torch-free."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from trainfit.memory.activation_terms import FP32
+from trainfit.memory.optimizer_memory import (
+    PER_TENSOR_OPTIMIZERS,
+    largest_sharded_group,
+    matrix_shapes,
+    on_zero_shard,
+    optimizer_bytes,
+    optimizer_step_temporaries,
+)
+from trainfit.memory.rank_layout import LayoutCommon, RankLayout
+from trainfit.memory.run_shape import Precision, Run
+
+
+class StageStates(NamedTuple):
+    """Everything one rank of a stage holds, before picking the peak moment."""
+
+    lay: RankLayout
+    prec: Precision
+    params: int
+    """Parameters (elements) on the rank before ZeRO sharding."""
+    persistent: int
+    """Bytes of the parameters the optimizer updates, resident on the device."""
+    grads: int
+    """Bytes of all resident gradients (ZeRO-1: its flat buffers)."""
+    optimizer: int
+    optimizer_temp: int
+    fsdp: bool
+    tokens: int
+    seq: int
+    compute_params: int = 0
+    """ZeRO-1 under *-mixed: the replicated 16-bit parameters beside the fp32 master shards."""
+    master_grads: int = 0
+    """ZeRO-1: its master shards' gradients in the master dtype, from the reduce-scatter to the end
+    of the step, when the buffers hold another dtype (else views of the buffers)."""
+
+
+def stage_states(run: Run, common: LayoutCommon, lay: RankLayout) -> StageStates:
+    prec, fsdp, counts = common.prec, common.fsdp, common.counts
+    if run.layout.data_parallel == "zero1":
+        return _zero1_stage(run, common, lay)
+    offload = run.layout.offload != "none"
+    n = lay.blocks * lay.block + lay.embedding + lay.head
+    no_decay = lay.blocks * lay.block_no_decay + (counts.final_norm if lay.last else 0)
+    param_shards = run.layout.zero_shards if fsdp else 1
+    state_shards = run.layout.zero_shards if run.layout.zero_stage >= 1 else 1
+    experts, ep = lay.blocks * lay.block_experts, run.layout.ep
+    resident = 0 if offload else on_zero_shard(n, experts, param_shards, ep) * prec.param
+    matrices = matrix_shapes(run, lay, state_shards) if run.optimizer.name in PER_TENSOR_OPTIMIZERS else []
+    optimizer = 0 if offload else optimizer_bytes(run.optimizer.name, prec, on_zero_shard(n, experts, state_shards, ep),
+                                                   lay.tensors, no_decay // state_shards, matrices)
+    temp = 0 if offload else optimizer_step_temporaries(
+        run, prec, largest_sharded_group(run, lay, n - no_decay, experts, state_shards), lay.largest_tensor, matrices)
+    return StageStates(lay, prec, n, resident, resident, optimizer, temp, fsdp, common.tokens, common.seq)
+
+
+def _zero1_stage(run: Run, common: LayoutCommon, lay: RankLayout) -> StageStates:
+    """ZeRO-1 (parallel/zero.py): parameters in the compute dtype, whole on every rank (2Ψ under
+    *-mixed); flat gradient buffers in their dtype or fp32 (2Ψ or 4Ψ); master weights (fp32 under
+    *-mixed, 4Ψ/N; otherwise the parameters' own rows) and optimizer states over N = dp_shard.
+    Sharded terms are exact when N divides every dim 0 (the engine pads chunks to ceil(rows / N)).
+    Its reduce-scatter and all-gather run in place in the gradient buffers: no bucket temporaries."""
+    prec = common.prec
+    n = lay.blocks * lay.block + lay.embedding + lay.head
+    no_decay = lay.blocks * lay.block_no_decay + (common.counts.final_norm if lay.last else 0)
+    shards = run.layout.zero_shards
+    c = prec.act.compute  # the parameters' dtype: 16-bit under *-mixed and bf16-pure, else fp32
+    grad = FP32 if run.layout.grad_accum_dtype == "fp32" else c
+    master = prec.param  # fp32 masters under *-mixed; the parameters themselves otherwise
+    params = n * c
+    on_shard = on_zero_shard(n, lay.blocks * lay.block_experts, shards, run.layout.ep)
+    matrices = matrix_shapes(run, lay, shards) if run.optimizer.name in PER_TENSOR_OPTIMIZERS else []
+    persistent = on_shard * master if prec.mixed else params
+    return StageStates(lay, prec, n, persistent, n * grad,
+                  optimizer_bytes(run.optimizer.name, prec, on_shard, lay.tensors, no_decay // shards, matrices),
+                  optimizer_step_temporaries(run, prec, (n - no_decay) // shards, lay.largest_tensor // shards,
+                                              matrices),
+                  False, common.tokens, common.seq, compute_params=params if prec.mixed else 0,
+                  master_grads=on_shard * master if grad != master else 0)
