@@ -6,8 +6,9 @@ the trainer's optimizer, its buffers and master shards fake tensors too), on tor
 built-in "fake" process group of the layout's world size as rank 0, materializes it under
 `FakeTensorMode` (shapes and dtypes, no data: no weight memory whatever the model size, ties kept
 by the model's own init), builds the trainer's optimizer, LR schedule and loss scaler, creates the
-optimizer states (one optimizer step on zero gradients) and traces `Trainer.train_step` itself:
-forward + loss per micro-batch, backward, unscale / clip / optimizer step / zero_grad.
+optimizer states (one optimizer step on zero gradients) and traces the trainer's step itself
+(train/step.TrainStep): forward + loss per micro-batch, backward, unscale / clip / optimizer step /
+zero_grad.
 
 The tracer is memory/ledger.py's `StorageLedger`, which attributes every storage to a component.
 
@@ -73,7 +74,7 @@ from trainfit.parallel.pipeline import PipelineStep
 from trainfit.precision import precision_policy
 from trainfit.train.build import build_parallel_model
 from trainfit.train.distributed import World, trainable
-from trainfit.train.trainer import StepParts, Trainer
+from trainfit.train.step import TrainStep
 
 
 @dataclass
@@ -184,9 +185,9 @@ class _TakenStepScaler:
         return optimizer.step(*args, **kwargs)
 
 
-class _TracedTrainer(Trainer):
-    """Trainer's own step around a model built here (Trainer(parts=...)); only the loss scaler
-    is wrapped (build_grad_scaler), so the traced step is the trained one."""
+class _TracedStep(TrainStep):
+    """The trainer's own step (train/step.py) around a model built here; only the loss scaler is
+    wrapped (build_grad_scaler), so the traced step is the trained one."""
 
     def build_grad_scaler(self) -> Any:
         scaler = super().build_grad_scaler()
@@ -231,21 +232,21 @@ def _two_micro_batches_at_most(layout: Layout) -> Layout:
     return dataclasses.replace(layout, grad_accum_steps=2, num_microbatches=2)
 
 
-def _create_optimizer_states(trainer: Trainer) -> None:
+def _create_optimizer_states(step: TrainStep) -> None:
     """The warm-up: one optimizer step on zero gradients creates the states an optimizer makes
     lazily (data_parallel.init_optimizer_states). Not a whole train_step: DDP rebuilds its buckets
     at the second iteration's forward, broadcasting bucket indices from a tensor's data, which fake
     tensors do not have; its first iteration allocates the same buckets."""
-    init_optimizer_states(trainer.model, trainer.optimizer)
+    init_optimizer_states(step.model, step.optimizer)
 
 
-def _state_counter(trainer: Trainer, out: dict[str, int]) -> Any:
+def _state_counter(step: TrainStep, out: dict[str, int]) -> Any:
     """A step listener filling `out` with the model states at the 'update' moment, as a measured
     step counts them (memory/attribution.py)."""
 
     def listen(moment: str) -> None:
         if moment == "update":
-            out.update(local_state_bytes(trainer.model, trainer.optimizer))
+            out.update(local_state_bytes(step.model, step.optimizer))
 
     return listen
 
@@ -395,7 +396,7 @@ def _trace_rank(cfg: Config, layout: Layout, rank: int) -> _RankTrace:
             world.attach_mesh(build_mesh(layout, "cpu"))
         mesh = world.mesh
         built = build_parallel_model(cfg, layout, mesh, policy)  # the trainer's own build
-        model, num_params = built.model, built.num_params
+        model = built.model
         if layout.ep > 1 and not cfg.model.capacity_factor:
             _modeled_expert_routes(model, cfg, layout)
         if hasattr(model, "register_comm_hook"):  # DDP (replicate), zero_stage 0 and 1
@@ -410,28 +411,27 @@ def _trace_rank(cfg: Config, layout: Layout, rank: int) -> _RankTrace:
                                             layout.moe_imbalance))
             materialize(model, "cpu")
             batches = _FakeBatches(rows, seq_len)
-            trainer = _TracedTrainer(cfg, layout, world, parts=StepParts(model, num_params, batches,
-                                                                          _target_device_type(cfg)))
+            step = _TracedStep(cfg, layout, world, policy, model, batches,
+                               optimizer_device_type=_target_device_type(cfg))
             ledger.watch_model(model, split_backward=layout.splits_backward)
             ledger.grad_hooks(list(model.parameters()))
-            if trainer.pipeline is not None:
-                _run_unvoted(trainer.pipeline)
+            if step.pipeline is not None:
+                _run_unvoted(step.pipeline)
                 # A whole step first: the stages' receive buffers, which torch allocates at the
                 # schedule's first step and keeps, exist before the traced one, as in a trained step.
-                trainer.train_step()
+                step()
             else:
-                _create_optimizer_states(trainer)
+                _create_optimizer_states(step)
                 _allocate_unsharded_parameters(model)
             state_bytes: dict[str, int] = {}
-            with trainer.listening(phase_listener(ledger, trainer)), \
-                    trainer.listening(_state_counter(trainer, state_bytes)):
-                ledger.classify(model, trainer.optimizer, policy, others="buffers")
+            with step.listening(phase_listener(ledger, step)), step.listening(_state_counter(step, state_bytes)):
+                ledger.classify(model, step.optimizer, policy, others="buffers")
                 ledger.reset_peak()
-                trainer.train_step()
+                step()
             ledger.recording = ledger.in_loss = False
-            ledger.classify(model, trainer.optimizer, policy)
+            ledger.classify(model, step.optimizer, policy)
             trace = _RankTrace(ledger.breakdown(), ledger.timeline, ledger.peak_module, ledger.op, state_bytes)
-            del trainer, model
+            del step, model
     return trace
 
 

@@ -7,7 +7,7 @@ what it received; those are compared as calls per rank and bytes summed over the
 
 What is compared, by a named rule: the functional collectives (torch.ops._c10d_functional: DTensor's
 and context_parallel.py's) over the ranks of the mesh's tp and cp axes issued inside
-Trainer.forward_backward (forward, loss, backward). Left out, so, and not modelled in comms.py: what
+TrainStep.forward_backward (forward, loss, backward). Left out, so, and not modelled in comms.py: what
 runs after the last backward (the logged loss's all-reduce, clipping's gradient-norm all-reduces and,
 without data parallelism, the sequence-parallel gains' partial gradients, which DTensor all-reduces at
 each use); left out as comms' other purposes: DDP's and FSDP2's collectives, c10d ops (DDP's may run on
@@ -86,7 +86,7 @@ def counted_step(trainer: Trainer) -> Tally:
     Groups are told apart by their ranks, not their names: DTensor's sharding cache compares meshes
     by value, so a later Trainer in the process may run its collectives on an earlier one's groups."""
     log = CollectiveLog()
-    forward_backward = trainer.forward_backward
+    forward_backward = trainer.stepper.forward_backward
 
     def inside(*args: Any, **kwargs: Any) -> torch.Tensor:
         log.inside = True
@@ -95,7 +95,7 @@ def counted_step(trainer: Trainer) -> Tally:
         finally:
             log.inside = False
 
-    trainer.forward_backward = inside
+    trainer.stepper.forward_backward = inside
     with log:
         trainer.train_step()
     mesh = trainer.world.mesh

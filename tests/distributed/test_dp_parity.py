@@ -150,7 +150,7 @@ class DataParallelParity(GlooTestCase):
         """A nan loss on rank 1 only: the loss every rank sees is the global one, so all stop at once."""
         run_dir = self.shared_dir / "nan"
         trainer = Trainer(run_config(run_dir, *DP_BATCH, f"--training.steps={STEPS}", "--parallel.zero_stage=3"))
-        original = trainer._loss
+        original = trainer.stepper.loss
 
         def poisoned(inputs: torch.Tensor, targets: torch.Tensor):
             loss, lm_loss = original(inputs, targets)
@@ -158,7 +158,7 @@ class DataParallelParity(GlooTestCase):
                 return loss * float("nan"), lm_loss * float("nan")
             return loss, lm_loss
 
-        trainer._loss = poisoned
+        trainer.stepper.loss = poisoned
         with self.assertRaisesRegex(TrainingDiverged, "step 3: the loss is nan"):
             trainer.train()
         self.assertFalse((run_dir / "ckpt").exists())  # nothing saved over the last good checkpoint

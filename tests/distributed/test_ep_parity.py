@@ -123,6 +123,6 @@ def _first_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
     accum = trainer.layout.grad_accum_steps
     for i in range(accum):
         inputs, targets = trainer.sampler.next_batch()
-        trainer.forward_backward(inputs, targets, num_microbatches=accum, sync_gradients=i == accum - 1)
+        trainer.stepper.forward_backward(inputs, targets, num_microbatches=accum, sync_gradients=i == accum - 1)
     grads = {canonical_name(name): p.grad for name, p in trainer.model.named_parameters()}
     return {name: g.full_tensor() if isinstance(g, DTensor) else g for name, g in grads.items()}

@@ -16,11 +16,10 @@ from accuracy_grid import LLAMA, join_world
 from _analytic import memory_of
 from _ranks import start_ranks
 from _runs import run_config
-from trainfit.memory.attribution import measure_trainer_step
 from trainfit.memory.breakdown import PHASES
 from trainfit.traced import trace_step
 from trainfit.train.distributed import World
-from trainfit.train.trainer import Trainer, measure_step
+from trainfit.train.trainer import Trainer, measure_step, measure_trainer_step
 
 
 def test_components_add_up_to_the_peak_and_match_the_trainers_own_count(tmp_path: Path) -> None:
@@ -113,7 +112,7 @@ def test_measure_trainer_step_measures_a_trainer_in_place(tmp_path: Path) -> Non
     trainer.train_step()
     m = measure_trainer_step(trainer)
     assert trainer.step == 2 and m.breakdown.peak > 0 and m.world_size == 1
-    assert "_loss" not in vars(trainer) and "unscale_" not in vars(trainer.scaler)  # wrappers removed
+    assert "loss" not in vars(trainer.stepper) and "unscale_" not in vars(trainer.scaler)  # wrappers removed
     assert trainer.train_step().loss > 0  # and it trains on
 
 

@@ -3,7 +3,7 @@ each traced once (traced.py: the trainer's real step on fake tensors, in torch's
 group of the layout's world size, as rank 0 and, under pipeline parallelism, the first rank of every
 stage; no real processes), and three models checked against it:
 
-(a) collectives: every collective the step's forward and backward issue (Trainer.forward_backward,
+(a) collectives: every collective the step's forward and backward issue (TrainStep.forward_backward,
     or pipeline_forward_backward) and ZeRO-1's around the optimizer step (reduce_gradients,
     step_optimizer), as CommDebugMode sees them, equal perf/comms.step_collectives for the layout,
     per (kind, bytes of one call): counts exact, bytes exact. Left out on both sides, as comms.py's
@@ -42,7 +42,7 @@ from trainfit.configure import load_config
 from trainfit.parallel.layout import build_layout
 from trainfit.perf import comms, timing
 from trainfit.traced import TracedEstimate
-from trainfit.train import trainer as trainer_module
+from trainfit.train import step as step_module
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -82,11 +82,11 @@ class Traced:
 
 
 def _trace(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> Traced:
-    """trace_step(cfg), with each traced rank's last train_step counted (a pipeline rank's step
+    """trace_step(cfg), with each traced rank's last step counted (a pipeline rank's step
     runs twice: the first allocates the receive buffers)."""
     calls: list[Counter] = []
     flops: list[int] = []
-    step = traced._TracedTrainer.train_step
+    step = traced._TracedStep.__call__
 
     def counted_step(trainer: Any) -> Any:
         log, counter = CollectiveLog(modules=False), FlopCounterMode(display=False)
@@ -104,8 +104,8 @@ def _trace(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> Traced:
         trainer.forward_backward = counting(trainer.forward_backward)
         trainer.pipeline_forward_backward = counting(trainer.pipeline_forward_backward)
         with monkeypatch.context() as patch:
-            patch.setattr(trainer_module, "reduce_gradients", counting(trainer_module.reduce_gradients))
-            patch.setattr(trainer_module, "step_optimizer", counting(trainer_module.step_optimizer))
+            patch.setattr(step_module, "reduce_gradients", counting(step_module.reduce_gradients))
+            patch.setattr(step_module, "step_optimizer", counting(step_module.step_optimizer))
             with log, counter:
                 out = step(trainer)
         calls.append(log.calls)
@@ -113,10 +113,10 @@ def _trace(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> Traced:
         return out
 
     with monkeypatch.context() as patch:
-        patch.setattr(traced._TracedTrainer, "train_step", counted_step)
+        patch.setattr(traced._TracedStep, "__call__", counted_step)
         patch.setattr(traced, "_fake_allreduce_hook", sync_allreduce_hook)
         estimate = traced.trace_step(cfg)
-    last = len(calls) // len(estimate.per_stage)  # train_steps per traced rank; its last is the traced one
+    last = len(calls) // len(estimate.per_stage)  # steps per traced rank; its last is the traced one
     return Traced(cfg, estimate, calls[last - 1::last], flops[last - 1::last])
 
 

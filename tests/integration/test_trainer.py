@@ -18,6 +18,7 @@ from trainfit.traced import trace_step
 from trainfit.train import checkpoint as ckpt
 from trainfit.train.metrics import ThroughputWindow, read_metrics
 from trainfit.train.optim import lr_at
+from trainfit.train.step import TrainStep
 from trainfit.train.trainer import Trainer, TrainingDiverged
 
 STEPS = 20
@@ -161,19 +162,19 @@ def test_sigterm_then_resume_is_bitwise_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop_after: int,
     uninterrupted: tuple[dict[int, float], dict[str, torch.Tensor]],
 ) -> None:
-    original = Trainer.train_step
+    original = TrainStep.__call__
 
-    def step_then_signal(self: Trainer):  # a real SIGTERM delivered right after step `stop_after`
+    def step_then_signal(self: TrainStep):  # a real SIGTERM delivered right after step `stop_after`
         stats = original(self)
-        if self.step == stop_after:
+        if self.steps_done == stop_after:
             os.kill(os.getpid(), signal.SIGTERM)
         return stats
 
-    monkeypatch.setattr(Trainer, "train_step", step_then_signal)
+    monkeypatch.setattr(TrainStep, "__call__", step_then_signal)
     first = _trainer(tmp_path, "--checkpoint.interval=0").train()
     assert first.stopped_by_signal and first.steps_done == stop_after
     assert ckpt.latest_checkpoint(tmp_path / "ckpt").name == ckpt.step_dir_name(stop_after)
-    monkeypatch.setattr(Trainer, "train_step", original)
+    monkeypatch.setattr(TrainStep, "__call__", original)
 
     second = _trainer(tmp_path, "--checkpoint.interval=0")
     assert second.step == stop_after
@@ -185,15 +186,15 @@ def test_sigterm_then_resume_is_bitwise_exact(
 
 
 def test_nan_loss_stops_without_saving(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    original = Trainer._loss
+    original = TrainStep.loss
 
-    def poisoned(self: Trainer, inputs: torch.Tensor, targets: torch.Tensor):
+    def poisoned(self: TrainStep, inputs: torch.Tensor, targets: torch.Tensor):
         loss, lm_loss = original(self, inputs, targets)
-        if self.step == 4:  # computing step 5
+        if self.steps_done == 4:  # computing step 5
             loss, lm_loss = loss * float("nan"), lm_loss * float("nan")
         return loss, lm_loss
 
-    monkeypatch.setattr(Trainer, "_loss", poisoned)
+    monkeypatch.setattr(TrainStep, "loss", poisoned)
     trainer = _trainer(tmp_path, "--checkpoint.interval=2")
     with pytest.raises(TrainingDiverged, match="step 5: the loss is nan"):
         trainer.train()
@@ -201,24 +202,24 @@ def test_nan_loss_stops_without_saving(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_fp16_skips_steps_with_inf_gradients(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    original = Trainer._loss
+    original = TrainStep.loss
 
-    def overflowing(self: Trainer, inputs: torch.Tensor, targets: torch.Tensor):
+    def overflowing(self: TrainStep, inputs: torch.Tensor, targets: torch.Tensor):
         loss, lm_loss = original(self, inputs, targets)
-        if self.step == 2:
+        if self.steps_done == 2:
             loss = loss * float("inf")
         return loss, lm_loss
 
-    monkeypatch.setattr(Trainer, "_loss", overflowing)
+    monkeypatch.setattr(TrainStep, "loss", overflowing)
     trainer = _trainer(tmp_path, "--precision.mode=fp16-mixed", "--training.steps=5")
     before = {}
-    original_step = Trainer.train_step
+    original_step = TrainStep.__call__
 
-    def snapshot(self: Trainer):
-        before[self.step] = [p.detach().clone() for p in self.model.parameters()]
+    def snapshot(self: TrainStep):
+        before[self.steps_done] = [p.detach().clone() for p in self.model.parameters()]
         return original_step(self)
 
-    monkeypatch.setattr(Trainer, "train_step", snapshot)
+    monkeypatch.setattr(TrainStep, "__call__", snapshot)
     result = trainer.train()
     assert result.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before[2], before[3], strict=True))  # step 3 skipped

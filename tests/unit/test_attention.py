@@ -61,7 +61,7 @@ def _train(tmp_path: Path, backend: str) -> tuple[dict[int, float], set[str], li
     try:
         losses = trainer.train().losses
         inputs, targets = trainer.sampler.next_batch()
-        loss = trainer._loss(inputs, targets)[0]
+        loss = trainer.stepper.loss(inputs, targets)[0]
         with _Ops() as seen:
             loss.backward()
     finally:

@@ -157,3 +157,14 @@ def test_the_schema_is_the_bottom_layer() -> None:
     for module in below_validation:
         config_imports = {t for t in graph[module] if t == "trainfit.config" or t.startswith("trainfit.config.")}
         assert config_imports <= {"trainfit.config.schema"}, f"{module} imports {config_imports}"
+
+
+def test_memory_never_imports_the_trainer() -> None:
+    """The memory meter and the traced estimator run the trainer's step (train/step.py) without
+    knowing the trainer: nothing under memory/ names train.trainer or train.loop, not even for types."""
+    for file in (SRC / PACKAGE / "memory").rglob("*.py"):
+        names = {node.module for node in ast.walk(ast.parse(file.read_text()))
+                 if isinstance(node, ast.ImportFrom) and node.module}
+        names |= {alias.name for node in ast.walk(ast.parse(file.read_text())) if isinstance(node, ast.Import)
+                  for alias in node.names}
+        assert not names & {"trainfit.train.trainer", "trainfit.train.loop"}, file

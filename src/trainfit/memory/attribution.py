@@ -1,7 +1,10 @@
 """Memory of a real training step, measured at the allocator and attributed to components.
 
-`MemoryMeter.measure(trainer)` runs `Trainer.train_step` unchanged (a step listener,
-`Trainer.listening`, marks the phases, as in the traced estimator) and reports, for this rank:
+`MemoryMeter.measure(step)` wraps one training step it did not build: `step` is called once,
+unchanged, while the meter's phase listener, attached to the step's own hooks (`step.listening`,
+the moments of train/step.TrainStep.MOMENTS), marks the phases as in the traced estimator. Who
+built the step and when to meter it is the caller's business (the trainer's loop,
+train/trainer.py); the meter reports, for this rank:
 
 - peak, phase_peaks, the components and the timeline: the tensors. `StorageLedger` (memory/ledger.py),
   run on the real tensors, holds every live storage once with its bytes and its component (the
@@ -28,20 +31,20 @@
   and NCCL's buffers included in the latter.
 - reserved_margin: what was in use before the step and is no tensor (math libraries' caches,
   oneDNN's bf16 kernels and workspaces on CPU, the first dispatch mode's imports, Python and
-  autograd objects): in use at the step's start, above `trainer.memory_floor` (before the model
-  was built), beyond the tensors alive then. `trainfit train` reports it beside the peak
-  (Trainer.measured_step).
+  autograd objects): in use at the step's start, above the meter's `memory_floor` (what was in use
+  before the model was built), beyond the tensors alive then. `trainfit train` reports it beside
+  the peak (Trainer.measured_step).
 - two cross-checks: `forward_retained` (the tensor bytes the first micro-batch's forward + loss
   left alive: what analytic.forward_retained_bytes predicts) and `state_bytes` (the model states
-  counted from the trainer's tensors once every gradient is in, without the ledger,
+  counted from the step's model and optimizer once every gradient is in, without the ledger,
   parallel/data_parallel.local_state_bytes).
 
 The ledger finds parameters, gradients and optimizer states by itself; tensors held elsewhere
 (DDP's gradient buckets, built at the first step and rebuilt at the second, held in C++) it
-knows only if it saw them created. So one meter serves a trainer for its whole life and also
+knows only if it saw them created. So one meter serves a step for its whole life and also
 *watches* steps (`MemoryMeter.watch`: the ledger without allocator sampling): the trainer's loop
-watches its first step and measures its second, as `measure_trainer_step(trainer, warmup_steps=1)`
-does; a tensor created by an unwatched step counts in reserved_margin, not in the peak.
+watches its first step and measures its second; a tensor created by an unwatched step counts in
+reserved_margin, not in the peak.
 
 Under torchrun every rank measures itself; nothing is gathered.
 """
@@ -52,21 +55,21 @@ import contextlib
 import dataclasses
 import gc
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import torch
+from torch import nn
 
 from trainfit.memory import measure
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.ledger import StorageLedger, TimelinePoint, phase_listener, unsharded_component
 from trainfit.parallel.data_parallel import local_state_bytes
 from trainfit.parallel.layout import Layout
-
-if TYPE_CHECKING:  # the trainer builds its meter from this module
-    from trainfit.train.trainer import StepStats, Trainer
+from trainfit.precision import PrecisionPolicy
 
 CUDA_HISTORY = MappingProxyType({"max_entries": 100_000, "stacks": "python"})
 """torch.cuda.memory._record_memory_history's arguments: the last 100,000 allocations and frees, each
@@ -84,7 +87,7 @@ class Measurement:
     forward_retained: int
     """Tensor bytes alive after the first micro-batch's forward + loss, minus before it."""
     state_bytes: dict[str, int] = field(default_factory=dict)
-    """The trainer's own count of params / grads / optimizer bytes after backward."""
+    """The step's own count of params / grads / optimizer bytes after backward."""
     rank: int = 0
     world_size: int = 1
     device: str = "cpu"
@@ -132,34 +135,66 @@ def cuda_history(path: Path | None) -> Iterator[None]:
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
-class MemoryMeter:
-    """One trainer's StorageLedger, kept for the trainer's life and entered only for the steps
-    it watches or measures (see the module docstring); it holds no reference to the trainer."""
+Stats = TypeVar("Stats", covariant=True)
 
-    def __init__(self, device: torch.device, layout: Layout) -> None:
-        self.ledger = StorageLedger(fake=False, unsharded_component=unsharded_component(layout),
-                                    device_type=device.type)
+
+class MeteredStep(Protocol[Stats]):
+    """What the meter wraps: one training step, run by calling it, with its listener hooks.
+    `listening(listener)` calls `listener(moment)` within the block at each moment of the step:
+    "forward" (a micro-batch's forward and loss start), "backward" (its backward starts),
+    "optimizer" (every backward done; gradient reduction, unscaling, clipping start), "update" (the
+    optimizer is about to step). train/step.TrainStep is one; `model`, `optimizer` and `policy`
+    are read to tell the model states apart."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    policy: PrecisionPolicy
+
+    def listening(self, listener: Callable[[str], None]) -> AbstractContextManager[None]: ...
+
+    def __call__(self) -> Stats: ...
+
+
+T = TypeVar("T")
+
+
+class MemoryMeter:
+    """One StorageLedger, kept for the life of the step it meters and entered only for the steps it
+    watches or measures (see the module docstring); it holds no reference to the step between them.
+    `layout`: the step's (how FSDP's unsharded parameters count, whether backward is split); None
+    for a step without one (no sharding, no pipeline). `rank`, `world_size`: recorded in the
+    Measurement. `memory_floor`: bytes in use before the step's model was built, the bottom of
+    reserved_margin."""
+
+    def __init__(self, device: torch.device, layout: Layout | None = None, *, rank: int = 0, world_size: int = 1,
+                 memory_floor: int = 0) -> None:
+        self.device = device
+        self.split_backward = layout is not None and layout.splits_backward
+        self.rank, self.world_size, self.memory_floor = rank, world_size, memory_floor
+        self.ledger = StorageLedger(fake=False, device_type=device.type,
+                                    unsharded_component=unsharded_component(layout) if layout else "buffers")
 
     @contextlib.contextmanager
-    def _watching(self, trainer: Trainer, on_forward: Callable[[str], None] | None = None) -> Iterator[StorageLedger]:
+    def _watching(self, step: MeteredStep[Any],
+                  on_forward: Callable[[str], None] | None = None) -> Iterator[StorageLedger]:
         ledger = self.ledger
-        with ledger, trainer.listening(phase_listener(ledger, trainer, on_forward)):
-            ledger.watch_model(trainer.model, split_backward=trainer.layout.splits_backward)
-            ledger.grad_hooks(list(trainer.model.parameters()))
+        with ledger, step.listening(phase_listener(ledger, step, on_forward)):
+            ledger.watch_model(step.model, split_backward=self.split_backward)
+            ledger.grad_hooks(list(step.model.parameters()))
             try:
                 yield ledger
             finally:
                 ledger.in_loss = False
 
-    def watch(self, trainer: Trainer) -> StepStats:
-        """`trainer.train_step()` with the ledger recording the tensors it creates (~15% slower)."""
-        with self._watching(trainer):
-            return trainer.train_step()
+    def watch(self, step: MeteredStep[T]) -> T:
+        """`step()` with the ledger recording the tensors it creates (~15% slower)."""
+        with self._watching(step):
+            return step()
 
-    def measure(self, trainer: Trainer, *, cuda_snapshot: str | Path | None = None) -> tuple[StepStats, Measurement]:
-        """`trainer.train_step()` measured on this rank: the step's own stats and its measurement.
+    def measure(self, step: MeteredStep[T], *, cuda_snapshot: str | Path | None = None) -> tuple[T, Measurement]:
+        """`step()` measured on this rank: what the step returned and its measurement.
         `cuda_snapshot`: on CUDA, also write the allocator's memory snapshot (pytorch.org/memory_viz)."""
-        device = trainer.device
+        device = self.device
         serial = contextlib.nullcontext() if device.type == "cuda" else measure.collectives_completed()
         if device.type != "cuda":
             measure._prime_dispatch_mode()
@@ -174,59 +209,44 @@ class MemoryMeter:
 
         def count_states(moment: str) -> None:
             if moment == "update":  # every gradient in, unscaled and clipped; the optimizer not yet stepped
-                state_bytes.update(local_state_bytes(trainer.model, trainer.optimizer))
+                state_bytes.update(local_state_bytes(step.model, step.optimizer))
 
         self.ledger.on_sample = probe
         try:
             # CPU: below the ledger, so that it samples after a collective has completed (measure.py).
-            with serial, self._watching(trainer, on_forward) as ledger, trainer.listening(count_states):
-                stats, readings = _sampled_step(trainer, ledger, probe, cuda_snapshot)
-                ledger.classify(trainer.model, trainer.optimizer, trainer.policy)
+            with serial, self._watching(step, on_forward) as ledger, step.listening(count_states):
+                stats, readings = _sampled_step(step, device, ledger, probe, cuda_snapshot)
+                ledger.classify(step.model, step.optimizer, step.policy)
         finally:
             self.ledger.recording, self.ledger.on_sample = False, None
         tensors = self.ledger.breakdown()
         breakdown = dataclasses.replace(
             tensors, non_tensor=max(0, probe.peak - tensors.peak),  # < 0: an unseen older tensor was freed
-            reserved_margin=max(0, probe.start - trainer.memory_floor - probe.base),
+            reserved_margin=max(0, probe.start - self.memory_floor - probe.base),
             reserved_peak=readings.reserved_peak_bytes, device_used=readings.device_used_bytes)
-        timeline, self.ledger.timeline = self.ledger.timeline, []  # not kept alive with the trainer
+        timeline, self.ledger.timeline = self.ledger.timeline, []  # not kept alive with the meter
         return stats, Measurement(breakdown=breakdown, timeline=timeline, peak_module=self.ledger.peak_module,
                                   forward_retained=marks["end"] - marks["start"], state_bytes=state_bytes,
-                                  rank=trainer.world.rank, world_size=trainer.world.size, device=str(device))
+                                  rank=self.rank, world_size=self.world_size, device=str(device))
 
 
-def _sampled_step(trainer: Trainer, ledger: StorageLedger, probe: _Probe,
-                  cuda_snapshot: str | Path | None) -> tuple[StepStats, measure.DeviceReadings]:
-    """One train step with the probe reading the allocator from a clean start (garbage collected,
-    then the collector paused; model states classified; CUDA's peak statistics reset), and the
-    device's readings at its end (None on CPU)."""
-    cuda = trainer.device.type == "cuda"
+def _sampled_step(step: MeteredStep[T], device: torch.device, ledger: StorageLedger, probe: _Probe,
+                  cuda_snapshot: str | Path | None) -> tuple[T, measure.DeviceReadings]:
+    """One step with the probe reading the allocator from a clean start (garbage collected, then
+    the collector paused; model states classified; CUDA's peak statistics reset), and the device's
+    readings at its end (None on CPU)."""
+    cuda = device.type == "cuda"
     gc.collect()
     with measure.gc_paused(), cuda_history(Path(cuda_snapshot) if cuda and cuda_snapshot else None):
-        ledger.classify(trainer.model, trainer.optimizer, trainer.policy, others="buffers")
+        ledger.classify(step.model, step.optimizer, step.policy, others="buffers")
         if cuda:
-            torch.cuda.synchronize(trainer.device)
-            torch.cuda.reset_peak_memory_stats(trainer.device)
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
         probe.begin(ledger)
         ledger.reset_peak()
-        stats = trainer.train_step()
+        stats = step()
         if cuda:
-            torch.cuda.synchronize(trainer.device)
-            probe.peak = max(probe.peak, torch.cuda.max_memory_allocated(trainer.device) - probe.start + probe.base)
-        readings = measure.device_readings(trainer.device)
+            torch.cuda.synchronize(device)
+            probe.peak = max(probe.peak, torch.cuda.max_memory_allocated(device) - probe.start + probe.base)
+        readings = measure.device_readings(device)
     return stats, readings
-
-
-def measure_trainer_step(trainer: Trainer, *, warmup_steps: int = 0,
-                         cuda_snapshot: str | Path | None = None) -> Measurement:
-    """Run `warmup_steps` watched steps, then measure one more `trainer.train_step()` on this rank.
-
-    The trainer must have stepped at least once before the measured step (optimizer states and
-    one-time library buffers would otherwise count): pass warmup_steps=1 to a fresh Trainer.
-    Tensors created during the warm-up, or during earlier `Trainer.watched_step`s, are known to the
-    ledger (DDP's gradient buckets, the loss scaler's state); other such tensors count in
-    reserved_margin, not in the peak.
-    `cuda_snapshot`: on CUDA, also write the allocator's memory snapshot (pytorch.org/memory_viz)."""
-    for _ in range(warmup_steps):
-        trainer.watched_step()
-    return trainer.memory_meter.measure(trainer, cuda_snapshot=cuda_snapshot)[1]

@@ -233,7 +233,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     n_if, h_if = lay.in_flight, lay.head_in_flight
     older_own = (n_if - 1) * a_blocks + (h_if - 1) * a_final  # other micro-batches in flight
     # Autocast caches one cast per parameter for its whole block, and a pipeline step runs every
-    # micro-batch in one (Trainer.pipeline_forward_backward): the other micro-batches add none.
+    # micro-batch in one (TrainStep.pipeline_forward_backward): the other micro-batches add none.
     # Its backward runs inside the block too, where one process's runs after it: every cast stays.
     saved_casts = none_blocks * cast_block + cast_head
     all_casts, pipelined = lay.blocks * cast_block + cast_head, run.layout.pp > 1
