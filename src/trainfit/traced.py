@@ -71,8 +71,7 @@ from trainfit.parallel.expert import Routes
 from trainfit.parallel.layout import Layout, build_layout
 from trainfit.parallel.mesh import build_mesh
 from trainfit.parallel.pipeline import PipelineStep
-from trainfit.precision import precision_policy
-from trainfit.train.build import build_parallel_model
+from trainfit.train.build import build_parallel_model, run_precision
 from trainfit.train.distributed import World, trainable
 from trainfit.train.step import TrainStep
 
@@ -382,8 +381,7 @@ def _trace_rank(cfg: Config, layout: Layout, rank: int) -> _RankTrace:
     pipelined = layout.pp > 1
     if not pipelined:
         layout = _two_micro_batches_at_most(layout)
-    policy = precision_policy(cfg.precision.mode, "cpu", fp8_scaling=cfg.precision.fp8_scaling,
-                              fp8_all_gather=cfg.precision.fp8_all_gather)
+    policy = run_precision(layout, "cpu")
     grouped = layout.needs_process_group
     world_cm = fake_process_group(layout.world_size, rank) if grouped else contextlib.nullcontext()
     rows, seq_len = layout.micro_batch_size, cfg.training.seq_len

@@ -17,7 +17,7 @@ from trainfit.configure import config_to_dict
 from trainfit.models import build_model, count_params
 from trainfit.models.init import canonical_name
 from trainfit.parallel.layout import Layout
-from trainfit.precision import PrecisionPolicy
+from trainfit.precision import PrecisionPolicy, precision_policy
 from trainfit.train import manifest
 from trainfit.train.parallelize import parallelize
 
@@ -30,6 +30,13 @@ class BuiltModel:
     """Parameters of the whole model (every rank's together)."""
     fingerprint: manifest.Fingerprint
     """What this run's checkpoints hold (train/manifest.py): a checkpoint must match it to resume."""
+
+
+def run_precision(layout: Layout, device_type: str) -> PrecisionPolicy:
+    """The run's precision policy, read from the Layout (mode, fp8 scaling, fp8 all-gather) as every
+    estimator reads it: the trainer and the traced estimator both take it here."""
+    return precision_policy(layout.precision, device_type, fp8_scaling=layout.fp8_scaling,
+                            fp8_all_gather=layout.fp8_all_gather)
 
 
 def build_parallel_model(cfg: Config, layout: Layout, mesh: DeviceMesh | None, policy: PrecisionPolicy) -> BuiltModel:

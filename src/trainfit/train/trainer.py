@@ -33,10 +33,9 @@ from trainfit.parallel.layout import Layout, build_layout
 from trainfit.parallel.pipeline import PipelineStep
 from trainfit.parallel.tensor_parallel import uneven_vocabulary
 from trainfit.perf.flops import training_flops_per_token
-from trainfit.precision import precision_policy
 from trainfit.train import checkpoint as ckpt
 from trainfit.train import loop
-from trainfit.train.build import build_parallel_model
+from trainfit.train.build import build_parallel_model, run_precision
 from trainfit.train.data import BatchSampler, TokenData, resolve_data
 from trainfit.train.distributed import World, init_world, run_layout
 from trainfit.train.loop import TrainResult
@@ -72,8 +71,7 @@ class Trainer:
             warnings.warn(message, stacklevel=2)
         self.cfg = cfg
         self.device = self.world.device
-        self.policy = precision_policy(cfg.precision.mode, self.device.type, fp8_scaling=cfg.precision.fp8_scaling,
-                                       fp8_all_gather=cfg.precision.fp8_all_gather)
+        self.policy = run_precision(self.layout, self.device.type)
         self.data = self._load_data()
         if self.data.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
