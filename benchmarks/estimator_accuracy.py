@@ -56,7 +56,7 @@ from accuracy_grid import (  # noqa: E402
 from trainfit.configure import load_config  # noqa: E402
 from trainfit.memory.analytic import estimate_memory  # noqa: E402
 from trainfit.memory.breakdown import MemoryBreakdown  # noqa: E402
-from trainfit.parallel.layout import build_layout  # noqa: E402
+from trainfit.parallel.resolve import build_layout  # noqa: E402
 
 COLUMNS = {  # key: (header, right-aligned)
     "config": ("configuration", False), "ranks": ("ranks", True), "measured": ("measured", True),

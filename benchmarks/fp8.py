@@ -27,7 +27,7 @@ from techniques import tokens_per_s  # beside this script
 from trainfit.config import Config
 from trainfit.configure import load_config
 from trainfit.memory.analytic import estimate_memory
-from trainfit.parallel.layout import build_layout
+from trainfit.parallel.resolve import build_layout
 from trainfit.traced import trace_step
 from trainfit.train.trainer import measure_step
 

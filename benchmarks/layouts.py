@@ -67,7 +67,7 @@ def overrides(run_dir: Path, nproc: int, layout: list[str]) -> list[str]:
 def estimate(cfg) -> tuple[int, int]:
     """(peak, model states once the optimizer is about to step) of the analytic estimate."""
     from trainfit.memory.analytic import estimate_memory, model_states
-    from trainfit.parallel.layout import build_layout
+    from trainfit.parallel.resolve import build_layout
 
     args = (cfg.model, build_layout(cfg), cfg.training, cfg.hardware, cfg.optimizer)
     return estimate_memory(*args).worst.peak, model_states(*args).model_states

@@ -20,7 +20,7 @@ from trainfit.configure import load_config
 from trainfit.memory.analytic import model_states
 from trainfit.models import build_model, materialize
 from trainfit.parallel.data_parallel import local_state_bytes
-from trainfit.parallel.layout import build_layout
+from trainfit.parallel.resolve import build_layout
 from trainfit.train.optim import build_optimizer
 
 VARIANTS = {

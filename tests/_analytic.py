@@ -6,7 +6,8 @@ from __future__ import annotations
 from trainfit.config import Config
 from trainfit.memory import analytic
 from trainfit.memory.breakdown import MemoryBreakdown
-from trainfit.parallel.layout import Layout, build_layout
+from trainfit.parallel.layout import Layout
+from trainfit.parallel.resolve import build_layout
 
 
 def _args(cfg: Config, layout: Layout | None) -> tuple:

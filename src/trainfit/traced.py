@@ -68,9 +68,10 @@ from trainfit.models.moe import GroupedExperts
 from trainfit.models.routing import dropless_loads, expert_parallel_loads
 from trainfit.parallel.data_parallel import init_optimizer_states, local_state_bytes
 from trainfit.parallel.expert import Routes
-from trainfit.parallel.layout import Layout, build_layout
+from trainfit.parallel.layout import Layout
 from trainfit.parallel.mesh import build_mesh
 from trainfit.parallel.pipeline import PipelineStep
+from trainfit.parallel.resolve import build_layout
 from trainfit.train.build import build_parallel_model, run_precision
 from trainfit.train.distributed import World, trainable
 from trainfit.train.step import TrainStep

@@ -9,8 +9,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from _dist import DP_BATCH, fake_world
 from _runs import run_config
-from trainfit.parallel.layout import build_layout
 from trainfit.parallel.mesh import build_mesh, dp_mesh, fsdp_mesh
+from trainfit.parallel.resolve import build_layout
 from trainfit.precision import precision_policy
 from trainfit.train.parallelize import parallelize
 

@@ -10,8 +10,8 @@ from torch.distributed.distributed_c10d import _get_default_group, _world
 from _dist import FourRankGlooTestCase, with_comms
 from trainfit.configure import load_config
 from trainfit.parallel.groups import FLATTENED, mesh_groups, process_groups
-from trainfit.parallel.layout import build_layout
 from trainfit.parallel.mesh import build_mesh, expert_mesh
+from trainfit.parallel.resolve import build_layout
 
 LAYOUTS = [
     ("--parallel.tp=2", "--parallel.zero_stage=3"),  # dp_shard=2 x tp=2

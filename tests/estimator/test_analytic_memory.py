@@ -24,7 +24,7 @@ from trainfit.memory.korthikanti import korthikanti_layer_bytes
 from trainfit.memory.pipeline_held import micro_batches_in_flight
 from trainfit.memory.run_shape import Run
 from trainfit.models.params import param_counts
-from trainfit.parallel.layout import build_layout
+from trainfit.parallel.resolve import build_layout
 
 GB = 1e9
 MIB = 2**20
@@ -36,7 +36,7 @@ def cfg_of(*overrides: str):
 
 def test_the_analytic_path_imports_no_torch():
     code = ("import sys, trainfit.memory.analytic as a, trainfit.configure as c\n"
-            "import trainfit.parallel.layout as l\n"
+            "import trainfit.parallel.resolve as l\n"
             "cfg = c.load_config(None, ['--model.preset=llama3-8b', '--hardware.num_gpus=8',\n"
             "    '--parallel.zero_stage=3', '--training.micro_batch_size=1', '--training.global_batch_size=8'])\n"
             "a.estimate_memory(cfg.model, l.build_layout(cfg), cfg.training, cfg.hardware, cfg.optimizer)\n"

@@ -18,7 +18,8 @@ from _dist import fake_world
 from trainfit.configure import load_config
 from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link, inter_node_link, intra_node_link
 from trainfit.models import build_model, count_params, materialize
-from trainfit.parallel.layout import AXES, build_layout
+from trainfit.parallel.layout import AXES
+from trainfit.parallel.resolve import build_layout
 from trainfit.perf import comms
 from trainfit.perf.timing import Rates
 from trainfit.plan.space import AC_OPTIONS, OFFLOAD_OPTIONS

@@ -39,7 +39,7 @@ from _collectives import CollectiveLog, sync_allreduce_hook
 from trainfit import traced
 from trainfit.config import Config
 from trainfit.configure import load_config
-from trainfit.parallel.layout import build_layout
+from trainfit.parallel.resolve import build_layout
 from trainfit.perf import comms, timing
 from trainfit.traced import TracedEstimate
 from trainfit.train import step as step_module

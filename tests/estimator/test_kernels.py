@@ -23,7 +23,7 @@ from trainfit.hardware_profile import (
     write_profile,
 )
 from trainfit.models import build_model, materialize
-from trainfit.parallel.layout import build_layout
+from trainfit.parallel.resolve import build_layout
 from trainfit.perf import kernels as K
 from trainfit.perf import timing
 from trainfit.train.loss import cross_entropy

@@ -18,7 +18,7 @@ from trainfit.memory.micro_batch import SharedSizes
 from trainfit.memory.pipeline_held import PipelineHeld, micro_batches_in_flight, pipeline_held
 from trainfit.memory.rank_layout import layout_common, rank_layout
 from trainfit.memory.run_shape import Run
-from trainfit.parallel.layout import build_layout
+from trainfit.parallel.resolve import build_layout
 
 MB, T, D, V, F, M = 2, 256, 128, 512, 384, 4
 """accuracy_grid.LLAMA's shape, 2-sequence micro-batches, 4 of them per step."""

@@ -9,7 +9,7 @@ from trainfit.config import ConfigError, ModelConfig
 from trainfit.configure import load_config
 from trainfit.hardware import COMPUTE_EFFICIENCY, peak_flops
 from trainfit.models.params import param_counts
-from trainfit.parallel.layout import build_layout
+from trainfit.parallel.resolve import build_layout
 from trainfit.perf import comms
 from trainfit.perf.timing import bubble_fraction, estimate_perf
 

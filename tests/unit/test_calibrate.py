@@ -43,7 +43,7 @@ from trainfit.hardware_profile import (
     to_toml,
     write_profile,
 )
-from trainfit.parallel.layout import build_layout
+from trainfit.parallel.resolve import build_layout
 from trainfit.perf.comms import collective_time
 from trainfit.perf.kernels import elementwise_bytes
 

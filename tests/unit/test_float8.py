@@ -16,8 +16,8 @@ from _runs import run_config
 from trainfit.config import ConfigError
 from trainfit.float8 import convert_to_float8, float8_notes
 from trainfit.models import build_model
-from trainfit.parallel.layout import build_layout
 from trainfit.parallel.mesh import build_mesh
+from trainfit.parallel.resolve import build_layout
 from trainfit.perf.fp8_casts import DIM_MULTIPLE, float8_linears
 from trainfit.precision import precision_policy
 from trainfit.train.parallelize import parallelize

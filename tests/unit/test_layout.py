@@ -10,7 +10,7 @@ import pytest
 
 from trainfit.config import ConfigError
 from trainfit.configure import load_config
-from trainfit.parallel.layout import build_layout, launch_command, nearest, resolve_world_size
+from trainfit.parallel.resolve import build_layout, launch_command, nearest, resolve_world_size
 from trainfit.parallel.tensor_parallel import uneven_vocabulary
 
 

@@ -14,7 +14,7 @@ import pytest
 from trainfit.config import ConfigError
 from trainfit.configure import load_config, resolve_and_validate
 from trainfit.estimate import estimate
-from trainfit.parallel.layout import GlobalBatch, build_layout
+from trainfit.parallel.resolve import GlobalBatch, build_layout
 from trainfit.plan.explain import versus, winner_toml
 from trainfit.plan.fixes import fewest_changes
 from trainfit.plan.search import SLOWEST_LISTED, frontier, search

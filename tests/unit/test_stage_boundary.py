@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from trainfit.configure import load_config
-from trainfit.parallel.layout import build_layout
 from trainfit.parallel.pipeline import stage_boundary
+from trainfit.parallel.resolve import build_layout
 from trainfit.precision import precision_policy
 
 PP2 = ("--model.preset=debug", "--model.num_layers=4", "--parallel.pp=2", "--training.seq_len=32",

@@ -15,7 +15,8 @@ from trainfit.config import Config
 from trainfit.config.schema import OptimizerName
 from trainfit.configure import load_config
 from trainfit.models.presets import PRESETS
-from trainfit.parallel.layout import Layout, build_layout
+from trainfit.parallel.layout import Layout
+from trainfit.parallel.resolve import build_layout
 from trainfit.plan.search import Plan, search
 from trainfit.traced import trace_step
 

@@ -25,8 +25,8 @@ from trainfit.calibrate.probe import synchronized_median_seconds
 from trainfit.configure import load_config
 from trainfit.hardware_profile import HOST_KINDS
 from trainfit.models import build_model, materialize
-from trainfit.parallel.layout import build_layout
 from trainfit.parallel.mesh import build_mesh
+from trainfit.parallel.resolve import build_layout
 from trainfit.parallel.tensor_parallel import vocabulary_parallel_loss
 from trainfit.precision import precision_policy
 from trainfit.train.parallelize import parallelize

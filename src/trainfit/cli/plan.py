@@ -8,7 +8,7 @@ import sys
 from typing import TextIO
 
 from trainfit.config import Config, ConfigError, check_writable
-from trainfit.parallel.layout import GlobalBatch
+from trainfit.parallel.resolve import GlobalBatch
 
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -47,7 +47,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     _say_derived(batch, out)
     plan = search(cfg, fixed, top=args.top, precisions=precisions, exhaustive=bool(args.plot))
     if not plan.candidates and not plan.stats.groups:
-        from trainfit.parallel.layout import build_layout
+        from trainfit.parallel.resolve import build_layout
 
         build_layout(cfg)  # no layout was even valid: the config's own fields say why (a named error)
     if not plan.candidates:

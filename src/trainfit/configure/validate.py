@@ -1,6 +1,6 @@
 """Every field checked on its own, after the model is filled from its preset; errors name field,
 value and fix. How the fields combine with the world (degrees, batch split) is
-parallel/layout.py's `build_layout`.
+parallel/resolve.py's `build_layout`.
 
 This layer imports the model presets and the hardware catalog; they import only the schema.
 """

@@ -19,7 +19,8 @@ from trainfit.memory.analytic import MemoryEstimate, estimate_memory
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.run_shape import assumed_attention_kernel
 from trainfit.models.params import param_counts
-from trainfit.parallel.layout import Layout, build_layout
+from trainfit.parallel.layout import Layout
+from trainfit.parallel.resolve import build_layout
 from trainfit.perf.timing import PerfEstimate, compute_time_s, estimate_perf
 
 GIB = 1024**3

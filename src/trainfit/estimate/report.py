@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # rich only where a table is drawn
     from rich.console import Console
     from rich.table import Table
 
-    from trainfit.parallel.layout import GlobalBatch
+    from trainfit.parallel.resolve import GlobalBatch
 
 MARGIN_LABELS = {"comm_buffers": "comm_buffers (NCCL)"}
 """Labels of reserved_margin's terms (MemoryBreakdown.margin_terms) where the name alone says too little."""

@@ -24,7 +24,7 @@ from typing import Any
 from trainfit.config import Config, ConfigError
 from trainfit.hardware import device_spec
 from trainfit.memory.analytic import estimate_memory
-from trainfit.parallel.layout import build_layout
+from trainfit.parallel.resolve import build_layout
 from trainfit.perf.timing import estimate_perf
 from trainfit.plan.search import Candidate, search
 from trainfit.plan.space import Space, replace_sections, settings_of, with_global_batch

@@ -50,7 +50,8 @@ from trainfit.memory.analytic import MemoryEstimate, StageMemory
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.micro_batch import SharedSizes
 from trainfit.models.params import param_counts
-from trainfit.parallel.layout import GlobalBatch, Layout, build_layout, offload_refusal
+from trainfit.parallel.layout import Layout, offload_refusal
+from trainfit.parallel.resolve import GlobalBatch, build_layout
 from trainfit.parallel.stage_split import balanced_split, default_virtual_stages
 from trainfit.perf import flops as F
 from trainfit.perf.comms import Collective, collectives_key

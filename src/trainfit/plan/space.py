@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from trainfit.config import Config
-from trainfit.parallel.layout import GlobalBatch, global_batch_of
+from trainfit.parallel.resolve import GlobalBatch, global_batch_of
 
 T = TypeVar("T")
 
@@ -145,7 +145,7 @@ class Space:
 def with_global_batch(cfg: Config) -> tuple[Config, GlobalBatch]:
     """cfg with training.global_batch_size set, and where it comes from: the config's own, or when it
     is 0 the batch `trainfit train` derives from cfg as given (micro_batch_size x the data-parallel
-    ranks of its own degrees, parallel/layout.global_batch_of). A plan keeps the global batch and
+    ranks of its own degrees, parallel/resolve.global_batch_of). A plan keeps the global batch and
     searches how to split it, so it is fixed before the micro-batch or a degree changes; a config
     whose own degrees do not divide hardware.num_gpus is build_layout's named error."""
     batch = global_batch_of(cfg)

@@ -25,8 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _rank_not_in_group, _set_pg_timeout, _world
 
 from trainfit.config import Config, ConfigError
-from trainfit.parallel.layout import Layout, build_layout, resolve_world_size
+from trainfit.parallel.layout import Layout
 from trainfit.parallel.mesh import build_mesh, dp_mesh
+from trainfit.parallel.resolve import build_layout, resolve_world_size
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 

@@ -29,8 +29,9 @@ from trainfit.fp8_matmul import Fp8MatmulRates, probe_fp8_matmul
 from trainfit.memory.attribution import Measurement, MemoryMeter
 from trainfit.memory.measure import current_allocated_bytes
 from trainfit.models import materialize
-from trainfit.parallel.layout import Layout, build_layout
+from trainfit.parallel.layout import Layout
 from trainfit.parallel.pipeline import PipelineStep
+from trainfit.parallel.resolve import build_layout
 from trainfit.parallel.tensor_parallel import uneven_vocabulary
 from trainfit.perf.flops import training_flops_per_token
 from trainfit.train import checkpoint as ckpt

@@ -10,7 +10,7 @@ from trainfit.memory.analytic import estimate_memory
 from trainfit.memory.comm_buffers import comm_buffer_bytes
 from trainfit.memory.margin import ALLOCATOR_FRAGMENTATION, CUDA_CONTEXT_BYTES
 from trainfit.parallel.groups import process_groups
-from trainfit.parallel.layout import build_layout
+from trainfit.parallel.resolve import build_layout
 
 MiB = 2**20
 # NCCL 2.30's defaults by hand (src/include/device.h, src/init.cc; NCCL_BUFFSIZE from its user guide):

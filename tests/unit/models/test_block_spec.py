@@ -16,7 +16,7 @@ from trainfit.configure import load_config
 from trainfit.models import build_model
 from trainfit.models.block_spec import block_linears
 from trainfit.models.params import param_counts
-from trainfit.parallel.layout import build_layout
+from trainfit.parallel.resolve import build_layout
 from trainfit.parallel.tensor_parallel import apply_tensor_parallel
 from trainfit.perf import comms, kernels, timing
 

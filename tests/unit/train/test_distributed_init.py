@@ -13,7 +13,7 @@ from torch.distributed.distributed_c10d import _world
 
 from _runs import run_config
 from trainfit.config import ConfigError
-from trainfit.parallel.layout import build_layout
+from trainfit.parallel.resolve import build_layout
 from trainfit.train import distributed
 from trainfit.train.distributed import init_world, pick_device, process_group_backend
 from trainfit.train.run_device import run_device

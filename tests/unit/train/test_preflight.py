@@ -14,7 +14,7 @@ import torch
 
 from _runs import run_config
 from trainfit.config import ConfigError
-from trainfit.parallel.layout import build_layout
+from trainfit.parallel.resolve import build_layout
 from trainfit.train import checkpoint as ckpt
 from trainfit.train import preflight
 
