@@ -125,9 +125,10 @@ def group_size(layout: Layout, axes: tuple[str, ...]) -> int:
     return math.prod(getattr(layout, axis) for axis in axes)
 
 
-SHARD = ("dp_shard",)
-"""The ranks ZeRO/FSDP shards over."""
-REPLICAS = ("dp_replicate", "cp")
+SHARD = ("dp_shard", "cp")
+"""The ranks ZeRO/FSDP shards over (parallel/mesh.shard_mesh: the cp ranks of a replica hold the
+same parameters, so they shard them too)."""
+REPLICAS = ("dp_replicate",)
 """HSDP's replicas of a shard group."""
 
 
