@@ -6,12 +6,12 @@ stage; no real processes), and three models checked against it:
 (a) collectives: every collective the step's forward and backward issue (Trainer.forward_backward,
     or pipeline_forward_backward) and ZeRO-1's around the optimizer step (reduce_gradients,
     step_optimizer), as CommDebugMode sees them, equal perf/comms.step_collectives for the layout,
-    per (kind, bytes of one call): counts exact, bytes exact. Left out on both sides, as comms.py's
-    docstring says: the logged loss's all-reduce and clipping's gradient-norm all-reduces. Pipeline
-    send/recv are not collectives to CommDebugMode (torch.ops.c10d.send / recv_ are outside its list);
-    CollectiveLog notes them itself, so they are compared like the rest. The traced DDP step's
-    all-reduce hook (traced._fake_allreduce_hook) issues nothing; here it is the hook real DDP's call
-    makes (_collectives.sync_allreduce_hook). Under pipeline parallelism the busiest stage's rank is
+    per (kind, bytes of one call): counts exact, bytes exact. Left out on both sides, as
+    parallel/collectives.py's docstring says: the logged loss's all-reduce and clipping's gradient-norm
+    all-reduces. Pipeline send/recv are not collectives to CommDebugMode (torch.ops.c10d.send /
+    recv_ are outside its list); CollectiveLog notes them itself, so they are compared like the
+    rest. The traced DDP step's all-reduce hook (traced._fake_allreduce_hook) issues nothing; here it
+    is the hook real DDP's call makes (_collectives.sync_allreduce_hook). Under pipeline parallelism the busiest stage's rank is
     compared (what comms.py models): the stage whose trace issued the most.
 (b) FLOPs: FlopCounterMode's count of the traced step equals perf/timing.py's busiest rank's FLOPs per
     step, exactly, without attention: FlopCounterMode has no formula for the CPU flash-attention
