@@ -11,8 +11,8 @@ stage; no real processes), and three models checked against it:
     all-reduces. Pipeline send/recv are not collectives to CommDebugMode (torch.ops.c10d.send /
     recv_ are outside its list); CollectiveLog notes them itself, so they are compared like the
     rest. The traced DDP step's all-reduce hook (traced._fake_allreduce_hook) issues nothing; here it
-    is the hook real DDP's call makes (_collectives.sync_allreduce_hook). Under pipeline parallelism the busiest stage's rank is
-    compared (what comms.py models): the stage whose trace issued the most.
+    is the hook real DDP's call makes (_collectives.sync_allreduce_hook). Under pipeline parallelism
+    the busiest stage's rank is compared (what comms.py models): the stage whose trace issued the most.
 (b) FLOPs: FlopCounterMode's count of the traced step equals perf/timing.py's busiest rank's FLOPs per
     step, exactly, without attention: FlopCounterMode has no formula for the CPU flash-attention
     kernel (tests/estimator/test_flops.py checks attention apart), so the comparison is of matmuls:
