@@ -3,10 +3,11 @@ tensor parallelism splits each, and which are routed experts. Torch-free.
 
 The tensor-parallel plan (parallel/tensor_parallel.py), fp8's conversion filter (perf/fp8_casts.py,
 read by trainfit.float8), the time model's GEMMs and per-rank FLOPs (perf/kernels.py,
-perf/timing.py) and the parameters a rank holds for data parallelism's traffic (perf/comms.py)
-read this list, so none of them can split a layer differently from the others. A test builds each
-model family and checks every nn.Linear and expert weight of a real block against it, and the
-tensor-parallel plan's placements against `tp`.
+perf/timing.py), the parameters a rank holds for data parallelism's traffic (perf/comms.py) and
+a block's tensor-parallel collectives (parallel/collectives.py) read this list, so none of them
+can split a layer differently from the others. A test builds each model family and checks every
+nn.Linear and expert weight of a real block against it, and the tensor-parallel plan's placements
+against `tp`.
 
 Tensor parallelism (Megatron-LM): attention's wq, wk, wv and a dense MLP's up projections are
 column-parallel (out_features / tp per rank), wo and the down projection row-parallel

@@ -1,0 +1,253 @@
+"""The collectives each parallelism issues, described once in config terms. Torch-free.
+
+For one rank of the busiest pipeline stage of a Layout, `collective_calls` lists every collective
+call of one optimizer step: which technique issues it, its kind, the mesh axes of its group, what
+moves (a key of TENSORS, and the site in models/block_spec.py's terms), the phase, how many calls,
+and whether gradient accumulation repeats them in every micro-batch. perf/comms.py prices each
+call (bytes, then time on the group's link); the traced step's collectives are checked against it
+(tests/estimator/test_consistency.py). Picotron keeps each parallelism's collectives beside it; this
+is their one description here, read instead of each technique's code.
+
+    CollectiveCall("tp", "reduce_scatter", ("tp",), "row_output", "attention.wo output", "forward", 2)
+    # with sequence parallelism: each of 2 blocks reduce-scatters its wo output, every micro-batch
+    CollectiveCall("fsdp", "all_gather", ("dp_shard", "cp"), "block_params", "a block's unit", "backward", 2)
+    # ZeRO-3 gathers each of 2 blocks again in backward, over the shard ranks (dp_shard x cp)
+
+What each technique issues (the modules that build it say why):
+- DDP (zero_stage 0, parallel/data_parallel.apply_ddp): the gradients all-reduced over every
+  data-parallel rank (x cp), bucket by bucket, once per step (accumulation syncs the last
+  micro-batch only).
+- ZeRO-1 (parallel/zero.py), around the optimizer step, bucket by bucket: the accumulated gradients
+  reduce-scattered over the shard ranks (parallel/mesh.shard_mesh: dp_shard x cp), HSDP's all-reduce
+  of the shard across dp_replicate, and the updated parameters all-gathered over the shard ranks.
+- FSDP (zero_stage 2/3, data_parallel.apply_fsdp: one unit per block plus the root of embeddings,
+  final norm and output), every micro-batch over the shard ranks: each unit's parameters all-gathered
+  in forward, each block's again in backward under ZeRO-3 (reshard_after_forward; never the root),
+  each unit's gradients reduce-scattered in backward; once per step, HSDP's all-reduce of the
+  gradient shards across dp_replicate. Under expert parallelism a block's routed experts are gathered
+  and reduce-scattered apart, over edp (parallel/mesh.expert_mesh). fp8_all_gather: the float8
+  linears' weights travel in fp8 ("block_params_fp8").
+- Tensor parallelism (parallel/tensor_parallel.py), per block and micro-batch on tp (Megatron's f
+  and g): a column-parallel group's input (the attention's, a dense MLP's) is the identity forward and
+  all-reduced backward, a row-parallel output (models/block_spec.py's tp="row" linears) all-reduced
+  forward. Sequence parallelism turns each all-reduce into an all-gather before and a reduce-scatter
+  after: column inputs all-gathered forward, reduce-scattered backward; row outputs reduce-scattered
+  forward, all-gathered backward; an MoE feed-forward (replicated) gathers its input forward (a local
+  input: no backward) and slices its output (the gradient all-gathered backward). Around the blocks:
+  the vocabulary-parallel embedding's partial output summed (reduce-scattered under SP), the output
+  projection's input as a column group, GPT-2's positions sliced under SP (all-gathered backward),
+  loss_parallel's 3 per-token statistics all-reduced forward, and under FSDP2 with SP each norm
+  gain's partial gradient all-reduced in backward. A checkpointed block's recomputation reruns its
+  forward calls, except its last when that is a reduction ending the block (nothing saves its output)
+  and the reductions when the policy keeps them (models/checkpoint_policy.py's "tp_reduction").
+- Context parallelism (parallel/context_parallel.py), per attention layer and micro-batch on cp: K
+  and V of the whole sequence all-gathered forward (again in recomputation: all-gathers are never
+  kept), their gradients reduce-scattered backward.
+- Expert parallelism (parallel/expert.py), per MoE layer and micro-batch on ep: the dispatch and
+  combine all-to-alls forward, their reverses backward, the forward ones again in recomputation unless
+  the policy keeps all-to-alls; dropless first exchanges the per-expert counts (forward and rerun).
+- Pipeline parallelism: per micro-batch and virtual stage, the stage boundary's activation sent
+  forward and its gradient backward.
+Not described: the gradient-norm and logged-loss all-reduces after the last backward, without data
+parallelism the sequence-parallel gains' gradients DTensor all-reduces at each later use, padding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from trainfit.config.schema import ModelConfig
+from trainfit.models.block_spec import block_linears
+from trainfit.models.checkpoint_policy import POLICIES
+from trainfit.models.params import param_counts
+from trainfit.parallel.layout import Layout
+
+Technique = Literal["ddp", "zero1", "fsdp", "tp", "cp", "ep", "pp"]
+Kind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p"]
+Phase = Literal["forward", "backward", "step"]
+
+TENSORS: dict[str, str] = {
+    "bucket_grads": "a gradient bucket (DDP's, or ZeRO-1's of the accumulated gradients)",
+    "bucket_grad_shard": "this rank's shard of a ZeRO-1 gradient bucket",
+    "bucket_params": "a ZeRO-1 bucket of updated parameters (their dtype)",
+    "root_params": "the root unit's parameters (embeddings, final norm, output: the stage's part)",
+    "block_params": "one block's parameters, routed experts apart under expert parallelism",
+    "block_params_fp8": "block_params with the float8 linears' weights in fp8",
+    "expert_params": "one block's routed experts on this ep rank",
+    "root_grads": "root_params' gradients", "block_grads": "block_params' gradients",
+    "expert_grads": "expert_params' gradients",
+    "root_grad_shard": "this rank's shard of root_grads", "block_grad_shard": "this rank's shard of block_grads",
+    "row_output": "a row-parallel linear's output (or its gradient): the hidden states, activation dtype",
+    "stream": "the residual stream (a norm's or the embedding's output, or the gradient into one)",
+    "loss_stats": "one fp32 number per token (loss_parallel's max, sum of exps or target logit)",
+    "positions": "GPT-2's learned positions of the rank's tokens",
+    "norm_gain": "a norm gain's gradient (dim elements)",
+    "kv": "K or V of the whole sequence (the rank's heads)",
+    "routed_tokens": "the hidden state of each (token, choice) pair a rank sends (capacity: every slot)",
+    "expert_counts": "the per-expert row counts (int64)",
+    "boundary": "the stage boundary's hidden states (1/tp of them under sequence parallelism)",
+}
+"""What a call moves, as perf/comms.py sizes it."""
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective a rank of the busiest pipeline stage issues, `count` times per micro-batch
+    (per_microbatch) or per step, and per bucket where per_bucket."""
+
+    technique: Technique
+    kind: Kind
+    axes: tuple[str, ...]
+    """Mesh axes of the group (parallel/layout.AXES; "ep" and "edp": parallel/mesh.expert_mesh)."""
+    tensor: str
+    """What moves: a key of TENSORS."""
+    site: str
+    """Where, in models/block_spec.py's and the config's terms."""
+    phase: Phase
+    """forward | backward (recomputation counts as backward) | step (around the optimizer step)."""
+    count: int
+    per_microbatch: bool = True
+    """Gradient accumulation repeats it in every micro-batch; else once per step."""
+    unit: str = ""
+    """Data parallel: root | blocks | experts (FSDP units) | buckets (DDP, ZeRO-1)."""
+    per_bucket: bool = False
+    """count is per gradient bucket (engine.py's bucket bytes say how many)."""
+
+
+def group_size(layout: Layout, axes: tuple[str, ...]) -> int:
+    """Ranks in a group over `axes`."""
+    if axes == ("ep",):
+        return layout.ep
+    if axes == ("edp",):
+        return layout.dp_shard * layout.cp // layout.ep
+    return math.prod(getattr(layout, axis) for axis in axes)
+
+
+SHARD = ("dp_shard", "cp")
+"""The ranks ZeRO/FSDP shards over (parallel/mesh.shard_mesh: the cp ranks of a replica hold the
+same parameters, so they shard them too)."""
+REPLICAS = ("dp_replicate",)
+"""HSDP's replicas of a shard group."""
+
+
+def _data_parallel(layout: Layout, layers: int) -> list[CollectiveCall]:
+    if layout.zero_stage == 0:
+        return [CollectiveCall("ddp", "all_reduce", ("dp_replicate", "dp_shard", "cp"), "bucket_grads",
+                               "every gradient, in DDP buckets", "backward", 1, False, "buckets", True)]
+    if layout.zero_stage == 1:
+        return [CollectiveCall("zero1", "reduce_scatter", SHARD, "bucket_grads", "the accumulated gradients",
+                               "step", 1, False, "buckets", True),
+                CollectiveCall("zero1", "all_reduce", REPLICAS, "bucket_grad_shard", "the gradient shard (HSDP)",
+                               "step", 1, False, "buckets", True),
+                CollectiveCall("zero1", "all_gather", SHARD, "bucket_params", "the updated parameters",
+                               "step", 1, False, "buckets", True)]
+    blocks = "block_params_fp8" if layout.fp8_gathers else "block_params"
+    out = [CollectiveCall("fsdp", "all_gather", SHARD, "root_params", "the root unit", "forward", 1, unit="root")]
+    for tensor, axes, what in ((blocks, SHARD, "blocks"), ("expert_params", ("edp",), "experts")):
+        if what == "experts" and layout.ep == 1:
+            continue
+        site = "a block's unit" if what == "blocks" else "a block's routed experts"
+        out.append(CollectiveCall("fsdp", "all_gather", axes, tensor, site, "forward", layers, unit=what))
+        if layout.zero_stage == 3:
+            out.append(CollectiveCall("fsdp", "all_gather", axes, tensor, site, "backward", layers, unit=what))
+    if layout.ep > 1:
+        out.append(CollectiveCall("fsdp", "reduce_scatter", ("edp",), "expert_grads", "a block's routed experts",
+                                  "backward", layers, unit="experts"))
+    return out + [
+        CollectiveCall("fsdp", "reduce_scatter", SHARD, "block_grads", "a block's unit", "backward", layers,
+                       unit="blocks"),
+        CollectiveCall("fsdp", "reduce_scatter", SHARD, "root_grads", "the root unit", "backward", 1, unit="root"),
+        CollectiveCall("fsdp", "all_reduce", REPLICAS, "block_grad_shard", "a block's unit (HSDP)", "backward",
+                       layers, False, "blocks"),
+        CollectiveCall("fsdp", "all_reduce", REPLICAS, "root_grad_shard", "the root unit (HSDP)", "backward", 1,
+                       False, "root")]
+
+
+def _tp_block(model: ModelConfig, sp: bool) -> tuple[list[tuple[Kind, str, str]], list[tuple[Kind, str, str]]]:
+    """One block's tensor-parallel calls in forward order, and the backward ones: (kind, tensor, site)."""
+    linears = block_linears(model)
+    rows = [linear.path for linear in linears if linear.tp == "row"]
+    groups = list(dict.fromkeys(linear.path.split(".")[0] for linear in linears if linear.tp == "column"))
+    fwd: list[tuple[Kind, str, str]] = []
+    bwd: list[tuple[Kind, str, str]] = []
+    for group in groups:  # forward order: each group's input, then its row-parallel output
+        if sp:
+            fwd.append(("all_gather", "stream", f"{group} input"))
+        bwd.append(("reduce_scatter" if sp else "all_reduce", "stream", f"{group} input"))
+        for path in rows:
+            if path.startswith(group + "."):
+                fwd.append(("reduce_scatter" if sp else "all_reduce", "row_output", f"{path} output"))
+                if sp:
+                    bwd.append(("all_gather", "row_output", f"{path} output"))
+    if model.num_experts and sp:  # the replicated MoE: its input gathered, its output sliced
+        fwd.append(("all_gather", "stream", "feed_forward input"))
+        bwd.append(("all_gather", "stream", "feed_forward output"))
+    return fwd, bwd
+
+
+def _tp(model: ModelConfig, layout: Layout, layers: int, wrapped: int) -> list[CollectiveCall]:
+    sp = layout.sequence_parallel
+    output = 1  # the busiest stage is the last: the output projection and the loss ...
+    embedding = int(layout.pp == 1)  # ... and the embedding when there is one stage
+    fwd, bwd = _tp_block(model, sp)
+    rerun = fwd[:-1] if block_linears(model)[-1].tp == "row" else fwd  # a trailing reduction ends the block
+    if POLICIES[layout.activation_checkpointing].keeps("tp_reduction"):
+        rerun = [call for call in rerun if call[0] == "all_gather"]
+    reduce = "reduce_scatter" if sp else "all_reduce"
+    calls: list[tuple[Kind, Phase, str, str, int]] = [
+        ("all_reduce", "forward", "loss_stats", "loss_parallel's statistics", 3 * output),
+        *[(kind, "forward", tensor, site, layers) for kind, tensor, site in fwd if kind == "all_gather"],
+        ("all_gather", "forward", "stream", "output input", output * sp),
+        *[(kind, "forward", tensor, site, layers) for kind, tensor, site in fwd if kind != "all_gather"],
+        (reduce, "forward", "stream", "tok_embeddings output", embedding),
+        *[(kind, "backward", tensor, site, layers) for kind, tensor, site in bwd if tensor == "row_output"],
+        *[(kind, "backward", tensor, site, layers) for kind, tensor, site in bwd
+          if kind == "all_gather" and tensor == "stream"],
+        ("all_gather", "backward", "stream", "tok_embeddings output", embedding * sp),
+        *[(kind, "backward", tensor, f"{site} (recomputed)", wrapped) for kind, tensor, site in rerun
+          if kind == "all_gather"],
+        *[(kind, "backward", tensor, site, layers) for kind, tensor, site in bwd
+          if kind != "all_gather" and tensor == "stream"],
+        (reduce, "backward", "stream", "output input", output),
+        *[(kind, "backward", tensor, f"{site} (recomputed)", wrapped) for kind, tensor, site in rerun
+          if kind != "all_gather"],
+        ("all_gather", "backward", "positions", "pos_embeddings output", embedding * sp * (model.family == "gpt2")),
+    ]
+    if sp and layout.data_parallel == "fsdp":  # one all-reduce per gain (and bias) tensor of dim elements
+        c = param_counts(model)
+        calls.append(("all_reduce", "backward", "norm_gain", "norm gains",
+                      (c.norms * layers + c.final_norm * output) // model.dim))
+    return [CollectiveCall("tp", kind, ("tp",), tensor, site, phase, count)
+            for kind, phase, tensor, site, count in calls]
+
+
+def collective_calls(model: ModelConfig, layout: Layout) -> tuple[CollectiveCall, ...]:
+    """Every collective one rank of the busiest pipeline stage issues per step (module docstring),
+    in the order perf/comms.py lists them; none over a group of one rank, none of count 0."""
+    # The rank with the most blocks, and how many of them are checkpointed (global indices: a stage
+    # that starts at an odd block wraps other ones than its count alone says).
+    layers, wrapped = max((blocks, wrapped) for blocks, wrapped, _ in layout.rank_shapes())
+    policy = POLICIES[layout.activation_checkpointing]
+    wrapped = wrapped if policy.wraps else 0
+    calls = _data_parallel(layout, layers) + _tp(model, layout, layers, wrapped)
+    for name in ("K", "V"):
+        calls.append(CollectiveCall("cp", "all_gather", ("cp",), "kv", f"attention {name}", "forward", layers))
+    for name in ("K", "V"):
+        calls.append(CollectiveCall("cp", "all_gather", ("cp",), "kv", f"attention {name} (recomputed)", "backward",
+                                    wrapped))
+    for name in ("K", "V"):
+        calls.append(CollectiveCall("cp", "reduce_scatter", ("cp",), "kv", f"attention {name}", "backward", layers))
+    if model.num_experts:
+        rerun = 0 if policy.keeps("all_to_all") else wrapped
+        for phase, count in (("forward", layers), ("backward", layers), ("backward", rerun)):
+            for site in ("feed_forward dispatch", "feed_forward combine"):
+                calls.append(CollectiveCall("ep", "all_to_all", ("ep",), "routed_tokens", site, phase, count))
+        if not model.capacity_factor:
+            for phase, count in (("forward", layers), ("backward", rerun)):
+                calls.append(CollectiveCall("ep", "all_to_all", ("ep",), "expert_counts", "feed_forward dispatch",
+                                            phase, count))
+    for phase, site in (("forward", "stage boundary activation"), ("backward", "stage boundary gradient")):
+        calls.append(CollectiveCall("pp", "p2p", ("pp",), "boundary", site, phase, layout.pp_virtual_stages))
+    return tuple(c for c in calls if c.count > 0 and group_size(layout, c.axes) > 1)
