@@ -10,7 +10,7 @@ import pytest
 from trainfit.config import ConfigError
 from trainfit.configure import load_config
 from trainfit.parallel.collectives import TENSORS, collective_calls, group_size
-from trainfit.parallel.layout import build_layout
+from trainfit.parallel.resolve import build_layout
 
 DEGREES = [  # (dp_replicate, tp, cp, ep, pp, sequence_parallel) on 8 ranks
     (1, 1, 1, 1, 1, False), (2, 1, 1, 1, 1, False), (1, 2, 1, 1, 1, False), (1, 2, 1, 1, 1, True),
