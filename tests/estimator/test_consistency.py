@@ -31,8 +31,8 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from accuracy_grid import COMPONENT_FLOOR, PIPELINE_COMPONENT_FLOOR, component_gaps
 import torch
+from accuracy_grid import COMPONENT_FLOOR, PIPELINE_COMPONENT_FLOOR, component_gaps
 from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
 
 from _analytic import memory_of

@@ -282,7 +282,8 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
             ("backward", (held if pp_fsdp else c * (lay.block + lay.embedding + lay.head) if held else 0)
              + (all_casts if pipelined else cast_block) + first_casts,
              older + first_acts, older_logits + own_logits,
-             max(before, later_grads) + first_grads + pending(lay.block + lay.embedding), bwd + first_comms + first_buffers),
+             max(before, later_grads) + first_grads + pending(lay.block + lay.embedding),
+             bwd + first_comms + first_buffers),
             # The step: every gradient (ZeRO-1's master gradients too) and the optimizer's temporaries.
             ("optimizer", 0, 0, 0, st.grads + st.master_grads, persistent_buffers + pipe.slots + st.optimizer_temp),
         ]
