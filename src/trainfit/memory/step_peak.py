@@ -122,6 +122,15 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     # else of a parameter's gradient outlives its own backward.
     bucketed = kind == "zero1" or (kind == "ddp" and DDP_GRADIENT_AS_BUCKET_VIEW)
     before = st.grads if accumulating or bucketed else 0
+    # DDP accumulating: the micro-batches before the last run without gradient sync, when DDP's hook
+    # does nothing and autograd accumulates into new `.grad` tensors (set_to_none dropped the views);
+    # the last one's hook copies each into its bucket slot as the parameter's backward finishes and
+    # makes `.grad` the slot's view. Until then both exist: all of them up to the head's backward,
+    # then those of the parameters still ahead (`pending`, in elements).
+    separate = st.grads / st.params if kind == "ddp" and bucketed and accumulating and st.params else 0
+
+    def pending(elements: int) -> int:
+        return int(separate * elements)
     # FSDP under a pipeline schedule: no sharded gradient exists before the step's reduce-scatter;
     # the accumulated unsharded ones do, those of the blocks already backwarded in this micro-batch,
     # or of all of them once a micro-batch is done: the parameters' own `.grad` (grads) when they
@@ -226,9 +235,14 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     last_grads, last_buffers, last_acts, last_casts = in_backward(lay.last_wrapped)
     first_grads, first_buffers, first_acts, first_casts = in_backward(lay.first_wrapped)
 
+    # The output projection's weight gradient in flight: bucketed, until the bucket's hook takes it;
+    # accumulating, until autograd adds it to the `.grad` already there
     head_grad = 0
-    if bucketed and lay.last and not chunked:
-        head_grad = int(autograd_bytes * lay.output_matmul) + (c * lay.output_matmul if act.autocast else 0)
+    if (bucketed or accumulating and not st.fsdp) and lay.last and not chunked:
+        # and the projection's input gradient (grad_logits @ W: [tokens, dim], the matmul's dtype),
+        # made by the same autograd node; under tensor parallelism a whole partial sum
+        head_grad = int(autograd_bytes * lay.output_matmul) + (c * lay.output_matmul if act.autocast else 0) \
+            + c * run.model.dim * st.tokens
 
     n_if, h_if = lay.in_flight, lay.head_in_flight
     older_own = (n_if - 1) * a_blocks + (h_if - 1) * a_final  # other micro-batches in flight
@@ -249,24 +263,26 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
         loss_bwd = loss.backward + (loss.output if loss.keeps_output and not own_logits else 0)
         fwd, bwd = fwd_buffers + pipe.slots + pipe.sent, bwd_buffers + pipe.slots + pipe.sent
         acts = older + a_blocks + a_final
+        ahead = before + pending(st.params)  # every gradient before the backward's first
         moments = [  # (phase, params: compute copies, activations, logits, grads, buffers)
             # End of the model's forward: autocast's cache still holds checkpointed blocks' casts.
-            ("forward", held + all_casts, acts, older_logits + loss.output, before, fwd),
-            ("forward", held + saved_casts, acts, older_logits + loss.forward, before, fwd),
-            ("backward", held + saved_casts, acts, older_logits + own_logits + loss_bwd, before, fwd),
-            # Bucketed gradients: the output projection's backward, its weight gradient just made
-            # (under autocast also its 16-bit form) beside the logits' gradient in the compute dtype,
-            # until the bucket's hook takes it (a large vocabulary makes this the backward's peak).
+            ("forward", held + all_casts, acts, older_logits + loss.output, ahead, fwd),
+            ("forward", held + saved_casts, acts, older_logits + loss.forward, ahead, fwd),
+            ("backward", held + saved_casts, acts, older_logits + own_logits + loss_bwd, ahead, fwd),
+            # The output projection's backward (head_grad), its weight gradient just made (under
+            # autocast also its 16-bit form) beside the logits' gradient in the compute dtype, until the
+            # bucket's hook or the accumulation takes it (a large vocabulary makes this the backward's peak).
             *([("backward", held + saved_casts, acts + head_grad, older_logits + max(own_logits, loss.output),
-                before, fwd)] if head_grad else []),
+                ahead, fwd)] if head_grad else []),
             ("backward", held + (all_casts if pipelined else saved_casts - cast_head
                                  + (cast_block if lay.last_wrapped else 0)) + last_casts,
              older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, older_logits + own_logits,
-             max(before, output_grads + last_grads), bwd + last_comms + last_buffers),
+             max(before, output_grads + last_grads) + pending(st.params - lay.head), bwd + last_comms + last_buffers),
             # (under a pipeline schedule FSDP keeps every backwarded block gathered: all of them, held)
             ("backward", (held if pp_fsdp else c * (lay.block + lay.embedding + lay.head) if held else 0)
              + (all_casts if pipelined else cast_block) + first_casts,
-             older + first_acts, older_logits + own_logits, max(before, later_grads) + first_grads,
+             older + first_acts, older_logits + own_logits,
+             max(before, later_grads) + first_grads + pending(lay.block + lay.embedding),
              bwd + first_comms + first_buffers),
             # The step: every gradient (ZeRO-1's master gradients too) and the optimizer's temporaries.
             ("optimizer", 0, 0, 0, st.grads + st.master_grads, persistent_buffers + pipe.slots + st.optimizer_temp),
