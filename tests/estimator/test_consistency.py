@@ -13,10 +13,10 @@ stage; no real processes), and three models checked against it:
     rest. The traced DDP step's all-reduce hook (traced._fake_allreduce_hook) issues nothing; here it
     is the hook real DDP's call makes (_collectives.sync_allreduce_hook). Under pipeline parallelism
     the busiest stage's rank is compared (what comms.py models): the stage whose trace issued the most.
-(b) FLOPs: FlopCounterMode's count of the traced step, of the rank's own work (_AsIs), equals perf/timing.py's busiest rank's FLOPs per
-    step, exactly, without attention: FlopCounterMode has no formula for the CPU flash-attention
-    kernel (tests/estimator/test_flops.py checks attention apart), so the comparison is of matmuls:
-    forward, backward and checkpointing's recomputation.
+(b) FLOPs: FlopCounterMode's count of the traced step, of the rank's own work (_AsIs), equals
+    perf/timing.py's busiest rank's FLOPs per step, exactly, without attention: FlopCounterMode has
+    no formula for the CPU flash-attention kernel (tests/estimator/test_flops.py checks attention
+    apart), so the comparison is of matmuls: forward, backward and checkpointing's recomputation.
 (c) memory: analytic (memory/analytic.py) against traced, per component, per pipeline stage, with
     accuracy_grid.component_gaps' tolerance: 10% of the traced component or 1% of the traced peak,
     whichever is larger (2% of the peak for pipeline stages: accuracy_grid.PIPELINE_COMPONENT_FLOOR).
