@@ -175,7 +175,7 @@ def test_estimate_never_imports_torch() -> None:
          "parallel.tp=3: must divide model.num_heads=32"),
         (["--model.preset=llama3-8b", "--hardware.num_gpus=6", "--parallel.tp=4"],
          "hardware.num_gpus=6: must be a multiple of tp x pp x cp"),
-        (["--hardware.gpu=B300"], "hardware.gpu='B300': unknown device"),
+        (["--hardware.gpu=H300"], "hardware.gpu='H300': unknown device"),
     ],
 )
 def test_impossible_layouts_fail_clearly(args: list[str], message: str) -> None:
@@ -210,3 +210,12 @@ def test_eager_fp8_says_its_casts_run_as_kernels_of_their_own(capsys: pytest.Cap
     assert "fp8-mixed under training.compile: torchao's casts to fp8 assumed fused" in compiled
     assert "slower than bf16" not in compiled
     assert "fp8" not in printed("--precision.mode=bf16-mixed")
+
+
+@pytest.mark.parametrize("gpu", ["B200", "GB200", "B300", "H800-SXM-80GB", "MI325X", "L4", "RTX-A6000"])
+def test_estimate_runs_on_each_newer_catalog_device(gpu: str, capsys: pytest.CaptureFixture) -> None:
+    args = ["--model.preset=llama3-8b", f"--hardware.gpu={gpu}", "--hardware.num_gpus=8",
+            "--training.global_batch_size=64", "--training.micro_batch_size=1", "--json"]
+    assert main(["estimate", *args]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["per_rank"]["device_memory"] > 0

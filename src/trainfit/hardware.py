@@ -12,14 +12,40 @@ Sources, checked for each entry:
   what training uses, 165.2 dense -- GeForce parts run FP32 accumulation at half rate; FP8 330.3; 1,008 GB/s).
 - MI300X: AMD Instinct MI300X datasheet (FP32 163.4, TF32 653.7, FP16/BF16 1,307.4, FP8 2,614.9 TFLOPS;
   5.3 TB/s; 7 Infinity Fabric links of 128 GB/s bidirectional each).
+- B200: NVIDIA Blackwell datasheet, HGX B200 column (FP32 75, TF32 2.25*, BF16 4.5*, FP8 9* PFLOPS; 180 GB,
+  7.7 TB/s), as halved in pytorch's torch/_inductor/analysis/device_info.py; PCIe Gen5 x16 to the host
+  (MLPerf Inference v6.0, Nebius B200 system description).
+- GB200 (NVL72): NVIDIA Blackwell technical brief, GB200 column at 1,200 W (FP32 90, TF32 1,250, BF16 2,500,
+  FP8 5,000 dense; 8 TB/s), as tabulated at glennklockwood.com/garden/processors/B200; 192 GB HBM3e.
+  Host link: NVLink-C2C to the Grace CPU, 900 GB/s bidirectional per superchip of two GPUs.
+- B300: NVIDIA HGX B300 page (8 GPUs: FP8 72*, BF16 36*, TF32 18* PFLOPS, FP32 600 TFLOPS; per GPU BF16
+  2.25 dense, as NVIDIA/cosmos-framework PR 114 reads it); 270 GB, 7.7 TB/s (Verda's per-GPU table, 2026);
+  PCIe Gen6 to the host (glennklockwood.com/garden/processors/B300).
+- H800 SXM: the H100 SXM's die, memory (80 GB, 3.35 TB/s) and low-precision compute, with NVLink cut to
+  400 GB/s bidirectional and FP64 to 1 TFLOPS (philisun.com, "NVIDIA H800 vs H100").
+- MI325X: AMD Instinct MI325X datasheet figures as tabulated at awesomeagents.ai (FP32 163.4, TF32 653.7,
+  FP16/BF16 1,307.4, FP8 2,614.9; 256 GB HBM3e, 6 TB/s); 7 Infinity Fabric links and PCIe Gen5 x16
+  (AMD's product text, wiaix.com); the per-link rate is taken as the MI300X's.
+- L4: NVIDIA L4 datasheet (FP32 30.3, TF32 120*, BF16 242*, FP8 485*; 24 GB GDDR6, 300 GB/s, PCIe Gen4 x16).
+- RTX A6000: NVIDIA RTX A6000 (FP32 38.7; tensor FP16/BF16 154.8 dense, 309.7* -- llmperf.net citing
+  Microway; 48 GB GDDR6, 768 GB/s, PCIe 4.0 x16). No TF32 figure was found: the entry has none.
 
+Blackwell's MXFP8 (block-scaled FP8): no datasheet found gives it a row apart from FP8, so the catalog
+stores no "mxfp8" peak; fp8-mixed reads the fp8 peak, the rate MXFP8 matmuls would be bounded by too.
 Memory: vendors' "80GB" is binary capacity (HBM stacks are 16 GiB each); `memory_bytes` is what the
 driver reports as the device total (nvidia-smi memory.total: H100 80GB 81559 MiB, H200 143771 MiB,
-A100 80GB 81920 MiB, A100 40GB 40960 MiB, L40S 46068 MiB, RTX 4090 24564 MiB; rocm-smi for MI300X:
-205,822,885,888 B). The CUDA context, allocator slack and NCCL's buffers come out of it as `reserved_margin`.
+A100 80GB 81920 MiB, A100 40GB 40960 MiB, L40S 46068 MiB, RTX 4090 24564 MiB, B200 183359 MiB in
+NVIDIA/TensorRT-LLM issue 10278; rocm-smi for MI300X: 205,822,885,888 B). The CUDA context, allocator
+slack and NCCL's buffers come out of it as `reserved_margin`. Where no driver report was found (GB200 192,
+B300 270, H800 80, MI325X 256, L4 24, RTX A6000 48) the datasheet's GB are taken as GiB: an upper bound
+(B200's driver shows 179 of its 192 GiB), so set hardware.memory_gib to what nvidia-smi shows.
 
 Host links (CPU offload's copies): the datasheets' host interface, PCIe Gen5 x16 (128 GB/s
-bidirectional) on H100 SXM/PCIe, H200 and MI300X; Gen4 x16 (64 GB/s) on A100, L40S and RTX 4090.
+bidirectional) on H100 SXM/PCIe, H200, H800, B200 and MI300X/MI325X; Gen4 x16 (64 GB/s) on A100, L40S,
+L4, RTX 4090 and RTX A6000; Gen6 x16 on B300; NVLink-C2C on GB200.
+
+A GB200 NVL72 rack is one NVLink domain of 72 GPUs: the intra-node link spans hardware.gpus_per_node
+GPUs (perf/comms.py), so set hardware.gpus_per_node=72 for it; the default stays 8, an HGX board.
 
 Links are per direction and per GPU. Latencies are per ring step of NCCL's Simple protocol, the one
 large messages use (NCCL src/graph/tuning.cc, hwLat Ring/Simple: NVLink 3.4 us, PCIe 5.7 us, network
@@ -85,9 +111,11 @@ class DeviceSpec:
     """The device's link to host memory (a key of LINKS; "" for the CPU, which is the host)."""
 
 
-def _gpu(name: str, mem_mib: int, fp32: float, tf32: float, bf16: float, fp8: float | None,
+def _gpu(name: str, mem_mib: int, fp32: float, tf32: float | None, bf16: float, fp8: float | None,
          hbm_tb_s: float, link: str, host: str) -> DeviceSpec:
-    flops = {"fp32": fp32 * TERA, "tf32": tf32 * TERA, "bf16": bf16 * TERA, "fp16": bf16 * TERA}
+    flops = {"fp32": fp32 * TERA, "bf16": bf16 * TERA, "fp16": bf16 * TERA}
+    if tf32 is not None:
+        flops["tf32"] = tf32 * TERA
     if fp8 is not None:
         flops["fp8"] = fp8 * TERA
     return DeviceSpec(name, mem_mib * MIB, flops, hbm_tb_s * 1e12, link, host)
@@ -104,6 +132,13 @@ GPUS: dict[str, DeviceSpec] = {
         _gpu("L40S", 46068, 91.6, 183.0, 362.05, 733.0, 0.864, "pcie4", "pcie4"),
         _gpu("RTX-4090", 24564, 82.6, 82.6, 165.2, 330.3, 1.008, "pcie4", "pcie4"),
         _gpu("MI300X", 205_822_885_888 // MIB, 163.4, 653.7, 1307.4, 2614.9, 5.3, "infinity-fabric", "pcie5"),
+        _gpu("B200", 183359, 75.0, 1125.0, 2250.0, 4500.0, 7.7, "nvlink5", "pcie5"),
+        _gpu("GB200", 192 * 1024, 90.0, 1250.0, 2500.0, 5000.0, 8.0, "nvlink5", "nvlink-c2c"),
+        _gpu("B300", 270 * 1024, 75.0, 1125.0, 2250.0, 4500.0, 7.7, "nvlink5", "pcie6"),
+        _gpu("H800-SXM-80GB", 80 * 1024, 67.0, 494.7, 989.4, 1978.9, 3.35, "nvlink4-h800", "pcie5"),
+        _gpu("MI325X", 256 * 1024, 163.4, 653.7, 1307.4, 2614.9, 6.0, "infinity-fabric", "pcie5"),
+        _gpu("L4", 24 * 1024, 30.3, 60.0, 121.0, 242.5, 0.3, "pcie4", "pcie4"),
+        _gpu("RTX-A6000", 48 * 1024, 38.7, None, 154.8, None, 0.768, "pcie4", "pcie4"),
     )
 }
 
@@ -120,6 +155,13 @@ DEVICE_NAME_PATTERNS: dict[str, str] = {
     r"\bL40S\b": "L40S",
     r"\bRTX 4090\b": "RTX-4090",
     r"\bMI300X\b": "MI300X",
+    r"\bB200\b": "B200",  # "NVIDIA B200"; \b keeps GB200 out
+    r"\bGB200\b": "GB200",
+    r"\bB300\b": "B300",  # "NVIDIA B300 SXM6 AC"
+    r"\bH800\b(?! PCIe)": "H800-SXM-80GB",
+    r"\bMI325X\b": "MI325X",
+    r"\bL4\b": "L4",
+    r"\bRTX A6000\b": "RTX-A6000",
 }
 
 
@@ -184,6 +226,15 @@ LINKS: dict[str, LinkSpec] = {
         LinkSpec("roce-400", 50 * GB, _NET_HOP_S, True, "RoCE v2 over 400 GbE, per NIC"),
         LinkSpec("roce-200", 25 * GB, _NET_HOP_S, True, "RoCE v2 over 200 GbE, per NIC"),
         LinkSpec("roce-100", 12.5 * GB, _NET_HOP_S, True, "RoCE v2 over 100 GbE, per NIC"),
+        LinkSpec("nvlink5", 900 * GB, _NVLINK_HOP_S, False,
+                 "B200/GB200/B300: 18 NVLink 5 links x 50 GB/s per direction (1.8 TB/s bidirectional); "
+                 "NVL72 joins 72 GPUs, HGX boards 8"),
+        LinkSpec("nvlink4-h800", 200 * GB, _NVLINK_HOP_S, False,
+                 "H800 SXM: NVLink 4 cut to 400 GB/s bidirectional"),
+        LinkSpec("nvlink-c2c", 225 * GB, _NVLINK_HOP_S, False,
+                 "GB200 GPU to its Grace CPU: NVLink-C2C, 900 GB/s bidirectional per superchip, shared by "
+                 "its two GPUs"),
+        LinkSpec("pcie6", 121 * GB, _PCIE_HOP_S, False, "PCIe 6.0 x16: 64 GT/s x 16 lanes, FLIT 242/256"),
         # Not a datasheet figure: gloo between processes of one host; a placeholder to override.
         LinkSpec("loopback", 5 * GB, 20e-6, False, "gloo through host memory (nominal, CPU runs)"),
     )

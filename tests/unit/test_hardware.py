@@ -31,6 +31,15 @@ def hw(**fields: object) -> HardwareConfig:
         ("RTX-4090", "bf16-mixed", 165.2),  # FP32 accumulate: half the FP16-accumulate rate
         ("MI300X", "bf16-mixed", 1307.4),
         ("MI300X", "fp8-mixed", 2614.9),
+        ("B200", "bf16-mixed", 2250.0),  # HGX B200: 4.5 PFLOPS with sparsity
+        ("B200", "fp8-mixed", 4500.0),
+        ("GB200", "bf16-mixed", 2500.0),  # 1,200 W in an NVL72 rack
+        ("B300", "bf16-mixed", 2250.0),  # HGX B300: 36 PFLOPS with sparsity over 8 GPUs
+        ("H800-SXM-80GB", "bf16-mixed", 989.4),  # the H100 SXM's compute
+        ("MI325X", "fp8-mixed", 2614.9),
+        ("L4", "bf16-mixed", 121.0),  # 242 with sparsity
+        ("L4", "fp8-mixed", 242.5),
+        ("RTX-A6000", "bf16-mixed", 154.8),
     ],
 )
 def test_dense_peaks_are_the_datasheets(gpu: str, mode: str, tflops: float) -> None:
@@ -39,13 +48,48 @@ def test_dense_peaks_are_the_datasheets(gpu: str, mode: str, tflops: float) -> N
 
 def test_memory_is_what_the_driver_reports() -> None:
     nominal_gib = {"H100-SXM-80GB": 80, "H100-PCIe-80GB": 80, "H200-141GB": 141, "A100-SXM-80GB": 80,
-                   "A100-40GB": 40, "L40S": 48, "RTX-4090": 24, "MI300X": 192}
+                   "A100-40GB": 40, "L40S": 48, "RTX-4090": 24, "MI300X": 192, "B200": 192, "GB200": 192,
+                   "B300": 270, "H800-SXM-80GB": 80, "MI325X": 256, "L4": 24, "RTX-A6000": 48}
     for name, gib in nominal_gib.items():
         spec = hardware.GPUS[name]
         assert 0.93 * gib * 2**30 < spec.memory_bytes <= gib * 2**30, name  # binary, minus what the driver keeps
         assert spec.default_link in hardware.LINKS
     assert hardware.GPUS["H100-SXM-80GB"].memory_bytes == 81559 * 2**20
     assert hardware.GPUS["H200-141GB"].hbm_bytes_per_s == 4.8e12
+    assert hardware.GPUS["B200"].memory_bytes == 183359 * 2**20  # nvidia-smi on a B200
+
+
+FP8_TENSOR_CORES = {"H100-SXM-80GB", "H100-PCIe-80GB", "H200-141GB", "H800-SXM-80GB", "L40S", "L4", "RTX-4090",
+                    "MI300X", "MI325X", "B200", "GB200", "B300"}
+"""Ada, Hopper, Blackwell and MI300-class parts; Ampere (A100, RTX A6000) has none."""
+
+
+@pytest.mark.parametrize("name", list(hardware.GPUS))
+def test_every_entry_has_its_figures_and_fp8_only_with_fp8_tensor_cores(name: str) -> None:
+    spec = hardware.GPUS[name]
+    assert spec.memory_bytes > 0 and spec.hbm_bytes_per_s > 0 and spec.peak_flops["bf16"] > 0
+    assert ("fp8" in spec.peak_flops) == (name in FP8_TENSOR_CORES)
+    assert spec.default_link in hardware.LINKS and spec.host_link in hardware.LINKS
+
+
+def test_device_names_as_torch_reports_them() -> None:
+    names = {"NVIDIA B200": "B200", "NVIDIA GB200": "GB200", "NVIDIA B300 SXM6 AC": "B300",
+             "NVIDIA H800": "H800-SXM-80GB", "NVIDIA H800 PCIe": None, "AMD Instinct MI325X": "MI325X",
+             "NVIDIA L4": "L4", "NVIDIA L40S": "L40S", "NVIDIA RTX A6000": "RTX-A6000",
+             "NVIDIA RTX 6000 Ada Generation": None, "NVIDIA H100 80GB HBM3": "H100-SXM-80GB"}
+    assert {name: hardware.catalog_gpu_of(name) for name in names} == names
+
+
+def test_an_nvl72_rack_is_one_nvlink_domain_of_72() -> None:
+    """GB200 NVL72: with hardware.gpus_per_node=72 a 64-way group stays on NVLink 5; at the default 8
+    (an HGX board) it crosses the network."""
+    from trainfit.perf.comms import span_is_intra_node
+
+    gb200 = hw(gpu="GB200", num_gpus=72, gpus_per_node=72, comm_efficiency=1.0)
+    assert hardware.intra_node_link(gb200).name == "nvlink5"
+    assert hardware.intra_node_link(gb200).bytes_per_s == 900 * GB
+    assert span_is_intra_node(64, 1, 72, gb200.gpus_per_node)
+    assert not span_is_intra_node(64, 1, 72, 8)
 
 
 def test_a_gpu_without_fp8_says_so() -> None:
@@ -85,10 +129,10 @@ def test_every_figure_can_be_overridden() -> None:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("--hardware.gpu=B300", "hardware.gpu='B300': unknown device; choose one of cpu, H100-SXM-80GB"),
+        ("--hardware.gpu=H300", "hardware.gpu='H300': unknown device; choose one of cpu, H100-SXM-80GB"),
         ("--hardware.inter_node_link=infiniband", "hardware.inter_node_link='infiniband': unknown link; choose one "
                                                   "of nvlink4, nvlink3, infinity-fabric, pcie5, pcie4, ib-ndr"),
-        ("--hardware.intra_node_link=nvlink5", "hardware.intra_node_link='nvlink5': unknown link"),
+        ("--hardware.intra_node_link=nvlink6", "hardware.intra_node_link='nvlink6': unknown link"),
         ("--hardware.compute_efficiency=1.5", "hardware.compute_efficiency=1.5: must be a fraction"),
         ("--hardware.inter_node_gbps=-1", "hardware.inter_node_gbps=-1.0: must be >= 0"),
         ("--hardware.gpus_per_node=0", "hardware.gpus_per_node=0: must be >= 1"),

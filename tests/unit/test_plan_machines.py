@@ -48,6 +48,11 @@ def test_prices_and_devices_are_checked() -> None:
             parse_prices(bad)
 
 
+def test_the_newer_devices_are_plan_options() -> None:
+    names = ["B200", "GB200", "B300", "H800-SXM-80GB", "MI325X", "L4", "RTX-A6000"]
+    assert check_gpus(names) == names
+
+
 def test_short_device_names_mean_their_catalog_entries() -> None:
     """`--gpu-options H100-SXM-80GB,A100-SXM-80GB,H200,MI300X` as people write it."""
     assert check_gpus(["H200", "H100", "A100", "MI300X"]) == ["H200-141GB", "H100-SXM-80GB", "A100-SXM-80GB", "MI300X"]

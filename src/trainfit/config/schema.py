@@ -266,7 +266,8 @@ class HardwareConfig:
     num_gpus: int = 1
     """Devices in the job."""
     gpus_per_node: int = 8
-    """Devices per node (decides which collectives cross the inter-node link)."""
+    """Devices per node (decides which collectives cross the inter-node link): the GPUs one intra-node link
+    joins, so 72 for a GB200 NVL72 rack, whose NVLink domain is the whole rack."""
     peak_tflops: float = 0.0
     """Override the catalog's dense peak TFLOP/s for the run's precision (0 = use the catalog)."""
     memory_gib: float = 0.0
@@ -274,9 +275,10 @@ class HardwareConfig:
     hbm_tbps: float = 0.0
     """Override the catalog's device-memory bandwidth in TB/s (0 = use the catalog)."""
     intra_node_link: str = ""
-    """Link between the GPUs of a node, from trainfit.hardware.LINKS: nvlink4 | nvlink3 | infinity-fabric |
-    pcie5 | pcie4 | loopback; "" = the GPU's usual one (H100/H200 SXM nvlink4, A100 nvlink3, MI300X
-    infinity-fabric, H100 PCIe pcie5, L40S and RTX 4090 pcie4, cpu loopback)."""
+    """Link between the GPUs of a node, from trainfit.hardware.LINKS: nvlink5 | nvlink4 | nvlink4-h800 | nvlink3 |
+    infinity-fabric | pcie6 | pcie5 | pcie4 | loopback; "" = the GPU's usual one (B200/GB200/B300 nvlink5,
+    H100/H200 SXM nvlink4, H800 nvlink4-h800, A100 nvlink3, MI300X/MI325X infinity-fabric, H100 PCIe pcie5,
+    L40S, L4, RTX 4090 and RTX A6000 pcie4, cpu loopback)."""
     inter_node_link: str = "ib-ndr"
     """Network between nodes, per NIC: ib-ndr (400 Gb/s) | ib-hdr (200 Gb/s) | roce-400 | roce-200 | roce-100."""
     nics_per_node: int = 0
