@@ -50,12 +50,14 @@ What each technique issues (the modules that build it say why):
   forward and its gradient backward.
 - The trainer (train/step.py), once per step after the last backward, one number each: the logged
   loss all-reduced over the world (World.sum_, the default group), and clipping's gradient norm
-  (data_parallel.clip_grad_norm_, always computed: grad_clip=0 clips at inf): ZeRO-1's over its shard
-  ranks (zero.ZeroOptimizer.clip_grad_norm_); otherwise each sharded gradient's partial norm
-  all-reduced over the axes it is sharded on (DTensor.full_tensor: FSDP's shard ranks, HSDP's
-  replicas aside, tp, the routed experts' ep and, under FSDP, edp), then the stages' squared norms
-  over pp. Declared untimed (CollectiveCall.timed): perf/comms.py leaves them out, but they open
-  their groups' connections (memory/comm_buffers.py).
+  (data_parallel.clip_grad_norm_, always computed: grad_clip=0 clips at inf): each sharded
+  gradient's partial norm all-reduced over the axes it is sharded on (DTensor.full_tensor: FSDP's
+  shard ranks, HSDP's replicas aside, tp, the routed experts' ep and, under FSDP, edp; ZeRO-1's
+  master shards over its shard ranks, zero.ZeroOptimizer.clip_grad_norm_), then the stages' squared
+  norms over pp. ZeRO-1's engine reduces over its shard ranks only: it composes with no tp, ep or
+  pp (Layout.untrainable_reason), where a global norm would need them too, as declared here.
+  Declared untimed (CollectiveCall.timed): perf/comms.py leaves them out, but they open their
+  groups' connections (memory/comm_buffers.py).
 Not described: without data parallelism the sequence-parallel gains' gradients DTensor all-reduces
 at each later use, fp16 loss scaling's inf/nan flag, the loop's and checkpointing's collectives on
 the default group (stop signals, barriers, broadcasts), padding.
@@ -240,11 +242,9 @@ def _tp(model: ModelConfig, layout: Layout, layers: int, wrapped: int) -> list[C
 def _train(model: ModelConfig, layout: Layout) -> list[CollectiveCall]:
     """The trainer's all-reduces after the last backward (module docstring), untimed."""
     fsdp = layout.data_parallel == "fsdp"
-    if layout.data_parallel == "zero1":  # its master shards' norm, nothing else
-        norm = [SHARD]
-    else:
-        experts = [("ep",), *[("edp",)] * fsdp] if model.num_experts and layout.ep > 1 else []
-        norm = [*[SHARD] * fsdp, ("tp",), *experts, ("pp",)]
+    experts = [("ep",), *[("edp",)] * fsdp] if model.num_experts and layout.ep > 1 else []
+    sharded = [SHARD] if layout.data_parallel in ("zero1", "fsdp") else []
+    norm = [*sharded, ("tp",), *experts, ("pp",)]
     calls = [CollectiveCall("train", "all_reduce", AXES, "loss", "the logged loss", "step", 1, False, timed=False)]
     return calls + [CollectiveCall("train", "all_reduce", axes, "grad_norm", "clipping's gradient norm", "step", 1,
                                    False, timed=False) for axes in norm]
