@@ -9,8 +9,9 @@ from torch.distributed.distributed_c10d import _get_default_group, _world
 
 from _dist import FourRankGlooTestCase, with_comms
 from trainfit.configure import load_config
-from trainfit.parallel.groups import FLATTENED, mesh_groups, process_groups
-from trainfit.parallel.mesh import build_mesh, expert_mesh
+from trainfit.parallel.collectives import REPLICAS, SHARD
+from trainfit.parallel.groups import FLATTENED, group_of, mesh_groups, process_groups
+from trainfit.parallel.mesh import build_mesh, ddp_mesh, expert_mesh, shard_mesh
 from trainfit.parallel.resolve import build_layout
 
 LAYOUTS = [
@@ -56,3 +57,13 @@ class ProcessGroupsOnFourRanks(FourRankGlooTestCase):
         assert len(groups) == len(distinct), (overrides, groups)
         # Every group torch created for the mesh, size 1 ones aside, and the default group it reused.
         assert len(groups) == 1 + sum(pg.size() > 1 for pg in created), (overrides, groups)
+        # A collective over data-parallel axes (parallel/collectives.py) runs on the group mesh.py gives
+        # the engine: memory/comm_buffers.py counts that one, not its twins over the same ranks.
+        def over(axes: tuple[str, ...]) -> dist.ProcessGroup:
+            group = group_of(layout, axes)
+            return default if group.name == "world" else torch_group(group.name)
+
+        assert over(("dp_replicate", "dp_shard", "cp")) is ddp_mesh(mesh).get_group(), overrides
+        assert over(SHARD) is shard_mesh(mesh).get_group(), overrides
+        if layout.dp_replicate > 1:
+            assert over(REPLICAS) is mesh.get_group("dp_replicate"), overrides

@@ -2,7 +2,8 @@
 fitted to nothing. Torch-free. A term of the reserved margin on GPUs (memory/margin.py): the
 buffers live outside torch's caching allocator, so no tensor count sees them.
 
-    comm_buffers = sum over the rank's process groups (parallel/groups.process_groups) of
+    comm_buffers = sum over the rank's process groups (parallel/groups.process_groups) that run a
+                   ring or tree collective (communicating_groups) of
                    channels(group) x connections_per_channel(group) x CONNECTION_BYTES
 
 Every assumption, with its source (NCCL 2.30.7's source, github.com/NVIDIA/nccl; its user guide,
@@ -23,22 +24,31 @@ docs/userguide/source/env.rst):
   between nodes (src/graph/tuning.cc): a parent and up to NCCL_MAX_TREE_ARITY = 3 children per
   channel (ncclTransportTreeConnect), one usually the ring's peer: 3 more, the worst rank's. At
   most size - 1 distinct peers in all (a connection is per peer: a 2-rank group has one).
-- every group of the rank connects: NCCL connects an algorithm's peers at its first collective
-  (NCCL_RUNTIME_CONNECT=1, the default since 2.22) or, before 2.22, at init; a group that never
-  communicates would hold none. trainfit communicates on most (mesh.py's "dp" carries none under FSDP).
+- which groups connect: NCCL connects an algorithm's peers at its first collective that uses it
+  (NCCL_RUNTIME_CONNECT=1, the default since 2.22; before 2.22 at init, every group), so a group
+  holds these buffers only when an all-gather, reduce-scatter or all-reduce runs on it: one that
+  parallel/collectives.py declares over its axes (parallel/groups.group_of), the trainer's loss
+  and gradient-norm all-reduces among them. Torch makes data-parallel groups that carry none:
+  under FSDP and ZeRO-1 the flattened "dp" and "dp_cp", and "dp_shard" when cp > 1 (they shard
+  over "dp_shard_cp"); under DDP all but the one it averages over (parallel/mesh.ddp_mesh). Under
+  memory.offload the gradient norms are CPU tensors, all-reduced by gloo (train/distributed.
+  process_group_backend), which leaves the expert group ("ep") NCCL's all-to-alls only.
 
 Not counted: NVLink SHARP's buffers (H100/H200 on NVSwitch, NCCL_NVLS_ENABLE: src/transport/nvls.cc
-allocates nvlsChannels x 2 x NVLS_CHUNKSIZE x NCCL_STEPS per head), the pipeline's point-to-point
-buffers (P2P_NVL_CHUNKSIZE x NCCL_STEPS per peer and p2p channel), the connections' rounding to
-2 MiB (CUDA_IPC_MIN, src/include/comm.h), network connections' host-memory LL buffers (counted as
-device memory here), and RCCL (MI300X's infinity-fabric link: not NCCL; 0 here).
+allocates nvlsChannels x 2 x NVLS_CHUNKSIZE x NCCL_STEPS per head), point-to-point buffers
+(P2P_NVL_CHUNKSIZE x NCCL_STEPS per peer and p2p channel: the pipeline's sends and receives, expert
+parallelism's all-to-alls, which torch's ProcessGroupNCCL issues as grouped ncclSend/ncclRecv, and
+assumed the same where it calls NCCL 2.28's ncclAlltoAll), the connections' rounding to 2 MiB
+(CUDA_IPC_MIN, src/include/comm.h), network connections' host-memory LL buffers (counted as device
+memory here), and RCCL (MI300X's infinity-fabric link: not NCCL; 0 here).
 """
 
 from __future__ import annotations
 
-from trainfit.config import HardwareConfig
+from trainfit.config import HardwareConfig, ModelConfig
 from trainfit.hardware import intra_node_link_name
-from trainfit.parallel.groups import Group, process_groups
+from trainfit.parallel.collectives import collective_calls
+from trainfit.parallel.groups import Group, group_of, process_groups
 from trainfit.parallel.layout import Layout
 from trainfit.perf.comms import span_is_intra_node
 
@@ -90,8 +100,21 @@ def group_buffer_bytes(group: Group, layout: Layout, hardware: HardwareConfig) -
     return group_channels(group, layout, hardware) * group_connections(group, layout, hardware) * CONNECTION_BYTES
 
 
-def comm_buffer_bytes(layout: Layout, hardware: HardwareConfig) -> int:
+RING_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+"""The collectives that connect a group's ring (and, across nodes, tree); all-to-all and p2p do not."""
+
+
+def communicating_groups(model: ModelConfig, layout: Layout) -> list[Group]:
+    """The process groups of a rank that run a ring or tree collective on NCCL (module docstring),
+    in process_groups' order."""
+    on_gloo = {"grad_norm"} if layout.offload != "none" else set()
+    used = {group_of(layout, c.axes).name for c in collective_calls(model, layout)
+            if c.kind in RING_KINDS and c.tensor not in on_gloo}
+    return [g for g in process_groups(layout) if g.name in used]
+
+
+def comm_buffer_bytes(model: ModelConfig, layout: Layout, hardware: HardwareConfig) -> int:
     """NCCL's buffers on one rank of `layout` (0 on the CPU, where gloo runs)."""
     if hardware.gpu == "cpu":
         return 0
-    return sum(group_buffer_bytes(g, layout, hardware) for g in process_groups(layout))
+    return sum(group_buffer_bytes(g, layout, hardware) for g in communicating_groups(model, layout))

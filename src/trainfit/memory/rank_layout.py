@@ -157,4 +157,4 @@ def layout_common(run: Run, shared: SharedSizes) -> LayoutCommon:
                    layout.activation_checkpointing, layout.moe_imbalance, layout.chunked_loss, layout.loss_chunk_tokens,
                    rope_table_bytes(run))
     return LayoutCommon(shared.counts, prec, fsdp, tokens, seq, _block(run, shared.counts),
-                        shared.micro_batch(prec, shape), comm_buffer_bytes(run.layout, run.hardware))
+                        shared.micro_batch(prec, shape), comm_buffer_bytes(run.model, run.layout, run.hardware))

@@ -48,8 +48,19 @@ What each technique issues (the modules that build it say why):
   the policy keeps all-to-alls; dropless first exchanges the per-expert counts (forward and rerun).
 - Pipeline parallelism: per micro-batch and virtual stage, the stage boundary's activation sent
   forward and its gradient backward.
-Not described: the gradient-norm and logged-loss all-reduces after the last backward, without data
-parallelism the sequence-parallel gains' gradients DTensor all-reduces at each later use, padding.
+- The trainer (train/step.py), once per step after the last backward, one number each: the logged
+  loss all-reduced over the world (World.sum_, the default group), and clipping's gradient norm
+  (data_parallel.clip_grad_norm_, always computed: grad_clip=0 clips at inf): each sharded
+  gradient's partial norm all-reduced over the axes it is sharded on (DTensor.full_tensor: FSDP's
+  shard ranks, HSDP's replicas aside, tp, the routed experts' ep and, under FSDP, edp; ZeRO-1's
+  master shards over its shard ranks, zero.ZeroOptimizer.clip_grad_norm_), then the stages' squared
+  norms over pp. ZeRO-1's engine reduces over its shard ranks only: it composes with no tp, ep or
+  pp (Layout.untrainable_reason), where a global norm would need them too, as declared here.
+  Declared untimed (CollectiveCall.timed): perf/comms.py leaves them out, but they open their
+  groups' connections (memory/comm_buffers.py).
+Not described: without data parallelism the sequence-parallel gains' gradients DTensor all-reduces
+at each later use, fp16 loss scaling's inf/nan flag, the loop's and checkpointing's collectives on
+the default group (stop signals, barriers, broadcasts), padding.
 """
 
 from __future__ import annotations
@@ -62,9 +73,9 @@ from trainfit.config.schema import ModelConfig
 from trainfit.models.block_spec import block_linears
 from trainfit.models.checkpoint_policy import POLICIES
 from trainfit.models.params import param_counts
-from trainfit.parallel.layout import Layout
+from trainfit.parallel.layout import AXES, Layout
 
-Technique = Literal["ddp", "zero1", "fsdp", "tp", "cp", "ep", "pp"]
+Technique = Literal["ddp", "zero1", "fsdp", "tp", "cp", "ep", "pp", "train"]
 Kind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p"]
 Phase = Literal["forward", "backward", "step"]
 
@@ -88,6 +99,8 @@ TENSORS: dict[str, str] = {
     "routed_tokens": "the hidden state of each (token, choice) pair a rank sends (capacity: every slot)",
     "expert_counts": "the per-expert row counts (int64)",
     "boundary": "the stage boundary's hidden states (1/tp of them under sequence parallelism)",
+    "loss": "the step's summed loss (one fp32 number)",
+    "grad_norm": "a gradient norm, or its square (one fp32 number)",
 }
 """What a call moves, as perf/comms.py sizes it."""
 
@@ -114,6 +127,9 @@ class CollectiveCall:
     """Data parallel: root | blocks | experts (FSDP units) | buckets (DDP, ZeRO-1)."""
     per_bucket: bool = False
     """count is per gradient bucket (engine.py's bucket bytes say how many)."""
+    timed: bool = True
+    """perf/comms.py prices it; False for the trainer's one-number all-reduces, which it leaves out
+    (their count is a floor: DTensor reduces each differently sharded gradient group's norm apart)."""
 
 
 def group_size(layout: Layout, axes: tuple[str, ...]) -> int:
@@ -223,6 +239,17 @@ def _tp(model: ModelConfig, layout: Layout, layers: int, wrapped: int) -> list[C
             for kind, phase, tensor, site, count in calls]
 
 
+def _train(model: ModelConfig, layout: Layout) -> list[CollectiveCall]:
+    """The trainer's all-reduces after the last backward (module docstring), untimed."""
+    fsdp = layout.data_parallel == "fsdp"
+    experts = [("ep",), *[("edp",)] * fsdp] if model.num_experts and layout.ep > 1 else []
+    sharded = [SHARD] if layout.data_parallel in ("zero1", "fsdp") else []
+    norm = [*sharded, ("tp",), *experts, ("pp",)]
+    calls = [CollectiveCall("train", "all_reduce", AXES, "loss", "the logged loss", "step", 1, False, timed=False)]
+    return calls + [CollectiveCall("train", "all_reduce", axes, "grad_norm", "clipping's gradient norm", "step", 1,
+                                   False, timed=False) for axes in norm]
+
+
 def collective_calls(model: ModelConfig, layout: Layout) -> tuple[CollectiveCall, ...]:
     """Every collective one rank of the busiest pipeline stage issues per step (module docstring),
     in the order perf/comms.py lists them; none over a group of one rank, none of count 0."""
@@ -250,4 +277,5 @@ def collective_calls(model: ModelConfig, layout: Layout) -> tuple[CollectiveCall
                                             phase, count))
     for phase, site in (("forward", "stage boundary activation"), ("backward", "stage boundary gradient")):
         calls.append(CollectiveCall("pp", "p2p", ("pp",), "boundary", site, phase, layout.pp_virtual_stages))
+    calls += _train(model, layout)
     return tuple(c for c in calls if c.count > 0 and group_size(layout, c.axes) > 1)

@@ -16,6 +16,11 @@ groups torch registers for a real mesh.
 Every group's ranks are evenly spaced in the world (the mesh orders them pp, dp_replicate, dp_shard,
 cp, tp, outermost first, and a flattened or expert axis joins adjacent ones), so a group is its size
 and its stride, which say whether it stays inside a node (perf/comms.span_is_intra_node).
+
+A collective over some mesh axes (parallel/collectives.CollectiveCall.axes) runs on one of these
+groups (`group_of`), the one parallel/mesh.py's dp_mesh, shard_mesh, ddp_mesh and fsdp_mesh pick;
+some groups torch makes carry none (under FSDP with dp_replicate > 1, "dp": the sampler reads its
+rank and size, nothing communicates on it).
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ class Group(NamedTuple):
     size: int
     stride: int
     """Ranks between two consecutive members of the group."""
+    axes: tuple[str, ...] = ()
+    """The mesh axes it joins (parallel/layout.AXES; ("edp",) or ("ep",) for an expert axis; every
+    axis for the world)."""
 
 
 def _stride(layout: Layout, axes: tuple[str, ...]) -> int:
@@ -55,12 +63,13 @@ def _flattened(layout: Layout) -> dict[str, tuple[str, ...]]:
 def mesh_groups(layout: Layout) -> list[Group]:
     """Every group this rank belongs to, size 1 and world-sized ones included, one per mesh axis,
     flattened axis and (ep > 1: parallel/mesh.expert_mesh) expert axis, in that order."""
-    groups = [Group(axis, size, _stride(layout, (axis,))) for axis, size in layout.mesh_axes().items()]
-    groups += [Group(name, math.prod(getattr(layout, a) for a in axes), _stride(layout, axes))
+    groups = [Group(axis, size, _stride(layout, (axis,)), (axis,)) for axis, size in layout.mesh_axes().items()]
+    groups += [Group(name, math.prod(getattr(layout, a) for a in axes), _stride(layout, axes), axes)
                for name, axes in _flattened(layout).items()]
     if layout.ep > 1:  # ep consecutive ranks of the shard ranks (dp_shard x cp, stride tp); edp across them
         shards = layout.dp_shard * layout.cp
-        groups += [Group("edp", shards // layout.ep, layout.tp * layout.ep), Group("ep", layout.ep, layout.tp)]
+        groups += [Group("edp", shards // layout.ep, layout.tp * layout.ep, ("edp",)),
+                   Group("ep", layout.ep, layout.tp, ("ep",))]
     return groups
 
 
@@ -68,5 +77,24 @@ def process_groups(layout: Layout) -> list[Group]:
     """The distinct process groups of more than one rank this rank belongs to: the default group
     ("world", when the world has more than one rank; every world-sized axis is it), then each other
     mesh_groups entry of size > 1. Equal on every rank."""
-    world = [Group("world", layout.world_size, 1)] if layout.world_size > 1 else []
+    world = [_world(layout)] if layout.world_size > 1 else []
     return world + [g for g in mesh_groups(layout) if 1 < g.size < layout.world_size]
+
+
+def _world(layout: Layout) -> Group:
+    return Group("world", layout.world_size, 1, AXES)
+
+
+def group_of(layout: Layout, axes: tuple[str, ...]) -> Group:
+    """The group a collective over mesh `axes` runs on: the one of mesh_groups over the same axes of
+    the mesh (its size-1 axes left out, dp_shard kept: mesh.py's ddp_mesh, for one, takes "dp_cp",
+    "dp_shard_cp", "dp" or "dp_shard" by which axes are there), or the default group ("world") when
+    the axes span every rank (the trainer's own all-reduces; any axis of the world's size)."""
+    present = {*layout.mesh_axes(), "edp", "ep"}
+    wanted = [axis for axis in axes if axis in present]
+    if all(axis in axes for axis in layout.mesh_axes()):
+        return _world(layout)
+    for group in mesh_groups(layout):
+        if [axis for axis in group.axes if axis in present] == wanted:
+            return _world(layout) if group.size == layout.world_size else group
+    raise ValueError(f"no process group over {axes} in {layout.mesh_axes()}")

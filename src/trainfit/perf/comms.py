@@ -257,8 +257,8 @@ def tensor_bytes(model: ModelConfig, layout: Layout, training: TrainingConfig) -
 
 
 def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfig) -> list[Collective]:
-    """Every collective one rank of the busiest pipeline stage issues in one optimizer step: the calls
-    parallel/collectives.py declares for the layout (what each technique issues, and why), each of
+    """Every collective one rank of the busiest pipeline stage issues in one optimizer step: the timed
+    calls parallel/collectives.py declares for the layout (what each technique issues, and why), each of
     tensor_bytes' size, repeated over the micro-batches where accumulation repeats it. Calls that
     differ only in their site (a dense block's wo and w2 outputs, K and V) are one Collective.
 
@@ -272,6 +272,8 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
     n_mb = layout.num_microbatches
     merged: dict[tuple, int] = {}
     for call in collective_calls(model, layout):
+        if not call.timed:
+            continue
         nbytes = sizes[call.tensor]
         count = call.count * (n_mb if call.per_microbatch else 1) * (sizes["buckets"] if call.per_bucket else 1)
         if nbytes > 0:
