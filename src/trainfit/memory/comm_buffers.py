@@ -68,14 +68,19 @@ LL_BUFFSIZE = NCCL_LL_LINES_PER_THREAD * NCCL_LL_MAX_NTHREADS * NCCL_STEPS * LL_
 LL128_BUFFSIZE = NCCL_LL128_ELEMS_PER_THREAD * NCCL_LL128_MAX_NTHREADS * NCCL_STEPS * LL128_ELEM_BYTES
 CONNECTION_BYTES = SIMPLE_BUFFSIZE + LL_BUFFSIZE + LL128_BUFFSIZE
 
-INTRA_NODE_CHANNELS = {"nvlink4": 24, "nvlink3": 24, "pcie5": 4, "pcie4": 2}
+INTRA_NODE_CHANNELS = {"nvlink4": 24, "nvlink3": 24, "pcie5": 4, "pcie4": 2, "nvlink5": 24, "nvlink4-h800": 24,
+                       "pcie6": 4}
 """Channels of a group inside one node, by link (trainfit.hardware.LINKS). nvlink4: "24 coll
 channels" in NCCL_DEBUG=INFO logs of 8 x H100 SXM on one node (AWS p5.48xlarge), as NCCL's search
 gives it: 18 NVLinks x 20.6 GB/s (SM90_NVLINK_BW, src/graph/topo.h) hold 6 rings of 60 GB/s,
 ncclTopoDupChannels doubles them to 12, ncclTopoPostset to 24. nvlink3: 24, "Channel 23/24" on
 HGX A100 (NVIDIA/nccl-tests issue 100). pcie4 / pcie5: one ring fits a x16 link (NCCL models it at
 24 / 48 GB/s, src/graph/topo.cc kvDictPciGen), doubled by ncclTopoPostset to 2; ncclTopoDupChannels
-doubles a ring of 25 GB/s or more first, so 4 on Gen5 (derived from the source, no log checked)."""
+doubles a ring of 25 GB/s or more first, so 4 on Gen5 (derived from the source, no log checked).
+nvlink5 (B200, GB200, B300), nvlink4-h800 and pcie6: no NCCL log or search constant read; assumed
+nvlink4's and pcie5's counts, so that their groups are not counted as holding nothing (an upper
+bound for H800's 8 NVLinks, which give NCCL's search fewer rings than H100's 18). RCCL's
+infinity-fabric: not NCCL, 0 (the module docstring)."""
 INTER_NODE_CHANNELS = 16
 """A group spanning nodes: "Channel 00/16" on 3 nodes of 8 x H100 with a 400 Gb/s NIC per GPU
 (NVIDIA/nccl issue 1453). Fewer NICs give fewer channels."""

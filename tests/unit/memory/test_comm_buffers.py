@@ -127,3 +127,14 @@ def test_every_declared_collective_runs_on_a_group_of_its_size_and_only_those_ho
     assert comm_buffer_bytes(cfg.model, layout, cfg.hardware) == sum(
         group_buffer_bytes(g, layout, cfg.hardware) for g in groups if g.name in used)
     assert all(group_buffer_bytes(g, layout, cfg.hardware) > 0 for g in groups)
+
+
+def test_every_nccl_device_of_the_catalog_has_a_channel_count() -> None:
+    """A device whose link NCCL runs on never counts its groups as holding no buffers (RCCL's
+    infinity-fabric is not NCCL: 0 by the module's statement)."""
+    from trainfit.hardware import GPUS
+    from trainfit.memory.comm_buffers import INTRA_NODE_CHANNELS
+
+    missing = {name: spec.default_link for name, spec in GPUS.items()
+               if spec.default_link != "infinity-fabric" and spec.default_link not in INTRA_NODE_CHANNELS}
+    assert not missing
