@@ -211,13 +211,6 @@ KNOWN: dict[tuple[str, str], str] = {
         "allowed), at one peak moment (the shared experts' w3 in the first block's backward): the same "
         "bytes counted as a recompute buffer by one side and as activations by the other, and grads "
         "12,235 below; which side is right is not yet determined",
-    ("memory", "pp2-stage1-at-block1-full-every2"):
-        "stage 0 grads: analytic 180,736 bytes below traced; traced is right. Stage 0 holds both "
-        "micro-batches in flight (F1 F2 B1 B2), so step_peak's `accumulating` (m > in_flight) is false and "
-        "its backward moments have no gradients before them: they are B1's (both micro-batches' "
-        "activations). The traced peak is B2's (layers.0 w2): one micro-batch's activations beside all of "
-        "the stage's gradients, which B1 made (213,504 bytes), 166,408 bytes above analytic's peak. The "
-        "analytic lacks the last in-flight micro-batch's backward moment",
     ("memory", "fp8-zero3-float8-all-gather"):
         "activations: analytic 21,956 bytes above traced (11,576 allowed), buffers 32,772 below (within "
         "tolerance); which side is right is not yet determined",
