@@ -211,18 +211,20 @@ KNOWN: dict[tuple[str, str], str] = {
         "allowed), at one peak moment (the shared experts' w3 in the first block's backward): the same "
         "bytes counted as a recompute buffer by one side and as activations by the other, and grads "
         "12,235 below; which side is right is not yet determined",
-    ("memory", "pp2-stage1-at-block1-full-every2"):
-        "stage 0 grads: analytic 180,736 bytes below traced; traced is right. Stage 0 holds both "
-        "micro-batches in flight (F1 F2 B1 B2), so step_peak's `accumulating` (m > in_flight) is false and "
-        "its backward moments have no gradients before them: they are B1's (both micro-batches' "
-        "activations). The traced peak is B2's (layers.0 w2): one micro-batch's activations beside all of "
-        "the stage's gradients, which B1 made (213,504 bytes), 166,408 bytes above analytic's peak. The "
-        "analytic lacks the last in-flight micro-batch's backward moment",
     ("memory", "fp8-zero3-float8-all-gather"):
         "activations: analytic 21,956 bytes above traced (11,576 allowed), buffers 32,772 below (within "
-        "tolerance); which side is right is not yet determined",
-    ("memory", "cp2-zero3"): "activations: analytic 22,404 bytes below traced (20,134 allowed); which side is "
-                             "right is not yet determined",
+        "tolerance). The traced peak is later in the first block's backward than any analytic moment: in w1's "
+        "float8 backward (its fp32 casts of w1's output gradient), where the saved activations of the MLP's "
+        "output side are freed and FSDP2's unsharded gradients of w2 and w3 (the block's, reduce-scattered "
+        "after its whole backward) are buffers beside it; step_peak's float8 and MLP moments hold w2's only. "
+        "Traced is right; the analytic lacks that moment",
+    ("memory", "cp2-zero3"):
+        "activations: analytic 68,028 bytes above traced (16,228 allowed) and buffers 113,796 below (65,728 "
+        "allowed). The traced peak is the last block's wq backward: every weight gradient of the block made, "
+        "unsharded until the block's reduce-scatter (FSDP2, buffers: 147,456 bytes), beside the block's "
+        "attention norm's saved tensors and its input gradient's partial sums; step_peak's last-block moments "
+        "hold w2's gradient only (the MLP's moment). Context parallelism halves the tokens, so the later "
+        "moment wins. Traced is right; the analytic lacks that moment",
 }
 """Grid points whose check fails today, by (check, point): the disagreement, and which side is right
 where that is known. Strict: a fix makes the test fail until its entry goes."""

@@ -7,6 +7,7 @@ largest is kept. The one place that decides what coexists when. Torch-free."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from trainfit.memory.activation_terms import Terms
 from trainfit.memory.activations import shared_experts_saved
@@ -51,6 +52,27 @@ def _float8_backward_bytes(k: int, n: int, tokens: int, casts_weight: bool, cast
     return max(tokens * n + cast_bytes * w,
                tokens * (n + 2 * k + cast_bytes * n) + w,
                tokens * (2 * n + 2 * k + cast_bytes * k) + w)
+
+
+class Earlier(NamedTuple):
+    """What the gradients of earlier backwards (accumulation, or a pipeline's earlier micro-batches)
+    make of one backward's moments (bytes)."""
+
+    before: int
+    """Gradients present before the backward's first: accumulated, or buckets from the step's start."""
+    separate: float
+    """DDP accumulating: bytes per parameter element of the unsynced `.grad` still beside its bucket."""
+    staged: int
+    """FSDP under a pipeline schedule, mixed precision: FSDP2's reduce-dtype accumulations (buffers)."""
+    later_grads: int
+    """Gradients present at the first block's backward: of the rank's other parameters."""
+    first_comms: int
+    """FSDP's gathered blocks and reduce staging at the first block's backward."""
+    head_grad: int
+    """The output projection's weight and input gradients in flight (0: no such moment)."""
+
+    def pending(self, elements: int) -> int:
+        return int(self.separate * elements)
 
 
 def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[[PipelineHeld], MemoryBreakdown]:
@@ -121,26 +143,15 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     # step's start; autograd's gradient is moved into its bucket as soon as it is made, so nothing
     # else of a parameter's gradient outlives its own backward.
     bucketed = kind == "zero1" or (kind == "ddp" and DDP_GRADIENT_AS_BUCKET_VIEW)
-    before = st.grads if accumulating or bucketed else 0
     # DDP accumulating: the micro-batches before the last run without gradient sync, when DDP's hook
     # does nothing and autograd accumulates into new `.grad` tensors (set_to_none dropped the views);
     # the last one's hook copies each into its bucket slot as the parameter's backward finishes and
     # makes `.grad` the slot's view. Until then both exist: all of them up to the head's backward,
     # then those of the parameters still ahead (`pending`, in elements).
-    separate = st.grads / st.params if kind == "ddp" and bucketed and accumulating and st.params else 0
-
-    def pending(elements: int) -> int:
-        return int(separate * elements)
     # FSDP under a pipeline schedule: no sharded gradient exists before the step's reduce-scatter;
     # the accumulated unsharded ones do, those of the blocks already backwarded in this micro-batch,
     # or of all of them once a micro-batch is done: the parameters' own `.grad` (grads) when they
     # are in the reduce dtype, else FSDP2's reduce-dtype copy (buffers, as its other staging).
-    accumulated = reduce * st.params if pp_fsdp and accumulating else 0
-    if pp_fsdp:
-        before = 0 if prec.mixed else accumulated
-        if prec.mixed:
-            fwd_buffers += accumulated
-            bwd_buffers += accumulated
     # Bytes per element of the gradients autograd makes (the module's parameters' dtype) and of
     # those held in `.grad` until the step (none beyond the buckets when bucketed).
     autograd_bytes = c if st.fsdp or kind == "zero1" else st.grads / st.params if st.params else 0
@@ -151,12 +162,30 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     # Sharded gradients (FSDP) exist once reduce-scattered: the root's after the whole backward.
     output_grads = 0 if st.fsdp or bucketed else int(root_grads * per_param) - tied_pending
     later = st.params - lay.block - (0 if lay.tied_here else lay.embedding) - (root_grads if st.fsdp else 0)
-    later_grads = 0 if bucketed else int(later * per_param) - tied_pending
-    if pp_fsdp and not accumulating:
-        if prec.mixed:
-            first_comms += reduce * (later + root_grads)
-        else:
-            later_grads = reduce * (later + root_grads)
+
+    def earlier(acc: bool, share: float) -> Earlier:
+        """The gradients of earlier backwards as one backward sees them: `acc`, some ran before it,
+        making `share` of the rank's gradients (a pipeline rank's local stages: one of them)."""
+        separate = st.grads / st.params if kind == "ddp" and bucketed and acc and st.params else 0
+        before = int(share * st.grads) if acc or bucketed else 0
+        accumulated = int(share * reduce * st.params) if pp_fsdp and acc else 0
+        staged, comms, later_grads = 0, first_comms, 0 if bucketed else int(later * per_param) - tied_pending
+        if pp_fsdp:
+            before = 0 if prec.mixed else accumulated
+            staged = accumulated if prec.mixed else 0
+            if not acc and prec.mixed:
+                comms += reduce * (later + root_grads)
+            elif not acc:
+                later_grads = reduce * (later + root_grads)
+        # The output projection's weight gradient in flight: bucketed, until the bucket's hook takes
+        # it; accumulating, until autograd adds it to the `.grad` already there
+        head_grad = 0
+        if (bucketed or acc and not st.fsdp) and lay.last and not chunked:
+            # and the projection's input gradient (grad_logits @ W: [tokens, dim], the matmul's
+            # dtype), made by the same autograd node; under tensor parallelism a whole partial sum
+            head_grad = int(autograd_bytes * lay.output_matmul) + (c * lay.output_matmul if act.autocast else 0) \
+                + c * run.model.dim * st.tokens
+        return Earlier(before, separate, staged, later_grads, comms, head_grad)
     # The MLP's output matmul (w2 / fc2) has its weight gradient by the MLP's backward peak: in
     # .grad after SwiGLU's w2 (under FSDP an unsharded gradient, until the block's reduce-scatter);
     # GELU's peak is inside fc2's backward, where under autocast the 16-bit weight gradient is not
@@ -235,15 +264,6 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     last_grads, last_buffers, last_acts, last_casts = in_backward(lay.last_wrapped)
     first_grads, first_buffers, first_acts, first_casts = in_backward(lay.first_wrapped)
 
-    # The output projection's weight gradient in flight: bucketed, until the bucket's hook takes it;
-    # accumulating, until autograd adds it to the `.grad` already there
-    head_grad = 0
-    if (bucketed or accumulating and not st.fsdp) and lay.last and not chunked:
-        # and the projection's input gradient (grad_logits @ W: [tokens, dim], the matmul's dtype),
-        # made by the same autograd node; under tensor parallelism a whole partial sum
-        head_grad = int(autograd_bytes * lay.output_matmul) + (c * lay.output_matmul if act.autocast else 0) \
-            + c * run.model.dim * st.tokens
-
     n_if, h_if = lay.in_flight, lay.head_in_flight
     older_own = (n_if - 1) * a_blocks + (h_if - 1) * a_final  # other micro-batches in flight
     # Autocast caches one cast per parameter for its whole block, and a pipeline step runs every
@@ -253,37 +273,66 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     all_casts, pipelined = lay.blocks * cast_block + cast_head, run.layout.pp > 1
     states = st.persistent + st.optimizer + st.compute_params
 
+    # A pipeline rank whose forwards all precede its backwards (m <= in_flight: GPipe, 1F1B's early
+    # ranks, a short step) backwards its micro-batches one after the other: the first with every
+    # micro-batch held and no gradient, each following one with a chunk (one micro-batch through one
+    # local stage) fewer held and the gradients of the chunks done. The second chunk backward is the
+    # largest of the following ones (they all see the local stage's gradients; each holds a chunk
+    # fewer): its moments are the rank's too. Zero-bubble schedules count the gradients a deferred
+    # weight pass has yet to make (the pending inputs are in pipe.pending as well): a bound.
+    v = run.layout.pp_virtual_stages
+    following = run.layout.pp > 1 and not accumulating and run.layout.num_microbatches * v > 1
+    backwards = [(earlier(accumulating, 1.0), 0.0, 0)]
+    if following:
+        backwards.append((earlier(True, 1 / v), 1 / v, 1 if lay.head_in_flight > 1 else 0))
+
     def with_pipeline(pipe: PipelineHeld) -> MemoryBreakdown:
-        older = older_own + pipe.pending
         # The pipeline's last stage holds each in-flight micro-batch's logits (the current one's
         # through its backward too), where one process frees them once the loss is computed, and what
         # its loss saved (the loss region's: logits).
-        older_logits, own_logits = (h_if - 1) * (pipe.logits + loss.saved), pipe.logits
+        own_logits = pipe.logits
         # The chunked loss holds the output through its own backward (one process: only then).
         loss_bwd = loss.backward + (loss.output if loss.keeps_output and not own_logits else 0)
-        fwd, bwd = fwd_buffers + pipe.slots + pipe.sent, bwd_buffers + pipe.slots + pipe.sent
+        g = backwards[0][0]
+        older = older_own + pipe.pending
+        older_logits = (h_if - 1) * (pipe.logits + loss.saved)
         acts = older + a_blocks + a_final
-        ahead = before + pending(st.params)  # every gradient before the backward's first
+        sends = pipe.slots + pipe.sent
+        fwd = fwd_buffers + g.staged + sends
+        ahead = g.before + g.pending(st.params)  # every gradient before the backward's first
         moments = [  # (phase, params: compute copies, activations, logits, grads, buffers)
             # End of the model's forward: autocast's cache still holds checkpointed blocks' casts.
             ("forward", held + all_casts, acts, older_logits + loss.output, ahead, fwd),
             ("forward", held + saved_casts, acts, older_logits + loss.forward, ahead, fwd),
-            ("backward", held + saved_casts, acts, older_logits + own_logits + loss_bwd, ahead, fwd),
-            # The output projection's backward (head_grad), its weight gradient just made (under
-            # autocast also its 16-bit form) beside the logits' gradient in the compute dtype, until the
-            # bucket's hook or the accumulation takes it (a large vocabulary makes this the backward's peak).
-            *([("backward", held + saved_casts, acts + head_grad, older_logits + max(own_logits, loss.output),
-                ahead, fwd)] if head_grad else []),
-            ("backward", held + (all_casts if pipelined else saved_casts - cast_head
-                                 + (cast_block if lay.last_wrapped else 0)) + last_casts,
-             older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, older_logits + own_logits,
-             max(before, output_grads + last_grads) + pending(st.params - lay.head), bwd + last_comms + last_buffers),
-            # (under a pipeline schedule FSDP keeps every backwarded block gathered: all of them, held)
-            ("backward", (held if pp_fsdp else c * (lay.block + lay.embedding + lay.head) if held else 0)
-             + (all_casts if pipelined else cast_block) + first_casts,
-             older + first_acts, older_logits + own_logits,
-             max(before, later_grads) + first_grads + pending(lay.block + lay.embedding),
-             bwd + first_comms + first_buffers),
+        ]
+        for g, chunks_done, heads_done in backwards:
+            older = older_own - chunks_done * a_blocks - heads_done * a_final + pipe.pending
+            older_logits = (h_if - 1 - heads_done) * (pipe.logits + loss.saved)
+            acts = older + a_blocks + a_final
+            fwd, bwd = fwd_buffers + g.staged + sends, bwd_buffers + g.staged + sends
+            ahead = g.before + g.pending(st.params)
+            moments += [
+                ("backward", held + saved_casts, acts, older_logits + own_logits + loss_bwd, ahead, fwd),
+                # The output projection's backward (head_grad), its weight gradient just made (under
+                # autocast also its 16-bit form) beside the logits' gradient in the compute dtype, until
+                # the bucket's hook or the accumulation takes it (a large vocabulary makes this the
+                # backward's peak).
+                *([("backward", held + saved_casts, acts + g.head_grad,
+                    older_logits + max(own_logits, loss.output), ahead, fwd)] if g.head_grad else []),
+                ("backward", held + (all_casts if pipelined else saved_casts - cast_head
+                                     + (cast_block if lay.last_wrapped else 0)) + last_casts,
+                 older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, older_logits + own_logits,
+                 max(g.before, output_grads + last_grads) + g.pending(st.params - lay.head),
+                 bwd + last_comms + last_buffers),
+                # (under a pipeline schedule FSDP keeps every backwarded block gathered: all of them, held;
+                # accumulating, autograd adds the block's new weight gradients into the `.grad` there)
+                ("backward", (held if pp_fsdp else c * (lay.block + lay.embedding + lay.head) if held else 0)
+                 + (all_casts if pipelined else cast_block) + first_casts,
+                 older + first_acts, older_logits + own_logits,
+                 max(g.before, g.later_grads + first_grads) + g.pending(lay.block + lay.embedding),
+                 bwd + g.first_comms + first_buffers),
+            ]
+        moments += [
             # The step: every gradient (ZeRO-1's master gradients too) and the optimizer's temporaries.
             ("optimizer", 0, 0, 0, st.grads + st.master_grads, persistent_buffers + pipe.slots + st.optimizer_temp),
         ]
