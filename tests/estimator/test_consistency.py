@@ -208,9 +208,13 @@ KNOWN: dict[tuple[str, str], str] = {
         "step, leaves out. comms.py is right for every step after the first",
     ("memory", "moe-ep2-zero3-selective-alternate"):
         "activations: analytic 83,212 bytes below traced (21,520 allowed) and buffers 82,164 above (73,127 "
-        "allowed), at one peak moment (the shared experts' w3 in the first block's backward): the same "
-        "bytes counted as a recompute buffer by one side and as activations by the other, and grads "
-        "12,235 below; which side is right is not yet determined",
+        "allowed), at one peak moment inside the first block's routed-expert backward; grads 12,235 below. "
+        "Traced holds there 3 x 32,768 bytes of the local experts' stacked w1/w2/w3 weight gradients (bmm "
+        "outputs, 2 x 64 x 64 fp32) as activations: a first contribution, summed later into a new tensor "
+        "that FSDP's copy-in retags as buffers, while the first is freed still tagged activations. The "
+        "analytic counts those gradients as buffers (unsharded under FSDP). Which component a partial "
+        "weight gradient belongs to is the ledger's rule to settle (memory/ledger.py), and why each "
+        "expert weight gets two contributions is not yet explained",
     ("memory", "fp8-zero3-float8-all-gather"):
         "activations: analytic 21,956 bytes above traced (11,576 allowed), buffers 32,772 below (within "
         "tolerance). The traced peak is later in the first block's backward than any analytic moment: in w1's "
