@@ -20,6 +20,7 @@ from trainfit.memory.pipeline_held import PipelineHeld
 from trainfit.memory.rank_layout import LayoutCommon, RankLayout
 from trainfit.memory.run_shape import Run, rope_table_bytes
 from trainfit.memory.zero_states import stage_states
+from trainfit.models.block_spec import block_linears
 from trainfit.parallel.engine import DDP_GRADIENT_AS_BUCKET_VIEW, FSDP_PREFETCH_BLOCKS, FSDP_REDUCE_BYTES_MIXED
 from trainfit.perf.kernels import float8_gemms
 
@@ -224,6 +225,50 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
                                                cast_bytes) for name in ("w2", "wo", "shared_w2") if name in float8),
                        default=0)
 
+    # The backward of each branch's first linears (backward_transients.FirstLinears): the attention's
+    # wq, after every other weight gradient of the block is made (all but the attention norm's), and
+    # the MLP's w1 (fc1), after the MLP's others; MoE: the attention's only (the experts' are in
+    # routed_moments). fp8-mixed: also inside the linear's float8 backward, in its casts, before its
+    # own weight gradient (its input gradient is among _float8_backward_bytes's allocations).
+    linears = {w.name: w.local_params(tp, run.layout.ep) for w in block_linears(run.model)}
+    attention_norm = run.model.dim * (2 if run.model.family == "gpt2" else 1)
+    mlp_linears = () if routing is not None else ("w1", "w2", "w3") if "w3" in linears else ("w1", "w2")
+    input_grad = c * run.model.dim * st.tokens  # the first linear's input gradient, in FirstLinears' *_new
+
+    def made(done: int, own: int) -> tuple[int, int, int]:
+        """(grads, buffers, activations) of `done` weight-gradient elements of the block, the last
+        linear's (`own` of them) just made: under FSDP unsharded compute copies until the block's
+        reduce-scatter (buffers); else `.grad` (bucketed: in the buckets from the step's start), the
+        linear's own still in flight under autocast (16-bit, before its cast back) or bucketed (until
+        its bucket's hook takes it)."""
+        if st.fsdp:
+            return 0, c * done, 0
+        flight = c * own if act.autocast else int(autograd_bytes * own) if bucketed else 0
+        return int((done - (own if act.autocast else 0)) * per_param), 0, flight
+
+    def first_linear_moments(stream: int, kept: int | None = None) -> list[tuple[int, int, int, int]]:
+        """The moments of FirstLinears beside the stream's gradient (`stream`), for a block that saved its
+        tensors, or for a checkpointed one (`kept`: its kept tensors with the stream's gradient; at the
+        MLP's first linears a bound, some are freed by then) that keeps its input and holds what its
+        recompute rebuilt (buffers)."""
+        wrapped = kept is not None
+        at_wq = (mb.first_rebuilt, stream + mb.first_input) if wrapped else (0, stream + mb.first_kept)
+        branches = [("wq", linears["wq"], lay.block - attention_norm, at_wq, mb.first_attention_new)]
+        if mlp_linears:
+            at_w1 = (max(0, rebuild - mb.first_mlp_freed), kept) if wrapped else \
+                (0, stream + a_none - mb.first_mlp_freed)
+            branches.append(("w1", linears["w1"], sum(linears[name] for name in mlp_linears), at_w1, mb.first_mlp_new))
+        moments = []
+        for name, own, done, (rebuilt, held), new in branches:
+            grads, buffers, flight = made(done, own)
+            moments.append((grads, buffers + rebuilt, held + new + flight, 0))
+            if name in float8:
+                grads, buffers, _ = made(done - own, 0)
+                casts = _float8_backward_bytes(float8[name].k, float8[name].n, st.tokens, not run.layout.fp8_gathers,
+                                               cast_bytes)
+                moments.append((grads, buffers + rebuilt, held + new - input_grad + casts, 0))
+        return moments
+
     def in_backward(wrapped: bool) -> tuple[int, int, int, int]:
         """(grads, buffers, activations, 16-bit casts) a block adds at its backward's peak.
         Unwrapped: its saved activations with the attention's or the MLP's gradients. Checkpointed:
@@ -243,6 +288,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
             moments += [attention] if act.math_attention else []
             if fp8_backward:  # before any of the block's weight gradients exists
                 moments.append((0, 0, a_none + stream + incoming + fp8_backward, 0))
+            moments += first_linear_moments(stream)
             for r in routed_moments:
                 acts = a_none - shared_kept - shared_rebuilt - r.freed + stream + r.added
                 moments.append((*routed(r.done), acts, -r.uncast))
@@ -253,6 +299,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
         moments = [recomputed, mlp_moment]
         if fp8_backward:
             moments.append((0, rebuild, kept + incoming + fp8_backward, 0))
+        moments += first_linear_moments(stream, kept)
         if act.math_attention:  # the kept tensors and the recompute's, less what the MLP's backward freed
             moments.append((w2[0], w2[1] + max(0, rebuild - freed), kept + cast + mb.attention, 0))
         for r in routed_moments:
