@@ -1,8 +1,9 @@
 """A rank's memory at the step's peak moment (`rank_breakdown`): its model states (memory/zero_states.py)
 plus what each moment of the step adds (the end of the forward, the loss, the backward of the stage's last and
-first block, the optimizer step): compute copies, FSDP's gathered parameters and reduce buffers, gradients
-accumulated so far, the activations alive, fp8's backward casts; the largest moment is the peak and each phase's
-largest is kept. The one place that decides what coexists when. Torch-free."""
+first block: its MLP's, its attention's, each branch's first linears'; the optimizer step): compute copies,
+FSDP's gathered parameters and reduce buffers, gradients accumulated so far, the activations alive, fp8's
+backward casts; the largest moment is the peak and each phase's largest is kept. The one place that decides
+what coexists when. Torch-free."""
 
 from __future__ import annotations
 
@@ -269,11 +270,12 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
                 moments.append((grads, buffers + rebuilt, held + new - input_grad + casts, 0))
         return moments
 
-    def in_backward(wrapped: bool) -> tuple[int, int, int, int]:
-        """(grads, buffers, activations, 16-bit casts) a block adds at its backward's peak.
+    def in_backward(wrapped: bool) -> list[tuple[int, int, int, int]]:
+        """(grads, buffers, activations, 16-bit casts) a block adds at each moment of its backward.
         Unwrapped: its saved activations with the attention's or the MLP's gradients. Checkpointed:
         the recompute just done, or the MLP's gradients (by the attention's turn the MLP's recompute
-        is freed). MoE: or a moment of the routed experts' backward."""
+        is freed). Either: or the backward of a branch's first linears (first_linear_moments). MoE: or
+        a moment of the routed experts' backward."""
         # With sequence parallelism the branch's cast is all-gathered (branch_grad) and freed.
         stream, cast = mb.grad_stream + tied_pending, 0 if run.layout.sequence_parallel else mb.grad_cast
         incoming = mb.branch_grad if run.layout.sequence_parallel else cast  # a branch's output gradient
@@ -292,7 +294,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
             for r in routed_moments:
                 acts = a_none - shared_kept - shared_rebuilt - r.freed + stream + r.added
                 moments.append((*routed(r.done), acts, -r.uncast))
-            return max(moments, key=sum)
+            return moments
         kept = a_policy - mb.released + stream
         recomputed = (0, rebuild + mb.recompute_tail, kept + mb.branch_grad + mb.released_last, 0)
         mlp_moment = (w2[0], w2[1] + rebuild - mb.mlp_freed, kept + cast + mb.mlp_new + w2[2], 0)
@@ -306,10 +308,11 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
             grads, buffers = routed(r.done)
             acts = kept - shared_kept + r.added - r.freed_kept
             moments.append((grads, buffers + rebuild - shared_rebuilt - (r.freed - r.freed_kept), acts, -r.uncast))
-        return max(moments, key=sum)
+        return moments
 
-    last_grads, last_buffers, last_acts, last_casts = in_backward(lay.last_wrapped)
-    first_grads, first_buffers, first_acts, first_casts = in_backward(lay.first_wrapped)
+    # Each moment is weighed in the step's: gradients made in the block may count less there (those
+    # accumulated before already hold them: max(g.before, ...) below).
+    last_moments, first_moments = in_backward(lay.last_wrapped), in_backward(lay.first_wrapped)
 
     n_if, h_if = lay.in_flight, lay.head_in_flight
     older_own = (n_if - 1) * a_blocks + (h_if - 1) * a_final  # other micro-batches in flight
@@ -366,19 +369,23 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
                 # backward's peak).
                 *([("backward", held + saved_casts, acts + g.head_grad,
                     older_logits + max(own_logits, loss.output), ahead, fwd)] if g.head_grad else []),
+            ]
+            moments += [
                 ("backward", held + (all_casts if pipelined else saved_casts - cast_head
                                      + (cast_block if lay.last_wrapped else 0)) + last_casts,
                  older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, older_logits + own_logits,
                  max(g.before, output_grads + last_grads) + g.pending(st.params - lay.head),
-                 bwd + last_comms + last_buffers),
-                # (under a pipeline schedule FSDP keeps every backwarded block gathered: all of them, held;
-                # accumulating, autograd adds the block's new weight gradients into the `.grad` there)
+                 bwd + last_comms + last_buffers)
+                for last_grads, last_buffers, last_acts, last_casts in last_moments]
+            # (under a pipeline schedule FSDP keeps every backwarded block gathered: all of them, held;
+            # accumulating, autograd adds the block's new weight gradients into the `.grad` there)
+            moments += [
                 ("backward", (held if pp_fsdp else c * (lay.block + lay.embedding + lay.head) if held else 0)
                  + (all_casts if pipelined else cast_block) + first_casts,
                  older + first_acts, older_logits + own_logits,
                  max(g.before, g.later_grads + first_grads) + g.pending(lay.block + lay.embedding),
-                 bwd + g.first_comms + first_buffers),
-            ]
+                 bwd + g.first_comms + first_buffers)
+                for first_grads, first_buffers, first_acts, first_casts in first_moments]
         moments += [
             # The step: every gradient (ZeRO-1's master gradients too) and the optimizer's temporaries.
             ("optimizer", 0, 0, 0, st.grads + st.master_grads, persistent_buffers + pipe.slots + st.optimizer_temp),
