@@ -305,12 +305,15 @@ def test_a_chunked_loss_of_one_chunk_moves_the_hidden_states_and_saves_nothing(m
 @pytest.mark.parametrize(("compiled", "cast"), [(False, 9), (True, 1)])
 def test_float8_backward_is_counted_on_the_ranks_shards(compiled: bool, cast: int) -> None:
     """llama3.1-8b at tp 8 with SP and 2 FSDP shards, full checkpointing, 2 x 8192 tokens (the loss chunked away): the
-    peak is the MLP's output linear's backward (w2), the same moment in bf16-mixed and fp8-mixed but
-    for the float8 backward's own tensors, counted on the rank's shard of w2 (14336 / 8 = 1792 -> 4096
-    features), beside its incoming gradient (the all-gathered one, as bf16-mixed has it). Eager, the
-    second output-gradient cast runs at 9 bytes per element (fp32 upcast, scaled product and clamp,
-    fp8 bits) beside the first cast's fp8 bits, the weight's and the bf16 input gradient; compiled,
-    a cast is one fused kernel writing fp8 only, and the input's cast is the largest moment."""
+    fp8-mixed peak is the MLP's output linear's backward (w2) as the recompute ends, the recompute's end in
+    bf16-mixed but for the float8 backward's own tensors, counted on the rank's shard of w2 (14336 / 8 =
+    1792 -> 4096 features), beside its incoming gradient (the all-gathered one, as bf16-mixed has it).
+    Eager, the second output-gradient cast runs at 9 bytes per element (fp32 upcast, scaled product and
+    clamp, fp8 bits) beside the first cast's fp8 bits, the weight's and the bf16 input gradient; compiled,
+    a cast is one fused kernel writing fp8 only, and the input's cast is the largest moment.
+    The bf16-mixed peak is later, at w1's backward (step_peak's first linears): above the recompute's end
+    by the MLP's three unsharded weight gradients and, per row, w1's output gradient, the partial sum of
+    the input gradient (w3's) and w1's own, less the branch's gradient and SwiGLU's four tensors freed."""
     shape = ("--model.preset=llama3.1-8b", "--hardware.num_gpus=16", "--parallel.tp=8",
              "--parallel.sequence_parallel=true", "--parallel.zero_stage=3", "--training.seq_len=8192",
              "--model.max_seq_len=8192", "--training.micro_batch_size=2", "--training.global_batch_size=4",
@@ -321,7 +324,10 @@ def test_float8_backward_is_counted_on_the_ranks_shards(compiled: bool, cast: in
     rows, k, n = 2 * 8192, 14336 // 8, 4096
     second_grad_cast = rows * (n + 2 * k + cast * n)  # G8, the input gradient, the cast running
     input_cast = rows * (2 * n + 2 * k + cast * k)  # both G8s, the input gradient, the cast running
-    assert fp8.peak - bf16.peak == max(second_grad_cast, input_cast) + k * n  # + the weight's fp8 bits
+    # w1, w2, w3's gradients; per row w1's output gradient, the partial sum and w1's input gradient,
+    # less the branch's gradient and SwiGLU's four tensors (all bf16)
+    w1_moment = 2 * 3 * k * n + rows * (2 * k + 2 * n + 2 * n - 2 * n - 4 * 2 * k)
+    assert fp8.peak - bf16.peak == max(second_grad_cast, input_cast) + k * n - w1_moment  # + the weight's fp8 bits
 
 def test_optimizers_and_their_step_temporaries():
     def states(name: str, *extra: str):

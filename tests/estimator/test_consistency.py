@@ -215,20 +215,6 @@ KNOWN: dict[tuple[str, str], str] = {
         "analytic counts those gradients as buffers (unsharded under FSDP). Which component a partial "
         "weight gradient belongs to is the ledger's rule to settle (memory/ledger.py), and why each "
         "expert weight gets two contributions is not yet explained",
-    ("memory", "fp8-zero3-float8-all-gather"):
-        "activations: analytic 21,956 bytes above traced (11,576 allowed), buffers 32,772 below (within "
-        "tolerance). The traced peak is later in the first block's backward than any analytic moment: in w1's "
-        "float8 backward (its fp32 casts of w1's output gradient), where the saved activations of the MLP's "
-        "output side are freed and FSDP2's unsharded gradients of w2 and w3 (the block's, reduce-scattered "
-        "after its whole backward) are buffers beside it; step_peak's float8 and MLP moments hold w2's only. "
-        "Traced is right; the analytic lacks that moment",
-    ("memory", "cp2-zero3"):
-        "activations: analytic 68,028 bytes above traced (16,228 allowed) and buffers 113,796 below (65,728 "
-        "allowed). The traced peak is the last block's wq backward: every weight gradient of the block made, "
-        "unsharded until the block's reduce-scatter (FSDP2, buffers: 147,456 bytes), beside the block's "
-        "attention norm's saved tensors and its input gradient's partial sums; step_peak's last-block moments "
-        "hold w2's gradient only (the MLP's moment). Context parallelism halves the tokens, so the later "
-        "moment wins. Traced is right; the analytic lacks that moment",
 }
 """Grid points whose check fails today, by (check, point): the disagreement, and which side is right
 where that is known. Strict: a fix makes the test fail until its entry goes."""

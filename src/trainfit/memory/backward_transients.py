@@ -1,7 +1,8 @@
 """What one block's backward creates beyond its saved activations, moment by moment (`Transient`): the
 stream's incoming gradient and its cast, the attention's and the MLP's gradients, a checkpointed block's
-recompute tail, the routed experts' gradients; and what the block has freed by its attention's backward.
-memory/step_peak.py combines them with the saved tensors into the backward's moments. Torch-free."""
+recompute tail, the routed experts' gradients; what the block has freed by its attention's backward; and
+what it holds at the backward of each branch's first linears (`FirstLinears`). memory/step_peak.py
+combines them with the saved tensors into the backward's moments. Torch-free."""
 
 from __future__ import annotations
 
@@ -67,6 +68,58 @@ class Transient:
     expert_input_grad: Terms = Terms()
     """MoE: the layer input's gradient, summed over the shared experts', the routed experts' (each
     dropless expert's index_select backward a full-size scatter of its rows) and the router's."""
+
+
+@dataclass(frozen=True)
+class FirstLinears:
+    """A branch's backward at its first linears (those reading the branch's normed input: the
+    attention's wq, wk, wv; the MLP's w1 and w3, or fc1), at the last of them to run: autograd runs the
+    node made later first, so wv, wk, then wq; w3, then w1. Everything of the branch beyond them has
+    run backward and freed what it saved."""
+
+    kept: Terms
+    """What the block still saves then (unwrapped), of the tensors block_terms counts: at wq, its input
+    (RMSNorm: the fp32 copy; LayerNorm: the input), the attention norm's own tensors and its output as
+    wq saves it (under autocast wq's own cast; wk's and wv's are freed)."""
+    block_input: Terms
+    """What a checkpointed block keeps of its own then: its input (every policy keeps it; what else a
+    policy kept, the attention's and the MLP's outputs, its recompute consumed or the backward freed)..."""
+    rebuilt: Terms
+    """...and what its recompute rebuilt, of `kept`: all but the block input (RMSNorm's fp32 copy of a
+    16-bit input is rebuilt too)."""
+    freed: Terms
+    """At w1 (fc1), what the block has freed instead, the rest being kept: the MLP's saved tensors
+    (SwiGLU's four, GELU's two) and, under autocast, w3's cast of its input. An MoE's experts run
+    their own backwards (moe_activations.routed_backward_moments): none."""
+    attention_new: Terms
+    """At the end of wq's backward: its output gradient (q's, after RoPE's backward), the partial
+    sum of the attention norm output's gradient (autograd keeps one buffer per input, into which wv's
+    and wk's input gradients are summed: the norm output's dtype, the stream's, as autocast's cast's
+    backward converts to it) and wq's own input gradient (the matmul's dtype). Under tensor parallelism
+    each is the rank's whole-width partial sum (gathered)."""
+    mlp_new: Terms
+    """The same at w1's (SwiGLU: w1's output gradient, silu's backward, and w3's input gradient
+    as the partial sum) or fc1's (GELU's gradient; fc1 is its input's only consumer: no sum)."""
+
+
+def first_linears(m: ModelConfig, d: ActDtypes) -> FirstLinears:
+    """What a block holds at the backward of its branches' first linears (FirstLinears)."""
+    D, q_dim, _, _, _ = block_shapes(m)
+    c = d.compute
+    residual = d.stream * D if m.family == "gpt2" else FP32 * D
+    rebuilt = norm_saved(m, d, 1) + Terms(seq=0 if m.family == "gpt2" or d.stream == FP32 else residual)
+    kept = Terms(seq=residual) + norm_saved(m, d, 1)
+    input_grad = Terms(gathered=c * D)
+    attention_new = Terms(tp=c * q_dim, gathered=d.stream * D) + input_grad
+    at_attention = dict(kept=kept, block_input=Terms(seq=d.stream * D), rebuilt=rebuilt, attention_new=attention_new)
+    if m.num_experts:
+        return FirstLinears(**at_attention, freed=Terms(), mlp_new=Terms())
+    if m.family == "gpt2":
+        return FirstLinears(**at_attention, freed=Terms(tp=2 * c * m.ffn_dim),
+                            mlp_new=Terms(tp=c * m.ffn_dim) + input_grad)
+    w3_cast = Terms(gathered=c * D if d.autocast else 0)
+    return FirstLinears(**at_attention, freed=Terms(tp=swiglu_saved(c, m.ffn_dim)) + w3_cast,
+                        mlp_new=Terms(tp=c * m.ffn_dim, gathered=d.stream * D) + input_grad)
 
 
 def attention_backward_freed(m: ModelConfig, d: ActDtypes) -> Terms:

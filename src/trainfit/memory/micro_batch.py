@@ -11,7 +11,12 @@ from trainfit.config import ModelConfig
 from trainfit.memory.activation_terms import Terms
 from trainfit.memory.activations import block_terms, policy_only_terms
 from trainfit.memory.attention_activations import context_parallel_positions
-from trainfit.memory.backward_transients import Transient, attention_backward_freed, backward_transient_terms
+from trainfit.memory.backward_transients import (
+    Transient,
+    attention_backward_freed,
+    backward_transient_terms,
+    first_linears,
+)
 from trainfit.memory.logits import LossBytes, loss_bytes
 from trainfit.memory.moe_activations import Routing, moe_routing
 from trainfit.memory.run_shape import MicroBatchShape, Precision
@@ -52,6 +57,18 @@ class MicroBatch(NamedTuple):
     recompute_tail: int
     attention_freed: int
     """The math attention kernel's: what its backward finds freed (attention_backward_freed)."""
+    first_kept: int
+    """At the attention's first linears' backward: what the block still saves (FirstLinears.kept)..."""
+    first_input: int
+    """...of which a checkpointed block keeps its input (FirstLinears.block_input)...."""
+    first_rebuilt: int
+    """...and its recompute rebuilt the rest (FirstLinears.rebuilt)..."""
+    first_attention_new: int
+    """...and what the backward holds of its own there (FirstLinears.attention_new)."""
+    first_mlp_freed: int
+    """At the MLP's first linears' backward: what the block has freed (FirstLinears.freed)..."""
+    first_mlp_new: int
+    """...and what the backward holds of its own there (FirstLinears.mlp_new)."""
     boundary: int
     weight_pending: int
     head_weight_pending: int
@@ -69,6 +86,7 @@ def _micro_batch(m: ModelConfig, prec: Precision, shape: MicroBatchShape) -> Mic
     t = backward_transient_terms(m, act, routing, shape.sequence_parallel, policy, cp)
     only = policy_only_terms(m, act, policy, tp, routing, cp)
     released = size(only.released)
+    first = first_linears(m, act)
     return MicroBatch(
         routing=routing, transient=t, none=none, policy=wrapped,
         positions=size(context_parallel_positions(m, cp, shape.rope_table_bytes)),
@@ -78,6 +96,9 @@ def _micro_batch(m: ModelConfig, prec: Precision, shape: MicroBatchShape) -> Mic
         branch_grad=size(t.branch_grad), attention=size(t.attention), mlp_new=size(t.mlp_new),
         mlp_freed=size(t.mlp_freed), recompute_tail=size(t.recompute_tail),
         attention_freed=size(attention_backward_freed(m, act)) if act.math_attention else 0,
+        first_kept=size(first.kept), first_input=size(first.block_input),
+        first_rebuilt=size(first.rebuilt), first_attention_new=size(first.attention_new),
+        first_mlp_freed=size(first.freed), first_mlp_new=size(first.mlp_new),
         boundary=size(stage_boundary_terms(m, act)), weight_pending=size(weight_pass_pending_terms(m, act)),
         head_weight_pending=size(head_weight_pass_pending_terms(m, act)))
 

@@ -1,8 +1,9 @@
 """A rank's memory at the step's peak moment (`rank_breakdown`): its model states (memory/zero_states.py)
 plus what each moment of the step adds (the end of the forward, the loss, the backward of the stage's last and
-first block, the optimizer step): compute copies, FSDP's gathered parameters and reduce buffers, gradients
-accumulated so far, the activations alive, fp8's backward casts; the largest moment is the peak and each phase's
-largest is kept. The one place that decides what coexists when. Torch-free."""
+first block: its MLP's, its attention's, each branch's first linears'; the optimizer step): compute copies,
+FSDP's gathered parameters and reduce buffers, gradients accumulated so far, the activations alive, fp8's
+backward casts; the largest moment is the peak and each phase's largest is kept. The one place that decides
+what coexists when. Torch-free."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from trainfit.memory.pipeline_held import PipelineHeld
 from trainfit.memory.rank_layout import LayoutCommon, RankLayout
 from trainfit.memory.run_shape import Run, rope_table_bytes
 from trainfit.memory.zero_states import stage_states
+from trainfit.models.block_spec import block_linears
 from trainfit.parallel.engine import DDP_GRADIENT_AS_BUCKET_VIEW, FSDP_PREFETCH_BLOCKS, FSDP_REDUCE_BYTES_MIXED
 from trainfit.perf.kernels import float8_gemms
 
@@ -224,11 +226,56 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
                                                cast_bytes) for name in ("w2", "wo", "shared_w2") if name in float8),
                        default=0)
 
-    def in_backward(wrapped: bool) -> tuple[int, int, int, int]:
-        """(grads, buffers, activations, 16-bit casts) a block adds at its backward's peak.
+    # The backward of each branch's first linears (backward_transients.FirstLinears): the attention's
+    # wq, after every other weight gradient of the block is made (all but the attention norm's), and
+    # the MLP's w1 (fc1), after the MLP's others; MoE: the attention's only (the experts' are in
+    # routed_moments). fp8-mixed: also inside the linear's float8 backward, in its casts, before its
+    # own weight gradient (its input gradient is among _float8_backward_bytes's allocations).
+    linears = {w.name: w.local_params(tp, run.layout.ep) for w in block_linears(run.model)}
+    attention_norm = run.model.dim * (2 if run.model.family == "gpt2" else 1)
+    mlp_linears = () if routing is not None else ("w1", "w2", "w3") if "w3" in linears else ("w1", "w2")
+    input_grad = c * run.model.dim * st.tokens  # the first linear's input gradient, in FirstLinears' *_new
+
+    def made(done: int, own: int) -> tuple[int, int, int]:
+        """(grads, buffers, activations) of `done` weight-gradient elements of the block, the last
+        linear's (`own` of them) just made: under FSDP unsharded compute copies until the block's
+        reduce-scatter (buffers); else `.grad` (bucketed: in the buckets from the step's start), the
+        linear's own still in flight under autocast (16-bit, before its cast back) or bucketed (until
+        its bucket's hook takes it)."""
+        if st.fsdp:
+            return 0, c * done, 0
+        flight = c * own if act.autocast else int(autograd_bytes * own) if bucketed else 0
+        return int((done - (own if act.autocast else 0)) * per_param), 0, flight
+
+    def first_linear_moments(stream: int, kept: int | None = None) -> list[tuple[int, int, int, int]]:
+        """The moments of FirstLinears beside the stream's gradient (`stream`), for a block that saved its
+        tensors, or for a checkpointed one (`kept`: its kept tensors with the stream's gradient; at the
+        MLP's first linears a bound, some are freed by then) that keeps its input and holds what its
+        recompute rebuilt (buffers)."""
+        wrapped = kept is not None
+        at_wq = (mb.first_rebuilt, stream + mb.first_input) if wrapped else (0, stream + mb.first_kept)
+        branches = [("wq", linears["wq"], lay.block - attention_norm, at_wq, mb.first_attention_new)]
+        if mlp_linears:
+            at_w1 = (max(0, rebuild - mb.first_mlp_freed), kept) if wrapped else \
+                (0, stream + a_none - mb.first_mlp_freed)
+            branches.append(("w1", linears["w1"], sum(linears[name] for name in mlp_linears), at_w1, mb.first_mlp_new))
+        moments = []
+        for name, own, done, (rebuilt, held), new in branches:
+            grads, buffers, flight = made(done, own)
+            moments.append((grads, buffers + rebuilt, held + new + flight, 0))
+            if name in float8:
+                grads, buffers, _ = made(done - own, 0)
+                casts = _float8_backward_bytes(float8[name].k, float8[name].n, st.tokens, not run.layout.fp8_gathers,
+                                               cast_bytes)
+                moments.append((grads, buffers + rebuilt, held + new - input_grad + casts, 0))
+        return moments
+
+    def in_backward(wrapped: bool) -> list[tuple[int, int, int, int]]:
+        """(grads, buffers, activations, 16-bit casts) a block adds at each moment of its backward.
         Unwrapped: its saved activations with the attention's or the MLP's gradients. Checkpointed:
         the recompute just done, or the MLP's gradients (by the attention's turn the MLP's recompute
-        is freed). MoE: or a moment of the routed experts' backward."""
+        is freed). Either: or the backward of a branch's first linears (first_linear_moments). MoE: or
+        a moment of the routed experts' backward."""
         # With sequence parallelism the branch's cast is all-gathered (branch_grad) and freed.
         stream, cast = mb.grad_stream + tied_pending, 0 if run.layout.sequence_parallel else mb.grad_cast
         incoming = mb.branch_grad if run.layout.sequence_parallel else cast  # a branch's output gradient
@@ -243,26 +290,29 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
             moments += [attention] if act.math_attention else []
             if fp8_backward:  # before any of the block's weight gradients exists
                 moments.append((0, 0, a_none + stream + incoming + fp8_backward, 0))
+            moments += first_linear_moments(stream)
             for r in routed_moments:
                 acts = a_none - shared_kept - shared_rebuilt - r.freed + stream + r.added
                 moments.append((*routed(r.done), acts, -r.uncast))
-            return max(moments, key=sum)
+            return moments
         kept = a_policy - mb.released + stream
         recomputed = (0, rebuild + mb.recompute_tail, kept + mb.branch_grad + mb.released_last, 0)
         mlp_moment = (w2[0], w2[1] + rebuild - mb.mlp_freed, kept + cast + mb.mlp_new + w2[2], 0)
         moments = [recomputed, mlp_moment]
         if fp8_backward:
             moments.append((0, rebuild, kept + incoming + fp8_backward, 0))
+        moments += first_linear_moments(stream, kept)
         if act.math_attention:  # the kept tensors and the recompute's, less what the MLP's backward freed
             moments.append((w2[0], w2[1] + max(0, rebuild - freed), kept + cast + mb.attention, 0))
         for r in routed_moments:
             grads, buffers = routed(r.done)
             acts = kept - shared_kept + r.added - r.freed_kept
             moments.append((grads, buffers + rebuild - shared_rebuilt - (r.freed - r.freed_kept), acts, -r.uncast))
-        return max(moments, key=sum)
+        return moments
 
-    last_grads, last_buffers, last_acts, last_casts = in_backward(lay.last_wrapped)
-    first_grads, first_buffers, first_acts, first_casts = in_backward(lay.first_wrapped)
+    # Each moment is weighed in the step's: gradients made in the block may count less there (those
+    # accumulated before already hold them: max(g.before, ...) below).
+    last_moments, first_moments = in_backward(lay.last_wrapped), in_backward(lay.first_wrapped)
 
     n_if, h_if = lay.in_flight, lay.head_in_flight
     older_own = (n_if - 1) * a_blocks + (h_if - 1) * a_final  # other micro-batches in flight
@@ -319,19 +369,23 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
                 # backward's peak).
                 *([("backward", held + saved_casts, acts + g.head_grad,
                     older_logits + max(own_logits, loss.output), ahead, fwd)] if g.head_grad else []),
+            ]
+            moments += [
                 ("backward", held + (all_casts if pipelined else saved_casts - cast_head
                                      + (cast_block if lay.last_wrapped else 0)) + last_casts,
                  older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, older_logits + own_logits,
                  max(g.before, output_grads + last_grads) + g.pending(st.params - lay.head),
-                 bwd + last_comms + last_buffers),
-                # (under a pipeline schedule FSDP keeps every backwarded block gathered: all of them, held;
-                # accumulating, autograd adds the block's new weight gradients into the `.grad` there)
+                 bwd + last_comms + last_buffers)
+                for last_grads, last_buffers, last_acts, last_casts in last_moments]
+            # (under a pipeline schedule FSDP keeps every backwarded block gathered: all of them, held;
+            # accumulating, autograd adds the block's new weight gradients into the `.grad` there)
+            moments += [
                 ("backward", (held if pp_fsdp else c * (lay.block + lay.embedding + lay.head) if held else 0)
                  + (all_casts if pipelined else cast_block) + first_casts,
                  older + first_acts, older_logits + own_logits,
                  max(g.before, g.later_grads + first_grads) + g.pending(lay.block + lay.embedding),
-                 bwd + g.first_comms + first_buffers),
-            ]
+                 bwd + g.first_comms + first_buffers)
+                for first_grads, first_buffers, first_acts, first_casts in first_moments]
         moments += [
             # The step: every gradient (ZeRO-1's master gradients too) and the optimizer's temporaries.
             ("optimizer", 0, 0, 0, st.grads + st.master_grads, persistent_buffers + pipe.slots + st.optimizer_temp),
