@@ -202,8 +202,9 @@ def _trace(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> Traced:
 KNOWN: dict[tuple[str, str], str] = {
     ("collectives", "fp8-zero3-float8-all-gather"):
         "the traced step is a trainer's first: its float8 weights have no precomputed scales (the trainer "
-        "precomputes them after each optimizer step; float8.precompute_scales reads data, which fake "
-        "tensors lack), so each pre-all-gather all-reduces its weight's amax: 28 all-reduces of 4 bytes "
+        "precomputes them after each optimizer step; precomputed before the first, torchao's "
+        "WeightWithDynamicFloat8CastTensor.__tensor_flatten__ asks the scale tensor's truth value, which a fake "
+        "tensor cannot answer), so each pre-all-gather all-reduces its weight's amax: 28 all-reduces of 4 bytes "
         "(7 float8 linears x 2 blocks x forward and backward gathers) that comms.py, modelling a later "
         "step, leaves out. comms.py is right for every step after the first",
     ("memory", "moe-ep2-zero3-selective-alternate"):
