@@ -26,8 +26,9 @@ The components, as memory/breakdown.py names them and analytic.py counts them:
   FSDP's copy-in / copy-out ops (all-gather, reduce-scatter, unsharded gradients; ZeRO-1's
   per-bucket reduce-scatter output and all-gather input and output), what autograd's gradient
   accumulation reads and makes for an FSDP unsharded parameter (a gradient it copies into the
-  parameter's layout: the incoming one too), ZeRO-3's unsharded parameters, what activation checkpointing recomputes in backward, optimizer-step temporaries,
-  module buffers (RoPE tables) and other persistent tensors (loss-scaler state).
+  parameter's layout: the incoming one too), ZeRO-3's unsharded parameters, what activation
+  checkpointing recomputes in backward, optimizer-step temporaries, module buffers (RoPE tables)
+  and other persistent tensors (loss-scaler state).
 
 A storage's component is its final one: when it is recognised later (a tensor becomes a `.grad`,
 a reduce-scatter result a sharded gradient), the figures of the peak moment are corrected too.
