@@ -207,15 +207,6 @@ KNOWN: dict[tuple[str, str], str] = {
         "tensor cannot answer), so each pre-all-gather all-reduces its weight's amax: 28 all-reduces of 4 bytes "
         "(7 float8 linears x 2 blocks x forward and backward gathers) that comms.py, modelling a later "
         "step, leaves out. comms.py is right for every step after the first",
-    ("memory", "moe-ep2-zero3-selective-alternate"):
-        "activations: analytic 83,212 bytes below traced (21,520 allowed) and buffers 82,164 above (73,127 "
-        "allowed), at one peak moment inside the first block's routed-expert backward; grads 12,235 below. "
-        "Traced holds there 3 x 32,768 bytes of the local experts' stacked w1/w2/w3 weight gradients (bmm "
-        "outputs, 2 x 64 x 64 fp32) as activations: a first contribution, summed later into a new tensor "
-        "that FSDP's copy-in retags as buffers, while the first is freed still tagged activations. The "
-        "analytic counts those gradients as buffers (unsharded under FSDP). Which component a partial "
-        "weight gradient belongs to is the ledger's rule to settle (memory/ledger.py), and why each "
-        "expert weight gets two contributions is not yet explained",
 }
 """Grid points whose check fails today, by (check, point): the disagreement, and which side is right
 where that is known. Strict: a fix makes the test fail until its entry goes."""

@@ -24,9 +24,11 @@ The components, as memory/breakdown.py names them and analytic.py counts them:
   moves it into a bucket, too).
 - buffers: operands and results of the data-parallel engines' collectives (_COMM_NAMESPACES) and
   FSDP's copy-in / copy-out ops (all-gather, reduce-scatter, unsharded gradients; ZeRO-1's
-  per-bucket reduce-scatter output and all-gather input and output), ZeRO-3's unsharded
-  parameters, what activation checkpointing recomputes in backward, optimizer-step temporaries,
-  module buffers (RoPE tables) and other persistent tensors (loss-scaler state).
+  per-bucket reduce-scatter output and all-gather input and output), what autograd's gradient
+  accumulation reads and makes for an FSDP unsharded parameter (a gradient it copies into the
+  parameter's layout: the incoming one too), ZeRO-3's unsharded parameters, what activation
+  checkpointing recomputes in backward, optimizer-step temporaries, module buffers (RoPE tables)
+  and other persistent tensors (loss-scaler state).
 
 A storage's component is its final one: when it is recognised later (a tensor becomes a `.grad`,
 a reduce-scatter result a sharded gradient), the figures of the peak moment are corrected too.
@@ -110,6 +112,8 @@ class _Storage:
     born: int
     """Operator index at which the storage appeared (or last changed size)."""
     ref: weakref.ref = field(repr=False)
+    resized: bool = False
+    """FSDP resizes it: an all-gather output, which its unsharded parameters are views of."""
 
 
 class StorageLedger(TorchDispatchMode):
@@ -209,7 +213,9 @@ class StorageLedger(TorchDispatchMode):
         nbytes = storage.nbytes()
         if entry is None:
             self._track(storage, self.unsharded_component)
+            self.entries[id(storage)].resized = True
             return
+        entry.resized = True
         self.current[entry.component] += nbytes - entry.nbytes
         if entry.component != HOST:
             self.total += nbytes - entry.nbytes
@@ -396,6 +402,13 @@ class StorageLedger(TorchDispatchMode):
             for t in tree_flatten((args, kwargs, out))[0]:
                 if isinstance(t, torch.Tensor):
                     self._track_tensor(t, "buffers", retag=("activations",))
+        elif self._accumulating_unsharded_grad():
+            # AccumulateGrad's work on an FSDP unsharded parameter's gradient (a copy into the
+            # parameter's layout, or a sum): the incoming gradient and the result are FSDP's
+            # unsharded gradients, buffers until the reduce-scatter's copy-in.
+            for t in tree_flatten((args, kwargs, out))[0]:
+                if isinstance(t, torch.Tensor):
+                    self._track_tensor(t, "buffers", retag=("activations",))
         else:
             component = None
             for t in tree_flatten(out)[0]:
@@ -405,6 +418,20 @@ class StorageLedger(TorchDispatchMode):
         if self.recording:
             self._sample(func)
         return out
+
+    def _accumulating_unsharded_grad(self) -> bool:
+        """Autograd is accumulating the gradient of an FSDP unsharded parameter. AccumulateGrad copies
+        an incoming gradient whose strides differ from the parameter's (a stacked expert weight's,
+        made by a batched matmul on its transpose) before it becomes `.grad`: the copy is what FSDP
+        reduces, and the incoming one, freed right after, never reaches FSDP's copy-in."""
+        if self.phase != "backward":
+            return False
+        node = torch._C._current_autograd_node()
+        if node is None or type(node).__name__ != "AccumulateGrad":
+            return False
+        param = _local(node.variable)
+        entry = self.entries.get(id(param.untyped_storage())) if param.device.type != "meta" else None
+        return entry is not None and entry.resized
 
     def _fake_override(self, func: Any, args: Any) -> Any:
         if func is aten.nonzero.default and self._route is not None:

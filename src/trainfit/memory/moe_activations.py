@@ -17,6 +17,7 @@ from trainfit.memory.activation_terms import (
     Terms,
     swiglu_saved,
 )
+from trainfit.models.checkpoint_policy import kept_linear_shares
 from trainfit.models.routing import dropless_loads, expert_capacity, expert_parallel_loads
 
 if TYPE_CHECKING:  # annotations only: backward_transients imports this module
@@ -138,7 +139,7 @@ class RoutedMoment:
 
     done: int
     """Gradient elements complete: the shared experts' weights (their backward ran first), with a
-    capacity factor also the stacked w2 (one batched matmul)."""
+    capacity factor also the stacked w2 (one batched matmul), then all three."""
     added: int
     """Added to the activations: the experts' gradients and autograd's running sums."""
     freed: int
@@ -148,7 +149,8 @@ class RoutedMoment:
     """16-bit weight casts already freed (autocast: each dropless expert frees its slices' own)."""
     freed_kept: int = 0
     """The part of `freed` that a checkpointed block's policy kept (not rebuilt by its recompute):
-    expert parallelism's returned rows under the selective policies."""
+    expert parallelism's returned rows under the selective policies; with a capacity factor also the
+    kept expert matmul outputs (_capacity_freed)."""
 
 
 def routed_backward_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing: Routing,
@@ -159,7 +161,8 @@ def routed_backward_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing:
     on the rank; `grad_bytes`: bytes per element of the gradients the experts' slices produce (the
     sliced weights' dtype: fp32 masters under autocast, the unsharded compute copies under FSDP).
 
-    Capacity: the output-gradient moment, then the SwiGLU gradients with w2's gradient done.
+    Capacity: the output-gradient moment, then the SwiGLU gradients with w2's gradient done, then
+    w1's backward with all three done (_capacity_freed: what each has freed).
     Dropless (ROUTED_WEIGHT_GRAD_COPIES): from the second expert backward on the three running sums
     and the layer input's gradient sum exist; then either an expert with no tokens summing its
     full-size slice gradients and input-gradient scatter (nothing of its own freed), or the busiest
@@ -171,8 +174,15 @@ def routed_backward_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing:
     if routing.capacity:
         # The shared experts' input gradient waits for the routed experts' (one sum, from then on).
         pending = size(t.expert_input_grad) if m.num_shared_experts else 0
+        # Then the SwiGLU's gradients with w2's done, the combine's saved tensors freed; then w1's
+        # backward, the last: every weight's gradient done, the gradient of w1's output and the two
+        # partial input gradients (w3's, w1's) exist, the SwiGLU's saved tensors freed too.
+        first_linears = size(Terms(gathered=routing.busiest * d.compute * (m.expert_ffn_dim + 2 * m.dim)))
+        combine, combine_kept = _capacity_freed(m, d, routing, size, policy, swiglu=False)
+        rows_saved, rows_kept = _capacity_freed(m, d, routing, size, policy, swiglu=True)
         return [RoutedMoment(shared, pending + output, freed, shared_casts),
-                RoutedMoment(shared + expert_weight, pending + hidden, freed, shared_casts)]
+                RoutedMoment(shared + expert_weight, pending + hidden, combine, shared_casts, combine_kept),
+                RoutedMoment(shared + 3 * expert_weight, pending + first_linears, rows_saved, shared_casts, rows_kept)]
     unit = expert_weight * grad_bytes
     if routing.pairs:
         return _expert_parallel_moments(m, d, t, routing, size, shared=shared, shared_casts=shared_casts,
@@ -186,6 +196,24 @@ def routed_backward_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing:
     return [RoutedMoment(shared, running + adding, light, shared_casts + cast_expert),
             RoutedMoment(shared, running + 2 * input_grad, 2 * light, shared_casts + 2 * cast_expert),
             RoutedMoment(shared, running + busiest, freed + 2 * light, shared_casts + 2 * cast_expert)]
+
+
+def _capacity_freed(m: ModelConfig, d: ActDtypes, routing: Routing, size: Callable[[Terms], int], policy: str,
+                    *, swiglu: bool) -> tuple[int, int]:
+    """Capacity: (freed, the part a checkpointed block's policy kept) of the rows' saved tensors, once
+    the combine's backward is done (the routing weight, the w2 output and the weighted output) and,
+    with `swiglu`, at w1's backward, the experts' last: the SwiGLU's four too (all but the rows'
+    input). Kept by the selective policies: the combine's w2 output, which is expert parallelism's
+    returned rows (an all-to-all's output) or, on one rank, the kept w2 output; and w1's and w3's
+    outputs by their kept shares."""
+    D, F, c, rows = m.dim, m.expert_ffn_dim, d.compute, routing.busiest
+    freed = rows * (_combine_row_saved(m, d) + (swiglu_saved(c, F) if swiglu else 0))
+    kept = 0.0
+    if policy in ("selective", "selective-alternate"):
+        share = kept_linear_shares(m, policy, routing.local_experts(m.num_experts), capacity=True)
+        kept = rows * c * ((1.0 if routing.ep > 1 else share["experts_w2"]) * D
+                           + ((share["experts_w1"] + share["experts_w3"]) * F if swiglu else 0))
+    return size(Terms(gathered=freed)), size(Terms(gathered=kept))
 
 
 def _expert_parallel_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing: Routing,

@@ -17,6 +17,7 @@ from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.logits import LossBytes
 from trainfit.memory.margin import reserved_margin_terms
 from trainfit.memory.moe_activations import RoutedMoment, routed_backward_moments
+from trainfit.memory.optimizer_memory import on_zero_shard
 from trainfit.memory.pipeline_held import PipelineHeld
 from trainfit.memory.rank_layout import LayoutCommon, RankLayout
 from trainfit.memory.run_shape import Run, rope_table_bytes
@@ -164,6 +165,14 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     # Sharded gradients (FSDP) exist once reduce-scattered: the root's after the whole backward.
     output_grads = 0 if st.fsdp or bucketed else int(root_grads * per_param) - tied_pending
     later = st.params - lay.block - (0 if lay.tied_here else lay.embedding) - (root_grads if st.fsdp else 0)
+    if st.fsdp and st.params:
+        # The later blocks' sharded gradients: routed experts are sharded over fewer ranks (edp) than
+        # the rest, so a block holds a larger share of the rank's gradients than of its parameters.
+        shards, ep, experts = run.layout.zero_shards, run.layout.ep, lay.block_experts
+        on_shard = on_zero_shard(st.params, lay.blocks * experts, shards, ep)
+        later_sharded = st.grads * on_zero_shard(later, (lay.blocks - 1) * experts, shards, ep) // on_shard
+    else:
+        later_sharded = int(later * per_param) - tied_pending
 
     def earlier(acc: bool, share: float) -> Earlier:
         """The gradients of earlier backwards as one backward sees them: `acc`, some ran before it,
@@ -171,7 +180,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
         separate = st.grads / st.params if kind == "ddp" and bucketed and acc and st.params else 0
         before = int(share * st.grads) if acc or bucketed else 0
         accumulated = int(share * reduce * st.params) if pp_fsdp and acc else 0
-        staged, comms, later_grads = 0, first_comms, 0 if bucketed else int(later * per_param) - tied_pending
+        staged, comms, later_grads = 0, first_comms, 0 if bucketed else later_sharded
         if pp_fsdp:
             before = 0 if prec.mixed else accumulated
             staged = accumulated if prec.mixed else 0
