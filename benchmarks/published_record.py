@@ -47,9 +47,10 @@ def make_record(errors: Errors, reason: str, day: str) -> dict:
     """The record of `errors` (rows in their order), re-recorded on `day` for `reason`."""
     if not reason.strip():
         raise ValueError("a re-record needs its reason: --record \"what changed and why\"")
+    rows = {name: {m: round(e[m], DIGITS) for m in METRICS if m in e} for name, e in errors.items()}
+    # The medians of the rows as recorded (rounded), so that the record agrees with itself.
     return {"recorded": day, "reason": reason, "command": RECORD_COMMAND,
-            **{metric: summary(errors, metric) for metric in METRICS},
-            "rows": {name: {m: round(e[m], DIGITS) for m in METRICS if m in e} for name, e in errors.items()}}
+            **{metric: summary(rows, metric) for metric in METRICS}, "rows": rows}
 
 
 def read(path: Path = RECORD) -> dict:
