@@ -113,8 +113,8 @@ def communicating_groups(model: ModelConfig, layout: Layout) -> list[Group]:
     """The process groups of a rank that run a ring or tree collective on NCCL (module docstring),
     in process_groups' order."""
     on_gloo = {"grad_norm"} if layout.offload != "none" else set()
-    used = {group_of(layout, c.axes).name for c in collective_calls(model, layout)
-            if c.kind in RING_KINDS and c.tensor not in on_gloo}
+    axes = {c.axes for c in collective_calls(model, layout) if c.kind in RING_KINDS and c.tensor not in on_gloo}
+    used = {group_of(layout, a).name for a in axes}  # a few distinct axes among many calls (the planner's cost)
     return [g for g in process_groups(layout) if g.name in used]
 
 

@@ -18,6 +18,7 @@ expert parallelism, not tp, splits its experts.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -66,6 +67,29 @@ class BlockLinear:
 
 def block_linears(m: ModelConfig) -> tuple[BlockLinear, ...]:
     """Every linear layer of one block of `m`, in forward order."""
+    return _block_linears(_BlockShape(m.family, m.dim, m.num_heads, m.num_kv_heads, bool(m.qkv_bias), m.ffn_dim,
+                                      m.num_experts, m.expert_ffn_dim, m.experts_per_token, m.num_shared_experts))
+
+
+@dataclass(frozen=True)
+class _BlockShape:
+    """The fields of a ModelConfig (not hashable) a block's linears depend on."""
+
+    family: str
+    dim: int
+    num_heads: int
+    num_kv_heads: int
+    qkv_bias: bool
+    ffn_dim: int
+    num_experts: int
+    expert_ffn_dim: int
+    experts_per_token: int
+    num_shared_experts: int
+
+
+@functools.lru_cache(maxsize=256)
+def _block_linears(m: _BlockShape) -> tuple[BlockLinear, ...]:
+    """block_linears, once per block shape (the planner asks for each candidate's many times)."""
     head_dim = m.dim // m.num_heads
     q, kv = m.num_heads * head_dim, m.num_kv_heads * head_dim
     gpt2 = m.family == "gpt2"

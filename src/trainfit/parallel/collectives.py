@@ -278,4 +278,5 @@ def collective_calls(model: ModelConfig, layout: Layout) -> tuple[CollectiveCall
     for phase, site in (("forward", "stage boundary activation"), ("backward", "stage boundary gradient")):
         calls.append(CollectiveCall("pp", "p2p", ("pp",), "boundary", site, phase, layout.pp_virtual_stages))
     calls += _train(model, layout)
-    return tuple(c for c in calls if c.count > 0 and group_size(layout, c.axes) > 1)
+    sizes = {axes: group_size(layout, axes) for axes in {c.axes for c in calls}}  # a few distinct axes
+    return tuple(c for c in calls if c.count > 0 and sizes[c.axes] > 1)

@@ -25,6 +25,7 @@ rank and size, nothing communicates on it).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -63,6 +64,12 @@ def _flattened(layout: Layout) -> dict[str, tuple[str, ...]]:
 def mesh_groups(layout: Layout) -> list[Group]:
     """Every group this rank belongs to, size 1 and world-sized ones included, one per mesh axis,
     flattened axis and (ep > 1: parallel/mesh.expert_mesh) expert axis, in that order."""
+    return list(_mesh_groups(layout))
+
+
+@functools.lru_cache(maxsize=4096)
+def _mesh_groups(layout: Layout) -> tuple[Group, ...]:
+    """mesh_groups, once per Layout (frozen; the planner asks for each candidate's many times)."""
     groups = [Group(axis, size, _stride(layout, (axis,)), (axis,)) for axis, size in layout.mesh_axes().items()]
     groups += [Group(name, math.prod(getattr(layout, a) for a in axes), _stride(layout, axes), axes)
                for name, axes in _flattened(layout).items()]
@@ -70,7 +77,7 @@ def mesh_groups(layout: Layout) -> list[Group]:
         shards = layout.dp_shard * layout.cp
         groups += [Group("edp", shards // layout.ep, layout.tp * layout.ep, ("edp",)),
                    Group("ep", layout.ep, layout.tp, ("ep",))]
-    return groups
+    return tuple(groups)
 
 
 def process_groups(layout: Layout) -> list[Group]:

@@ -271,13 +271,15 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
     sizes = tensor_bytes(model, layout, training)
     n_mb = layout.num_microbatches
     merged: dict[tuple, int] = {}
-    for call in collective_calls(model, layout):
+    calls = collective_calls(model, layout)
+    ranks = {axes: group_size(layout, axes) for axes in {c.axes for c in calls}}  # a few distinct axes
+    for call in calls:
         if not call.timed:
             continue
         nbytes = sizes[call.tensor]
         count = call.count * (n_mb if call.per_microbatch else 1) * (sizes["buckets"] if call.per_bucket else 1)
         if nbytes > 0:
-            key = (call.kind, _purpose(call), call.axes, group_size(layout, call.axes), int(nbytes), call.phase,
+            key = (call.kind, _purpose(call), call.axes, ranks[call.axes], int(nbytes), call.phase,
                    call.unit, call.per_microbatch, call.tensor)
             merged[key] = merged.get(key, 0) + int(count)
     return [Collective(*key[:5], count, *key[5:8]) for key, count in merged.items()]
