@@ -76,10 +76,11 @@ GIB = 1024**3
 MIB = 1024**2
 GB = 1e9
 
-# Fraction of the dense peak that a training step's compute reaches. Large bf16 GEMMs run at 60-80%
-# of peak on H100/A100; norms, softmax, the optimizer step and launch gaps bring a whole step's compute
-# near one half. Measured end-to-end MFU of tuned runs, which also pay for communication and pipeline
-# bubbles, brackets it: Llama 3 405B 38-43% on 16k H100 (Dubey et al. 2024, Table 4), PaLM 540B 46.2%
+# Fraction of the dense peak that a training step's compute reaches on the CPU without a measured
+# profile (a catalog GPU prices each kernel at its published achievable rate instead:
+# trainfit.perf.gpu_kernels). Large bf16 GEMMs run at 60-80% of peak on H100/A100; norms, softmax,
+# the optimizer step and launch gaps bring a whole step's compute near one half. Measured end-to-end
+# MFU of tuned runs, which also pay for communication and pipeline bubbles, brackets it: Llama 3 405B 38-43% on 16k H100 (Dubey et al. 2024, Table 4), PaLM 540B 46.2%
 # (Chowdhery et al. 2022), MegaScale 175B 55.2% on 12k A100 (Jiang et al. 2024).
 COMPUTE_EFFICIENCY = 0.5
 
@@ -353,8 +354,9 @@ def peak_flops(hw: HardwareConfig, precision_mode: str) -> float:
 
 
 def compute_efficiency(hw: HardwareConfig) -> float:
-    """hardware.compute_efficiency, else 1.0 for a measured profile's rates, else the catalog's default."""
-    return hw.compute_efficiency or (1.0 if hw.profile else COMPUTE_EFFICIENCY)
+    """hardware.compute_efficiency, else 1.0 for rates that are already achievable ones (a measured
+    profile's, a catalog GPU's kernels: trainfit.perf.gpu_kernels), else the CPU catalog's default."""
+    return hw.compute_efficiency or (1.0 if hw.profile or hw.gpu != "cpu" else COMPUTE_EFFICIENCY)
 
 
 def intra_node_link_name(hw: HardwareConfig) -> str:

@@ -7,10 +7,11 @@ import pytest
 from trainfit import hardware
 from trainfit.config import ConfigError, ModelConfig
 from trainfit.configure import load_config
-from trainfit.hardware import COMPUTE_EFFICIENCY, peak_flops
+from trainfit.hardware import peak_flops
 from trainfit.models.params import param_counts
 from trainfit.parallel.resolve import build_layout
 from trainfit.perf import comms
+from trainfit.perf import gpu_kernels as GK
 from trainfit.perf.timing import bubble_fraction, estimate_perf
 
 H100 = ("--hardware.gpu=H100-SXM-80GB", "--precision.mode=bf16-mixed")
@@ -31,15 +32,18 @@ def test_llama3_70b_on_64_h100() -> None:
     tokens = 64 * 4096
     assert f["model_flops_per_step"] == f["model_flops_per_token"] * tokens
     assert f["hardware_flops_per_step"] == f["hardware_flops_per_token"] * tokens >= f["model_flops_per_step"]
-    # ~6 x 70e9 FLOPs per token x 262k tokens / 64 GPUs at half of 989 TFLOP/s: a few seconds
+    # ~6 x 70e9 FLOPs per token x 262k tokens / 64 GPUs at the H100's achievable matmul rate: a few seconds
     assert 6 * 70e9 * tokens < f["model_flops_per_step"] < 1.3 * 6 * 70e9 * tokens
     assert f["flops_per_rank_per_step"] == pytest.approx(f["hardware_flops_per_step"] / 64)
-    assert t["compute_s"] == pytest.approx(f["flops_per_rank_per_step"] / (989.4e12 * COMPUTE_EFFICIENCY))
+    # no faster than every FLOP at the maximum achievable matmul rate; attention's kernels, partial waves
+    # and elementwise traffic take a share of it
+    mamf = GK.KERNELS["H100-SXM-80GB"].mamf["bf16"]
+    assert f["flops_per_rank_per_step"] / mamf < t["compute_s"] < f["flops_per_rank_per_step"] / (0.55 * mamf)
     assert 1 < t["compute_s"] < 10
     assert t["step_time_s"] == pytest.approx(t["compute_s"] + t["exposed_comm_s"] + t["bubble_s"] + t["optimizer_s"])
     assert t["exposed_comm_s"] == pytest.approx(sum(t["exposed_comm_by_kind_s"].values()))
     assert all(t["exposed_comm_by_kind_s"][k] <= t["comm_s"][k] + 1e-12 for k in comms.KINDS)
-    assert 0 < t["mfu"] < t["hfu"] < COMPUTE_EFFICIENCY
+    assert 0 < t["mfu"] < t["hfu"] < mamf / 989.4e12
     peak = peak_flops(cfg.hardware, cfg.precision.mode)
     assert t["mfu"] == pytest.approx(f["model_flops_per_step"] / (t["step_time_s"] * 64 * peak))
     assert t["tokens_per_second"] == pytest.approx(tokens / t["step_time_s"])
@@ -121,25 +125,34 @@ def test_precision_and_efficiency_set_the_compute_time() -> None:
             "--training.seq_len=4096", "--training.micro_batch_size=1", "--training.global_batch_size=8")
     bf16 = perf(*base)[2].time["compute_s"]
     fp8 = perf(*base, "--precision.mode=fp8-mixed", "--training.compile=true")[2].time["compute_s"]
-    assert 0.5 * bf16 < fp8 < 0.75 * bf16  # block linears at twice the rate, casts fused; attention stays bf16
-    assert perf(*base, "--hardware.compute_efficiency=0.25")[2].time["compute_s"] == pytest.approx(2 * bf16)
+    # block linears at fp8's achievable rate (1.77 x bf16's on an H100), casts fused; attention, the output
+    # projection and elementwise work as in bf16
+    assert 0.7 * bf16 < fp8 < 0.95 * bf16
+    # the efficiency scales the kernels' rates, not the memory traffic: compute = traffic + kernels / efficiency
+    quarter, half = (perf(*base, f"--hardware.compute_efficiency={e}")[2].time["compute_s"] for e in (0.25, 0.5))
+    assert quarter - half == pytest.approx(2 * (half - bf16)) and half - bf16 > 0.8 * (bf16 - 0.5 * half)
     assert perf(*base, "--precision.mode=fp32")[2].time["compute_s"] > 10 * bf16
     with pytest.raises(ConfigError, match="A100-SXM-80GB has no fp8"):
         perf(*base, "--hardware.gpu=A100-SXM-80GB", "--precision.mode=fp8-mixed")
 
 
-def eager_minus_bf16_s(m: ModelConfig, rows: int, micro_batches: int, hbm: float, bf16: float, fp8: float) -> float:
+def eager_minus_bf16_s(m: ModelConfig, rows: int, micro_batches: int, hbm: float) -> float:
     """What eager fp8 adds to a rank's compute over bf16, counted by hand from torchao 0.18's code
     (perf/fp8_casts.py's table): per block Linear (rows x k -> n), six casts of a bf16 tensor at 33
     bytes per element (the input, weight and output gradient twice each) and three layout copies of
-    2 bytes per element, over the memory bandwidth, less what its 6 rows k n FLOPs save at the fp8
-    rate. So eager fp8 is slower unless rows, k and n are all large: on an H100 (fp8 = 2 x bf16) only
-    where 1/rows + 1/k + 1/n < 3 x bandwidth / (68 x the bf16 rate)."""
+    2 bytes per element, over the memory bandwidth, less what its three GEMMs save at fp8's achievable
+    rate over bf16's (perf/gpu_kernels.py). So eager fp8 is slower unless rows, k and n are all large."""
     head_dim = m.dim // m.num_heads
     q, kv = m.num_heads * head_dim, m.num_kv_heads * head_dim
     linears = [(m.dim, q), (m.dim, kv), (m.dim, kv), (q, m.dim), (m.dim, m.ffn_dim), (m.dim, m.ffn_dim),
                (m.ffn_dim, m.dim)]
-    per_block = sum((33 * 2 + 2) * (rows * k + rows * n + k * n) / hbm - 6 * rows * k * n * (1 / bf16 - 1 / fp8)
+    h100 = GK.KERNELS["H100-SXM-80GB"]
+
+    def gemms_s(k: int, n: int, dtype: str) -> float:
+        size = 1 if dtype == "fp8" else 2
+        return sum(GK.gemm_passes_seconds(rows, k, n, h100.mamf[dtype], h100.sms, size, hbm))
+
+    per_block = sum((33 * 2 + 2) * (rows * k + rows * n + k * n) / hbm - (gemms_s(k, n, "bf16") - gemms_s(k, n, "fp8"))
                     for k, n in linears)
     return micro_batches * m.num_layers * per_block
 
@@ -157,12 +170,10 @@ def test_eager_fp8_pays_for_torchaos_cast_kernels(preset: str, gpus: int, seq: i
     cfg, layout, bf16 = perf(*base)
     eager = perf(*base, "--precision.mode=fp8-mixed")[2].time
     compiled = perf(*base, "--precision.mode=fp8-mixed", "--training.compile=true")[2].time
-    assert eager["step_time_s"] > compiled["step_time_s"]
+    assert eager["compute_s"] > compiled["compute_s"] and eager["step_time_s"] >= compiled["step_time_s"] * (1 - 1e-12)
     assert eager["fp8_cast_s"] > 33 / 5 * compiled["fp8_cast_s"] > 0  # 33 bytes per element eager, 5 fused
     spec = hardware.GPUS["H100-SXM-80GB"]
-    bf16_rate, fp8_rate = (spec.peak_flops[d] * COMPUTE_EFFICIENCY for d in ("bf16", "fp8"))
-    expected = eager_minus_bf16_s(cfg.model, mbs * seq, layout.num_microbatches, spec.hbm_bytes_per_s, bf16_rate,
-                                  fp8_rate)
+    expected = eager_minus_bf16_s(cfg.model, mbs * seq, layout.num_microbatches, spec.hbm_bytes_per_s)
     assert eager["compute_s"] - bf16.time["compute_s"] == pytest.approx(expected)
     assert (eager["compute_s"] > bf16.time["compute_s"]) == eager_is_slower
 
@@ -172,7 +183,8 @@ def test_recomputation_costs_time_not_mfu_credit() -> None:
     _, _, full = perf(*LLAMA70B_64, "--memory.activation_checkpointing=full")
     _, _, selective = perf(*LLAMA70B_64, "--memory.activation_checkpointing=selective")
     assert full.time["compute_s"] > 1.2 * none.time["compute_s"]
-    assert selective.time["compute_s"] == none.time["compute_s"]
+    # selective recomputes no matmul, only the elementwise work between them
+    assert none.time["compute_s"] < selective.time["compute_s"] < 1.15 * none.time["compute_s"]
     assert full.flops["model_flops_per_step"] == none.flops["model_flops_per_step"]
     assert full.time["hfu"] / full.time["mfu"] > none.time["hfu"] / none.time["mfu"]
 
@@ -243,5 +255,5 @@ def test_chunked_loss_reruns_the_output_projection() -> None:
         head * tokens / 64)
     assert chunked.time["compute_s"] > whole.time["compute_s"]
     # here the extra compute hides as much of FSDP's exposed traffic: never a faster step
-    assert chunked.time["step_time_s"] >= whole.time["step_time_s"]
+    assert chunked.time["step_time_s"] >= whole.time["step_time_s"] * (1 - 1e-12)  # comm-bound: equal
     assert chunked.flops["model_flops_per_step"] == whole.flops["model_flops_per_step"]  # MFU gets no credit

@@ -294,8 +294,10 @@ class HardwareConfig:
     inter_node_latency_us: float = 0.0
     """Override the inter-node latency of one collective step, in microseconds (0 = the link's figure)."""
     compute_efficiency: float = 0.0
-    """Fraction of the dense peak FLOP/s the step's compute reaches (0 = trainfit.hardware.COMPUTE_EFFICIENCY,
-    0.5; tuned large-model runs measure 0.4-0.55 MFU end to end)."""
+    """Scales the rates the step's kernels run at: on a catalog GPU, each kernel's published achievable
+    rate (0 = 1.0: as published; trainfit.perf.gpu_kernels); on a measured profile, its rates (0 = 1.0); on
+    the CPU without one, the dense peak (0 = trainfit.hardware.COMPUTE_EFFICIENCY, 0.5). Memory traffic is
+    not scaled."""
     comm_efficiency: float = 0.0
     """Fraction of a link's bandwidth that collectives reach (NCCL bus bandwidth / link bandwidth;
     0 = trainfit.hardware.COMM_EFFICIENCY, 0.8)."""

@@ -1,8 +1,9 @@
-"""What one rank's compute costs on a measured hardware profile (hardware.profile). Torch-free.
+"""What one rank's compute costs on a measured hardware profile (hardware.profile), and the
+elementwise bytes a catalog GPU's step moves too (trainfit.perf.gpu_kernels prices the rest there).
+Torch-free.
 
-The catalog prices compute as FLOPs / (peak x compute_efficiency), one efficiency standing for all
-the work of a step. A profile (`trainfit calibrate`) measured each kind of work, so each is priced
-on its own (trainfit.perf.timing adds them up):
+A profile (`trainfit calibrate`) measured each kind of work, so each is priced on its own
+(trainfit.perf.timing adds them up):
 - matmuls: every GEMM a block and the output projection run (m tokens x k by k x n), forward and
   its two backward products (input and weight gradients), each at the rate measured for that pass
   at the nearest shape of its dtype (nearest in log space over m, k, n; fp8-mixed: its float8

@@ -1,17 +1,20 @@
 """Step time, throughput and MFU of a layout: compute + exposed communication + pipeline bubble. Torch-free.
 
 Compute: the busiest rank's hardware FLOPs (trainfit.perf.flops: model FLOPs + fused-attention
-backward + recomputation; the pipeline stage holding the output projection) divided by the dense
-peak of the precision's dtype times `hardware.compute_efficiency`, which stands for everything
-else a step computes. fp8-mixed runs its float8 linears (perf/fp8_casts.float8_linears: not the
-output projection, not MoE's routed experts) at the fp8 peak, every other matmul and attention at
-the bf16 peak, and adds torchao's casts to fp8 as memory traffic at the memory bandwidth
-(perf/fp8_casts.py: eager, 33 bytes per bf16 element cast plus layout copies; under
-training.compile, fused, 5), so eager fp8 trails bf16 where the GEMMs it speeds up are small
-against the tensors it casts. A measured profile (hardware.profile) prices each kind of work apart
-instead: GEMMs at the rate of their shape, attention at its kernel's, elementwise traffic (fp8's
-casts with it) at the memory bandwidth, each slowed by what the machine's other ranks take of it
-(trainfit.perf.kernels).
+backward + recomputation; the pipeline stage holding the output projection), each kind of work at
+its own rate. On a catalog GPU (trainfit.perf.gpu_kernels): every GEMM of a block and the output
+projection, forward and both backward products, at the device's maximum achievable matmul rate
+less its shape's tile and wave quantization (or its operands' traffic at the memory bandwidth,
+whichever is longer); attention at the published rate of training.attention_backend's kernel at the
+sequence length; elementwise traffic (trainfit.perf.kernels.elementwise_bytes) at the memory
+bandwidth. fp8-mixed runs its float8 linears (perf/fp8_casts.float8_linears: not the output
+projection, not MoE's routed experts) at fp8's rate, every other matmul at bf16's, and adds
+torchao's casts to fp8 as memory traffic (perf/fp8_casts.py: eager, 33 bytes per bf16 element cast
+plus layout copies; under training.compile, fused, 5), so eager fp8 trails bf16 where the GEMMs it
+speeds up are small against the tensors it casts. A measured profile (hardware.profile) prices the
+same kinds of work at its measured rates, each slowed by what the machine's other ranks take of it
+(trainfit.perf.kernels). The CPU without a profile divides the FLOPs by its dense peak times
+hardware.compute_efficiency; everywhere else that setting scales the kernels' rates.
 
 Host work: DTensor's dispatch under tensor parallelism and FSDP2's hooks, as the profile measured
 them (trainfit.perf.kernels); all of it on a CPU, where the host computes too; on a GPU only what
@@ -90,6 +93,7 @@ from trainfit.models import block_cost as B
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES
 from trainfit.perf import flops as F
+from trainfit.perf import gpu_kernels as GK
 from trainfit.perf import kernels as K
 from trainfit.perf.comms import (
     KINDS,
@@ -197,6 +201,8 @@ class RankFlops(NamedTuple):
     """Blocks the rank runs."""
     wrapped: int
     """... of them checkpointed (0 without activation checkpointing)."""
+    last_stage: bool = True
+    """Whether the rank runs the output projection."""
 
 
 def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> RankFlops:
@@ -221,11 +227,12 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> RankFlops:
         backward = (layers * (2 * mm + F.FLASH_ATTENTION_BWD_FACTOR * at) + 2 * head + wrapped * (rc_mm + rc_at)
                     + head * layout.chunked_loss)  # the chunked loss reruns the output projection
         return RankFlops(forward, backward, layers * at, layers * at * F.FLASH_ATTENTION_BWD_FACTOR + wrapped * rc_at,
-                         fp8 * layers * mm, fp8 * (2 * layers * mm + wrapped * rc_mm), layers, wrapped)
+                         fp8 * layers * mm, fp8 * (2 * layers * mm + wrapped * rc_mm), layers, wrapped, last_stage)
 
     busiest = max((rank(*shape) for shape in layout.rank_shapes()), key=lambda f: f.forward + f.backward)
     tokens = layout.global_batch_size * t.seq_len / (layout.dp * layout.cp)  # per rank; tp ranks split its FLOPs
-    return RankFlops(*(f * tokens / layout.tp for f in busiest[:6]), busiest.blocks, busiest.wrapped)
+    return RankFlops(*(f * tokens / layout.tp for f in busiest[:6]), busiest.blocks, busiest.wrapped,
+                     busiest.last_stage)
 
 
 def _fp8_cast_bytes(m: ModelConfig, layout: Layout, t: TrainingConfig, flops: RankFlops) -> tuple[float, float]:
@@ -290,12 +297,75 @@ def _compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: R
         return ComputeTime(seconds(flops.forward, flops.forward_fp8, flops.forward_attention, ew_fwd + casts_fwd),
                            seconds(flops.backward, flops.backward_fp8, flops.backward_attention, ew_bwd + casts_bwd),
                            memory * (casts_fwd + casts_bwd) / bandwidth)
+    if rates.hw.gpu != "cpu":
+        return _gpu_compute_seconds(m, layout, t, rates, flops, casts_fwd, casts_bwd)
     rate = rates.peak(layout.precision) * efficiency
     if layout.precision != "fp8-mixed":
         return ComputeTime(flops.forward / rate, flops.backward / rate, 0.0)
     high = rates.device.peak_flops["bf16"] * efficiency  # everything but the float8 linears
     return ComputeTime((flops.forward - flops.forward_fp8) / high + flops.forward_fp8 / rate + casts_fwd / bandwidth,
                        (flops.backward - flops.backward_fp8) / high + flops.backward_fp8 / rate + casts_bwd / bandwidth,
+                       (casts_fwd + casts_bwd) / bandwidth)
+
+
+HOPPER_AND_LATER = frozenset({"H100-SXM-80GB", "H100-PCIe-80GB", "H200-141GB", "H800-SXM-80GB", "B200", "GB200",
+                              "B300"})
+"""Where torch's scaled_dot_product_attention prefers cuDNN's kernel (sm90 and later, trainfit.attention)."""
+
+
+def attention_kernel(backend: str, gpu: str) -> str:
+    """The kernel of perf/gpu_kernels.ATTENTION_H100 that prices training.attention_backend on `gpu`:
+    auto is cuDNN's from Hopper on, else FlashAttention-2's; the memory-efficient kernel, never
+    measured beside them, is priced as FlashAttention-2."""
+    if backend == "auto":
+        return "cudnn" if gpu in HOPPER_AND_LATER else "flash"
+    return "flash" if backend == "efficient" else backend
+
+
+def _gpu_compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: Rates, flops: RankFlops,
+                         casts_fwd: float, casts_bwd: float) -> ComputeTime:
+    """Forward and backward compute of the busiest rank on a catalog GPU, each kind of work at what
+    its kernels achieve (perf/gpu_kernels.py): every GEMM at its shape's rate, attention at its
+    kernel's, elementwise traffic and fp8's casts at the memory bandwidth; all of it times
+    hardware.compute_efficiency where set."""
+    device, peaks = rates.hw.gpu, rates.device.peak_flops
+    bandwidth = rates.device.hbm_bytes_per_s
+    kernels = GK.kernels_of(device)
+    sms = kernels.sms if kernels else GK.DEFAULT_SMS
+    dtype = compute_dtype_of(layout.precision)
+    rates.peak(layout.precision)  # a named error when the device has no rate for the dtype
+    high = "bf16" if dtype == "fp8" else dtype
+    tokens = layout.micro_batch_size * t.seq_len / layout.cp
+    fp8_gemms = float8_gemms(m, layout)
+    head = K.head_gemm(m, layout)
+    # each GEMM as often as the rank runs it: a block's per block, the output projection's on the last stage
+    weighted = [(g, 0 if g in fp8_gemms else flops.blocks) for g in K.block_gemms(m, layout)]
+    others = [*weighted, (head, int(flops.last_stage))]
+
+    def rate(gemms: list[tuple[K.Gemm, int]], dt: str) -> float:
+        """FLOPs over seconds of these GEMMs' three passes at micro-batches of `tokens`, each `weight` times."""
+        peak_rate, size = GK.mamf(device, dt, peaks), {"fp8": 1, "bf16": 2, "fp16": 2}.get(dt, 4)
+        work = seconds = 0.0
+        for g, weight in gemms:
+            rows = max(1, round(tokens * g.share))
+            fwd, bwd = GK.gemm_passes_seconds(rows, g.k, g.n, peak_rate, sms, size, bandwidth)
+            work, seconds = work + weight * 6 * rows * g.k * g.n, seconds + weight * (fwd + bwd)
+        return work / seconds if seconds else 1.0
+
+    efficiency = rates.efficiency
+    matmul = rate(others, high) * efficiency
+    matmul_fp8 = rate([(g, 1) for g in fp8_gemms], "fp8") * efficiency if fp8_gemms else 1.0
+    att_fwd, att_bwd = GK.attention_rates(attention_kernel(t.attention_backend, device), t.seq_len // layout.cp,
+                                          GK.mamf(device, "bf16", peaks))
+    ew_fwd, ew_bwd = K.elementwise_bytes(m, layout, t)
+
+    def seconds(total: float, fp8: float, att: float, attention_rate: float, elementwise: float) -> float:
+        return ((total - fp8 - att) / matmul + fp8 / matmul_fp8 + att / (attention_rate * efficiency)
+                + elementwise / bandwidth)
+
+    return ComputeTime(seconds(flops.forward, flops.forward_fp8, flops.forward_attention, att_fwd, ew_fwd + casts_fwd),
+                       seconds(flops.backward, flops.backward_fp8, flops.backward_attention, att_bwd,
+                               ew_bwd + casts_bwd),
                        (casts_fwd + casts_bwd) / bandwidth)
 
 
