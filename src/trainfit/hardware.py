@@ -80,8 +80,9 @@ GB = 1e9
 # profile (a catalog GPU prices each kernel at its published achievable rate instead:
 # trainfit.perf.gpu_kernels). Large bf16 GEMMs run at 60-80% of peak on H100/A100; norms, softmax,
 # the optimizer step and launch gaps bring a whole step's compute near one half. Measured end-to-end
-# MFU of tuned runs, which also pay for communication and pipeline bubbles, brackets it: Llama 3 405B 38-43% on 16k H100 (Dubey et al. 2024, Table 4), PaLM 540B 46.2%
-# (Chowdhery et al. 2022), MegaScale 175B 55.2% on 12k A100 (Jiang et al. 2024).
+# MFU of tuned runs, which also pay for communication and pipeline bubbles, brackets it: Llama 3 405B
+# 38-43% on 16k H100 (Dubey et al. 2024, Table 4), PaLM 540B 46.2% (Chowdhery et al. 2022), MegaScale
+# 175B 55.2% on 12k A100 (Jiang et al. 2024).
 COMPUTE_EFFICIENCY = 0.5
 
 # Fraction of a link's nominal bandwidth that NCCL collectives reach (bus bandwidth). nccl-tests
