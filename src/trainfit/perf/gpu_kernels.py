@@ -25,6 +25,7 @@ and says so in its `source`.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass
 
@@ -123,6 +124,18 @@ def gemm_passes_seconds(m: int, k: int, n: int, rate: float, sms: int, bytes_per
     gradient (m x n) @ (n x k) and the weight gradient (k x m) @ (m x n)."""
     args = (rate, sms, bytes_per_element, hbm_bytes_per_s)
     return gemm_seconds(m, k, n, *args), gemm_seconds(m, n, k, *args) + gemm_seconds(k, m, n, *args)
+
+
+@functools.lru_cache(maxsize=4096)
+def gemms_rate(shapes: tuple[tuple[int, int, int, int], ...], rate: float, sms: int, bytes_per_element: float,
+               hbm_bytes_per_s: float) -> float:
+    """FLOPs over seconds of linear layers' three passes, each (m, k, n, times) run `times` times: the
+    rate their FLOPs run at together. Cached: the planner times thousands of layouts of a few shapes."""
+    work = seconds = 0.0
+    for m, k, n, times in shapes:
+        fwd, bwd = gemm_passes_seconds(m, k, n, rate, sms, bytes_per_element, hbm_bytes_per_s)
+        work, seconds = work + times * 6 * m * k * n, seconds + times * (fwd + bwd)
+    return work / seconds if seconds else 1.0
 
 
 def attention_rates(kernel: str, seq_len: int, bf16_mamf: float) -> tuple[float, float]:

@@ -54,11 +54,12 @@ kernels its host launches ahead.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
 from trainfit.config import HardwareConfig, ModelConfig, TrainingConfig
-from trainfit.models.block_spec import block_linears
+from trainfit.models.block_spec import BlockLinear, block_linears
 from trainfit.parallel.layout import Layout
 from trainfit.perf.comms import stage_params
 from trainfit.perf.fp8_casts import float8_linears
@@ -103,11 +104,17 @@ def block_gemms(m: ModelConfig, layout: Layout) -> list[Gemm]:
     """Each forward GEMM of one block on one rank, as models/block_spec.py describes and splits its
     linears: wq, wk, wv, wo, then the MLP (MoE: the router, each routed expert at its share of the
     tokens, the shared experts as one SwiGLU of their summed width; whole on every tp rank)."""
-    gemms = []
-    for linear in block_linears(m):
-        k, n = linear.local_shape(layout.tp)
+    return list(_block_gemms(block_linears(m), layout.tp))
+
+
+@functools.lru_cache(maxsize=256)
+def _block_gemms(linears: tuple[BlockLinear, ...], tp: int) -> tuple[Gemm, ...]:
+    """block_gemms, once per block and tensor-parallel degree (the planner asks for it per layout)."""
+    gemms: list[Gemm] = []
+    for linear in linears:
+        k, n = linear.local_shape(tp)
         gemms += [Gemm(linear.name, k, n, linear.token_share)] * linear.copies
-    return gemms
+    return tuple(gemms)
 
 
 def float8_gemms(m: ModelConfig, layout: Layout) -> list[Gemm]:

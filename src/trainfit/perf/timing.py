@@ -344,13 +344,9 @@ def _gpu_compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rate
 
     def rate(gemms: list[tuple[K.Gemm, int]], dt: str) -> float:
         """FLOPs over seconds of these GEMMs' three passes at micro-batches of `tokens`, each `weight` times."""
-        peak_rate, size = GK.mamf(device, dt, peaks), {"fp8": 1, "bf16": 2, "fp16": 2}.get(dt, 4)
-        work = seconds = 0.0
-        for g, weight in gemms:
-            rows = max(1, round(tokens * g.share))
-            fwd, bwd = GK.gemm_passes_seconds(rows, g.k, g.n, peak_rate, sms, size, bandwidth)
-            work, seconds = work + weight * 6 * rows * g.k * g.n, seconds + weight * (fwd + bwd)
-        return work / seconds if seconds else 1.0
+        shapes = tuple((max(1, round(tokens * g.share)), g.k, g.n, weight) for g, weight in gemms)
+        return GK.gemms_rate(shapes, GK.mamf(device, dt, peaks), sms, {"fp8": 1, "bf16": 2, "fp16": 2}.get(dt, 4),
+                             bandwidth)
 
     efficiency = rates.efficiency
     matmul = rate(others, high) * efficiency
