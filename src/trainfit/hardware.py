@@ -29,6 +29,22 @@ Sources, checked for each entry:
 - L4: NVIDIA L4 datasheet (FP32 30.3, TF32 120*, BF16 242*, FP8 485*; 24 GB GDDR6, 300 GB/s, PCIe Gen4 x16).
 - RTX A6000: NVIDIA RTX A6000 (FP32 38.7; tensor FP16/BF16 154.8 dense, 309.7* -- llmperf.net citing
   Microway; 48 GB GDDR6, 768 GB/s, PCIe 4.0 x16). No TF32 figure was found: the entry has none.
+- MI355X: AMD Instinct MI355X product page as tabulated in stas00/ml-engineering's accelerator chapter
+  (dense: FP32 157.3, FP16/BF16 2,500, FP8 5,000 TFLOPS; 288 GB HBM3e, 8 TB/s); no TF32 figure. Its
+  Infinity Fabric per-link rate is taken as the MI300X's (no figure found).
+- H20: the export-compliant Hopper (willitrunai.com's H20 page: 96 GB HBM3, 4.0 TB/s, FP16 148 dense, INT8
+  296 TOPS, NVLink 4 at 900 GB/s bidirectional, 400 W; FP32 44, TF32 74 and 78 SMs from a Geekbench-based
+  report, zangshuxian.com). NVIDIA publishes no datasheet for it; FP8 is taken at INT8's rate, as on every
+  Hopper part.
+- A10G (AWS G5): NVIDIA publishes no datasheet for it; the entry holds the A10's (NVIDIA A10 datasheet:
+  FP32 31.2, TF32 62.5 / 125*, BF16 125 / 250*; 24 GB GDDR6, 600 GB/s, PCIe Gen4 x16), an upper bound
+  for AWS's variant: set hardware.peak_tflops to what yours measures (`trainfit calibrate`).
+- RTX 5090: NVIDIA RTX Blackwell architecture (170 SMs; 32 GB GDDR7, 1,792 GB/s; FP32 104.8; FP16 tensor
+  838.4* with FP16 accumulate, as spheron.network's datasheet lists it, so 209.6 dense with the FP32
+  accumulate training uses -- half rate on GeForce parts, as on the RTX 4090 -- and FP8 419.2); no TF32
+  figure. PCIe Gen5 x16, no NVLink.
+- RTX 3090: NVIDIA Ampere GA102 whitepaper, appendix (FP32 35.6; TF32 35.6 dense; FP16/BF16 tensor with
+  FP32 accumulate 71 dense; 24 GB GDDR6X, 936 GB/s; PCIe Gen4 x16).
 
 Blackwell's MXFP8 (block-scaled FP8): no datasheet found gives it a row apart from FP8, so the catalog
 stores no "mxfp8" peak; fp8-mixed reads the fp8 peak, the rate MXFP8 matmuls would be bounded by too.
@@ -37,12 +53,13 @@ driver reports as the device total (nvidia-smi memory.total: H100 80GB 81559 MiB
 A100 80GB 81920 MiB, A100 40GB 40960 MiB, L40S 46068 MiB, RTX 4090 24564 MiB, B200 183359 MiB in
 NVIDIA/TensorRT-LLM issue 10278; rocm-smi for MI300X: 205,822,885,888 B). The CUDA context, allocator
 slack and NCCL's buffers come out of it as `reserved_margin`. Where no driver report was found (GB200 192,
-B300 270, H800 80, MI325X 256, L4 24, RTX A6000 48) the datasheet's GB are taken as GiB: an upper bound
+B300 270, H800 80, MI325X 256, L4 24, RTX A6000 48, MI355X 288, H20 96, A10G 24, RTX 5090 32, RTX 3090 24)
+the datasheet's GB are taken as GiB: an upper bound
 (B200's driver shows 179 of its 192 GiB), so set hardware.memory_gib to what nvidia-smi shows.
 
 Host links (CPU offload's copies): the datasheets' host interface, PCIe Gen5 x16 (128 GB/s
-bidirectional) on H100 SXM/PCIe, H200, H800, B200 and MI300X/MI325X; Gen4 x16 (64 GB/s) on A100, L40S,
-L4, RTX 4090 and RTX A6000; Gen6 x16 on B300; NVLink-C2C on GB200.
+bidirectional) on H100 SXM/PCIe, H200, H800, H20, B200, RTX 5090 and MI300X/MI325X/MI355X; Gen4 x16
+(64 GB/s) on A100, A10G, L40S, L4, RTX 4090, RTX 3090 and RTX A6000; Gen6 x16 on B300; NVLink-C2C on GB200.
 
 A GB200 NVL72 rack is one NVLink domain of 72 GPUs: the intra-node link spans hardware.gpus_per_node
 GPUs (perf/comms.py), so set hardware.gpus_per_node=72 for it; the default stays 8, an HGX board.
@@ -141,6 +158,11 @@ GPUS: dict[str, DeviceSpec] = {
         _gpu("MI325X", 256 * 1024, 163.4, 653.7, 1307.4, 2614.9, 6.0, "infinity-fabric", "pcie5"),
         _gpu("L4", 24 * 1024, 30.3, 60.0, 121.0, 242.5, 0.3, "pcie4", "pcie4"),
         _gpu("RTX-A6000", 48 * 1024, 38.7, None, 154.8, None, 0.768, "pcie4", "pcie4"),
+        _gpu("MI355X", 288 * 1024, 157.3, None, 2500.0, 5000.0, 8.0, "infinity-fabric", "pcie5"),
+        _gpu("H20", 96 * 1024, 44.0, 74.0, 148.0, 296.0, 4.0, "nvlink4", "pcie5"),
+        _gpu("A10G", 24 * 1024, 31.2, 62.5, 125.0, None, 0.6, "pcie4", "pcie4"),
+        _gpu("RTX-5090", 32 * 1024, 104.8, None, 209.6, 419.2, 1.792, "pcie5", "pcie5"),
+        _gpu("RTX-3090", 24 * 1024, 35.6, 35.6, 71.0, None, 0.936, "pcie4", "pcie4"),
     )
 }
 
@@ -164,6 +186,11 @@ DEVICE_NAME_PATTERNS: dict[str, str] = {
     r"\bMI325X\b": "MI325X",
     r"\bL4\b": "L4",
     r"\bRTX A6000\b": "RTX-A6000",
+    r"\bMI355X\b": "MI355X",
+    r"\bH20\b": "H20",  # "NVIDIA H20"; \b keeps H200 out
+    r"\bA10G\b": "A10G",
+    r"\bRTX 5090\b": "RTX-5090",
+    r"\bRTX 3090\b(?! Ti)": "RTX-3090",
 }
 
 

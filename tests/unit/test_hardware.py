@@ -40,6 +40,13 @@ def hw(**fields: object) -> HardwareConfig:
         ("L4", "bf16-mixed", 121.0),  # 242 with sparsity
         ("L4", "fp8-mixed", 242.5),
         ("RTX-A6000", "bf16-mixed", 154.8),
+        ("MI355X", "bf16-mixed", 2500.0),  # AMD's dense figure (5,000 with structured sparsity)
+        ("MI355X", "fp8-mixed", 5000.0),
+        ("H20", "bf16-mixed", 148.0),
+        ("H20", "fp8-mixed", 296.0),
+        ("A10G", "bf16-mixed", 125.0),  # the A10's: 250 with sparsity
+        ("RTX-5090", "bf16-mixed", 209.6),  # FP32 accumulate: a quarter of the sparse FP16-accumulate 838.4
+        ("RTX-3090", "bf16-mixed", 71.0),
     ],
 )
 def test_dense_peaks_are_the_datasheets(gpu: str, mode: str, tflops: float) -> None:
@@ -49,7 +56,8 @@ def test_dense_peaks_are_the_datasheets(gpu: str, mode: str, tflops: float) -> N
 def test_memory_is_what_the_driver_reports() -> None:
     nominal_gib = {"H100-SXM-80GB": 80, "H100-PCIe-80GB": 80, "H200-141GB": 141, "A100-SXM-80GB": 80,
                    "A100-40GB": 40, "L40S": 48, "RTX-4090": 24, "MI300X": 192, "B200": 192, "GB200": 192,
-                   "B300": 270, "H800-SXM-80GB": 80, "MI325X": 256, "L4": 24, "RTX-A6000": 48}
+                   "B300": 270, "H800-SXM-80GB": 80, "MI325X": 256, "L4": 24, "RTX-A6000": 48, "MI355X": 288,
+                   "H20": 96, "A10G": 24, "RTX-5090": 32, "RTX-3090": 24}
     for name, gib in nominal_gib.items():
         spec = hardware.GPUS[name]
         assert 0.93 * gib * 2**30 < spec.memory_bytes <= gib * 2**30, name  # binary, minus what the driver keeps
@@ -60,8 +68,8 @@ def test_memory_is_what_the_driver_reports() -> None:
 
 
 FP8_TENSOR_CORES = {"H100-SXM-80GB", "H100-PCIe-80GB", "H200-141GB", "H800-SXM-80GB", "L40S", "L4", "RTX-4090",
-                    "MI300X", "MI325X", "B200", "GB200", "B300"}
-"""Ada, Hopper, Blackwell and MI300-class parts; Ampere (A100, RTX A6000) has none."""
+                    "MI300X", "MI325X", "B200", "GB200", "B300", "MI355X", "H20", "RTX-5090"}
+"""Ada, Hopper, Blackwell and MI300/MI350-class parts; Ampere (A100, A10G, RTX A6000, RTX 3090) has none."""
 
 
 @pytest.mark.parametrize("name", list(hardware.GPUS))
@@ -76,7 +84,10 @@ def test_device_names_as_torch_reports_them() -> None:
     names = {"NVIDIA B200": "B200", "NVIDIA GB200": "GB200", "NVIDIA B300 SXM6 AC": "B300",
              "NVIDIA H800": "H800-SXM-80GB", "NVIDIA H800 PCIe": None, "AMD Instinct MI325X": "MI325X",
              "NVIDIA L4": "L4", "NVIDIA L40S": "L40S", "NVIDIA RTX A6000": "RTX-A6000",
-             "NVIDIA RTX 6000 Ada Generation": None, "NVIDIA H100 80GB HBM3": "H100-SXM-80GB"}
+             "NVIDIA RTX 6000 Ada Generation": None, "NVIDIA H100 80GB HBM3": "H100-SXM-80GB",
+             "AMD Instinct MI355X": "MI355X", "NVIDIA H20": "H20", "NVIDIA H200": "H200-141GB",
+             "NVIDIA A10G": "A10G", "NVIDIA A10": None, "NVIDIA GeForce RTX 5090": "RTX-5090",
+             "NVIDIA GeForce RTX 3090": "RTX-3090", "NVIDIA GeForce RTX 3090 Ti": None}
     assert {name: hardware.catalog_gpu_of(name) for name in names} == names
 
 

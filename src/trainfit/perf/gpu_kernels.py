@@ -69,8 +69,15 @@ KERNELS: dict[str, GpuKernels] = {
     "B300": GpuKernels(160, {"bf16": 1769.0 * TERA, "fp8": 3353.3 * TERA}, "MAMF table (B300 SXM)"),
     "L4": GpuKernels(58, {}, "no MAMF measured"),
     "RTX-A6000": GpuKernels(84, {}, "no MAMF measured"),
+    "MI355X": GpuKernels(256, {"bf16": 1565.0 * TERA},
+                         "MAMF table (MI355X; against its 'Theory' of 2,300 there, the AMD page's dense 2,500 here)"),
+    "H20": GpuKernels(78, {}, "no MAMF measured"),
+    "A10G": GpuKernels(72, {}, "no MAMF measured (the A10's SMs)"),
+    "RTX-5090": GpuKernels(170, {}, "no MAMF measured"),
+    "RTX-3090": GpuKernels(82, {}, "no MAMF measured"),
 }
-"""SM counts from the vendors' architecture whitepapers (Hopper, Ampere, Ada, Blackwell, CDNA 3)."""
+"""SM counts from the vendors' architecture whitepapers (Hopper, Ampere, Ada, Blackwell, CDNA 3 and 4); the
+H20's from a Geekbench report (hardware.py's sources), the A10G's taken as the A10's."""
 
 SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 ATTENTION_H100: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {

@@ -308,8 +308,8 @@ def _compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: R
                        (casts_fwd + casts_bwd) / bandwidth)
 
 
-HOPPER_AND_LATER = frozenset({"H100-SXM-80GB", "H100-PCIe-80GB", "H200-141GB", "H800-SXM-80GB", "B200", "GB200",
-                              "B300"})
+HOPPER_AND_LATER = frozenset({"H100-SXM-80GB", "H100-PCIe-80GB", "H200-141GB", "H800-SXM-80GB", "H20", "B200",
+                              "GB200", "B300"})
 """Where torch's scaled_dot_product_attention prefers cuDNN's kernel (sm90 and later, trainfit.attention)."""
 
 
