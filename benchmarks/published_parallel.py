@@ -212,12 +212,15 @@ class Hardware(NamedTuple):
     gpu: str
     link: str
     memory_gib: float = 0.0
+    hbm_tbps: float = 0.0
+    """The device's memory bandwidth where the hosts' parts differ from the catalog's (0 = the catalog's)."""
 
 
 H100, A100, H200 = "H100-SXM-80GB", "A100-SXM-80GB", "H200-141GB"
-GRAND_TETON = Hardware(H100, "roce-400", 95.0)
+GRAND_TETON = Hardware(H100, "roce-400", 95.0, 2.4)
 """Meta's H100 96GB HBM2e hosts: the catalog's H100 SXM compute (the doc: the true peak lies between SXM and
-NVL), 95 GiB as the torchtitan paper states it, 400 Gb/s RDMA per GPU."""
+NVL; their 500 W cap is not modelled), 95 GiB as the torchtitan paper states it, HBM2e at 2.4 TB/s as
+torchtitan's benchmark states it, 400 Gb/s RDMA per GPU."""
 DGX_H100 = Hardware(H100, "ib-ndr")
 HGX_H200 = Hardware(H200, "ib-ndr")
 SELENE = Hardware(A100, "ib-hdr")
@@ -253,6 +256,7 @@ def run(model: list[str], hw: Hardware, *, gpus: int, seq: int, mbs: int, gbs: i
            f"--precision.mode={precision}", f"--memory.activation_checkpointing={ac}",
            f"--training.compile={str(compiled).lower()}"]
     memory = [f"--hardware.memory_gib={hw.memory_gib}"] if hw.memory_gib else []
+    memory += [f"--hardware.hbm_tbps={hw.hbm_tbps}"] if hw.hbm_tbps else []
     return (*out, *memory, *even_split(model, pp * vpp))
 
 
