@@ -159,11 +159,40 @@ def half_report(names: list[str]) -> str:
     return text + "".join(f"\n    rank correlation {c}" for c in correlations)
 
 
+def markdown_summary(split: dict) -> str:
+    """README's GPU accuracy table: per source, each half's rows, median |throughput error| and its
+    worst row, predicted against published."""
+    rows = {row.name: row for row in throughput_rows()}
+    half_of = assigned(split)
+    by_source: dict[str, dict[str, list[float]]] = {}
+    for name, row in rows.items():
+        error = published.predict(row).throughput_error()
+        by_source.setdefault(row.source, {h: [] for h in HALVES})[half_of[name]].append(100 * error)
+
+    def cell(errors: list[float]) -> str:
+        if not errors:
+            return "-"
+        worst = max(errors, key=abs)
+        return f"{len(errors)}: {statistics.median(abs(e) for e in errors):.0f}% (worst {worst:+.0f}%)"
+
+    lines = ["| source | fitting half: rows: median abs error (worst) | held-out half |", "| --- | --- | --- |"]
+    for source, halves in sorted(by_source.items()):
+        label = published.SOURCES[source].short if source in published.SOURCES else source
+        lines.append(f"| {label} | {cell(halves['fit'])} | {cell(halves['held_out'])} |")
+    every = {h: [e for halves in by_source.values() for e in halves[h]] for h in HALVES}
+    lines.append(f"| all | {cell(every['fit'])} | {cell(every['held_out'])} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--assign", action="store_true", help="add the rows the file lacks (never moves one)")
+    parser.add_argument("--markdown", action="store_true", help="print README's GPU accuracy table and exit")
     args = parser.parse_args()
     split = read() if SPLIT.exists() else {"rule": RULE, **{half: [] for half in HALVES}}
+    if args.markdown:
+        print(markdown_summary(split))
+        return
     if args.assign:
         split, added = assign(split)
         SPLIT.write_text(json.dumps(split, indent=1) + "\n")
