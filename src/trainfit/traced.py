@@ -61,8 +61,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from trainfit.config import Config
+from trainfit.hardware import device_spec
 from trainfit.memory.breakdown import MemoryBreakdown
+from trainfit.memory.caching_allocator import CachingAllocator
 from trainfit.memory.ledger import StorageLedger, TimelinePoint, phase_listener, unsharded_component
+from trainfit.memory.margin import CUDA_CONTEXT_BYTES
 from trainfit.models import materialize
 from trainfit.models.moe import GroupedExperts
 from trainfit.models.routing import dropless_loads, expert_parallel_loads
@@ -401,9 +404,11 @@ def _trace_rank(cfg: Config, layout: Layout, rank: int) -> _RankTrace:
         if hasattr(model, "register_comm_hook"):  # DDP (replicate), zero_stage 0 and 1
             model.register_comm_hook(None, _fake_allreduce_hook)
         eight_bit = _eight_bit_update_as_compiled(cfg.optimizer.name == "adamw-8bit", _target_device_type(cfg))
+        allocator = (CachingAllocator(capacity=device_spec(cfg.hardware).memory_bytes - CUDA_CONTEXT_BYTES)
+                     if _target_device_type(cfg) == "cuda" else None)
         with _ddp_without_init_sync(), _works_hold_tensors(), eight_bit, FakeTensorMode(allow_non_fake_inputs=True), \
                 StorageLedger(fake=True, unsharded_component=unsharded_component(layout),
-                              host_states=layout.offload != "none") as ledger:
+                              host_states=layout.offload != "none", allocator=allocator) as ledger:
             if cfg.model.num_experts and not cfg.model.capacity_factor:
                 tokens = rows * seq_len // layout.cp
                 ledger.route(dropless_loads(tokens, cfg.model.experts_per_token, cfg.model.num_experts,
@@ -429,7 +434,11 @@ def _trace_rank(cfg: Config, layout: Layout, rank: int) -> _RankTrace:
                 step()
             ledger.recording = ledger.in_loss = False
             ledger.classify(model, step.optimizer, policy)
-            trace = _RankTrace(ledger.breakdown(), ledger.timeline, ledger.peak_module, ledger.op, state_bytes)
+            breakdown = ledger.breakdown()
+            if allocator is not None:  # what the caching allocator cannot give back beyond the tensors' peak
+                breakdown = dataclasses.replace(breakdown, margin_terms={
+                    "allocator_fragmentation": max(0, allocator.peak_held - breakdown.peak)})
+            trace = _RankTrace(breakdown, ledger.timeline, ledger.peak_module, ledger.op, state_bytes)
             del step, model
     return trace
 

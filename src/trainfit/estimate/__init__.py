@@ -100,11 +100,15 @@ def estimate(cfg: Config, layout: Layout | None = None) -> Estimate:
 
 def with_traced_memory(est: Estimate, traced: Any) -> Estimate:
     """`est` with the traced step's breakdowns (traced.TracedEstimate), each keeping the
-    analytic reserved margin and its terms: tracing sees tensors, not the CUDA context, the caching
-    allocator's fragmentation or NCCL's buffers, so without it `fits` would promise memory the device
-    does not have."""
-    stages = [dataclasses.replace(t, reserved_margin=a.reserved_margin, margin_terms=a.margin_terms)
-              for t, a in zip(traced.per_stage, est.memory.per_stage, strict=True)]
+    analytic reserved margin's terms but those the trace found itself: tracing sees tensors, not the
+    CUDA context or NCCL's buffers, so without them `fits` would promise memory the device does not
+    have; the caching allocator's fragmentation it replays (memory/caching_allocator.py)."""
+
+    def margin(t: MemoryBreakdown, a: MemoryBreakdown) -> MemoryBreakdown:
+        terms = {**a.margin_terms, **t.margin_terms} if a.margin_terms else {}
+        return dataclasses.replace(t, reserved_margin=sum(terms.values()), margin_terms=terms)
+
+    stages = [margin(t, a) for t, a in zip(traced.per_stage, est.memory.per_stage, strict=True)]
     return dataclasses.replace(est, memory=dataclasses.replace(traced, per_stage=stages))
 
 

@@ -60,6 +60,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from trainfit.memory.breakdown import COMPONENTS, PHASES, MemoryBreakdown
+from trainfit.memory.caching_allocator import CachingAllocator
 from trainfit.parallel.data_parallel import model_state_tensors
 from trainfit.parallel.layout import Layout
 from trainfit.precision import PrecisionPolicy
@@ -126,9 +127,13 @@ class StorageLedger(TorchDispatchMode):
     """
 
     def __init__(self, *, fake: bool, unsharded_component: str = "buffers", host_states: bool = False,
-                 device_type: str | None = None, on_sample: Callable[[int], None] | None = None) -> None:
+                 device_type: str | None = None, on_sample: Callable[[int], None] | None = None,
+                 allocator: CachingAllocator | None = None) -> None:
         super().__init__()
         self.fake = fake
+        self.allocator = allocator
+        """Fed every device storage's allocation and release in order (the traced estimate's reserved pool)."""
+        self._in_comm_op = False
         self.unsharded_component = unsharded_component
         """Component of FSDP's unsharded parameters (their storages are resized, not allocated)."""
         self.host_states = host_states
@@ -187,6 +192,8 @@ class StorageLedger(TorchDispatchMode):
         self.current[entry.component] -= entry.nbytes
         if entry.component != HOST:
             self.total -= entry.nbytes
+            if self.allocator is not None:
+                self.allocator.free(key)
 
     def _track_tensor(self, t: torch.Tensor, component: str, *, retag: tuple[str, ...] = ()) -> None:
         if self.device_type is not None and t.device.type != self.device_type:
@@ -205,6 +212,8 @@ class StorageLedger(TorchDispatchMode):
             self.current[component] += nbytes
             if component != HOST:
                 self.total += nbytes
+                if self.allocator is not None:
+                    self.allocator.malloc(key, nbytes, "comm" if self._in_comm_op else "default")
         elif entry.component in retag:
             self._move(entry, component)
 
@@ -219,6 +228,9 @@ class StorageLedger(TorchDispatchMode):
         self.current[entry.component] += nbytes - entry.nbytes
         if entry.component != HOST:
             self.total += nbytes - entry.nbytes
+            if self.allocator is not None:  # FSDP's unsharded storages: freed at size 0, allocated anew
+                self.allocator.free(id(storage))
+                self.allocator.malloc(id(storage), nbytes)
         entry.nbytes, entry.born = nbytes, self.op
         if nbytes:
             self._move(entry, self.unsharded_component)
@@ -399,9 +411,11 @@ class StorageLedger(TorchDispatchMode):
             if func is _FSDP_COPY_OUT:  # all-gather output -> the unsharded parameters
                 for t in kwargs["out"]:
                     self._track_tensor(t, self.unsharded_component, retag=("activations", "buffers"))
+            self._in_comm_op = True  # what a collective creates, FSDP2 allocates on its own streams
             for t in tree_flatten((args, kwargs, out))[0]:
                 if isinstance(t, torch.Tensor):
                     self._track_tensor(t, "buffers", retag=("activations",))
+            self._in_comm_op = False
         elif self._accumulating_unsharded_grad():
             # AccumulateGrad's work on an FSDP unsharded parameter's gradient (a copy into the
             # parameter's layout, or a sum): the incoming gradient and the result are FSDP's
