@@ -95,3 +95,17 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def test_a_point_that_fails_or_overruns_records_why(tmp_path: Path) -> None:
+    from trainfit.validate.grid import Point
+    from trainfit.validate.run import child_env, run_point
+
+    env = child_env("cpu")
+    bad = run_point(Point("bad", "dense", "a preset that does not exist", ("--model.preset=nope",)), env, tmp_path,
+                    "cpu", None, limit_s=60)
+    assert bad["status"] == "failed" and "model.preset" in bad["error_line"] and "exit code 1" in bad["error"]
+    assert bad["errors"] == {"analytic_peak": None, "traced_peak": None, "step_time": None}
+    slow = run_point(Point("slow", "dense", "debug", ("--model.preset=debug", "--training.device=cpu")), env,
+                     tmp_path, "cpu", None, limit_s=0.5)
+    assert slow["status"] == "failed" and slow["error_line"].startswith("timed out after 0.5 s")

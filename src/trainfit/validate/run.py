@@ -11,6 +11,7 @@ atomically, so a crash loses nothing that finished.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -30,13 +31,13 @@ from rich.console import Console
 from trainfit.config import ConfigError, write_atomic
 from trainfit.validate import machine
 from trainfit.validate.grid import Grid, Point, build_grid, select, with_cpu_slow_included
-from trainfit.validate.table import cells, errors, header, line, note, summary_table
+from trainfit.validate.table import COLUMNS, cells, errors, line, note, summary_table, unit_of
 
 STEPS = ("calibrate", "train")
 """The runner's own entries, before the grid's points."""
 ERROR_TAIL = 3000
 """Characters of a failed entry's output kept in the JSON."""
-TIMED_STEPS = {"cuda": 5, "cpu": 3}
+TIMED_STEPS = {"cuda": 3, "cpu": 3}
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def run_limited(cmd: list[str], env: dict[str, str], limit_s: float, folder: Pat
 
 def _failure(rc: int | None, limit_s: float, folder: Path) -> dict[str, Any]:
     text = ((folder / "output.log").read_text(errors="replace") + (folder / "stdout.txt").read_text(errors="replace"))
-    head = f"timed out after {limit_s:.0f} s" if rc is None else f"exit code {rc}"
+    head = f"timed out after {limit_s:.3g} s" if rc is None else f"exit code {rc}"
     lines = [s.strip() for s in text.splitlines() if s.strip()]
     found = [s for s in lines if "Error" in s or "error:" in s]
     return {"status": "failed", "error": f"{head}\n{text[-ERROR_TAIL:]}",
@@ -194,7 +195,7 @@ def validate(*, device: str, out: Path, budget_s: float, only: list[str], consol
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "device": kind,
         "device_name": grid.device.name, "budget_s": budget_s, "command": " ".join(sys.argv),
         "machine": {**environment, "nvidia_smi": machine.nvidia_smi()}, "trainfit": machine.trainfit_source(),
-        "grid": {"device": grid.device.__dict__, "hardware": list(grid.hardware),
+        "grid": {"device": dataclasses.asdict(grid.device), "hardware": list(grid.hardware),
                  "models": {k: list(v) for k, v in grid.models.items()}, "notes": grid.notes},
         "points": {}, "total_seconds": 0.0, "finished": False}
     write_atomic(out, json.dumps(report, indent=1))
@@ -202,7 +203,9 @@ def validate(*, device: str, out: Path, budget_s: float, only: list[str], consol
     console.print(f"trainfit validate on {grid.device.name} ({kind}): torch {environment.get('torch')}, CUDA "
                   f"{environment.get('cuda')}, driver {smi.get('driver_version')}; {len(names)} entries, budget "
                   f"{budget_s:.0f} s" + "".join(f"\n{note}" for note in grid.notes), highlight=False)
-    console.print(line(header(kind)), highlight=False)
+    console.print(f"peaks in {unit_of(kind)[0]}: analytic and traced predicted, allocated and reserved measured; "
+                  "err: (predicted - measured) / measured", highlight=False)
+    console.print(line(list(COLUMNS)), highlight=False)
     work = Path(tempfile.mkdtemp(prefix="trainfit-validate-"))
     profile = None
     try:
