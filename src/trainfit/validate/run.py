@@ -157,6 +157,17 @@ def run_point(point: Point, env: dict[str, str], work: Path, device: str, profil
     return entry
 
 
+def run_entry(name: str, point: Point | None, env: dict[str, str], work: Path, device: str, profile: str | None,
+              limit_s: float) -> dict[str, Any]:
+    """One entry: the runner's own step `name`, or the grid's `point`."""
+    if name == "calibrate":
+        return run_calibrate(env, work, limit_s)
+    if name == "train":
+        return run_train(env, work, device, limit_s)
+    assert point is not None
+    return run_point(point, env, work, device, profile, limit_s)
+
+
 def skipped(point: Point | None, reason: str) -> dict[str, Any]:
     entry: dict[str, Any] = {"kind": "grid" if point else "command", "status": "skipped", "reason": reason,
                              "seconds": 0.0}
@@ -207,7 +218,7 @@ def validate(*, device: str, out: Path, budget_s: float, only: list[str], consol
                   "err: (predicted - measured) / measured", highlight=False)
     console.print(line(list(COLUMNS)), highlight=False)
     work = Path(tempfile.mkdtemp(prefix="trainfit-validate-"))
-    profile = None
+    profile: str | None = None
     try:
         for i, name in enumerate(names, 1):
             point = points.get(name)
@@ -220,15 +231,9 @@ def validate(*, device: str, out: Path, budget_s: float, only: list[str], consol
             else:
                 limit = min(timing.limit_s, left)
                 with console.status(f"[{i}/{len(names)}] {name} (at most {limit:.0f} s)"):
-                    if name == "calibrate":
-                        entry = run_calibrate(env, work, limit)
-                        if entry["status"] == "ok":
-                            profile = entry.pop("profile_path")  # a scratch file: the JSON holds the profile
-                    elif name == "train":
-                        entry = run_train(env, work, kind, limit)
-                    else:
-                        assert point is not None
-                        entry = run_point(point, env, work, kind, profile, limit)
+                    entry = run_entry(name, point, env, work, kind, profile, limit)
+                if name == "calibrate" and entry["status"] == "ok":
+                    profile = entry.pop("profile_path")  # a scratch file: the JSON holds the profile
             report["points"][name] = entry
             report["total_seconds"] = round(time.monotonic() - start, 1)
             write_atomic(out, json.dumps(report, indent=1))
