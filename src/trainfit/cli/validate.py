@@ -23,5 +23,5 @@ def cmd_validate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"--only {args.only!r}: names no entry; give comma-separated names, or leave it out")
     console = Console()
     if not console.is_terminal:  # a log file or a pipe: no terminal width to fit, so the table is not squeezed
-        console = Console(width=140)
+        console = Console(width=160)
     return validate(device=args.device, out=Path(args.out), budget_s=args.budget_s, only=only, console=console)

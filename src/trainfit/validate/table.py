@@ -36,11 +36,6 @@ def unit_of(device: str) -> tuple[str, int]:
     return ("GiB", GIB) if device == "cuda" else ("MiB", MIB)
 
 
-def header(device: str) -> list[str]:
-    unit = unit_of(device)[0]
-    return [f"{c} {unit}" if c in ("analytic", "traced", "allocated", "reserved") else c for c in COLUMNS]
-
-
 def _pct(value: float | None) -> str:
     return f"{value:+.1%}" if value is not None else ""
 
@@ -77,12 +72,12 @@ def line(values: list[str]) -> str:
 def summary_table(report: dict[str, Any]) -> Table:
     """Every entry of the report: predicted against measured, with the errors in %."""
     device = report["device"]
-    table = Table(title=f"trainfit validate on {report['device_name']} ({device}): predicted vs measured",
-                  caption="err: (predicted - measured) / measured; peaks against the allocated peak")
-    names = max(map(len, report["points"]), default=5)
-    for column in header(device):
+    table = Table(title=f"trainfit validate on {report['device_name']} ({device}): predicted vs measured, peaks in "
+                  f"{unit_of(device)[0]}", caption="err: (predicted - measured) / measured; peaks against the "
+                  "allocated peak")
+    for column in COLUMNS:
         table.add_column(column, justify="left" if column in ("point", "status") else "right",
-                         min_width=names if column == "point" else None)
+                         no_wrap=column == "point")
     for name, entry in report["points"].items():
         table.add_row(*cells(name, entry, device))
     return table
