@@ -181,8 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "configurations (fp32, bf16-mixed, fp8-mixed, every checkpointing policy, chunked loss, "
                            "compile, offload; a dense and an MoE model sized to fill 20-60% of the GPU), each in a "
                            "process of its own; print each one's analytic and traced peak and step time beside the "
-                           "measured ones, and write them all to one JSON file. On the CPU: the debug models, in a "
-                           "minute or two")
+                           "measured ones, and write them all to one JSON file. On the CPU: the same grid on the debug "
+                           "models")
     check.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                        help="auto: cuda where torch sees a GPU, else cpu")
     check.add_argument("--out", default="validate.json", metavar="FILE.json",

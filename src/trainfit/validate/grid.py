@@ -120,7 +120,7 @@ TECHNIQUES: list[tuple[str, str, str, tuple[str, ...]]] = [
 POINT_NAMES = [name for name, *_ in TECHNIQUES]
 CPU_CAVEATS = {"dense-bf16-offload": "on the CPU the host is the device: the measured peak holds the offloaded "
                                      "optimizer states, which the estimates leave off the device"}
-CPU_SLOW = {"dense-bf16-compile": "CPU mode leaves out inductor's compile (about a minute on a CPU); "
+CPU_SLOW = {"dense-bf16-compile": "CPU mode leaves out inductor's compile (slow on a CPU); "
                                   "`--only dense-bf16-compile` runs it"}
 
 

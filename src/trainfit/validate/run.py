@@ -211,8 +211,9 @@ def validate(*, device: str, out: Path, budget_s: float, only: list[str], consol
         "points": {}, "total_seconds": 0.0, "finished": False}
     write_atomic(out, json.dumps(report, indent=1))
     smi = report["machine"]["nvidia_smi"] or {}
+    entries = f"{len(names)} entr{'y' if len(names) == 1 else 'ies'}"
     console.print(f"trainfit validate on {grid.device.name} ({kind}): torch {environment.get('torch')}, CUDA "
-                  f"{environment.get('cuda')}, driver {smi.get('driver_version')}; {len(names)} entries, budget "
+                  f"{environment.get('cuda')}, driver {smi.get('driver_version')}; {entries}, budget "
                   f"{budget_s:.0f} s" + "".join(f"\n{note}" for note in grid.notes), highlight=False)
     console.print(f"peaks in {unit_of(kind)[0]}: analytic and traced predicted, allocated and reserved measured; "
                   "err: (predicted - measured) / measured", highlight=False)
