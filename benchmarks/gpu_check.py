@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import shutil
@@ -29,6 +28,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # this checkout's trainfit, whatever else is installed
+from trainfit.validate.machine import nvidia_smi, probe, trainfit_source  # noqa: E402
+
 WORKER = Path(__file__).resolve().parent / "gpu_checks.py"
 ERROR_TAIL = 3000
 """Characters of a failed check's output kept in the JSON (its whole output is in DIR/logs)."""
@@ -64,41 +66,9 @@ the most paths. fp8 starts with its eager runs and skips its compiled ones that 
 the time it has (gpu_checks.check_fp8)."""
 
 
-def run_quiet(*cmd: str) -> str | None:
-    """A command's stdout, or None when it is missing or fails."""
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return proc.stdout.strip() if proc.returncode == 0 else None
-
-
-def nvidia_smi() -> dict[str, str] | None:
-    out = run_quiet("nvidia-smi", "--query-gpu=driver_version,name,memory.total", "--format=csv,noheader")
-    if not out:
-        return None
-    lines = out.splitlines()
-    driver, name, memory = ([part.strip() for part in lines[0].split(",")] + ["", "", ""])[:3]
-    return {"driver_version": driver, "name": name, "memory_total": memory, "gpus": len(lines), "raw": out}
-
-
 def probe_machine(env: dict[str, str]) -> dict[str, Any]:
-    """torch's view of this machine, from a process of its own (gpu_checks.py --env)."""
-    proc = subprocess.run([sys.executable, str(WORKER), "--env"], capture_output=True, text=True, env=env, cwd=ROOT)
-    try:
-        return json.loads(proc.stdout)
-    except json.JSONDecodeError:
-        return {"probe_error": f"exit code {proc.returncode}\n" + (proc.stdout + proc.stderr)[-ERROR_TAIL:]}
-
-
-def trainfit_source() -> dict[str, Any]:
-    """The commit checked out (when the copy has its .git) and a digest of src/ (always): which code ran."""
-    digest = hashlib.sha256()
-    for path in sorted((ROOT / "src").rglob("*.py")):
-        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
-    status = run_quiet("git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no")
-    return {"commit": run_quiet("git", "-C", str(ROOT), "rev-parse", "HEAD"),
-            "dirty": bool(status) if status is not None else None, "src_sha256": digest.hexdigest()}
+    """torch's view of this machine, from a process of its own (trainfit.validate.machine)."""
+    return probe("auto", env)[0]
 
 
 def child_env(device: str, work: Path) -> dict[str, str]:

@@ -9,8 +9,8 @@ Shapes: on CUDA a ~124M-parameter Llama at 8 x 1024 tokens (GPU-sized work, mill
 an H100) and the debug model where only a code path matters; on the CPU the debug model throughout,
 so that the same code runs here in seconds.
 
-Also `--env` (this machine's torch and device, as JSON on stdout) and `--torchrun-train RESULT --
-ARGS` (what torchrun launches: `trainfit train ARGS`, recording the process group it trained in).
+Also `--torchrun-train RESULT -- ARGS` (what torchrun launches: `trainfit train ARGS`, recording the
+process group it trained in). The machine's description is trainfit.validate.machine's.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from _runs import DEBUG_RUN, run_config  # noqa: E402
 from trainfit.config import Config  # noqa: E402
 from trainfit.train.metrics import read_metrics  # noqa: E402
 from trainfit.train.trainer import Trainer, TrainResult  # noqa: E402
+from trainfit.validate.machine import first_line  # noqa: E402
 
 GPU_MODEL = ("--model.preset=tiny", "--model.dim=768", "--model.num_layers=12", "--model.num_heads=12",
              "--model.num_kv_heads=4", "--model.ffn_dim=2048", "--model.vocab_size=32000",
@@ -112,11 +113,6 @@ def plain(value: Any) -> Any:
     if isinstance(value, float):
         return value if not math.isfinite(value) or value == 0 else float(f"{value:.4g}")
     return str(value)
-
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
 
 
 # ---------------------------------------------------------------- runs
@@ -592,30 +588,6 @@ CHECKS: dict[str, Callable[[Context], None]] = {
 # ---------------------------------------------------------------- entry points
 
 
-def environment() -> dict[str, Any]:
-    """This machine's torch and device, as the results name them."""
-    import importlib.metadata
-
-    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                            "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-                            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
-    for package in ("torchao",):
-        try:
-            info[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            info[package] = None
-    if torch.cuda.is_available():
-        reads = {"device_name": lambda: torch.cuda.get_device_name(0), "device_count": torch.cuda.device_count,
-                 "capability": lambda: ".".join(map(str, torch.cuda.get_device_capability(0))),
-                 "cudnn": torch.backends.cudnn.version, "nccl": lambda: str(torch.cuda.nccl.version())}
-        for key, read in reads.items():
-            try:
-                info[key] = read()
-            except Exception as err:  # one unreadable figure must not cost the run its header
-                info[key] = first_line(err)
-    return info
-
-
 def torchrun_train(seen: Path, args: list[str]) -> int:
     """`trainfit train ARGS` as torchrun's worker, writing the process group it trained in to `seen`."""
     from trainfit import cli
@@ -632,9 +604,6 @@ def torchrun_train(seen: Path, args: list[str]) -> int:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--env"]:
-        print(json.dumps(environment()))
-        return 0
     if sys.argv[1:2] == ["--torchrun-train"]:
         return torchrun_train(Path(sys.argv[2]), sys.argv[sys.argv.index("--") + 1:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

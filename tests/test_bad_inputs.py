@@ -316,6 +316,17 @@ CALIBRATE = [  # trainfit calibrate's own arguments, refused before anything is 
     (("--training.steps=3",), None, ("--training.steps=3", "no config overrides")),
 ]
 
+VALIDATE = [  # trainfit validate's own arguments, refused before the device is probed: (argv, setup, words)
+    (("--only", "dense-bf16,dense-bf17", "--out", "{tmp}/v.json"), None,
+     ("--only dense-bf17", "no such step or grid point", "calibrate, train, dense-fp32")),
+    (("--only", " , ", "--out", "{tmp}/v.json"), None, ("--only", "names no entry")),
+    (("--budget-s", "0", "--out", "{tmp}/v.json"), None, ("--budget-s 0", "> 0")),
+    (("--out", "{tmp}/adir"), write("adir/x", ""), ("--out", "adir", "folder")),
+    (("--out", "{tmp}/nowhere/v.json"), None, ("--out", "nowhere", "does not exist")),
+    (("--device", "gpu"), None, ("--device", "gpu", "cuda")),
+    (("--training.steps=3",), None, ("--training.steps=3", "no config overrides")),
+]
+
 
 PLAN_BASE = ("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
              "--training.seq_len=4096")
@@ -365,6 +376,7 @@ def _cases() -> list[Bad]:
     cases += [Bad(f"profile: {name}", ("estimate", "--hardware.profile={tmp}/hw.toml", *argv), says,
                   None if content is None else write("hw.toml", content)) for name, argv, content, says in PROFILES]
     cases += [Bad("calibrate", ("calibrate", *argv), says, setup) for argv, setup, says in CALIBRATE]
+    cases += [Bad("validate", ("validate", *argv), says, setup) for argv, setup, says in VALIDATE]
     cases += [Bad("plan", ("plan", *argv), says, setup) for argv, setup, says in PLANS]
     return cases
 
@@ -375,7 +387,7 @@ CASES = _cases()
 def test_the_table_covers_every_kind_of_input() -> None:
     kinds = {case.category.split(":")[0] for case in CASES}
     assert kinds == {"config value", "arguments", "config file", "hf config", "data", "checkpoint", "sampling",
-                     "export", "plot", "profile", "calibrate", "plan"}
+                     "export", "plot", "profile", "calibrate", "validate", "plan"}
     assert len(CASES) >= 150
 
 

@@ -340,8 +340,8 @@ def test_trainfit_alone_introduces_itself() -> None:
     out = trainfit().stdout
     assert out.startswith("trainfit: ") and "commands:" in out and "examples:" in out
     assert all(f"  {verb} " in out for verb in ("estimate", "plan", "train", "report", "measure", "sample", "export",
-                                                "calibrate"))
-    assert out.count("\n  trainfit ") + out.count("\n  torchrun ") == 6
+                                                "calibrate", "validate"))
+    assert out.count("\n  trainfit ") + out.count("\n  torchrun ") == 7
 
 
 def test_another_runs_checkpoint_is_refused_with_the_choices(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-data": ("trainfit.cli.prepare_data", "cmd_prepare_data"),
     "export": ("trainfit.cli.export", "cmd_export"),
     "calibrate": ("trainfit.cli.calibrate", "cmd_calibrate"),
+    "validate": ("trainfit.cli.validate", "cmd_validate"),
 }
 
 
@@ -70,6 +71,7 @@ commands:
   export        write a checkpoint as Hugging Face safetensors
   prepare-data  tokenize text into training shards
   calibrate     measure this machine (matmuls, memory, collectives, optimizer) into a hardware profile
+  validate      check the predictions against measured steps on this machine (one CUDA GPU: minutes)
 
 examples:
   trainfit estimate --model.preset=llama3-8b --hardware.gpu=H100-SXM-80GB --hardware.num_gpus=8
@@ -79,6 +81,7 @@ examples:
   torchrun --nproc_per_node 2 -m trainfit train --parallel.zero_stage=3
   trainfit train --profile=4-5 && trainfit report --profile runs/default/profile
   trainfit calibrate --out cpu.toml && trainfit estimate --hardware.profile=cpu.toml
+  trainfit validate --out validate.json
 
 `trainfit COMMAND --help` lists a command's options and every config field with its default."""
 
@@ -172,6 +175,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch threads per process, as training would use (default: torch's here, which "
                        "follows OMP_NUM_THREADS; torchrun sets 1 per rank)")
     calib.add_argument("--json", action="store_true", help="print the profile as JSON instead of tables")
+
+    check = sub.add_parser("validate", help="check the predictions against measured steps on this machine",
+                           description="run `trainfit calibrate --quick`, `trainfit train` and a grid of single-device "
+                           "configurations (fp32, bf16-mixed, fp8-mixed, every checkpointing policy, chunked loss, "
+                           "compile, offload; a dense and an MoE model sized to fill 20-60% of the GPU), each in a "
+                           "process of its own; print each one's analytic and traced peak and step time beside the "
+                           "measured ones, and write them all to one JSON file. On the CPU: the same grid on the debug "
+                           "models")
+    check.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                       help="auto: cuda where torch sees a GPU, else cpu")
+    check.add_argument("--out", default="validate.json", metavar="FILE.json",
+                       help="the results (default: %(default)s; rewritten as entries finish)")
+    check.add_argument("--budget-s", type=float, default=450, metavar="N",
+                       help="the whole run's time limit; entries that would not fit are skipped (default %(default)s)")
+    check.add_argument("--only", metavar="NAMES", help="comma-separated entries to run: calibrate, train, and the "
+                       "grid's points (default: all)")
     return parser
 
 
