@@ -56,9 +56,12 @@ def test_each_run_point_has_finite_predictions_and_measurements(cpu_run: tuple[s
         for value in (p["analytic_peak_bytes"], p["traced_peak_bytes"], p["step_time_s"], m["allocated_peak_bytes"],
                       m["tensor_peak_bytes"], m["step_time_s"]):
             assert finite(value), (name, p, m)
-        assert m["reserved_peak_bytes"] is None  # the CPU has no caching allocator
+        assert m["reserved_peak_bytes"] is None  # the CPU has no caching allocator: nothing reserved to predict
+        assert p["analytic_reserved_bytes"] is None and p["traced_reserved_bytes"] is None
+        assert point["errors"]["analytic_reserved"] is None and point["errors"]["traced_reserved"] is None
         assert len(m["step_times_s"]) == 3 and m["losses_finite"] is True
-        assert all(isinstance(e, float) and math.isfinite(e) for e in point["errors"].values()), point["errors"]
+        compared = ("analytic_peak", "traced_peak", "step_time")
+        assert all(isinstance(point["errors"][k], float) and math.isfinite(point["errors"][k]) for k in compared)
         assert abs(point["errors"]["traced_peak"]) < 0.05  # the debug models' tensors, traced exactly
 
 
@@ -105,7 +108,8 @@ def test_a_point_that_fails_or_overruns_records_why(tmp_path: Path) -> None:
     bad = run_point(Point("bad", "dense", "a preset that does not exist", ("--model.preset=nope",)), env, tmp_path,
                     "cpu", None, limit_s=60)
     assert bad["status"] == "failed" and "model.preset" in bad["error_line"] and "exit code 1" in bad["error"]
-    assert bad["errors"] == {"analytic_peak": None, "traced_peak": None, "step_time": None}
+    assert bad["errors"] == dict.fromkeys(("analytic_peak", "traced_peak", "step_time", "analytic_reserved",
+                                           "traced_reserved"))
     slow = run_point(Point("slow", "dense", "debug", ("--model.preset=debug", "--training.device=cpu")), env,
                      tmp_path, "cpu", None, limit_s=0.5)
     assert slow["status"] == "failed" and slow["error_line"].startswith("timed out after 0.5 s")

@@ -29,7 +29,10 @@ def errors(entry: dict[str, Any]) -> dict[str, float | None]:
     p, m = entry.get("predicted", {}), entry.get("measured", {})
     return {"analytic_peak": relative_error(p.get("analytic_peak_bytes"), m.get("allocated_peak_bytes")),
             "traced_peak": relative_error(p.get("traced_peak_bytes"), m.get("allocated_peak_bytes")),
-            "step_time": relative_error(p.get("step_time_s"), m.get("step_time_s"))}
+            "step_time": relative_error(p.get("step_time_s"), m.get("step_time_s")),
+            # the caching allocator's reserved peak (CUDA only): the tensors' peak plus the fragmentation predicted
+            "analytic_reserved": relative_error(p.get("analytic_reserved_bytes"), m.get("reserved_peak_bytes")),
+            "traced_reserved": relative_error(p.get("traced_reserved_bytes"), m.get("reserved_peak_bytes"))}
 
 
 def unit_of(device: str) -> tuple[str, int]:

@@ -44,7 +44,9 @@ def run_point(overrides: list[str], *, timed_steps: int, result: Result) -> None
 
     cfg = load_config(None, overrides)
     est = estimate(cfg)
+    fragmentation = est.worst.margin_terms.get("allocator_fragmentation")
     result.put("predicted", analytic_peak_bytes=est.worst.peak, analytic_margin_bytes=est.worst.reserved_margin,
+               analytic_reserved_bytes=None if fragmentation is None else est.worst.peak + fragmentation,
                step_time_s=est.perf.time["step_time_s"], num_params=param_counts(cfg.model).total)
 
     import torch
@@ -54,7 +56,9 @@ def run_point(overrides: list[str], *, timed_steps: int, result: Result) -> None
 
     start = time.perf_counter()
     traced = trace_step(cfg)  # before the Trainer: tracing needs the process-group slot free
-    result.put("predicted", traced_peak_bytes=traced.worst.peak, traced_seconds=time.perf_counter() - start)
+    fragmentation = traced.worst.margin_terms.get("allocator_fragmentation")  # the allocator's rules replayed
+    result.put("predicted", traced_peak_bytes=traced.worst.peak, traced_seconds=time.perf_counter() - start,
+               traced_reserved_bytes=None if fragmentation is None else traced.worst.peak + fragmentation)
     trainer = Trainer(cfg)
     try:
         cuda = trainer.device.type == "cuda"
