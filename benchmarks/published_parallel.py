@@ -693,7 +693,21 @@ def _summary(results: list[Result]) -> str:
         if known:
             lines.append(f"{label}: {len(known)} rows compared, median |error| {statistics.median(known):.0%}, "
                          f"{sum(e <= GAP for e in known)} within {GAP:.0%}")
+    for label, subset in (("with a published memory figure", [r for r in results if r.memory is not None]),
+                          ("all", results)):
+        right, total, wrong = fits_calls(subset)
+        lines.append(f"fits, runs {label}: {right} of {total} called right (each ran: the estimate's peak plus its "
+                     f"reserved margin within the device)" + (f"; not: {', '.join(wrong)}" if wrong else ""))
     return "\n".join(lines)
+
+
+def fits_calls(results: list[Result]) -> tuple[int, int, list[str]]:
+    """(runs called right, runs, names called wrong): every estimated published run trained, so each is
+    called right when the estimate says it fits its device (the peak plus the reserved margin). A run of
+    another engine can fit where trainfit's own step of the layout does not (Megatron's pipeline sends
+    into transient buffers; trainfit's stages keep one per micro-batch): those calls are trainfit's."""
+    wrong = [r.row.name for r in results if not r.est.fits]
+    return len(results) - len(wrong), len(results), wrong
 
 
 def main() -> None:
