@@ -36,6 +36,8 @@ the compute dtype; the loss runs in fp32:
   rotate-half's negation and concatenation, their sum (9 forward), and their backward;
 - per block, ELEMENTWISE_FFN per hidden unit of the MLP: SiLU (2) and the gate product (3) forward,
   SiLU's backward (3) and the product's (6);
+- under training.compile (each block compiled), the block's counts are what its fused kernels read
+  and write once (ELEMENTWISE_*_COMPILED); the output layer and the loss stay eager;
 - once, ELEMENTWISE_HEAD_D per model dimension (the final norm) and ELEMENTWISE_LOSS_V per vocabulary
   entry (log-softmax 2, its backward 3, the loss's gather and its gradient's scatter 3);
 - under autocast (the -mixed modes on one process or DDP), each weight is cast to the compute
@@ -70,6 +72,16 @@ if TYPE_CHECKING:
 ELEMENTWISE_D = 83
 ELEMENTWISE_ROPE = 24
 ELEMENTWISE_FFN = 14
+ELEMENTWISE_D_COMPILED = 17
+"""training.compile fuses a block's elementwise chains (inductor), so each reads its inputs and writes
+its outputs once: forward, the attention norm (x in, normed out: 2), the residual add fused with the
+MLP norm (x and the attention's output in, the stream and normed out: 4), the last residual add (3);
+backward, each norm's gradient fused with the residual gradient's sum (4 each)."""
+ELEMENTWISE_ROPE_COMPILED = 4
+"""Compiled RoPE: q and k read and written once forward (2), their gradients once backward (2)."""
+ELEMENTWISE_FFN_COMPILED = 8
+"""Compiled SwiGLU: gate and up in, product out (3); backward, both and the product's gradient in, their
+gradients out (5)."""
 ELEMENTWISE_HEAD_D = 31
 ELEMENTWISE_LOSS_V = 8
 FORWARD_SHARE = 1 / 3
@@ -167,8 +179,10 @@ def elementwise_bytes(m: ModelConfig, layout: Layout, t: TrainingConfig) -> tupl
     inner = 4 if layout.precision == "fp32" else 2  # what matmuls output: RoPE's and the MLP's elements
     head_dim = m.dim // m.num_heads
     ffn = m.ffn_dim if not m.num_experts else m.expert_ffn_dim * (m.experts_per_token + m.num_shared_experts)
-    block = (ELEMENTWISE_D * m.dim / sp * stream + ELEMENTWISE_ROPE * (m.num_heads + m.num_kv_heads) * head_dim / tp
-             * inner + ELEMENTWISE_FFN * ffn / tp * inner
+    per_d, per_rope, per_ffn = ((ELEMENTWISE_D_COMPILED, ELEMENTWISE_ROPE_COMPILED, ELEMENTWISE_FFN_COMPILED)
+                                if layout.compile else (ELEMENTWISE_D, ELEMENTWISE_ROPE, ELEMENTWISE_FFN))
+    block = (per_d * m.dim / sp * stream + per_rope * (m.num_heads + m.num_kv_heads) * head_dim / tp
+             * inner + per_ffn * ffn / tp * inner
              + AUTOCAST_INPUT_CASTS * AUTOCAST_BYTES_PER_ELEMENT * m.dim / sp * autocast)
     head = ELEMENTWISE_HEAD_D * m.dim / sp * stream + ELEMENTWISE_LOSS_V * m.vocab_size / tp * 4
     policy = layout.activation_checkpointing
