@@ -85,8 +85,9 @@ def test_a_compiled_block_moves_each_fused_chains_inputs_and_outputs_once() -> N
     """training.compile: a block's elementwise bytes are the fused kernels' (17 per model dimension, 4 per
     query and key/value dimension, 8 per hidden unit, against eager's 83, 24 and 14); the output layer's
     and the loss's stay eager."""
-    cfg = load_config(None, ["--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--precision.mode=bf16-mixed",
-                             "--training.seq_len=4096", "--training.micro_batch_size=1", "--training.global_batch_size=1"])
+    cfg = load_config(None, ["--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB",
+                             "--precision.mode=bf16-mixed", "--training.seq_len=4096",
+                             "--training.micro_batch_size=1", "--training.global_batch_size=1"])
     eager = build_layout(cfg)
     compiled = dataclasses.replace(eager, compile=True)
     m, tokens = cfg.model, 4096

@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch threads per process, as training would use (default: torch's here, which "
                        "follows OMP_NUM_THREADS; torchrun sets 1 per rank)")
     calib.add_argument("--json", action="store_true", help="print the profile as JSON instead of tables")
+    calib.add_argument("--catalog", metavar="GPU", help="measure nothing: write a catalog GPU's published kernel "
+                       "figures (achievable matmul rates by shape, attention kernels, memory bandwidth) as a profile "
+                       "to read and edit")
 
     check = sub.add_parser("validate", help="check the predictions against measured steps on this machine",
                            description="run `trainfit calibrate --quick`, `trainfit train` and a grid of single-device "

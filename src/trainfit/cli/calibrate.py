@@ -11,6 +11,8 @@ from trainfit.config import ConfigError, check_writable
 
 
 def cmd_calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.catalog:
+        return _write_catalog(args, overrides)
     import json
 
     import torch
@@ -42,4 +44,19 @@ def cmd_calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
             console.print(table)
     print(f"wrote {args.out}: use it as trainfit estimate --hardware.profile={args.out}",
           file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _write_catalog(args: argparse.Namespace, overrides: list[str]) -> int:
+    """`trainfit calibrate --catalog GPU`: the catalog's published figures for GPU as a profile; no torch."""
+    from trainfit.calibrate.catalog import catalog_profile, sources
+    from trainfit.config import write_atomic
+    from trainfit.config.dump import dump_toml
+
+    reject_overrides(overrides)
+    check_writable("--out", args.out, replace=args.force)
+    profile = catalog_profile(args.catalog)
+    write_atomic(args.out, dump_toml(profile.as_dict(), sources(args.catalog)))
+    print(f"wrote {args.out}: {args.catalog}'s catalog figures; use it as trainfit estimate "
+          f"--hardware.gpu={args.catalog} --hardware.profile={args.out}")
     return 0
