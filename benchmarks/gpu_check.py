@@ -19,8 +19,6 @@ import datetime
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # this checkout's trainfit, whatever else is installed
+from trainfit.validate.limited import run_with_limit  # noqa: E402
 from trainfit.validate.machine import nvidia_smi, probe, trainfit_source  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "gpu_checks.py"
@@ -91,16 +90,7 @@ def run_check(name: str, device: str, out: Path, env: dict[str, str], limit_s: f
     result.unlink(missing_ok=True)
     cmd = [sys.executable, str(WORKER), name, "--device", device, "--work", str(work), "--result", str(result),
            "--time-s", f"{limit_s:.0f}"]
-    start = time.monotonic()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-        try:
-            rc: int | None = proc.wait(timeout=limit_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = None
-    seconds = time.monotonic() - start
+    rc, seconds = run_with_limit(cmd, env, limit_s, log, cwd=ROOT)
     found = json.loads(result.read_text()) if result.is_file() else {}
     entry: dict[str, Any] = {"status": "ok" if rc == 0 else "failed", "seconds": round(seconds, 1),
                              "limit_s": round(limit_s), "figures": found.get("figures", {}),

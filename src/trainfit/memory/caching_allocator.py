@@ -162,17 +162,11 @@ class CachingAllocator:
         after = block.next
         if after is not None and after.free:
             pool.remove(after)
-            block.size += after.size
-            block.next = after.next
-            if after.next is not None:
-                after.next.prev = block
+            _join(block, after)
         before = block.prev
         if before is not None and before.free:
             pool.remove(before)
-            before.size += block.size
-            before.next = block.next
-            if block.next is not None:
-                block.next.prev = before
+            _join(before, block)
             block = before
         pool.add(block)
 
@@ -183,3 +177,11 @@ class CachingAllocator:
                 pool.remove(free)
                 self.reserved -= free.size
                 del self._segments[free.segment]
+
+
+def _join(left: _Block, right: _Block) -> None:
+    """`right`, adjacent after `left` in one segment, becomes part of `left`."""
+    left.size += right.size
+    left.next = right.next
+    if right.next is not None:
+        right.next.prev = left

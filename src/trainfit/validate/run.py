@@ -16,9 +16,7 @@ import datetime
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +29,7 @@ from rich.console import Console
 from trainfit.config import ConfigError, write_atomic
 from trainfit.validate import machine
 from trainfit.validate.grid import Grid, Point, build_grid, select, with_cpu_slow_included
+from trainfit.validate.limited import run_with_limit
 from trainfit.validate.table import COLUMNS, cells, errors, line, note, summary_table, unit_of
 
 STEPS = ("calibrate", "train")
@@ -75,17 +74,9 @@ def run_limited(cmd: list[str], env: dict[str, str], limit_s: float, folder: Pat
     """(exit code or None at the limit, seconds, stdout) of `cmd` in its own process group (its
     children die with it at the limit); stderr and stdout kept in `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
-    out, err = folder / "stdout.txt", folder / "output.log"
-    start = time.monotonic()
-    with open(out, "w") as f_out, open(err, "w") as f_err:
-        proc = subprocess.Popen(cmd, stdout=f_out, stderr=f_err, env=env, start_new_session=True)
-        try:
-            rc: int | None = proc.wait(timeout=limit_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = None
-    return rc, time.monotonic() - start, out.read_text(errors="replace")
+    out = folder / "stdout.txt"
+    rc, seconds = run_with_limit(cmd, env, limit_s, out, folder / "output.log")
+    return rc, seconds, out.read_text(errors="replace")
 
 
 def _failure(rc: int | None, limit_s: float, folder: Path) -> dict[str, Any]:
