@@ -115,10 +115,10 @@ def test_mfu_on_a_gpu_is_against_the_gpu_found_never_a_cpu_peak(tmp_path) -> Non
     found = run_device(hw, "bf16-mixed", "cuda", "NVIDIA H100 80GB HBM3")
     assert found.hardware.gpu == "H100-SXM-80GB" and found.peak_flops == pytest.approx(989.4e12)
     assert "hardware.gpu derived: H100-SXM-80GB" in found.note
-    unknown = run_device(hw, "bf16-mixed", "cuda", "NVIDIA A10G")
+    unknown = run_device(hw, "bf16-mixed", "cuda", "NVIDIA A10")
     assert unknown.peak_flops is None and "not in the catalog" in unknown.note
     given = run_device(run_config(tmp_path, "--hardware.peak_tflops=125").hardware, "bf16-mixed", "cuda",
-                       "NVIDIA A10G")
+                       "NVIDIA A10")
     assert given.peak_flops == pytest.approx(125e12)
     with pytest.raises(ConfigError, match=r"hardware.gpu='A100-SXM-80GB': this process trains on NVIDIA H100 80GB "
                                           r"HBM3 \(H100-SXM-80GB\); set --hardware.gpu=H100-SXM-80GB"):
@@ -142,7 +142,7 @@ def test_the_summary_says_why_throughput_or_mfu_is_missing() -> None:
     from trainfit.train.trainer import TrainResult
 
     assert throughput_text(TrainResult(steps_done=2)).startswith("not measured: every step was a warm-up")
-    unknown = TrainResult(steps_done=9, tokens_per_s=1234.0, mfu_note="MFU not computed: NVIDIA A10G is not in ...")
-    assert throughput_text(unknown) == "1,234 tokens/s (MFU not computed: NVIDIA A10G is not in ...)"
+    unknown = TrainResult(steps_done=9, tokens_per_s=1234.0, mfu_note="MFU not computed: NVIDIA A10 is not in ...")
+    assert throughput_text(unknown) == "1,234 tokens/s (MFU not computed: NVIDIA A10 is not in ...)"
     known = TrainResult(steps_done=9, tokens_per_s=1234.0, mfu=0.25, mfu_note="against H100-SXM-80GB's peak")
     assert throughput_text(known) == "1,234 tokens/s, MFU 25.0% (against H100-SXM-80GB's peak)"
