@@ -102,6 +102,47 @@ def test_a_compiled_block_moves_each_fused_chains_inputs_and_outputs_once() -> N
     assert saved == pytest.approx(block(83, 24, 14) - block(17, 4, 8))
 
 
+class KernelCount(TorchDispatchMode):
+    """Operators that launch a kernel: they write a new storage, or one of their inputs in place (views
+    and other metadata-only operators launch none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if func._schema.is_mutable or any(id(t.untyped_storage()) not in inputs for t in outputs):
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize(("precision", "mode"), [("fp32", "eager"), ("bf16-mixed", "autocast")])
+def test_kernel_launches_are_what_a_step_launches(precision: str, mode: str) -> None:
+    """K.LAUNCHES_BLOCK and LAUNCHES_REST against a dispatcher count of 2- and 4-block models' forward and
+    backward: the 2 blocks' difference is two blocks', the rest what remains."""
+    counts = {}
+    for layers in (2, 4):
+        cfg = load_config(None, ["--model.preset=tiny", f"--model.num_layers={layers}", f"--precision.mode={precision}",
+                                 "--training.seq_len=64", "--training.micro_batch_size=2",
+                                 "--training.global_batch_size=2"])
+        model = materialize(build_model(cfg.model), "cpu")
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, 64))
+        with KernelCount() as forward:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+                logits = model(tokens)
+            loss = cross_entropy(logits, tokens)
+        with KernelCount() as backward:
+            loss.backward()
+        counts[layers] = (forward.count, backward.count)
+    block = [(counts[4][i] - counts[2][i]) / 2 for i in (0, 1)]
+    rest = [counts[2][i] - 2 * block[i] for i in (0, 1)]
+    assert block == pytest.approx(K.LAUNCHES_BLOCK[mode], rel=0.1)
+    assert rest == pytest.approx(K.LAUNCHES_REST[mode], rel=0.2)
+
+
 def cpu(*args: str, num_gpus: int = 1) -> tuple:
     cfg = load_config(None, ["--model.preset=tiny", f"--hardware.num_gpus={num_gpus}", *args])
     return cfg, build_layout(cfg)

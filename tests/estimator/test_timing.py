@@ -257,3 +257,15 @@ def test_chunked_loss_reruns_the_output_projection() -> None:
     # here the extra compute hides as much of FSDP's exposed traffic: never a faster step
     assert chunked.time["step_time_s"] >= whole.time["step_time_s"] * (1 - 1e-12)  # comm-bound: equal
     assert chunked.flops["model_flops_per_step"] == whole.flops["model_flops_per_step"]  # MFU gets no credit
+
+
+def test_a_step_of_short_kernels_waits_on_their_launches() -> None:
+    """A tiny model on an H100: each kernel is shorter than its launch, so the host's launches set the
+    compute time; a 70B layout's kernels are long, and its launches hide behind them."""
+    from trainfit.perf import kernels as K
+
+    cfg, layout, tiny = perf(*H100, "--model.preset=tiny")
+    fwd, bwd = K.kernel_launches(cfg.model, layout)
+    assert tiny.time["compute_s"] == pytest.approx((fwd + bwd) * GK.LAUNCH_S)
+    cfg, layout, big = perf(*LLAMA70B_64)
+    assert big.time["compute_s"] > 5 * sum(K.kernel_launches(cfg.model, layout)) * GK.LAUNCH_S

@@ -18,6 +18,9 @@ tokens and a 405B model at 128K, so each kind of work is priced on its own:
 - elementwise work and the optimizer: memory traffic at the datasheet HBM bandwidth (perf/kernels.py
   counts the bytes).
 
+- kernel launches: the host submits each kernel in turn, LAUNCH_S apiece (perf/kernels.py counts a
+  step's), so a step of short kernels runs at the host's pace.
+
 A device without a published MAMF takes its datasheet peak times MAMF_FRACTION_WITHOUT_MEASUREMENT,
 and says so in its `source`.
 """
@@ -30,6 +33,10 @@ import math
 from dataclasses import dataclass
 
 TERA = 1e12
+LAUNCH_S = 5e-6
+"""One kernel launch on the host: 4-6 us from the CPU's call to the GPU's start, measured with CUDA 13 on
+an RTX 5070 Ti (susun-blog.com, "pegainfer (3): From Launch Overhead to CUDA Graph"). A lower bound of
+what an eager PyTorch operator costs the host: its dispatch comes on top."""
 TILE_M, TILE_N = 128, 256
 """The output tile of cuBLAS's large Hopper and Ampere bf16 kernels; a GEMM takes whichever
 orientation of it wastes less."""

@@ -201,6 +201,33 @@ def elementwise_bytes(m: ModelConfig, layout: Layout, t: TrainingConfig) -> tupl
     return forward * tokens + casts / 2, backward * tokens + casts / 2
 
 
+LAUNCHES_BLOCK = {"eager": (34, 65), "autocast": (50, 79), "compiled": (12, 21)}
+"""Kernels one block launches, (forward, backward): eager as a dispatcher count of our Llama block
+finds them (operators writing a new storage or an input in place; tests/estimator/test_kernels.py
+recounts them within 10%), autocast's weight and input casts on top; compiled, its 7 linears' GEMMs
+(3 each with backward), attention's 2 and the fused elementwise chains (4 forward, 6 backward)."""
+LAUNCHES_REST = {"eager": (11, 20), "autocast": (14, 23), "compiled": (11, 20)}
+"""... and the rest of the model once per micro-batch (embedding, final norm, output layer, loss): eager
+either way, as training.compile compiles the blocks only."""
+
+
+def kernel_launches(m: ModelConfig, layout: Layout) -> tuple[float, float]:
+    """(forward, backward incl. recomputation) kernels the busiest rank launches per step: its
+    blocks' and, on the stage with the output layer, the rest's, every micro-batch (a checkpointed
+    block launches its forward's again). A GPU's host launches them one at a time, so a step whose
+    kernels are short waits on the host instead (trainfit.perf.timing)."""
+    mode = "compiled" if layout.compile else "autocast" if layout.autocast else "eager"
+    (block_fwd, block_bwd), (rest_fwd, rest_bwd) = LAUNCHES_BLOCK[mode], LAUNCHES_REST[mode]
+    rerun = layout.activation_checkpointing != "none"
+
+    def rank(layers: int, wrapped: int, last_stage: bool) -> tuple[float, float]:
+        return (layers * block_fwd + rest_fwd * last_stage,
+                layers * block_bwd + wrapped * block_fwd * rerun + rest_bwd * last_stage)
+
+    forward, backward = max((rank(*shape) for shape in layout.rank_shapes()), key=sum)
+    return forward * layout.num_microbatches, backward * layout.num_microbatches
+
+
 def _rank_params(m: ModelConfig, layout: Layout) -> tuple[int, int]:
     """(the busiest rank's blocks', its root unit's) parameters before ZeRO sharding."""
     block, root = stage_params(m, layout)

@@ -359,9 +359,12 @@ def _gpu_compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rate
         return ((total - fp8 - att) / matmul + fp8 / matmul_fp8 + att / (attention_rate * efficiency)
                 + elementwise / bandwidth)
 
-    return ComputeTime(seconds(flops.forward, flops.forward_fp8, flops.forward_attention, att_fwd, ew_fwd + casts_fwd),
-                       seconds(flops.backward, flops.backward_fp8, flops.backward_attention, att_bwd,
-                               ew_bwd + casts_bwd),
+    # The host launches each kernel in turn: where kernels are shorter than their launches, it sets the pace.
+    launch_fwd, launch_bwd = (n * GK.LAUNCH_S for n in K.kernel_launches(m, layout))
+    return ComputeTime(max(launch_fwd, seconds(flops.forward, flops.forward_fp8, flops.forward_attention, att_fwd,
+                                               ew_fwd + casts_fwd)),
+                       max(launch_bwd, seconds(flops.backward, flops.backward_fp8, flops.backward_attention, att_bwd,
+                                               ew_bwd + casts_bwd)),
                        (casts_fwd + casts_bwd) / bandwidth)
 
 
