@@ -435,8 +435,8 @@ def _trace_rank(cfg: Config, layout: Layout, rank: int) -> _RankTrace:
             ledger.recording = ledger.in_loss = False
             ledger.classify(model, step.optimizer, policy)
             breakdown = ledger.breakdown()
-            if allocator is not None:  # what the caching allocator cannot give back beyond the tensors' peak
-                breakdown = dataclasses.replace(breakdown, margin_terms={
+            if allocator is not None:  # the caching allocator replayed: what it cannot give back, what it reserves
+                breakdown = dataclasses.replace(breakdown, reserved_peak=allocator.peak_reserved, margin_terms={
                     "allocator_fragmentation": max(0, allocator.peak_held - breakdown.peak)})
             trace = _RankTrace(breakdown, ledger.timeline, ledger.peak_module, ledger.op, state_bytes)
             del step, model

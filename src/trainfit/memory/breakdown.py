@@ -19,7 +19,8 @@ Components (bytes, ints):
   models it (0 in estimates)
 - reserved_peak, device_used: measured on CUDA only (None elsewhere): the caching allocator's
   reserved peak and the device's used bytes at the step's end (memory/measure.device_readings),
-  absolute figures to hold against the device's memory, not components
+  absolute figures to hold against the device's memory, not components; the traced estimate on a
+  GPU predicts reserved_peak by replaying the allocator's rules (memory/caching_allocator.py)
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class MemoryBreakdown:
     `peak + non_tensor`; memory/attribution.py says what it holds. Estimates leave it 0."""
     reserved_peak: int | None = None
     """Measured on CUDA: torch.cuda.max_memory_reserved over the step (the allocator's segments, its
-    fragmentation included). None in estimates and on CPU, which has no such figure."""
+    fragmentation included); the traced estimate on a GPU: the same, its allocations replayed through the
+    allocator's rules. None in the analytic estimate and on CPU, which has no such figure."""
     device_used: int | None = None
     """Measured on CUDA: the device's used bytes at the step's end (total - free, cudaMemGetInfo): the
     CUDA context, NCCL's buffers and other processes included. None in estimates and on CPU."""

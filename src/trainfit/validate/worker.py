@@ -56,9 +56,8 @@ def run_point(overrides: list[str], *, timed_steps: int, result: Result) -> None
 
     start = time.perf_counter()
     traced = trace_step(cfg)  # before the Trainer: tracing needs the process-group slot free
-    fragmentation = traced.worst.margin_terms.get("allocator_fragmentation")  # the allocator's rules replayed
     result.put("predicted", traced_peak_bytes=traced.worst.peak, traced_seconds=time.perf_counter() - start,
-               traced_reserved_bytes=None if fragmentation is None else traced.worst.peak + fragmentation)
+               traced_reserved_bytes=traced.worst.reserved_peak)  # the allocator's rules replayed (GPU only)
     trainer = Trainer(cfg)
     try:
         cuda = trainer.device.type == "cuda"
