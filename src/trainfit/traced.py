@@ -361,6 +361,8 @@ def trace_step(cfg: Config, layout: Layout | None = None) -> TracedEstimate:
     start = time.perf_counter()
     layout = trainable(dataclasses.replace(layout or build_layout(cfg), compile=False))
     ranks_per_stage = layout.world_size // layout.pp  # pp is the mesh's outermost axis (layout.AXES)
+    # The first rank of a key is the one traced, so the worst rank (the first with the highest
+    # peak) has its own timeline and peak module.
     traced: dict[tuple[Any, ...], _RankTrace] = {}
     traces = []
     for pp_rank in range(layout.pp):
@@ -381,7 +383,7 @@ FILL_DRAIN_SCHEDULES = frozenset({"gpipe"})
 forwards, then all their backwards (torch's ScheduleGPipe reads its stage's index only to know
 whether it is the first or the last). Under the others a rank's place in the pipeline decides how
 many micro-batches it holds at once (1F1B's warm-up of pp - rank - 1 forwards, the interleaved and
-zero-bubble orders), so no two ranks step alike."""
+zero-bubble orders), and every rank is traced."""
 
 
 def _trace_key(layout: Layout, pp_rank: int) -> tuple[Any, ...]:
