@@ -387,11 +387,15 @@ zero-bubble orders), and every rank is traced."""
 
 
 def _trace_key(layout: Layout, pp_rank: int) -> tuple[Any, ...]:
-    """What pipeline rank `pp_rank`'s trace depends on: ranks of one key trace alike, byte for byte,
-    and only the first of them is traced. Under a fill-drain schedule: whether it runs the first or
-    the last stage (embedding, head, loss, which neighbours it exchanges with) and, block after
-    block, whether activation checkpointing wraps it (blocks are otherwise alike: one config, one
-    tensor-parallel plan, one FSDP unit each). Under other schedules the rank itself."""
+    """What pipeline rank `pp_rank`'s trace depends on: ranks of one key allocate alike, byte for
+    byte, and only the first of them is traced. Under a fill-drain schedule: whether it runs the
+    first or the last stage (embedding, head, loss, which neighbours it exchanges with) and, block
+    after block, whether activation checkpointing wraps it (blocks are otherwise alike: one config,
+    one tensor-parallel plan, one FSDP unit each). Under other schedules the rank itself.
+
+    Not traced, a rank warms none of torch's caches for the next: a later rank's timeline can then
+    hold an extra `.device` query (an operator that allocates nothing, the same bytes on either
+    side), so a timeline and `num_ops` are exact to such operators, the figures to the byte."""
     if layout.pp_schedule not in FILL_DRAIN_SCHEDULES:
         return ("rank", pp_rank)
     placement = layout.rank_placement(pp_rank)

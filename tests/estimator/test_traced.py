@@ -13,6 +13,7 @@ import torch.distributed as dist
 from trainfit.config import Config
 from trainfit.configure import load_config
 from trainfit.memory.breakdown import PHASES
+from trainfit.memory.ledger import TimelinePoint
 from trainfit.traced import TracedEstimate, trace_step
 
 
@@ -148,6 +149,14 @@ def test_moe_pipeline_stages_are_traced() -> None:
     assert len(traced.per_stage) == 2 and all(stage.peak > 0 for stage in traced.per_stage)
 
 
+def _allocations(timeline: list[TimelinePoint]) -> list[tuple[int, str, str]]:
+    """The in-use bytes, phase and module of a timeline wherever one of them changes: the same for
+    two traces of one step whatever operators that allocate nothing each counted (`.device`
+    queries, which depend on what torch's caches saw before: traced._trace_key)."""
+    points = [(total, phase, module) for _, total, phase, module in timeline]
+    return [point for i, point in enumerate(points) if i == 0 or point != points[i - 1]]
+
+
 @pytest.mark.parametrize(("extra", "num_traced"), [
     # ranks 1 and 2 alike: two blocks each
     (("--model.num_layers=6", "--parallel.pp_layers_per_stage=1,2,2,1", "--parallel.zero_stage=3"), 3),
@@ -173,8 +182,7 @@ def test_a_fill_drain_pipeline_traces_each_rank_shape_once(extra: tuple[str, ...
     own = [trace_rank(cfg, layout, pp_rank) for pp_rank in range(4)]
     assert est.per_stage == [trace.breakdown for trace in own]
     worst = own[est.worst_stage]
-    assert (est.timeline, est.peak_module, est.num_ops) == (worst.timeline, worst.peak_module,
-                                                           sum(trace.num_ops for trace in own))
+    assert (_allocations(est.timeline), est.peak_module) == (_allocations(worst.timeline), worst.peak_module)
     if num_traced == 4:
         assert own[1].breakdown != own[2].breakdown
 
