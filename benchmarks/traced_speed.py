@@ -1,6 +1,6 @@
 """How fast the traced estimator answers for big models, and how little memory it needs.
 
-    python benchmarks/traced_speed.py [--quick]
+    python benchmarks/traced_speed.py [--quick] [--only=SUBSTRING]
 
 Each configuration is traced in a fresh process, so its peak RSS (getrusage) is its own: import
 torch and trainfit, build the model on the meta device, materialize it under FakeTensorMode on a
@@ -34,6 +34,10 @@ CASES: list[tuple[str, list[str]]] = [
     ("mixtral-8x7b, 8 GPUs, ZeRO-3, full AC",
      ["--model.preset=mixtral-8x7b", *BIG, "--hardware.num_gpus=8", "--parallel.zero_stage=3",
       "--training.global_batch_size=8", "--memory.activation_checkpointing=full"]),
+    # 3-D: 8 pipeline ranks of 1F1B (each traced: a rank's warm-up depth is its own), 8 micro-batches
+    ("llama3.1-405b, 512 GPUs, tp8 x pp8 x dp8, ZeRO-3, full AC",
+     ["--model.preset=llama3.1-405b", *BIG, "--hardware.num_gpus=512", "--parallel.tp=8", "--parallel.pp=8",
+      "--parallel.zero_stage=3", "--training.global_batch_size=64", "--memory.activation_checkpointing=full"]),
 ]
 QUICK = [CASES[0]]
 
@@ -64,7 +68,10 @@ def main() -> None:
     for column in ("configuration", "params", "fp32 weights", "trace s", "process s", "peak RSS",
                    "operators", "traced peak / GPU", "peak at", "analytic peak"):
         table.add_column(column, justify="left" if column in ("configuration", "peak at") else "right")
+    only = next((arg.split("=", 1)[1] for arg in sys.argv if arg.startswith("--only=")), "")
     for name, overrides in QUICK if "--quick" in sys.argv else CASES:
+        if only not in name:
+            continue
         r = run(overrides)
         t = r["traced"]
         table.add_row(name, f"{r['params'] / 1e9:.1f} B", f"{4 * r['params'] / GIB:,.0f} GiB", f"{r['seconds']:.1f}",

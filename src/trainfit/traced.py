@@ -27,7 +27,8 @@ tensor data: skipped and replaced by an in-place hook. DTensor's output-shape pr
 global-size fakes is not counted. Gradient accumulation traces two micro-batches at most: later
 ones repeat the second's memory.
 
-Pipeline parallelism: every pipeline rank is traced (as the first rank of its stage group), its
+Pipeline parallelism: every pipeline rank is traced (as the first rank of its stage group; under a
+fill-drain schedule, GPipe, ranks holding alike stages once: `_trace_key`), its
 stages run by torch's own schedule over all the step's micro-batches, in the schedule's order, on
 the fake world: the stages take static metadata (pipeline.StageBoundary) and the schedule's
 metadata vote is skipped (_run_unvoted), and the schedules' point-to-point Works hold their tensors
@@ -75,6 +76,7 @@ from trainfit.parallel.layout import Layout
 from trainfit.parallel.mesh import build_mesh
 from trainfit.parallel.pipeline import PipelineStep
 from trainfit.parallel.resolve import build_layout
+from trainfit.parallel.stage_split import checkpointed
 from trainfit.train.build import build_parallel_model, run_precision
 from trainfit.train.distributed import World, trainable
 from trainfit.train.step import TrainStep
@@ -352,7 +354,7 @@ def _target_device_type(cfg: Config) -> str:
 def trace_step(cfg: Config, layout: Layout | None = None) -> TracedEstimate:
     """Trace one training step of `cfg` (validated) on `layout` (default: its own on
     hardware.num_gpus ranks) as rank 0 of its world, and under pipeline parallelism as the first
-    rank of every pipeline stage; see the module docstring.
+    rank of every pipeline stage (of every distinct one: `_trace_key`); see the module docstring.
 
     training.compile: the eager step is traced. Dynamo under FakeTensorMode and the fake process
     group crashed the process (segmentation fault, torch 2.13 CPU), and a compiled graph's fused
@@ -362,13 +364,46 @@ def trace_step(cfg: Config, layout: Layout | None = None) -> TracedEstimate:
     start = time.perf_counter()
     layout = trainable(dataclasses.replace(layout or build_layout(cfg), compile=False))
     ranks_per_stage = layout.world_size // layout.pp  # pp is the mesh's outermost axis (layout.AXES)
-    traces = [_trace_rank(cfg, layout, pp_rank * ranks_per_stage) for pp_rank in range(layout.pp)]
+    # The first rank of a key is the one traced, so the worst rank (the first with the highest
+    # peak) has its own timeline and peak module.
+    traced: dict[tuple[Any, ...], _RankTrace] = {}
+    traces = []
+    for pp_rank in range(layout.pp):
+        key = _trace_key(layout, pp_rank)
+        if key not in traced:
+            traced[key] = _trace_rank(cfg, layout, pp_rank * ranks_per_stage)
+        traces.append(traced[key])
     worst = max(range(len(traces)), key=lambda i: traces[i].breakdown.peak)
     at = traces[worst]
     return TracedEstimate(per_stage=[trace.breakdown for trace in traces], worst_stage=worst, timeline=at.timeline,
                           peak_module=at.peak_module, seconds=time.perf_counter() - start,
                           peak_rss_bytes=peak_rss_bytes(), num_ops=sum(trace.num_ops for trace in traces),
                           state_bytes=traces[0].state_bytes)
+
+
+FILL_DRAIN_SCHEDULES = frozenset({"gpipe"})
+"""Schedules whose every rank runs the same actions wherever it sits: all its micro-batches'
+forwards, then all their backwards (torch's ScheduleGPipe reads its stage's index only to know
+whether it is the first or the last). Under the others a rank's place in the pipeline decides how
+many micro-batches it holds at once (1F1B's warm-up of pp - rank - 1 forwards, the interleaved and
+zero-bubble orders), and every rank is traced."""
+
+
+def _trace_key(layout: Layout, pp_rank: int) -> tuple[Any, ...]:
+    """What pipeline rank `pp_rank`'s trace depends on: ranks of one key allocate alike, byte for
+    byte, and only the first of them is traced. Under a fill-drain schedule: whether it runs the
+    first or the last stage (embedding, head, loss, which neighbours it exchanges with) and, block
+    after block, whether activation checkpointing wraps it (blocks are otherwise alike: one config,
+    one tensor-parallel plan, one FSDP unit each). Under other schedules the rank itself.
+
+    Not traced, a rank warms none of torch's caches for the next: a later rank's timeline can then
+    hold an extra `.device` query (an operator that allocates nothing, the same bytes on either
+    side), so a timeline and `num_ops` are exact to such operators, the figures to the byte."""
+    if layout.pp_schedule not in FILL_DRAIN_SCHEDULES:
+        return ("rank", pp_rank)
+    placement = layout.rank_placement(pp_rank)
+    return (placement.first, placement.last,
+            tuple(checkpointed(block, layout.ac_every_n_layers) for block in placement.blocks))
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from trainfit.config import Config
 from trainfit.configure import load_config
 from trainfit.memory.breakdown import PHASES
+from trainfit.memory.ledger import TimelinePoint
 from trainfit.traced import TracedEstimate, trace_step
 
 
@@ -146,3 +147,51 @@ def test_moe_pipeline_stages_are_traced() -> None:
                              "--parallel.zero_stage=3", "--training.global_batch_size=16"])
     traced = trace_step(cfg)
     assert len(traced.per_stage) == 2 and all(stage.peak > 0 for stage in traced.per_stage)
+
+
+def _allocations(timeline: list[TimelinePoint]) -> list[tuple[int, str, str]]:
+    """The in-use bytes, phase and module of a timeline wherever one of them changes: the same for
+    two traces of one step whatever operators that allocate nothing each counted (`.device`
+    queries, which depend on what torch's caches saw before: traced._trace_key)."""
+    points = [(total, phase, module) for _, total, phase, module in timeline]
+    return [point for i, point in enumerate(points) if i == 0 or point != points[i - 1]]
+
+
+@pytest.mark.parametrize(("extra", "num_traced"), [
+    # ranks 1 and 2 alike: two blocks each
+    (("--model.num_layers=6", "--parallel.pp_layers_per_stage=1,2,2,1", "--parallel.zero_stage=3"), 3),
+    # three blocks each, but blocks 1-3 and 4-6 are checkpointed every other one from a different start
+    (("--parallel.pp_layers_per_stage=1,3,3,1", "--memory.activation_checkpointing=full",
+      "--memory.ac_every_n_layers=2"), 4),
+], ids=["alike-middle-ranks", "checkpointed-differently"])
+def test_a_fill_drain_pipeline_traces_each_rank_shape_once(extra: tuple[str, ...], num_traced: int,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPipe on 4 pipeline ranks: ranks that hold alike stages are traced once, and every rank's
+    figures are those of its own trace, byte for byte."""
+    import trainfit.traced as traced_module
+
+    cfg = load_config(None, ["--model.preset=debug", "--model.num_layers=8", "--hardware.num_gpus=4",
+                             "--parallel.pp=4", "--parallel.pp_schedule=gpipe", "--training.seq_len=64",
+                             "--training.micro_batch_size=1", "--training.global_batch_size=4", *extra])
+    trace_rank = traced_module._trace_rank
+    calls: list[int] = []
+    monkeypatch.setattr(traced_module, "_trace_rank", lambda *args: calls.append(args[2]) or trace_rank(*args))
+    est = trace_step(cfg)
+    assert len(calls) == num_traced
+    layout = traced_module.trainable(traced_module.build_layout(cfg))
+    own = [trace_rank(cfg, layout, pp_rank) for pp_rank in range(4)]
+    assert est.per_stage == [trace.breakdown for trace in own]
+    worst = own[est.worst_stage]
+    assert (_allocations(est.timeline), est.peak_module) == (_allocations(worst.timeline), worst.peak_module)
+    if num_traced == 4:
+        assert own[1].breakdown != own[2].breakdown
+
+
+def test_a_1f1b_pipeline_traces_every_rank() -> None:
+    """1F1B: a rank's place decides its warm-up (pp - rank - 1 forwards in flight), so ranks with
+    alike stages differ and each is traced."""
+    cfg = load_config(None, ["--model.preset=debug", "--model.num_layers=6", "--hardware.num_gpus=4",
+                             "--parallel.pp=4", "--parallel.pp_layers_per_stage=1,2,2,1", "--training.seq_len=64",
+                             "--training.micro_batch_size=1", "--training.global_batch_size=4"])
+    peaks = [stage.peak for stage in trace_step(cfg).per_stage]
+    assert peaks[1] != peaks[2]

@@ -278,8 +278,12 @@ class StorageLedger(TorchDispatchMode):
         self.tag([p.grad for p in params if p.grad is not None], self.state("grads"))
 
     def reset_peak(self) -> None:
-        """Start a new step: operator index 0, empty timeline, peaks from the current total."""
+        """Start a new step: operator index 0, empty timeline, peaks from the current total. Every
+        live storage is alive from operator 0 on, so what was done before (how many operators
+        materialization ran) cannot change which pinned moments a later re-tag corrects."""
         self.op = 0
+        for entry in self.entries.values():
+            entry.born = 0
         self.timeline = []
         self.peak, self.peak_op = -1, -1
         self.pins.clear()

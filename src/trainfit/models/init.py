@@ -16,6 +16,7 @@ import math
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -54,11 +55,13 @@ def _local_region(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]
 
 @torch.no_grad()
 def fill_normal_(param: torch.Tensor, *, std: float, seed: int, name: str) -> None:
-    """Fill this rank's part of `param` with N(0, std²) values that depend on (seed, name) only."""
+    """Fill this rank's part of `param` with N(0, std²) values that depend on (seed, name) only.
+    A fake tensor (the traced estimator) holds no values: nothing is drawn, and its region is not
+    computed (a strided shard's is a Python loop over fake index tensors)."""
     local = param.to_local() if isinstance(param, DTensor) else param
-    shape, offset = _local_region(param)
-    if local.numel() == 0:
+    if local.numel() == 0 or isinstance(local, FakeTensor):
         return
+    shape, offset = _local_region(param)
     full = tuple(param.shape)
     row_numel = math.prod(full[1:])
     rows_per_block = max(1, BLOCK_ELEMENTS // max(1, row_numel))
