@@ -17,7 +17,6 @@ tokens and a 405B model at 128K, so each kind of work is priced on its own:
   devices scale them by their bf16 MAMF over the H100's.
 - elementwise work and the optimizer: memory traffic at the datasheet HBM bandwidth (perf/kernels.py
   counts the bytes).
-
 - kernel launches: the host submits each kernel in turn, LAUNCH_S apiece (perf/kernels.py counts a
   step's), so a step of short kernels runs at the host's pace.
 
@@ -42,9 +41,9 @@ TILE_M, TILE_N = 128, 256
 orientation of it wastes less."""
 DEFAULT_SMS = 132
 """Waves of a GPU outside the catalog (a measured profile's name): an H100's SMs."""
-MAMF_FRACTION_WITHOUT_MEASUREMENT = 0.78
-"""bf16 MAMF over peak, the median of the table's NVIDIA rows (A100 86.9%, GH200 83.8%, H100 80.3%,
-B300 78.6%, B200 77.6%, GB200 72.9%): for a catalog device nobody has measured."""
+MAMF_FRACTION_WITHOUT_MEASUREMENT = 0.803
+"""bf16 MAMF over peak, the median of the table's NVIDIA rows (A100 SXM 86.9%, GH200 83.8%, A100 PCIe
+81.1%, H100 SXM 80.3%, B300 78.6%, B200 77.6%, GB200 72.9%): for a catalog device nobody has measured."""
 
 
 @dataclass(frozen=True)
