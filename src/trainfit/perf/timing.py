@@ -326,8 +326,8 @@ def _gpu_compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rate
                          casts_fwd: float, casts_bwd: float) -> ComputeTime:
     """Forward and backward compute of the busiest rank on a catalog GPU, each kind of work at what
     its kernels achieve (perf/gpu_kernels.py): every GEMM at its shape's rate, attention at its
-    kernel's, elementwise traffic and fp8's casts at the memory bandwidth; all of it times
-    hardware.compute_efficiency where set."""
+    kernel's (both times hardware.compute_efficiency), elementwise traffic and fp8's casts at the
+    memory bandwidth; never faster than the host launches its kernels."""
     device, peaks = rates.hw.gpu, rates.device.peak_flops
     bandwidth = rates.device.hbm_bytes_per_s
     kernels = GK.kernels_of(device)
