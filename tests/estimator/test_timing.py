@@ -269,3 +269,9 @@ def test_a_step_of_short_kernels_waits_on_their_launches() -> None:
     assert tiny.time["compute_s"] == pytest.approx((fwd + bwd) * GK.LAUNCH_S)
     cfg, layout, big = perf(*LLAMA70B_64)
     assert big.time["compute_s"] > 5 * sum(K.kernel_launches(cfg.model, layout)) * GK.LAUNCH_S
+    # where the time goes: the kernels' parts add up to the compute unless the launches set the pace
+    parts = big.time["compute_parts_s"]
+    assert set(parts) == {"matmul", "attention", "elementwise", "launches"}
+    assert parts["matmul"] + parts["attention"] + parts["elementwise"] == pytest.approx(big.time["compute_s"])
+    assert tiny.time["compute_parts_s"]["launches"] == pytest.approx(tiny.time["compute_s"])
+    assert perf("--model.preset=tiny")[2].time["compute_parts_s"] == {}  # the CPU: no GPU kernels to name

@@ -79,6 +79,12 @@ def _perf_table(est: Estimate) -> Table:
     table.add_row("compute", fmt_seconds(t["compute_s"]))
     if t["fp8_cast_s"]:
         table.add_row("  fp8 casts (in compute)", fmt_seconds(t["fp8_cast_s"]))
+    parts = t.get("compute_parts_s") or {}
+    for kind, label in (("matmul", "matmuls"), ("attention", "attention"), ("elementwise", "elementwise traffic")):
+        if kind in parts:
+            table.add_row(f"  {label}", fmt_seconds(parts[kind]))
+    if parts.get("launches", 0) > sum(v for k, v in parts.items() if k != "launches"):
+        table.add_row("  kernel launches (host; set the pace)", fmt_seconds(parts["launches"]))
     for kind, seconds in t["comm_s"].items():
         if seconds:
             table.add_row(f"  {kind} (total)", fmt_seconds(seconds))

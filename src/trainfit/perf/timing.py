@@ -124,7 +124,8 @@ class PerfEstimate:
     """model_flops_per_token, hardware_flops_per_token, model_flops_per_step, hardware_flops_per_step,
     recompute_flops_per_step, flops_per_rank_per_step (hardware FLOPs of the busiest rank)."""
     time: dict[str, Any]
-    """step_time_s, compute_s, fp8_cast_s (of compute_s: fp8-mixed's float8 casts), comm_s {kind: total
+    """step_time_s, compute_s, fp8_cast_s (of compute_s: fp8-mixed's float8 casts), compute_parts_s (on a
+    catalog GPU: matmul, attention, elementwise and the host's launches, s per step; {} elsewhere), comm_s {kind: total
     s}, exposed_comm_s, exposed_comm_by_kind_s {kind: s},
     offload_s {h2d, d2h, host_optimizer: s per step; empty without offload}, exposed_offload_s, bubble_s,
     bubble_fraction, exposed_host_s (the parallel frameworks' host work on the critical path), optimizer_s
@@ -265,6 +266,10 @@ class ComputeTime(NamedTuple):
     backward: float
     fp8_casts: float
     """Of forward + backward: the float8 casts' memory traffic (fp8-mixed; else 0)."""
+    parts: dict[str, float] | None = None
+    """On a catalog GPU, what forward + backward spend their time on (matmuls, attention, elementwise
+    traffic with fp8's casts) and the host's kernel launches, which set the pace where they exceed the
+    kernels; None elsewhere."""
 
 
 def _compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: Rates, flops: RankFlops
@@ -355,17 +360,17 @@ def _gpu_compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rate
                                           GK.mamf(device, "bf16", peaks))
     ew_fwd, ew_bwd = K.elementwise_bytes(m, layout, t)
 
-    def seconds(total: float, fp8: float, att: float, attention_rate: float, elementwise: float) -> float:
-        return ((total - fp8 - att) / matmul + fp8 / matmul_fp8 + att / (attention_rate * efficiency)
-                + elementwise / bandwidth)
+    def seconds(total: float, fp8: float, att: float, attention_rate: float, elementwise: float) -> dict[str, float]:
+        return {"matmul": (total - fp8 - att) / matmul + fp8 / matmul_fp8,
+                "attention": att / (attention_rate * efficiency), "elementwise": elementwise / bandwidth}
 
+    forward = seconds(flops.forward, flops.forward_fp8, flops.forward_attention, att_fwd, ew_fwd + casts_fwd)
+    backward = seconds(flops.backward, flops.backward_fp8, flops.backward_attention, att_bwd, ew_bwd + casts_bwd)
     # The host launches each kernel in turn: where kernels are shorter than their launches, it sets the pace.
     launch_fwd, launch_bwd = (n * GK.LAUNCH_S for n in K.kernel_launches(m, layout))
-    return ComputeTime(max(launch_fwd, seconds(flops.forward, flops.forward_fp8, flops.forward_attention, att_fwd,
-                                               ew_fwd + casts_fwd)),
-                       max(launch_bwd, seconds(flops.backward, flops.backward_fp8, flops.backward_attention, att_bwd,
-                                               ew_bwd + casts_bwd)),
-                       (casts_fwd + casts_bwd) / bandwidth)
+    parts = {kind: forward[kind] + backward[kind] for kind in forward} | {"launches": launch_fwd + launch_bwd}
+    return ComputeTime(max(launch_fwd, sum(forward.values())), max(launch_bwd, sum(backward.values())),
+                       (casts_fwd + casts_bwd) / bandwidth, parts)
 
 
 def _device_optimizer_seconds(m: ModelConfig, layout: Layout, rates: Rates) -> float:
@@ -500,7 +505,8 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
                      + F.loss_recompute_flops_per_token(m, layout.chunked_loss))
     rank_flops = _rank_flops(m, layout, t)
     fwd, bwd = rank_flops.forward, rank_flops.backward
-    fwd_s, bwd_s, fp8_cast_s = _compute_seconds(m, layout, t, rates, rank_flops)
+    compute = _compute_seconds(m, layout, t, rates, rank_flops)
+    fwd_s, bwd_s, fp8_cast_s = compute.forward, compute.backward, compute.fp8_casts
     compute_s = fwd_s + bwd_s
     optimizer_s = _device_optimizer_seconds(m, layout, rates) if layout.offload == "none" else 0.0  # else _offload's
 
@@ -536,6 +542,7 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
         "step_time_s": step_s,
         "compute_s": compute_s,
         "fp8_cast_s": fp8_cast_s,
+        "compute_parts_s": compute.parts or {},
         "comm_s": comm,
         "exposed_comm_s": exposed_s,
         "exposed_comm_by_kind_s": exposed,
