@@ -125,7 +125,15 @@ NOTES: dict[str, str] = {
                "its casts to fp8 fused (perf/fp8_casts.py's traffic, memory/analytic.py's backward temporaries)",
     "fp8": "Float8 linears: trainfit's fp8-mixed (block linears at the fp8 peak plus torchao's casts to fp8; memory "
            "bf16-mixed's, less the float8 linears' bf16 weight copies, plus their backward's casts)",
-    "async": "AsyncTP not modelled (all TP communication exposed): predicted as vanilla TP",
+    "async": "AsyncTP: parallel.async_tp (torch's micro-pipeline TP: each TP collective split over its GEMMs)",
+    "tp-overlap": "Transformer Engine's TP communication overlap, priced as parallel.async_tp: NeMo's performance "
+                  "recipes set tp_comm_overlap=True (NVIDIA/NeMo nemo/collections/llm/recipes/llama3_70b.py, "
+                  "pretrain_recipe_performance) and Megatron-Bridge enables it by default [inferred for each row]",
+    "sdpa-fa2": "attention as FlashAttention-2 (training.attention_backend=flash): torch's SDPA on an H100 picks "
+                "FlashAttention-2 from 2.5.1 (cuDNN's kernel made opt-in, pytorch/pytorch#138522) until cuDNN "
+                "above 9.15 ships with it (2.11); torchtitan's runs used 2024-2025 nightlies",
+    "compile?": "compiled [inferred]: torchtitan's float8 module of the time says Float8 'is intended to be ran under "
+                "torch.compile for competitive performance', and AsyncTP is an inductor pass",
     "tps?": "tokens/s per GPU [uncertain]",
     "405L": "126 layers modelled as 128 (pp x v must divide them): each rank holds the busiest rank's layers",
     "ttpp": "torchtitan under PP: microbatches = pp (its default); FSDP keeps parameters unsharded "
@@ -148,8 +156,8 @@ NOTES: dict[str, str] = {
     "untied": "GPT with untied embeddings: 12h^2 L + 2Vh matches the model names [inferred]",
     "megascale": "Megatron-LM baseline: micro-batch 1, bf16, SP + selective recompute, ZeRO-1, A100 SXM 80GB, "
                  "tied embeddings [assumed; not stated]",
-    "nemo": "distributed optimizer (ZeRO-1), SP with TP, no recompute [assumed; not stated]; TP, PP and DP "
-            "communication overlap not modelled",
+    "nemo": "distributed optimizer (ZeRO-1), SP with TP, no recompute [assumed; not stated]; PP and DP "
+            "communication overlap not modelled (TP's: tp-overlap)",
     "te": "Transformer Engine's FP8 fuses its casts (amax, cast and transpose in one kernel): priced as fused casts "
           "(training.compile's price of torchao's casts, one read and one fp8 write per cast); its fp8 copy of a "
           "weight kept across a step's micro-batches (is_first_microbatch) is not modelled",
@@ -220,15 +228,17 @@ class Hardware(NamedTuple):
 
 
 H100, A100, H200 = "H100-SXM-80GB", "A100-SXM-80GB", "H200-141GB"
-GRAND_TETON_EFFICIENCY = 0.58
+GRAND_TETON_EFFICIENCY = 0.60
 GRAND_TETON = Hardware(H100, "roce-400", 95.0, 2.4, GRAND_TETON_EFFICIENCY)
+GRAND_TETON_EFFICIENCY_FLAG = "--hardware.compute_efficiency"
+"""The override that carries it (on Grand Teton rows only: published_split.fit_grand_teton reads it)."""
 """Meta's H100 96GB HBM2e hosts: 95 GiB as the torchtitan paper states it, HBM2e at 2.4 TB/s as torchtitan's
 benchmark states it, 400 Gb/s RDMA per GPU. Their compute is the one figure fitted to published runs:
 the doc puts their peak between the H100 SXM's and NVL's and caps them at 500 W (the SXM's is 700 W),
 and no achievable matmul rate is published for them, so their kernels run at GRAND_TETON_EFFICIENCY of
 the H100 SXM's, the value that zeroes the median signed error of the 9 torchtitan rows of the fitting
-half (published_split.json; scanned by 0.02 from 0.50 to 0.76). The held-out half's 28 rows judge it
-(benchmarks/README.md)."""
+half (published_split.json; the rule is published_split.fit_grand_teton). The held-out half's 28 rows
+judge it (benchmarks/README.md)."""
 DGX_H100 = Hardware(H100, "ib-ndr")
 HGX_H200 = Hardware(H200, "ib-ndr")
 SELENE = Hardware(A100, "ib-hdr")
@@ -251,10 +261,13 @@ def gpt(dim: int, layers: int, heads: int, vocab: int, seq: int, tied: bool) -> 
 
 def run(model: list[str], hw: Hardware, *, gpus: int, seq: int, mbs: int, gbs: int, tp: int = 1, cp: int = 1,
         pp: int = 1, vpp: int = 1, zero: int = 3, precision: str = "bf16-mixed", ac: str = "full",
-        sp: bool | None = None, compiled: bool = False) -> tuple[str, ...]:
+        sp: bool | None = None, compiled: bool = False, async_tp: bool = False, attention: str = "auto"
+        ) -> tuple[str, ...]:
     """Overrides of one layout. Sequence parallelism follows tp unless `sp` says otherwise: torchtitan
     bundles them, and Megatron's TP-comm overlap needs SP. vpp > 1 is the interleaved 1F1B schedule.
-    `compiled`: the source ran torch.compile (training.compile; NOTES "compile")."""
+    `compiled`: the source ran torch.compile (training.compile; NOTES "compile"). `async_tp`: its
+    TP collectives overlapped their GEMMs (parallel.async_tp; NOTES "async", "tp-overlap").
+    `attention`: the kernel its attention ran (training.attention_backend; NOTES "sdpa-fa2")."""
     out = [*model, f"--hardware.gpu={hw.gpu}", f"--hardware.num_gpus={gpus}", "--hardware.gpus_per_node=8",
            f"--hardware.inter_node_link={hw.link}", f"--training.seq_len={seq}", f"--training.micro_batch_size={mbs}",
            f"--training.global_batch_size={gbs}", f"--parallel.tp={tp}",
@@ -262,7 +275,8 @@ def run(model: list[str], hw: Hardware, *, gpus: int, seq: int, mbs: int, gbs: i
            f"--parallel.pp={pp}", f"--parallel.pp_virtual_stages={vpp}",
            f"--parallel.pp_schedule={'interleaved-1f1b' if vpp > 1 else '1f1b'}", f"--parallel.zero_stage={zero}",
            f"--precision.mode={precision}", f"--memory.activation_checkpointing={ac}",
-           f"--training.compile={str(compiled).lower()}"]
+           f"--training.compile={str(compiled).lower()}", f"--training.attention_backend={attention}",
+           *(["--parallel.async_tp=true"] if async_tp and tp > 1 else [])]
     memory = [f"--hardware.memory_gib={hw.memory_gib}"] if hw.memory_gib else []
     memory += [f"--hardware.hbm_tbps={hw.hbm_tbps}"] if hw.hbm_tbps else []
     memory += [f"--hardware.compute_efficiency={hw.compute_efficiency}"] if hw.compute_efficiency else []
@@ -303,8 +317,8 @@ def torchtitan_2d_3d_rows() -> list[Published]:
             rows.append(Published(
                 f"{src} 70B {variant} FSDP32 TP8", src, table, mem, memory_stat="reserved", throughput=tps,
                 overrides=run(llama("llama3.1-70b", 8192), GRAND_TETON, gpus=256, seq=8192, mbs=16, gbs=512, tp=8,
-                              precision="fp8-mixed", compiled=True),
-                notes=("seq?", "fp8", "compile", *when("Async" in variant, "async"))))
+                              precision="fp8-mixed", compiled=True, async_tp="Async" in variant, attention="flash"),
+                notes=("seq?", "fp8", "compile", *when("Async" in variant, "async"), "sdpa-fa2")))
     for src, table, fsdp, pp, results in (("tt-2412", "T5", 8, 8, (("1F1B", 82.5, 100), ("Interleaved", 72.7, 128))),
                                           ("tt-paper", "T4", 4, 16, (("1F1B", 78.0, 100), ("Interleaved", 80.3, 130)))):
         for schedule, mem, tps in results:
@@ -314,8 +328,8 @@ def torchtitan_2d_3d_rows() -> list[Published]:
                 throughput=tps,
                 overrides=run(llama("llama3.1-405b", 8192, layers=128), GRAND_TETON, gpus=8 * pp * fsdp, seq=8192,
                               mbs=32 // pp, gbs=32 * fsdp, tp=8, pp=pp, vpp=vpp, zero=2, precision="fp8-mixed",
-                              compiled=True),
-                notes=("seq?", "405L", "ttpp", *when(vpp > 1, "v2"), "fp8", "async", "compile")))
+                              compiled=True, async_tp=True, attention="flash"),
+                notes=("seq?", "405L", "ttpp", *when(vpp > 1, "v2"), "fp8", "async", "compile", "sdpa-fa2")))
     return rows
 
 
@@ -328,16 +342,17 @@ def torchtitan_long_context_rows() -> list[Published]:
             f"tt-2412 405B 4D FSDP{fsdp} CP{cp} {seq // 1024}K", "tt-2412", "T6", mem, memory_stat="reserved",
             throughput=tps,
             overrides=run(llama("llama3.1-405b", seq, layers=128), GRAND_TETON, gpus=512, seq=seq, mbs=1,
-                          gbs=8 * fsdp, tp=8, cp=cp, pp=8, zero=2, precision="fp8-mixed", compiled=True),
-            notes=("gbs?", "405L", "ttpp", "fp8", "async", "compile")))
+                          gbs=8 * fsdp, tp=8, cp=cp, pp=8, zero=2, precision="fp8-mixed", compiled=True,
+                          async_tp=True, attention="flash"),
+            notes=("gbs?", "405L", "ttpp", "fp8", "async", "compile", "sdpa-fa2")))
     for fsdp, cp, seq, tps, mem in ((8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2), (2, 4, 131072, 1071, 84.0),
                                     (1, 8, 262144, 548, 84.5)):
         rows.append(Published(
             f"tt-2412 8B FSDP{fsdp} CP{cp} {seq // 1024}K", "tt-2412", "T2", mem, memory_stat="reserved",
             throughput=tps,
             overrides=run(llama("llama3.1-8b", seq), GRAND_TETON, gpus=8, seq=seq, mbs=1, gbs=fsdp, cp=cp,
-                          precision="fp8-mixed", compiled=True),
-            notes=("fp8", "compile")))
+                          precision="fp8-mixed", compiled=True, attention="flash"),
+            notes=("fp8", "compile", "sdpa-fa2")))
     rows.append(Published("tt-paper T5-T6 (8B FSDP+CP, 405B 4D)", "tt-paper", "T5, T6", notes=("dup",)))
     return rows
 
@@ -354,8 +369,8 @@ def torchtitan_other_rows() -> list[Published]:
                 memory_stat="reserved", throughput=tps,
                 overrides=run(llama("llama3.1-8b", 8192), GRAND_TETON, gpus=gpus, seq=8192, mbs=2, gbs=2 * gpus,
                               ac="selective-alternate", precision="fp8-mixed" if float8 else "bf16-mixed",
-                              compiled="compile" in variant),
-                notes=("seq?", "op-sac", *when(float8, "fp8"), *when("compile" in variant, "compile"))))
+                              compiled="compile" in variant, attention="flash"),
+                notes=("seq?", "op-sac", *when(float8, "fp8"), *when("compile" in variant, "compile"), "sdpa-fa2")))
     for model, gpus, lbs, ac, results in (
             ("70B", 256, 16, "full", (("bf16", 597.3, 652.4), ("fp8 tensorwise", 809.8, 942.4),
                                       ("fp8 rowwise", 599.6, 624.8))),
@@ -367,24 +382,27 @@ def torchtitan_other_rows() -> list[Published]:
                     f"tt-async {model} FSDP{gpus // 8} TP8 {precision} {variant}", "tt-async", model, throughput=tps,
                     overrides=(*run(llama(f"llama3.1-{model.lower()}", 8192), GRAND_TETON, gpus=gpus, seq=8192,
                                     mbs=lbs, gbs=lbs * gpus // 8, tp=8, ac=ac,
-                                    precision="bf16-mixed" if precision == "bf16" else "fp8-mixed", compiled=True),
+                                    precision="bf16-mixed" if precision == "bf16" else "fp8-mixed", compiled=True,
+                                    async_tp=variant == "AsyncTP", attention="flash"),
                                *when("rowwise" in precision, "--precision.fp8_scaling=rowwise")),
                     notes=("seq?", "tps?", *when(ac != "full", "op-sac"), *when(precision != "bf16", "fp8"),
-                           *when(variant == "AsyncTP", "async"), "compile")))
+                           *when(variant == "AsyncTP", "async"), "compile", "sdpa-fa2")))
     for variant, tps in (("bf16", 109), ("Float8", 177), ("Float8+AsyncTP", 185)):
         rows.append(Published(
             f"tt-2408 405B FSDP16 TP8 {variant}", "tt-2408", "performance.md", throughput=tps,
             overrides=run(llama("llama3.1-405b", 8192), GRAND_TETON, gpus=128, seq=8192, mbs=2, gbs=32, tp=8,
-                          precision="bf16-mixed" if variant == "bf16" else "fp8-mixed"),
-            notes=("seq?", *when(variant != "bf16", "fp8"), *when("Async" in variant, "async"))))
+                          precision="bf16-mixed" if variant == "bf16" else "fp8-mixed", compiled=variant != "bf16",
+                          async_tp="Async" in variant, attention="flash"),
+            notes=("seq?", *when(variant != "bf16", "fp8", "compile?"), *when("Async" in variant, "async"),
+                   "sdpa-fa2")))
     for gpus, tps, mem in ((32, 10938, 47.96), (64, 10753, 46.97)):
         rows.append(Published(
             f"trainy 8B FSDP{gpus} H200 compile+Float8", "trainy", "results", mem, memory_stat="reserved",
             throughput=tps,
             overrides=(*run(llama("llama3.1-8b", 8192), HGX_H200, gpus=gpus, seq=8192, mbs=2, gbs=2 * gpus,
-                            ac="selective-alternate", precision="fp8-mixed", compiled=True),
+                            ac="selective-alternate", precision="fp8-mixed", compiled=True, attention="flash"),
                        "--precision.fp8_all_gather=true"),
-            notes=("op-sac", "loss", "fp8", "fp8-ag", "compile")))
+            notes=("op-sac", "loss", "fp8", "fp8-ag", "compile", "sdpa-fa2")))
     return rows
 
 
@@ -496,8 +514,8 @@ def nemo_summary_rows() -> list[Published]:
                 rows.append(Published(
                     f"{src} {name}", src, "summary", throughput=tps,
                     overrides=run(model, DGX_H100, gpus=gpus, seq=seq, mbs=mbs, gbs=gbs, tp=tp, pp=pp, cp=cp, vpp=vp,
-                                  zero=1, ac="none", precision="fp8-mixed", compiled=True),
-                    notes=("nemo", "fp8", "te", *when("GPT3" in name, "gpt3"))))
+                                  zero=1, ac="none", precision="fp8-mixed", compiled=True, async_tp=True),
+                    notes=("nemo", "fp8", "te", *when(tp > 1, "tp-overlap"), *when("GPT3" in name, "gpt3"))))
         rows.append(Published(f"{src} Nemotron-340B TP8 PP8 VP12", src, "summary", throughput=nemotron[src],
                               notes=("nemotron",)))
     return rows
@@ -515,8 +533,8 @@ def nemo_other_rows() -> list[Published]:
             f"nemo-long LLAMA2-7B {seq_k}K TP{tp} PP{pp} DP{dp} CP{cp}", "nemo-long", "H100 with CP", throughput=tflops,
             metric="TFLOP/s (Megatron)",
             overrides=run(llama("llama2-7b", seq), DGX_H100, gpus=gpus, seq=seq, mbs=1, gbs=batch, tp=tp, pp=pp,
-                          cp=cp, zero=1, ac="none", precision="fp8-mixed", compiled=True),
-            notes=("long", "nemo", "fp8", "te")))
+                          cp=cp, zero=1, ac="none", precision="fp8-mixed", compiled=True, async_tp=True),
+            notes=("long", "nemo", "fp8", "te", *when(tp > 1, "tp-overlap"))))
     rows.append(Published("nemo-long LLAMA2-7B without CP (9 rows)", "nemo-long", "H100 without CP",
                           notes=("no-cp-layout",)))
     rows.append(Published("nemo-long LLAMA3-8B B200 (8 rows)", "nemo-long", "B200", notes=("blackwell",)))
@@ -526,13 +544,14 @@ def nemo_other_rows() -> list[Published]:
         rows.append(Published(
             f"bridge {release} LLAMA3-70B TP4 PP8 VP5 {precision}", "bridge", release, throughput=tps70,
             overrides=run(llama("llama3-70b", 8192), DGX_H100, gpus=64, seq=8192, mbs=1, gbs=gbs70, tp=4, pp=8, vpp=5,
-                          zero=1, ac="none", precision="fp8-mixed", compiled=True),
-            notes=("nemo", "fp8", "te")))
+                          zero=1, ac="none", precision="fp8-mixed", compiled=True, async_tp=True),
+            notes=("nemo", "fp8", "te", "tp-overlap")))
         rows.append(Published(
             f"bridge {release} LLAMA3.1-405B TP8 PP8 CP2 VP8 {precision}", "bridge", release, throughput=tps405,
             overrides=run(llama("llama3.1-405b", 8192, layers=128), DGX_H100, gpus=1024, seq=8192, mbs=1,
-                          gbs=gbs405, tp=8, pp=8, cp=2, vpp=8, zero=1, ac="none", precision="fp8-mixed", compiled=True),
-            notes=("nemo", "fp8", "te", "mb405")))
+                          gbs=gbs405, tp=8, pp=8, cp=2, vpp=8, zero=1, ac="none", precision="fp8-mixed", compiled=True,
+                          async_tp=True),
+            notes=("nemo", "fp8", "te", "tp-overlap", "mb405")))
     rows.append(Published("bridge 405B B200/GB200/GB300 (3 rows)", "bridge", "25.11", notes=("blackwell",)))
     rows.append(Published("automodel Llama3 70B LoRA TP2 PP4 VP10", "automodel", "summary", throughput=608.42,
                           notes=("lora",)))

@@ -24,6 +24,7 @@ the rows (tests/estimator/test_published_split.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import statistics
@@ -184,14 +185,44 @@ def markdown_summary(split: dict) -> str:
     return "\n".join(lines)
 
 
+FIT_RULE_SCAN = [round(0.40 + 0.02 * i, 2) for i in range(31)]
+"""The Grand Teton kernel shares the fitting rule scans (0.40 to 1.00 by 0.02)."""
+
+
+def fit_grand_teton(split: dict) -> list[tuple[float, float, float]]:
+    """The one figure fitted to published runs (published_parallel.GRAND_TETON_EFFICIENCY), by its
+    rule, fixed before the first fit: the share of the H100 SXM's kernel rates that zeroes the median
+    signed throughput error of the fitting half's torchtitan rows (the hosts that share is about).
+    Returns (share, median signed error, median |error|) over FIT_RULE_SCAN, best first."""
+    rows = {row.name: row for row in throughput_rows()}
+    ours = [rows[n] for n in split["fit"] if rows[n].overrides and published.GRAND_TETON_EFFICIENCY_FLAG
+            in " ".join(rows[n].overrides)]
+    scanned = []
+    for share in FIT_RULE_SCAN:
+        errors = []
+        for row in ours:
+            overrides = tuple(o if not o.startswith(published.GRAND_TETON_EFFICIENCY_FLAG)
+                              else f"{published.GRAND_TETON_EFFICIENCY_FLAG}={share}" for o in row.overrides)
+            errors.append(published.predict(dataclasses.replace(row, overrides=overrides)).throughput_error())
+        scanned.append((share, statistics.median(errors), statistics.median(abs(e) for e in errors)))
+    return sorted(scanned, key=lambda x: abs(x[1]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--assign", action="store_true", help="add the rows the file lacks (never moves one)")
     parser.add_argument("--markdown", action="store_true", help="print README's GPU accuracy table and exit")
+    parser.add_argument("--fit-grand-teton", action="store_true", help="apply the fitting rule of the one fitted "
+                        "figure (Grand Teton's kernel share) to the fitting half and print the scan, best first")
     args = parser.parse_args()
     split = read() if SPLIT.exists() else {"rule": RULE, **{half: [] for half in HALVES}}
     if args.markdown:
         print(markdown_summary(split))
+        return
+    if args.fit_grand_teton:
+        for share, signed, absolute in fit_grand_teton(split)[:5]:
+            print(f"share {share:.2f}: fitting half's torchtitan rows median signed error {signed:+.1%}, "
+                  f"median |error| {absolute:.1%}")
         return
     if args.assign:
         split, added = assign(split)

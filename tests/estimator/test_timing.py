@@ -275,3 +275,63 @@ def test_a_step_of_short_kernels_waits_on_their_launches() -> None:
     assert parts["matmul"] + parts["attention"] + parts["elementwise"] == pytest.approx(big.time["compute_s"])
     assert tiny.time["compute_parts_s"]["launches"] == pytest.approx(tiny.time["compute_s"])
     assert perf("--model.preset=tiny")[2].time["compute_parts_s"] == {}  # the CPU: no GPU kernels to name
+
+
+ASYNC_TP = (*H100, "--model.preset=llama3-70b", "--hardware.num_gpus=8", "--parallel.tp=8",
+            "--parallel.sequence_parallel=true", "--parallel.zero_stage=3", "--training.seq_len=8192",
+            "--training.micro_batch_size=2", "--training.global_batch_size=2", "--training.compile=true")
+
+
+def test_async_tp_hides_each_tp_collective_behind_its_gemms() -> None:
+    """Each sequence-parallel collective split over its GEMMs leaves max(C - G, 0) + min(C, G) / tp
+    exposed; nothing else in the step changes."""
+    cfg, layout, vanilla = perf(*ASYNC_TP)
+    _, async_layout, overlapped = perf(*ASYNC_TP, "--parallel.async_tp=true")
+    assert async_layout.async_tp and not layout.async_tp
+    v, a = vanilla.time, overlapped.time
+    assert a["compute_s"] == v["compute_s"] and a["comm_s"] == pytest.approx(v["comm_s"])
+    tp_vanilla = sum(one * c.count for c, one in vanilla.collectives if c.purpose == "tp")
+    tp_split = [(c, one) for c, one in overlapped.collectives if c.overlaps]
+    assert tp_split and all(c.purpose == "tp" and c.kind in ("all_gather", "reduce_scatter") for c, _ in tp_split)
+    # the GEMMs named exist, and the time one call leaves exposed follows the rule
+    from trainfit.perf import kernels as K
+    from trainfit.perf.timing import Rates, _async_tp_exposed, _compute_seconds, _rank_flops
+    rates = Rates.of(cfg.hardware)
+    rate = _compute_seconds(cfg.model, async_layout, cfg.training, rates,
+                            _rank_flops(cfg.model, async_layout, cfg.training)).matmul_flops_per_s
+    names = {g.name for g in K.block_gemms(cfg.model, async_layout)} | {"output"}
+    exposed = dict(zip([id(c) for c, _ in overlapped.collectives],
+                       [one for _, one in _async_tp_exposed(list(overlapped.collectives), cfg.model, async_layout,
+                                                            cfg.training, rate)], strict=True))
+    tokens = 2 * 8192
+    gemms = {g.name: g for g in [*K.block_gemms(cfg.model, async_layout), K.head_gemm(cfg.model, async_layout)]}
+    for c, one in tp_split:
+        assert set(c.overlaps) <= names
+        g = sum(2 * tokens * gemms[n].share * gemms[n].k * gemms[n].n for n in c.overlaps) / rate
+        assert exposed[id(c)] == pytest.approx(max(0.0, one - g) + min(one, g) / 8, rel=1e-6)
+        assert exposed[id(c)] < one
+    # the attention's and the MLP's all-gathers overlap different GEMMs, so they stay apart
+    gathers = {c.overlaps for c, _ in tp_split if c.kind == "all_gather" and c.phase == "forward"}
+    assert {("wq", "wk", "wv"), ("w1", "w3"), ("output",)} <= gathers
+    tp_exposed = v["exposed_comm_s"] - a["exposed_comm_s"]
+    assert 0.5 * tp_vanilla < tp_exposed < tp_vanilla  # most of it hidden, never more than there was
+    assert a["step_time_s"] == pytest.approx(v["step_time_s"] - tp_exposed)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (("--parallel.sequence_parallel=false",), "parallel.sequence_parallel=true"),
+    (("--training.compile=false",), "training.compile=true"),
+    (("--hardware.gpu=cpu", "--precision.mode=fp32"), "hardware.gpu='cpu'"),
+])
+def test_async_tp_refuses_what_it_cannot_run_on(extra: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ConfigError, match=r"parallel\.async_tp=true") as error:
+        build_layout(load_config(None, [*ASYNC_TP, "--parallel.async_tp=true", *extra]))
+    assert message in str(error.value)
+
+
+def test_async_tp_without_tensor_parallelism_is_flagged_as_no_effect() -> None:
+    cfg = load_config(None, [*H100, "--parallel.async_tp=true", "--training.compile=true"])
+    layout = build_layout(cfg)
+    assert any(text.startswith("parallel.async_tp=true has no effect") for text in layout.ineffective_options())
+    _, _, vanilla = perf(*H100, "--training.compile=true")
+    assert estimate_perf(cfg.model, layout, cfg.training, cfg.hardware).time == vanilla.time

@@ -210,6 +210,11 @@ class ParallelConfig:
     """Tensor-parallel degree."""
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence under tensor parallelism."""
+    async_tp: bool = False
+    """Overlap tensor parallelism's all-gathers and reduce-scatters with the GEMMs beside them: each is
+    split into tp chunks, one moving while another multiplies (torch's micro-pipeline TP, an inductor
+    pass over symmetric memory; Megatron-Core's tp_comm_overlap does the same with Transformer Engine).
+    Needs tp > 1, sequence_parallel, training.compile and CUDA GPUs."""
     pp: int = 1
     """Pipeline-parallel degree: ranks the layers are split over, stage after stage."""
     pp_schedule: PipelineSchedule = "1f1b"

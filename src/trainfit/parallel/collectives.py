@@ -130,6 +130,10 @@ class CollectiveCall:
     timed: bool = True
     """perf/comms.py prices it; False for the trainer's one-number all-reduces, which it leaves out
     (their count is a floor: DTensor reduces each differently sharded gradient group's norm apart)."""
+    overlaps: tuple[str, ...] = ()
+    """Under parallel.async_tp, the GEMMs it is split across and hidden behind (perf/kernels.Gemm
+    names; "output": the output projection): the forward GEMMs that consume what it gathers or
+    produce what it reduces; in backward, their input-gradient GEMMs, of the same shape."""
 
 
 def group_size(layout: Layout, axes: tuple[str, ...]) -> int:
@@ -181,25 +185,34 @@ def _data_parallel(layout: Layout, layers: int) -> list[CollectiveCall]:
                        False, "root")]
 
 
-def _tp_block(model: ModelConfig, sp: bool) -> tuple[list[tuple[Kind, str, str]], list[tuple[Kind, str, str]]]:
-    """One block's tensor-parallel calls in forward order, and the backward ones: (kind, tensor, site)."""
+TpCall = tuple[Kind, str, str, tuple[str, ...]]
+"""(kind, tensor, site, the GEMMs it overlaps under async TP)."""
+
+
+def _tp_block(model: ModelConfig, sp: bool) -> tuple[list[TpCall], list[TpCall]]:
+    """One block's tensor-parallel calls in forward order, and the backward ones. With sequence
+    parallelism a column group's input all-gather feeds its column GEMMs (and its backward
+    reduce-scatter follows their input gradients), a row output's reduce-scatter follows its GEMM
+    (its backward all-gather feeds that GEMM's input gradient): async TP's pairs."""
     linears = block_linears(model)
-    rows = [linear.path for linear in linears if linear.tp == "row"]
+    rows = [linear for linear in linears if linear.tp == "row"]
     groups = list(dict.fromkeys(linear.path.split(".")[0] for linear in linears if linear.tp == "column"))
-    fwd: list[tuple[Kind, str, str]] = []
-    bwd: list[tuple[Kind, str, str]] = []
+    fwd: list[TpCall] = []
+    bwd: list[TpCall] = []
     for group in groups:  # forward order: each group's input, then its row-parallel output
+        columns = tuple(linear.name for linear in linears if linear.tp == "column" and linear.path.startswith(group))
         if sp:
-            fwd.append(("all_gather", "stream", f"{group} input"))
-        bwd.append(("reduce_scatter" if sp else "all_reduce", "stream", f"{group} input"))
-        for path in rows:
-            if path.startswith(group + "."):
-                fwd.append(("reduce_scatter" if sp else "all_reduce", "row_output", f"{path} output"))
+            fwd.append(("all_gather", "stream", f"{group} input", columns))
+        bwd.append(("reduce_scatter" if sp else "all_reduce", "stream", f"{group} input", columns if sp else ()))
+        for row in rows:
+            if row.path.startswith(group + "."):
+                fwd.append(("reduce_scatter" if sp else "all_reduce", "row_output", f"{row.path} output",
+                            (row.name,) if sp else ()))
                 if sp:
-                    bwd.append(("all_gather", "row_output", f"{path} output"))
+                    bwd.append(("all_gather", "row_output", f"{row.path} output", (row.name,)))
     if model.num_experts and sp:  # the replicated MoE: its input gathered, its output sliced
-        fwd.append(("all_gather", "stream", "feed_forward input"))
-        bwd.append(("all_gather", "stream", "feed_forward output"))
+        fwd.append(("all_gather", "stream", "feed_forward input", ()))
+        bwd.append(("all_gather", "stream", "feed_forward output", ()))
     return fwd, bwd
 
 
@@ -212,31 +225,33 @@ def _tp(model: ModelConfig, layout: Layout, layers: int, wrapped: int) -> list[C
     if POLICIES[layout.activation_checkpointing].keeps("tp_reduction"):
         rerun = [call for call in rerun if call[0] == "all_gather"]
     reduce = "reduce_scatter" if sp else "all_reduce"
-    calls: list[tuple[Kind, Phase, str, str, int]] = [
-        ("all_reduce", "forward", "loss_stats", "loss_parallel's statistics", 3 * output),
-        *[(kind, "forward", tensor, site, layers) for kind, tensor, site in fwd if kind == "all_gather"],
-        ("all_gather", "forward", "stream", "output input", output * sp),
-        *[(kind, "forward", tensor, site, layers) for kind, tensor, site in fwd if kind != "all_gather"],
-        (reduce, "forward", "stream", "tok_embeddings output", embedding),
-        *[(kind, "backward", tensor, site, layers) for kind, tensor, site in bwd if tensor == "row_output"],
-        *[(kind, "backward", tensor, site, layers) for kind, tensor, site in bwd
+    head = ("output",) if sp else ()
+    calls: list[tuple[Kind, Phase, str, str, int, tuple[str, ...]]] = [
+        ("all_reduce", "forward", "loss_stats", "loss_parallel's statistics", 3 * output, ()),
+        *[(kind, "forward", tensor, site, layers, gemms) for kind, tensor, site, gemms in fwd if kind == "all_gather"],
+        ("all_gather", "forward", "stream", "output input", output * sp, head),
+        *[(kind, "forward", tensor, site, layers, gemms) for kind, tensor, site, gemms in fwd if kind != "all_gather"],
+        (reduce, "forward", "stream", "tok_embeddings output", embedding, ()),
+        *[(kind, "backward", tensor, site, layers, gemms) for kind, tensor, site, gemms in bwd
+          if tensor == "row_output"],
+        *[(kind, "backward", tensor, site, layers, gemms) for kind, tensor, site, gemms in bwd
           if kind == "all_gather" and tensor == "stream"],
-        ("all_gather", "backward", "stream", "tok_embeddings output", embedding * sp),
-        *[(kind, "backward", tensor, f"{site} (recomputed)", wrapped) for kind, tensor, site in rerun
+        ("all_gather", "backward", "stream", "tok_embeddings output", embedding * sp, ()),
+        *[(kind, "backward", tensor, f"{site} (recomputed)", wrapped, gemms) for kind, tensor, site, gemms in rerun
           if kind == "all_gather"],
-        *[(kind, "backward", tensor, site, layers) for kind, tensor, site in bwd
+        *[(kind, "backward", tensor, site, layers, gemms) for kind, tensor, site, gemms in bwd
           if kind != "all_gather" and tensor == "stream"],
-        (reduce, "backward", "stream", "output input", output),
-        *[(kind, "backward", tensor, f"{site} (recomputed)", wrapped) for kind, tensor, site in rerun
+        (reduce, "backward", "stream", "output input", output, head),
+        *[(kind, "backward", tensor, f"{site} (recomputed)", wrapped, gemms) for kind, tensor, site, gemms in rerun
           if kind != "all_gather"],
-        ("all_gather", "backward", "positions", "pos_embeddings output", embedding * sp * (model.family == "gpt2")),
+        ("all_gather", "backward", "positions", "pos_embeddings output", embedding * sp * (model.family == "gpt2"), ()),
     ]
     if sp and layout.data_parallel == "fsdp":  # one all-reduce per gain (and bias) tensor of dim elements
         c = param_counts(model)
         calls.append(("all_reduce", "backward", "norm_gain", "norm gains",
-                      (c.norms * layers + c.final_norm * output) // model.dim))
-    return [CollectiveCall("tp", kind, ("tp",), tensor, site, phase, count)
-            for kind, phase, tensor, site, count in calls]
+                      (c.norms * layers + c.final_norm * output) // model.dim, ()))
+    return [CollectiveCall("tp", kind, ("tp",), tensor, site, phase, count, overlaps=gemms)
+            for kind, phase, tensor, site, count, gemms in calls]
 
 
 def _train(model: ModelConfig, layout: Layout) -> list[CollectiveCall]:

@@ -75,6 +75,8 @@ class Layout:
     """precision.mode: the dtypes the step computes, communicates and keeps its states in."""
     fp8_scaling: str = "tensorwise"
     """precision.fp8_scaling: torchao's float8 recipe under fp8-mixed (tensorwise | rowwise)."""
+    async_tp: bool = False
+    """parallel.async_tp: tensor parallelism's collectives overlap the GEMMs beside them."""
     fp8_all_gather: bool = False
     """precision.fp8_all_gather: FSDP2 all-gathers the float8 linears' weights in fp8 (fp8-mixed, FSDP)."""
     grad_accum_dtype: str = "param"
@@ -203,6 +205,9 @@ class Layout:
         if self.zero_stage and self.zero_shards == 1 and self.offload == "none":
             found.append(f"parallel.zero_stage={self.zero_stage} has no effect: one data-parallel rank holds every "
                          "shard")
+        if self.async_tp and self.tp == 1:
+            found.append("parallel.async_tp=true has no effect: it overlaps tensor parallelism's collectives, and "
+                         "parallel.tp=1")
         if self.sequence_parallel and self.tp == 1:
             found.append("parallel.sequence_parallel=true has no effect: it shards along the sequence what tensor "
                          "parallelism leaves whole, and parallel.tp=1")

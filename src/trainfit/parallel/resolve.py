@@ -104,6 +104,7 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
         accum = _pipeline_microbatches(p.pp_schedule, p.pp, virtual, p.num_microbatches, accum, global_batch, dp)
         micro = global_batch // dp // accum
     _check_memory(cfg)
+    _check_async_tp(cfg)
     return Layout(world_size=world, dp_replicate=p.dp_replicate, dp_shard=dp_shard, cp=p.cp, tp=p.tp, pp=p.pp,
                   ep=p.ep, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel, pp_schedule=p.pp_schedule,
                   pp_virtual_stages=virtual, num_microbatches=accum,
@@ -111,10 +112,32 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
                   grad_accum_steps=accum, micro_batch_size=micro, global_batch_size=global_batch, seq_len=t.seq_len,
                   activation_checkpointing=mem.activation_checkpointing, ac_every_n_layers=mem.ac_every_n_layers,
                   offload=mem.offload, chunked_loss=mem.chunked_loss, precision=cfg.precision.mode,
-                  fp8_scaling=cfg.precision.fp8_scaling, fp8_all_gather=cfg.precision.fp8_all_gather,
+                  fp8_scaling=cfg.precision.fp8_scaling, async_tp=p.async_tp,
+                  fp8_all_gather=cfg.precision.fp8_all_gather,
                   grad_accum_dtype=cfg.optimizer.grad_accum_dtype, moe_imbalance=mem.moe_imbalance,
                   loss_chunk_tokens=mem.loss_chunk_tokens, compile=t.compile, optimizer=cfg.optimizer.name,
                   tie_embeddings=bool(m.tie_embeddings))
+
+
+def _check_async_tp(cfg: Config) -> None:
+    """parallel.async_tp against what torch's micro-pipeline TP needs: the sequence-parallel
+    all-gathers and reduce-scatters it splits, inductor (it is a compiler pass), and CUDA's symmetric
+    memory."""
+    p = cfg.parallel
+    if not p.async_tp or p.tp == 1:
+        return
+    if not p.sequence_parallel:
+        why, fix = ("overlaps sequence parallelism's all-gathers and reduce-scatters with their GEMMs, and "
+                    "parallel.sequence_parallel=false", "set parallel.sequence_parallel=true")
+    elif not cfg.training.compile:
+        why, fix = ("is an inductor pass (torch's micro-pipeline TP), and training.compile=false",
+                    "set training.compile=true")
+    elif cfg.hardware.gpu == "cpu":
+        why, fix = ("needs CUDA GPUs (symmetric memory over NVLink), and hardware.gpu='cpu'",
+                    "set parallel.async_tp=false, or a GPU in hardware.gpu")
+    else:
+        return
+    raise ConfigError(f"parallel.async_tp=true: {why}; {fix}")
 
 
 class GlobalBatch(NamedTuple):

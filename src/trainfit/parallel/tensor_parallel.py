@@ -112,6 +112,21 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     return model
 
 
+def enable_async_tp(tp_mesh: DeviceMesh) -> bool:
+    """parallel.async_tp: turn on torch's micro-pipeline TP, inductor's pass that splits each
+    sequence-parallel all-gather before a matmul, and each matmul before a reduce-scatter, into tp
+    chunks over symmetric memory (so it acts on compiled blocks only: training.compile). CUDA only;
+    returns whether it was enabled (False on any other device, where the step runs without it)."""
+    if tp_mesh.device_type != "cuda":
+        return False
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    return True
+
+
 def uneven_vocabulary(vocab_size: int, tp: int) -> str | None:
     """What a user should know when tp does not divide the vocabulary: DTensor shards its rows
     unevenly (torch.chunk's split: the first ranks one row more), which works, but those ranks

@@ -156,6 +156,8 @@ class Collective(NamedTuple):
     parallelism, in the block's unit on their own mesh), "buckets" (DDP)."""
     per_microbatch: bool = False
     """The calls repeat in every micro-batch (count includes the micro-batches), else once per step."""
+    overlaps: tuple[str, ...] = ()
+    """Under parallel.async_tp, the GEMMs the call hides behind (parallel/collectives.CollectiveCall)."""
 
 
 def expert_rows(model: ModelConfig, num_tokens: int) -> int:
@@ -260,7 +262,8 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
     """Every collective one rank of the busiest pipeline stage issues in one optimizer step: the timed
     calls parallel/collectives.py declares for the layout (what each technique issues, and why), each of
     tensor_bytes' size, repeated over the micro-batches where accumulation repeats it. Calls that
-    differ only in their site (a dense block's wo and w2 outputs, K and V) are one Collective.
+    differ only in their site (a dense block's wo and w2 outputs, K and V) are one Collective, except
+    under parallel.async_tp where they overlap different GEMMs.
 
     Bytes: gradients reduced in fp32 under the *-mixed modes (FP32_BYTES); tensor parallelism's
     hidden states in the activation dtype, except under autocast (a *-mixed mode without FSDP2/ZeRO-1:
@@ -280,6 +283,6 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
         count = call.count * (n_mb if call.per_microbatch else 1) * (sizes["buckets"] if call.per_bucket else 1)
         if nbytes > 0:
             key = (call.kind, _purpose(call), call.axes, ranks[call.axes], int(nbytes), call.phase,
-                   call.unit, call.per_microbatch, call.tensor)
+                   call.unit, call.per_microbatch, call.overlaps if layout.async_tp else (), call.tensor)
             merged[key] = merged.get(key, 0) + int(count)
-    return [Collective(*key[:5], count, *key[5:8]) for key, count in merged.items()]
+    return [Collective(*key[:5], count, *key[5:9]) for key, count in merged.items()]

@@ -270,6 +270,9 @@ class ComputeTime(NamedTuple):
     """On a catalog GPU, what forward + backward spend their time on (matmuls, attention, elementwise
     traffic with fp8's casts) and the host's kernel launches, which set the pace where they exceed the
     kernels; None elsewhere."""
+    matmul_flops_per_s: float = 0.0
+    """The rate the rank's GEMMs run at, all of them together: what a GEMM that hides an async-TP
+    collective takes (_async_tp_exposed)."""
 
 
 def _compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: Rates, flops: RankFlops
@@ -301,16 +304,16 @@ def _compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: R
 
         return ComputeTime(seconds(flops.forward, flops.forward_fp8, flops.forward_attention, ew_fwd + casts_fwd),
                            seconds(flops.backward, flops.backward_fp8, flops.backward_attention, ew_bwd + casts_bwd),
-                           memory * (casts_fwd + casts_bwd) / bandwidth)
+                           memory * (casts_fwd + casts_bwd) / bandwidth, None, matmul / compute)
     if rates.hw.gpu != "cpu":
         return _gpu_compute_seconds(m, layout, t, rates, flops, casts_fwd, casts_bwd)
     rate = rates.peak(layout.precision) * efficiency
     if layout.precision != "fp8-mixed":
-        return ComputeTime(flops.forward / rate, flops.backward / rate, 0.0)
+        return ComputeTime(flops.forward / rate, flops.backward / rate, 0.0, None, rate)
     high = rates.device.peak_flops["bf16"] * efficiency  # everything but the float8 linears
     return ComputeTime((flops.forward - flops.forward_fp8) / high + flops.forward_fp8 / rate + casts_fwd / bandwidth,
                        (flops.backward - flops.backward_fp8) / high + flops.backward_fp8 / rate + casts_bwd / bandwidth,
-                       (casts_fwd + casts_bwd) / bandwidth)
+                       (casts_fwd + casts_bwd) / bandwidth, None, high)
 
 
 HOPPER_AND_LATER = frozenset({"H100-SXM-80GB", "H100-PCIe-80GB", "H200-141GB", "H800-SXM-80GB", "H20", "B200",
@@ -369,8 +372,9 @@ def _gpu_compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rate
     # The host launches each kernel in turn: where kernels are shorter than their launches, it sets the pace.
     launch_fwd, launch_bwd = (n * GK.LAUNCH_S for n in K.kernel_launches(m, layout))
     parts = {kind: forward[kind] + backward[kind] for kind in forward} | {"launches": launch_fwd + launch_bwd}
+    matmul_flops = (flops.forward - flops.forward_attention) + (flops.backward - flops.backward_attention)
     return ComputeTime(max(launch_fwd, sum(forward.values())), max(launch_bwd, sum(backward.values())),
-                       (casts_fwd + casts_bwd) / bandwidth, parts)
+                       (casts_fwd + casts_bwd) / bandwidth, parts, matmul_flops / parts["matmul"])
 
 
 def _device_optimizer_seconds(m: ModelConfig, layout: Layout, rates: Rates) -> float:
@@ -424,6 +428,26 @@ def model_parallel_comm_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw:
     docstring's table): the other part of those bounds."""
     timed = timed_collectives(m, layout, t, rates or Rates.of(hw))
     return sum(one * c.count for c, one in timed if c.purpose in ("tp", "cp", "pp"))
+
+
+def _async_tp_exposed(timed: list[tuple[Collective, float]], m: ModelConfig, layout: Layout, t: TrainingConfig,
+                      matmul_flops_per_s: float) -> list[tuple[Collective, float]]:
+    """`timed` with each call async TP splits (Collective.overlaps) at what it leaves exposed. The
+    collective of C seconds and its GEMMs of G are cut into tp chunks, one chunk moving while another
+    multiplies: max(C, G) + min(C, G) / tp together (the chunk that fills or drains the pipeline runs
+    alone), so C - G of the call shows where it is longer, and one chunk of the shorter always."""
+    if not layout.async_tp:
+        return timed
+    tokens = layout.micro_batch_size * t.seq_len / layout.cp
+    gemms = {g.name: g for g in [*K.block_gemms(m, layout), K.head_gemm(m, layout)]}
+    out = []
+    for c, one in timed:
+        if c.overlaps:
+            flops = sum(2 * max(1, round(tokens * gemms[n].share)) * gemms[n].k * gemms[n].n for n in c.overlaps)
+            g = flops / matmul_flops_per_s
+            one = max(0.0, one - g) + min(one, g) / layout.tp
+        out.append((c, one))
+    return out
 
 
 def _exposed(timed: list[tuple[Collective, float]], fwd_s: float, bwd_s: float, n_mb: int
@@ -517,7 +541,8 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
         comm[c.kind] += one * c.count
     # On a CPU, gloo's collectives run on the cores that compute: nothing hides behind compute.
     cover_fwd, cover_bwd = (0.0, 0.0) if hw.gpu == "cpu" else (fwd_s, bwd_s)
-    exposed, per_microbatch = _exposed(timed, cover_fwd, cover_bwd, n_mb)
+    exposed, per_microbatch = _exposed(_async_tp_exposed(timed, m, layout, t, compute.matmul_flops_per_s),
+                                       cover_fwd, cover_bwd, n_mb)
     exposed_s = sum(exposed.values())
     offload, offload_exposed_s = _offload(m, layout, rates, fwd_s, bwd_s)
     frac = bubble_fraction(layout.pp_schedule, layout.pp, n_mb, layout.pp_virtual_stages)

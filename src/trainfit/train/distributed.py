@@ -204,6 +204,9 @@ def init_world(cfg: Config, layout: Layout) -> World:
         raise ConfigError(f"hardware.num_gpus={layout.world_size}: the world has {size} ranks; build the layout "
                           "with run_layout(cfg) in this process")
     device, device_note = pick_device(cfg.training.device, local_rank)
+    if layout.async_tp and device.type != "cuda":
+        raise ConfigError(f"parallel.async_tp=true: torch's micro-pipeline TP needs CUDA devices (symmetric memory), "
+                          f"and this run's device is {device.type}; set parallel.async_tp=false")
     timeout = timedelta(minutes=cfg.training.collective_timeout_minutes)
     world = World(device=device, rank=rank, size=size, local_rank=local_rank, layout=layout,
                   collective_timeout=timeout, device_note=device_note)

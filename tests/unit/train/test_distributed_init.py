@@ -146,3 +146,27 @@ def test_the_summary_says_why_throughput_or_mfu_is_missing() -> None:
     assert throughput_text(unknown) == "1,234 tokens/s (MFU not computed: NVIDIA A10 is not in ...)"
     known = TrainResult(steps_done=9, tokens_per_s=1234.0, mfu=0.25, mfu_note="against H100-SXM-80GB's peak")
     assert throughput_text(known) == "1,234 tokens/s, MFU 25.0% (against H100-SXM-80GB's peak)"
+
+
+def test_async_tp_is_refused_before_any_group_on_a_device_without_symmetric_memory(tmp_path, monkeypatch) -> None:
+    """A config planned for H100s (parallel.async_tp) started on CPUs: a named error before a group exists."""
+    cfg = run_config(tmp_path, "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=2", "--parallel.tp=2",
+                     "--parallel.sequence_parallel=true", "--parallel.zero_stage=3", "--training.compile=true",
+                     "--parallel.async_tp=true", "--training.device=cpu", "--training.global_batch_size=8")
+    layout = build_layout(cfg)
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda *a, **k: pytest.fail("a group was made"))
+    with pytest.raises(ConfigError, match=r"parallel\.async_tp=true: .*this run's device is cpu; set "
+                                          r"parallel\.async_tp=false"):
+        init_world(cfg, layout)
+
+
+def test_async_tp_enables_nothing_off_cuda() -> None:
+    import types
+
+    import torch._inductor.config as inductor_config
+
+    from trainfit.parallel.tensor_parallel import enable_async_tp
+    assert enable_async_tp(types.SimpleNamespace(device_type="cpu")) is False
+    assert inductor_config._micro_pipeline_tp is False
