@@ -234,36 +234,67 @@ class LinkSpec:
     per_nic: bool
     """A network link: a GPU gets bytes_per_s x nics_per_node / gpus_per_node of it."""
     source: str
+    medium: str = "host"
+    """nvlink | pcie | net | host: which of NCCL's tuning rows (PROTOCOLS) its collectives follow."""
 
 
 _NVLINK_HOP_S, _PCIE_HOP_S, _NET_HOP_S = 3.4e-6, 5.7e-6, 9.6e-6  # NCCL tuning.cc hwLat Ring/Simple
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """One of NCCL's low-latency protocols beside Simple (whose figures are a link's own): its fixed
+    cost per collective, its latency per ring step on the medium, and the share of the link's
+    bandwidth it moves data at (LL sends 8-byte words of 4 data bytes and a flag, and its busBw is
+    cut further; LL128 keeps 120 of every 128 bytes)."""
+
+    name: str
+    base_s: float
+    hop_s: float
+    bandwidth_share: float
+    """Of the link's achievable bandwidth, for all-gather and reduce-scatter inside a node."""
+    bandwidth_share_reduce: float
+    """For all-reduce, and for any collective across nodes."""
+
+
+PROTOCOLS: dict[str, tuple[Protocol, ...]] = {
+    "nvlink": (Protocol("LL", 3.6e-6, 0.47e-6, 1 / 3, 1 / 4), Protocol("LL128", 10.0e-6, 1.9e-6, 0.92, 0.92)),
+    "pcie": (Protocol("LL", 3.6e-6, 1.0e-6, 1 / 3, 1 / 4),),
+    "net": (Protocol("LL", 3.6e-6, 2.7e-6, 1 / 4, 1 / 4),),
+}
+"""NCCL's ring protocols other than Simple, by medium, from its tuning model (src/graph/tuning.cc,
+ncclTopoTuneModel: baseLat Ring {LL 3.6, LL128 10.0, Simple 8.4} us; hwLat Ring NVLink {0.47, 1.9,
+3.4}, PCI {1.0, 2.5, 5.7}, NET {2.7, 4.0, 9.6} us; ring LL's busBw x 1/3, or 1/4 for all-reduce and
+across nodes; LL128's x 0.92). NCCL times every enabled protocol and runs the fastest; LL128 is
+enabled by default over NVLink only (also across nodes on Hopper, left out here). The Simple
+figures are each LinkSpec's own (COLLECTIVE_BASE_LATENCY_S and latency_s)."""
 
 LINKS: dict[str, LinkSpec] = {
     s.name: s
     for s in (
         LinkSpec("nvlink4", 450 * GB, _NVLINK_HOP_S, False,
-                 "H100/H200 SXM: 18 NVLink 4 links x 25 GB/s per direction (900 GB/s bidirectional)"),
+                 "H100/H200 SXM: 18 NVLink 4 links x 25 GB/s per direction (900 GB/s bidirectional)", "nvlink"),
         LinkSpec("nvlink3", 300 * GB, _NVLINK_HOP_S, False,
-                 "A100 SXM: 12 NVLink 3 links x 25 GB/s per direction (600 GB/s bidirectional)"),
+                 "A100 SXM: 12 NVLink 3 links x 25 GB/s per direction (600 GB/s bidirectional)", "nvlink"),
         LinkSpec("infinity-fabric", 448 * GB, _NVLINK_HOP_S, False,
                  "MI300X: 7 Infinity Fabric links x 64 GB/s per direction to the 7 peers (896 GB/s "
-                 "bidirectional); NVLink-class hop latency assumed"),
-        LinkSpec("pcie5", 63 * GB, _PCIE_HOP_S, False, "PCIe 5.0 x16: 32 GT/s x 16 lanes, 128b/130b"),
-        LinkSpec("pcie4", 31.5 * GB, _PCIE_HOP_S, False, "PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b"),
-        LinkSpec("ib-ndr", 50 * GB, _NET_HOP_S, True, "InfiniBand NDR: 400 Gb/s per NIC"),
-        LinkSpec("ib-hdr", 25 * GB, _NET_HOP_S, True, "InfiniBand HDR: 200 Gb/s per NIC"),
-        LinkSpec("roce-400", 50 * GB, _NET_HOP_S, True, "RoCE v2 over 400 GbE, per NIC"),
-        LinkSpec("roce-200", 25 * GB, _NET_HOP_S, True, "RoCE v2 over 200 GbE, per NIC"),
-        LinkSpec("roce-100", 12.5 * GB, _NET_HOP_S, True, "RoCE v2 over 100 GbE, per NIC"),
+                 "bidirectional); NVLink-class hop latency assumed", "nvlink"),
+        LinkSpec("pcie5", 63 * GB, _PCIE_HOP_S, False, "PCIe 5.0 x16: 32 GT/s x 16 lanes, 128b/130b", "pcie"),
+        LinkSpec("pcie4", 31.5 * GB, _PCIE_HOP_S, False, "PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b", "pcie"),
+        LinkSpec("ib-ndr", 50 * GB, _NET_HOP_S, True, "InfiniBand NDR: 400 Gb/s per NIC", "net"),
+        LinkSpec("ib-hdr", 25 * GB, _NET_HOP_S, True, "InfiniBand HDR: 200 Gb/s per NIC", "net"),
+        LinkSpec("roce-400", 50 * GB, _NET_HOP_S, True, "RoCE v2 over 400 GbE, per NIC", "net"),
+        LinkSpec("roce-200", 25 * GB, _NET_HOP_S, True, "RoCE v2 over 200 GbE, per NIC", "net"),
+        LinkSpec("roce-100", 12.5 * GB, _NET_HOP_S, True, "RoCE v2 over 100 GbE, per NIC", "net"),
         LinkSpec("nvlink5", 900 * GB, _NVLINK_HOP_S, False,
                  "B200/GB200/B300: 18 NVLink 5 links x 50 GB/s per direction (1.8 TB/s bidirectional); "
-                 "NVL72 joins 72 GPUs, HGX boards 8"),
+                 "NVL72 joins 72 GPUs, HGX boards 8", "nvlink"),
         LinkSpec("nvlink4-h800", 200 * GB, _NVLINK_HOP_S, False,
-                 "H800 SXM: NVLink 4 cut to 400 GB/s bidirectional"),
+                 "H800 SXM: NVLink 4 cut to 400 GB/s bidirectional", "nvlink"),
         LinkSpec("nvlink-c2c", 225 * GB, _NVLINK_HOP_S, False,
                  "GB200 GPU to its Grace CPU: NVLink-C2C, 900 GB/s bidirectional per superchip, shared by "
-                 "its two GPUs"),
-        LinkSpec("pcie6", 121 * GB, _PCIE_HOP_S, False, "PCIe 6.0 x16: 64 GT/s x 16 lanes, FLIT 242/256"),
+                 "its two GPUs", "nvlink"),
+        LinkSpec("pcie6", 121 * GB, _PCIE_HOP_S, False, "PCIe 6.0 x16: 64 GT/s x 16 lanes, FLIT 242/256", "pcie"),
         # Not a datasheet figure: gloo between processes of one host; a placeholder to override.
         LinkSpec("loopback", 5 * GB, 20e-6, False, "gloo through host memory (nominal, CPU runs)"),
     )
@@ -278,6 +309,9 @@ class Link:
     bytes_per_s: float
     """Achievable bandwidth per direction for this GPU (nominal x comm efficiency)."""
     latency_s: float
+    protocols: tuple[Protocol, ...] = ()
+    """NCCL's protocols beside Simple on this medium (PROTOCOLS); none on a measured link, or where
+    the latency is overridden (hardware.*_latency_us: a measured Simple figure) or gloo's."""
 
 
 # ---------------------------------------------------------------- resolution and validation
@@ -404,7 +438,8 @@ def intra_node_link(hw: HardwareConfig) -> Link:
         nominal, efficiency = _link_preset("intra_node_link", name), COMM_EFFICIENCY
     bandwidth = hw.intra_node_gbps * GB if hw.intra_node_gbps else nominal.bytes_per_s
     latency = hw.intra_node_latency_us * 1e-6 if hw.intra_node_latency_us else nominal.latency_s
-    return Link(name, bandwidth * (hw.comm_efficiency or efficiency), latency)
+    protocols = () if name == "measured" or hw.intra_node_latency_us else PROTOCOLS.get(nominal.medium, ())
+    return Link(name, bandwidth * (hw.comm_efficiency or efficiency), latency, protocols)
 
 
 def inter_node_link(hw: HardwareConfig) -> Link:
@@ -416,7 +451,8 @@ def inter_node_link(hw: HardwareConfig) -> Link:
         nics = hw.nics_per_node or hw.gpus_per_node
         bandwidth = preset.bytes_per_s * nics / hw.gpus_per_node if preset.per_nic else preset.bytes_per_s
     latency = hw.inter_node_latency_us * 1e-6 if hw.inter_node_latency_us else preset.latency_s
-    return Link(hw.inter_node_link, bandwidth * (hw.comm_efficiency or COMM_EFFICIENCY), latency)
+    protocols = () if hw.inter_node_latency_us else PROTOCOLS.get(preset.medium, ())
+    return Link(hw.inter_node_link, bandwidth * (hw.comm_efficiency or COMM_EFFICIENCY), latency, protocols)
 
 
 def host_link(hw: HardwareConfig) -> Link | None:

@@ -38,6 +38,7 @@ def test_ring_cost_formulas() -> None:
     assert comms.reduce_scatter_time(nbytes, n, LINK) == comms.all_gather_time(nbytes, n, LINK)
     assert comms.all_to_all_time(nbytes, n, LINK) == comms.all_gather_time(nbytes, n, LINK)
     assert comms.p2p_time(nbytes, LINK) == pytest.approx(a0 + a + nbytes / bw)
+
     # all-reduce = reduce-scatter + all-gather in volume; a group of one communicates nothing
     ar, rs = comms.all_reduce_time(nbytes, n, LINK), comms.reduce_scatter_time(nbytes, n, LINK)
     assert ar == pytest.approx(2 * rs - a0)
@@ -48,6 +49,29 @@ def test_ring_cost_formulas() -> None:
         a0 + 2 * math.log2(ranks) * a + 2 * small / bw)
     for kind in comms.KINDS:
         assert comms.collective_time(kind, nbytes, n, LINK) > 0
+
+def test_small_collectives_run_nccls_low_latency_protocols_large_ones_simple() -> None:
+    """NCCL times LL, LL128 and Simple and runs the fastest: a norm gain's 16 KiB all-reduce over 8
+    NVLink GPUs takes LL's small fixed cost; a 1 GB all-gather Simple's full bandwidth."""
+    hw = load_config(None, ["--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8"]).hardware
+    nvlink = intra_node_link(hw)
+    ll, ll128 = nvlink.protocols
+    assert (ll.name, ll128.name) == ("LL", "LL128")
+    small, big, n = 16 * 1024, 1e9, 8
+    simple = COLLECTIVE_BASE_LATENCY_S + 14 * nvlink.latency_s + 14 / 8 * small / nvlink.bytes_per_s
+    with_ll = ll.base_s + 14 * ll.hop_s + 14 / 8 * small / (nvlink.bytes_per_s * ll.bandwidth_share_reduce)
+    assert with_ll < simple / 3
+    assert comms.all_reduce_time(small, n, nvlink) == pytest.approx(min(with_ll, comms.all_reduce_time(
+        small, n, dataclasses.replace(nvlink, protocols=()))))
+    bare = dataclasses.replace(nvlink, protocols=())
+    assert comms.all_gather_time(big, n, nvlink) == comms.all_gather_time(big, n, bare)
+    # a measured or overridden latency is a Simple figure: nothing beside it
+    custom = load_config(None, ["--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
+                                "--hardware.intra_node_latency_us=2"]).hardware
+    assert intra_node_link(custom).protocols == ()
+    cpu = load_config(None, []).hardware
+    assert intra_node_link(cpu).protocols == () and inter_node_link(hw).protocols[0].name == "LL"
+
 
 
 def _dims(*args: str):

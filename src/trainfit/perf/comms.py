@@ -15,6 +15,11 @@ with per-step latency a, plus a fixed launch cost a0 per collective,
 | all-to-all     | what one rank holds (sends 1-1/n) | a0 + (n-1) a + (n-1)/n B/bw                   |
 | point-to-point | the message                       | a0 + a + B/bw                                 |
 
+These are NCCL's Simple protocol. A ring collective on a GPU link may instead run NCCL's LL or
+LL128 (hardware.PROTOCOLS: a smaller fixed cost and per-step latency, a share of the bandwidth);
+NCCL's tuner times each enabled protocol and runs the fastest, and so does the ring here, which
+makes small, latency-bound collectives (a norm gain's gradient, the loss statistics) cheaper.
+
 Links: the world is the mesh pp x dp_replicate x dp_shard x cp x tp, outermost first (see
 trainfit.parallel.layout), ranks numbered with tp fastest and filled node by node. An axis of size n
 and stride s (the product of the sizes inside it) keeps every group inside one node when the whole
@@ -51,11 +56,21 @@ reduces in its parameters' dtype (16-bit) unless optimizer.grad_accum_dtype='fp3
 # ---------------------------------------------------------------- cost models
 
 
+def ring_time(steps: int, nbytes: float, link: Link, reduce: bool = False) -> float:
+    """A ring collective of `steps` steps moving `nbytes` per rank over the link, in NCCL's fastest
+    protocol: Simple at the link's own figures, or one of link.protocols (`reduce`: an all-reduce,
+    whose LL bandwidth share is the lower one)."""
+    simple = COLLECTIVE_BASE_LATENCY_S + steps * link.latency_s + nbytes / link.bytes_per_s
+    return min([simple, *(p.base_s + steps * p.hop_s
+                          + nbytes / (link.bytes_per_s * (p.bandwidth_share_reduce if reduce else p.bandwidth_share))
+                          for p in link.protocols)])
+
+
 def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
     """Ring or (NCCL double binary) tree all-reduce of an nbytes buffer, whichever is faster."""
     if n <= 1:
         return 0.0
-    ring = COLLECTIVE_BASE_LATENCY_S + 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / link.bytes_per_s
+    ring = ring_time(2 * (n - 1), 2 * (n - 1) / n * nbytes, link, reduce=True)
     tree = COLLECTIVE_BASE_LATENCY_S + 2 * math.log2(n) * link.latency_s + 2 * nbytes / link.bytes_per_s
     return min(ring, tree)
 
@@ -64,7 +79,7 @@ def all_gather_time(nbytes: float, n: int, link: Link) -> float:
     """Ring all-gather whose gathered output is nbytes (each rank contributes nbytes / n)."""
     if n <= 1:
         return 0.0
-    return COLLECTIVE_BASE_LATENCY_S + (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bytes_per_s
+    return ring_time(n - 1, (n - 1) / n * nbytes, link)
 
 
 def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
