@@ -143,9 +143,9 @@ def test_machines_compared_by_time_and_cost(tmp_path: Path) -> None:
                                                             for n in (1, 2, 4, 8, 16)}
     assert all(o["cost"] is not None for o in options if o["candidate"])  # both priced
     assert any(o["on_cost_frontier"] for o in options) and picture.stat().st_size > 0
-    table = plan(*LLAMA8B_8[:1], *LLAMA8B_8[3:], "--tokens", "1e11", "--gpu-options", "H100-SXM-80GB,MI300X",
+    table = plan(*LLAMA8B_8[:1], *LLAMA8B_8[3:], "--tokens", "1e11", "--gpu-options", "H100-SXM-80GB,MI355X",
                  "--max-gpus", "16").stdout
-    assert "time to train" in table and "no price" in table  # MI300X has no indicative price
+    assert "time to train" in table and "no price" in table  # MI355X has no indicative price
 
 
 def test_machines_compared_without_a_global_batch_train_one_batch(capsys: pytest.CaptureFixture) -> None:

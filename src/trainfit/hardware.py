@@ -202,12 +202,38 @@ def catalog_gpu_of(device_name: str) -> str | None:
     return None
 
 
-# Indicative on-demand cloud prices per GPU-hour (USD), for `trainfit plan --tokens`: the middle of
-# the early-2026 list ranges in pricegpu.pages.dev/blog/h100-vs-a100-cloud-price (A100 80GB SXM
-# $1.49-2.49, H100 SXM $2.49-3.99) and E2E Networks' H200 rate ($3.37, e2enetworks.com, 2026).
-# Quotes for one GPU span 10x across commitment terms and providers: set hardware.price_per_gpu_hour
-# or `plan --prices` to your own. GPUs without an entry have no default price.
-PRICE_PER_GPU_HOUR: dict[str, float] = {"A100-SXM-80GB": 1.99, "H100-SXM-80GB": 3.24, "H200-141GB": 3.37}
+# Indicative on-demand cloud prices per GPU-hour (USD), for `trainfit plan --tokens`: the middle (mid) of a
+# page's published range where it gives one, else one provider's list price, named. Quotes for one GPU
+# span 10x across commitment terms and providers: set hardware.price_per_gpu_hour or `plan --prices` to
+# your own. GPUs without an entry have no default price: H800-SXM-80GB and H20 (China-market parts: no
+# published USD on-demand list price found) and MI355X (no published on-demand price found).
+#   device           USD  basis                             source, date read
+#   A100-SXM-80GB   1.99  mid of $1.49-2.49                 pricegpu.pages.dev/blog/h100-vs-a100-cloud-price, early 2026
+#   H100-SXM-80GB   3.24  mid of $2.49-3.99                 same page, early 2026
+#   H200-141GB      3.37  E2E Networks' rate                e2enetworks.com, 2026
+#   H100-PCIe-80GB  2.64  mid of RunPod $1.99-Lambda $3.29  runpod.io/pricing, lambda.ai/pricing, 2026-09-25 [a]
+#   A100-40GB       1.99  Lambda (A100 SXM 40GB)            lambda.ai/instances, 2026-09-20 [b]
+#   L40S            1.17  mid of RunPod $0.79-Nebius $1.55  runpod.io/pricing, nebius.com/prices, 2026-09-25 [a]
+#   RTX-4090        0.54  mid of RunPod's $0.34-0.74        runpod.io/pricing, 2026-09-25 [a]
+#   B200            6.57  mid of RunPod $5.98-Nebius $7.15  runpod.io, lambda.ai, nebius.com, 2026-09-25 [a]
+#   B300            7.42  mid of RunPod's $6.94-7.89        runpod.io/pricing, 2026-08-19 [c]
+#   GB200          10.50  CoreWeave ($42.00/h, 4 GPUs)      coreweave.com/pricing, 2026-09-20 [b]
+#   MI300X          1.99  median of listed rates            cliffcenter.com/research/amd-inference-economics, 2026-05-18
+#   MI325X          1.95  TensorWave                        same page, 2026-05-18
+#   L4              0.80  Modal ($0.7992/h)                 techbytes.app serverless GPU pricing matrix, 2026-05-07
+#   RTX-A6000       0.82  Verda (1x on-demand)              verda.com/pricing, 2026-10-29 [d]
+#   A10G            1.01  AWS g5.xlarge us-east-1 $1.006/h  EC2 on-demand pricing blog (amplifyapp.com), June 2026
+#   RTX-5090        0.67  Akash ("starting at")             akash.network/pricing/gpus, 2026-09-20 [b]
+#   RTX-3090        0.16  Akash ("starting at")             akash.network/pricing/gpus, 2026-09-20 [b]
+# Provider pages as transcribed in [a] github.com/tgarg01/silybench-data derived/csv/gpu_prices.csv,
+# [b] github.com/api-evangelist/<provider> plans/*pricing.yml, [c] huggingface.co/datasets/privum/ai-compute-prices,
+# [d] huggingface.co/datasets/lantern-works/gpu-cloud-prices.
+PRICE_PER_GPU_HOUR: dict[str, float] = {
+    "A100-SXM-80GB": 1.99, "H100-SXM-80GB": 3.24, "H200-141GB": 3.37,
+    "H100-PCIe-80GB": 2.64, "A100-40GB": 1.99, "L40S": 1.17, "RTX-4090": 0.54, "B200": 6.57, "B300": 7.42,
+    "GB200": 10.50, "MI300X": 1.99, "MI325X": 1.95, "L4": 0.80, "RTX-A6000": 0.82, "A10G": 1.01,
+    "RTX-5090": 0.67, "RTX-3090": 0.16,
+}
 
 # Nominal CPU peak per core: AVX2, 2 FMA units x 8 fp32 lanes x 2 FLOP x ~3 GHz = 96 GFLOP/s.
 # A nominal figure for MFU on laptops and CI; override it with hardware.peak_tflops. fp8 too: a CPU

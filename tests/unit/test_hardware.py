@@ -103,6 +103,20 @@ def test_an_nvl72_rack_is_one_nvlink_domain_of_72() -> None:
     assert not span_is_intra_node(64, 1, 72, 8)
 
 
+def test_indicative_prices_are_catalog_devices_at_plausible_rates() -> None:
+    """Every priced device is in the catalog at a plausible on-demand rate; the ones the comment cites
+    have an entry, and those with no published price found have none."""
+    prices = hardware.PRICE_PER_GPU_HOUR
+    assert set(prices) <= set(hardware.GPUS)
+    assert all(0.05 < usd < 20 for usd in prices.values())
+    assert set(prices) == set(hardware.GPUS) - {"H800-SXM-80GB", "H20", "MI355X"}
+    assert prices["H100-SXM-80GB"] > prices["H100-PCIe-80GB"] > prices["RTX-4090"]
+    assert prices["B300"] > prices["B200"] > prices["H200-141GB"]
+    assert hardware.price_per_gpu_hour(hw(gpu="MI300X")) == prices["MI300X"]
+    assert hardware.price_per_gpu_hour(hw(gpu="MI300X", price_per_gpu_hour=2.5)) == 2.5
+    assert hardware.price_per_gpu_hour(hw(gpu="H20")) is None
+
+
 def test_a_gpu_without_fp8_says_so() -> None:
     with pytest.raises(ConfigError, match=r"precision.mode='fp8-mixed': A100-SXM-80GB has no fp8"):
         hardware.peak_flops(hw(gpu="A100-SXM-80GB"), "fp8-mixed")
