@@ -25,6 +25,7 @@ from trainfit.config.schema import (
     OptimizerConfig,
     OptimizerName,
     ParallelConfig,
+    PeftConfig,
     PrecisionConfig,
     PrecisionMode,
     TrainingConfig,
@@ -34,6 +35,6 @@ from trainfit.config.schema import (
 __all__ = [
     "SECTIONS", "ACPolicy", "check_writable", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "Device",
     "HardwareConfig", "LRSchedule", "LoggingConfig", "MemoryConfig", "ModelConfig", "OptimizerConfig",
-    "OptimizerName", "ParallelConfig", "PrecisionConfig", "PrecisionMode", "TrainingConfig",
+    "OptimizerName", "ParallelConfig", "PeftConfig", "PrecisionConfig", "PrecisionMode", "TrainingConfig",
     "dump_toml", "field_docs", "field_error", "iter_fields", "split_overrides", "write_atomic",
 ]

@@ -94,6 +94,36 @@ class ModelConfig:
     the pairs over capacity are dropped and pass through the residual only. Kept first: every
     token's first choice before any second choice, then by position in the micro-batch. Experts then
     run on fixed [num_experts, capacity] buffers, so memory no longer depends on the routing."""
+    init_from: str = ""
+    """A folder of Hugging Face weights (config.json and *.safetensors, sharded index files too; what
+    `trainfit export` writes) to start from instead of random weights; "" = random. Without a
+    model.preset of its own the model takes the folder's config.json."""
+
+
+PeftMethod = Literal["none", "lora", "dora", "qlora"]
+
+
+@dataclass
+class PeftConfig:
+    method: PeftMethod = "none"
+    """none (train every parameter) | lora (Hu et al. 2021: the base frozen, each targeted linear
+    W x + (alpha / rank) B A x with A rank x in and B out x rank trained) | dora (Liu et al. 2024:
+    LoRA's update applied to W's direction, a trained magnitude per output row) | qlora (Dettmers et
+    al. 2023: LoRA on a base stored in NF4; not built yet)."""
+    rank: int = 8
+    """r: rows of A and columns of B."""
+    alpha: float = 16.0
+    """Scale of the update, alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (the base path sees the undropped input)."""
+    targets: tuple[str, ...] = ("q", "v")
+    """Linears that get adapters, per block: q, k, v, o (attention), gate, up, down (MLP); or a group:
+    attention (q, k, v, o), mlp (gate, up, down), all-linear. Default q, v (PEFT's and torchtune's
+    default for Llama)."""
+    train_embeddings: bool = False
+    """Train the token embedding in full beside the adapters."""
+    train_output: bool = False
+    """Train the output projection in full beside the adapters."""
 
 
 @dataclass
@@ -379,6 +409,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

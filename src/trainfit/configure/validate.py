@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from pathlib import Path
 
 from trainfit.config.schema import Config, ModelConfig, field_error
 from trainfit.hardware import validate_hardware
 from trainfit.models.presets import resolve_model_config
+from trainfit.peft.spec import target_names
 
 
 def resolve_and_validate(cfg: Config) -> None:
@@ -21,6 +23,7 @@ def resolve_and_validate(cfg: Config) -> None:
     other field; in place, raising the first ConfigError."""
     _validate_finite(cfg)
     validate_hardware(cfg.hardware)
+    _init_from_preset(cfg.model)
     resolve_model_config(cfg.model)
     _validate_model(cfg.model)
     _validate_rest(cfg)
@@ -115,7 +118,40 @@ def _validate_training(cfg: Config) -> None:
                       "reaches training.lr; lower warmup_steps (e.g. to a tenth of steps)", stacklevel=3)
 
 
+def _init_from_preset(m: ModelConfig) -> None:
+    """model.init_from names a folder of HF weights; without a model.preset of its own (the default
+    'tiny'), the model is the folder's config.json."""
+    if not m.init_from:
+        return
+    folder = Path(m.init_from)
+    if not (folder / "config.json").is_file() or not (any(folder.glob("*.safetensors"))
+                                                        or (folder / "model.safetensors.index.json").is_file()):
+        raise field_error("model.init_from", m.init_from, "must be a folder holding config.json and *.safetensors "
+                          "(Hugging Face weights, as `trainfit export` writes them)")
+    if m.preset == ModelConfig.preset:  # the dataclass default: no preset was chosen
+        m.preset = str(folder / "config.json")
+
+
+def _validate_peft(cfg: Config) -> None:
+    pe = cfg.peft
+    if pe.method == "none":
+        return
+    if pe.method == "qlora":
+        raise field_error("peft.method", pe.method, "QLoRA (an NF4 base) is not built yet; use lora or dora")
+    if pe.rank < 1:
+        raise field_error("peft.rank", pe.rank, "must be >= 1")
+    if pe.alpha <= 0:
+        raise field_error("peft.alpha", pe.alpha, "must be > 0")
+    if not 0 <= pe.dropout < 1:
+        raise field_error("peft.dropout", pe.dropout, "must be in [0, 1)")
+    if not pe.targets:
+        raise field_error("peft.targets", "", "name at least one linear: q, k, v, o, gate, up, down, attention, "
+                          "mlp or all-linear")
+    target_names(cfg.model, pe)  # its ConfigError names an unknown target
+
+
 def _validate_rest(cfg: Config) -> None:
+    _validate_peft(cfg)
     o = cfg.optimizer
     if not all(0 <= b < 1 for b in o.betas):
         raise field_error("optimizer.betas", o.betas, "each beta must be in [0, 1)")

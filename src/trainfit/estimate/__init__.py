@@ -62,6 +62,16 @@ class Estimate:
         return (f"attention: a fused kernel assumed ({why}, training.attention_backend={backend}): "
                 "no seq x seq term")
 
+    def peft_note(self) -> str | None:
+        """Under peft.method, what trains and what the analytic estimate's activations are, in one line."""
+        adaptation = self.layout.adaptation
+        if adaptation is None:
+            return None
+        return (f"{adaptation.method}: rank {adaptation.rank} adapters on {', '.join(adaptation.targets)} of every "
+                "block train, the base is frozen (no gradients or optimizer states); the activations are full "
+                "fine-tuning's (autograd keeps less through frozen layers: an upper bound), --traced counts "
+                "what it keeps")
+
     def fp8_note(self) -> str | None:
         """Under fp8-mixed, how its float8 casts are priced (perf/fp8_casts.py), in one line; else None.
         Eager, the compute is compared with bf16-mixed's on the same layout."""

@@ -116,9 +116,9 @@ def print_estimate(est: Estimate, console: Console | None = None, fixes: Sequenc
                   f" | micro-batch {cfg.training.micro_batch_size} x {cfg.training.seq_len} tokens, "
                   f"{d.grad_accum_steps} accumulation steps")
     console.print(est.attention_note())
-    fp8 = est.fp8_note()
-    if fp8:
-        console.print(fp8)
+    for note in (est.fp8_note(), est.peft_note()):
+        if note:
+            console.print(note)
     console.print(_memory_table(est))
     worst = est.worst
     top = ", ".join(f"{name} {fmt_bytes(value)}" for name, value in worst.largest(3))

@@ -354,7 +354,8 @@ class StorageLedger(TorchDispatchMode):
             self.tag_grads([p])
 
         for p in params:
-            self._stack.callback(p.register_post_accumulate_grad_hook(hook).remove)
+            if p.requires_grad:  # a frozen parameter (PEFT's base) has no gradient to tag
+                self._stack.callback(p.register_post_accumulate_grad_hook(hook).remove)
 
     def route(self, rows_per_expert: list[int]) -> None:
         """Fake tensors only: the n-th `nonzero` returns rows_per_expert[n % num_experts] rows (an MoE

@@ -22,6 +22,7 @@ from trainfit.memory.run_shape import (
 from trainfit.models.block_spec import block_linears
 from trainfit.models.params import ParamCounts
 from trainfit.parallel.stage_split import RankPlacement, checkpointed
+from trainfit.peft.spec import adapter_magnitudes, adapter_params
 from trainfit.perf.fp8_casts import float8_linears
 
 
@@ -56,6 +57,9 @@ class RankLayout(NamedTuple):
     tied_here: bool
     tensors: int
     largest_tensor: int
+    trainable: int = -1
+    """Parameters the optimizer updates on the rank (PEFT: the adapters, and the embedding or output
+    projection where asked; peft/spec.py); -1: all of them."""
 
 
 class BlockParams(NamedTuple):
@@ -76,6 +80,8 @@ class BlockParams(NamedTuple):
     """The embedding's and the output projection's elements on the rank."""
     largest: int
     """The largest tensor but those two."""
+    adapters: int = 0
+    """PEFT's adapter parameters of a block (peft/spec.py), part of params and matmul."""
 
 
 def _block(run: Run, counts: ParamCounts) -> BlockParams:
@@ -96,11 +102,15 @@ def _block(run: Run, counts: ParamCounts) -> BlockParams:
             tensors += 1 + (3 if m.num_shared_experts else 0)  # router; shared w1 w2 w3
         mlp_out = mlp // 3
     experts_local = max(1, m.num_experts // ep) * (m.expert_ffn_dim or 0) * m.dim
+    adaptation = run.layout.adaptation
+    adapters = adapter_params(m, adaptation) if adaptation else 0
+    magnitudes = adapter_magnitudes(m, adaptation) if adaptation else 0
     return BlockParams(
-        params=matmul + counts.norms, matmul=matmul,
+        params=matmul + adapters + counts.norms, matmul=matmul + adapters - magnitudes, adapters=adapters,
         float8=sum(k * n + b for k, n, b in float8_linears(m).values()) // tp
         if run.layout.precision == "fp8-mixed" else 0,
-        experts=counts.routed_experts // ep, no_decay=counts.norms + biases // tp, mlp_out=mlp_out, tensors=tensors,
+        experts=counts.routed_experts // ep, no_decay=counts.norms + biases // tp + magnitudes, mlp_out=mlp_out,
+        tensors=tensors + (2 + bool(magnitudes)) * len(adaptation.targets) if adaptation else tensors,
         norm_tensors=2 if m.family == "gpt2" else 1, vocab=m.vocab_size * m.dim // tp,
         largest=max(m.dim * m.dim // tp, m.ffn_dim * m.dim // tp, experts_local))
 
@@ -115,6 +125,10 @@ def rank_layout(run: Run, common: LayoutCommon, place: RankPlacement) -> RankLay
     tensors = len(blocks) * b.tensors + b.norm_tensors * first  # + pos embedding (gpt2)
     tensors += (b.norm_tensors + (0 if tied_here else 1)) * last
     in_flight, head_in_flight = micro_batches_in_flight(run, place.rank)
+    adaptation, embedding = mem.adaptation, common.counts.embedding // mem.tp if first else 0
+    trainable = -1 if adaptation is None else (
+        len(blocks) * b.adapters + (embedding if adaptation.train_embeddings else 0)
+        + (b.vocab if last and adaptation.train_output and not tied_here else 0))
     return RankLayout(
         blocks=len(blocks), policy_blocks=policy_blocks,
         last_wrapped=policy_blocks > 0 and checkpointed(blocks[-1], n),
@@ -123,7 +137,7 @@ def rank_layout(run: Run, common: LayoutCommon, place: RankPlacement) -> RankLay
         block=b.params, block_matmul=b.matmul, block_experts=b.experts, block_float8=b.float8,
         block_no_decay=b.no_decay, mlp_out=b.mlp_out, embedding=common.counts.embedding // mem.tp if first else 0,
         head=head, output_matmul=b.vocab if last else 0, tied_here=tied_here, tensors=tensors,
-        largest_tensor=max(b.vocab if (first or last) else 0, b.largest),
+        largest_tensor=max(b.vocab if (first or last) else 0, b.largest), trainable=trainable,
     )
 
 

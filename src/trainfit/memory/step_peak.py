@@ -100,6 +100,9 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     c = prec.compute
     cast_block = c * (lay.block_matmul - lay.block_float8) if act.autocast else 0
     cast_head = c * lay.output_matmul if act.autocast else 0  # fp8-mixed: the output projection stays bf16
+    # (PEFT: autocast caches the casts of leaves that require grad only, but autograd saves a frozen
+    # weight's cast for its input's gradient: the base's casts are held as long, freed as its backward
+    # passes them; counted whole, as cached casts are)
     # FSDP2 float8 all-gather: a block's float8 weights are gathered (and kept) in fp8, 1 byte each.
     fp8_gathered = lay.block_float8 * (c - 1) if run.layout.fp8_gathers else 0
     # ZeRO-2, and ZeRO-3 under a split-backward schedule (train/parallelize.py): reshard_after_forward=False

@@ -5,6 +5,7 @@ moments add what comes and goes (memory/step_peak.py). Torch-free."""
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from trainfit.memory.activation_terms import FP32
@@ -18,6 +19,7 @@ from trainfit.memory.optimizer_memory import (
 )
 from trainfit.memory.rank_layout import LayoutCommon, RankLayout
 from trainfit.memory.run_shape import Precision, Run
+from trainfit.peft.spec import adapter_magnitudes, adapter_matrices
 
 
 class StageStates(NamedTuple):
@@ -55,11 +57,38 @@ def stage_states(run: Run, common: LayoutCommon, lay: RankLayout) -> StageStates
     experts, ep = lay.blocks * lay.block_experts, run.layout.ep
     resident = 0 if offload else on_zero_shard(n, experts, param_shards, ep) * prec.param
     matrices = matrix_shapes(run, lay, state_shards) if run.optimizer.name in PER_TENSOR_OPTIMIZERS else []
+    if lay.trainable >= 0:
+        return _adapted_stage(run, common, lay, resident, param_shards, state_shards)
     optimizer = 0 if offload else optimizer_bytes(run.optimizer.name, prec, on_zero_shard(n, experts, state_shards, ep),
                                                    lay.tensors, no_decay // state_shards, matrices)
     temp = 0 if offload else optimizer_step_temporaries(
         run, prec, largest_sharded_group(run, lay, n - no_decay, experts, state_shards), lay.largest_tensor, matrices)
     return StageStates(lay, prec, n, resident, resident, optimizer, temp, fsdp, common.tokens, common.seq)
+
+
+def _adapted_stage(run: Run, common: LayoutCommon, lay: RankLayout, resident: int, param_shards: int,
+                   state_shards: int) -> StageStates:
+    """PEFT (peft/spec.py): every parameter resident, gradients and optimizer states of what trains
+    only (the adapters' matrices and DoRA's magnitudes; the embedding or output projection where
+    asked). Not ZeRO-1 (Layout.untrainable_reason)."""
+    adaptation, m, prec = run.layout.adaptation, run.model, common.prec
+    assert adaptation is not None
+    offload = run.layout.offload != "none"
+    magnitudes = lay.blocks * adapter_magnitudes(m, adaptation)
+    full = [(lay.embedding,)] * (adaptation.train_embeddings and lay.embedding > 0) + \
+        [(lay.output_matmul,)] * (adaptation.train_output and lay.output_matmul > 0 and not lay.tied_here)
+    shapes = lay.blocks * adapter_matrices(m, adaptation) + full
+    matrices = [(math.prod(s) // state_shards,) for s in shapes] if run.optimizer.name in PER_TENSOR_OPTIMIZERS else []
+    tensors = len(shapes) + lay.blocks * len(adaptation.targets) * adaptation.dora
+    grads = 0 if offload else on_zero_shard(lay.trainable, 0, param_shards, 1) * prec.param
+    trained = on_zero_shard(lay.trainable, 0, state_shards, 1)
+    optimizer = 0 if offload else optimizer_bytes(run.optimizer.name, prec, trained, tensors,
+                                                   magnitudes // state_shards, matrices)
+    largest = max((math.prod(s) for s in shapes), default=0)
+    temp = 0 if offload else optimizer_step_temporaries(run, prec, (lay.trainable - magnitudes) // state_shards,
+                                                        largest // state_shards, matrices)
+    return StageStates(lay, prec, lay.blocks * lay.block + lay.embedding + lay.head, resident, grads, optimizer, temp,
+                       common.fsdp, common.tokens, common.seq)
 
 
 def _zero1_stage(run: Run, common: LayoutCommon, lay: RankLayout) -> StageStates:

@@ -324,11 +324,18 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def load_hf_weights(model: nn.Module, cfg: ModelConfig, path: str | Path) -> None:
-    """Copy an HF safetensors checkpoint (a file, a folder, or a sharded index) into a materialized model."""
+    """Copy an HF safetensors checkpoint (a file, a folder, or a sharded index) into a materialized
+    model: a plain one, or this rank's part of a parallelized one (each parameter named as in the
+    plain model; a sharded one keeps its own slice of the whole tensor, which every rank reads).
+    Adapters (peft/: parameters named lora_*) are not the base's and keep their values."""
     import torch
     from safetensors.torch import load_file
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-    params = dict(model.named_parameters(remove_duplicate=False))
+    from trainfit.models.init import canonical_name
+
+    params = {canonical_name(name): p for name, p in model.named_parameters(remove_duplicate=False)
+              if not name.rsplit(".", 1)[-1].startswith("lora_")}
     if any(p.is_meta for p in params.values()):
         raise ValueError("load_hf_weights needs a materialized model: call model.to_empty(device=...) "
                          "and model.init_weights() first")
@@ -357,7 +364,11 @@ def load_hf_weights(model: nn.Module, cfg: ModelConfig, path: str | Path) -> Non
                     raise ValueError(f"{path}: {group.theirs[0]} gives {name} the shape "
                                      f"{tuple(value.shape)}, the model has {tuple(params[name].shape)}; "
                                      "does the config match?")
-                params[name].copy_(value)
+                param = params[name]
+                if isinstance(param, DTensor):  # every rank holds the whole value: no communication
+                    value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
+                                              src_data_rank=None)
+                param.copy_(value)
 
 
 def save_hf_weights(model: nn.Module, cfg: ModelConfig, out_dir: str | Path) -> None:

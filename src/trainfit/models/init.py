@@ -91,10 +91,33 @@ def init_parameters(model: nn.Module, *, seed: int, num_layers: int) -> None:
     residual_std = INIT_STD / math.sqrt(2 * num_layers)
     for raw_name, param in model.named_parameters():
         name = canonical_name(raw_name)
-        if name.endswith("bias"):
+        if name.endswith(".lora_a"):  # PEFT's kaiming_uniform_(a=sqrt(5)) variance, 1 / (3 in)
+            fill_normal_(param, std=1 / math.sqrt(3 * param.shape[1]), seed=seed, name=name)
+        elif name.endswith(".lora_b"):  # zero: the adapted model starts as the base
+            fill_constant_(param, 0.0)
+        elif name.endswith(".lora_magnitude"):
+            continue  # init_magnitudes, from the weight
+        elif name.endswith("bias"):
             fill_constant_(param, 0.0)
         elif name.rsplit(".", 2)[-2].endswith("norm"):
             fill_constant_(param, 1.0)
         else:
             std = residual_std if name.endswith(RESIDUAL_SUFFIXES) else INIT_STD
             fill_normal_(param, std=std, seed=seed, name=name)
+    init_magnitudes(model)
+
+
+@torch.no_grad()
+def init_magnitudes(model: nn.Module) -> None:
+    """DoRA's magnitude (peft/adapters.py) starts as its linear's weight row norms, so with B = 0 the
+    adapted model is the base: after initialization, and again once base weights are loaded. Each
+    rank's rows of the magnitude are its rows of the weight (both split along dim 0, or both whole)."""
+    for module in model.modules():
+        magnitude = getattr(module, "lora_magnitude", None)
+        if magnitude is None:
+            continue
+        weight = module.weight
+        local_w = weight.to_local() if isinstance(weight, DTensor) else weight
+        local_m = magnitude.to_local() if isinstance(magnitude, DTensor) else magnitude
+        if local_m.numel() and not isinstance(local_m, FakeTensor):
+            local_m.copy_(torch.linalg.vector_norm(local_w.float(), dim=1).to(local_m.dtype))

@@ -30,6 +30,7 @@ from trainfit.parallel.stage_split import (
     rank_stages,
     stage_owners,
 )
+from trainfit.peft.spec import Adaptation
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh axes, outermost first: the one definition of the axis order (mesh.py and perf/comms.py)."""
@@ -77,6 +78,8 @@ class Layout:
     """precision.fp8_scaling: torchao's float8 recipe under fp8-mixed (tensorwise | rowwise)."""
     async_tp: bool = False
     """parallel.async_tp: tensor parallelism's collectives overlap the GEMMs beside them."""
+    adaptation: Adaptation | None = None
+    """peft.*: the adapters and what trains beside them (peft/spec.py); None trains every parameter."""
     fp8_all_gather: bool = False
     """precision.fp8_all_gather: FSDP2 all-gathers the float8 linears' weights in fp8 (fp8-mixed, FSDP)."""
     grad_accum_dtype: str = "param"
@@ -253,6 +256,17 @@ class Layout:
                     "and zero-bubble schedules run two (input gradients, then weight gradients); use "
                     "activation_checkpointing='full' or 'none', or a schedule without split backward (1f1b, "
                     "interleaved-1f1b, gpipe, looped-bfs)")
+        if self.adaptation is not None and (self.tp > 1 or self.pp > 1 or self.cp > 1 or self.ep > 1):
+            degrees = ", ".join(f"parallel.{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp),
+                                                                  ("ep", self.ep)) if v > 1)
+            return (f"peft.method={self.adaptation.method!r} with {degrees}: adapters are built for data parallelism "
+                    "only (DDP, FSDP2's ZeRO-2/3, CPU offload); set those degrees to 1")
+        if self.adaptation is not None and self.data_parallel == "zero1":
+            return (f"peft.method={self.adaptation.method!r} with parallel.zero_stage=1: ZeRO-1's engine is not "
+                    "built for frozen parameters; use parallel.zero_stage=0, 2 or 3")
+        if self.adaptation is not None and self.precision == "fp8-mixed":
+            return (f"peft.method={self.adaptation.method!r} with precision.mode='fp8-mixed': float8 linears do not "
+                    "carry adapters yet; use bf16-mixed, bf16-pure or fp32")
         if self.ep > 1 and self.tp > 1:
             return (f"parallel.ep={self.ep} with parallel.tp={self.tp}: not built with tensor parallelism yet "
                     "(the MoE is whole on every tp rank, and each would send the same tokens); set parallel.tp=1")

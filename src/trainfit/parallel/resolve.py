@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 from trainfit.config import Config, ConfigError
 from trainfit.parallel.layout import Layout, offload_refusal
 from trainfit.parallel.stage_split import V_SCHEDULES, balanced_split, default_virtual_stages
+from trainfit.peft.spec import adaptation_of
 
 
 def _fail(field: str, value: object, why: str, fix: str) -> ConfigError:
@@ -112,7 +113,7 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
                   grad_accum_steps=accum, micro_batch_size=micro, global_batch_size=global_batch, seq_len=t.seq_len,
                   activation_checkpointing=mem.activation_checkpointing, ac_every_n_layers=mem.ac_every_n_layers,
                   offload=mem.offload, chunked_loss=mem.chunked_loss, precision=cfg.precision.mode,
-                  fp8_scaling=cfg.precision.fp8_scaling, async_tp=p.async_tp,
+                  fp8_scaling=cfg.precision.fp8_scaling, async_tp=p.async_tp, adaptation=adaptation_of(m, cfg.peft),
                   fp8_all_gather=cfg.precision.fp8_all_gather,
                   grad_accum_dtype=cfg.optimizer.grad_accum_dtype, moe_imbalance=mem.moe_imbalance,
                   loss_chunk_tokens=mem.loss_chunk_tokens, compile=t.compile, optimizer=cfg.optimizer.name,

@@ -17,6 +17,7 @@ from trainfit.configure import config_to_dict
 from trainfit.models import build_model, count_params
 from trainfit.models.init import canonical_name
 from trainfit.parallel.layout import Layout
+from trainfit.peft.adapters import apply_adapters
 from trainfit.precision import PrecisionPolicy, precision_policy
 from trainfit.train import manifest
 from trainfit.train.parallelize import parallelize
@@ -42,7 +43,7 @@ def run_precision(layout: Layout, device_type: str) -> PrecisionPolicy:
 def build_parallel_model(cfg: Config, layout: Layout, mesh: DeviceMesh | None, policy: PrecisionPolicy) -> BuiltModel:
     """The model of `cfg` for `layout`, this rank's part of it (pipeline stages, tensor and data
     parallel shards), on the meta device."""
-    model = build_model(cfg.model)
+    model = apply_adapters(build_model(cfg.model), cfg.model, cfg.peft)
     num_params = count_params(model)
     fingerprint = manifest.fingerprint({canonical_name(name): p.shape for name, p in model.named_parameters()},
                                        cfg.optimizer.name, cfg.precision.mode, config_to_dict(cfg)["model"])

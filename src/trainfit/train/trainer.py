@@ -29,6 +29,8 @@ from trainfit.fp8_matmul import Fp8MatmulRates, probe_fp8_matmul
 from trainfit.memory.attribution import Measurement, MemoryMeter
 from trainfit.memory.measure import current_allocated_bytes
 from trainfit.models import materialize
+from trainfit.models.hf import load_hf_weights
+from trainfit.models.init import init_magnitudes
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.pipeline import PipelineStep
 from trainfit.parallel.resolve import build_layout
@@ -201,6 +203,9 @@ class Trainer:
         # CPU offload: FSDP2 wants the shards in host memory; buffers (RoPE) compute on the device.
         offload = self.layout.offload != "none"
         materialize(model, "cpu" if offload else self.device, cfg.training.seed)
+        if cfg.model.init_from:  # the base's weights over the seeded ones; adapters keep theirs
+            load_hf_weights(model, cfg.model, cfg.model.init_from)
+            init_magnitudes(model)
         if offload and self.device.type != "cpu":
             for module in model.modules():
                 for name, buffer in module.named_buffers(recurse=False):

@@ -1,0 +1,150 @@
+"""What parameter-efficient fine-tuning does to a model, described once and torch-free: which of a
+block's linears (models/block_spec.py) get adapters, the adapters' shapes, and which parameters
+train. The trainer (peft/adapters.py) builds from it; the estimators count from it.
+
+LoRA (Hu et al. 2021) leaves each targeted linear's weight W (out x in) frozen and adds
+(alpha / rank) B A x, A rank x in and B out x rank trained (B starts at zero, so the adapted model
+starts as the base). DoRA (Liu et al. 2024) applies the same update to W's direction and trains a
+magnitude m per output row: m (W + s B A) / ||W + s B A||_row. Everything else is frozen unless
+peft.train_embeddings / train_output say otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from trainfit.config import ConfigError, ModelConfig, PeftConfig
+from trainfit.models.block_spec import BlockLinear, block_linears
+
+TARGETS: dict[str, dict[str, str]] = {
+    "llama": {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w1", "up": "w3", "down": "w2"},
+    "gpt2": {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "up": "w1", "down": "w2"},
+}
+"""PEFT's target names (q_proj, gate_proj, ...) -> the block linears' short names, per family."""
+GROUPS: dict[str, tuple[str, ...]] = {
+    "attention": ("q", "k", "v", "o"),
+    "mlp": ("gate", "up", "down"),
+    "all-linear": ("q", "k", "v", "o", "gate", "up", "down"),
+}
+"""Target groups; a group takes the members the family has (GPT-2 has no gate)."""
+ADAPTER_SUFFIXES = ("lora_a", "lora_b", "lora_magnitude")
+"""Names of the adapter parameters on an adapted linear (peft/adapters.py registers them)."""
+
+
+@dataclass(frozen=True)
+class Adaptation:
+    """A run's PEFT as the Layout carries it (hashable, resolved): what the estimators read."""
+
+    method: str
+    """lora | dora."""
+    rank: int
+    targets: tuple[str, ...]
+    """The adapted block linears' short names (models/block_spec.py), in block order."""
+    dropout: bool
+    train_embeddings: bool
+    train_output: bool
+
+    @property
+    def dora(self) -> bool:
+        return self.method == "dora"
+
+
+def adaptation_of(model: ModelConfig, peft: PeftConfig) -> Adaptation | None:
+    """The Layout's Adaptation of a config, None without PEFT (ConfigError for unknown targets)."""
+    if not enabled(peft):
+        return None
+    return Adaptation(peft.method, peft.rank, tuple(target_names(model, peft)), peft.dropout > 0,
+                      peft.train_embeddings, peft.train_output)
+
+
+class Adapter(NamedTuple):
+    """One adapted linear of a block: the base linear and its adapter's parameter counts."""
+
+    linear: BlockLinear
+    a_params: int
+    """rank x in_features."""
+    b_params: int
+    """out_features x rank."""
+    magnitude_params: int
+    """DoRA: out_features; LoRA: 0."""
+
+    @property
+    def params(self) -> int:
+        return self.a_params + self.b_params + self.magnitude_params
+
+
+def enabled(peft: PeftConfig) -> bool:
+    return peft.method != "none"
+
+
+def target_names(model: ModelConfig, peft: PeftConfig) -> list[str]:
+    """The block linears' short names peft.targets adapts (in block order), or a ConfigError naming the
+    field, the value and the fix."""
+    family = TARGETS[model.family or "llama"]
+    wanted: list[str] = []
+    for target in peft.targets:
+        if target in GROUPS:
+            wanted += [t for t in GROUPS[target] if t in family]
+        elif target in family:
+            wanted.append(target)
+        else:
+            known = ", ".join([*family, *GROUPS])
+            raise ConfigError(f"peft.targets={','.join(peft.targets)!r}: {target!r} is no linear of a "
+                              f"{model.family} block; use some of {known}")
+    if model.num_experts and any(t in GROUPS["mlp"] for t in wanted):
+        raise ConfigError(f"peft.targets={','.join(peft.targets)!r}: adapters on an MoE feed-forward (its "
+                          "experts and router) are not built yet; target the attention (q, k, v, o)")
+    names = {family[t] for t in wanted}
+    return [linear.name for linear in block_linears(model) if linear.name in names]
+
+
+def block_adapters(model: ModelConfig, peft: PeftConfig) -> list[Adapter]:
+    """Each adapted linear of one block, with its adapter's parameter counts; [] without PEFT."""
+    if not enabled(peft):
+        return []
+    names = set(target_names(model, peft))
+    dora = peft.method == "dora"
+    return [Adapter(linear, peft.rank * linear.in_features, linear.out_features * peft.rank,
+                    linear.out_features if dora else 0)
+            for linear in block_linears(model) if linear.name in names]
+
+
+def adapter_params_per_block(model: ModelConfig, peft: PeftConfig) -> int:
+    """Trainable adapter parameters of one block."""
+    return sum(a.params for a in block_adapters(model, peft))
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name (in the plain model) is an adapter's."""
+    return name.rsplit(".", 1)[-1] in ADAPTER_SUFFIXES
+
+
+def trains(name: str, peft: PeftConfig) -> bool:
+    """Whether the parameter of this name (in the plain model) trains under `peft`: every one without
+    PEFT; else the adapters, and the embedding or output projection where asked."""
+    if not enabled(peft) or is_adapter(name):
+        return True
+    return (peft.train_embeddings and name.startswith("tok_embeddings.")) or \
+        (peft.train_output and name.startswith("output."))
+
+
+def adapter_params(model: ModelConfig, adaptation: Adaptation) -> int:
+    """A block's adapter parameters under a Layout's Adaptation (the estimators' count)."""
+    names = set(adaptation.targets)
+    return sum(adaptation.rank * (linear.in_features + linear.out_features) + linear.out_features * adaptation.dora
+               for linear in block_linears(model) if linear.name in names)
+
+
+def adapter_magnitudes(model: ModelConfig, adaptation: Adaptation) -> int:
+    """Of adapter_params: DoRA's magnitudes (1-D, one per output row; 0 under LoRA)."""
+    names = set(adaptation.targets)
+    return sum(linear.out_features for linear in block_linears(model) if linear.name in names) * adaptation.dora
+
+
+def adapter_matrices(model: ModelConfig, adaptation: Adaptation) -> list[tuple[int, int]]:
+    """The 2-D adapter tensors of one block, (rank, in) and (out, rank) per adapted linear: what
+    per-tensor optimizers (adamw-8bit, adafactor) size their states by."""
+    names = set(adaptation.targets)
+    return [shape for linear in block_linears(model) if linear.name in names
+            for shape in ((adaptation.rank, linear.in_features), (linear.out_features, adaptation.rank))]
