@@ -135,3 +135,41 @@ def test_analytic_model_states_of_an_adapted_run_are_the_traced_ones(args: tuple
     full = estimate(load_config(None, ["--model.preset=debug", "--training.seq_len=32",
                                        "--training.micro_batch_size=4", "--training.global_batch_size=4"])).worst
     assert analytic.optimizer < full.optimizer / 3
+
+
+@pytest.mark.parametrize("args", [
+    ("--peft.method=lora", "--peft.targets=all-linear"),
+    ("--peft.method=dora", "--peft.targets=q,v,down", "--peft.rank=4"),
+    ("--peft.method=lora", "--peft.train_output=true"),
+])
+def test_exported_adapters_load_in_peft_with_the_same_logits(tmp_path, args: tuple[str, ...]) -> None:
+    """Train an adapter on a base of HF weights, export it in PEFT's format: transformers' model of the
+    base with peft.PeftModel.from_pretrained gives trainfit's logits (fp32, 1e-5); --merge's weights
+    alone give them too."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from trainfit.train.sample import export_to_hf, load_trained_model
+
+    source = run_config(tmp_path, "--model.preset=debug").model
+    save_hf_weights(materialize(build_model(source), "cpu", seed=3), source, tmp_path / "base")
+    cfg = run_config(tmp_path / "run", f"--model.init_from={tmp_path / 'base'}", *args, "--training.steps=4",
+                     "--training.lr=1e-2", "--logging.measure_memory=false", "--logging.traced_estimate=false",
+                     base=("--training.seq_len=32", "--training.micro_batch_size=4", "--training.global_batch_size=4"))
+    Trainer(cfg).train()
+    ckpt = tmp_path / "run" / "ckpt"
+    model, _, _ = load_trained_model(ckpt, torch.device("cpu"))
+    tokens = torch.randint(0, source.vocab_size, (2, 24))
+    with torch.no_grad():
+        ours = model(tokens)
+    export_to_hf(str(ckpt), str(tmp_path / "adapter"))
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    with torch.no_grad():
+        untouched = load(tmp_path / "base", torch_dtype=torch.float32).eval()(tokens).logits
+        theirs = peft.PeftModel.from_pretrained(load(tmp_path / "base", torch_dtype=torch.float32),
+                                                tmp_path / "adapter").eval()
+        torch.testing.assert_close(theirs(tokens).logits, ours, rtol=1e-5, atol=1e-5)
+    assert (ours - untouched).abs().max() > 1e-3  # the adapter trained: the check compares something
+    export_to_hf(str(ckpt), str(tmp_path / "merged"), merge=True)
+    merged = load(tmp_path / "merged", torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens).logits, ours, rtol=1e-5, atol=1e-5)

@@ -151,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a checkpoint folder or a checkpoint.dir")
     export.add_argument("--out", required=True, help="output folder (new, or empty; --force replaces an export)")
     export.add_argument("--force", action="store_true", help="replace the files of an earlier export in --out")
+    export.add_argument("--merge", action="store_true", help="a fine-tuned checkpoint (peft.method): write the base "
+                        "with the adapters merged in, as full HF weights, instead of the adapters in PEFT's format")
 
     prep = sub.add_parser("prepare-data", help="tokenize text into memmap token shards with a manifest")
     prep.add_argument("input", help="a text file or a folder of .txt/.jsonl files ('' = packaged corpus)")

@@ -241,6 +241,13 @@ def _pairs(ours: str, theirs: str, mapping: dict[str, str]) -> list[_Group]:
     return [_Group([ours + a], [theirs + b]) for a, b in mapping.items()]
 
 
+def hf_names(cfg: ModelConfig) -> dict[str, str]:
+    """Our parameter name -> the HF checkpoint's, for the parameters stored one to one (not GPT-2's
+    fused attention, not Mixtral's stacked experts): what adapters' exports name their modules by."""
+    return {g.ours[0]: g.theirs[0] for g in _groups(cfg) if len(g.ours) == len(g.theirs) == 1
+            and g.to_ours is _same}
+
+
 def _groups(cfg: ModelConfig) -> list[_Group]:
     return _gpt2_groups(cfg) if cfg.family == "gpt2" else _llama_groups(cfg)
 
@@ -377,7 +384,8 @@ def save_hf_weights(model: nn.Module, cfg: ModelConfig, out_dir: str | Path) -> 
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = {name: p for name, p in model.named_parameters(remove_duplicate=False)
+              if not name.rsplit(".", 1)[-1].startswith("lora_")}  # adapters: merged in first, or exported apart
     prefix = "transformer." if cfg.family == "gpt2" else ""
     tensors = {}
     for group in _groups(cfg):

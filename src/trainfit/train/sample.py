@@ -17,6 +17,8 @@ from trainfit.configure import config_from_dict, resolve_and_validate
 from trainfit.models import build_model, materialize
 from trainfit.models.generate import generate
 from trainfit.models.hf import save_hf_weights
+from trainfit.peft.adapters import apply_adapters
+from trainfit.peft.export import merge_adapters, save_adapters
 from trainfit.train import checkpoint as ckpt
 from trainfit.train.preflight import nearest_existing
 from trainfit.train.tokenizer import Tokenizer, load_tokenizer_from_dir
@@ -30,7 +32,7 @@ def load_trained_model(path: str | Path, device: torch.device) -> tuple[nn.Modul
         raise ckpt.CheckpointError(f"{folder} is damaged: {'; '.join(problems[:3])}")
     cfg = config_from_dict(ckpt.load_checkpoint_config(folder))
     resolve_and_validate(cfg)
-    model = materialize(build_model(cfg.model), device)
+    model = materialize(apply_adapters(build_model(cfg.model), cfg.model, cfg.peft), device)
     ckpt.load_checkpoint(folder, model, optimizer=None)
     return model.eval(), cfg, load_tokenizer_from_dir(folder)
 
@@ -51,8 +53,10 @@ def sample_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, tempe
     return tokenizer.decode(tokens)
 
 
-def export_to_hf(path: str, out_dir: str, *, force: bool = False) -> Path:
-    """Write model.safetensors + config.json (loadable by transformers) and the tokenizer files.
+def export_to_hf(path: str, out_dir: str, *, force: bool = False, merge: bool = False) -> Path:
+    """Write model.safetensors + config.json (loadable by transformers) and the tokenizer files; for a
+    fine-tuned checkpoint (peft.method), its adapters in PEFT's format instead, or with `merge` the
+    base with the adapters folded in.
 
     Written into a temp folder beside `out_dir`, then moved in: a failure leaves nothing behind,
     and `out_dir` is replaced only with `force`. Files get the usual permissions (0644 with the
@@ -62,7 +66,11 @@ def export_to_hf(path: str, out_dir: str, *, force: bool = False) -> Path:
     model, cfg, tokenizer = load_trained_model(path, torch.device("cpu"))
     tmp = Path(tempfile.mkdtemp(prefix=".trainfit-export-", dir=nearest_existing(out.parent)))
     try:
-        save_hf_weights(model, cfg.model, tmp)
+        if cfg.peft.method != "none" and not merge:
+            save_adapters(model, cfg.model, cfg.peft, tmp)
+        else:
+            merge_adapters(model)
+            save_hf_weights(model, cfg.model, tmp)
         tokenizer.save(tmp)
         umask = os.umask(0)
         os.umask(umask)
