@@ -68,9 +68,8 @@ class Estimate:
         if adaptation is None:
             return None
         return (f"{adaptation.method}: rank {adaptation.rank} adapters on {', '.join(adaptation.targets)} of every "
-                "block train, the base is frozen (no gradients or optimizer states); the activations are full "
-                "fine-tuning's (autograd keeps less through frozen layers: an upper bound), --traced counts "
-                "what it keeps")
+                "block train, the base is frozen (no gradients or optimizer states; autograd keeps what the "
+                "adapters need of its activations: memory/adapter_activations.py)")
 
     def fp8_note(self) -> str | None:
         """Under fp8-mixed, how its float8 casts are priced (perf/fp8_casts.py), in one line; else None.

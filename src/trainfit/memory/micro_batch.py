@@ -10,6 +10,7 @@ from typing import NamedTuple
 from trainfit.config import ModelConfig
 from trainfit.memory.activation_terms import Terms
 from trainfit.memory.activations import block_terms, policy_only_terms
+from trainfit.memory.adapter_activations import adapter_terms
 from trainfit.memory.attention_activations import context_parallel_positions
 from trainfit.memory.backward_transients import (
     Transient,
@@ -81,7 +82,8 @@ def _micro_batch(m: ModelConfig, prec: Precision, shape: MicroBatchShape) -> Mic
         return terms.bytes(shape.tokens, shape.seq, tp, shape.sequence_parallel)
 
     routing = moe_routing(m, shape.tokens, shape.moe_imbalance, shape.ep)
-    none = size(block_terms(m, act, "none", routing, cp, tp))
+    none = size(block_terms(m, act, "none", routing, cp, tp)
+                + (adapter_terms(m, act, shape.adaptation) if shape.adaptation else Terms()))
     wrapped = size(block_terms(m, act, policy, routing, cp, tp)) if policy != "none" else none
     t = backward_transient_terms(m, act, routing, shape.sequence_parallel, policy, cp)
     only = policy_only_terms(m, act, policy, tp, routing, cp)

@@ -169,6 +169,6 @@ def layout_common(run: Run, shared: SharedSizes) -> LayoutCommon:
     tokens = layout.micro_batch_size * seq
     shape = MicroBatchShape(tokens, seq, layout.tp, layout.cp, layout.ep, layout.sequence_parallel,
                    layout.activation_checkpointing, layout.moe_imbalance, layout.chunked_loss, layout.loss_chunk_tokens,
-                   rope_table_bytes(run))
+                   rope_table_bytes(run), layout.adaptation)
     return LayoutCommon(shared.counts, prec, fsdp, tokens, seq, _block(run, shared.counts),
                         shared.micro_batch(prec, shape), comm_buffer_bytes(run.model, run.layout, run.hardware))

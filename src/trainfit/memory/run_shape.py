@@ -11,6 +11,7 @@ from typing import NamedTuple
 from trainfit.config import HardwareConfig, ModelConfig, OptimizerConfig, TrainingConfig
 from trainfit.memory.activation_terms import FP32, ActDtypes
 from trainfit.parallel.layout import Layout
+from trainfit.peft.spec import Adaptation
 
 
 class Run(NamedTuple):
@@ -84,6 +85,8 @@ class MicroBatchShape(NamedTuple):
     chunked_loss: bool
     loss_chunk_tokens: int
     rope_table_bytes: int
+    adaptation: Adaptation | None = None
+    """PEFT's adapters (Layout.adaptation): what a block saves through its frozen base."""
 
 
 def rope_table_bytes(run: Run) -> int:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from trainfit.memory.activation_terms import Terms
 from trainfit.memory.activations import shared_experts_saved
+from trainfit.memory.adapter_activations import first_block_terms
 from trainfit.memory.attention_activations import context_parallel_mask_bytes
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.logits import LossBytes
@@ -92,6 +93,9 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     routing, transient, a_none, a_policy, rebuild = mb.routing, mb.transient, mb.none, mb.policy, mb.rebuild
     none_blocks = lay.blocks - lay.policy_blocks
     a_blocks = none_blocks * a_none + lay.policy_blocks * a_policy + mb.positions
+    adaptation = run.layout.adaptation
+    if adaptation is not None and lay.first and not adaptation.train_embeddings and not lay.first_wrapped:
+        a_blocks -= size(first_block_terms(run.model, prec.act))  # its input needs no gradient
     chunked = run.layout.chunked_loss
     a_final = mb.final if lay.last else 0
     loss = mb.loss if lay.last else LossBytes(0, 0, 0, 0)
