@@ -150,3 +150,39 @@ def test_chunked_loss_recompute_matches_flop_counter() -> None:
 
     assert counted(True) - counted(False) == tokens * flops.loss_recompute_flops_per_token(m, chunked_loss=True)
     assert flops.loss_recompute_flops_per_token(m, chunked_loss=False) == 0
+
+
+@pytest.mark.parametrize("args", [("--peft.targets=q,v",), ("--peft.targets=all-linear", "--peft.rank=4"),
+                                  ("--peft.method=dora", "--peft.targets=attention"),
+                                  ("--peft.targets=q,k,down", "--peft.train_output=true")])
+def test_adapted_model_flops_match_the_flop_counter(args: tuple[str, ...]) -> None:
+    """PEFT: the frozen base computes no weight gradients, nor the first projections' input
+    gradients (nothing before them trains); the adapters all three passes (DoRA's per-step norm of
+    W + s B A, a batch-independent term, aside)."""
+    from trainfit.configure import load_config
+    from trainfit.peft.adapters import apply_adapters
+    from trainfit.peft.spec import adaptation_of
+
+    cfg = load_config(None, ["--model.preset=debug", "--peft.method=lora", *args])
+    batch, seq = 2, 16
+    model = materialize(apply_adapters(build_model(cfg.model), cfg.model, cfg.peft), "cpu")
+    tokens = torch.randint(0, cfg.model.vocab_size, (batch, seq))
+    with FlopCounterMode(display=False) as counter:
+        logits = model(tokens)
+        F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    counted = counter.get_total_flops()
+    adaptation = adaptation_of(cfg.model, cfg.peft)
+    attention = 3 * flops.attention_flops_per_token(cfg.model, seq)  # the CPU flash kernel counts none of it
+    expected = batch * seq * (flops.training_flops_per_token(cfg.model, seq, adaptation) - attention)
+    if cfg.peft.method == "dora":  # W + s B A once per adapted linear and forward: 2 out x rank x in each
+        expected += cfg.model.num_layers * sum(2 * a.b_params * a.linear.in_features
+                                               for a in adapted_linears(cfg))
+    assert counted == expected
+    full = batch * seq * (flops.training_flops_per_token(cfg.model, seq) - attention)
+    assert counted < 0.8 * full
+
+
+def adapted_linears(cfg):
+    from trainfit.peft.spec import block_adapters
+
+    return block_adapters(cfg.model, cfg.peft)

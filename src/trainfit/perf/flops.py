@@ -33,7 +33,9 @@ from __future__ import annotations
 
 from trainfit.config import ModelConfig
 from trainfit.models.block_cost import block_attention_flops, block_matmul_params, head_matmul_params
+from trainfit.models.block_spec import block_linears
 from trainfit.models.checkpoint_policy import odd_expert_share, shared_experts_first_matmul
+from trainfit.peft.spec import Adaptation, adapter_magnitudes, adapter_params
 
 FWD_BWD_FACTOR = 3  # backward = 2x forward (grad wrt inputs + grad wrt weights)
 # Matmuls in a flash-attention backward per matmul of its forward: 5 / 2 (see the module docstring).
@@ -53,10 +55,36 @@ def attention_flops_per_token(m: ModelConfig, seq_len: int, *, causal: bool = Tr
     return m.num_layers * block_attention_flops(m, seq_len, causal=causal)
 
 
-def training_flops_per_token(m: ModelConfig, seq_len: int) -> int:
-    """Model FLOPs of forward + backward per token (no recomputation counted: that is MFU's convention)."""
+def adapter_params_per_token(m: ModelConfig, adaptation: Adaptation | None) -> int:
+    """PEFT's adapter weights each token multiplies through, all blocks (peft/spec.py: A and B)."""
+    if adaptation is None:
+        return 0
+    return m.num_layers * (adapter_params(m, adaptation) - adapter_magnitudes(m, adaptation))
+
+
+def training_flops_per_token(m: ModelConfig, seq_len: int, adaptation: Adaptation | None = None) -> int:
+    """Model FLOPs of forward + backward per token (no recomputation counted: that is MFU's convention).
+    PEFT (`adaptation`): the frozen base's matmuls compute no weight gradients (2N forward, 2N backward
+    for the inputs' gradients; the output projection's too unless peft.train_output), the adapters'
+    A and B all three passes."""
     forward = 2 * matmul_params_per_token(m) + attention_flops_per_token(m, seq_len)
-    return FWD_BWD_FACTOR * forward
+    if adaptation is None:
+        return FWD_BWD_FACTOR * forward
+    frozen = matmul_params_per_token(m) - (head_matmul_params(m) if adaptation.train_output else 0)
+    return (FWD_BWD_FACTOR * (forward + 2 * adapter_params_per_token(m, adaptation)) - 2 * frozen
+            - first_block_input_grad_params(m, adaptation) * 2)
+
+
+def first_block_input_grad_params(m: ModelConfig, adaptation: Adaptation) -> int:
+    """Weights of the first block's column-parallel attention projections (wq, wk, wv, and the A of
+    their adapters), whose input's gradient PEFT never computes when the embedding is frozen (nothing
+    before them trains). When no
+    attention projection of it is adapted, its whole attention backward is skipped too (not counted)."""
+    if adaptation.train_embeddings:
+        return 0
+    first = ("wq", "wk", "wv")
+    return sum(linear.in_features * (linear.out_features + adaptation.rank * (linear.name in adaptation.targets))
+               for linear in block_linears(m) if linear.name in first)
 
 
 def skipped_recompute_params(m: ModelConfig) -> int:
@@ -125,10 +153,10 @@ def flash_backward_extra_flops_per_token(m: ModelConfig, seq_len: int) -> int:
 
 
 def hardware_flops_per_token(m: ModelConfig, seq_len: int, policy: str = "none", every_n_layers: int = 1, *,
-                             chunked_loss: bool = False, ep: int = 1) -> int:
+                             chunked_loss: bool = False, ep: int = 1, adaptation: Adaptation | None = None) -> int:
     """FLOPs the devices execute per token: model FLOPs + fused-attention backward + recomputation
     (activation checkpointing's, and the chunked loss's output projection)."""
-    return (training_flops_per_token(m, seq_len) + flash_backward_extra_flops_per_token(m, seq_len)
+    return (training_flops_per_token(m, seq_len, adaptation) + flash_backward_extra_flops_per_token(m, seq_len)
             + recompute_flops_per_token(m, seq_len, policy, every_n_layers, ep)
             + loss_recompute_flops_per_token(m, chunked_loss))
 

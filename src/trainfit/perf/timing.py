@@ -92,6 +92,7 @@ from trainfit.hardware import (
 from trainfit.models import block_cost as B
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES
+from trainfit.peft.spec import adapter_magnitudes, adapter_params
 from trainfit.perf import flops as F
 from trainfit.perf import gpu_kernels as GK
 from trainfit.perf import kernels as K
@@ -221,11 +222,20 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> RankFlops:
     fp8_gemms = float8_gemms(m, layout)
     fp8 = sum(g.k * g.n * g.share for g in fp8_gemms) / local if fp8_gemms else 0.0  # float8 linears' share
 
+    adaptation = layout.adaptation
+    # PEFT: the adapters' A and B run all three passes; the frozen base computes no weight gradients
+    adapters = 2 * (adapter_params(m, adaptation) - adapter_magnitudes(m, adaptation)) if adaptation else 0
+    weight_grads = 0 if adaptation else 1
+
+    first_skipped = 2 * F.first_block_input_grad_params(m, adaptation) * whole if adaptation else 0
+
     def rank(layers: int, wrapped: int, last_stage: bool) -> RankFlops:
         wrapped = 0 if layout.activation_checkpointing == "none" else wrapped
         head = 2 * B.head_matmul_params(m) * last_stage  # the last stage's rank holds the output projection
-        forward = layers * (mm + at) + head
-        backward = (layers * (2 * mm + F.FLASH_ATTENTION_BWD_FACTOR * at) + 2 * head + wrapped * (rc_mm + rc_at)
+        head_weight_grad = head * (weight_grads or bool(adaptation and adaptation.train_output))
+        forward = layers * (mm + at + adapters) + head
+        backward = (layers * ((1 + weight_grads) * mm + 2 * adapters + F.FLASH_ATTENTION_BWD_FACTOR * at) + head
+                    + head_weight_grad - first_skipped + wrapped * (rc_mm + rc_at)
                     + head * layout.chunked_loss)  # the chunked loss reruns the output projection
         return RankFlops(forward, backward, layers * at, layers * at * F.FLASH_ATTENTION_BWD_FACTOR + wrapped * rc_at,
                          fp8 * layers * mm, fp8 * (2 * layers * mm + wrapped * rc_mm), layers, wrapped, last_stage)
@@ -522,8 +532,9 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
     collectives_key."""
     rates = rates or Rates.of(hw)
     tokens_per_step = layout.global_batch_size * t.seq_len
-    model_tok = F.training_flops_per_token(m, t.seq_len)
+    model_tok = F.training_flops_per_token(m, t.seq_len, layout.adaptation)
     hardware_tok = F.hardware_flops_per_token(m, t.seq_len, layout.activation_checkpointing, layout.ac_every_n_layers,
+                                              adaptation=layout.adaptation,
                                               chunked_loss=layout.chunked_loss, ep=layout.ep)
     recompute_tok = (F.recompute_flops_per_token(m, t.seq_len, layout.activation_checkpointing,
                                                  layout.ac_every_n_layers, layout.ep)

@@ -90,7 +90,7 @@ class Trainer:
         self.stepper = TrainStep(cfg, self.layout, self.world, self.policy, model, sampler,
                                  optimizer_device_type=self.device.type)
         """The run's training step (train/step.py): what train_step calls and the memory meter wraps."""
-        self.flops_per_token = training_flops_per_token(cfg.model, cfg.training.seq_len)
+        self.flops_per_token = training_flops_per_token(cfg.model, cfg.training.seq_len, self.layout.adaptation)
         self.run_device = this_run_device(cfg.hardware, cfg.precision.mode, self.device)
         """The hardware MFU is measured against: this process's device, matched to the catalog."""
         peak = self.run_device.peak_flops
