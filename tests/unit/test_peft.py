@@ -195,3 +195,17 @@ def test_analytic_peak_of_an_adapted_step_is_within_10_percent_of_the_traced(arg
     analytic, traced = estimate(cfg).worst, trace_step(cfg).worst
     assert analytic.peak == pytest.approx(traced.peak, rel=0.10)
     assert analytic.activations == pytest.approx(traced.activations, rel=0.12)
+
+
+def test_a_full_fine_tune_that_does_not_fit_is_offered_lora_as_a_change_of_method() -> None:
+    from trainfit.plan.fixes import method_changes
+
+    args = ["--model.preset=llama3-8b", "--hardware.gpu=RTX-4090", "--training.micro_batch_size=1",
+            "--training.seq_len=2048", "--precision.mode=bf16-pure"]
+    cfg = load_config(None, args)
+    assert not estimate(cfg).fits
+    (fix,) = method_changes(cfg)
+    assert fix.changes[0].startswith("peft.method=lora") and "change of method" in fix.changes[0]
+    assert fix.candidate.cfg.peft.method == "lora" and fix.candidate.memory_bytes <= 24 * 2**30
+    assert estimate(fix.candidate.cfg).fits
+    assert method_changes(load_config(None, [*args, "--peft.method=lora"])) == []

@@ -99,7 +99,7 @@ def _perf_table(est: Estimate) -> Table:
 
 
 def print_estimate(est: Estimate, console: Console | None = None, fixes: Sequence[Any] = (),
-                   fixes_batch: GlobalBatch | None = None) -> None:
+                   fixes_batch: GlobalBatch | None = None, methods: Sequence[Any] = ()) -> None:
     """The estimate's tables; when it does not fit, `fixes` (plan/fixes.Fix: the fewest changes that
     fit) and the global batch they keep (`fixes_batch`), or failing those the single changes that
     save the most."""
@@ -146,6 +146,10 @@ def print_estimate(est: Estimate, console: Console | None = None, fixes: Sequenc
         else:
             for line in advice(est):
                 console.print(f"  - {line}")
+        for fix in methods:  # plan/fixes.method_changes: fine-tuning adapters instead of every weight
+            c = fix.candidate
+            console.print(f"  - or change the method: {', '.join(fix.changes)}: {fmt_bytes(c.memory_bytes)} per "
+                          f"GPU, {c.tokens_per_second:,.0f} tokens/s")
     console.print(_perf_table(est))
 
 

@@ -130,3 +130,32 @@ def fewest_changes(cfg: Config, limit: int = 5) -> list[Fix]:
     mine = settings_of(cfg)
     return [Fix(tuple(f"{key}={value}" for key, value in c.settings().items() if mine[key] != value), c)
             for c in search(cfg, kept, top=limit).candidates]
+
+
+METHODS = (("lora", {"peft": {"method": "lora", "targets": ("all-linear",)}}),)
+"""Changes of method `method_changes` tries on a full fine-tune: LoRA on every linear (QLoRA's NF4 base is
+not built yet)."""
+
+
+def method_changes(cfg: Config) -> list[Fix]:
+    """For a full fine-tune that does not fit: each change of method (peft.*) that fits, alone or with
+    the one fewest_changes option that makes it fit fastest. Apart from fewest_changes, since it
+    trains something else (adapters on a frozen base, not every weight)."""
+    device_memory = device_spec(cfg.hardware).memory_bytes
+    if not device_memory or cfg.peft.method != "none":
+        return []
+    cfg, _ = with_global_batch(cfg)
+    space = Space.of(cfg, frozenset(), (cfg.precision.mode,))
+    singles = list(_changes(cfg, space))
+    found = []
+    for name, fields in METHODS:
+        method = (f"peft.method={name} peft.targets=all-linear (a change of method: adapters on a frozen base)",
+                  fields)
+        alone = _judge(cfg, (method,), device_memory)
+        if alone is not None:
+            found.append(alone)
+            continue
+        paired = [fix for single in singles if (fix := _judge(cfg, (method, single), device_memory)) is not None]
+        if paired:
+            found.append(max(paired, key=lambda f: f.candidate.tokens_per_second))
+    return found
