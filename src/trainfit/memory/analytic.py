@@ -61,6 +61,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainfit.config import HardwareConfig, ModelConfig, OptimizerConfig, TrainingConfig
+from trainfit.memory.adapter_activations import first_block_casts_unsaved, first_block_saving
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.micro_batch import SharedSizes
 from trainfit.memory.pipeline_held import PipelineHeld, pipeline_held
@@ -152,14 +153,14 @@ def forward_retained_bytes(model: ModelConfig, layout: Layout, training: Trainin
     run, common, st = _rank(model, layout, training, hardware, optimizer, stage)
     lay, act, mb = st.lay, st.prec.act, common.micro_batch
     none_blocks = lay.blocks - lay.policy_blocks
-    total = none_blocks * mb.none + lay.policy_blocks * mb.policy + mb.positions
+    total = none_blocks * mb.none + lay.policy_blocks * mb.policy + mb.positions - first_block_saving(run, lay, act)
     chunked = run.layout.chunked_loss
     if lay.last:
         total += mb.final + mb.loss.saved
         total += mb.loss.output if mb.loss.keeps_output else 0
     if act.autocast:  # the chunked loss's output-weight cast is recomputed in backward, not saved
         total += st.prec.compute * (none_blocks * (lay.block_matmul - lay.block_float8)
-                                     + (0 if chunked else lay.output_matmul))
+                                     + (0 if chunked else lay.output_matmul) - first_block_casts_unsaved(run, lay, act))
     if st.fsdp:  # unsharded parameters gathered in the forward and kept for backward
         zero = run.layout.zero_stage
         kept = st.params if zero == 2 else lay.embedding + lay.head if zero == 3 else 0

@@ -10,7 +10,7 @@ from typing import NamedTuple
 from trainfit.config import ModelConfig
 from trainfit.memory.activation_terms import Terms
 from trainfit.memory.activations import block_terms, policy_only_terms
-from trainfit.memory.adapter_activations import adapter_terms
+from trainfit.memory.adapter_activations import adapter_terms, final_norm_adapter_terms, selective_adapter_terms
 from trainfit.memory.attention_activations import context_parallel_positions
 from trainfit.memory.backward_transients import (
     Transient,
@@ -84,7 +84,10 @@ def _micro_batch(m: ModelConfig, prec: Precision, shape: MicroBatchShape) -> Mic
     routing = moe_routing(m, shape.tokens, shape.moe_imbalance, shape.ep)
     none = size(block_terms(m, act, "none", routing, cp, tp)
                 + (adapter_terms(m, act, shape.adaptation) if shape.adaptation else Terms()))
-    wrapped = size(block_terms(m, act, policy, routing, cp, tp)) if policy != "none" else none
+    wrapped = size(block_terms(m, act, policy, routing, cp, tp)
+                   + (selective_adapter_terms(m, act, shape.adaptation)
+                      if shape.adaptation and policy.startswith("selective") else Terms())) \
+        if policy != "none" else none
     t = backward_transient_terms(m, act, routing, shape.sequence_parallel, policy, cp)
     only = policy_only_terms(m, act, policy, tp, routing, cp)
     released = size(only.released)
@@ -92,7 +95,9 @@ def _micro_batch(m: ModelConfig, prec: Precision, shape: MicroBatchShape) -> Mic
     return MicroBatch(
         routing=routing, transient=t, none=none, policy=wrapped,
         positions=size(context_parallel_positions(m, cp, shape.rope_table_bytes)),
-        final=size(final_norm_terms(m, act, projected=not shape.chunked_loss)), loss=loss_bytes(m, prec, shape),
+        final=size(final_norm_terms(m, act, projected=not shape.chunked_loss)
+                   + (final_norm_adapter_terms(m, act, shape.adaptation, not shape.chunked_loss)
+                      if shape.adaptation else Terms())), loss=loss_bytes(m, prec, shape),
         rebuild=none - wrapped + released + size(only.kept), released=released,
         released_last=size(only.released_last), grad_stream=size(t.grad_stream), grad_cast=size(t.grad_cast),
         branch_grad=size(t.branch_grad), attention=size(t.attention), mlp_new=size(t.mlp_new),

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from trainfit.memory.activation_terms import Terms
 from trainfit.memory.activations import shared_experts_saved
-from trainfit.memory.adapter_activations import first_block_terms
+from trainfit.memory.adapter_activations import first_block_casts_unsaved, first_block_saving
 from trainfit.memory.attention_activations import context_parallel_mask_bytes
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.logits import LossBytes
@@ -93,9 +93,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     routing, transient, a_none, a_policy, rebuild = mb.routing, mb.transient, mb.none, mb.policy, mb.rebuild
     none_blocks = lay.blocks - lay.policy_blocks
     a_blocks = none_blocks * a_none + lay.policy_blocks * a_policy + mb.positions
-    adaptation = run.layout.adaptation
-    if adaptation is not None and lay.first and not adaptation.train_embeddings and not lay.first_wrapped:
-        a_blocks -= size(first_block_terms(run.model, prec.act))  # its input needs no gradient
+    a_blocks -= first_block_saving(run, lay, prec.act)  # PEFT: nothing before the first block trains
     chunked = run.layout.chunked_loss
     a_final = mb.final if lay.last else 0
     loss = mb.loss if lay.last else LossBytes(0, 0, 0, 0)
@@ -335,8 +333,9 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     # Autocast caches one cast per parameter for its whole block, and a pipeline step runs every
     # micro-batch in one (TrainStep.pipeline_forward_backward): the other micro-batches add none.
     # Its backward runs inside the block too, where one process's runs after it: every cast stays.
-    saved_casts = none_blocks * cast_block + cast_head
-    all_casts, pipelined = lay.blocks * cast_block + cast_head, run.layout.pp > 1
+    uncast = c * first_block_casts_unsaved(run, lay, act)
+    saved_casts = none_blocks * cast_block + cast_head - uncast
+    all_casts, pipelined = lay.blocks * cast_block + cast_head - uncast, run.layout.pp > 1
     states = st.persistent + st.optimizer + st.compute_params
 
     # A pipeline rank whose forwards all precede its backwards (m <= in_flight: GPipe, 1F1B's early
