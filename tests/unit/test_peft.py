@@ -209,3 +209,32 @@ def test_a_full_fine_tune_that_does_not_fit_is_offered_lora_as_a_change_of_metho
     assert fix.candidate.cfg.peft.method == "lora" and fix.candidate.memory_bytes <= 24 * 2**30
     assert estimate(fix.candidate.cfg).fits
     assert method_changes(load_config(None, [*args, "--peft.method=lora"])) == []
+
+
+def test_checkpoints_hold_the_adapters_resume_exactly_and_refuse_another_base(tmp_path) -> None:
+    """A fine-tuned checkpoint holds what trains (not the base), resumes to the uninterrupted run's
+    losses, and is refused on another base (model.init_from's weights changed)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from trainfit.train.checkpoint import CheckpointError
+
+    source = run_config(tmp_path, "--model.preset=debug").model
+    save_hf_weights(materialize(build_model(source), "cpu", seed=3), source, tmp_path / "base")
+    short = ("--training.seq_len=32", "--training.micro_batch_size=4", "--training.global_batch_size=4")
+
+    def trained(name: str, steps: int, *extra: str):
+        cfg = run_config(tmp_path / name, f"--model.init_from={tmp_path / 'base'}", "--peft.method=lora",
+                         f"--training.steps={steps}", "--logging.measure_memory=false",
+                         "--logging.traced_estimate=false", *extra, base=short)
+        return Trainer(cfg).train()
+
+    whole = trained("whole", 4)
+    trained("parts", 2)
+    resumed = trained("parts", 4)
+    assert resumed.started_at == 2 and resumed.losses[4] == pytest.approx(whole.losses[4], rel=1e-6)
+    saved = FileSystemReader(str(resumed.checkpoint / "dcp")).read_metadata().state_dict_metadata
+    weights = {k.removeprefix("model.") for k in saved if k.startswith("model.")}
+    assert weights and all(spec.is_adapter(k) for k in weights)
+    save_hf_weights(materialize(build_model(source), "cpu", seed=4), source, tmp_path / "base")  # another base
+    with pytest.raises(CheckpointError, match="trained on another base"):
+        trained("parts", 6)

@@ -72,6 +72,7 @@ model_state_tensors / local_state_bytes), never by testing which engine it has.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -290,7 +291,7 @@ def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dic
     its master weights under the parameters' names. dcp.load fills them in place."""
     if isinstance(optimizer, ZeroOptimizer):
         return optimizer.model_state_dict(), optimizer.optimizer_state_dict(flatten=True)
-    return get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+    return get_state_dict(model, optimizer, options=state_dict_options(model))
 
 
 def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
@@ -302,7 +303,15 @@ def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_s
         optimizer.load_optimizer_state_dict(optimizer_state)
         return
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
-                   options=STATE_DICT_OPTIONS)
+                   options=state_dict_options(model))
+
+
+def state_dict_options(model: nn.Module) -> StateDictOptions:
+    """STATE_DICT_OPTIONS; with frozen parameters (PEFT's base), without them: a checkpoint holds what
+    trains, the base comes from where the run started (model.init_from, or the seed)."""
+    if all(p.requires_grad for p in model.parameters()):
+        return STATE_DICT_OPTIONS
+    return dataclasses.replace(STATE_DICT_OPTIONS, ignore_frozen_params=True, strict=False)
 
 
 # ---------------------------------------------------------------- accounting

@@ -148,3 +148,30 @@ def adapter_matrices(model: ModelConfig, adaptation: Adaptation) -> list[tuple[i
     names = set(adaptation.targets)
     return [shape for linear in block_linears(model) if linear.name in names
             for shape in ((adaptation.rank, linear.in_features), (linear.out_features, adaptation.rank))]
+
+
+BASE_SAMPLE_BYTES = 1 << 20
+"""Bytes of each weight file's data read, at its start, middle and end, into the base's identity."""
+
+
+def base_identity(init_from: str, seed: int) -> dict[str, str]:
+    """What identifies the frozen base an adapter was trained on: the HF weights it started from (a
+    digest of config.json, each safetensors file's header and size, and samples of its data, enough to
+    tell two bases apart without reading gigabytes), or the seed its random base was drawn from."""
+    import hashlib
+    from pathlib import Path
+
+    if not init_from:
+        return {"seed": str(seed)}
+    folder = Path(init_from)
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for file in sorted(folder.glob("*.safetensors")):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with file.open("rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(header))
+            for offset in (8 + header, max(8 + header, size // 2), max(8 + header, size - BASE_SAMPLE_BYTES)):
+                f.seek(offset)
+                digest.update(f.read(BASE_SAMPLE_BYTES))
+    return {"init_from": str(folder), "digest": digest.hexdigest()}

@@ -18,6 +18,7 @@ from trainfit.models import build_model, count_params
 from trainfit.models.init import canonical_name
 from trainfit.parallel.layout import Layout
 from trainfit.peft.adapters import apply_adapters
+from trainfit.peft.spec import base_identity
 from trainfit.precision import PrecisionPolicy, precision_policy
 from trainfit.train import manifest
 from trainfit.train.parallelize import parallelize
@@ -47,5 +48,7 @@ def build_parallel_model(cfg: Config, layout: Layout, mesh: DeviceMesh | None, p
     num_params = count_params(model)
     fingerprint = manifest.fingerprint({canonical_name(name): p.shape for name, p in model.named_parameters()},
                                        cfg.optimizer.name, cfg.precision.mode, config_to_dict(cfg)["model"])
+    if cfg.peft.method != "none":  # its checkpoints hold the adapters: they fit one base only
+        fingerprint["base"] = base_identity(cfg.model.init_from, cfg.training.seed)
     policy.prepare_model(model)
     return BuiltModel(parallelize(model, layout, mesh, policy), num_params, fingerprint)

@@ -268,15 +268,16 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     """Load model (and optimizer) state in place, resharded to this layout; returns the trainer
     state. Collective when `world` has several ranks. Call verify_checkpoint first."""
     world = world or World()
-    if optimizer is None:
-        state = {"model": model.state_dict()}
+    if optimizer is None:  # a model's own: what trains (PEFT checkpoints hold its adapters only)
+        trained = {name for name, p in model.named_parameters() if p.requires_grad}
+        state = {"model": {k: v for k, v in model.state_dict().items() if k in trained or not trained}}
     else:
         model_sd, optim_sd = state_dicts(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
     with _dcp_quiet():
         dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=world.size == 1)
     if optimizer is None:
-        model.load_state_dict(state["model"])
+        model.load_state_dict(state["model"], strict=len(state["model"]) == len(model.state_dict()))
     else:
         load_state_dicts(model, optimizer, state["model"], state["optimizer"])
     return load_trainer_state(path)

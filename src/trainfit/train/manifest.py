@@ -35,6 +35,11 @@ def fingerprint(param_shapes: Mapping[str, Iterable[int]], optimizer: str, preci
             "optimizer": optimizer, "precision": precision, "model": dict(model_config)}
 
 
+def _base_words(base: dict[str, str]) -> str:
+    return f"training.seed={base['seed']}" if "seed" in base else f"model.init_from={base['init_from']!r} " \
+        f"(weights {base['digest'][:12]})"
+
+
 def fingerprint_differences(saved: Fingerprint, current: Fingerprint, limit: int = 3) -> list[str]:
     """What differs, in words, naming the settings (empty: the checkpoint fits this run). Parameter
     shapes decide; the model section only names the cause (a field such as rope_theta that changes
@@ -49,6 +54,9 @@ def fingerprint_differences(saved: Fingerprint, current: Fingerprint, limit: int
         more = f" and {len(shapes) - limit} more" if len(shapes) > limit else ""
         differences.append(("; ".join(fields) + ": " if fields else "")
                            + f"parameter shapes differ ({', '.join(shapes[:limit])}{more})")
+    if saved.get("base") and current.get("base") and saved["base"] != current["base"]:
+        differences.append(f"the adapters were trained on another base ({_base_words(saved['base'])} in the "
+                           f"checkpoint, {_base_words(current['base'])} now)")
     for key in ("optimizer", "precision"):
         field = {"optimizer": "optimizer.name", "precision": "precision.mode"}[key]
         if key in saved and saved[key] != current[key]:

@@ -51,9 +51,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    return [{"params": params, "weight_decay": rate}
-            for kind, rate in ((decay, weight_decay), (no_decay, 0.0))
-            for params in (group_by_layout(kind) or [[]])]
+    groups = [{"params": params, "weight_decay": rate}
+              for kind, rate in ((decay, weight_decay), (no_decay, 0.0))
+              for params in (group_by_layout(kind) or [[]])]
+    # an empty group (LoRA trains no 1-D parameter) breaks torch's flattened optimizer state dict
+    return [g for g in groups if g["params"]] or groups[:1]
 
 
 def build_optimizer(model: nn.Module, opt: OptimizerConfig, train: TrainingConfig,

@@ -16,7 +16,7 @@ from trainfit.config import Config, ConfigError
 from trainfit.configure import config_from_dict, resolve_and_validate
 from trainfit.models import build_model, materialize
 from trainfit.models.generate import generate
-from trainfit.models.hf import save_hf_weights
+from trainfit.models.hf import load_hf_weights, save_hf_weights
 from trainfit.peft.adapters import apply_adapters
 from trainfit.peft.export import merge_adapters, save_adapters
 from trainfit.train import checkpoint as ckpt
@@ -32,7 +32,11 @@ def load_trained_model(path: str | Path, device: torch.device) -> tuple[nn.Modul
         raise ckpt.CheckpointError(f"{folder} is damaged: {'; '.join(problems[:3])}")
     cfg = config_from_dict(ckpt.load_checkpoint_config(folder))
     resolve_and_validate(cfg)
-    model = materialize(apply_adapters(build_model(cfg.model), cfg.model, cfg.peft), device)
+    # A fine-tuned checkpoint holds what trained: its base is where the run started, model.init_from's
+    # weights or the seed's (models/init.py), as the trainer built it
+    model = materialize(apply_adapters(build_model(cfg.model), cfg.model, cfg.peft), device, cfg.training.seed)
+    if cfg.peft.method != "none" and cfg.model.init_from:
+        load_hf_weights(model, cfg.model, cfg.model.init_from)
     ckpt.load_checkpoint(folder, model, optimizer=None)
     return model.eval(), cfg, load_tokenizer_from_dir(folder)
 
