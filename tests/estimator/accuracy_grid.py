@@ -309,7 +309,9 @@ ATTENTION_GRID: list[Row] = [
 """training.attention_backend: the math kernel (its fp32 probabilities, [heads, seq, seq] per sequence, saved
 for backward) and the flash kernel named explicitly, part of GRID."""
 
-LORA, DORA = "--peft.method=lora", "--peft.method=dora"
+LORA, DORA, QLORA = "--peft.method=lora", "--peft.method=dora", "--peft.method=qlora"
+WIDE = [*LLAMA, "--model.dim=256", "--model.ffn_dim=512"]
+"""2 blocks of dim 256: every linear a whole number of NF4's 64 x 256-weight blocks (QLoRA)."""
 ALL_LINEAR, MLP_TARGETS = "--peft.targets=all-linear", "--peft.targets=mlp"
 
 PEFT_GRID: list[Row] = [
@@ -331,10 +333,24 @@ PEFT_GRID: list[Row] = [
     _row("llama-lora-z3-bf16-mixed", 2, LLAMA, LORA, ALL_LINEAR, Z3, BF16_MIXED),
     _row("llama-lora-z0-fp32", 2, LLAMA, LORA, ALL_LINEAR, Z0),
     _row("llama-dora-z2", 2, LLAMA, DORA, Z2),
+    # QLoRA: the base's block linears in NF4 (peft/nf4.py), on blocks wide enough to hold whole NF4 blocks
+    _row("wide-qlora-qv-bf16-pure", 1, WIDE, QLORA, BF16_PURE),
+    _row("wide-qlora-all-linear-bf16-mixed", 1, WIDE, QLORA, ALL_LINEAR, BF16_MIXED),
+    _row("wide-qlora-all-linear-bf16-mixed-seq64", 1, WIDE, QLORA, ALL_LINEAR, BF16_MIXED, "--training.seq_len=64"),
+    _row("wide-qlora-qv-bf16-pure-seq64-full", 1, WIDE, QLORA, BF16_PURE, FULL, "--training.seq_len=64"),
+    _row("wide-qlora-z0-seq64-full", 2, WIDE, QLORA, Z0, BF16_MIXED, FULL, "--training.seq_len=64"),
+    _row("wide-qlora-fp32-full", 1, WIDE, QLORA, ALL_LINEAR, FULL),
+    _row("wide-qlora-z3-bf16-pure", 2, WIDE, QLORA, ALL_LINEAR, Z3, BF16_PURE),
+    _row("wide-qlora-z2-bf16-mixed", 2, WIDE, QLORA, Z2, BF16_MIXED),
+    _row("wide-qlora-z0-bf16-pure", 2, WIDE, QLORA, ALL_LINEAR, Z0, BF16_PURE),
 ]
-"""PEFT configurations (LoRA, DoRA), part of GRID. FSDP2 with full checkpointing under PEFT is not here
-yet: its peaks are within 7% (LoRA and DoRA, ZeRO-2 and 3), but the analytic buffers read 1.06 MiB
-below the traced and measured ones at the backward peak, not explained so far."""
+"""PEFT configurations (LoRA, DoRA, QLoRA), part of GRID. Not here yet, each with its peak within 7% but
+a component off: FSDP2 with full checkpointing under PEFT (the analytic buffers read 1.06 MiB below the
+traced and measured ones at the backward peak); QLoRA under selective checkpointing (+3%: 0.5 MiB more
+activations at the MLP's backward, the size of w1's and w3's outputs); ZeRO-2 in fp32 under LoRA or
+QLoRA (-7% and +5%: the forward's buffers and gathered parameters); QLoRA accumulating gradients (its
+peak within 0.1%, but the allocator holds 3-6% above the tensors' peak, the meter's bound). None
+explained so far."""
 
 GRID: list[Row] = [
     # one process: precision x optimizer x checkpointing x batch shape x model

@@ -51,7 +51,6 @@ def test_targets_name_block_linears(preset: str, targets: str, names: list[str])
     (("--peft.alpha=0",), "peft.alpha=0.0: must be > 0"),
     (("--peft.dropout=1",), "peft.dropout=1.0: must be in [0, 1)"),
     (("--peft.targets=q,gate_proj",), "'gate_proj' is no linear of a llama block"),
-    (("--peft.method=qlora",), "QLoRA (an NF4 base) is not built yet"),
     (("--model.preset=debug-moe", "--peft.targets=mlp"), "adapters on an MoE feed-forward"),
     (("--model.init_from=/nonexistent",), "model.init_from='/nonexistent': must be a folder holding config.json"),
 ])

@@ -109,7 +109,8 @@ class PeftConfig:
     """none (train every parameter) | lora (Hu et al. 2021: the base frozen, each targeted linear
     W x + (alpha / rank) B A x with A rank x in and B out x rank trained) | dora (Liu et al. 2024:
     LoRA's update applied to W's direction, a trained magnitude per output row) | qlora (Dettmers et
-    al. 2023: LoRA on a base stored in NF4; not built yet)."""
+    al. 2023: LoRA on a base whose block linears are stored in 4-bit NormalFloat, computed in bf16;
+    needs torchao)."""
     rank: int = 8
     """r: rows of A and columns of B."""
     alpha: float = 16.0

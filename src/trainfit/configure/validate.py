@@ -8,6 +8,7 @@ This layer imports the model presets and the hardware catalog; they import only 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import warnings
 from pathlib import Path
@@ -136,8 +137,8 @@ def _validate_peft(cfg: Config) -> None:
     pe = cfg.peft
     if pe.method == "none":
         return
-    if pe.method == "qlora":
-        raise field_error("peft.method", pe.method, "QLoRA (an NF4 base) is not built yet; use lora or dora")
+    if pe.method == "qlora" and importlib.util.find_spec("torchao") is None:
+        raise field_error("peft.method", pe.method, "QLoRA's NF4 base is torchao's NF4 tensor: pip install torchao")
     if pe.rank < 1:
         raise field_error("peft.rank", pe.rank, "must be >= 1")
     if pe.alpha <= 0:

@@ -108,10 +108,11 @@ def first_block_unsaved_casts(m: ModelConfig, adaptation: Adaptation) -> int:
     """Under autocast, the first block's weights whose 16-bit casts autograd does not save when the
     embedding is frozen (a frozen weight's cast is kept only for its input's gradient): wq, wk and wv
     always (their input needs none), wo without an adapter on q, k or v, the MLP's first linears
-    without any on the attention. Elements."""
+    without any on the attention. Elements. (QLoRA's NF4 weights are never cast: not among them.)"""
     if adaptation.train_embeddings:
         return 0
-    sizes = {linear.name: linear.in_features * linear.out_features for linear in block_linears(m)}
+    sizes = {linear.name: linear.in_features * linear.out_features * (linear.name not in adaptation.quantized)
+             for linear in block_linears(m)}
     adapted = set(adaptation.targets)
     unsaved = sizes["wq"] + sizes["wk"] + sizes["wv"]
     if not adapted & {"wq", "wk", "wv"}:
@@ -152,3 +153,20 @@ def first_block_casts_unsaved(run: Run, lay: RankLayout, d: ActDtypes) -> int:
 
 def lay_tokens(run: Run) -> int:
     return run.layout.micro_batch_size * run.training.seq_len // run.layout.cp
+
+
+NF4_DEQUANT_BYTES_PER_WEIGHT = 14
+"""torchao's NF4Tensor.get_original_weight (eager), bytes per weight at its peak: the two 4-bit halves
+of each byte widened to int64 codebook indices (8: two int64 per two weights), their bf16 levels (2),
+those scaled by their blocks' scales (2), and the two interleaved into the bf16 weight (2). All alive
+as it returns; then the bf16 weight alone (2, or 2 + 4 while cast to an fp32 input's dtype)."""
+
+
+def nf4_dequant_bytes(m: ModelConfig, adaptation: Adaptation | None) -> int:
+    """QLoRA: the working set of dequantizing the largest NF4 weight of a block, which every forward
+    and backward (input gradient) of an NF4 linear builds and frees around its matmul (peft/nf4.py).
+    Eager; a compiled step fuses it into fewer tensors, so this bounds it."""
+    if adaptation is None or not adaptation.quantized:
+        return 0
+    return NF4_DEQUANT_BYTES_PER_WEIGHT * max(linear.in_features * linear.out_features
+                                             for linear in block_linears(m) if linear.name in adaptation.quantized)

@@ -159,7 +159,7 @@ def forward_retained_bytes(model: ModelConfig, layout: Layout, training: Trainin
         total += mb.final + mb.loss.saved
         total += mb.loss.output if mb.loss.keeps_output else 0
     if act.autocast:  # the chunked loss's output-weight cast is recomputed in backward, not saved
-        total += st.prec.compute * (none_blocks * (lay.block_matmul - lay.block_float8)
+        total += st.prec.compute * (none_blocks * (lay.block_matmul - lay.block_float8 - lay.block_nf4)
                                      + (0 if chunked else lay.output_matmul) - first_block_casts_unsaved(run, lay, act))
     if st.fsdp:  # unsharded parameters gathered in the forward and kept for backward
         zero = run.layout.zero_stage
@@ -167,6 +167,8 @@ def forward_retained_bytes(model: ModelConfig, layout: Layout, training: Trainin
         total += st.prec.compute * kept
         if zero == 2 and run.layout.fp8_gathers:  # the float8 weights gathered in fp8
             total -= (st.prec.compute - 1) * lay.blocks * lay.block_float8
+        if zero == 2:  # QLoRA's weights gathered in NF4
+            total -= lay.blocks * (st.prec.compute * lay.block_nf4 - lay.block_nf4_bytes)
     return total
 
 

@@ -22,7 +22,7 @@ from trainfit.memory.run_shape import (
 from trainfit.models.block_spec import block_linears
 from trainfit.models.params import ParamCounts
 from trainfit.parallel.stage_split import RankPlacement, checkpointed
-from trainfit.peft.spec import adapter_magnitudes, adapter_params
+from trainfit.peft.spec import adapter_magnitudes, adapter_params, nf4_bytes
 from trainfit.perf.fp8_casts import float8_linears
 
 
@@ -60,6 +60,11 @@ class RankLayout(NamedTuple):
     trainable: int = -1
     """Parameters the optimizer updates on the rank (PEFT: the adapters, and the embedding or output
     projection where asked; peft/spec.py); -1: all of them."""
+    block_nf4: int = 0
+    """QLoRA: the elements of block_matmul held in NF4 (peft/spec.py's Adaptation.quantized), which
+    autocast does not cast and FSDP2 gathers as NF4."""
+    block_nf4_bytes: int = 0
+    """Their bytes in NF4 (spec.nf4_bytes), whole."""
 
 
 class BlockParams(NamedTuple):
@@ -82,6 +87,10 @@ class BlockParams(NamedTuple):
     """The largest tensor but those two."""
     adapters: int = 0
     """PEFT's adapter parameters of a block (peft/spec.py), part of params and matmul."""
+    nf4: int = 0
+    """QLoRA: weights of the block held in NF4, part of matmul."""
+    nf4_bytes: int = 0
+    """Their bytes in NF4."""
 
 
 def _block(run: Run, counts: ParamCounts) -> BlockParams:
@@ -105,7 +114,10 @@ def _block(run: Run, counts: ParamCounts) -> BlockParams:
     adaptation = run.layout.adaptation
     adapters = adapter_params(m, adaptation) if adaptation else 0
     magnitudes = adapter_magnitudes(m, adaptation) if adaptation else 0
+    in_nf4 = [linear.in_features * linear.out_features for linear in linears
+              if adaptation and linear.name in adaptation.quantized]  # tp = 1 with PEFT
     return BlockParams(
+        nf4=sum(in_nf4), nf4_bytes=sum(nf4_bytes(n) for n in in_nf4),
         params=matmul + adapters + counts.norms, matmul=matmul + adapters - magnitudes, adapters=adapters,
         float8=sum(k * n + b for k, n, b in float8_linears(m).values()) // tp
         if run.layout.precision == "fp8-mixed" else 0,
@@ -138,6 +150,7 @@ def rank_layout(run: Run, common: LayoutCommon, place: RankPlacement) -> RankLay
         block_no_decay=b.no_decay, mlp_out=b.mlp_out, embedding=common.counts.embedding // mem.tp if first else 0,
         head=head, output_matmul=b.vocab if last else 0, tied_here=tied_here, tensors=tensors,
         largest_tensor=max(b.vocab if (first or last) else 0, b.largest), trainable=trainable,
+        block_nf4=b.nf4, block_nf4_bytes=b.nf4_bytes,
     )
 
 

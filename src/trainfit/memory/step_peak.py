@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from trainfit.memory.activation_terms import Terms
 from trainfit.memory.activations import shared_experts_saved
-from trainfit.memory.adapter_activations import first_block_casts_unsaved, first_block_saving
+from trainfit.memory.adapter_activations import first_block_casts_unsaved, first_block_saving, nf4_dequant_bytes
 from trainfit.memory.attention_activations import context_parallel_mask_bytes
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.logits import LossBytes
@@ -25,6 +25,7 @@ from trainfit.memory.run_shape import Run, rope_table_bytes
 from trainfit.memory.zero_states import stage_states
 from trainfit.models.block_spec import block_linears
 from trainfit.parallel.engine import DDP_GRADIENT_AS_BUCKET_VIEW, FSDP_PREFETCH_BLOCKS, FSDP_REDUCE_BYTES_MIXED
+from trainfit.peft.spec import adapter_params
 from trainfit.perf.kernels import float8_gemms
 
 FLOAT8_CAST_BYTES = 9
@@ -100,13 +101,15 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
 
     # ---- compute copies, communication and module buffers
     c = prec.compute
-    cast_block = c * (lay.block_matmul - lay.block_float8) if act.autocast else 0
+    cast_block = c * (lay.block_matmul - lay.block_float8 - lay.block_nf4) if act.autocast else 0
     cast_head = c * lay.output_matmul if act.autocast else 0  # fp8-mixed: the output projection stays bf16
     # (PEFT: autocast caches the casts of leaves that require grad only, but autograd saves a frozen
     # weight's cast for its input's gradient: the base's casts are held as long, freed as its backward
     # passes them; counted whole, as cached casts are)
     # FSDP2 float8 all-gather: a block's float8 weights are gathered (and kept) in fp8, 1 byte each.
-    fp8_gathered = lay.block_float8 * (c - 1) if run.layout.fp8_gathers else 0
+    # QLoRA: a block's NF4 weights are gathered (and kept) as NF4 (peft/nf4.py).
+    nf4_gathered = lay.block_nf4 * c - lay.block_nf4_bytes
+    fp8_gathered = (lay.block_float8 * (c - 1) if run.layout.fp8_gathers else 0) + nf4_gathered
     # ZeRO-2, and ZeRO-3 under a split-backward schedule (train/parallelize.py): reshard_after_forward=False
     kept_unsharded = st.fsdp and (run.layout.zero_stage == 2 or run.layout.splits_backward)
     held = c * st.params - lay.blocks * fp8_gathered if kept_unsharded else 0
@@ -134,7 +137,9 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     # the first block (the last to run); FSDP2 also holds the previous block's reduce-scatter input
     # until it issues the next one.
     last_comms = block_gather * (1 + FSDP_PREFETCH_BLOCKS)
-    first_comms = block_gather + (reduce * lay.block if st.fsdp and lay.blocks > 1 else 0)
+    # (PEFT: the block's gradients are its adapters')
+    block_grads = lay.block if run.layout.adaptation is None else adapter_params(run.model, run.layout.adaptation)
+    first_comms = block_gather + (reduce * block_grads if st.fsdp and lay.blocks > 1 else 0)
     # FSDP under a pipeline schedule: torch's stage runs every backward with gradient sync and
     # resharding after backward off (stage.py backward_maybe_with_nosync) and reduce-scatters once,
     # after the step's last micro-batch (perform_reduce_grad). Each unit's gradients accumulate
@@ -246,6 +251,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     # routed_moments). fp8-mixed: also inside the linear's float8 backward, in its casts, before its
     # own weight gradient (its input gradient is among _float8_backward_bytes's allocations).
     linears = {w.name: w.local_params(tp, run.layout.ep) for w in block_linears(run.model)}
+    linears_in = {w.name: w.in_features for w in block_linears(run.model)}
     attention_norm = run.model.dim * (2 if run.model.family == "gpt2" else 1)
     mlp_linears = () if routing is not None else ("w1", "w2", "w3") if "w3" in linears else ("w1", "w2")
     input_grad = c * run.model.dim * st.tokens  # the first linear's input gradient, in FirstLinears' *_new
@@ -284,6 +290,9 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
                 moments.append((grads, buffers + rebuilt, held + new - input_grad + casts, 0))
         return moments
 
+    # QLoRA: each NF4 linear's forward and input-gradient matmul dequantize its weight beside them
+    dequant = nf4_dequant_bytes(run.model, run.layout.adaptation) if lay.blocks else 0
+
     def in_backward(wrapped: bool) -> list[tuple[int, int, int, int]]:
         """(grads, buffers, activations, 16-bit casts) a block adds at each moment of its backward.
         Unwrapped: its saved activations with the attention's or the MLP's gradients. Checkpointed:
@@ -305,6 +314,8 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
             if fp8_backward:  # before any of the block's weight gradients exists
                 moments.append((0, 0, a_none + stream + incoming + fp8_backward, 0))
             moments += first_linear_moments(stream)
+            if dequant:  # the block's first backward matmul (the MLP's output linear), before its gradients
+                moments.append((0, 0, a_none + stream + cast + dequant, 0))
             for r in routed_moments:
                 acts = a_none - shared_kept - shared_rebuilt - r.freed + stream + r.added
                 moments.append((*routed(r.done), acts, -r.uncast))
@@ -316,6 +327,11 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
         if fp8_backward:
             moments.append((0, rebuild, kept + incoming + fp8_backward, 0))
         moments += first_linear_moments(stream, kept)
+        if dequant and policy == "full":  # the recompute's last NF4 linear (its input, saved by none)
+            recompute_input = c * st.tokens * max(linears_in[name] for name in run.layout.adaptation.quantized)
+            moments.append((0, rebuild + dequant + recompute_input, kept + max(cast, mb.branch_grad), 0))
+        elif dequant:  # selective: the linears are not recomputed; the first backward matmul
+            moments.append((0, rebuild, kept + cast + dequant, 0))
         if act.math_attention:  # the kept tensors and the recompute's, less what the MLP's backward freed
             moments.append((w2[0], w2[1] + max(0, rebuild - freed), kept + cast + mb.attention, 0))
         for r in routed_moments:
@@ -369,6 +385,8 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
             # End of the model's forward: autocast's cache still holds checkpointed blocks' casts.
             ("forward", held + all_casts, acts, older_logits + loss.output, ahead, fwd),
             ("forward", held + saved_casts, acts, older_logits + loss.forward, ahead, fwd),
+            # (QLoRA: the last block's forward, dequantizing its largest NF4 weight; a bound: the whole block saved)
+            *([("forward", held + all_casts, acts - a_final + dequant, older_logits, ahead, fwd)] if dequant else []),
         ]
         for g, chunks_done, heads_done in backwards:
             older = older_own - chunks_done * a_blocks - heads_done * a_final + pipe.pending
@@ -395,7 +413,8 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
             # (under a pipeline schedule FSDP keeps every backwarded block gathered: all of them, held;
             # accumulating, autograd adds the block's new weight gradients into the `.grad` there)
             moments += [
-                ("backward", (held if pp_fsdp else c * (lay.block + lay.embedding + lay.head) if held else 0)
+                ("backward", (held if pp_fsdp else c * (lay.block + lay.embedding + lay.head) - nf4_gathered
+                              if held else 0)
                  + (all_casts if pipelined else cast_block) + first_casts,
                  older + first_acts, older_logits + own_logits,
                  max(g.before, g.later_grads + first_grads) + g.pending(lay.block + lay.embedding),

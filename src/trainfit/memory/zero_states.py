@@ -56,6 +56,8 @@ def stage_states(run: Run, common: LayoutCommon, lay: RankLayout) -> StageStates
     state_shards = run.layout.zero_shards if run.layout.zero_stage >= 1 else 1
     experts, ep = lay.blocks * lay.block_experts, run.layout.ep
     resident = 0 if offload else on_zero_shard(n, experts, param_shards, ep) * prec.param
+    if lay.block_nf4 and not offload:  # QLoRA: the base's block linears in NF4, not the parameters' dtype
+        resident -= lay.blocks * (lay.block_nf4 * prec.param - lay.block_nf4_bytes) // param_shards
     matrices = matrix_shapes(run, lay, state_shards) if run.optimizer.name in PER_TENSOR_OPTIMIZERS else []
     if lay.trainable >= 0:
         return _adapted_stage(run, common, lay, resident, param_shards, state_shards)

@@ -340,6 +340,7 @@ def load_hf_weights(model: nn.Module, cfg: ModelConfig, path: str | Path) -> Non
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     from trainfit.models.init import canonical_name
+    from trainfit.models.nf4 import assign_nf4_, is_nf4
 
     params = {canonical_name(name): p for name, p in model.named_parameters(remove_duplicate=False)
               if not name.rsplit(".", 1)[-1].startswith("lora_")}
@@ -372,6 +373,9 @@ def load_hf_weights(model: nn.Module, cfg: ModelConfig, path: str | Path) -> Non
                                      f"{tuple(value.shape)}, the model has {tuple(params[name].shape)}; "
                                      "does the config match?")
                 param = params[name]
+                if is_nf4(param):  # QLoRA's base: quantized whole, each rank keeping its rows
+                    assign_nf4_(param, value)
+                    continue
                 if isinstance(param, DTensor):  # every rank holds the whole value: no communication
                     value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
                                               src_data_rank=None)

@@ -88,6 +88,8 @@ def init_parameters(model: nn.Module, *, seed: int, num_layers: int) -> None:
     zeros for biases. Each value depends on (seed, parameter name) only; see the module docstring."""
     if model.cfg.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
         model.output.weight = model.tok_embeddings.weight
+    from trainfit.models.nf4 import assign_nf4_, is_nf4
+
     residual_std = INIT_STD / math.sqrt(2 * num_layers)
     for raw_name, param in model.named_parameters():
         name = canonical_name(raw_name)
@@ -103,7 +105,12 @@ def init_parameters(model: nn.Module, *, seed: int, num_layers: int) -> None:
             fill_constant_(param, 1.0)
         else:
             std = residual_std if name.endswith(RESIDUAL_SUFFIXES) else INIT_STD
-            fill_normal_(param, std=std, seed=seed, name=name)
+            if is_nf4(param):  # QLoRA's base: the same values as LoRA's, quantized whole (peft/nf4.py)
+                full = torch.empty(param.shape, dtype=torch.float32)
+                fill_normal_(full, std=std, seed=seed, name=name)
+                assign_nf4_(param, full)
+            else:
+                fill_normal_(param, std=std, seed=seed, name=name)
     init_magnitudes(model)
 
 

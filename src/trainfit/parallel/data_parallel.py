@@ -86,6 +86,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor, Shard
 
+from trainfit.models.nf4 import is_nf4
 from trainfit.parallel.engine import (
     DDP_BUCKET_BYTES,
     DDP_GRADIENT_AS_BUCKET_VIEW,
@@ -105,11 +106,16 @@ GRAD_ACCUM_DTYPES = {"fp32": torch.float32}
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     """Replicate `model` over the 1-D data-parallel mesh (DDP, set up lazily at the first forward,
     so it can be applied to a meta-device model that is materialized afterwards)."""
+    # QLoRA: no first broadcast of the parameters, which would concatenate the NF4 weights (that
+    # dequantizes them) and copy the result back (that quantizes again, to other values); every rank
+    # holds the same parameters already (models/init.py, peft/nf4.py).
+    quantized = any(is_nf4(param) for param in model.parameters())
     # Buffers (RoPE tables) never change: synced once at the first forward, not at every one.
     # gradient_as_bucket_view: replicate passes it on to DistributedDataParallel, whose gradients
     # then are views into its all-reduce buckets instead of one more copy of every gradient.
     return replicate(model, device_mesh=dp_mesh, forward_sync_buffers=False,
-                     gradient_as_bucket_view=DDP_GRADIENT_AS_BUCKET_VIEW, bucket_cap_mb=DDP_BUCKET_BYTES / 2**20)
+                     gradient_as_bucket_view=DDP_GRADIENT_AS_BUCKET_VIEW, bucket_cap_mb=DDP_BUCKET_BYTES / 2**20,
+                     init_sync=not quantized)
 
 
 def mixed_precision_policy(policy: PrecisionPolicy) -> MixedPrecisionPolicy:

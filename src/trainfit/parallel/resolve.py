@@ -106,6 +106,7 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
         micro = global_batch // dp // accum
     _check_memory(cfg)
     _check_async_tp(cfg)
+    adaptation = adaptation_of(m, cfg.peft, dp_shard * p.cp if p.zero_stage else 1)  # FSDP's shards, for NF4
     return Layout(world_size=world, dp_replicate=p.dp_replicate, dp_shard=dp_shard, cp=p.cp, tp=p.tp, pp=p.pp,
                   ep=p.ep, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel, pp_schedule=p.pp_schedule,
                   pp_virtual_stages=virtual, num_microbatches=accum,
@@ -113,7 +114,7 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
                   grad_accum_steps=accum, micro_batch_size=micro, global_batch_size=global_batch, seq_len=t.seq_len,
                   activation_checkpointing=mem.activation_checkpointing, ac_every_n_layers=mem.ac_every_n_layers,
                   offload=mem.offload, chunked_loss=mem.chunked_loss, precision=cfg.precision.mode,
-                  fp8_scaling=cfg.precision.fp8_scaling, async_tp=p.async_tp, adaptation=adaptation_of(m, cfg.peft),
+                  fp8_scaling=cfg.precision.fp8_scaling, async_tp=p.async_tp, adaptation=adaptation,
                   fp8_all_gather=cfg.precision.fp8_all_gather,
                   grad_accum_dtype=cfg.optimizer.grad_accum_dtype, moe_imbalance=mem.moe_imbalance,
                   loss_chunk_tokens=mem.loss_chunk_tokens, compile=t.compile, optimizer=cfg.optimizer.name,

@@ -37,25 +37,78 @@ class Adaptation:
     """A run's PEFT as the Layout carries it (hashable, resolved): what the estimators read."""
 
     method: str
-    """lora | dora."""
+    """lora | dora | qlora."""
     rank: int
     targets: tuple[str, ...]
     """The adapted block linears' short names (models/block_spec.py), in block order."""
     dropout: bool
     train_embeddings: bool
     train_output: bool
+    quantized: tuple[str, ...] = ()
+    """QLoRA: the block linears (short names) whose frozen weights are held in NF4."""
 
     @property
     def dora(self) -> bool:
         return self.method == "dora"
 
 
-def adaptation_of(model: ModelConfig, peft: PeftConfig) -> Adaptation | None:
-    """The Layout's Adaptation of a config, None without PEFT (ConfigError for unknown targets)."""
+def adaptation_of(model: ModelConfig, peft: PeftConfig, shards: int = 1) -> Adaptation | None:
+    """The Layout's Adaptation of a config whose parameters FSDP splits over `shards` ranks (1 when
+    none does), None without PEFT (ConfigError for unknown targets)."""
     if not enabled(peft):
         return None
+    quantized = tuple(linear.name for linear in block_linears(model)
+                      if peft.method == "qlora" and nf4_refusal(linear, shards) is None)
     return Adaptation(peft.method, peft.rank, tuple(target_names(model, peft)), peft.dropout > 0,
-                      peft.train_embeddings, peft.train_output)
+                      peft.train_embeddings, peft.train_output, quantized)
+
+
+NF4_BLOCK = 64
+"""Weights that share one absmax scale (QLoRA's block size; torchao's NF4Tensor block_size)."""
+NF4_SCALER_BLOCK = 256
+"""Scales that share one double-quantization factor (NF4Tensor's scaler_block_size)."""
+NF4_CODEBOOK = 16
+"""The 16 NormalFloat levels, a small table each NF4 tensor keeps in its dtype."""
+NF4_DTYPE_BYTES = 2
+"""QLoRA computes in bf16: each NF4 tensor is quantized from, and dequantizes to, bf16 (its factors,
+mean and table are bf16 too)."""
+
+
+def nf4_bytes(numel: int) -> int:
+    """Bytes of `numel` weights held as torchao's NF4Tensor: two 4-bit codes per byte, an int8 scale
+    per NF4_BLOCK weights, a bf16 factor per NF4_SCALER_BLOCK scales, the scales' mean and the
+    codebook (~0.516 bytes per weight)."""
+    return (numel // 2 + numel // NF4_BLOCK + NF4_DTYPE_BYTES * (numel // (NF4_BLOCK * NF4_SCALER_BLOCK))
+            + NF4_DTYPE_BYTES * (1 + NF4_CODEBOOK))
+
+
+def nf4_refusal(linear: BlockLinear, shards: int = 1) -> str | None:
+    """Why QLoRA leaves this block linear's weight in the model's dtype, or None: NF4 holds it. The
+    NF4 tensor is 2-D, quantizes whole double-quantization blocks (64 x 256 weights), and is split
+    by FSDP into equal row slices, each of whole such blocks."""
+    if linear.routed:
+        return "a routed expert's weights are one 3-D tensor; the NF4 tensor is 2-D"
+    numel = linear.in_features * linear.out_features
+    group = NF4_BLOCK * NF4_SCALER_BLOCK
+    if numel % group:
+        return f"not a whole number of NF4's {NF4_BLOCK} x {NF4_SCALER_BLOCK}-weight double-quantization blocks"
+    if shards > 1 and (linear.out_features % shards or numel % (group * shards)):
+        return (f"not {shards} FSDP shards of whole {NF4_BLOCK} x {NF4_SCALER_BLOCK}-weight "
+                "double-quantization blocks")
+    return None
+
+
+def qlora_note(model: ModelConfig, adaptation: Adaptation, shards: int = 1) -> str:
+    """What a QLoRA run holds in NF4, and the block linears it leaves in the model's dtype with the
+    reason: the note the run prints."""
+    kept: dict[str, list[str]] = {}
+    for linear in block_linears(model):
+        if (reason := nf4_refusal(linear, shards)) is not None:
+            kept.setdefault(reason, []).append(f"{linear.name} ({linear.out_features} x {linear.in_features})")
+    held = ", ".join(adaptation.quantized) or "no block linear"
+    return (f"peft.method='qlora': {held} held in NF4"
+            + "".join(f"; left in the model's dtype, {reason}: {', '.join(names)}" for reason, names in kept.items())
+            + "; embeddings, norms and the output projection stay in the model's dtype")
 
 
 class Adapter(NamedTuple):

@@ -90,6 +90,7 @@ from trainfit.hardware import (
     peak_flops,
 )
 from trainfit.models import block_cost as B
+from trainfit.models.block_spec import block_linears
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES
 from trainfit.peft.spec import adapter_magnitudes, adapter_params
@@ -271,11 +272,36 @@ def _fp8_cast_bytes(m: ModelConfig, layout: Layout, t: TrainingConfig, flops: Ra
     return forward, backward
 
 
+NF4_DEQUANT_TRAFFIC_BYTES = 33
+"""Bytes torchao's eager NF4 dequantization (NF4Tensor.get_original_weight) reads and writes per weight:
+the packed codes split in two (1 + 1), each half widened to int64 (1 + 8), looked up in the codebook (8
+read, 2 written), the block scales broadcast (2) and applied (4 + 2), the halves interleaved (2 + 2)."""
+NF4_DEQUANT_TRAFFIC_BYTES_COMPILED = 2.5
+"""...and fused by inductor into one kernel: the packed codes and scales read (0.5), the bf16 weight
+written (2)."""
+
+
+def _nf4_dequant_bytes(m: ModelConfig, layout: Layout, t: TrainingConfig, flops: RankFlops) -> tuple[float, float]:
+    """(forward, backward) bytes QLoRA's dequantizations move per step (peft/nf4.py): each NF4 weight
+    in every micro-batch's forward and its input gradient, and again in a checkpointed block's recompute
+    in proportion to the matmul FLOPs it reruns."""
+    adaptation = layout.adaptation
+    if adaptation is None or not adaptation.quantized:
+        return 0.0, 0.0
+    per_weight = NF4_DEQUANT_TRAFFIC_BYTES_COMPILED if layout.compile else NF4_DEQUANT_TRAFFIC_BYTES
+    block = per_weight * sum(linear.in_features * linear.out_features for linear in block_linears(m)
+                             if linear.name in adaptation.quantized)
+    rerun = (F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing, layout.ep)[0]
+             / (2 * B.block_matmul_params(m)))
+    n_mb = layout.num_microbatches
+    return n_mb * flops.blocks * block, n_mb * (flops.blocks + flops.wrapped * rerun) * block
+
+
 class ComputeTime(NamedTuple):
     forward: float
     backward: float
     fp8_casts: float
-    """Of forward + backward: the float8 casts' memory traffic (fp8-mixed; else 0)."""
+    """Of forward + backward: the float8 casts' memory traffic (fp8-mixed), and QLoRA's dequantizations'."""
     parts: dict[str, float] | None = None
     """On a catalog GPU, what forward + backward spend their time on (matmuls, attention, elementwise
     traffic with fp8's casts) and the host's kernel launches, which set the pace where they exceed the
@@ -294,6 +320,8 @@ def _compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: R
     profile, efficiency = rates.profile, rates.efficiency
     bandwidth = rates.device.hbm_bytes_per_s
     casts_fwd, casts_bwd = _fp8_cast_bytes(m, layout, t, flops)
+    dequant_fwd, dequant_bwd = _nf4_dequant_bytes(m, layout, t, flops)  # weights converted, like the casts
+    casts_fwd, casts_bwd = casts_fwd + dequant_fwd, casts_bwd + dequant_bwd
     if profile is not None:
         rates.peak(layout.precision)  # a named error when the profile measured no rate for the dtype
         dtype = compute_dtype_of(layout.precision)

@@ -18,6 +18,7 @@ from trainfit.models import build_model, count_params
 from trainfit.models.init import canonical_name
 from trainfit.parallel.layout import Layout
 from trainfit.peft.adapters import apply_adapters
+from trainfit.peft.nf4 import quantize_base
 from trainfit.peft.spec import base_identity
 from trainfit.precision import PrecisionPolicy, precision_policy
 from trainfit.train import manifest
@@ -51,4 +52,6 @@ def build_parallel_model(cfg: Config, layout: Layout, mesh: DeviceMesh | None, p
     if cfg.peft.method != "none":  # its checkpoints hold the adapters: they fit one base only
         fingerprint["base"] = base_identity(cfg.model.init_from, cfg.training.seed)
     policy.prepare_model(model)
+    if layout.adaptation is not None:  # QLoRA: NF4 after the policy's cast, before FSDP shards it
+        quantize_base(model, cfg.model, cfg.peft, layout.adaptation.quantized)
     return BuiltModel(parallelize(model, layout, mesh, policy), num_params, fingerprint)

@@ -19,6 +19,8 @@ from trainfit.models.generate import generate
 from trainfit.models.hf import load_hf_weights, save_hf_weights
 from trainfit.peft.adapters import apply_adapters
 from trainfit.peft.export import merge_adapters, save_adapters
+from trainfit.peft.nf4 import dequantize_base, quantize_base
+from trainfit.peft.spec import adaptation_of
 from trainfit.train import checkpoint as ckpt
 from trainfit.train.preflight import nearest_existing
 from trainfit.train.tokenizer import Tokenizer, load_tokenizer_from_dir
@@ -34,7 +36,12 @@ def load_trained_model(path: str | Path, device: torch.device) -> tuple[nn.Modul
     resolve_and_validate(cfg)
     # A fine-tuned checkpoint holds what trained: its base is where the run started, model.init_from's
     # weights or the seed's (models/init.py), as the trainer built it
-    model = materialize(apply_adapters(build_model(cfg.model), cfg.model, cfg.peft), device, cfg.training.seed)
+    # (QLoRA's in NF4, quantized from the same weights)
+    model = apply_adapters(build_model(cfg.model), cfg.model, cfg.peft)
+    adaptation = adaptation_of(cfg.model, cfg.peft)
+    if adaptation is not None:
+        quantize_base(model, cfg.model, cfg.peft, adaptation.quantized)
+    materialize(model, device, cfg.training.seed)
     if cfg.peft.method != "none" and cfg.model.init_from:
         load_hf_weights(model, cfg.model, cfg.model.init_from)
     ckpt.load_checkpoint(folder, model, optimizer=None)
@@ -73,6 +80,7 @@ def export_to_hf(path: str, out_dir: str, *, force: bool = False, merge: bool = 
         if cfg.peft.method != "none" and not merge:
             save_adapters(model, cfg.model, cfg.peft, tmp)
         else:
+            dequantize_base(model, model.tok_embeddings.weight.dtype)  # QLoRA: merged into the NF4 base it trained on
             merge_adapters(model)
             save_hf_weights(model, cfg.model, tmp)
         tokenizer.save(tmp)

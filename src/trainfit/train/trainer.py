@@ -35,6 +35,7 @@ from trainfit.parallel.layout import Layout
 from trainfit.parallel.pipeline import PipelineStep
 from trainfit.parallel.resolve import build_layout
 from trainfit.parallel.tensor_parallel import uneven_vocabulary
+from trainfit.peft.spec import qlora_note
 from trainfit.perf.flops import training_flops_per_token
 from trainfit.train import checkpoint as ckpt
 from trainfit.train import loop
@@ -109,6 +110,8 @@ class Trainer:
             self.notes.append(f"pipeline: {rows} sequences per step and data-parallel rank, in "
                               f"{self.layout.num_microbatches} micro-batches of {self.layout.micro_batch_size}"
                               + ("" if cfg.parallel.num_microbatches else " (derived: parallel.num_microbatches)"))
+        if self.layout.adaptation is not None and self.layout.adaptation.method == "qlora":
+            self.notes.append(qlora_note(cfg.model, self.layout.adaptation, self.layout.zero_shards))
         if self.policy.fp8_scaling is not None:
             from trainfit.float8 import float8_notes  # torchao: imported by fp8 runs only
 
