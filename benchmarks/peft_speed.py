@@ -1,6 +1,6 @@
-"""Full fine-tuning against LoRA and DoRA on this machine's CPU: tokens/s of the same model and batch,
+"""Full fine-tuning against LoRA, DoRA and QLoRA on this machine's CPU: tokens/s of the same model and batch,
 its first steps left out, beside the time model's prediction of the ratio (perf/flops.py: a frozen
-base computes no weight gradients) and the measured peak.
+base computes no weight gradients; QLoRA's dequantizations are memory traffic) and the measured peak.
 
     PYTHONPATH=src python benchmarks/peft_speed.py [--steps 12] [--preset tiny] [--ranks 16]
 """
@@ -46,7 +46,9 @@ def main() -> None:
     rows = [("full fine-tuning", []),
             ("LoRA q, v", ["--peft.method=lora", f"--peft.rank={args.ranks}"]),
             ("LoRA all-linear", ["--peft.method=lora", "--peft.targets=all-linear", f"--peft.rank={args.ranks}"]),
-            ("DoRA all-linear", ["--peft.method=dora", "--peft.targets=all-linear", f"--peft.rank={args.ranks}"])]
+            ("DoRA all-linear", ["--peft.method=dora", "--peft.targets=all-linear", f"--peft.rank={args.ranks}"]),
+            ("QLoRA q, v", ["--peft.method=qlora", f"--peft.rank={args.ranks}"]),
+            ("QLoRA all-linear", ["--peft.method=qlora", "--peft.targets=all-linear", f"--peft.rank={args.ranks}"])]
     table = Table(title=f"{args.preset}: tokens/s on this CPU, full fine-tuning against adapters (the last "
                         f"{args.steps - WARM_STEPS} of {args.steps} steps)")
     for header in ("method", "tokens/s", "x full", "predicted x full", "measured peak MiB"):

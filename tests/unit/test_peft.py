@@ -196,18 +196,24 @@ def test_analytic_peak_of_an_adapted_step_is_within_10_percent_of_the_traced(arg
     assert analytic.activations == pytest.approx(traced.activations, rel=0.12)
 
 
-def test_a_full_fine_tune_that_does_not_fit_is_offered_lora_as_a_change_of_method() -> None:
+def test_a_full_fine_tune_that_does_not_fit_is_offered_lora_and_qlora_as_changes_of_method() -> None:
     from trainfit.plan.fixes import method_changes
 
     args = ["--model.preset=llama3-8b", "--hardware.gpu=RTX-4090", "--training.micro_batch_size=1",
             "--training.seq_len=2048", "--precision.mode=bf16-pure"]
     cfg = load_config(None, args)
     assert not estimate(cfg).fits
-    (fix,) = method_changes(cfg)
-    assert fix.changes[0].startswith("peft.method=lora") and "change of method" in fix.changes[0]
-    assert fix.candidate.cfg.peft.method == "lora" and fix.candidate.memory_bytes <= 24 * 2**30
-    assert estimate(fix.candidate.cfg).fits
+    lora, qlora = method_changes(cfg)
+    assert lora.changes[0].startswith("peft.method=lora") and "change of method" in lora.changes[0]
+    assert qlora.changes[0].startswith("peft.method=qlora") and "NF4" in qlora.changes[0]
+    for fix in (lora, qlora):
+        assert fix.candidate.memory_bytes <= 24 * 2**30 and estimate(fix.candidate.cfg).fits
+    assert len(lora.changes) == 2 and len(qlora.changes) == 1  # LoRA also checkpoints; NF4's base fits as is
     assert method_changes(load_config(None, [*args, "--peft.method=lora"])) == []
+    # Llama 3 70B on one 80 GB GPU: only the NF4 base fits
+    big = load_config(None, ["--model.preset=llama3-70b", "--hardware.gpu=H100-SXM-80GB", *args[2:],
+                             "--memory.activation_checkpointing=full"])
+    assert [fix.candidate.cfg.peft.method for fix in method_changes(big)] == ["qlora"]
 
 
 def test_checkpoints_hold_the_adapters_resume_exactly_and_refuse_another_base(tmp_path) -> None:

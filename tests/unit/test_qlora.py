@@ -140,3 +140,23 @@ def test_analytic_peak_and_params_of_a_qlora_step_are_the_traced_ones(args: tupl
     analytic, traced = estimate(cfg).worst, trace_step(cfg).worst
     assert analytic.peak == pytest.approx(traced.peak, rel=0.06)
     assert analytic.params + analytic.master_params == pytest.approx(traced.params + traced.master_params, rel=0.05)
+
+
+@pytest.mark.parametrize(("checkpointing", "passes"), [("none", 2), ("full", 3), ("selective", 2)])
+def test_the_time_model_adds_each_dequantization_s_traffic(checkpointing: str, passes: int) -> None:
+    """A QLoRA step against LoRA's on the same GPU: the same FLOPs, plus every NF4 weight's eager
+    dequantization (perf/timing.py's 33 bytes per weight) in its forward, its input gradient and, fully
+    checkpointed, its recompute (selective checkpointing reruns no matmul), at the memory bandwidth."""
+    from trainfit.hardware import device_spec
+    from trainfit.perf.timing import NF4_DEQUANT_TRAFFIC_BYTES
+
+    args = ["--model.preset=llama3-8b", "--hardware.gpu=RTX-4090", "--training.seq_len=2048",
+            "--training.micro_batch_size=1", "--training.global_batch_size=1", "--peft.targets=all-linear",
+            f"--memory.activation_checkpointing={checkpointing}", "--precision.mode=bf16-pure"]
+    lora, qlora = (estimate(load_config(None, [*args, f"--peft.method={m}"])) for m in ("lora", "qlora"))
+    assert qlora.perf.flops == lora.perf.flops
+    weights = 32 * sum(linear.in_features * linear.out_features for linear in block_linears(qlora.cfg.model))
+    expected = passes * NF4_DEQUANT_TRAFFIC_BYTES * weights / device_spec(qlora.cfg.hardware).hbm_bytes_per_s
+    assert qlora.perf.time["nf4_dequant_s"] == pytest.approx(expected, rel=1e-9)
+    assert lora.perf.time["nf4_dequant_s"] == 0
+    assert qlora.perf.time["compute_s"] - lora.perf.time["compute_s"] == pytest.approx(expected, rel=0.02)

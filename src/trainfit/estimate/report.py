@@ -79,6 +79,8 @@ def _perf_table(est: Estimate) -> Table:
     table.add_row("compute", fmt_seconds(t["compute_s"]))
     if t["fp8_cast_s"]:
         table.add_row("  fp8 casts (in compute)", fmt_seconds(t["fp8_cast_s"]))
+    if t.get("nf4_dequant_s"):
+        table.add_row("  NF4 dequantization (in compute)", fmt_seconds(t["nf4_dequant_s"]))
     parts = t.get("compute_parts_s") or {}
     for kind, label in (("matmul", "matmuls"), ("attention", "attention"), ("elementwise", "elementwise traffic")):
         if kind in parts:

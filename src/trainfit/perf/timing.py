@@ -126,7 +126,8 @@ class PerfEstimate:
     """model_flops_per_token, hardware_flops_per_token, model_flops_per_step, hardware_flops_per_step,
     recompute_flops_per_step, flops_per_rank_per_step (hardware FLOPs of the busiest rank)."""
     time: dict[str, Any]
-    """step_time_s, compute_s, fp8_cast_s (of compute_s: fp8-mixed's float8 casts), compute_parts_s (on a
+    """step_time_s, compute_s, fp8_cast_s (of compute_s: fp8-mixed's float8 casts), nf4_dequant_s (of
+    compute_s: QLoRA's dequantizations), compute_parts_s (on a
     catalog GPU: matmul, attention, elementwise and the host's launches, s per step; {} elsewhere), comm_s {kind: total
     s}, exposed_comm_s, exposed_comm_by_kind_s {kind: s},
     offload_s {h2d, d2h, host_optimizer: s per step; empty without offload}, exposed_offload_s, bubble_s,
@@ -291,8 +292,11 @@ def _nf4_dequant_bytes(m: ModelConfig, layout: Layout, t: TrainingConfig, flops:
     per_weight = NF4_DEQUANT_TRAFFIC_BYTES_COMPILED if layout.compile else NF4_DEQUANT_TRAFFIC_BYTES
     block = per_weight * sum(linear.in_features * linear.out_features for linear in block_linears(m)
                              if linear.name in adaptation.quantized)
-    rerun = (F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing, layout.ep)[0]
-             / (2 * B.block_matmul_params(m)))
+    # A checkpointed block's recompute reaches its last linear too: an NF4 linear is a custom autograd
+    # Function, whose saved weight is packed after its forward ran (the traced step shows it)
+    policy = layout.activation_checkpointing
+    rerun = (F.block_recompute_flops(m, t.seq_len, policy, layout.ep)[0] / 2
+             + (F.skipped_recompute_params(m) if policy == "full" else 0)) / B.block_matmul_params(m)
     n_mb = layout.num_microbatches
     return n_mb * flops.blocks * block, n_mb * (flops.blocks + flops.wrapped * rerun) * block
 
@@ -301,7 +305,7 @@ class ComputeTime(NamedTuple):
     forward: float
     backward: float
     fp8_casts: float
-    """Of forward + backward: the float8 casts' memory traffic (fp8-mixed), and QLoRA's dequantizations'."""
+    """Of forward + backward: the float8 casts' memory traffic (fp8-mixed; else 0)."""
     parts: dict[str, float] | None = None
     """On a catalog GPU, what forward + backward spend their time on (matmuls, attention, elementwise
     traffic with fp8's casts) and the host's kernel launches, which set the pace where they exceed the
@@ -309,10 +313,25 @@ class ComputeTime(NamedTuple):
     matmul_flops_per_s: float = 0.0
     """The rate the rank's GEMMs run at, all of them together: what a GEMM that hides an async-TP
     collective takes (_async_tp_exposed)."""
+    nf4_dequant: float = 0.0
+    """Of forward + backward: QLoRA's dequantizations' memory traffic (else 0)."""
 
 
 def _compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: Rates, flops: RankFlops
                      ) -> ComputeTime:
+    """_weight_conversion_seconds, with QLoRA's dequantizations told apart from fp8's casts (both are
+    traffic that converts weights before their matmuls, priced alike)."""
+    dequant_fwd, dequant_bwd = _nf4_dequant_bytes(m, layout, t, flops)
+    compute = _weight_conversion_seconds(m, layout, t, rates, flops, dequant_fwd, dequant_bwd)
+    if not dequant_fwd:
+        return compute
+    memory = K.concurrency_slowdown(rates.profile, rates.hw, layout)[1] if rates.profile is not None else 1.0
+    dequant = memory * (dequant_fwd + dequant_bwd) / rates.device.hbm_bytes_per_s
+    return compute._replace(fp8_casts=compute.fp8_casts - dequant, nf4_dequant=dequant)
+
+
+def _weight_conversion_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: Rates, flops: RankFlops,
+                               dequant_fwd: float, dequant_bwd: float) -> ComputeTime:
     """Forward and backward compute time of the busiest rank: on the catalog, FLOPs at the peak times
     the efficiency (fp8-mixed: its float8 linears at the fp8 peak, every other matmul and attention at
     the bf16 peak, and the float8 casts' traffic at the memory bandwidth); on a measured profile, each
@@ -320,8 +339,7 @@ def _compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: R
     profile, efficiency = rates.profile, rates.efficiency
     bandwidth = rates.device.hbm_bytes_per_s
     casts_fwd, casts_bwd = _fp8_cast_bytes(m, layout, t, flops)
-    dequant_fwd, dequant_bwd = _nf4_dequant_bytes(m, layout, t, flops)  # weights converted, like the casts
-    casts_fwd, casts_bwd = casts_fwd + dequant_fwd, casts_bwd + dequant_bwd
+    casts_fwd, casts_bwd = casts_fwd + dequant_fwd, casts_bwd + dequant_bwd  # weights converted alike
     if profile is not None:
         rates.peak(layout.precision)  # a named error when the profile measured no rate for the dtype
         dtype = compute_dtype_of(layout.precision)
@@ -347,7 +365,9 @@ def _compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: R
         return _gpu_compute_seconds(m, layout, t, rates, flops, casts_fwd, casts_bwd)
     rate = rates.peak(layout.precision) * efficiency
     if layout.precision != "fp8-mixed":
-        return ComputeTime(flops.forward / rate, flops.backward / rate, 0.0, None, rate)
+        dequant_fwd_s, dequant_bwd_s = dequant_fwd / bandwidth, dequant_bwd / bandwidth
+        return ComputeTime(flops.forward / rate + dequant_fwd_s, flops.backward / rate + dequant_bwd_s,
+                           dequant_fwd_s + dequant_bwd_s, None, rate)
     high = rates.device.peak_flops["bf16"] * efficiency  # everything but the float8 linears
     return ComputeTime((flops.forward - flops.forward_fp8) / high + flops.forward_fp8 / rate + casts_fwd / bandwidth,
                        (flops.backward - flops.backward_fp8) / high + flops.backward_fp8 / rate + casts_bwd / bandwidth,
@@ -570,7 +590,7 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
     rank_flops = _rank_flops(m, layout, t)
     fwd, bwd = rank_flops.forward, rank_flops.backward
     compute = _compute_seconds(m, layout, t, rates, rank_flops)
-    fwd_s, bwd_s, fp8_cast_s = compute.forward, compute.backward, compute.fp8_casts
+    fwd_s, bwd_s, fp8_cast_s, nf4_dequant_s = compute.forward, compute.backward, compute.fp8_casts, compute.nf4_dequant
     compute_s = fwd_s + bwd_s
     optimizer_s = _device_optimizer_seconds(m, layout, rates) if layout.offload == "none" else 0.0  # else _offload's
 
@@ -607,6 +627,7 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
         "step_time_s": step_s,
         "compute_s": compute_s,
         "fp8_cast_s": fp8_cast_s,
+        "nf4_dequant_s": nf4_dequant_s,
         "compute_parts_s": compute.parts or {},
         "comm_s": comm,
         "exposed_comm_s": exposed_s,

@@ -132,9 +132,10 @@ def fewest_changes(cfg: Config, limit: int = 5) -> list[Fix]:
             for c in search(cfg, kept, top=limit).candidates]
 
 
-METHODS = (("lora", {"peft": {"method": "lora", "targets": ("all-linear",)}}),)
-"""Changes of method `method_changes` tries on a full fine-tune: LoRA on every linear (QLoRA's NF4 base is
-not built yet)."""
+METHODS = (("lora", {"peft": {"method": "lora", "targets": ("all-linear",)}}),
+           ("qlora", {"peft": {"method": "qlora", "targets": ("all-linear",)}}))
+"""Changes of method `method_changes` tries on a full fine-tune: LoRA on every linear, and the same on
+an NF4 base (QLoRA)."""
 
 
 def method_changes(cfg: Config) -> list[Fix]:
@@ -149,7 +150,8 @@ def method_changes(cfg: Config) -> list[Fix]:
     singles = list(_changes(cfg, space))
     found = []
     for name, fields in METHODS:
-        method = (f"peft.method={name} peft.targets=all-linear (a change of method: adapters on a frozen base)",
+        base = "an NF4 base" if name == "qlora" else "a frozen base"
+        method = (f"peft.method={name} peft.targets=all-linear (a change of method: adapters on {base})",
                   fields)
         alone = _judge(cfg, (method,), device_memory)
         if alone is not None:
