@@ -160,3 +160,26 @@ def test_the_time_model_adds_each_dequantization_s_traffic(checkpointing: str, p
     assert qlora.perf.time["nf4_dequant_s"] == pytest.approx(expected, rel=1e-9)
     assert lora.perf.time["nf4_dequant_s"] == 0
     assert qlora.perf.time["compute_s"] - lora.perf.time["compute_s"] == pytest.approx(expected, rel=0.02)
+
+
+def test_qlora_offloaded_on_one_rank_is_a_named_error_before_training() -> None:
+    """FSDP2's one-rank unshard does not run the NF4 tensor's all-gather extension (its three buffers):
+    refused before any process group, naming the fix."""
+    cfg = load_config(None, [*WIDE, "--peft.method=qlora", "--memory.offload=optimizer", "--parallel.zero_stage=3"])
+    reason = build_layout(cfg).untrainable_reason()
+    assert reason is not None and "memory.offload='optimizer'" in reason and "2 or more ranks" in reason
+    two = load_config(None, [*WIDE, "--peft.method=qlora", "--memory.offload=optimizer", "--parallel.zero_stage=3",
+                             "--hardware.num_gpus=2"])
+    assert build_layout(two).untrainable_reason() is None
+
+
+@pytest.mark.slow
+def test_qlora_trains_compiled_with_the_chunked_loss_and_accumulation_as_eager(tmp_path) -> None:
+    """torch.compile over NF4 linears (inductor fuses the dequantization), with the chunked loss and
+    two accumulated micro-batches: the same losses as eager, to bf16's rounding."""
+    args = (*WIDE, *QUIET, "--peft.method=qlora", "--peft.targets=all-linear", "--precision.mode=bf16-pure",
+            "--memory.chunked_loss=true", "--training.steps=2", "--training.micro_batch_size=2")
+    eager = Trainer(run_config(tmp_path / "e", *args)).train()
+    compiled = Trainer(run_config(tmp_path / "c", *args, "--training.compile=true")).train()
+    for step, loss in eager.losses.items():
+        assert compiled.losses[step] == pytest.approx(loss, rel=1e-2), step

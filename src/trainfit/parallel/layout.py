@@ -264,6 +264,11 @@ class Layout:
         if self.adaptation is not None and self.data_parallel == "zero1":
             return (f"peft.method={self.adaptation.method!r} with parallel.zero_stage=1: ZeRO-1's engine is not "
                     "built for frozen parameters; use parallel.zero_stage=0, 2 or 3")
+        if self.adaptation is not None and self.adaptation.quantized and self.data_parallel == "fsdp" \
+                and self.zero_shards == 1:
+            return (f"peft.method='qlora' with memory.offload={self.offload!r} on one data-parallel rank: FSDP2's "
+                    "one-rank unshard hands torchao's NF4 tensor one buffer where it gathers three; offload with "
+                    "2 or more ranks, or set memory.offload='none'")
         if self.adaptation is not None and self.precision == "fp8-mixed":
             return (f"peft.method={self.adaptation.method!r} with precision.mode='fp8-mixed': float8 linears do not "
                     "carry adapters yet; use bf16-mixed, bf16-pure or fp32")
