@@ -35,6 +35,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -47,18 +48,8 @@ from trainfit.memory.caching_allocator import CachingAllocator
 from trainfit.memory.margin import ALLOCATOR_FRAGMENTATION
 from trainfit.peft.spec import nf4_bytes
 
-GIB = 1024**3
-GB = 1e9
-GAP = 0.10
-"""Rows with an error above this get their predicted breakdown printed."""
-
-
-@dataclass(frozen=True)
-class Source:
-    short: str
-    citation: str
-    """Repository, file, table and commit, as published_finetune_sources.md gives them."""
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from published_parallel import GAP, GB, GIB, Source  # noqa: E402 (beside this script: the same row vocabulary)
 
 SOURCES: dict[str, Source] = {
     "tt-lora-tut": Source("torchtune LoRA tutorial", "pytorch/torchtune docs/source/tutorials/lora_finetune.rst at "
