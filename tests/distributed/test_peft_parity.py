@@ -16,6 +16,10 @@ LORA = ("--peft.method=lora", "--peft.targets=all-linear", "--peft.rank=4", "--t
 QLORA = (*LORA, "--peft.method=qlora", "--model.dim=256", "--model.ffn_dim=512")
 """QLoRA on blocks NF4 holds whole (debug's are too small); each rank quantizes the whole weight and
 keeps its rows, so every layout trains on the same NF4 base."""
+MOE_LORA = (*LORA, "--model.preset=debug-moe", "--model.num_shared_experts=1", "--training.micro_batch_size=2")
+"""LoRA on every linear of an MoE block but its router: attention, the shared expert and each routed
+expert (stacked adapters, split over expert-parallel ranks with their experts). The reference takes the
+ranks' micro-batches of 2 (test_ep_parity.py: routing and its loss are per micro-batch)."""
 pytestmark = pytest.mark.slow  # each layout trained on the ranks and on one process
 
 
@@ -29,4 +33,13 @@ class TwoRanks(GlooTestCase):
              PEFT_FP32, 4),
             ((*QLORA, "--parallel.zero_stage=3"), PEFT_FP32, LONG_STEPS),
             ((*QLORA, "--parallel.zero_stage=0"), PEFT_FP32, LONG_STEPS),
+        ])
+
+    @with_comms
+    def test_lora_on_routed_experts_under_fsdp2_and_expert_parallelism(self) -> None:
+        self.check_cases([
+            ((*MOE_LORA, "--parallel.zero_stage=3"), PEFT_FP32, LONG_STEPS),
+            ((*MOE_LORA, "--parallel.ep=2", "--parallel.zero_stage=3"), PEFT_FP32, LONG_STEPS),
+            ((*MOE_LORA, "--parallel.ep=2", "--parallel.zero_stage=2", "--model.capacity_factor=1.0"),
+             PEFT_FP32, LONG_STEPS),
         ])

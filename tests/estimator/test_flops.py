@@ -154,11 +154,14 @@ def test_chunked_loss_recompute_matches_flop_counter() -> None:
 
 @pytest.mark.parametrize("args", [("--peft.targets=q,v",), ("--peft.targets=all-linear", "--peft.rank=4"),
                                   ("--peft.method=dora", "--peft.targets=attention"),
-                                  ("--peft.targets=q,k,down", "--peft.train_output=true")])
+                                  ("--peft.targets=q,k,down", "--peft.train_output=true"),
+                                  ("--model.preset=debug-moe", "--model.num_shared_experts=1",
+                                   "--peft.targets=all-linear")])
 def test_adapted_model_flops_match_the_flop_counter(args: tuple[str, ...]) -> None:
     """PEFT: the frozen base computes no weight gradients, nor the first projections' input
     gradients (nothing before them trains); the adapters all three passes (DoRA's per-step norm of
-    W + s B A, a batch-independent term, aside)."""
+    W + s B A, a batch-independent term, aside); a routed expert's adapters on its top-k tokens only
+    (dropless: exactly top-k rows per token, however unbalanced the router)."""
     from trainfit.configure import load_config
     from trainfit.peft.adapters import apply_adapters
     from trainfit.peft.spec import adaptation_of
@@ -179,7 +182,7 @@ def test_adapted_model_flops_match_the_flop_counter(args: tuple[str, ...]) -> No
                                                for a in adapted_linears(cfg))
     assert counted == expected
     full = batch * seq * (flops.training_flops_per_token(cfg.model, seq) - attention)
-    assert counted < 0.8 * full
+    assert counted < 0.9 * full  # debug models: rank-8 adapters are large beside dim 64
 
 
 def adapted_linears(cfg):

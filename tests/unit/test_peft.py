@@ -51,7 +51,7 @@ def test_targets_name_block_linears(preset: str, targets: str, names: list[str])
     (("--peft.alpha=0",), "peft.alpha=0.0: must be > 0"),
     (("--peft.dropout=1",), "peft.dropout=1.0: must be in [0, 1)"),
     (("--peft.targets=q,gate_proj",), "'gate_proj' is no linear of a llama block"),
-    (("--model.preset=debug-moe", "--peft.targets=mlp"), "adapters on an MoE feed-forward"),
+    (("--model.preset=debug-moe", "--peft.targets=mlp", "--peft.method=dora"), "DoRA's magnitude on routed experts"),
     (("--model.init_from=/nonexistent",), "model.init_from='/nonexistent': must be a folder holding config.json"),
 ])
 def test_bad_peft_settings_are_named_errors(args: tuple[str, ...], message: str) -> None:
@@ -243,3 +243,23 @@ def test_checkpoints_hold_the_adapters_resume_exactly_and_refuse_another_base(tm
     save_hf_weights(materialize(build_model(source), "cpu", seed=4), source, tmp_path / "base")  # another base
     with pytest.raises(CheckpointError, match="trained on another base"):
         trained("parts", 6)
+
+
+def test_dropout_keeps_a_bool_mask_on_cuda_and_a_noise_tensor_on_the_cpu() -> None:
+    """torch's fused native_dropout (CUDA) keeps a bool mask; on the CPU dropout multiplies by a noise
+    tensor of its input's dtype and keeps that (read here off autograd's saved tensors). The analytic
+    terms follow the device: a q, v adapter's dropout on the block input, in fp32, keeps 3 more bytes
+    per element on the CPU."""
+    from trainfit.memory.activation_terms import ActDtypes
+    from trainfit.memory.adapter_activations import adapter_terms
+
+    saved: list[torch.dtype] = []
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+        torch.nn.functional.dropout(x, 0.1, training=True)
+    assert saved == [torch.float32]
+    cfg = load_config(None, ["--model.preset=debug", "--peft.method=lora", "--peft.dropout=0.1"])
+    adaptation = spec.adaptation_of(cfg.model, cfg.peft)
+    cpu, cuda = (adapter_terms(cfg.model, ActDtypes(4, 4, False, dropout_noise=noise), adaptation)
+                 for noise in (True, False))
+    assert cpu.gathered - cuda.gathered == 2 * (4 - 1) * cfg.model.dim

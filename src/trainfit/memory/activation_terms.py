@@ -62,6 +62,13 @@ class ActDtypes:
     """torch.amp: each matmul casts (and saves) its fp32 input itself."""
     math_attention: bool = False
     """SDPA runs torch's math kernel (run_shape.assumed_attention_kernel), not a fused one."""
+    dropout_noise: bool = False
+    """Dropout saves a noise tensor in its input's dtype (torch's CPU dropout multiplies by one), not
+    the bool mask of the fused native_dropout kernel (CUDA)."""
+
+    def dropout_mask(self, input_bytes: int) -> int:
+        """Bytes per element dropout saves for backward, of an input of `input_bytes` per element."""
+        return input_bytes if self.dropout_noise else 1
 
 
 class Terms(NamedTuple):

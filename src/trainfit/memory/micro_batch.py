@@ -83,9 +83,9 @@ def _micro_batch(m: ModelConfig, prec: Precision, shape: MicroBatchShape) -> Mic
 
     routing = moe_routing(m, shape.tokens, shape.moe_imbalance, shape.ep)
     none = size(block_terms(m, act, "none", routing, cp, tp)
-                + (adapter_terms(m, act, shape.adaptation) if shape.adaptation else Terms()))
+                + (adapter_terms(m, act, shape.adaptation, routing) if shape.adaptation else Terms()))
     wrapped = size(block_terms(m, act, policy, routing, cp, tp)
-                   + (selective_adapter_terms(m, act, shape.adaptation)
+                   + (selective_adapter_terms(m, act, shape.adaptation, routing)
                       if shape.adaptation and policy.startswith("selective") else Terms())) \
         if policy != "none" else none
     t = backward_transient_terms(m, act, routing, shape.sequence_parallel, policy, cp)

@@ -155,7 +155,8 @@ class RoutedMoment:
 
 def routed_backward_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing: Routing,
                             size: Callable[[Terms], int], *, expert_weight: int, grad_bytes: int,
-                            num_local_experts: int, policy: str = "none") -> list[RoutedMoment]:
+                            num_local_experts: int, policy: str = "none", shared_weights: int | None = None
+                            ) -> list[RoutedMoment]:
     """The candidate peaks of the routed experts' backward (the shared experts' saved tensors are
     freed by then: shared_experts_saved). `expert_weight`: elements of one stacked expert weight
     on the rank; `grad_bytes`: bytes per element of the gradients the experts' slices produce (the
@@ -167,9 +168,12 @@ def routed_backward_moments(m: ModelConfig, d: ActDtypes, t: Transient, routing:
     and the layer input's gradient sum exist; then either an expert with no tokens summing its
     full-size slice gradients and input-gradient scatter (nothing of its own freed), or the busiest
     expert's own moments (routing.dropless_loads places it third from last, after two light ones:
-    one and two experts' saved tensors and casts freed; `Routing.tail`)."""
-    shared = 3 * m.num_shared_experts * m.expert_ffn_dim * m.dim  # whole on the tp ranks
-    shared_casts = d.compute * shared if d.autocast else 0  # freed with the shared experts' backward
+    one and two experts' saved tensors and casts freed; `Routing.tail`).
+    PEFT: `expert_weight` and `shared_weights` (the shared experts' gradient elements) are what
+    trains of them, their adapters; the casts are the frozen weights' all the same."""
+    shared_casts_of = 3 * m.num_shared_experts * m.expert_ffn_dim * m.dim  # whole on the tp ranks
+    shared = shared_casts_of if shared_weights is None else shared_weights
+    shared_casts = d.compute * shared_casts_of if d.autocast else 0  # freed with the shared experts' backward
     output, hidden, freed = size(t.expert_output), size(t.expert_hidden), size(t.expert_output_freed)
     if routing.capacity:
         # The shared experts' input gradient waits for the routed experts' (one sum, from then on).

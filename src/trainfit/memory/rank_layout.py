@@ -22,7 +22,7 @@ from trainfit.memory.run_shape import (
 from trainfit.models.block_spec import block_linears
 from trainfit.models.params import ParamCounts
 from trainfit.parallel.stage_split import RankPlacement, checkpointed
-from trainfit.peft.spec import adapter_magnitudes, adapter_params, nf4_bytes
+from trainfit.peft.spec import adapter_magnitudes, adapter_params, nf4_bytes, routed_adapter_params
 from trainfit.perf.fp8_casts import float8_linears
 
 
@@ -47,7 +47,10 @@ class RankLayout(NamedTuple):
     autocast does not cast (the weight goes to fp8 in the Linear, the bias to bf16, neither kept) and
     which FSDP2's float8 all-gather gathers in fp8; 0 otherwise."""
     block_experts: int
-    """A block's routed-expert weights on the rank (its 1/ep of them): part of block_matmul."""
+    """A block's routed-expert weights on the rank (its 1/ep of them), and their adapters (PEFT): part
+    of block_matmul."""
+    block_routed_adapters: int
+    """PEFT: of block_experts, the routed experts' adapters (what trains of them)."""
     block_no_decay: int
     mlp_out: int
     embedding: int
@@ -75,6 +78,8 @@ class BlockParams(NamedTuple):
     matmul: int
     float8: int
     experts: int
+    routed_adapters: int
+    """PEFT: the adapters of the routed experts on the rank, part of experts and of adapters."""
     no_decay: int
     mlp_out: int
     tensors: int
@@ -112,7 +117,8 @@ def _block(run: Run, counts: ParamCounts) -> BlockParams:
         mlp_out = mlp // 3
     experts_local = max(1, m.num_experts // ep) * (m.expert_ffn_dim or 0) * m.dim
     adaptation = run.layout.adaptation
-    adapters = adapter_params(m, adaptation) if adaptation else 0
+    adapters = adapter_params(m, adaptation, ep) if adaptation else 0
+    routed_adapters = routed_adapter_params(m, adaptation, ep) if adaptation else 0
     magnitudes = adapter_magnitudes(m, adaptation) if adaptation else 0
     in_nf4 = [linear.in_features * linear.out_features for linear in linears
               if adaptation and linear.name in adaptation.quantized]  # tp = 1 with PEFT
@@ -121,7 +127,8 @@ def _block(run: Run, counts: ParamCounts) -> BlockParams:
         params=matmul + adapters + counts.norms, matmul=matmul + adapters - magnitudes, adapters=adapters,
         float8=sum(k * n + b for k, n, b in float8_linears(m).values()) // tp
         if run.layout.precision == "fp8-mixed" else 0,
-        experts=counts.routed_experts // ep, no_decay=counts.norms + biases // tp + magnitudes, mlp_out=mlp_out,
+        experts=counts.routed_experts // ep + routed_adapters, routed_adapters=routed_adapters,
+        no_decay=counts.norms + biases // tp + magnitudes, mlp_out=mlp_out,
         tensors=tensors + (2 + bool(magnitudes)) * len(adaptation.targets) if adaptation else tensors,
         norm_tensors=2 if m.family == "gpt2" else 1, vocab=m.vocab_size * m.dim // tp,
         largest=max(m.dim * m.dim // tp, m.ffn_dim * m.dim // tp, experts_local))
@@ -146,7 +153,8 @@ def rank_layout(run: Run, common: LayoutCommon, place: RankPlacement) -> RankLay
         last_wrapped=policy_blocks > 0 and checkpointed(blocks[-1], n),
         first_wrapped=policy_blocks > 0 and checkpointed(blocks[0], n),
         in_flight=in_flight, head_in_flight=head_in_flight, first=first, last=last,
-        block=b.params, block_matmul=b.matmul, block_experts=b.experts, block_float8=b.float8,
+        block=b.params, block_matmul=b.matmul, block_experts=b.experts, block_routed_adapters=b.routed_adapters,
+        block_float8=b.float8,
         block_no_decay=b.no_decay, mlp_out=b.mlp_out, embedding=common.counts.embedding // mem.tp if first else 0,
         head=head, output_matmul=b.vocab if last else 0, tied_here=tied_here, tensors=tensors,
         largest_tensor=max(b.vocab if (first or last) else 0, b.largest), trainable=trainable,
@@ -178,6 +186,8 @@ def layout_common(run: Run, shared: SharedSizes) -> LayoutCommon:
     prec = precision_of(layout.precision, not layout.autocast)
     if assumed_attention_kernel(run.model, layout, run.training, run.hardware) == "math":
         prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, math_attention=True))
+    if run.hardware.gpu == "cpu":
+        prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, dropout_noise=True))
     seq = run.training.seq_len // layout.cp
     tokens = layout.micro_batch_size * seq
     shape = MicroBatchShape(tokens, seq, layout.tp, layout.cp, layout.ep, layout.sequence_parallel,

@@ -25,7 +25,7 @@ from trainfit.memory.run_shape import Run, rope_table_bytes
 from trainfit.memory.zero_states import stage_states
 from trainfit.models.block_spec import block_linears
 from trainfit.parallel.engine import DDP_GRADIENT_AS_BUCKET_VIEW, FSDP_PREFETCH_BLOCKS, FSDP_REDUCE_BYTES_MIXED
-from trainfit.peft.spec import adapter_params
+from trainfit.peft.spec import adapter_params, adapter_params_of, routed_adapter_params
 from trainfit.perf.kernels import float8_gemms
 
 FLOAT8_CAST_BYTES = 9
@@ -138,7 +138,8 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     # until it issues the next one.
     last_comms = block_gather * (1 + FSDP_PREFETCH_BLOCKS)
     # (PEFT: the block's gradients are its adapters')
-    block_grads = lay.block if run.layout.adaptation is None else adapter_params(run.model, run.layout.adaptation)
+    block_grads = lay.block if run.layout.adaptation is None else adapter_params(run.model, run.layout.adaptation,
+                                                                                   run.layout.ep)
     first_comms = block_gather + (reduce * block_grads if st.fsdp and lay.blocks > 1 else 0)
     # FSDP under a pipeline schedule: torch's stage runs every backward with gradient sync and
     # resharding after backward off (stage.py backward_maybe_with_nosync) and reduce-scatters once,
@@ -221,14 +222,19 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     routed_moments: list[RoutedMoment] = []
     shared_kept = shared_rebuilt = 0
     if routing is not None:
-        m = run.model
+        m, adaptation, ep = run.model, run.layout.adaptation, run.layout.ep
         shared_w2 = m.num_shared_experts * m.expert_ffn_dim * m.dim
+        expert_weight, shared_weights = common.counts.routed_experts // 3 // ep, None
+        if adaptation is not None:  # PEFT: the weight gradients are the adapters' (frozen experts have none)
+            shared_w2 = adapter_params_of(m, adaptation, ["shared_w2"])
+            shared_weights = adapter_params_of(m, adaptation, ["shared_w1", "shared_w2", "shared_w3"])
+            expert_weight = routed_adapter_params(m, adaptation, ep) // 3
         w2 = (0, c * shared_w2, 0) if st.fsdp else (0, 0, int(autograd_bytes * shared_w2)) if bucketed else \
             (int(shared_w2 * per_param), 0, 0)
         routed_moments = routed_backward_moments(
-            m, act, transient, routing, size, expert_weight=common.counts.routed_experts // 3 // run.layout.ep,
-            grad_bytes=c if st.fsdp else autograd_bytes, num_local_experts=m.num_experts // run.layout.ep,
-            policy=policy)
+            m, act, transient, routing, size, expert_weight=expert_weight,
+            grad_bytes=c if st.fsdp else autograd_bytes, num_local_experts=m.num_experts // ep,
+            policy=policy, shared_weights=shared_weights)
         shared_kept, shared_rebuilt = (size(t) for t in shared_experts_saved(m, act, policy))
 
     def routed(done: int) -> tuple[int, int]:

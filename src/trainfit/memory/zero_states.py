@@ -19,7 +19,7 @@ from trainfit.memory.optimizer_memory import (
 )
 from trainfit.memory.rank_layout import LayoutCommon, RankLayout
 from trainfit.memory.run_shape import Precision, Run
-from trainfit.peft.spec import adapter_magnitudes, adapter_matrices
+from trainfit.peft.spec import adapter_magnitudes, adapter_matrices, adapter_tensor_sizes
 
 
 class StageStates(NamedTuple):
@@ -79,14 +79,17 @@ def _adapted_stage(run: Run, common: LayoutCommon, lay: RankLayout, resident: in
     magnitudes = lay.blocks * adapter_magnitudes(m, adaptation)
     full = [(lay.embedding,)] * (adaptation.train_embeddings and lay.embedding > 0) + \
         [(lay.output_matmul,)] * (adaptation.train_output and lay.output_matmul > 0 and not lay.tied_here)
-    shapes = lay.blocks * adapter_matrices(m, adaptation) + full
+    ep = run.layout.ep
+    shapes = lay.blocks * adapter_matrices(m, adaptation, ep) + full
     matrices = [(math.prod(s) // state_shards,) for s in shapes] if run.optimizer.name in PER_TENSOR_OPTIMIZERS else []
-    tensors = len(shapes) + lay.blocks * len(adaptation.targets) * adaptation.dora
-    grads = 0 if offload else on_zero_shard(lay.trainable, 0, param_shards, 1) * prec.param
-    trained = on_zero_shard(lay.trainable, 0, state_shards, 1)
+    sizes = adapter_tensor_sizes(m, adaptation, ep)  # a routed weight's stacked adapters: one tensor each
+    tensors = lay.blocks * (len(sizes) + len(adaptation.targets) * adaptation.dora) + len(full)
+    routed = lay.blocks * lay.block_routed_adapters  # sharded with their experts, over the edp ranks
+    grads = 0 if offload else on_zero_shard(lay.trainable, routed, param_shards, ep) * prec.param
+    trained = on_zero_shard(lay.trainable, routed, state_shards, ep)
     optimizer = 0 if offload else optimizer_bytes(run.optimizer.name, prec, trained, tensors,
                                                    magnitudes // state_shards, matrices)
-    largest = max((math.prod(s) for s in shapes), default=0)
+    largest = max([*sizes, *(math.prod(s) for s in full)], default=0)
     temp = 0 if offload else optimizer_step_temporaries(run, prec, (lay.trainable - magnitudes) // state_shards,
                                                         largest // state_shards, matrices)
     return StageStates(lay, prec, lay.blocks * lay.block + lay.embedding + lay.head, resident, grads, optimizer, temp,

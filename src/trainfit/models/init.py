@@ -94,7 +94,7 @@ def init_parameters(model: nn.Module, *, seed: int, num_layers: int) -> None:
     for raw_name, param in model.named_parameters():
         name = canonical_name(raw_name)
         if name.endswith(".lora_a"):  # PEFT's kaiming_uniform_(a=sqrt(5)) variance, 1 / (3 in)
-            fill_normal_(param, std=1 / math.sqrt(3 * param.shape[1]), seed=seed, name=name)
+            fill_normal_(param, std=1 / math.sqrt(3 * param.shape[-1]), seed=seed, name=name)
         elif name.endswith(".lora_b"):  # zero: the adapted model starts as the base
             fill_constant_(param, 0.0)
         elif name.endswith(".lora_magnitude"):

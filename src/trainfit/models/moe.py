@@ -29,7 +29,8 @@ F expert hidden, M tokens routed to one expert, C expert capacity, S expert slot
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Mapping
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,16 +41,71 @@ from trainfit.models.common import FeedForward
 from trainfit.models.routing import expert_capacity
 
 
+class LowRank(NamedTuple):
+    """A low-rank update of one stacked expert weight (LoRA's, built by peft/): expert e's weight W[e]
+    computes as W[e] + scale b[e] a[e], its input through `dropout` first."""
+
+    a: torch.Tensor
+    """[E, rank, in]."""
+    b: torch.Tensor
+    """[E, out, rank]."""
+    scale: float
+    dropout: nn.Module
+
+
+class ExpertAdapter(Protocol):
+    """What GroupedExperts.adapters holds per stacked weight (peft/adapters.py builds them)."""
+
+    def low_rank(self, local: bool) -> LowRank:
+        """Its tensors (`local`: this rank's experts' slices of expert-parallel DTensors)."""
+        ...
+
+
+class ExpertWeights(NamedTuple):
+    """The stacked weights a computation of the experts reads, and any low-rank updates of them."""
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+    w3: torch.Tensor
+    updates: Mapping[str, LowRank]
+    """By weight name (w1, w2, w3): the adapted ones."""
+
+    def linear(self, name: str, x_MD: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e's weight `name` on its rows x."""
+        y = F.linear(x_MD, getattr(self, name)[e])
+        update = self.updates.get(name)
+        if update is None:
+            return y
+        return y + F.linear(F.linear(update.dropout(x_MD), update.a[e]), update.b[e]) * update.scale
+
+    def batched(self, name: str, x_ECD: torch.Tensor) -> torch.Tensor:
+        """Every expert's weight `name` on its rows x[e], in batched matmuls."""
+        y = torch.bmm(x_ECD, getattr(self, name).transpose(1, 2))
+        update = self.updates.get(name)
+        if update is None:
+            return y
+        low = torch.bmm(update.dropout(x_ECD), update.a.transpose(1, 2))
+        return y + torch.bmm(low, update.b.transpose(1, 2)) * update.scale
+
+
 class GroupedExperts(nn.Module):
-    """num_experts SwiGLU MLPs stored as stacked weights."""
+    """num_experts SwiGLU MLPs stored as stacked weights; `adapters` (empty unless peft/ adds some)
+    update some of them by low-rank terms computed beside each matmul, never merged in."""
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.adapters = nn.ModuleDict()
+        """ExpertAdapter modules by weight name (w1, w2, w3)."""
         self.dispatch: ExpertDispatch | None = None
         """Runs the routed pairs on experts spread over ranks (parallel/expert.py); None: all here."""
+
+    def weights(self, local: bool = False) -> ExpertWeights:
+        """The weights and updates to compute with (`local`: expert parallelism's own slices)."""
+        w1, w2, w3 = (w.to_local() if local else w for w in (self.w1, self.w2, self.w3))
+        return ExpertWeights(w1, w2, w3, {name: adapter.low_rank(local) for name, adapter in self.adapters.items()})
 
     def forward(self, x_ND: torch.Tensor, expert_NK: torch.Tensor, weight_NK: torch.Tensor,
                 capacity: int = 0) -> torch.Tensor:
@@ -61,11 +117,12 @@ class GroupedExperts(nn.Module):
         if capacity:
             return self._forward_capacity(x_ND, expert_NK, weight_NK, capacity)
         out_ND = torch.zeros_like(x_ND)
+        w = self.weights()
         for e in range(self.w1.shape[0]):
             token_M, slot_M = torch.nonzero(expert_NK == e, as_tuple=True)
             x_MD = x_ND.index_select(0, token_M)
-            h_MF = F.silu(F.linear(x_MD, self.w1[e])) * F.linear(x_MD, self.w3[e])
-            y_MD = F.linear(h_MF, self.w2[e]) * weight_NK[token_M, slot_M, None].to(x_ND.dtype)
+            h_MF = F.silu(w.linear("w1", x_MD, e)) * w.linear("w3", x_MD, e)
+            y_MD = w.linear("w2", h_MF, e) * weight_NK[token_M, slot_M, None].to(x_ND.dtype)
             out_ND.index_add_(0, token_M, y_MD)
         return out_ND
 
@@ -73,14 +130,16 @@ class GroupedExperts(nn.Module):
                           capacity: int) -> torch.Tensor:
         D, E = x_ND.shape[1], self.w1.shape[0]
         token_S, weight_S = dispatch_slots(expert_NK, weight_NK, E, capacity)
-        h_ECF = self._hidden(x_ND.index_select(0, token_S).view(E, capacity, D))
-        y_SD = torch.bmm(h_ECF, self.w2.transpose(1, 2)).reshape(E * capacity, D) * weight_S[:, None].to(x_ND.dtype)
+        w = self.weights()
+        h_ECF = self._hidden(x_ND.index_select(0, token_S).view(E, capacity, D), w)
+        y_SD = w.batched("w2", h_ECF).reshape(E * capacity, D) * weight_S[:, None].to(x_ND.dtype)
         return torch.zeros_like(x_ND).index_add_(0, token_S, y_SD)
 
-    def _hidden(self, x_ECD: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _hidden(x_ECD: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
         """SwiGLU hidden of all experts; the gathered input dies on return (under autocast only its
-        casts are saved)."""
-        return F.silu(torch.bmm(x_ECD, self.w1.transpose(1, 2))) * torch.bmm(x_ECD, self.w3.transpose(1, 2))
+        casts are saved; an adapter keeps it)."""
+        return swiglu_hidden(x_ECD, w)
 
 
 class ExpertDispatch(Protocol):
@@ -91,17 +150,16 @@ class ExpertDispatch(Protocol):
                  weight_NK: torch.Tensor, capacity: int) -> torch.Tensor: ...
 
 
-def swiglu_experts(x_MD: torch.Tensor, rows: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
-                   ) -> torch.Tensor:
-    """Experts w*[i] each on its block of `rows[i]` consecutive rows of x, one after the other (a
+def swiglu_experts(x_MD: torch.Tensor, rows: list[int], w: ExpertWeights) -> torch.Tensor:
+    """Experts i of `w` each on its block of `rows[i]` consecutive rows of x, one after the other (a
     loop: torch._grouped_mm has no CPU backward in torch 2.13)."""
-    return torch.cat([F.linear(F.silu(F.linear(x, w1[i])) * F.linear(x, w3[i]), w2[i])
+    return torch.cat([w.linear("w2", F.silu(w.linear("w1", x, i)) * w.linear("w3", x, i), i)
                       for i, x in enumerate(x_MD.split(rows))])
 
 
-def swiglu_hidden(x_ECD: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+def swiglu_hidden(x_ECD: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     """SwiGLU hidden [E, C, F] of every expert e on its rows x[e], in batched matmuls."""
-    return F.silu(torch.bmm(x_ECD, w1.transpose(1, 2))) * torch.bmm(x_ECD, w3.transpose(1, 2))
+    return F.silu(w.batched("w1", x_ECD)) * w.batched("w3", x_ECD)
 
 
 @torch.no_grad()

@@ -36,7 +36,7 @@ from torch.distributed._functional_collectives import all_to_all_single, all_to_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from trainfit.models.moe import GroupedExperts, dispatch_slots, swiglu_experts, swiglu_hidden
+from trainfit.models.moe import ExpertWeights, GroupedExperts, dispatch_slots, swiglu_experts, swiglu_hidden
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class ExpertParallel:
     def __call__(self, experts: GroupedExperts, x_ND: torch.Tensor, expert_NK: torch.Tensor,
                  weight_NK: torch.Tensor, capacity: int) -> torch.Tensor:
         # This rank's experts, as plain tensors (their gradients flow back into the DTensors).
-        weights = tuple(w.to_local() for w in (experts.w1, experts.w2, experts.w3))
+        weights = experts.weights(local=True)
         num_experts = experts.w1.shape[0]
         if capacity:
             token_S, weight_S = dispatch_slots(expert_NK, weight_NK, num_experts, capacity)
@@ -87,20 +87,19 @@ class ExpertParallel:
                       rows_GL.sum(1).tolist(), rows_GL.sum(0).tolist(), expert_major(rows_GL))
 
     def _dropless(self, x_ND: torch.Tensor, token_P: torch.Tensor, routes: Routes,
-                  weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+                  weights: ExpertWeights) -> torch.Tensor:
         """The experts' outputs for the rank's pairs (their tokens token_P, sorted by expert)."""
         x_RD = self._send(x_ND.index_select(0, token_P), routes.receive, routes.send).index_select(
             0, routes.by_expert_R)
         # x_RD is the experts' input, which autograd keeps anyway; their outputs go back in received order
-        y_RD = swiglu_experts(x_RD, routes.rows_L, *weights).index_select(0, torch.argsort(routes.by_expert_R))
+        y_RD = swiglu_experts(x_RD, routes.rows_L, weights).index_select(0, torch.argsort(routes.by_expert_R))
         return self._send(y_RD, routes.send, routes.receive)
 
     def _capacity(self, x_ND: torch.Tensor, token_S: torch.Tensor, capacity: int,
-                  weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+                  weights: ExpertWeights) -> torch.Tensor:
         """The experts' outputs for the rank's slots (their tokens token_S, [experts x capacity])."""
-        w1, w2, w3 = weights
         x_LCD = self._by_expert(self._send(x_ND.index_select(0, token_S)), capacity)
-        return self._send(self._by_source(torch.bmm(swiglu_hidden(x_LCD, w1, w3), w2.transpose(1, 2)), capacity))
+        return self._send(self._by_source(weights.batched("w2", swiglu_hidden(x_LCD, weights)), capacity))
 
     def _send(self, x: torch.Tensor, receive: list[int] | None = None, send: list[int] | None = None
               ) -> torch.Tensor:
@@ -147,7 +146,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[Grouped
     dispatch = ExpertParallel(ep_mesh)
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     for module in experts:
-        for name, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
+        for name, param in list(module.named_parameters()):  # the weights, and any adapters stacked like them
+            owner_path, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_path)
+            owner.register_parameter(attr, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)]),
+                                                        requires_grad=param.requires_grad))
         module.dispatch = dispatch
     return experts

@@ -256,11 +256,11 @@ class Layout:
                     "and zero-bubble schedules run two (input gradients, then weight gradients); use "
                     "activation_checkpointing='full' or 'none', or a schedule without split backward (1f1b, "
                     "interleaved-1f1b, gpipe, looped-bfs)")
-        if self.adaptation is not None and (self.tp > 1 or self.pp > 1 or self.cp > 1 or self.ep > 1):
-            degrees = ", ".join(f"parallel.{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp),
-                                                                  ("ep", self.ep)) if v > 1)
-            return (f"peft.method={self.adaptation.method!r} with {degrees}: adapters are built for data parallelism "
-                    "only (DDP, FSDP2's ZeRO-2/3, CPU offload); set those degrees to 1")
+        if self.adaptation is not None and (self.tp > 1 or self.pp > 1 or self.cp > 1):
+            degrees = ", ".join(f"parallel.{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp))
+                                if v > 1)
+            return (f"peft.method={self.adaptation.method!r} with {degrees}: adapters are built for data and expert "
+                    "parallelism only (DDP, FSDP2's ZeRO-2/3, CPU offload, parallel.ep); set those degrees to 1")
         if self.adaptation is not None and self.data_parallel == "zero1":
             return (f"peft.method={self.adaptation.method!r} with parallel.zero_stage=1: ZeRO-1's engine is not "
                     "built for frozen parameters; use parallel.zero_stage=0, 2 or 3")

@@ -16,6 +16,7 @@ from torch import nn
 
 from trainfit.config import ModelConfig, PeftConfig
 from trainfit.models.init import canonical_name
+from trainfit.models.moe import GroupedExperts, LowRank
 from trainfit.peft import spec
 
 
@@ -49,16 +50,44 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, {kind} rank={self.lora_a.shape[0]}, scale={self.scale:g}"
 
 
+class ExpertLoRA(nn.Module):
+    """LoRA on a routed-experts weight [E, out, in] (models/moe.py): one adapter per expert, stacked
+    like the weight (lora_a [E, rank, in], lora_b [E, out, rank]), so expert parallelism and FSDP
+    split them with it; GroupedExperts adds expert e's s B[e] A[e] x beside its matmul."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, peft: PeftConfig,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.lora_a = nn.Parameter(torch.empty(num_experts, peft.rank, in_features, device=device))
+        self.lora_b = nn.Parameter(torch.empty(num_experts, out_features, peft.rank, device=device))
+        self.scale = peft.alpha / peft.rank
+        self.lora_dropout = nn.Dropout(peft.dropout) if peft.dropout else nn.Identity()
+
+    def low_rank(self, local: bool) -> LowRank:
+        a, b = (p.to_local() if local else p for p in (self.lora_a, self.lora_b))
+        return LowRank(a, b, self.scale, self.lora_dropout)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.lora_a.shape[0]}, lora rank={self.lora_a.shape[1]}, scale={self.scale:g}"
+
+
 def apply_adapters(model: nn.Module, cfg: ModelConfig, peft: PeftConfig) -> nn.Module:
-    """Swap each targeted block linear for a LoRALinear (on the meta device) and freeze every
-    parameter spec.trains leaves out. In place; the model unchanged without PEFT."""
+    """Swap each targeted block linear for a LoRALinear, and give each targeted routed-experts weight
+    its ExpertLoRA (on the meta device); freeze every parameter spec.trains leaves out. In place; the
+    model unchanged without PEFT."""
     if not spec.enabled(peft):
         return model
-    paths = [a.linear.path for a in spec.block_adapters(cfg, peft)]
+    adapted = [a.linear for a in spec.block_adapters(cfg, peft)]
     for block in model.layers:
-        for path in paths:
-            parent_path, _, name = path.rpartition(".")
+        for linear in adapted:
+            parent_path, _, name = linear.path.rpartition(".")
             parent = block.get_submodule(parent_path)
+            if linear.routed:
+                experts: GroupedExperts = parent
+                weight = getattr(experts, name)
+                experts.adapters[name] = ExpertLoRA(linear.copies, linear.in_features, linear.out_features, peft,
+                                                    device=weight.device)
+                continue
             old: nn.Linear = getattr(parent, name)
             setattr(parent, name, LoRALinear(old.in_features, old.out_features, old.bias is not None, peft,
                                              device=old.weight.device))

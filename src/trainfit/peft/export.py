@@ -12,6 +12,7 @@ from torch import nn
 
 from trainfit.config import ConfigError, ModelConfig, PeftConfig
 from trainfit.models.hf import hf_names
+from trainfit.models.moe import GroupedExperts
 from trainfit.peft import spec
 from trainfit.peft.adapters import LoRALinear
 
@@ -25,7 +26,8 @@ def adapter_tensors(model: nn.Module, cfg: ModelConfig, peft: PeftConfig) -> dic
     """The adapters (and fully trained modules) of a plain adapted model, named as PEFT saves them."""
     if cfg.family != "llama" or cfg.num_experts:
         raise ConfigError(f"model.family={cfg.family!r}{' (MoE)' if cfg.num_experts else ''}: adapters export in "
-                          "PEFT's format for dense llama-family models; export them merged (trainfit export --merge)")
+                          "PEFT's format for dense llama-family models; export them merged (trainfit export --merge), "
+                          "which folds every adapter, routed experts' too, into the base's weights")
     names = hf_names(cfg)
     out: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
@@ -63,8 +65,13 @@ def save_adapters(model: nn.Module, cfg: ModelConfig, peft: PeftConfig, out: Pat
 @torch.no_grad()
 def merge_adapters(model: nn.Module) -> None:
     """Fold each adapter into its base weight, in place (the adapters stay, zeroed, so the model still
-    computes the same): LoRA W + s B A; DoRA m (W + s B A) / ||W + s B A||_row."""
+    computes the same): LoRA W + s B A (a routed expert's W[e] + s B[e] A[e]); DoRA
+    m (W + s B A) / ||W + s B A||_row."""
     for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            for name, adapter in module.adapters.items():
+                getattr(module, name).add_(adapter.scale * torch.bmm(adapter.lora_b, adapter.lora_a))
+                adapter.lora_b.zero_()
         if isinstance(module, LoRALinear):
             merged = module.weight + module.scale * (module.lora_b @ module.lora_a)
             if module.lora_magnitude is not None:

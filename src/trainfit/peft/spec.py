@@ -17,7 +17,7 @@ from typing import NamedTuple
 from trainfit.config import ConfigError, ModelConfig, PeftConfig
 from trainfit.models.block_spec import BlockLinear, block_linears
 
-TARGETS: dict[str, dict[str, str]] = {
+TARGETS: dict[str, dict[str, str]] = {  # on an MoE block, gate/up/down adapt routed and shared experts
     "llama": {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w1", "up": "w3", "down": "w2"},
     "gpt2": {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "up": "w1", "down": "w2"},
 }
@@ -112,13 +112,14 @@ def qlora_note(model: ModelConfig, adaptation: Adaptation, shards: int = 1) -> s
 
 
 class Adapter(NamedTuple):
-    """One adapted linear of a block: the base linear and its adapter's parameter counts."""
+    """One adapted linear of a block: the base linear and its adapter's parameter counts (a routed
+    expert weight's: one adapter per expert, stacked like the weights, `linear.copies` of them)."""
 
     linear: BlockLinear
     a_params: int
-    """rank x in_features."""
+    """copies x rank x in_features."""
     b_params: int
-    """out_features x rank."""
+    """copies x out_features x rank."""
     magnitude_params: int
     """DoRA: out_features; LoRA: 0."""
 
@@ -145,11 +146,19 @@ def target_names(model: ModelConfig, peft: PeftConfig) -> list[str]:
             known = ", ".join([*family, *GROUPS])
             raise ConfigError(f"peft.targets={','.join(peft.targets)!r}: {target!r} is no linear of a "
                               f"{model.family} block; use some of {known}")
-    if model.num_experts and any(t in GROUPS["mlp"] for t in wanted):
-        raise ConfigError(f"peft.targets={','.join(peft.targets)!r}: adapters on an MoE feed-forward (its "
-                          "experts and router) are not built yet; target the attention (q, k, v, o)")
     names = {family[t] for t in wanted}
-    return [linear.name for linear in block_linears(model) if linear.name in names]
+    chosen = [linear for linear in block_linears(model) if base_name(linear.name) in names]
+    if peft.method == "dora" and any(linear.routed for linear in chosen):
+        raise ConfigError(f"peft.targets={','.join(peft.targets)!r}: DoRA's magnitude on routed experts is not "
+                          "built (its row norms would rebuild every expert's whole weight each step); use "
+                          "peft.method=lora or qlora, or target the attention (q, k, v, o)")
+    return [linear.name for linear in chosen]
+
+
+def base_name(name: str) -> str:
+    """A block linear's dense counterpart (models/block_spec.py): an MoE's routed and shared experts'
+    w1, w3, w2 are what gate, up and down adapt there; the router is never adapted."""
+    return name.removeprefix("experts_").removeprefix("shared_")
 
 
 def block_adapters(model: ModelConfig, peft: PeftConfig) -> list[Adapter]:
@@ -158,8 +167,8 @@ def block_adapters(model: ModelConfig, peft: PeftConfig) -> list[Adapter]:
         return []
     names = set(target_names(model, peft))
     dora = peft.method == "dora"
-    return [Adapter(linear, peft.rank * linear.in_features, linear.out_features * peft.rank,
-                    linear.out_features if dora else 0)
+    return [Adapter(linear, linear.copies * peft.rank * linear.in_features,
+                    linear.copies * linear.out_features * peft.rank, linear.out_features if dora else 0)
             for linear in block_linears(model) if linear.name in names]
 
 
@@ -182,11 +191,37 @@ def trains(name: str, peft: PeftConfig) -> bool:
         (peft.train_output and name.startswith("output."))
 
 
-def adapter_params(model: ModelConfig, adaptation: Adaptation) -> int:
-    """A block's adapter parameters under a Layout's Adaptation (the estimators' count)."""
+def _held_copies(linear: BlockLinear, ep: int) -> int:
+    """Adapters a rank holds for this linear: a routed expert weight's num_experts / ep, else 1."""
+    return linear.copies // ep if linear.routed else 1
+
+
+def adapter_params(model: ModelConfig, adaptation: Adaptation, ep: int = 1) -> int:
+    """A block's adapter parameters under a Layout's Adaptation, on one of `ep` expert-parallel ranks
+    (the estimators' count: routed experts' adapters are split with their experts)."""
     names = set(adaptation.targets)
-    return sum(adaptation.rank * (linear.in_features + linear.out_features) + linear.out_features * adaptation.dora
-               for linear in block_linears(model) if linear.name in names)
+    return sum(_held_copies(linear, ep) * adaptation.rank * (linear.in_features + linear.out_features)
+               + linear.out_features * adaptation.dora for linear in block_linears(model) if linear.name in names)
+
+
+def routed_adapter_params(model: ModelConfig, adaptation: Adaptation, ep: int = 1) -> int:
+    """Of adapter_params: the routed experts' adapters, which expert parallelism splits and FSDP2
+    shards with their experts (over the edp ranks)."""
+    return adapter_params_of(model, adaptation, [linear.name for linear in block_linears(model) if linear.routed], ep)
+
+
+def adapter_params_of(model: ModelConfig, adaptation: Adaptation, names: list[str], ep: int = 1) -> int:
+    """Of adapter_params: the A and B of the adapters on the block linears `names` (those adapted)."""
+    return sum(_held_copies(linear, ep) * adaptation.rank * (linear.in_features + linear.out_features)
+               for linear in block_linears(model) if linear.name in names and linear.name in adaptation.targets)
+
+
+def adapter_flop_params(model: ModelConfig, adaptation: Adaptation) -> int:
+    """Adapter weights (A and B, no magnitudes) one token multiplies through in a block: a routed
+    expert weight's adapters by the token's share of them (top-k of the experts), like its weights."""
+    names = set(adaptation.targets)
+    return round(sum(linear.copies * linear.token_share * adaptation.rank * (linear.in_features + linear.out_features)
+                     for linear in block_linears(model) if linear.name in names))
 
 
 def adapter_magnitudes(model: ModelConfig, adaptation: Adaptation) -> int:
@@ -195,12 +230,23 @@ def adapter_magnitudes(model: ModelConfig, adaptation: Adaptation) -> int:
     return sum(linear.out_features for linear in block_linears(model) if linear.name in names) * adaptation.dora
 
 
-def adapter_matrices(model: ModelConfig, adaptation: Adaptation) -> list[tuple[int, int]]:
-    """The 2-D adapter tensors of one block, (rank, in) and (out, rank) per adapted linear: what
-    per-tensor optimizers (adamw-8bit, adafactor) size their states by."""
+def adapter_matrices(model: ModelConfig, adaptation: Adaptation, ep: int = 1) -> list[tuple[int, int]]:
+    """The 2-D adapter matrices of one block on one of `ep` ranks, (rank, in) and (out, rank) per
+    adapted linear (a routed weight's stacked adapters: one pair per held expert, as factored
+    optimizers treat a 3-D tensor's leading dimension): what per-tensor optimizers (adamw-8bit,
+    adafactor) size their states by."""
     names = set(adaptation.targets)
     return [shape for linear in block_linears(model) if linear.name in names
-            for shape in ((adaptation.rank, linear.in_features), (linear.out_features, adaptation.rank))]
+            for shape in ((adaptation.rank, linear.in_features), (linear.out_features, adaptation.rank))
+            for _ in range(_held_copies(linear, ep))]
+
+
+def adapter_tensor_sizes(model: ModelConfig, adaptation: Adaptation, ep: int = 1) -> list[int]:
+    """Elements of each A and B tensor of one block on one of `ep` ranks (a routed weight's adapters
+    are one stacked tensor each, like the weight)."""
+    names = set(adaptation.targets)
+    return [_held_copies(linear, ep) * adaptation.rank * features for linear in block_linears(model)
+            if linear.name in names for features in (linear.in_features, linear.out_features)]
 
 
 BASE_SAMPLE_BYTES = 1 << 20

@@ -35,7 +35,7 @@ from trainfit.config import ModelConfig
 from trainfit.models.block_cost import block_attention_flops, block_matmul_params, head_matmul_params
 from trainfit.models.block_spec import block_linears
 from trainfit.models.checkpoint_policy import odd_expert_share, shared_experts_first_matmul
-from trainfit.peft.spec import Adaptation, adapter_magnitudes, adapter_params
+from trainfit.peft.spec import Adaptation, adapter_flop_params
 
 FWD_BWD_FACTOR = 3  # backward = 2x forward (grad wrt inputs + grad wrt weights)
 # Matmuls in a flash-attention backward per matmul of its forward: 5 / 2 (see the module docstring).
@@ -56,10 +56,11 @@ def attention_flops_per_token(m: ModelConfig, seq_len: int, *, causal: bool = Tr
 
 
 def adapter_params_per_token(m: ModelConfig, adaptation: Adaptation | None) -> int:
-    """PEFT's adapter weights each token multiplies through, all blocks (peft/spec.py: A and B)."""
+    """PEFT's adapter weights each token multiplies through, all blocks (peft/spec.py: A and B; of a
+    routed expert weight's, its top-k experts')."""
     if adaptation is None:
         return 0
-    return m.num_layers * (adapter_params(m, adaptation) - adapter_magnitudes(m, adaptation))
+    return m.num_layers * adapter_flop_params(m, adaptation)
 
 
 def training_flops_per_token(m: ModelConfig, seq_len: int, adaptation: Adaptation | None = None) -> int:

@@ -93,7 +93,7 @@ from trainfit.models import block_cost as B
 from trainfit.models.block_spec import block_linears
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES
-from trainfit.peft.spec import adapter_magnitudes, adapter_params
+from trainfit.peft.spec import adapter_flop_params
 from trainfit.perf import flops as F
 from trainfit.perf import gpu_kernels as GK
 from trainfit.perf import kernels as K
@@ -226,7 +226,7 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> RankFlops:
 
     adaptation = layout.adaptation
     # PEFT: the adapters' A and B run all three passes; the frozen base computes no weight gradients
-    adapters = 2 * (adapter_params(m, adaptation) - adapter_magnitudes(m, adaptation)) if adaptation else 0
+    adapters = 2 * adapter_flop_params(m, adaptation) if adaptation else 0
     weight_grads = 0 if adaptation else 1
 
     first_skipped = 2 * F.first_block_input_grad_params(m, adaptation) * whole if adaptation else 0
