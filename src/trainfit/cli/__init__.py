@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("trainfit.cli.export", "cmd_export"),
     "calibrate": ("trainfit.cli.calibrate", "cmd_calibrate"),
     "validate": ("trainfit.cli.validate", "cmd_validate"),
+    "serve": ("trainfit.cli.serve", "cmd_serve"),
 }
 
 
@@ -72,6 +73,7 @@ commands:
   prepare-data  tokenize text into training shards
   calibrate     measure this machine (matmuls, memory, collectives, optimizer) into a hardware profile
   validate      check the predictions against measured steps on this machine (one CUDA GPU: minutes)
+  serve         the estimate and the plan in a local web page (offline; prints the URL)
 
 examples:
   trainfit estimate --model.preset=llama3-8b --hardware.gpu=H100-SXM-80GB --hardware.num_gpus=8
@@ -196,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the whole run's time limit; entries that would not fit are skipped (default %(default)s)")
     check.add_argument("--only", metavar="NAMES", help="comma-separated entries to run: calibrate, train, and the "
                        "grid's points (default: all)")
+    serve = _config_parser(sub, "serve", "the estimate and the plan in a local web page: change a field, see the "
+                           "memory and the step time change (offline; CONFIG is where the page starts)", fields)
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s; 0: a free one)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine "
+                       "only; 0.0.0.0 lets other machines in)")
     return parser
 
 

@@ -12,7 +12,8 @@ from trainfit.configure import load_config
 def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
-    from trainfit.estimate import as_json, estimate, with_traced_memory
+    from trainfit.estimate import estimate, with_traced_memory
+    from trainfit.estimate.answer import estimate_answer
     from trainfit.estimate.report import plot_breakdown, print_estimate
     from trainfit.figures import check_figure_path
     from trainfit.plan.fixes import fewest_changes, method_changes
@@ -28,24 +29,17 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
         from trainfit.traced import trace_step
 
         est = with_traced_memory(est, trace_step(cfg))
-    # the fixes keep the global batch: when it is 0, the one this config's run derives (named in the output)
-    fixable, batch = with_global_batch(cfg)
-    fixes = [] if est.fits else fewest_changes(fixable)
-    methods = [] if est.fits else method_changes(fixable)
     if args.json:
-        out = as_json(est)
+        out = estimate_answer(cfg, est)
+        out.pop("warnings")  # said on stderr above
         if args.traced:
             out["timeline"] = [list(point) for point in est.memory.timeline]
-        if not est.fits:
-            out["fixes"] = [{"changes": list(f.changes), "memory_bytes": f.candidate.memory_bytes,
-                             "tokens_per_second": f.candidate.tokens_per_second, "mfu": f.candidate.mfu}
-                            for f in fixes]
-            out["fixes_global_batch"] = batch.as_dict()
-            out["method_changes"] = [{"changes": list(f.changes), "memory_bytes": f.candidate.memory_bytes,
-                                      "tokens_per_second": f.candidate.tokens_per_second}
-                                     for f in methods]
         print(json.dumps(out, indent=2))
     else:
+        # the fixes keep the global batch: when it is 0, the one this config's run derives (named in the output)
+        fixable, batch = with_global_batch(cfg)
+        fixes = [] if est.fits else fewest_changes(fixable)
+        methods = [] if est.fits else method_changes(fixable)
         print_estimate(est, fixes=fixes, fixes_batch=None if est.fits else batch, methods=methods)
         if args.traced:
             print(f"traced in {est.memory.seconds:.1f} s ({est.memory.num_ops:,} operators, peak in "

@@ -17,6 +17,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.config import write_atomic
     from trainfit.configure import config_from_dict, read_raw, resolve_and_validate
     from trainfit.figures import check_figure_path
+    from trainfit.plan.answer import fixed_fields, no_fit_message
     from trainfit.plan.explain import plan_json, plan_table, plot_plan, search_summary, winner_toml
     from trainfit.plan.search import search
     from trainfit.plan.space import with_global_batch
@@ -37,7 +38,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     for mode in precisions:
         cfg_check = config_from_dict({**raw, "precision": {**raw.get("precision", {}), "mode": mode}})
         resolve_and_validate(cfg_check)  # names precision.mode and the valid modes when one is wrong
-    fixed = frozenset(f"{section}.{name}" for section, values in raw.items() for name in values)
+    fixed = fixed_fields(raw)
     # A plan keeps the global batch; when it is 0, the one `trainfit train` derives from the config as given
     # (search and compare_machines derive it the same way).
     _, batch = with_global_batch(cfg)
@@ -51,10 +52,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
         build_layout(cfg)  # no layout was even valid: the config's own fields say why (a named error)
     if not plan.candidates:
-        reasons = ", ".join(f"{n:,} {why}" for why, n in plan.stats.rejected.most_common(5))
-        print(f"error: no layout of this model fits {cfg.hardware.num_gpus} x {cfg.hardware.gpu} with global batch "
-              f"{batch.words()} ({reasons or 'no valid layout'}); add GPUs (hardware.num_gpus), a device with more "
-              "memory (hardware.gpu), or unfix fields that you set", file=sys.stderr)
+        print(f"error: {no_fit_message(cfg, plan, batch)}", file=sys.stderr)
         return 1
     checks = _traced_checks(plan.candidates[:args.traced]) if args.traced else []
     if args.json:

@@ -43,14 +43,23 @@ def read_raw(path: str | Path | None = None, overrides: list[str] | None = None)
             raise ConfigError(f"{path}: not valid TOML ({err})") from err
         except UnicodeDecodeError as err:
             raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); a TOML config is a UTF-8 text file") from err
-    others, pairs = split_overrides(overrides or [])
+    return apply_overrides(raw, overrides or [])
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`raw` (a config's tables, changed in place) with `--section.field=value` overrides applied,
+    each value parsed as the command line parses it."""
+    others, pairs = split_overrides(overrides)
     if others:
         raise ConfigError(f"override {others[0]!r}: write it as --section.field=value or --section.field value, "
                           "e.g. --training.steps=30")
     for item in pairs:
         key, text = item[2:].split("=", 1)
         section, name = key.split(".", 1)
-        raw.setdefault(section, {})[name] = parse_override_value(key, text, _field_hint(section, name, text))
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise field_error(section, table, "must be a table of fields, e.g. [training] steps = 10")
+        table[name] = parse_override_value(key, text, _field_hint(section, name, text))
     return raw
 
 
@@ -97,6 +106,10 @@ def _suggest(name: str, known: Iterable[str]) -> str:
     return "valid names: " + ", ".join(sorted(known))
 
 
+MAX_INT = 2**63 - 1
+"""The largest integer a field takes: torch's int64 (a micro-batch or a count beyond it is a typo)."""
+
+
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     """Check a TOML/CLI value against a field's type hint; ints are accepted for floats."""
     origin = typing.get_origin(hint)
@@ -125,6 +138,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise field_error(key, value, "must be an integer")
+        if abs(value) > MAX_INT:
+            raise field_error(key, value, "beyond any count trainfit handles: |value| must be below 2**63 (a 64-bit "
+                              "integer); did you mean a smaller one?")
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):

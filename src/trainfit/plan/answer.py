@@ -1,0 +1,84 @@
+"""What `trainfit plan --json` prints for a config, built once: the command and the web page
+(trainfit serve) both answer with this."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from trainfit.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from trainfit.parallel.resolve import GlobalBatch
+    from trainfit.plan.search import Plan
+
+
+class Cancelled(Exception):
+    """A newer question replaced this one (the web page's plan, asked again before it finished)."""
+
+
+def fixed_fields(raw: dict[str, dict[str, Any]]) -> frozenset[str]:
+    """The fields the user set ("section.field"): a plan keeps them and searches the rest."""
+    return frozenset(f"{section}.{name}" for section, values in raw.items() for name in values)
+
+
+def plan_answer(raw: dict[str, dict[str, Any]], cfg: Config, *, top: int = 10, precisions: tuple[str, ...] = (),
+                progress: Callable[[str], None] | None = None,
+                cancelled: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """The time-memory frontier of the layouts of cfg's cluster that fit, fastest first (`top` at most),
+    with the search's counts; ConfigError when no layout is even valid, and an `error` when none fits."""
+    from trainfit.plan.explain import plan_json
+    from trainfit.plan.search import search
+    from trainfit.plan.space import with_global_batch
+
+    if top < 1:
+        raise ConfigError(f"--top {top}: show at least 1 candidate; try --top 10")
+    _, batch = with_global_batch(cfg)
+    if progress:
+        progress(f"searching the layouts of {cfg.hardware.num_gpus} x {cfg.hardware.gpu}")
+    plan = search(cfg, fixed_fields(raw), top=top, precisions=precisions)
+    if cancelled and cancelled():
+        raise Cancelled
+    if not plan.candidates and not plan.stats.groups:
+        from trainfit.parallel.resolve import build_layout
+
+        build_layout(cfg)  # no layout was even valid: the config's own fields say why (a named error)
+    out = plan_json(plan)
+    if not plan.candidates:
+        out["error"] = no_fit_message(cfg, plan, batch)
+    return out
+
+
+def no_fit_message(cfg: Config, plan: Plan, batch: GlobalBatch) -> str:
+    """Why a plan lists nothing, and what to change."""
+    reasons = ", ".join(f"{n:,} {why}" for why, n in plan.stats.rejected.most_common(5))
+    return (f"no layout of this model fits {cfg.hardware.num_gpus} x {cfg.hardware.gpu} with global batch "
+            f"{batch.words()} ({reasons or 'no valid layout'}); add GPUs (hardware.num_gpus), a device with more "
+            "memory (hardware.gpu), or unfix fields that you set")
+
+
+def machines_answer(raw: dict[str, dict[str, Any]], cfg: Config, *, tokens: float, gpu_options: str, max_gpus: int,
+                    prices: str, progress: Callable[[str], None] | None = None,
+                    cancelled: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """Each device of `gpu_options` (comma-separated; default cfg's) at each count up to `max_gpus`:
+    its fastest layout, the time to train on `tokens` and the cost, at one global batch."""
+    from trainfit.plan.explain import machines_json
+    from trainfit.plan.machines import check_gpus, compare_machines, parse_prices
+    from trainfit.plan.space import with_global_batch
+
+    if not tokens > 0:
+        raise ConfigError(f"--tokens {tokens}: the tokens to train on, > 0 (e.g. 2e12)")
+    if max_gpus < 1:
+        raise ConfigError(f"--max-gpus {max_gpus}: must be >= 1")
+    gpus = check_gpus([g for g in (gpu_options or cfg.hardware.gpu).split(",") if g])
+    _, batch = with_global_batch(cfg)
+
+    def step(what: str) -> None:
+        if cancelled and cancelled():
+            raise Cancelled
+        if progress:
+            progress(what)
+
+    options = compare_machines(cfg, fixed_fields(raw), tokens=tokens, gpus=gpus, max_gpus=max_gpus,
+                               prices=parse_prices(prices or None), progress=step)
+    return {**machines_json(options), "global_batch": batch.as_dict()}
