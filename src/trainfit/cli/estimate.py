@@ -13,9 +13,9 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
     from trainfit.estimate import estimate, with_traced_memory
-    from trainfit.estimate.answer import estimate_answer
     from trainfit.estimate.report import plot_breakdown, print_estimate
     from trainfit.figures import check_figure_path
+    from trainfit.plan.answer import estimate_answer
     from trainfit.plan.fixes import fewest_changes, method_changes
     from trainfit.plan.space import with_global_batch
 

@@ -1,5 +1,6 @@
-"""What `trainfit plan --json` prints for a config, built once: the command and the web page
-(trainfit serve) both answer with this."""
+"""What `trainfit estimate --json` and `trainfit plan --json` print for a config, built once: the
+commands and the web page (trainfit serve) both answer with these, so the page's numbers are the
+commands'."""
 
 from __future__ import annotations
 
@@ -7,10 +8,35 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from trainfit.config import Config, ConfigError
+from trainfit.estimate import Estimate, as_json, estimate
 
 if TYPE_CHECKING:
     from trainfit.parallel.resolve import GlobalBatch
     from trainfit.plan.search import Plan
+
+
+def estimate_answer(cfg: Config, est: Estimate | None = None, *, fixes: bool = True) -> dict[str, Any]:
+    """The analytic estimate of a validated config as JSON, with, when it does not fit (and `fixes`),
+    the fewest changes that fit (each with its memory and speed) and the changes of method (LoRA,
+    QLoRA): a search, up to tens of times the estimate's own time."""
+    from trainfit.plan.fixes import fewest_changes, method_changes
+    from trainfit.plan.space import with_global_batch
+
+    est = est or estimate(cfg)
+    out = as_json(est)
+    out["warnings"] = list(est.layout.ineffective_options())
+    if est.fits or not fixes:
+        return out
+    # the fixes keep the global batch: when it is 0, the one this config's run derives (named in the output)
+    fixable, batch = with_global_batch(cfg)
+    out["fixes"] = [{"changes": list(f.changes), "memory_bytes": f.candidate.memory_bytes,
+                     "tokens_per_second": f.candidate.tokens_per_second, "mfu": f.candidate.mfu}
+                    for f in fewest_changes(fixable)]
+    out["fixes_global_batch"] = batch.as_dict()
+    out["method_changes"] = [{"changes": list(f.changes), "memory_bytes": f.candidate.memory_bytes,
+                              "tokens_per_second": f.candidate.tokens_per_second}
+                             for f in method_changes(fixable)]
+    return out
 
 
 class Cancelled(Exception):

@@ -106,12 +106,14 @@ def error_answer(err: ConfigError) -> dict[str, Any]:
 
 
 def estimate(request: dict[str, Any]) -> dict[str, Any]:
-    """`trainfit estimate --json` of the request's config, or its named error."""
-    from trainfit.estimate.answer import estimate_answer
+    """`trainfit estimate --json` of the request's config, or its named error; with "fixes": false
+    without the changes that fit (the page asks for those second: the estimate alone takes
+    milliseconds, the fixes' search up to ~0.1 s)."""
+    from trainfit.plan.answer import estimate_answer
 
     try:
         _, cfg = config_of(request)
-        return estimate_answer(cfg)
+        return estimate_answer(cfg, fixes=request.get("fixes", True) is not False)
     except ConfigError as err:
         return error_answer(err)
 

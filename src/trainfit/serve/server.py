@@ -143,7 +143,7 @@ def make_handler(state: ServeState) -> type[BaseHTTPRequestHandler]:
             return request
 
         def _json(self, payload: Any) -> None:
-            self._send(HTTPStatus.OK, json.dumps(payload).encode(), "application/json")
+            self._send(HTTPStatus.OK, json.dumps(_finite(payload), allow_nan=False).encode(), "application/json")
 
         def _error(self, status: HTTPStatus, message: str) -> None:
             self._send(status, json.dumps({"error": message, "field": None}).encode(), "application/json")
@@ -157,6 +157,18 @@ def make_handler(state: ServeState) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(body)
 
     return Handler
+
+
+def _finite(value: Any) -> Any:
+    """`value` with infinite and NaN floats as the strings "inf", "-inf", "nan": JSON has no such numbers
+    (Python writes Infinity, which a browser's JSON.parse refuses)."""
+    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _int(text: str) -> int | None:
