@@ -178,7 +178,7 @@ def test_the_plan_is_the_commands_and_a_new_one_cancels_the_old(base) -> None:
     assert got == expected and got["candidates"]
     # machines: slow enough to be replaced by a newer question, which cancels it
     slow = {"values": {**values, "hardware.num_gpus": "64"},
-            "plan": {"tokens": "1e12", "gpu_options": "H100-SXM-80GB,A100-SXM-80GB,L4-24GB", "max_gpus": "64"}}
+            "plan": {"tokens": "1e12", "gpu_options": "H100-SXM-80GB,A100-SXM-80GB,L4", "max_gpus": "64"}}
     first = call(base, "POST", "/api/plan", slow)[1]["job"]
     second = call(base, "POST", "/api/plan", {"values": values, "plan": {"top": "1"}})[1]["job"]
     assert call(base, "GET", f"/api/plan/{first}")[0] == 404  # replaced: only the newest is kept
@@ -219,3 +219,26 @@ def test_trainfit_serve_prints_its_url_serves_the_page_and_binds_localhost(tmp_p
         proc.wait(timeout=30)
     bad = subprocess.run([sys.executable, "-m", "trainfit", "serve", "--port", "70000"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--port 70000" in bad.stderr
+
+
+def test_an_uploaded_hardware_profile_is_the_commands_profile(base, tmp_path) -> None:
+    path = tmp_path / "h100.toml"
+    subprocess.run([sys.executable, "-m", "trainfit", "calibrate", "--catalog", "H100-SXM-80GB", "--out", str(path)],
+                   check=True, capture_output=True, timeout=120)
+    status, answer = call(base, "POST", "/api/profile", {"profile_toml": path.read_text()})
+    assert status == 200 and "error" not in answer, answer
+    values = {"model.preset": "llama3-8b", "hardware.gpu": "H100-SXM-80GB", "hardware.num_gpus": "8",
+              "parallel.zero_stage": "3", **answer["values"]}
+    _, page = call(base, "POST", "/api/estimate", {"values": values})
+    page.pop("warnings")
+    assert page == cli_json("estimate", {**values, "hardware.profile": str(path)})
+    status, bad = call(base, "POST", "/api/profile", {"profile_toml": "[matmul]\nflops = 'fast'\n"})
+    assert status == 200 and bad["field"] == "hardware.profile" and bad["error"]
+
+
+def test_a_changed_config_cancels_the_running_plan(base) -> None:
+    slow = {"values": {"model.preset": "llama3-70b", "hardware.gpu": "H100-SXM-80GB", "hardware.num_gpus": "512"},
+            "plan": {"tokens": "1e12", "gpu_options": "H100-SXM-80GB,A100-SXM-80GB,L4", "max_gpus": "512"}}
+    job = call(base, "POST", "/api/plan", slow)[1]["job"]
+    assert call(base, "POST", "/api/plan-cancel", {})[1] == {"cancelled": 1}
+    assert wait_plan(base, job)["state"] == "cancelled"

@@ -10,6 +10,7 @@ import re
 import tomllib
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from trainfit.config import Config, ConfigError, iter_fields
@@ -131,7 +132,6 @@ def hf_config(text: Any) -> dict[str, Any]:
     (model.preset='' and every dimension: the config stays self-contained), or its named error."""
     import json
     import tempfile
-    from pathlib import Path
 
     from trainfit.models.hf import model_fields_from_hf_config
 
@@ -153,6 +153,26 @@ def hf_config(text: Any) -> dict[str, Any]:
     values = {"model.preset": ""}
     values.update({f"model.{k}": _as_text(v) for k, v in fields.items() if v is not None})
     return {"values": values}
+
+
+def hardware_profile(text: Any, folder: Path) -> dict[str, Any]:
+    """A hardware profile's TOML text (what `trainfit calibrate --out FILE` wrote), checked as
+    hardware.profile checks it and kept in the server's `folder` under its digest: the
+    `hardware.profile` value the page sets, or its named error."""
+    import hashlib
+
+    from trainfit.hardware_profile import load_profile
+
+    if not isinstance(text, str) or len(text.encode()) > MAX_TEXT:
+        raise RequestError(f"'profile_toml' must be the text of a hardware profile, at most {MAX_TEXT // 1024} KiB")
+    path = folder / f"profile-{hashlib.sha256(text.encode()).hexdigest()[:16]}.toml"
+    path.write_text(text, encoding="utf-8")
+    try:
+        load_profile(str(path))
+    except ConfigError as err:
+        path.unlink()
+        return {"error": str(err).replace(str(path), "the profile"), "field": "hardware.profile"}
+    return {"values": {"hardware.profile": str(path)}}
 
 
 def _as_text(value: Any) -> str:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
+import tempfile
 import threading
 import traceback
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from trainfit.serve import api
@@ -38,16 +41,25 @@ class ServeState:
     """What the server keeps between requests: the config it was started with and the plan jobs."""
 
     start_toml: str = ""
+    folder: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="trainfit-serve-")))
+    """Where uploaded hardware profiles are kept (hardware.profile names a file)."""
     jobs: dict[int, PlanJob] = field(default_factory=dict)
     ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def cancel_plans(self) -> dict[str, int]:
+        """Cancel every running plan (the page changed the config under it); how many were running."""
+        with self.lock:
+            running = [job for job in self.jobs.values() if job.answer is None and not job.cancelled]
+            for job in running:
+                job.cancelled = True
+        return {"cancelled": len(running)}
+
     def start_plan(self, request: dict[str, Any]) -> int:
         """Cancel every running plan, start this one; its id."""
         job = PlanJob()
+        self.cancel_plans()
         with self.lock:
-            for old in self.jobs.values():
-                old.cancelled = True
             job_id = next(self.ids)
             self.jobs = {job_id: job}  # the page polls the newest only
         threading.Thread(target=self._run, args=(job, request), daemon=True).start()
@@ -103,7 +115,9 @@ def make_handler(state: ServeState) -> type[BaseHTTPRequestHandler]:
             path = self.path.split("?", 1)[0]
             routes = {"/api/estimate": api.estimate, "/api/hf-config": lambda r: api.hf_config(r.get("config_json")),
                       "/api/toml": lambda r: {"toml": api.toml(r)},
-                      "/api/plan": lambda r: {"job": state.start_plan(r)}}
+                      "/api/plan": lambda r: {"job": state.start_plan(r)},
+                      "/api/plan-cancel": lambda r: state.cancel_plans(),
+                      "/api/profile": lambda r: api.hardware_profile(r.get("profile_toml"), state.folder)}
             if path not in routes:
                 self._error(HTTPStatus.NOT_FOUND, f"{path[:80]!r}: no such request; POST to one of {', '.join(routes)}")
                 return
@@ -182,8 +196,25 @@ def _page() -> bytes:
     return resources.files("trainfit.serve").joinpath("page.html").read_bytes()
 
 
-def make_server(host: str, port: int, start_toml: str = "") -> ThreadingHTTPServer:
+class Server(ThreadingHTTPServer):
+    """The HTTP server, which removes its folder of uploaded profiles when closed."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], state: ServeState) -> None:
+        super().__init__(address, make_handler(state))
+        self.state = state
+
+    def server_close(self) -> None:
+        super().server_close()
+        shutil.rmtree(self.state.folder, ignore_errors=True)
+
+
+def make_server(host: str, port: int, start_toml: str = "") -> Server:
     """The server (not yet serving); port 0 picks a free one (server.server_address has it)."""
-    server = ThreadingHTTPServer((host, port), make_handler(ServeState(start_toml)))
-    server.daemon_threads = True
-    return server
+    state = ServeState(start_toml)
+    try:
+        return Server((host, port), state)
+    except OSError:
+        shutil.rmtree(state.folder, ignore_errors=True)
+        raise
