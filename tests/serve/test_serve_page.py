@@ -174,3 +174,27 @@ def test_the_plan_tab_lists_the_commands_plan(page) -> None:
     for row, candidate in zip(rows, plan["candidates"], strict=True):
         assert candidate["layout"] in row.text
     assert len(page.find_elements("css selector", "#plan_svg circle")) == len(plan["candidates"])
+
+
+def test_pipeline_stages_get_a_bar_each_and_a_config_json_upload_sets_the_model(page, tmp_path) -> None:
+    open_page(page)
+    values = {"model.preset": "llama3-8b", "hardware.gpu": "H100-SXM-80GB", "hardware.num_gpus": "4",
+              "parallel.pp": "4", "training.micro_batch_size": "1", "training.global_batch_size": "8"}
+    for key, value in values.items():
+        set_field(page, key, value)
+    stages = cli_estimate(values)["per_stage"]
+    labels = [t.text for t in page.find_elements("css selector", "#memory_chart text") if t.text.startswith("stage")]
+    assert labels == [f"stage {s['stage']}" for s in stages] and len(stages) == 4
+    drawn = [float(r.get_attribute("data-bytes")) for r in page.find_elements("css selector", "#memory_chart rect")
+             if r.get_attribute("data-component") == "activations"]
+    assert drawn == [s["activations"] for s in stages]
+    hf = {"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
+          "num_key_value_heads": 4, "intermediate_size": 2816, "vocab_size": 32000, "max_position_embeddings": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    before = settled(page)
+    page.find_element("id", "hf_file").send_keys(str(tmp_path / "config.json"))
+    settled(page, before)
+    assert page.find_element("id", "f_model.dim").get_attribute("value") == "1024"
+    assert page.find_element("id", "f_model.preset").get_attribute("value") == ""
+    state = page.execute_script("return state.values")
+    assert shown(page) == expected(cli_estimate(state))
