@@ -20,10 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from _browser import chromium, wait_for  # noqa: E402
-from _server import call, running  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
+
+from _browser import chromium, wait_for  # noqa: E402
+from _server import call, running  # noqa: E402
 
 CONFIGS = {
     "tiny on CPU (the default)": {},
@@ -73,8 +74,9 @@ def main() -> None:
             times, drawn = [], []  # in the page's own clock: from the change to the new numbers drawn
             for i, values in enumerate([*CONFIGS.values()] * 2):
                 before = int(driver.execute_script("return document.body.dataset.settled || 0"))
-                start = driver.execute_script("state.values = {}; const t = performance.now(); setValues(arguments[0]); "
-                                              "return t", {**values, "training.seq_len": str(256 + 64 * i)})
+                start = driver.execute_script(
+                    "state.values = {}; const t = performance.now(); setValues(arguments[0]); return t",
+                    {**values, "training.seq_len": str(256 + 64 * i)})
                 wait_for(lambda b=before: int(driver.execute_script("return document.body.dataset.settled || 0")) > b,
                          "the answer")
                 times.append(float(driver.execute_script("return document.body.dataset.settledAt")) - start)
