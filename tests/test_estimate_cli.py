@@ -94,19 +94,9 @@ ISSUE = ("--model.preset=llama3-70b", "--hardware.num_gpus=1", "--hardware.gpu=H
 
 
 def as_overrides(changes: list[str]) -> list[str]:
-    """A fix's changes in words ("parallel.tp=8 (sequence parallel)", "memory.activation_checkpointing=full
-    every 2") as the --section.field=value overrides a user types."""
-    out = []
-    for words in changes:
-        sequence_parallel = words.endswith(" (sequence parallel)")
-        field, _, value = words.removesuffix(" (sequence parallel)").partition("=")
-        value, _, every = value.partition(" every ")
-        out.append(f"--{field}={value}")
-        if sequence_parallel:
-            out.append("--parallel.sequence_parallel=true")
-        if field == "memory.activation_checkpointing":
-            out.append(f"--memory.ac_every_n_layers={every or 1}")
-    return out
+    """A fix's changes ("parallel.tp=8 parallel.sequence_parallel=true", one choice each) as the
+    --section.field=value overrides a user types."""
+    return [f"--{token}" for words in changes for token in words.split()]
 
 
 @pytest.mark.parametrize(("args", "micro", "ranks"), [

@@ -130,7 +130,8 @@ def test_estimate_of_a_config_that_does_not_fit_names_the_fewest_changes() -> No
     assert "does not fit" in table and "the fewest changes that fit" in table and "parallel.tp=8" in table
     out = json.loads(subprocess.run([sys.executable, "-m", "trainfit", "estimate", *args, "--json"],
                                     capture_output=True, text=True, check=True).stdout)
-    assert out["fits"] is False and out["fixes"][0]["changes"] == ["parallel.tp=8 (sequence parallel)"]
+    assert out["fits"] is False and out["fixes"][0]["changes"] == ["parallel.tp=8 parallel.sequence_parallel=true"]
+    assert out["fixes"][0]["overrides"] == ["--parallel.tp=8", "--parallel.sequence_parallel=true"]
     assert out["fixes"][0]["memory_bytes"] <= out["per_rank"]["device_memory"]
 
 

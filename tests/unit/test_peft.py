@@ -204,8 +204,8 @@ def test_a_full_fine_tune_that_does_not_fit_is_offered_lora_and_qlora_as_changes
     cfg = load_config(None, args)
     assert not estimate(cfg).fits
     lora, qlora = method_changes(cfg)
-    assert lora.changes[0].startswith("peft.method=lora") and "change of method" in lora.changes[0]
-    assert qlora.changes[0].startswith("peft.method=qlora") and "NF4" in qlora.changes[0]
+    assert lora.changes[0] == "peft.method=lora peft.targets=all-linear" and lora.note == "adapters on a frozen base"
+    assert qlora.changes[0] == "peft.method=qlora peft.targets=all-linear" and "NF4" in qlora.note
     for fix in (lora, qlora):
         assert fix.candidate.memory_bytes <= 24 * 2**30 and estimate(fix.candidate.cfg).fits
     assert len(lora.changes) == 2 and len(qlora.changes) == 1  # LoRA also checkpoints; NF4's base fits as is

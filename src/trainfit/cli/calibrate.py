@@ -11,6 +11,7 @@ from trainfit.config import ConfigError, check_writable
 
 
 def cmd_calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from trainfit.tables import print_table
     if args.catalog:
         return _write_catalog(args, overrides)
     import json
@@ -41,7 +42,7 @@ def cmd_calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         console = Console()
         for table in profile_tables(profile):
-            console.print(table)
+            print_table(table, console)
     print(f"wrote {args.out}: use it as trainfit estimate --hardware.profile={args.out}",
           file=sys.stderr if args.json else sys.stdout)
     return 0

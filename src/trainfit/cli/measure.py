@@ -13,6 +13,7 @@ def cmd_measure(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from trainfit.estimate import as_json, estimate
     from trainfit.memory.compare import Comparison, comparison_table
+    from trainfit.tables import print_table
     from trainfit.train.trainer import measure_step
 
     cfg = load_config(args.config, overrides)
@@ -24,7 +25,6 @@ def cmd_measure(args: argparse.Namespace, overrides: list[str]) -> int:
         stage = {"stage": 0, **measured.breakdown.as_dict(), "device": measured.device, "rank": measured.rank}
         print(json.dumps({"model": out["model"], "per_rank": stage, "per_stage": [stage]}, indent=2))
     else:
-        from rich.console import Console
 
-        Console().print(comparison_table(Comparison({"measured": measured.breakdown}), "memory measured per rank"))
+        print_table(comparison_table(Comparison({"measured": measured.breakdown}), "memory measured per rank"))
     return 0

@@ -21,6 +21,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.plan.explain import plan_json, plan_table, plot_plan, search_summary, winner_toml
     from trainfit.plan.search import search
     from trainfit.plan.space import with_global_batch
+    from trainfit.tables import print_table
     from trainfit.units import fmt_bytes
 
     raw = read_raw(args.config, overrides)
@@ -64,7 +65,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         from rich.console import Console
 
         console = Console()
-        console.print(plan_table(plan))
+        print_table(plan_table(plan), console)
         console.print(search_summary(plan))
         for i, (c, traced) in enumerate(zip(plan.candidates, checks, strict=False)):
             verdict = "fits" if not c.device_memory or traced <= c.device_memory else "DOES NOT FIT"
@@ -88,6 +89,7 @@ def _plan_machines(args: argparse.Namespace, cfg: Config, fixed: frozenset[str],
 
     from trainfit.plan.explain import machines_json, machines_table, plot_machines
     from trainfit.plan.machines import check_gpus, compare_machines, parse_prices
+    from trainfit.tables import print_table
 
     if not args.tokens > 0:
         raise ConfigError(f"--tokens {args.tokens}: the tokens to train on, > 0 (e.g. 2e12)")
@@ -108,7 +110,7 @@ def _plan_machines(args: argparse.Namespace, cfg: Config, fixed: frozenset[str],
     if args.json:
         print(json.dumps({**machines_json(options), "global_batch": batch.as_dict()}, indent=2))
     else:
-        Console().print(machines_table(options, args.tokens))
+        print_table(machines_table(options, args.tokens))
     if args.plot:
         print(f"wrote {plot_machines(options, args.plot)}", file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -12,11 +12,10 @@ from trainfit.configure import load_config
 
 
 def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
+    from trainfit.tables import print_table
     if args.profile:  # reads traces only: no torch
         return _report_profile(args, overrides)
     import json
-
-    from rich.console import Console
 
     from trainfit.estimate import estimate
     from trainfit.figures import check_figure_path
@@ -35,7 +34,7 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.json:
         print(json.dumps(cmp.as_dict(), indent=2))
     else:
-        Console().print(comparison_table(cmp))
+        print_table(comparison_table(cmp))
     if args.plot:
         print(f"wrote {plot_comparison(cmp, args.plot)}", file=sys.stderr if args.json else sys.stdout)
     return 0
@@ -53,6 +52,7 @@ def _report_profile(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.figures import check_figure_path
     from trainfit.perf.trace import load_profiles
     from trainfit.perf.trace_report import operator_table, plot_timeline, time_table
+    from trainfit.tables import print_table
 
     if args.config or overrides:
         raise ConfigError(f"--profile {args.profile!r} summarises traces and takes no config; drop "
@@ -70,8 +70,8 @@ def _report_profile(args: argparse.Namespace, overrides: list[str]) -> int:
         print(json.dumps({"ranks": [p.as_dict() for p in profiles]}, indent=2))
     else:
         console = Console()
-        console.print(time_table(profiles))
-        console.print(operator_table(profiles))
+        print_table(time_table(profiles), console)
+        print_table(operator_table(profiles), console)
     missing = sorted(set(range(profiles[0].world_size)) - {p.rank for p in profiles})
     if missing:
         print(f"warning: no trace of rank(s) {', '.join(map(str, missing))} of {profiles[0].world_size}", file=out)

@@ -107,6 +107,8 @@ def print_estimate(est: Estimate, console: Console | None = None, fixes: Sequenc
     save the most."""
     from rich.console import Console
 
+    from trainfit.tables import print_table
+
     console = console or Console()
     cfg, d = est.cfg, est.layout
     counts = param_counts(cfg.model)
@@ -121,7 +123,7 @@ def print_estimate(est: Estimate, console: Console | None = None, fixes: Sequenc
     for note in (est.fp8_note(), est.peft_note()):
         if note:
             console.print(note)
-    console.print(_memory_table(est))
+    print_table(_memory_table(est), console)
     worst = est.worst
     top = ", ".join(f"{name} {fmt_bytes(value)}" for name, value in worst.largest(3))
     console.print(f"peak in the [bold]{worst.peak_phase}[/bold] phase; largest: {top}")
@@ -143,16 +145,16 @@ def print_estimate(est: Estimate, console: Console | None = None, fixes: Sequenc
             console.print("the fewest changes that fit (trainfit plan's options; fewest first, then fastest):")
             for fix in fixes:
                 c = fix.candidate
-                console.print(f"  - {', '.join(fix.changes)}: {fmt_bytes(c.memory_bytes)} per GPU, "
-                              f"{c.tokens_per_second:,.0f} tokens/s, MFU {c.mfu:.1%}")
+                console.print(f"  - {' '.join(fix.overrides)}: {fmt_bytes(c.memory_bytes)} per GPU, "
+                              f"{c.tokens_per_second:,.0f} tokens/s, MFU {c.mfu:.1%}", soft_wrap=True)
         else:
             for line in advice(est):
                 console.print(f"  - {line}")
         for fix in methods:  # plan/fixes.method_changes: fine-tuning adapters instead of every weight
             c = fix.candidate
-            console.print(f"  - or change the method: {', '.join(fix.changes)}: {fmt_bytes(c.memory_bytes)} per "
-                          f"GPU, {c.tokens_per_second:,.0f} tokens/s")
-    console.print(_perf_table(est))
+            console.print(f"  - or change the method, to {fix.note}: {' '.join(fix.overrides)}: "
+                          f"{fmt_bytes(c.memory_bytes)} per GPU, {c.tokens_per_second:,.0f} tokens/s", soft_wrap=True)
+    print_table(_perf_table(est), console)
 
 
 def plot_breakdown(est: Estimate, path: str | Path) -> Path:

@@ -29,11 +29,12 @@ def estimate_answer(cfg: Config, est: Estimate | None = None, *, fixes: bool = T
         return out
     # the fixes keep the global batch: when it is 0, the one this config's run derives (named in the output)
     fixable, batch = with_global_batch(cfg)
-    out["fixes"] = [{"changes": list(f.changes), "memory_bytes": f.candidate.memory_bytes,
+    out["fixes"] = [{"changes": list(f.changes), "overrides": f.overrides, "memory_bytes": f.candidate.memory_bytes,
                      "tokens_per_second": f.candidate.tokens_per_second, "mfu": f.candidate.mfu}
                     for f in fewest_changes(fixable)]
     out["fixes_global_batch"] = batch.as_dict()
-    out["method_changes"] = [{"changes": list(f.changes), "memory_bytes": f.candidate.memory_bytes,
+    out["method_changes"] = [{"changes": list(f.changes), "overrides": f.overrides, "note": f.note,
+                              "memory_bytes": f.candidate.memory_bytes,
                               "tokens_per_second": f.candidate.tokens_per_second}
                              for f in method_changes(fixable)]
     return out

@@ -180,7 +180,25 @@ def machines_table(options: list[MachineOption], tokens: float) -> Table:
         table.add_row(option.gpu, str(option.num_gpus), f"{layout_words(c)}; {memory_words(c)}",
                       f"{c.tokens_per_second:,.0f}", f"{c.mfu:.1%}", _duration(option.seconds or 0.0), price, cost,
                       "*" if cheapest else "")
+    table.caption = device_basis(sorted({o.gpu for o in options}))
+    table.caption_justify = "left"
     return table
+
+
+def device_basis(gpus: list[str]) -> str:
+    """What a comparison of devices rests on: each one's matmul rate as published (trainfit.perf.gpu_kernels),
+    not a measurement of these machines, and the time model's other figures from datasheets."""
+    from trainfit.perf import gpu_kernels
+
+    def basis(gpu: str) -> str:
+        kernels = gpu_kernels.kernels_of(gpu)
+        measured = kernels is not None and bool(kernels.mamf)
+        return f"{gpu}: {kernels.source}" if measured else \
+            f"{gpu}: datasheet peak x {gpu_kernels.MAMF_FRACTION_WITHOUT_MEASUREMENT} (no published MAMF)"
+
+    return ("The devices are compared on published figures, not on measurements of these machines: matmul rates "
+            f"({'; '.join(basis(g) for g in gpus)}), datasheet memory and link bandwidths; a --hardware.profile "
+            "measured by `trainfit calibrate` on one of them replaces its figures.")
 
 
 def machines_json(options: list[MachineOption]) -> dict[str, Any]:

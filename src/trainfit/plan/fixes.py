@@ -30,14 +30,45 @@ from trainfit.plan.search import Candidate, search
 from trainfit.plan.space import Space, replace_sections, settings_of, with_global_batch
 
 Change = tuple[str, dict[str, dict[str, Any]]]
-"""(words, {section: {field: value}}): one choice changed."""
+"""(words, {section: {field: value}}): one choice changed; the words are its overrides (`override`)."""
+FOLLOWERS = {"parallel.dp_shard"}
+"""Fields a change sets only so that the others can change (-1: derived again from the degrees)."""
 
 
 @dataclass(frozen=True)
 class Fix:
     changes: tuple[str, ...]
-    """Each changed choice in words ("parallel.zero_stage=3")."""
+    """Each changed choice as the overrides a user types for it, space-separated, each written as
+    `--section.field=value` takes it without its dashes ("parallel.tp=8 parallel.sequence_parallel=true")."""
     candidate: Candidate
+    note: str = ""
+    """What a change of method trains instead ("adapters on a frozen base")."""
+
+    @property
+    def overrides(self) -> list[str]:
+        """Every override of every change, `--section.field=value`."""
+        return [f"--{token}" for change in self.changes for token in change.split()]
+
+
+def override(key: str, value: Any) -> str:
+    """`section.field=value` as the command line takes it: booleans true/false, lists comma-separated."""
+    if isinstance(value, bool):
+        text = str(value).lower()
+    elif isinstance(value, tuple | list):
+        text = ",".join(map(str, value))
+    else:
+        text = str(value)
+    return f"{key}={text}"
+
+
+def _words(cfg: Config, fields: dict[str, dict[str, Any]]) -> str:
+    """The overrides of the fields that change cfg (a follower only where it is not derived already)."""
+    tokens = []
+    for section, values in fields.items():
+        for name, value in values.items():
+            if getattr(getattr(cfg, section), name) != value:
+                tokens.append(override(f"{section}.{name}", value))
+    return " ".join(tokens)
 
 
 def _changes(cfg: Config, space: Space) -> Iterator[Change]:
@@ -47,33 +78,34 @@ def _changes(cfg: Config, space: Space) -> Iterator[Change]:
     def layout(**values: Any) -> dict[str, dict[str, Any]]:  # a degree changed: the data-parallel split follows
         return {"parallel": {"dp_shard": -1, **values}}
 
+    def change(fields: dict[str, dict[str, Any]]) -> Change:
+        return _words(cfg, fields), fields
+
     for tp in space.tp:
         if tp != p.tp:
-            yield f"parallel.tp={tp}" + (" (sequence parallel)" if tp > 1 else ""), \
-                layout(tp=tp, sequence_parallel=tp > 1)
+            yield change(layout(tp=tp, sequence_parallel=tp > 1))
     for name, options in (("cp", space.cp), ("pp", space.pp), ("ep", space.ep)):
         for value in options:
             if value != getattr(p, name):
-                yield f"parallel.{name}={value}", layout(**{name: value})
+                yield change(layout(**{name: value}))
     for zero in space.zero:
         if zero != p.zero_stage:
-            yield f"parallel.zero_stage={zero}", {"parallel": {"zero_stage": zero}}
+            yield change({"parallel": {"zero_stage": zero}})
     dp = cfg.hardware.num_gpus // (p.tp * p.cp * p.pp)
     for replicate in space.dp_replicates(dp, p.cp * p.tp):
         if replicate != p.dp_replicate:
-            yield f"parallel.dp_replicate={replicate}", layout(dp_replicate=replicate)
+            yield change(layout(dp_replicate=replicate))
     for micro in space.micro_batches(dp):
         if micro != cfg.training.micro_batch_size:
-            yield f"training.micro_batch_size={micro}", {"training": {"micro_batch_size": micro}}
+            yield change({"training": {"micro_batch_size": micro}})
     for policy, every in space.ac:
         if (policy, every) != (mem.activation_checkpointing, mem.ac_every_n_layers):
-            words = f"memory.activation_checkpointing={policy}" + (f" every {every}" if every > 1 else "")
-            yield words, {"memory": {"activation_checkpointing": policy, "ac_every_n_layers": every}}
+            yield change({"memory": {"activation_checkpointing": policy, "ac_every_n_layers": every}})
     for offload in space.offload:
         if offload != mem.offload:
-            yield f"memory.offload={offload}", {"memory": {"offload": offload}}
+            yield change({"memory": {"offload": offload}})
     if not mem.chunked_loss:
-        yield "memory.chunked_loss=true", {"memory": {"chunked_loss": True}}
+        yield change({"memory": {"chunked_loss": True}})
 
 
 def _merge(changes: tuple[Change, ...]) -> dict[str, dict[str, Any]] | None:
@@ -88,7 +120,7 @@ def _merge(changes: tuple[Change, ...]) -> dict[str, dict[str, Any]] | None:
     return merged
 
 
-def _judge(cfg: Config, changes: tuple[Change, ...], device_memory: int) -> Fix | None:
+def _judge(cfg: Config, changes: tuple[Change, ...], device_memory: int, note: str = "") -> Fix | None:
     merged = _merge(changes)
     if merged is None:
         return None
@@ -103,7 +135,7 @@ def _judge(cfg: Config, changes: tuple[Change, ...], device_memory: int) -> Fix 
     if any(s.peak + s.reserved_margin > device_memory for s in memory.per_stage):
         return None
     perf = estimate_perf(changed.model, layout, changed.training, changed.hardware)
-    return Fix(tuple(words for words, _ in changes), Candidate(changed, layout, memory, perf, device_memory))
+    return Fix(tuple(words for words, _ in changes), Candidate(changed, layout, memory, perf, device_memory), note)
 
 
 def fewest_changes(cfg: Config, limit: int = 5) -> list[Fix]:
@@ -124,12 +156,36 @@ def fewest_changes(cfg: Config, limit: int = 5) -> list[Fix]:
         fastest = max((f.candidate.tokens_per_second for f in found), default=0.0)
         found += [f for f in fixes if f.candidate.tokens_per_second > fastest]
     if found:
-        return found[:limit]
+        return _distinct(found)[:limit]
     # More than two changes: the planner's fastest layouts, each with what it changes.
     kept = frozenset({"model.preset", "training.global_batch_size", "training.seq_len", "precision.mode"})
     mine = settings_of(cfg)
-    return [Fix(tuple(f"{key}={value}" for key, value in c.settings().items() if mine[key] != value), c)
-            for c in search(cfg, kept, top=limit).candidates]
+    return _distinct([Fix(tuple(override(key, value) for key, value in c.settings().items()
+                                if mine[key] != value and not _derived(key, value, c)), c)
+                      for c in search(cfg, kept, top=limit).candidates])
+
+
+def _derived(key: str, value: Any, c: Candidate) -> bool:
+    """A follower at the value it would be derived at (dp_shard = the ranks the other degrees leave)."""
+    return key in FOLLOWERS and value == c.layout.dp_shard and c.cfg.parallel.dp_shard in (-1, value)
+
+
+SAME_OFFLOAD = ("memory.offload=optimizer+params", "memory.offload=optimizer")
+"""Under ZeRO-3 the two offloads are one mechanism: FSDP2 keeps the sharded parameters with the optimizer
+states on the host either way, and ZeRO-3 frees the gathered ones after each block either way
+(parallel/data_parallel.py)."""
+
+
+def _distinct(fixes: list[Fix]) -> list[Fix]:
+    """The fixes, each once: under ZeRO-3, offloading optimizer+params is offloading the optimizer."""
+    seen, out = set(), []
+    for fix in fixes:
+        same = fix.candidate.layout.zero_stage == 3
+        key = tuple(change.replace(*SAME_OFFLOAD) if same else change for change in fix.changes)
+        if key not in seen:
+            seen.add(key)
+            out.append(fix)
+    return out
 
 
 METHODS = (("lora", {"peft": {"method": "lora", "targets": ("all-linear",)}}),
@@ -151,13 +207,14 @@ def method_changes(cfg: Config) -> list[Fix]:
     found = []
     for name, fields in METHODS:
         base = "an NF4 base" if name == "qlora" else "a frozen base"
-        method = (f"peft.method={name} peft.targets=all-linear (a change of method: adapters on {base})",
-                  fields)
-        alone = _judge(cfg, (method,), device_memory)
+        note = f"adapters on {base}"
+        method = (_words(cfg, fields), fields)
+        alone = _judge(cfg, (method,), device_memory, note)
         if alone is not None:
             found.append(alone)
             continue
-        paired = [fix for single in singles if (fix := _judge(cfg, (method, single), device_memory)) is not None]
+        paired = [fix for single in singles
+                  if (fix := _judge(cfg, (method, single), device_memory, note)) is not None]
         if paired:
             found.append(max(paired, key=lambda f: f.candidate.tokens_per_second))
     return found

@@ -99,6 +99,7 @@ def layout_description(layout: Layout) -> str:
 def print_summary(cfg: Config, result: TrainResult, console: Console | None = None,
                   predicted: dict[str, MemoryBreakdown] | None = None) -> None:
     """`predicted`: estimates by source name ("analytic", "traced"), compared with the last measured step."""
+    from trainfit.tables import print_table
     if result.rank != 0:
         return
     console = console or Console()
@@ -116,9 +117,9 @@ def print_summary(cfg: Config, result: TrainResult, console: Console | None = No
     table.add_column()
     for key, value in summary_rows(cfg, result):
         table.add_row(key, value)
-    console.print(table)
+    print_table(table, console)
     if result.memory is not None:
-        console.print(comparison_table(Comparison({**(predicted or {}), "measured": result.memory})))
+        print_table(comparison_table(Comparison({**(predicted or {}), "measured": result.memory})), console)
 
 
 def throughput_text(result: TrainResult) -> str:

@@ -181,6 +181,7 @@ def resolve_device(device: str, env: dict[str, str]) -> tuple[dict[str, Any], Gr
 
 def validate(*, device: str, out: Path, budget_s: float, only: list[str], console: Console) -> int:
     """Run the steps and points (all, or `only`), print them, write `out`; 1 if any failed."""
+    from trainfit.tables import print_table
     start = time.monotonic()
     if only:  # a misspelt name fails at once, before the device is probed
         select(None, only, list(STEPS))
@@ -236,7 +237,7 @@ def validate(*, device: str, out: Path, budget_s: float, only: list[str], consol
         shutil.rmtree(work, ignore_errors=True)
     report["finished"] = True
     write_atomic(out, json.dumps(report, indent=1))
-    console.print(summary_table(report))
+    print_table(summary_table(report), console)
     for name, entry in report["points"].items():
         if entry["status"] != "ok":
             console.print(f"{name}: {entry['status']}: {note(entry)}", highlight=False)
