@@ -128,3 +128,27 @@ def test_offloading_optimizer_and_params_under_zero3_is_offered_once() -> None:
     offloads = [f for f in out["fixes"] if any("memory.offload" in c for c in f["changes"])]
     zero3 = [f for f in offloads if "--parallel.zero_stage=3" in f["overrides"]]
     assert len(zero3) == 1 and zero3[0]["overrides"] == ["--parallel.zero_stage=3", "--memory.offload=optimizer"]
+
+
+LLAMA_ON_8 = ("--model.preset=llama3-8b", "--hardware.num_gpus=8", "--hardware.gpu=H100-SXM-80GB",
+              "--training.global_batch_size=64")
+
+
+def test_defaults_follow_the_model_and_device_and_estimate_says_so() -> None:
+    """The issue's command: the tiny default's 16 sequences per rank x 8 ranks exceeded the batch of 64."""
+    out = json_of("estimate", *LLAMA_ON_8)
+    assert out["derived_defaults"] == [
+        "training.micro_batch_size=1 (one sequence per rank; trainfit plan searches larger ones)",
+        "training.seq_len=8192 (the model's context, at most 8,192)",
+        "precision.mode=bf16-mixed (bf16 autocast, as GPU training runs)"]
+    assert out["per_rank"]["layout"]["grad_accum_steps"] == 8
+    assert "defaults for this model and device" in piped("estimate", *LLAMA_ON_8)
+    cfg = load_config(None, list(LLAMA_ON_8))  # what train runs: the same
+    assert (cfg.training.micro_batch_size, cfg.training.seq_len, cfg.precision.mode) == (1, 8192, "bf16-mixed")
+    # what the user sets stays; the tiny and debug models keep the schema's defaults; a CPU keeps fp32
+    mine = load_config(None, [*LLAMA_ON_8, "--training.micro_batch_size=2", "--training.seq_len=2048"])
+    assert (mine.training.micro_batch_size, mine.training.seq_len) == (2, 2048)
+    for args in ([], ["--model.preset=debug"], ["--model.preset=gpt2", "--hardware.gpu=H100-SXM-80GB"]):
+        small = load_config(None, args)
+        assert (small.training.micro_batch_size, small.training.seq_len, small.precision.mode) == (16, 128, "fp32")
+    assert load_config(None, ["--model.preset=llama3-8b"]).precision.mode == "fp32"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainfit.configure import load_config
+from trainfit.configure import read_config
 
 
 def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -19,7 +19,7 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.plan.fixes import fewest_changes, method_changes
     from trainfit.plan.space import with_global_batch
 
-    cfg = load_config(args.config, overrides)
+    _, cfg, derived = read_config(args.config, overrides)
     if args.plot:
         check_figure_path("--plot", args.plot)
     est = estimate(cfg)
@@ -30,7 +30,7 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
 
         est = with_traced_memory(est, trace_step(cfg))
     if args.json:
-        out = estimate_answer(cfg, est)
+        out = estimate_answer(cfg, est, derived=derived)
         out.pop("warnings")  # said on stderr above
         if args.traced:
             out["timeline"] = [list(point) for point in est.memory.timeline]
@@ -40,6 +40,8 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
         fixable, batch = with_global_batch(cfg)
         fixes = [] if est.fits else fewest_changes(fixable)
         methods = [] if est.fits else method_changes(fixable)
+        if derived:
+            print(f"defaults for this model and device (set a field to change it): {'; '.join(derived)}")
         print_estimate(est, fixes=fixes, fixes_batch=None if est.fits else batch, methods=methods)
         if args.traced:
             print(f"traced in {est.memory.seconds:.1f} s ({est.memory.num_ops:,} operators, peak in "

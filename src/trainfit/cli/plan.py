@@ -15,7 +15,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
     from trainfit.config import write_atomic
-    from trainfit.configure import config_from_dict, read_raw, resolve_and_validate
+    from trainfit.configure import config_from_dict, config_of_raw, read_raw, resolve_and_validate
     from trainfit.figures import check_figure_path
     from trainfit.plan.answer import fixed_fields, no_fit_message
     from trainfit.plan.explain import plan_json, plan_table, plot_plan, search_summary, winner_toml
@@ -25,8 +25,10 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.units import fmt_bytes
 
     raw = read_raw(args.config, overrides)
-    cfg = config_from_dict(raw)
-    resolve_and_validate(cfg)
+    cfg, derived = config_of_raw(raw)
+    if derived:
+        print(f"defaults for this model and device (set a field to fix it): {'; '.join(derived)}",
+              file=sys.stderr if args.json else sys.stdout)
     if args.top < 1:
         raise ConfigError(f"--top {args.top}: show at least 1 candidate; try --top 10")
     if not 0 <= args.traced <= args.top:

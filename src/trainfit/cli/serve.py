@@ -10,13 +10,13 @@ from trainfit.config import ConfigError
 
 def cmd_serve(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.config.dump import dump_toml
-    from trainfit.configure import config_from_dict, read_raw, resolve_and_validate
+    from trainfit.configure import config_of_raw, read_raw
     from trainfit.serve.server import make_server
 
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: a TCP port, 0-65535 (0: any free one); try --port 8000")
     raw = read_raw(args.config, overrides)
-    resolve_and_validate(config_from_dict(raw))  # a bad start is said here, not on the page
+    config_of_raw(raw)  # a bad start is said here, not on the page
     start = Path(args.config).read_text(encoding="utf-8") if args.config and not overrides else dump_toml(raw)
     try:
         server = make_server(args.host, args.port, start)

@@ -9,7 +9,7 @@ import signal
 import sys
 
 from trainfit.config import Config
-from trainfit.configure import load_config
+from trainfit.configure import read_config
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.parallel.layout import Layout
 
@@ -23,7 +23,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.profile is not None:  # every rank parses the same command line, so every rank profiles
         overrides = [*overrides, f"--logging.profile_steps={args.profile}"]
-    cfg = load_config(args.config, overrides)
+    _, cfg, derived = read_config(args.config, overrides)
+    if derived:
+        print(f"defaults for this model and device (set a field to change it): {'; '.join(derived)}", file=sys.stderr)
     layout = run_layout(cfg)
     device, _ = pick_device(cfg.training.device, int(os.environ.get("LOCAL_RANK", "0")))
     # Estimated for the device this process got (a GPU left at hardware.gpu's default is matched to the catalog).

@@ -23,10 +23,29 @@ from trainfit.configure.validate import resolve_and_validate
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read a TOML file (or the defaults), apply `--section.field=value` / `--section.field value`
-    overrides, resolve, validate."""
-    cfg = config_from_dict(read_raw(path, overrides))
+    overrides, resolve, validate (with the defaults that follow the model: configure/defaults.py)."""
+    return read_config(path, overrides)[1]
+
+
+def read_config(path: str | Path | None = None, overrides: list[str] | None = None
+                ) -> tuple[dict[str, Any], Config, list[str]]:
+    """(what the user wrote, the validated Config, the defaults derived from the model and device)."""
+    raw = read_raw(path, overrides)
+    cfg, derived = config_of_raw(raw)
+    return raw, cfg, derived
+
+
+def config_of_raw(raw: dict[str, Any]) -> tuple[Config, list[str]]:
+    """The validated Config of what the user wrote, with the defaults that follow the model and the
+    device (configure/defaults.py), and those defaults as notes."""
+    from trainfit.configure.defaults import follow_model
+
+    cfg = config_from_dict(raw)
     resolve_and_validate(cfg)
-    return cfg
+    derived = follow_model(raw, cfg)
+    if derived:
+        resolve_and_validate(cfg)  # the derived values checked as any
+    return cfg, derived
 
 
 def read_raw(path: str | Path | None = None, overrides: list[str] | None = None) -> dict[str, dict[str, Any]]:

@@ -15,16 +15,19 @@ if TYPE_CHECKING:
     from trainfit.plan.search import Plan
 
 
-def estimate_answer(cfg: Config, est: Estimate | None = None, *, fixes: bool = True) -> dict[str, Any]:
-    """The analytic estimate of a validated config as JSON, with, when it does not fit (and `fixes`),
-    the fewest changes that fit (each with its memory and speed) and the changes of method (LoRA,
-    QLoRA): a search, up to tens of times the estimate's own time."""
+def estimate_answer(cfg: Config, est: Estimate | None = None, *, fixes: bool = True,
+                    derived: list[str] | None = None) -> dict[str, Any]:
+    """The analytic estimate of a validated config as JSON, with the defaults derived for its model
+    (configure/defaults.py) and, when it does not fit (and `fixes`), the fewest changes that fit (each
+    with its memory and speed) and the changes of method (LoRA, QLoRA): a search, up to tens of times
+    the estimate's own time."""
     from trainfit.plan.fixes import fewest_changes, method_changes
     from trainfit.plan.space import with_global_batch
 
     est = est or estimate(cfg)
     out = as_json(est)
     out["warnings"] = list(est.layout.ineffective_options())
+    out["derived_defaults"] = list(derived or [])
     if est.fits or not fixes:
         return out
     # the fixes keep the global batch: when it is 0, the one this config's run derives (named in the output)

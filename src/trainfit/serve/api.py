@@ -89,14 +89,13 @@ def raw_config(request: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return apply_overrides(raw, overrides_of(request.get("values", {})))
 
 
-def config_of(request: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], Config]:
-    """(raw, validated Config) of a request."""
-    from trainfit.configure import config_from_dict, resolve_and_validate
+def config_of(request: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], Config, list[str]]:
+    """(raw, validated Config, the defaults derived for its model) of a request."""
+    from trainfit.configure import config_of_raw
 
     raw = raw_config(request)
-    cfg = config_from_dict(raw)
-    resolve_and_validate(cfg)
-    return raw, cfg
+    cfg, derived = config_of_raw(raw)
+    return raw, cfg, derived
 
 
 def error_answer(err: ConfigError) -> dict[str, Any]:
@@ -113,8 +112,8 @@ def estimate(request: dict[str, Any]) -> dict[str, Any]:
     from trainfit.plan.answer import estimate_answer
 
     try:
-        _, cfg = config_of(request)
-        return estimate_answer(cfg, fixes=request.get("fixes", True) is not False)
+        _, cfg, derived = config_of(request)
+        return estimate_answer(cfg, fixes=request.get("fixes", True) is not False, derived=derived)
     except ConfigError as err:
         return error_answer(err)
 
@@ -123,7 +122,7 @@ def toml(request: dict[str, Any]) -> str:
     """The request's config as TOML: what the user set (a valid config: ConfigError otherwise)."""
     from trainfit.config.dump import dump_toml
 
-    raw, _ = config_of(request)
+    raw, _, _ = config_of(request)
     return dump_toml(raw, "# trainfit config: trainfit estimate THIS_FILE, trainfit train THIS_FILE")
 
 
@@ -188,7 +187,7 @@ def plan(request: dict[str, Any], progress: Callable[[str], None] | None = None,
     from trainfit.plan.answer import machines_answer, plan_answer
 
     try:
-        raw, cfg = config_of(request)
+        raw, cfg, _ = config_of(request)
         options = request.get("plan", {}) or {}
         if not isinstance(options, dict):
             raise RequestError("'plan' must be an object of plan options (top, tokens, gpu_options, max_gpus, prices)")
