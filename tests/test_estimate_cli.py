@@ -90,7 +90,8 @@ def test_a_config_that_does_not_fit_gets_advice() -> None:
 
 
 ISSUE = ("--model.preset=llama3-70b", "--hardware.num_gpus=1", "--hardware.gpu=H100-SXM-80GB")
-"""The question most users ask first: no global batch, so the run derives it (16 x 1 = 16 sequences)."""
+"""The question most users ask first: no global batch, so the run derives it (a 70B model's default micro-batch
+of 1 x 1 rank = 1 sequence: configure/defaults.py)."""
 
 
 def as_overrides(changes: list[str]) -> list[str]:
@@ -100,7 +101,7 @@ def as_overrides(changes: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize(("args", "micro", "ranks"), [
-    (ISSUE, 16, 1),  # more than two changes: the planner's fastest layouts
+    (ISSUE, 1, 1),  # more than two changes: the planner's fastest layouts
     # one or two changes, some of a degree (context parallelism over all 8 ranks leaves 1 data-parallel one)
     (("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8", "--training.seq_len=8192",
       "--training.micro_batch_size=4", "--precision.mode=bf16-mixed"), 4, 8),
@@ -114,7 +115,8 @@ def test_a_config_without_a_global_batch_gets_fixes_at_the_derived_one(
     table = capsys.readouterr().out
     assert "memory per GPU" in table and "peak in the" in table and "does not fit" in table
     rank_words = f"{ranks} data-parallel rank" + "s" * (ranks > 1)
-    assert f"fixes keep the global batch of {batch} sequences (derived: micro_batch_size {micro} x {rank_words})" \
+    sequences = f"{batch} sequence" + "s" * (batch != 1)
+    assert f"fixes keep the global batch of {sequences} (derived: micro_batch_size {micro} x {rank_words})" \
         in table
     assert "the fewest changes that fit" in table and "tokens/s" in table
     assert main(["estimate", *args, "--json"]) == 0
