@@ -28,7 +28,8 @@ def estimate(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def test_json_schema_for_the_gpu_example() -> None:
     out = json.loads(estimate(str(EXAMPLES / "llama3-8b-8xh100.toml"), "--json").stdout)
-    assert set(out) == {"model", "per_rank", "per_stage", "flops", "time", "fits", "attention_kernel"}
+    assert set(out) == {"model", "per_rank", "per_stage", "flops", "time", "fits", "attention_kernel",
+                        "derived_defaults"}
     assert out["attention_kernel"] == "fused"
     assert out["model"]["num_params"] == 8_030_261_248
     rank = out["per_rank"]
@@ -142,7 +143,7 @@ def test_a_set_global_batch_is_the_one_the_fixes_keep(capsys: pytest.CaptureFixt
     assert main(["estimate", *ISSUE, "--training.global_batch_size=32", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fixes_global_batch"] == {"global_batch_size": 32, "derived": False}
-    assert out["fixes"] and out["per_rank"]["layout"]["grad_accum_steps"] == 2
+    assert out["fixes"] and out["per_rank"]["layout"]["grad_accum_steps"] == 32  # the 70B model's micro-batch of 1
 
 
 def test_every_example_config_estimates(tmp_path: Path) -> None:

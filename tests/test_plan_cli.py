@@ -75,7 +75,7 @@ def test_a_newcomers_plan_keeps_the_derived_batch_and_writes_it(tmp_path: Path, 
 
 def test_a_derived_batch_nothing_fits_or_no_layout_takes_exits_clearly(capsys: pytest.CaptureFixture) -> None:
     assert main(["plan", "--model.preset=llama3.1-405b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
-                 "--training.seq_len=8192", "--memory.offload=none"]) == 1
+                 "--training.seq_len=8192", "--training.micro_batch_size=16", "--memory.offload=none"]) == 1
     assert ("no layout of this model fits 8 x H100-SXM-80GB with global batch 128 sequences (derived: "
             "micro_batch_size 16 x 8 data-parallel ranks)") in capsys.readouterr().err
     # a pipeline fixed at 2 ranks and a derived batch of 1 sequence: no layout is valid, build_layout says why
@@ -152,8 +152,8 @@ def test_machines_compared_by_time_and_cost(tmp_path: Path) -> None:
 def test_machines_compared_without_a_global_batch_train_one_batch(capsys: pytest.CaptureFixture) -> None:
     """--tokens with no global batch: derived once from the config as given (16 x its 1 GPU), the
     same 16 sequences per step on every device and count, so the times compare."""
-    assert main(["plan", "--model.preset=llama3-8b", "--training.seq_len=8192", "--tokens", "1e9", "--gpu-options",
-                 "H100-SXM-80GB,A100-SXM-80GB", "--max-gpus", "8", "--json"]) == 0
+    assert main(["plan", "--model.preset=llama3-8b", "--training.seq_len=8192", "--training.micro_batch_size=16",
+                 "--tokens", "1e9", "--gpu-options", "H100-SXM-80GB,A100-SXM-80GB", "--max-gpus", "8", "--json"]) == 0
     captured = capsys.readouterr()
     result = json.loads(captured.out)
     assert "global batch: 16 sequences (derived: micro_batch_size 16 x 1 data-parallel rank)" in captured.err

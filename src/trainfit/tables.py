@@ -62,3 +62,12 @@ def as_list(table: Table) -> Text:
     if table.caption:
         lines += ["", _plain(table.caption)]
     return Text("\n".join(lines))
+
+
+def say_derived(notes: list[str], *, stderr: bool = False) -> None:
+    """The defaults derived from the model and the device (configure/defaults.py), one a line, wrapped
+    between words in a terminal."""
+    console = Console(stderr=stderr, soft_wrap=not Console(stderr=stderr).is_terminal)
+    console.print("defaults for this model and device (set a field to change it):", highlight=False)
+    for note in notes:
+        console.print(f"  - {note}", highlight=False)

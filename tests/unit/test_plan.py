@@ -159,7 +159,7 @@ def test_a_plan_without_a_global_batch_keeps_the_one_a_run_derives() -> None:
     """micro_batch_size 16 x 8 data-parallel ranks = 128 sequences, as `trainfit train` derives them:
     the same plan as one given that batch, every candidate running it whatever its micro-batch."""
     args = ("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
-            "--training.seq_len=8192")
+            "--training.seq_len=8192", "--training.micro_batch_size=16")
     _, derived = plan(*args, top=3)
     assert derived.global_batch == GlobalBatch(128, micro_batch_size=16, dp=8) and derived.global_batch.derived
     _, given = plan(*args, "--training.global_batch_size=128", top=3)

@@ -18,6 +18,7 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.plan.answer import estimate_answer
     from trainfit.plan.fixes import fewest_changes, method_changes
     from trainfit.plan.space import with_global_batch
+    from trainfit.tables import say_derived
 
     _, cfg, derived = read_config(args.config, overrides)
     if args.plot:
@@ -41,7 +42,7 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
         fixes = [] if est.fits else fewest_changes(fixable)
         methods = [] if est.fits else method_changes(fixable)
         if derived:
-            print(f"defaults for this model and device (set a field to change it): {'; '.join(derived)}")
+            say_derived(derived)
         print_estimate(est, fixes=fixes, fixes_batch=None if est.fits else batch, methods=methods)
         if args.traced:
             print(f"traced in {est.memory.seconds:.1f} s ({est.memory.num_ops:,} operators, peak in "

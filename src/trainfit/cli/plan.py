@@ -27,8 +27,9 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     raw = read_raw(args.config, overrides)
     cfg, derived = config_of_raw(raw)
     if derived:
-        print(f"defaults for this model and device (set a field to fix it): {'; '.join(derived)}",
-              file=sys.stderr if args.json else sys.stdout)
+        from trainfit.tables import say_derived
+
+        say_derived(derived, stderr=args.json)
     if args.top < 1:
         raise ConfigError(f"--top {args.top}: show at least 1 candidate; try --top 10")
     if not 0 <= args.traced <= args.top:

@@ -25,7 +25,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = [*overrides, f"--logging.profile_steps={args.profile}"]
     _, cfg, derived = read_config(args.config, overrides)
     if derived:
-        print(f"defaults for this model and device (set a field to change it): {'; '.join(derived)}", file=sys.stderr)
+        from trainfit.tables import say_derived
+
+        say_derived(derived, stderr=True)
     layout = run_layout(cfg)
     device, _ = pick_device(cfg.training.device, int(os.environ.get("LOCAL_RANK", "0")))
     # Estimated for the device this process got (a GPU left at hardware.gpu's default is matched to the catalog).
