@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import pty
+import re
 import struct
 import subprocess
 import sys
@@ -56,7 +57,8 @@ def in_terminal(*args: str, columns: int = 80) -> str:
         chunks.append(data)
     os.close(main)
     assert proc.wait(timeout=300) == 0
-    return b"".join(chunks).decode().replace("\r\n", "\n")
+    text = b"".join(chunks).decode().replace("\r\n", "\n")
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07", "", text)  # what the screen shows: no escapes
 
 
 @functools.cache
@@ -152,3 +154,22 @@ def test_defaults_follow_the_model_and_device_and_estimate_says_so() -> None:
         small = load_config(None, args)
         assert (small.training.micro_batch_size, small.training.seq_len, small.precision.mode) == (16, 128, "fp32")
     assert load_config(None, ["--model.preset=llama3-8b"]).precision.mode == "fp32"
+
+
+@pytest.mark.parametrize("command", ["report", "measure"])
+def test_the_measured_tables_read_whole_at_80_columns_and_piped(command: str) -> None:
+    """report's and measure's tables (a real step of the debug model): within 80 columns in a terminal,
+    each table one line per row and of one width when piped."""
+    args = (command, "--model.preset=debug", "--steps", "2")
+    assert max(len(line) for line in in_terminal(*args).splitlines()) <= 80
+    tables, table = [], []
+    for line in piped(*args).splitlines():
+        if line[:1] in "┏┃┡│└":
+            table.append(line.rstrip())
+        elif table:
+            tables.append(table)
+            table = []
+    tables += [table] if table else []
+    assert tables
+    for rows in tables:
+        assert len({len(line) for line in rows}) == 1, rows  # intact: every line of a table one width
