@@ -7,15 +7,17 @@ import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from trainfit.serve.server import make_server
 
 
 @contextmanager
-def running(start_toml: str = "") -> Iterator[str]:
-    """The base URL of a server serving in a thread, shut down afterwards."""
-    server = make_server("127.0.0.1", 0, start_toml)
+def running(start_toml: str = "", *, files: tuple[str | Path, ...] = (),
+            start_raw: dict[str, Any] | None = None) -> Iterator[str]:
+    """The base URL of a server serving in a thread, shut down afterwards (`files`: its --files folders)."""
+    server = make_server("127.0.0.1", 0, start_toml, files=files, start_raw=start_raw)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

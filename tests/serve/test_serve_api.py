@@ -109,7 +109,9 @@ def test_a_hugging_face_config_json_becomes_model_fields(base, tmp_path) -> None
     assert status == 200 and answer["values"]["model.preset"] == "" and answer["values"]["model.dim"] == "512"
     _, page = call(base, "POST", "/api/estimate", {"values": answer["values"]})
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    _, from_file = call(base, "POST", "/api/estimate", {"values": {"model.preset": str(tmp_path / "config.json")}})
+    with running(files=(tmp_path,)) as shared:  # the same file read where the server may read it
+        _, from_file = call(shared, "POST", "/api/estimate",
+                            {"values": {"model.preset": str(tmp_path / "config.json")}})
     assert page["model"]["num_params"] == from_file["model"]["num_params"] and page["per_rank"] == from_file["per_rank"]
     for text, words in (("{not json", "not valid JSON"), ("[1, 2]", "must be a JSON object"),
                         (json.dumps({**hf, "model_type": "bert"}), "model_type='bert': not supported")):

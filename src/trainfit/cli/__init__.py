@@ -202,7 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "memory and the step time change (offline; CONFIG is where the page starts)", fields)
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s; 0: a free one)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine "
-                       "only; 0.0.0.0 lets other machines in)")
+                       "only; 0.0.0.0 lets every machine that reaches this one in, without a login)")
+    serve.add_argument("--files", action="append", default=[], metavar="DIR",
+                       help="a folder whose config.json files, weights folders and hardware profiles the page may "
+                       "name by path (repeatable; default: none, the page uploads them)")
     return parser
 
 

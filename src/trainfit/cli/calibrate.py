@@ -8,6 +8,10 @@ import sys
 
 from trainfit.cli.common import reject_overrides
 from trainfit.config import ConfigError, check_writable
+from trainfit.hardware_profile import is_profile
+
+PROFILE = ("hardware profile", is_profile)
+"""What --out may replace: a profile (calibrate's own kind of file), never another file."""
 
 
 def cmd_calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -24,7 +28,7 @@ def cmd_calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.hardware_profile import write_profile
 
     reject_overrides(overrides)
-    check_writable("--out", args.out, replace=args.force)
+    check_writable("--out", args.out, replace=args.force, kind=PROFILE)
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads {args.threads}: must be >= 1 (default: what torch uses here, "
                           f"{torch.get_num_threads()})")
@@ -55,7 +59,7 @@ def _write_catalog(args: argparse.Namespace, overrides: list[str]) -> int:
     from trainfit.config.dump import dump_toml
 
     reject_overrides(overrides)
-    check_writable("--out", args.out, replace=args.force)
+    check_writable("--out", args.out, replace=args.force, kind=PROFILE)
     profile = catalog_profile(args.catalog)
     write_atomic(args.out, dump_toml(profile.as_dict(), sources(args.catalog)))
     print(f"wrote {args.out}: {args.catalog}'s catalog figures; use it as trainfit estimate "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +48,11 @@ def dump_toml(data: dict[str, Any], header: str = "") -> str:
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
-def check_writable(option: str, path: str | Path, *, replace: bool = True) -> None:
+def check_writable(option: str, path: str | Path, *, replace: bool = True,
+                   kind: tuple[str, Callable[[Path], bool]] | None = None) -> None:
     """Fail before any work when a file could not be written at `path` (given by `option`), or, with
-    replace=False, when one is there already."""
+    replace=False, when one is there already. With `kind` (its name, and whether a file is one), a
+    file there is replaced, and --force suggested, only when it is of that kind."""
     out = Path(path)
     parent = out.absolute().parent
     if out.is_dir():
@@ -58,7 +61,12 @@ def check_writable(option: str, path: str | Path, *, replace: bool = True) -> No
         raise ConfigError(f"{option} {str(path)!r}: the folder {str(parent)!r} does not exist; create it first")
     if not os.access(parent, os.W_OK):
         raise ConfigError(f"{option} {str(path)!r}: cannot write in the folder {str(parent)!r}; choose another")
-    if out.exists() and not replace:
+    if not out.exists():
+        return
+    if kind is not None and not kind[1](out):
+        raise ConfigError(f"{option} {str(path)!r}: a file that is not a {kind[0]} is there; choose another {option} "
+                          f"(only a {kind[0]} is ever replaced)")
+    if not replace:
         raise ConfigError(f"{option} {str(path)!r}: the file exists; pass --force to replace it, or choose another "
                           f"{option}")
 

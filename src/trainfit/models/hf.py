@@ -83,6 +83,11 @@ def _unsupported(file: Path, key: str, value: Any, why: str) -> ConfigError:
 def model_fields_from_hf_config(path: str | Path) -> dict[str, Any]:
     """ModelConfig field values for an HF config.json (or a folder containing one)."""
     hf, file = _read_json(path)
+    return model_fields_of_hf(hf, file)
+
+
+def model_fields_of_hf(hf: dict[str, Any], file: Path = Path("config.json")) -> dict[str, Any]:
+    """ModelConfig field values for a parsed HF config.json; `file` names it in the errors."""
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_TYPES:
         raise _unsupported(file, "model_type", model_type, f"not supported; supported: "

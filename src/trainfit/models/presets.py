@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -127,10 +128,21 @@ def preset_fields(preset: str) -> dict[str, Any]:
         from trainfit.models.hf import model_fields_from_hf_config  # only for an HF config (a large module)
 
         return model_fields_from_hf_config(preset)
-    raise ConfigError(
-        f"model.preset={preset!r}: unknown preset; choose one of {', '.join(sorted(PRESETS))}, "
-        "give a path to an HF config.json, or set model.preset='' and every dimension"
-    )
+    raise unknown_preset(preset)
+
+
+def unknown_preset(preset: str) -> ConfigError:
+    """The error of a model.preset that is neither a preset's name nor a path to a config.json."""
+    return ConfigError(f"model.preset={preset!r}: unknown preset; choose one of {', '.join(sorted(PRESETS))}, "
+                       "give a path to an HF config.json, or set model.preset='' and every dimension")
+
+
+def names_a_file(preset: str) -> bool:
+    """Whether a model.preset that is no preset's name is written as a path (a .json file, or a folder
+    named with a separator or as . or ..); a bare unknown name is an unknown preset wherever it is
+    asked without reading the disk (the web page's server)."""
+    return preset not in PRESETS and (preset.endswith(".json") or "/" in preset or os.sep in preset
+                                      or preset in (".", ".."))
 
 
 def resolve_model_config(model: ModelConfig) -> ModelConfig:

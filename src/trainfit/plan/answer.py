@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainfit.config import Config, ConfigError
 from trainfit.estimate import Estimate, as_json, estimate
+from trainfit.plan.search import Cancelled
 
 if TYPE_CHECKING:
     from trainfit.parallel.resolve import GlobalBatch
@@ -43,10 +44,6 @@ def estimate_answer(cfg: Config, est: Estimate | None = None, *, fixes: bool = T
     return out
 
 
-class Cancelled(Exception):
-    """A newer question replaced this one (the web page's plan, asked again before it finished)."""
-
-
 def fixed_fields(raw: dict[str, dict[str, Any]]) -> frozenset[str]:
     """The fields the user set ("section.field"): a plan keeps them and searches the rest."""
     return frozenset(f"{section}.{name}" for section, values in raw.items() for name in values)
@@ -66,7 +63,7 @@ def plan_answer(raw: dict[str, dict[str, Any]], cfg: Config, *, top: int = 10, p
     _, batch = with_global_batch(cfg)
     if progress:
         progress(f"searching the layouts of {cfg.hardware.num_gpus} x {cfg.hardware.gpu}")
-    plan = search(cfg, fixed_fields(raw), top=top, precisions=precisions)
+    plan = search(cfg, fixed_fields(raw), top=top, precisions=precisions, stop=cancelled)
     if cancelled and cancelled():
         raise Cancelled
     if not plan.candidates and not plan.stats.groups:
@@ -110,5 +107,5 @@ def machines_answer(raw: dict[str, dict[str, Any]], cfg: Config, *, tokens: floa
             progress(what)
 
     options = compare_machines(cfg, fixed_fields(raw), tokens=tokens, gpus=gpus, max_gpus=max_gpus,
-                               prices=parse_prices(prices or None), progress=step)
+                               prices=parse_prices(prices or None), progress=step, stop=cancelled)
     return {**machines_json(options), "global_batch": batch.as_dict()}

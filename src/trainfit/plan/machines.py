@@ -68,9 +68,9 @@ def check_gpus(names: list[str]) -> list[str]:
 
 
 def compare_machines(cfg: Config, fixed: frozenset[str], *, tokens: float, gpus: list[str], max_gpus: int,
-                     prices: dict[str, float], progress: Callable[[str], None] | None = None
-                     ) -> list[MachineOption]:
-    """Every (device, count) option, fastest first (those where nothing fits last)."""
+                     prices: dict[str, float], progress: Callable[[str], None] | None = None,
+                     stop: Callable[[], bool] | None = None) -> list[MachineOption]:
+    """Every (device, count) option, fastest first (those where nothing fits last); `stop` as search's."""
     gpus = check_gpus(gpus)
     fixed = fixed - {"hardware.gpu", "hardware.num_gpus"}
     cfg, _ = with_global_batch(cfg)  # one batch for every count (see the module docstring)
@@ -84,7 +84,7 @@ def compare_machines(cfg: Config, fixed: frozenset[str], *, tokens: float, gpus:
                 "gpu": gpu, "num_gpus": count,
                 "price_per_gpu_hour": cfg.hardware.price_per_gpu_hour if own else 0.0})
             resolve_and_validate(machine)
-            plan = search(machine, fixed, top=1)
+            plan = search(machine, fixed, top=1, stop=stop)
             price = prices.get(gpu, price_per_gpu_hour(machine.hardware))
             options.append(MachineOption(gpu, count, plan.candidates[0] if plan.candidates else None, price, tokens))
     return sorted(options, key=lambda o: (o.seconds is None, o.seconds or 0.0, o.cost or 0.0))

@@ -341,12 +341,18 @@ def _without_cycle_collector(fn: Callable[P, R]) -> Callable[P, R]:
     return run
 
 
+class Cancelled(Exception):
+    """A search stopped before its end because its caller said so (a newer question replaced it, or it ran
+    past the web page's limit)."""
+
+
 @_without_cycle_collector
 def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, precisions: tuple[str, ...] = (),
-           exhaustive: bool = False) -> Plan:
+           exhaustive: bool = False, stop: Callable[[], bool] | None = None) -> Plan:
     """The `top` fastest layouts of `cfg` that fit (see the module docstring); `fixed` names the
     fields ("section.field") the user set, which stay as they are; `exhaustive` visits every group
-    (for a picture of all candidates) instead of stopping at the bound."""
+    (for a picture of all candidates) instead of stopping at the bound; `stop`, asked as the search
+    goes, ends it with Cancelled when it says true."""
     start = time.perf_counter()
     cfg, batch = with_global_batch(cfg)  # kept: every candidate splits the same sequences per step
     space = Space.of(cfg, fixed, precisions)
@@ -387,6 +393,8 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
     fitting: list[Candidate] = []
     listed: list[Candidate] = []  # frontier(fitting), kept as it grows
     while heap:
+        if stop is not None and stop():
+            raise Cancelled
         bound, _, item = heapq.heappop(heap)
         if not exhaustive and bound > _kth_time(listed, top):
             break

@@ -15,6 +15,7 @@ from typing import Any
 
 from trainfit.config import Config, ConfigError, iter_fields
 from trainfit.config.schema import SECTIONS
+from trainfit.serve.files import FilePolicy, RequestError
 
 MAX_TEXT = 1 << 20
 """Bytes of a TOML or config.json text the page may send (a config is a few KiB)."""
@@ -22,10 +23,6 @@ MAX_VALUE = 4096
 """Characters of one field's value."""
 FIELD = re.compile(r"^([a-z_]+\.[a-z_0-9]+)=")
 """A ConfigError names its field first (config.field_error's format): `section.field=value: fix`."""
-
-
-class RequestError(ValueError):
-    """A request the page (or anyone) sent that is not a config: answered with HTTP 400 and this message."""
 
 
 def schema() -> dict[str, Any]:
@@ -89,11 +86,13 @@ def raw_config(request: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return apply_overrides(raw, overrides_of(request.get("values", {})))
 
 
-def config_of(request: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], Config, list[str]]:
-    """(raw, validated Config, the defaults derived for its model) of a request."""
+def config_of(request: dict[str, Any], files: FilePolicy) -> tuple[dict[str, dict[str, Any]], Config, list[str]]:
+    """(raw, validated Config, the defaults derived for its model) of a request; a path to a file the
+    server may not read (serve/files.py) is a RequestError."""
     from trainfit.configure import config_of_raw
 
     raw = raw_config(request)
+    files.check(raw)
     cfg, derived = config_of_raw(raw)
     return raw, cfg, derived
 
@@ -105,24 +104,24 @@ def error_answer(err: ConfigError) -> dict[str, Any]:
     return {"error": message, "field": match.group(1) if match else None}
 
 
-def estimate(request: dict[str, Any]) -> dict[str, Any]:
+def estimate(request: dict[str, Any], files: FilePolicy) -> dict[str, Any]:
     """`trainfit estimate --json` of the request's config, or its named error; with "fixes": false
     without the changes that fit (the page asks for those second: the estimate alone takes
     milliseconds, the fixes' search up to ~0.1 s)."""
     from trainfit.plan.answer import estimate_answer
 
     try:
-        _, cfg, derived = config_of(request)
+        _, cfg, derived = config_of(request, files)
         return estimate_answer(cfg, fixes=request.get("fixes", True) is not False, derived=derived)
     except ConfigError as err:
         return error_answer(err)
 
 
-def toml(request: dict[str, Any]) -> str:
+def toml(request: dict[str, Any], files: FilePolicy) -> str:
     """The request's config as TOML: what the user set (a valid config: ConfigError otherwise)."""
     from trainfit.config.dump import dump_toml
 
-    raw, _, _ = config_of(request)
+    raw, _, _ = config_of(request, files)
     return dump_toml(raw, "# trainfit config: trainfit estimate THIS_FILE, trainfit train THIS_FILE")
 
 
@@ -130,25 +129,22 @@ def hf_config(text: Any) -> dict[str, Any]:
     """The model fields of a Hugging Face config.json's text, as `section.field` values the page sets
     (model.preset='' and every dimension: the config stays self-contained), or its named error."""
     import json
-    import tempfile
 
-    from trainfit.models.hf import model_fields_from_hf_config
+    from trainfit.models.hf import model_fields_of_hf
 
     if not isinstance(text, str) or len(text.encode()) > MAX_TEXT:
         raise RequestError(f"'config_json' must be the text of a config.json, at most {MAX_TEXT // 1024} KiB")
     try:
         parsed = json.loads(text)
-    except json.JSONDecodeError as err:
-        return {"error": f"config.json: not valid JSON ({err.msg}, line {err.lineno})", "field": "model.preset"}
+    except (json.JSONDecodeError, RecursionError) as err:
+        where = f" ({err.msg}, line {err.lineno})" if isinstance(err, json.JSONDecodeError) else " (nested too deep)"
+        return {"error": f"config.json: not valid JSON{where}", "field": "model.preset"}
     if not isinstance(parsed, dict):
         return {"error": "config.json: must be a JSON object, as Hugging Face writes it", "field": "model.preset"}
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "config.json"
-        path.write_text(text, encoding="utf-8")
-        try:
-            fields = model_fields_from_hf_config(path)
-        except ConfigError as err:
-            return {"error": str(err).replace(str(path), "config.json"), "field": "model.preset"}
+    try:
+        fields = model_fields_of_hf(parsed)
+    except ConfigError as err:
+        return {"error": str(err), "field": "model.preset"}
     values = {"model.preset": ""}
     values.update({f"model.{k}": _as_text(v) for k, v in fields.items() if v is not None})
     return {"values": values}
@@ -179,7 +175,7 @@ def _as_text(value: Any) -> str:
         if isinstance(value, bool) else str(value)
 
 
-def plan(request: dict[str, Any], progress: Callable[[str], None] | None = None,
+def plan(request: dict[str, Any], files: FilePolicy, progress: Callable[[str], None] | None = None,
          cancelled: Callable[[], bool] | None = None) -> dict[str, Any]:
     """`trainfit plan --json` of the request's config: the fastest layouts that fit (the frontier), or
     with `tokens` the devices and counts by time to train and cost (`gpu_options`, `max_gpus`,
@@ -187,7 +183,7 @@ def plan(request: dict[str, Any], progress: Callable[[str], None] | None = None,
     from trainfit.plan.answer import machines_answer, plan_answer
 
     try:
-        raw, cfg, _ = config_of(request)
+        raw, cfg, _ = config_of(request, files)
         options = request.get("plan", {}) or {}
         if not isinstance(options, dict):
             raise RequestError("'plan' must be an object of plan options (top, tokens, gpu_options, max_gpus, prices)")

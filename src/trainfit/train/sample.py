@@ -103,7 +103,20 @@ def _check_export_target(out: Path, force: bool) -> None:
         raise ConfigError(f"--out {str(out)!r}: {where}; give a folder to write the model into")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {str(out)!r}: {str(existing)!r} is not writable; choose a folder you can write")
-    if out.is_dir() and any(out.iterdir()) and not force:
+    if out.is_dir() and any(out.iterdir()):
         names = ", ".join(sorted(p.name for p in out.iterdir())[:4])
-        raise ConfigError(f"--out {str(out)!r}: holds files already ({names}); pass --force to replace an earlier "
-                          "export, or choose a new folder")
+        if not is_export(out):
+            raise ConfigError(f"--out {str(out)!r}: holds files already ({names}) and is not an earlier export (no "
+                              "config.json or adapter_config.json); choose a new or empty folder")
+        if not force:
+            raise ConfigError(f"--out {str(out)!r}: holds an earlier export ({names}); pass --force to replace it, "
+                              "or choose a new folder")
+
+
+EXPORT_MARKERS = ("config.json", "adapter_config.json")
+"""A file every export writes (the model's config, or PEFT's for adapters): what --force may replace."""
+
+
+def is_export(folder: Path) -> bool:
+    """Whether `folder` holds an earlier export (a Hugging Face model or PEFT adapters)."""
+    return any((folder / name).is_file() for name in EXPORT_MARKERS)
