@@ -262,7 +262,10 @@ SAMPLING = [
 EXPORTS = [  # where export may write
     ("onto a file", ("--out", "{tmp}/taken"), write("taken", "mine"), ("taken", "file")),
     ("into a file's child", ("--out", "{tmp}/taken/sub"), write("taken", "mine"), ("taken",)),
-    ("over an export", ("--out", "{tmp}/prev"), write("prev/model.safetensors", "old"), ("prev", "--force")),
+    ("over an export", ("--out", "{tmp}/prev"), chain(write("prev/model.safetensors", "old"), write(
+        "prev/config.json", "{}")), ("prev", "an earlier export", "--force")),
+    ("over other files", ("--out", "{tmp}/notes"), write("notes/todo.txt", "mine"),
+     ("notes", "not an earlier export", "a new or empty folder")),
 ]
 
 PLOTS = [
@@ -307,7 +310,8 @@ PROFILES = [  # what --hardware.profile can point at: (name, more arguments, the
 ]
 
 CALIBRATE = [  # trainfit calibrate's own arguments, refused before anything is measured: (argv, setup, words)
-    (("--out", "{tmp}/taken.toml"), write("taken.toml", "mine"), ("--out", "taken.toml", "--force")),
+    (("--out", "{tmp}/taken.toml"), write("taken.toml", "mine"), ("--out", "taken.toml", "not a hardware profile")),
+    (("--out", "{tmp}/old.toml"), write("old.toml", "version = 1\n"), ("--out", "old.toml", "--force")),
     (("--out", "{tmp}/nowhere/p.toml"), None, ("--out", "nowhere", "does not exist")),
     (("--out", "{tmp}/adir"), write("adir/x", ""), ("--out", "adir", "folder")),
     (("--max-ranks", "0", "--out", "{tmp}/p.toml"), None, ("--max-ranks 0", ">= 1")),

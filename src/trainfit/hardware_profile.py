@@ -299,13 +299,17 @@ def load_profile(path: str) -> HardwareProfile:
 
 
 def is_profile(path: str | Path) -> bool:
-    """Whether the file at `path` is a hardware profile (of any version): a TOML file with a version
-    and a [machine] table, as `trainfit calibrate` writes. Only such a file is ever replaced (--force)."""
+    """Whether the file at `path` is a hardware profile (of any version): a TOML file with an integer
+    version, as `trainfit calibrate` writes. Only such a file is ever replaced (--force)."""
     try:
         raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
         return False
-    return "version" in raw and isinstance(raw.get("machine"), dict)
+    return _has_version(raw)
+
+
+def _has_version(raw: dict[str, Any]) -> bool:
+    return isinstance(raw.get("version"), int) and not isinstance(raw.get("version"), bool)
 
 
 @functools.lru_cache(maxsize=16)
@@ -313,13 +317,12 @@ def _load(path: str, inode: int, size: int, mtime_ns: int) -> HardwareProfile:
     redo = f"re-run `trainfit calibrate --out {path} --force`"
     try:
         raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as err:
         raise field_error("hardware.profile", path, f"not a TOML profile ({err}); give a file that `trainfit "
                           "calibrate --out NEW_FILE` wrote (a new path: calibrate replaces only a profile)") from err
-    if "version" not in raw or not isinstance(raw.get("machine"), dict):
-        raise field_error("hardware.profile", path, "not a hardware profile (no version and [machine] table); give a "
-                          "file that `trainfit calibrate --out NEW_FILE` wrote (a new path: calibrate replaces only "
-                          "a profile)")
+    if not _has_version(raw):
+        raise field_error("hardware.profile", path, "not a hardware profile (no version); give a file that "
+                          "`trainfit calibrate --out NEW_FILE` wrote (a new path: calibrate replaces only a profile)")
     if raw.get("version") != PROFILE_VERSION:
         raise field_error("hardware.profile", path, f"version {raw.get('version')!r}, this trainfit reads version "
                                                     f"{PROFILE_VERSION}; {redo}")

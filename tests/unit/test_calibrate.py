@@ -81,7 +81,7 @@ BAD = [  # (what the file holds, words of the error)
     (None, ("hardware.profile", "cannot read it", "trainfit calibrate --out")),
     ("version = 1\n[machine\n", ("not a TOML profile",)),
     ("version = 2\n", ("version 2", "reads version 1")),
-    ("memory_bytes_per_s = 1e10\n", ("version None",)),
+    ("memory_bytes_per_s = 1e10\n", ("not a hardware profile", "calibrate --out NEW_FILE")),
 ]
 
 

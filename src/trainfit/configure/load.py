@@ -60,6 +60,8 @@ def read_raw(path: str | Path | None = None, overrides: list[str] | None = None)
             raw = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML ({err})") from err
+        except RecursionError:
+            raise ConfigError(f"{path}: TOML nested too deep to read; a config is flat tables of fields") from None
         except UnicodeDecodeError as err:
             raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); a TOML config is a UTF-8 text file") from err
     return apply_overrides(raw, overrides or [])

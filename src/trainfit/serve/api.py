@@ -83,6 +83,8 @@ def raw_config(request: dict[str, Any]) -> dict[str, dict[str, Any]]:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"the config's TOML: not valid TOML ({err})") from None
+    except RecursionError:
+        raise ConfigError("the config's TOML: nested too deep to read; a config is flat tables of fields") from None
     return apply_overrides(raw, overrides_of(request.get("values", {})))
 
 
@@ -150,24 +152,45 @@ def hf_config(text: Any) -> dict[str, Any]:
     return {"values": values}
 
 
+MAX_UPLOADS = 64
+"""Uploaded profiles the server keeps (the oldest go first): a client cannot fill its disk."""
+
+
 def hardware_profile(text: Any, folder: Path) -> dict[str, Any]:
     """A hardware profile's TOML text (what `trainfit calibrate --out FILE` wrote), checked as
     hardware.profile checks it and kept in the server's `folder` under its digest: the
     `hardware.profile` value the page sets, or its named error."""
     import hashlib
+    import os
+    import tempfile
 
     from trainfit.hardware_profile import load_profile
 
     if not isinstance(text, str) or len(text.encode()) > MAX_TEXT:
         raise RequestError(f"'profile_toml' must be the text of a hardware profile, at most {MAX_TEXT // 1024} KiB")
     path = folder / f"profile-{hashlib.sha256(text.encode()).hexdigest()[:16]}.toml"
-    path.write_text(text, encoding="utf-8")
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=folder, suffix=".toml", delete=False) as f:
+        f.write(text)  # checked under a name of its own: two uploads at once never see each other's half
     try:
-        load_profile(str(path))
+        load_profile(f.name)
     except ConfigError as err:
-        path.unlink()
-        return {"error": str(err).replace(str(path), "the profile"), "field": "hardware.profile"}
+        Path(f.name).unlink(missing_ok=True)
+        return {"error": str(err).replace(f.name, "the profile"), "field": "hardware.profile"}
+    os.replace(f.name, path)
+    _keep_newest(folder, MAX_UPLOADS)
     return {"values": {"hardware.profile": str(path)}}
+
+
+def _keep_newest(folder: Path, count: int) -> None:
+    """Remove all but the `count` newest uploaded profiles of `folder`."""
+    def age(path: Path) -> float:
+        try:
+            return path.stat().st_mtime
+        except OSError:  # removed meanwhile by another upload
+            return 0.0
+
+    for old in sorted(folder.glob("profile-*.toml"), key=age)[:-count]:
+        old.unlink(missing_ok=True)
 
 
 def _as_text(value: Any) -> str:
