@@ -110,6 +110,37 @@ def test_a_suggested_fix_applies_with_one_click(page) -> None:
     assert shown(page) == expected(cli_estimate(changed))
 
 
+def test_a_faster_change_of_method_applies_with_one_click(page) -> None:
+    """Llama 3 8B on one RTX 4090: the fixes offload the optimizer; LoRA with checkpointing, bf16 weights
+    and the chunked loss fits faster, and is drawn apart, applicable as the fixes are."""
+    open_page(page)
+    set_field(page, "model.preset", "llama3-8b")
+    set_field(page, "hardware.gpu", "RTX-4090")
+    wait_for(lambda: page.find_elements("id", "method_0"), "the changes of method")
+    assert "8.03B parameters" in page.find_element("id", "verdict").text
+    fastest_fix = max(f["tokens_per_second"] for f in page.execute_script("return state.answer.fixes"))
+    method = page.execute_script("return state.answer.method_changes[0]")
+    assert method["tokens_per_second"] > fastest_fix and "frozen base" in page.find_element("id", "method_table").text
+    before = settled(page)
+    page.find_element("id", "method_0").click()
+    settled(page, before)
+    changed = page.execute_script("return state.values")
+    assert changed["peft.method"] == "lora" and changed["precision.mode"] == "bf16-pure"
+    assert page.find_element("id", "verdict").get_attribute("data-fits") == "true"
+    assert shown(page) == expected(cli_estimate(changed))
+
+
+def test_a_path_the_server_may_not_read_is_named_beside_its_field(page) -> None:
+    open_page(page)
+    assert " parameters)" in page.find_element("id", "verdict").text  # the tiny default counts in M or K, not 0.00B
+    assert "0.00B" not in page.find_element("id", "verdict").text
+    good = shown(page)
+    set_field(page, "model.preset", "/etc/passwd")
+    error = page.find_element("id", "e_model.preset").text
+    assert "model.preset='/etc/passwd'" in error and "--files" in error and "root:" not in error
+    assert shown(page) == good
+
+
 def test_the_downloaded_toml_estimates_the_same_with_the_command(page) -> None:
     open_page(page)
     set_field(page, "model.preset", "llama3-8b")

@@ -216,6 +216,39 @@ def test_a_full_fine_tune_that_does_not_fit_is_offered_lora_and_qlora_as_changes
     assert [fix.candidate.cfg.peft.method for fix in method_changes(big)] == ["qlora"]
 
 
+def test_a_change_of_method_is_searched_with_checkpointing_precision_and_the_chunked_loss() -> None:
+    """Llama 3 8B on one RTX 4090 at the model's defaults (8,192 tokens, bf16-mixed): every full fine-tune
+    that fits offloads the optimizer to the host; LoRA fits only with full checkpointing, bf16 weights
+    and the chunked loss together, and is faster than every one of them, so it is offered."""
+    from trainfit.plan.fixes import KNOBS, _knob_changes, fewest_changes, method_changes
+    from trainfit.plan.space import Space, replace_sections, with_global_batch
+
+    cfg, _ = with_global_batch(load_config(None, ["--model.preset=llama3-8b", "--hardware.gpu=RTX-4090"]))
+    fixes = fewest_changes(cfg)
+    assert fixes and all(f.candidate.cfg.memory.offload != "none" for f in fixes)
+    methods = method_changes(cfg, fixes)
+    lora = next(f for f in methods if f.candidate.cfg.peft.method == "lora")
+    assert {"memory.activation_checkpointing=full", "memory.chunked_loss=true", "precision.mode=bf16-pure"} <= \
+        set(lora.changes)
+    assert lora.candidate.tokens_per_second > max(f.candidate.tokens_per_second for f in fixes)
+    assert estimate(lora.candidate.cfg).fits
+    # the fastest of every setting of the three that fits (by brute force over the same settings)
+    lora_cfg = replace_sections(cfg, peft={"method": "lora", "targets": ("all-linear",)})
+    fitting = []
+    for knob in _knob_changes(cfg, Space.of(cfg, frozenset(), (cfg.precision.mode,))):
+        fields: dict = {}
+        for _, sections in knob:
+            for section, values in sections.items():
+                fields.setdefault(section, {}).update(values)
+        est = estimate(replace_sections(lora_cfg, **fields))
+        if est.fits:
+            fitting.append(est.perf.time["tokens_per_second"])
+    assert fitting and lora.candidate.tokens_per_second == pytest.approx(max(fitting))
+    assert {key.split(".")[0] for key in KNOBS} == {"memory", "precision"}
+    # a change of method slower than a fix is not offered: a fix that is faster trains every weight
+    assert method_changes(cfg, [lora]) == []  # (LoRA's own speed, and QLoRA's below it)
+
+
 def test_checkpoints_hold_the_adapters_resume_exactly_and_refuse_another_base(tmp_path) -> None:
     """A fine-tuned checkpoint holds what trains (not the base), resumes to the uninterrupted run's
     losses, and is refused on another base (model.init_from's weights changed)."""

@@ -40,7 +40,7 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
         # the fixes keep the global batch: when it is 0, the one this config's run derives (named in the output)
         fixable, batch = with_global_batch(cfg)
         fixes = [] if est.fits else fewest_changes(fixable)
-        methods = [] if est.fits else method_changes(fixable)
+        methods = [] if est.fits else method_changes(fixable, fixes)
         if derived:
             say_derived(derived)
         print_estimate(est, fixes=fixes, fixes_batch=None if est.fits else batch, methods=methods)

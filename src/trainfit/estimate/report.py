@@ -150,10 +150,12 @@ def print_estimate(est: Estimate, console: Console | None = None, fixes: Sequenc
         else:
             for line in advice(est):
                 console.print(f"  - {line}")
-        for fix in methods:  # plan/fixes.method_changes: fine-tuning adapters instead of every weight
+        if methods:  # plan/fixes.method_changes: fine-tuning adapters instead of every weight
+            console.print("faster, by a change of method (training adapters instead of every weight):")
+        for fix in methods:
             c = fix.candidate
-            console.print(f"  - or change the method, to {fix.note}: {' '.join(fix.overrides)}: "
-                          f"{fmt_bytes(c.memory_bytes)} per GPU, {c.tokens_per_second:,.0f} tokens/s", soft_wrap=True)
+            console.print(f"  - {fix.note}: {' '.join(fix.overrides)}: {fmt_bytes(c.memory_bytes)} per GPU, "
+                          f"{c.tokens_per_second:,.0f} tokens/s, MFU {c.mfu:.1%}", soft_wrap=True)
     print_table(_perf_table(est), console)
 
 

@@ -20,7 +20,7 @@ def estimate_answer(cfg: Config, est: Estimate | None = None, *, fixes: bool = T
                     derived: list[str] | None = None) -> dict[str, Any]:
     """The analytic estimate of a validated config as JSON, with the defaults derived for its model
     (configure/defaults.py) and, when it does not fit (and `fixes`), the fewest changes that fit (each
-    with its memory and speed) and the changes of method (LoRA, QLoRA): a search, up to tens of times
+    with its memory and speed) and the changes of method faster than those (LoRA, QLoRA): a search, up to tens of times
     the estimate's own time."""
     from trainfit.plan.fixes import fewest_changes, method_changes
     from trainfit.plan.space import with_global_batch
@@ -33,14 +33,15 @@ def estimate_answer(cfg: Config, est: Estimate | None = None, *, fixes: bool = T
         return out
     # the fixes keep the global batch: when it is 0, the one this config's run derives (named in the output)
     fixable, batch = with_global_batch(cfg)
+    fixes_found = fewest_changes(fixable)
     out["fixes"] = [{"changes": list(f.changes), "overrides": f.overrides, "memory_bytes": f.candidate.memory_bytes,
                      "tokens_per_second": f.candidate.tokens_per_second, "mfu": f.candidate.mfu}
-                    for f in fewest_changes(fixable)]
+                    for f in fixes_found]
     out["fixes_global_batch"] = batch.as_dict()
     out["method_changes"] = [{"changes": list(f.changes), "overrides": f.overrides, "note": f.note,
                               "memory_bytes": f.candidate.memory_bytes,
-                              "tokens_per_second": f.candidate.tokens_per_second}
-                             for f in method_changes(fixable)]
+                              "tokens_per_second": f.candidate.tokens_per_second, "mfu": f.candidate.mfu}
+                             for f in method_changes(fixable, fixes_found)]
     return out
 
 

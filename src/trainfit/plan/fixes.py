@@ -17,7 +17,7 @@ or a degree accumulates gradients instead of changing the batch.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,29 +192,66 @@ METHODS = (("lora", {"peft": {"method": "lora", "targets": ("all-linear",)}}),
            ("qlora", {"peft": {"method": "qlora", "targets": ("all-linear",)}}))
 """Changes of method `method_changes` tries on a full fine-tune: LoRA on every linear, and the same on
 an NF4 base (QLoRA)."""
+KNOBS = frozenset({"memory.activation_checkpointing", "memory.chunked_loss", "precision.mode"})
+"""What a change of method is searched with (the settings a fine-tune on a small device takes):
+checkpointing, the chunked loss and the precision (bf16 weights, bf16-pure, on a GPU)."""
 
 
-def method_changes(cfg: Config) -> list[Fix]:
-    """For a full fine-tune that does not fit: each change of method (peft.*) that fits, alone or with
-    the one fewest_changes option that makes it fit fastest. Apart from fewest_changes, since it
-    trains something else (adapters on a frozen base, not every weight)."""
+def _knob_changes(cfg: Config, space: Space) -> list[tuple[Change, ...]]:
+    """Every setting of checkpointing x the chunked loss x precision, each as the changes from cfg's
+    (the empty tuple: cfg's own)."""
+    mem = cfg.memory
+    checkpointing = [() if (policy, every) == (mem.activation_checkpointing, mem.ac_every_n_layers) else
+                     ((override("memory.activation_checkpointing", policy) + (
+                         f" {override('memory.ac_every_n_layers', every)}" if every != mem.ac_every_n_layers else ""),
+                       {"memory": {"activation_checkpointing": policy, "ac_every_n_layers": every}}),)
+                     for policy, every in dict.fromkeys([(mem.activation_checkpointing, mem.ac_every_n_layers),
+                                                         *space.ac])]
+    chunked = [()] if mem.chunked_loss else [(), ((override("memory.chunked_loss", True),
+                                                  {"memory": {"chunked_loss": True}}),)]
+    precisions = [()]
+    if cfg.hardware.gpu != "cpu" and cfg.precision.mode != "bf16-pure":
+        precisions.append(((override("precision.mode", "bf16-pure"), {"precision": {"mode": "bf16-pure"}}),))
+    return [a + c + p for a in checkpointing for c in chunked for p in precisions]
+
+
+def method_changes(cfg: Config, fixes: Sequence[Fix] = ()) -> list[Fix]:
+    """For a full fine-tune that does not fit: each change of method (peft.*) that fits, at its fastest
+    setting of checkpointing, the chunked loss and precision (KNOBS), with no other change or failing
+    that with the one fewest_changes option that fits fastest; each only where it is faster than every
+    one of `fixes` (the fewest changes that fit while training every weight). Apart from fewest_changes,
+    since it trains something else (adapters on a frozen base, not every weight)."""
     device_memory = device_spec(cfg.hardware).memory_bytes
     if not device_memory or cfg.peft.method != "none":
         return []
     cfg, _ = with_global_batch(cfg)
     space = Space.of(cfg, frozenset(), (cfg.precision.mode,))
-    singles = list(_changes(cfg, space))
+    layouts = [change for change in _changes(cfg, space) if not _sets(change, KNOBS)]
+    knobs = _knob_changes(cfg, space)
+    fastest_fix = max((f.candidate.tokens_per_second for f in fixes), default=0.0)
     found = []
     for name, fields in METHODS:
-        base = "an NF4 base" if name == "qlora" else "a frozen base"
-        note = f"adapters on {base}"
+        note = f"adapters on {'an NF4 base' if name == 'qlora' else 'a frozen base'}"
         method = (_words(cfg, fields), fields)
-        alone = _judge(cfg, (method,), device_memory, note)
-        if alone is not None:
-            found.append(alone)
-            continue
-        paired = [fix for single in singles
-                  if (fix := _judge(cfg, (method, single), device_memory, note)) is not None]
-        if paired:
-            found.append(max(paired, key=lambda f: f.candidate.tokens_per_second))
+        best: Fix | None = None
+        for extra in ((), *((change,) for change in layouts)):
+            for knob in knobs:
+                fix = _judge(cfg, (method, *knob, *extra), device_memory, note)
+                if fix is not None and (best is None or _faster(fix, best)):
+                    best = fix
+            if best is not None and not extra:
+                break  # one more change only where none fits without
+        if best is not None and best.candidate.tokens_per_second > fastest_fix:
+            found.append(best)
     return found
+
+
+def _sets(change: Change, keys: frozenset[str]) -> bool:
+    """Whether a change sets one of `keys` ("section.field")."""
+    return any(f"{section}.{name}" in keys for section, values in change[1].items() for name in values)
+
+
+def _faster(fix: Fix, than: Fix) -> bool:
+    """Faster, or as fast with fewer changes."""
+    a, b = fix.candidate.tokens_per_second, than.candidate.tokens_per_second
+    return a > b or a == b and len(fix.changes) < len(than.changes)
