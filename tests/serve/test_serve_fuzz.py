@@ -170,3 +170,35 @@ def test_hostile_requests_get_named_4xx_answers_and_read_no_file_outside_the_sha
     assert not [p for p in touched if p.startswith(str(server["outside"].resolve()))]
     print(f"{REQUESTS} requests in {seconds:.1f} s; statuses {sorted(kinds)}; {estimates} estimates; "
           f"{len(touched)} files touched")
+
+
+HF_KEYS = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+           "vocab_size", "max_position_embeddings", "head_dim", "rope_scaling", "rope_parameters", "rope_theta",
+           "rms_norm_eps", "tie_word_embeddings", "num_local_experts", "num_experts_per_tok", "sliding_window",
+           "use_sliding_window", "hidden_act", "attention_bias", "mlp_bias", "router_aux_loss_coef", "n_embd",
+           "n_layer", "n_head", "n_positions", "n_inner", "layer_norm_epsilon", "activation_function"]
+HF_VALUES = [0, -1, 2**70, -(2**70), 1.5, "x", None, [], {}, True, 1e308, {"rope_theta": "x"},
+             {"rope_type": "llama3", "factor": "x"}, "😀"]
+
+
+def test_every_key_of_an_uploaded_config_json_with_hostile_values_is_a_named_error(server) -> None:
+    """The upload's parser (models/hf.py) once divided by zero heads and compared a string window."""
+    base = {"llama": {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+                      "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000,
+                      "max_position_embeddings": 512, "num_local_experts": 4, "num_experts_per_tok": 2},
+            "gpt2": {"n_embd": 256, "n_layer": 2, "n_head": 4, "vocab_size": 100, "n_positions": 128}}
+    answers = []
+    for model_type in ("llama", "mixtral", "qwen2", "mistral", "gpt2"):
+        for key in HF_KEYS:
+            for value in HF_VALUES:
+                hf = {**base["gpt2" if model_type == "gpt2" else "llama"], "model_type": model_type, key: value}
+                status, body = send(server["port"], "POST", "/api/hf-config",
+                                    json.dumps({"config_json": json.dumps(hf)}).encode(), {})
+                answer = json.loads(body)
+                assert status == 200 and ("values" in answer or answer["field"] == "model.preset"), (hf, answer)
+                if "values" in answer:  # what the page does next: estimate the fields
+                    status, body = send(server["port"], "POST", "/api/estimate",
+                                        json.dumps({"values": answer["values"]}).encode(), {})
+                    assert status == 200, (hf, body[:300])
+                answers.append("values" in answer)
+    assert any(answers) and not all(answers)

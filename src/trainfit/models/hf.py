@@ -69,6 +69,8 @@ def _get(hf: dict[str, Any], key: str, file: Path, default: Any = _REQUIRED) -> 
         if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
             names = {str: "a string", bool: "true or false", int: "an integer"}
             raise ConfigError(f"{file}: {key}={value!r}: must be {names.get(kind, 'a number')} (model.preset)")
+        if kind is int and value < 1:
+            raise ConfigError(f"{file}: {key}={value!r}: must be a positive integer (model.preset)")
         return value
     if default is _REQUIRED:
         raise ConfigError(f"{file}: key {key!r} is missing; add it (model_type={hf.get('model_type')!r} "
@@ -127,8 +129,11 @@ def _llama_fields(hf: dict[str, Any], file: Path, model_type: str) -> dict[str, 
 
 
 def _rope_theta(hf: dict[str, Any], file: Path, default: float) -> float:
-    params = hf.get("rope_parameters") or {}  # transformers >= 5 writes RoPE settings here
-    return float(hf.get("rope_theta") or params.get("rope_theta") or default)
+    params = hf.get("rope_parameters")  # transformers >= 5 writes RoPE settings here
+    theta = _get(hf, "rope_theta", file, None)
+    if theta is None and isinstance(params, dict):
+        theta = _get(params, "rope_theta", file, None)
+    return float(theta or default)
 
 
 LLAMA3_ROPE_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
@@ -163,6 +168,8 @@ def _check_sliding_window(hf: dict[str, Any], file: Path, model_type: str) -> No
     window = hf.get("sliding_window")
     if model_type == "qwen2" and not hf.get("use_sliding_window"):
         window = None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise _unsupported(file, "sliding_window", window, "must be an integer or null")
     if window is not None and window < _get(hf, "max_position_embeddings", file):
         warnings.warn(f"{file}: sliding_window={window} is ignored (full causal attention); logits "
                       f"differ from the original model beyond {window} tokens", stacklevel=3)
