@@ -23,7 +23,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,11 +79,10 @@ class FilePolicy:
     """The same folders as given (absolute, `..` collapsed): a path under one of these or of `folders`
     is looked at further, any other refused without touching the disk."""
     start_files: frozenset[tuple[str, str]] = frozenset()
-    """(field, resolved path) that the start config names: the user chose them on the command line."""
+    """(field, path) that the start config names, as written (absolute) and resolved: the user chose
+    them on the command line."""
     uploads: str = ""
     """The server's folder of uploaded hardware profiles, resolved."""
-    reasons: list[str] = field(default_factory=list)
-    """The latest refusals' reasons, newest last (also in the log)."""
 
     @classmethod
     def of(cls, folders: Iterable[str | Path], start_raw: dict[str, Any], uploads: str | Path) -> FilePolicy:
@@ -93,7 +92,7 @@ class FilePolicy:
             if not os.path.isdir(folder):
                 raise ConfigError(f"--files {folder!r}: not a folder; give a folder of config.json files, "
                                   "weights or hardware profiles that the page's users may use")
-        start = frozenset((f.key, os.path.realpath(value)) for f in PATH_FIELDS
+        start = frozenset((f.key, form(value)) for f in PATH_FIELDS for form in (_lexical, os.path.realpath)
                           if isinstance(value := _value(start_raw, f.key), str) and _is_path(f.key, value))
         return cls(tuple(os.path.realpath(f) for f in given), tuple(_lexical(f) for f in given), start,
                    os.path.realpath(uploads))
@@ -107,8 +106,6 @@ class FilePolicy:
                 continue
             reason = self._refusal(f, value)
             if reason is not None:
-                self.reasons.append(reason)
-                del self.reasons[:-32]
                 log(f"refused {f.key}={value[:200]!r}{f' from {client}' if client else ''}: {reason}")
                 raise RequestError(self.message(f, value), f.key)
 
@@ -126,16 +123,14 @@ class FilePolicy:
         """Why the server may not read `value` for field `f`, or None when it may (the log's words)."""
         if "\x00" in value:
             return "a NUL character in the path"
-        try:
-            lexical, real = _lexical(value), os.path.realpath(value)
-        except (OSError, ValueError) as err:
-            return f"not a path ({err})"
-        check = _KIND_CHECKS[f.key]
+        check, roots = _KIND_CHECKS[f.key], self._roots(f)
+        lexical = _lexical(value)
+        if (f.key, lexical) not in self.start_files and not any(_inside(lexical, root)
+                                                                for root in roots + self.folder_names):
+            return "outside the --files folders"  # said without looking at the disk
+        real = os.path.realpath(value)
         if (f.key, real) in self.start_files:  # the user's own choice: read as the command line reads it
             return _opens_as_resolved(value, real) or _kind_refusal(f, check, real, lambda _: True)
-        roots = self._roots(f)
-        if not any(_inside(lexical, root) for root in roots + self.folder_names):
-            return "outside the --files folders"
         if not any(_inside(real, root) for root in roots):
             return f"resolves to {real}, outside the --files folders"
         if (why := _opens_as_resolved(value, real)) is not None:
@@ -196,6 +191,13 @@ KindCheck = Callable[[str, Callable[[str], bool]], "str | None"]
 """(resolved path, whether a path inside it may be read) -> why it is not of the kind, or None."""
 
 
+def _small_file(real: str, suffix: str) -> str | None:
+    """Why `real` is not a regular file named *suffix of at most MAX_FILE bytes, or None."""
+    if not real.endswith(suffix) or not os.path.isfile(real):
+        return f"not a {suffix} file"
+    return f"larger than {MAX_FILE:,} bytes" if os.path.getsize(real) > MAX_FILE else None
+
+
 def _preset_file(real: str, may_read: Callable[[str], bool]) -> str | None:
     from trainfit.models.hf import model_fields_from_hf_config
 
@@ -203,29 +205,23 @@ def _preset_file(real: str, may_read: Callable[[str], bool]) -> str | None:
         inner = os.path.join(real, "config.json")
         return _preset_file(os.path.realpath(inner), may_read) if may_read(inner) else \
             "the folder's config.json resolves outside the --files folders"
-    if not real.endswith(".json") or not os.path.isfile(real):
-        return "not a .json file"
-    if os.path.getsize(real) > MAX_FILE:
-        return f"larger than {MAX_FILE:,} bytes"
-    model_fields_from_hf_config(real)
-    return None
+    why = _small_file(real, ".json")
+    if why is None:
+        model_fields_from_hf_config(real)
+    return why
 
 
 def _init_folder(real: str, may_read: Callable[[str], bool]) -> str | None:
-    if not os.path.isdir(real):
-        return "not a folder"
-    return _preset_file(real, may_read)
+    return _preset_file(real, may_read) if os.path.isdir(real) else "not a folder"
 
 
 def _profile_file(real: str, may_read: Callable[[str], bool]) -> str | None:
     from trainfit.hardware_profile import load_profile
 
-    if not real.endswith(".toml") or not os.path.isfile(real):
-        return "not a .toml file"
-    if os.path.getsize(real) > MAX_FILE:
-        return f"larger than {MAX_FILE:,} bytes"
-    load_profile(real)
-    return None
+    why = _small_file(real, ".toml")
+    if why is None:
+        load_profile(real)
+    return why
 
 
 _KIND_CHECKS: dict[str, KindCheck] = {
