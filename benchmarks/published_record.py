@@ -93,3 +93,21 @@ def message(found: list[str], record: dict) -> str:
     return (f"{len(found)} change(s) against the published record of {record['recorded']} "
             f"({record['reason']}):\n  " + "\n  ".join(found)
             + f"\nIf deliberate, re-record with the reason: {RECORD_COMMAND}")
+
+
+def markdown(record: dict) -> str:
+    """The record's summary as a Markdown table (the documentation's accuracy page prints it)."""
+    lines = ["| published figure | runs | median abs error | within 10 points |", "| --- | ---: | ---: | ---: |"]
+    for metric in METRICS:
+        s = record[metric]
+        lines.append(f"| {metric} | {s['rows']} | {s['median_abs_error']:.2f}% | {s['within_10']} |")
+    return "\n".join(lines) + f"\n\nRecorded {record['recorded']}: {record['reason']}.\n"
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--markdown", action="store_true", help="print the record's summary as a Markdown table")
+    if parser.parse_args().markdown:
+        print(markdown(read()))

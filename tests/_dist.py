@@ -44,7 +44,7 @@ STEPS = 4
 LONG_STEPS = int(os.environ.get("TRAINFIT_PARITY_LONG_STEPS", "8"))
 """The parity tests' longer runs (each technique's own layouts: every ZeRO stage, tp and cp, every pipeline
 schedule, ep; the compositions beside them run STEPS): 8 AdamW steps, 6 past the 2-step warm-up, held to
-the tolerances of the 20 steps the README's parity tables were measured over
+the tolerances of the 20 steps the parity tables of docs/techniques were measured over
 (TRAINFIT_PARITY_LONG_STEPS=20 runs those). Over 8 steps on an AMD EPYC, fp32: losses 3e-8 to 2.1e-7,
 parameters 8e-8 to 1.7e-5, as over 20 (bounds: loss 1e-5 or 1e-4, parameters 1e-4); tp2 + SP in
 bf16-mixed keeps 20 steps (test_tp_cp_parity.BF16_STEPS)."""
@@ -133,7 +133,7 @@ class GlooTestCase(DTensorTestBase):
         parameters) with one process given the same global batches (tolerances: see FP32...).
         Returns this rank's result (its run's folder: shared_dir / parity_name(overrides, steps)).
         Rank 0 prints the largest relative loss error and the parameters' relative error (pytest -s
-        shows them: the figures the README's parity tables quote). The memory meter's steps are off
+        shows them: the figures the parity tables of docs/techniques quote). The memory meter's steps are off
         unless `measure_memory` (numerics are the point; the accuracy grid measures the layouts)."""
         name = parity_name(overrides, steps)
         evaluation = (f"--training.eval_interval={steps}", "--training.eval_steps=2")  # at steps 0 and `steps`

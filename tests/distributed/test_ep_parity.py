@@ -2,7 +2,7 @@
 shared expert) on 2 gloo ranks (ep2) and on 4 (ep2 x dp2: dp_shard=4, the experts FSDP-sharded over
 edp=2), dropless and with a capacity factor, against one process taking the same global batches
 (tests/_dist.py's check_parity: the loss of every step and both evaluations, and the final weights
-relative to how far training moved them), _dist.LONG_STEPS each (8; 20 when the README's table was
+relative to how far training moved them), _dist.LONG_STEPS each (8; 20 when the docs' table was
 measured: TRAINFIT_PARITY_LONG_STEPS=20); compositions beside them over 4.
 
 The reference takes the same micro-batches of 2 rows (4 of them per step, where the ranks take 2
@@ -14,7 +14,7 @@ gradient averaging (their own divide factor) is checked apart, on the first step
 
 Also: a checkpoint saved under ep2 resumes on one process with the same continuation, and
 `trainfit export` writes the whole experts.
-The measured errors are printed (pytest -s) and quoted in README's parallelism section.
+The measured errors are printed (pytest -s) and quoted in the parallelism pages of docs/techniques.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from trainfit.train.trainer import Trainer
 FP32 = {"loss_rtol": 1e-4, "update_rtol": 1e-4}
 DROPLESS_LONG = {"loss_rtol": 1e-4, "update_rtol": 1e-3}
 """Dropless routing over the longer run: once a near-tied top-2 choice flips on a last-bit difference,
-the parameters drift apart (over 20 steps, README: 2.6e-5 on one machine's CPU; 2.8e-4 on an AMD
+the parameters drift apart (over 20 steps, docs/techniques/experts.md: 2.6e-5 on one machine's CPU; 2.8e-4 on an AMD
 EPYC's). The first step's gradients, checked within GRAD_RTOL, are where the dispatch itself is tested."""
 STEPS, COMPOSITION_STEPS = LONG_STEPS, 4
 MOE = ("--model.preset=debug-moe", "--training.micro_batch_size=2")

@@ -1,7 +1,7 @@
 """Beyond one machine: a two-node launch (two torchrun invocations meeting at a rendezvous endpoint,
 here both on localhost) trains exactly as one two-process node does, and an elastic restart
 (`torchrun --max-restarts`) after a rank dies resumes from the last checkpoint and ends where an
-uninterrupted run ends. README's "Beyond one machine" and examples/slurm.sbatch launch the same way."""
+uninterrupted run ends. docs/techniques/multi-node.md and examples/slurm.sbatch launch the same way."""
 
 from __future__ import annotations
 

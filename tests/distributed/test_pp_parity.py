@@ -3,7 +3,7 @@ process taking the same global batches (tests/_dist.py's check_parity: the loss 
 both evaluations, and the final weights relative to how far training moved them).
 
 The issue's layouts: pp2 with every schedule, pp4 with an uneven split, pp2 x dp2 (FSDP), pp2 x tp2
-and pp2 x ep2 train _dist.LONG_STEPS (8; 20 when the README's table was measured:
+and pp2 x ep2 train _dist.LONG_STEPS (8; 20 when the docs' table was measured:
 TRAINFIT_PARITY_LONG_STEPS=20); compositions beside them (checkpointing, bf16, fp16, clipping, more
 micro-batches, sequence parallelism, context parallelism, ZeRO-2 under a zero-bubble schedule) 4;
 MoE's auxiliary losses across stages LONG_STEPS. The debug model has 2 blocks: two-stage-per-rank

@@ -2,13 +2,13 @@
 ranks against one process taking the same global batches (tests/_dist.py's check_parity: the loss
 of every step and both evaluations, and the final weights relative to how far training moved them).
 The issue's layouts (tp2, tp2 + SP, tp4, tp2 x dp2, cp2, cp2 x tp2, cp2 x dp2) train _dist.LONG_STEPS
-(8; 20 when the README's table was measured: TRAINFIT_PARITY_LONG_STEPS=20); the compositions beside
+(8; 20 when the docs' table was measured: TRAINFIT_PARITY_LONG_STEPS=20); the compositions beside
 them (other models, precisions, checkpointing, ZeRO stages, offload, an uneven vocabulary) 4, as the
 data-parallel parity tests do: enough for every code path to run and for an error to show.
 
 Tolerance, the issue's: fp32 loss and parameters within 1e-4 relative (bf16-mixed: _dist.AUTOCAST,
 TP_BF16 over BF16_STEPS; MoE: _dist.MOE, as for data parallelism).
-The measured errors are printed (pytest -s) and quoted in README's parallelism section.
+The measured errors are printed (pytest -s) and quoted in the parallelism pages of docs/techniques.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Read from the source with `ast`, like shared/tools/import_cycles.py: an import i
 counts (a lazy import that closes a cycle is still a cycle); one under `if TYPE_CHECKING:` does not;
 a package's __init__ importing its own submodules (and they it) is not a cycle. The parts are the
 top-level entries of src/trainfit (config, models, memory, ..., units.py, traced.py): they form
-layers, each importing only parts below it (README.md's architecture section gives the order).
+layers, each importing only parts below it (docs/contributing/architecture.md gives the order).
 """
 
 from __future__ import annotations
@@ -118,8 +118,9 @@ def part_cycles_message(parts: dict[str, dict[str, set[str]]]) -> str:
         lines += [f"  {src} -> {dst}: imported by {', '.join(sorted(parts[src][dst]))}"
                   for src in cycle for dst in sorted(parts.get(src, {})) if dst in cycle]
     if lines:
-        lines.append("move the code that closes the cycle to the layer it belongs in (README.md's architecture "
-                     "section), or import it under `if TYPE_CHECKING:` if only annotations need it")
+        lines.append("move the code that closes the cycle to the layer it belongs in "
+                     "(docs/contributing/architecture.md), or import it under `if TYPE_CHECKING:` if only "
+                     "annotations need it")
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ or OMP_NUM_THREADS; torchrun sets 1 per rank):
   transformer layers: tokens x dim by dim x dim and by dim x 4 dim, small to large. A dtype's rate
   is its best shape's. A shape whose one call would take longer than `max_call_s` at the dtype's
   rate so far is skipped: bf16 and fp16 matmuls run many times slower than fp32 on CPUs without
-  native support for them (README.md's Calibrate section). fp8 starts with the probe fp8-mixed
+  native support for them (docs/commands/calibrate.md). fp8 starts with the probe fp8-mixed
   training runs (trainfit.fp8_matmul: one small GEMM, bounded in time, against bf16's): where fp8
   runs below a tenth of bf16's rate (a reference kernel, orders of magnitude slower: no fp8
   hardware) the probe's shape is the profile's one fp8 shape, else fp8's rate so far is the probe's

@@ -1,7 +1,7 @@
 """`trainfit estimate`: per-rank memory, FLOPs, step time and MFU of a config, in closed form.
 
 Pure arithmetic, no torch import: the answer comes in milliseconds and the planner can call it
-thousands of times a second. The JSON schema (documented in README) is the dict `as_json` returns:
+thousands of times a second. The JSON schema (plan/answer_schema.py documents it) is the dict `as_json` returns:
 keys model, per_rank, per_stage, flops, time, fits, attention_kernel.
 """
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trainfit.config import Config, ConfigError, iter_fields
+from trainfit.config.docs import field_kind
 from trainfit.config.schema import SECTIONS
 from trainfit.serve.files import FilePolicy, RequestError
 
@@ -35,23 +36,11 @@ def schema() -> dict[str, Any]:
     hints = {section: typing.get_type_hints(cls) for section, cls in SECTIONS.items()}
     sections: dict[str, list[dict[str, Any]]] = {}
     for section, name, default, doc in iter_fields():
-        kind, choices = _kind(hints[section][name])
+        kind, choices = field_kind(hints[section][name])
         shown = list(default) if isinstance(default, tuple) else default
         sections.setdefault(section, []).append(
             {"name": name, "default": shown, "doc": doc, "kind": kind, "choices": choices})
     return {"sections": sections, "presets": sorted(PRESETS), "gpus": ["cpu", *GPUS]}
-
-
-def _kind(hint: Any) -> tuple[str, list[str]]:
-    """(kind, choices) of a field's annotation; Optional fields (None: from the preset) by their type."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) is typing.Union or type(hint).__name__ == "UnionType":
-        return _kind(args[0]) if len(args) == 1 else ("str", [])
-    if typing.get_origin(hint) is typing.Literal:
-        return "choice", [str(a) for a in typing.get_args(hint)]
-    if typing.get_origin(hint) is tuple:
-        return "list", []
-    return {bool: "bool", int: "int", float: "float"}.get(hint, "str"), []
 
 
 def overrides_of(values: Any) -> list[str]:
