@@ -5,7 +5,8 @@ its own:
 - `<!-- generated: config-reference -->`: every config field (trainfit.config.docs.config_reference);
 - `<!-- generated: json-reference -->`: the keys of estimate's and plan's JSON (plan/answer_schema.py);
 - `<!-- help: COMMAND -->`: `trainfit COMMAND --help`, as a text block;
-- `<!-- output: SHELL COMMAND -->`: the command run in the repository root, its output as a text block;
+- `<!-- output: SHELL COMMAND -->`: the command run in the repository root, its output as a text block
+  (a pipeline's filters, after " | ", choose the part shown and are not shown);
 - `<!-- markdown: SHELL COMMAND -->`: the same, its output taken as Markdown (a benchmark's table).
 
 A command that fails fails the build. `<!-- runnable -->` above a ```bash block marks it for
@@ -18,7 +19,6 @@ import argparse
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,9 +77,9 @@ def _replace(match: re.Match[str]) -> str:
         return _generated(what)
     if kind == "help":
         return f"```text\n$ trainfit {what} --help\n{_help(what)}```{_fields_note(what)}"
-    if kind == "output":
-        shown = what.replace(f"{sys.executable} ", "python ")
-        return f"```text\n$ {shown}\n{_run(what)}```"
+    if kind == "output":  # a pipeline's filters pick the part shown: the command is shown without them
+        shown, _, filters = what.partition(" | ")
+        return f"```text\n$ {shown}\n{'...' + chr(10) if filters else ''}{_run(what)}```"
     return _run(what)
 
 
