@@ -20,7 +20,9 @@ grid takes a few minutes.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -53,6 +55,7 @@ from accuracy_grid import (  # noqa: E402
     trace,
 )
 
+from trainfit.config import write_atomic  # noqa: E402
 from trainfit.configure import load_config  # noqa: E402
 from trainfit.memory.analytic import estimate_memory  # noqa: E402
 from trainfit.memory.breakdown import MemoryBreakdown  # noqa: E402
@@ -72,6 +75,34 @@ ERRORS = ("traced error", "analytic error", "of component", "of peak", "retained
 TOLERANCES = {"traced error": TRACED_PEAK_TOLERANCE, "analytic error": ANALYTIC_TOLERANCE,
               "retained error": ANALYTIC_TOLERANCE, "states error": ANALYTIC_TOLERANCE}
 PHASE = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
+
+
+RECORD = Path(__file__).with_name("estimator_accuracy.json")
+"""The last whole grid's errors (`--record`), from which the documentation's accuracy page is drawn."""
+
+
+def recorded(rows: dict[str, dict[str, float]]) -> dict:
+    """The record of a grid run: every row's errors, the machine and the versions it ran on."""
+    import datetime
+    import platform
+
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return {"recorded": datetime.date.today().isoformat(), "machine": f"{cpu}, {os.cpu_count()} cores",
+            "torch": torch.__version__, "rows": rows}
+
+
+def markdown(record: dict) -> str:
+    """The record's median and worst errors of the traced and analytic peaks against the measured one."""
+    lines = ["| estimate of the peak | rows | median abs error | worst error |", "| --- | ---: | ---: | ---: |"]
+    for name, label in (("traced error", "traced"), ("analytic error", "analytic")):
+        values = [errors[name] for errors in record["rows"].values() if name in errors]
+        worst = max(values, key=abs)
+        lines.append(f"| {label} | {len(values)} | {statistics.median(abs(v) for v in values):.1%} | {worst:+.1%} |")
+    return "\n".join(lines) + (f"\n\nThe whole grid, {len(record['rows'])} rows (a pipeline stage a row), run on "
+                               f"{record['recorded']} on {record['machine']}, torch {record['torch']}.\n")
 
 
 def speed_ms(runs: int = 500) -> float:
@@ -129,7 +160,8 @@ def _stage_errors(row: Row, stage: int, measured: Measured, traced: MemoryBreakd
     return errors, cells
 
 
-def _table(rows: list[Row], tmp: Path, measured: dict[str, Measured]) -> Table:
+def _table(rows: list[Row], tmp: Path, measured: dict[str, Measured], record: dict[str, dict[str, float]] | None = None
+           ) -> Table:
     table = Table(title="memory estimators vs a measured CPU step (MiB; rank 0, and under pipeline parallelism each "
                         "stage's first rank; measured = the tensors' peak, non tensor = the allocator's peak above "
                         "it; error = estimate / measured - 1)")
@@ -143,6 +175,9 @@ def _table(rows: list[Row], tmp: Path, measured: dict[str, Measured]) -> Table:
             errors, cells = _stage_errors(row, stage, measured[row.name], stage_traced, estimate)
             traced_bounds, analytic_bounds = peak_bounds(row)  # MoE rows: asymmetric
             bounds = {"traced error": traced_bounds, "analytic error": analytic_bounds}
+            if record is not None:
+                record[cells["config"] + f" ({row.world} ranks)"] = {
+                    name: round(value, 5) for name, value in errors.items() if not math.isnan(value)}
             for name, value in errors.items():
                 columns[name].append(value)
                 cells[name] = _percent(value, bounds.get(name, TOLERANCES.get(name)))
@@ -163,16 +198,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", default=[], help="run the configurations whose name contains one")
     parser.add_argument("--ranks", nargs="*", type=int, default=[1, 2, 4], help="run these world sizes")
+    parser.add_argument("--record", metavar="FILE.json", help=f"write every row's errors there (the whole grid: "
+                        f"{RECORD.name} beside this script, which --markdown summarises)")
+    parser.add_argument("--markdown", action="store_true", help=f"print {RECORD.name}'s summary as Markdown and exit")
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(RECORD.read_text())))
+        return
     rows = [row for row in GRID if row.world in args.ranks and (not args.only or any(s in row.name for s in args.only))]
     console = Console(width=None if sys.stdout.isatty() else 200)  # piped: the whole table, unwrapped
     if not rows:
         console.print("no configuration matched --only / --ranks")
         return
     start = time.perf_counter()
+    record: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        table = _table(rows, Path(tmp), measure_rows(rows, Path(tmp), progress=True))
+        table = _table(rows, Path(tmp), measure_rows(rows, Path(tmp), progress=True), record)
     console.print(table)
+    if args.record:
+        write_atomic(args.record, json.dumps(recorded(record), indent=1) + "\n")
+        console.print(f"wrote {args.record}")
     console.print(f"{len(rows)} configurations measured, traced and estimated in {time.perf_counter() - start:.0f} s; "
                   f"one analytic estimate of llama3.1-405b on 16,384 GPUs (tp 8, cp 2, pp 2 x 7 virtual, "
                   f"ZeRO-3 over 512): {speed_ms():.3f} ms")

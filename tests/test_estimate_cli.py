@@ -81,6 +81,22 @@ def test_pipeline_stages_are_reported_apart() -> None:
     assert out["per_rank"]["stage"] == max(range(4), key=lambda i: stages[i]["peak"])
 
 
+@pytest.mark.parametrize(("schedule", "micro_batches"), [("1f1b", 2), ("interleaved-1f1b", 2), ("dualpipev", 4)])
+def test_a_pipeline_of_a_large_model_left_at_its_defaults_derives_a_batch_its_schedule_takes(
+        schedule: str, micro_batches: int) -> None:
+    """One sequence per rank is a large model's default micro-batch; with pipeline stages the derived
+    global batch gives each data-parallel rank the fewest micro-batches the schedule takes (it once
+    derived one, which no schedule takes: a named error for a config the user had not got wrong)."""
+    args = ["--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8", "--parallel.pp=2",
+            f"--parallel.pp_schedule={schedule}"]
+    out = json.loads(estimate(*args, "--json").stdout)
+    assert f"training.global_batch_size={micro_batches * 4} ({micro_batches} micro-batches of 1" in \
+        " ".join(out["derived_defaults"])
+    assert out["time"]["num_microbatches"] == micro_batches and len(out["per_stage"]) == 2
+    written = json.loads(estimate(*args, "--training.global_batch_size=64", "--json").stdout)
+    assert not any("global_batch_size" in d for d in written["derived_defaults"])  # set: never changed
+
+
 def test_a_config_that_does_not_fit_gets_advice() -> None:
     out = estimate("--model.preset=llama3-70b", "--hardware.gpu=A100-40GB", "--hardware.num_gpus=8",
                    "--precision.mode=bf16-mixed", "--training.seq_len=4096", "--training.micro_batch_size=1",

@@ -78,8 +78,9 @@ def test_a_derived_batch_nothing_fits_or_no_layout_takes_exits_clearly(capsys: p
                  "--training.seq_len=8192", "--training.micro_batch_size=16", "--memory.offload=none"]) == 1
     assert ("no layout of this model fits 8 x H100-SXM-80GB with global batch 128 sequences (derived: "
             "micro_batch_size 16 x 8 data-parallel ranks)") in capsys.readouterr().err
-    # a pipeline fixed at 2 ranks and a derived batch of 1 sequence: no layout is valid, build_layout says why
-    assert main(["plan", "--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=2",
+    # a pipeline fixed at 2 ranks and a derived batch of 1 sequence (a small model's: a large one's defaults
+    # derive a batch the pipeline takes): no layout is valid, build_layout says why
+    assert main(["plan", "--model.preset=debug", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=2",
                  "--parallel.pp=2", "--training.micro_batch_size=1"]) == 2
     assert "training.global_batch_size=1: each of the 1 data-parallel ranks runs 1 sequences" in capsys.readouterr().err
     # degrees that do not divide the world: deriving the batch fails with build_layout's named error
