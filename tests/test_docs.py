@@ -56,6 +56,7 @@ def test_the_generated_parts_are_in_the_pages(site) -> None:
     assert "<code>method_changes</code>" in json_page and "<code>candidates</code>" in json_page
     accuracy = (site / "estimators" / "accuracy" / "index.html").read_text(encoding="utf-8")
     assert "held-out half" in accuracy and "<td>throughput</td>" in accuracy  # the benchmarks' own tables
+    assert "<td>analytic</td>" in accuracy and "The whole grid" in accuracy  # the CPU grid's kept run
     estimate = (site / "commands" / "estimate" / "index.html").read_text(encoding="utf-8")
     assert "usage: trainfit estimate" in estimate and "<!--" not in estimate.split("<article")[1]
 
