@@ -249,6 +249,17 @@ def test_a_change_of_method_is_searched_with_checkpointing_precision_and_the_chu
     assert method_changes(cfg, [lora]) == []  # (LoRA's own speed, and QLoRA's below it)
 
 
+def test_qlora_is_not_offered_where_torchao_is_missing(monkeypatch) -> None:
+    from trainfit.configure import validate
+    from trainfit.plan.fixes import method_changes
+
+    cfg = load_config(None, ["--model.preset=llama3-70b", "--hardware.gpu=H100-SXM-80GB",
+                             "--training.micro_batch_size=1", "--training.seq_len=2048"])
+    assert [f.candidate.cfg.peft.method for f in method_changes(cfg)] == ["qlora"]
+    monkeypatch.setattr(validate, "qlora_available", lambda: False)
+    assert method_changes(cfg) == []
+
+
 def test_checkpoints_hold_the_adapters_resume_exactly_and_refuse_another_base(tmp_path) -> None:
     """A fine-tuned checkpoint holds what trains (not the base), resumes to the uninterrupted run's
     losses, and is refused on another base (model.init_from's weights changed)."""

@@ -133,11 +133,16 @@ def _init_from_preset(m: ModelConfig) -> None:
         m.preset = str(folder / "config.json")
 
 
+def qlora_available() -> bool:
+    """Whether QLoRA can train here: its NF4 base is torchao's tensor."""
+    return importlib.util.find_spec("torchao") is not None
+
+
 def _validate_peft(cfg: Config) -> None:
     pe = cfg.peft
     if pe.method == "none":
         return
-    if pe.method == "qlora" and importlib.util.find_spec("torchao") is None:
+    if pe.method == "qlora" and not qlora_available():
         raise field_error("peft.method", pe.method, "QLoRA's NF4 base is torchao's NF4 tensor: pip install torchao")
     if pe.rank < 1:
         raise field_error("peft.rank", pe.rank, "must be >= 1")

@@ -230,7 +230,11 @@ def method_changes(cfg: Config, fixes: Sequence[Fix] = ()) -> list[Fix]:
     knobs = _knob_changes(cfg, space)
     fastest_fix = max((f.candidate.tokens_per_second for f in fixes), default=0.0)
     found = []
+    from trainfit.configure.validate import qlora_available
+
     for name, fields in METHODS:
+        if name == "qlora" and not qlora_available():
+            continue  # not offered where it cannot train (validation's named error: pip install torchao)
         note = f"adapters on {'an NF4 base' if name == 'qlora' else 'a frozen base'}"
         method = (_words(cfg, fields), fields)
         best: Fix | None = None
