@@ -1,7 +1,7 @@
 """Collectives measured on real process groups and fitted to trainfit.perf.comms's cost model; imports torch.
 
-For one world size n, n processes are spawned (torch.multiprocessing, a free localhost port for the
-rendezvous) and joined in one gloo group (nccl on CUDA, one GPU per rank). They time all_reduce,
+For one world size n, n processes are spawned (torch.multiprocessing; the rendezvous is a TCPStore
+this process holds open on a localhost port) and joined in one gloo group (nccl on CUDA, one GPU per rank). They time all_reduce,
 all_gather (into one tensor), reduce_scatter (from one tensor), all_to_all (single tensor) and, at
 n = 2, a send/recv ping-pong (half a round trip is one message), each at several message sizes,
 fp32. A call lasts as long as its slowest rank; each point is the median of `repeats` batches of
@@ -31,8 +31,8 @@ bandwidth under this model is about half the all-gather's: the fit reports what 
 
 from __future__ import annotations
 
+import datetime
 import json
-import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -135,9 +135,11 @@ def measure_collectives(world_size: int, device_type: str, *, threads: int, size
                         repeats: int, copy_bytes: int, time_shared: bool) -> RanksMeasured:
     """The collectives at one world size, from freshly spawned ranks, the compute probe on them all
     at once, and unless they `time_shared` the cores, the frameworks' host work."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # The rendezvous store listens here until the ranks are done: a port found free and released
+    # before the ranks bind it can be taken meanwhile by any other process's connection.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
+    port = store.port
     with tempfile.TemporaryDirectory(prefix="trainfit-calibrate-") as tmp:
         out = Path(tmp) / "collectives.json"
         torch.multiprocessing.spawn(_rank, args=(world_size, port, device_type, threads, sizes, batch_s, repeats,
@@ -151,14 +153,14 @@ def measure_collectives(world_size: int, device_type: str, *, threads: int, size
 
 def _rank(rank: int, world_size: int, port: int, device_type: str, threads: int, sizes: tuple[int, ...],
           batch_s: float, repeats: int, copy_bytes: int, time_shared: bool, out: str) -> None:
-    import datetime
-
     torch.set_num_threads(threads)
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
+    timeout = datetime.timedelta(seconds=INIT_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, rank=rank,
+                            world_size=world_size, timeout=timeout)
     try:
         kinds = COLLECTIVE_KINDS + (("p2p",) if world_size == 2 else ())
         results: dict[str, list[tuple[int, float]]] = {kind: [] for kind in kinds}
