@@ -1,8 +1,8 @@
 """Collectives measured on real process groups and fitted to trainfit.perf.comms's cost model; imports torch.
 
 For one world size n, n processes are spawned (torch.multiprocessing; the rendezvous is a TCPStore
-this process holds open on a localhost port) and joined in one gloo group (nccl on CUDA, one GPU per rank). They time all_reduce,
-all_gather (into one tensor), reduce_scatter (from one tensor), all_to_all (single tensor) and, at
+this process holds open on a localhost port) and joined in one gloo group (nccl on CUDA, one GPU per
+rank). They time all_reduce, all_gather (into one tensor), reduce_scatter (from one tensor), all_to_all (single tensor) and, at
 n = 2, a send/recv ping-pong (half a round trip is one message), each at several message sizes,
 fp32. A call lasts as long as its slowest rank; each point is the median of `repeats` batches of
 back-to-back calls (sustained within a batch; the median, as the time model predicts median step
