@@ -2,11 +2,11 @@
 
 For one world size n, n processes are spawned (torch.multiprocessing; the rendezvous is a TCPStore
 this process holds open on a localhost port) and joined in one gloo group (nccl on CUDA, one GPU per
-rank). They time all_reduce, all_gather (into one tensor), reduce_scatter (from one tensor), all_to_all (single tensor) and, at
-n = 2, a send/recv ping-pong (half a round trip is one message), each at several message sizes,
-fp32. A call lasts as long as its slowest rank; each point is the median of `repeats` batches of
-back-to-back calls (sustained within a batch; the median, as the time model predicts median step
-times).
+rank). They time all_reduce, all_gather (into one tensor), reduce_scatter (from one tensor),
+all_to_all (single tensor) and, at n = 2, a send/recv ping-pong (half a round trip is one message),
+each at several message sizes, fp32. A call lasts as long as its slowest rank; each point is the
+median of `repeats` batches of back-to-back calls (sustained within a batch; the median, as the time
+model predicts median step times).
 
 After the collectives, every rank runs trainfit.calibrate.probe's compute probe at once, each
 batch lasting until the slowest rank's ends (a synchronous step waits for it); its rates against
