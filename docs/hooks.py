@@ -48,27 +48,20 @@ def _generated(name: str) -> str:
     raise RuntimeError(f"docs: no generated part named {name!r}")
 
 
-def _subparser(command: str) -> argparse.ArgumentParser:
+def _help(command: str) -> str:
+    """A command's --help at WIDTH columns, without the config fields it lists after its options (the
+    config reference has them, and the page says so)."""
     from trainfit.cli import build_parser
 
     actions = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    return actions[0].choices[command]
-
-
-def _help(command: str) -> str:
-    """A command's --help without the config fields it lists after its options (the config reference
-    has them), at WIDTH columns."""
-    parser = _subparser(command)
-    if parser.epilog and parser.epilog.startswith("config fields"):
+    parser = actions[0].choices[command]
+    takes_fields = bool(parser.epilog and parser.epilog.startswith("config fields"))
+    if takes_fields:
         parser.epilog = None
     os.environ["COLUMNS"] = WIDTH
-    return parser.format_help().rstrip() + "\n"
-
-
-def _fields_note(command: str) -> str:
-    epilog = _subparser(command).epilog or ""
-    return ("\n\nIt also takes every config field as `--section.field=value` after CONFIG: the [config "
-            "reference](../reference/config.md) lists them.") if epilog.startswith("config fields") else ""
+    note = ("\n\nIt also takes every config field as `--section.field=value` after CONFIG: the [config "
+            "reference](../reference/config.md) lists them.") if takes_fields else ""
+    return f"```text\n$ trainfit {command} --help\n{parser.format_help().rstrip()}\n```{note}"
 
 
 def _replace(match: re.Match[str]) -> str:
@@ -76,7 +69,7 @@ def _replace(match: re.Match[str]) -> str:
     if kind == "generated":
         return _generated(what)
     if kind == "help":
-        return f"```text\n$ trainfit {what} --help\n{_help(what)}```{_fields_note(what)}"
+        return _help(what)
     if kind == "output":  # a pipeline's filters pick the part shown: the command is shown without them
         shown, _, filters = what.partition(" | ")
         return f"```text\n$ {shown}\n{'...' + chr(10) if filters else ''}{_run(what)}```"

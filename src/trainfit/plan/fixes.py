@@ -201,17 +201,14 @@ def _knob_changes(cfg: Config, space: Space) -> list[tuple[Change, ...]]:
     """Every setting of checkpointing x the chunked loss x precision, each as the changes from cfg's
     (the empty tuple: cfg's own)."""
     mem = cfg.memory
-    checkpointing = [() if (policy, every) == (mem.activation_checkpointing, mem.ac_every_n_layers) else
-                     ((override("memory.activation_checkpointing", policy) + (
-                         f" {override('memory.ac_every_n_layers', every)}" if every != mem.ac_every_n_layers else ""),
-                       {"memory": {"activation_checkpointing": policy, "ac_every_n_layers": every}}),)
-                     for policy, every in dict.fromkeys([(mem.activation_checkpointing, mem.ac_every_n_layers),
-                                                         *space.ac])]
-    chunked = [()] if mem.chunked_loss else [(), ((override("memory.chunked_loss", True),
-                                                  {"memory": {"chunked_loss": True}}),)]
-    precisions = [()]
-    if cfg.hardware.gpu != "cpu" and cfg.precision.mode != "bf16-pure":
-        precisions.append(((override("precision.mode", "bf16-pure"), {"precision": {"mode": "bf16-pure"}}),))
+
+    def changes(*fields: dict[str, dict[str, Any]]) -> list[tuple[Change, ...]]:
+        return [()] + [((_words(cfg, f), f),) for f in fields if _words(cfg, f)]
+
+    checkpointing = changes(*({"memory": {"activation_checkpointing": policy, "ac_every_n_layers": every}}
+                              for policy, every in space.ac))
+    chunked = changes() if mem.chunked_loss else changes({"memory": {"chunked_loss": True}})
+    precisions = changes({"precision": {"mode": "bf16-pure"}}) if cfg.hardware.gpu != "cpu" else changes()
     return [a + c + p for a in checkpointing for c in chunked for p in precisions]
 
 

@@ -97,7 +97,7 @@ class FilePolicy:
         return cls(tuple(os.path.realpath(f) for f in given), tuple(_lexical(f) for f in given), start,
                    os.path.realpath(uploads))
 
-    def check(self, raw: dict[str, Any], client: str = "") -> None:
+    def check(self, raw: dict[str, Any]) -> None:
         """Refuse (RequestError) a request whose config names a path this server may not read, or one
         it may but that is not of its field's kind (read once here, as the estimate will read it)."""
         for f in PATH_FIELDS:
@@ -106,7 +106,7 @@ class FilePolicy:
                 continue
             reason = self._refusal(f, value)
             if reason is not None:
-                log(f"refused {f.key}={value[:200]!r}{f' from {client}' if client else ''}: {reason}")
+                log(f"refused {f.key}={value[:200]!r}: {reason}")
                 raise RequestError(self.message(f, value), f.key)
 
     def message(self, f: PathField, value: str) -> str:

@@ -32,7 +32,6 @@ class Busy(RequestError):
 class PlanJob:
     """One plan question, answered in its own thread."""
 
-    client: str
     deadline: float
     progress: str = "starting"
     answer: dict[str, Any] | None = None
@@ -75,7 +74,7 @@ class PlanJobs:
                 raise Busy(f"the server is answering {running} plans for other pages, its most at once; ask again "
                            "when one has finished, or run `trainfit plan` at the command line")
             job_id = next(self.ids)
-            job = PlanJob(client, time.monotonic() + self.seconds)
+            job = PlanJob(time.monotonic() + self.seconds)
             self.jobs.pop(client, None)
             self.jobs[client] = (job_id, job)
             while len(self.jobs) > self.max_clients:

@@ -44,11 +44,11 @@ class ServeState:
     """What the server keeps between requests: the config it was started with, the files it may read,
     and the plan jobs."""
 
-    start_toml: str = ""
-    folder: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="trainfit-serve-")))
+    start_toml: str
+    folder: Path
     """Where uploaded hardware profiles are kept (hardware.profile names a file)."""
-    files: FilePolicy = field(default_factory=FilePolicy)
-    guard: Guard = field(default_factory=lambda: Guard.of("127.0.0.1"))
+    files: FilePolicy
+    guard: Guard
     jobs: PlanJobs = field(init=False)
 
     def __post_init__(self) -> None:
