@@ -18,6 +18,7 @@ CARD_BILLIONS = {  # the model card's "Number of Parameters" (SOURCES.md names e
     "Qwen--Qwen3-0.6B.json": 0.6, "Qwen--Qwen3-1.7B.json": 1.7, "Qwen--Qwen3-4B.json": 4.0,
     "Qwen--Qwen3-8B.json": 8.2, "Qwen--Qwen3-14B.json": 14.8, "Qwen--Qwen3-32B.json": 32.8,
     "Qwen--Qwen3-30B-A3B.json": 30.5, "microsoft--phi-4.json": 14.7,
+    "microsoft--Phi-3-mini-4k-instruct.json": 3.8,
 }
 FILES = sorted(p.name for p in DATA.glob("*.json"))
 

@@ -49,9 +49,14 @@ class ModelConfig:
     num_layers: int | None = None
     """Number of transformer blocks."""
     num_heads: int | None = None
-    """Attention (query) heads; must divide dim."""
+    """Attention (query) heads; must divide dim unless head_dim is set."""
     num_kv_heads: int | None = None
     """Key/value heads (GQA); must divide num_heads. Defaults to num_heads."""
+    head_dim: int | None = None
+    """Width of each attention head; 0 = dim / num_heads. Qwen3 and Mistral Small 3 set it so that
+    num_heads x head_dim differs from dim."""
+    qk_norm: bool | None = None
+    """RMSNorm over each head of the queries and keys before RoPE, one gain of head_dim each (Qwen3)."""
     ffn_dim: int | None = None
     """Hidden size of the dense MLP."""
     vocab_size: int | None = None

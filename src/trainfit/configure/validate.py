@@ -15,6 +15,7 @@ from pathlib import Path
 
 from trainfit.config.schema import Config, ModelConfig, field_error
 from trainfit.hardware import validate_hardware
+from trainfit.models.architecture import describe
 from trainfit.models.presets import resolve_model_config
 from trainfit.peft.spec import target_names
 
@@ -52,15 +53,21 @@ def _validate_model(m: ModelConfig) -> None:
         value = getattr(m, name)
         if value is None or value < 1:
             raise field_error(f"model.{name}", value, "must be a positive integer (set it, or pick a model.preset)")
-    if m.dim % m.num_heads:
-        raise field_error("model.num_heads", m.num_heads, f"must divide model.dim={m.dim}")
+    if m.head_dim is None or m.head_dim < 0:
+        raise field_error("model.head_dim", m.head_dim, "must be a positive integer, or 0 for dim / num_heads")
+    if not m.head_dim and m.dim % m.num_heads:
+        raise field_error("model.num_heads", m.num_heads, f"must divide model.dim={m.dim} (or set model.head_dim)")
     if m.num_heads % m.num_kv_heads:
         raise field_error("model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads={m.num_heads}")
-    if m.family == "gpt2" and m.num_kv_heads != m.num_heads:
-        raise field_error("model.num_kv_heads", m.num_kv_heads,
-                          f"GPT-2 attention has one key/value head per query head: set it to {m.num_heads}")
-    if (m.dim // m.num_heads) % 2 and m.family == "llama":
-        raise field_error("model.num_heads", m.num_heads, "dim / num_heads must be even for RoPE")
+    attention = describe(m).block.attention
+    if m.family == "gpt2":  # the features GPT-2's module tree (models/gpt2.py) does not have
+        for name, value, fix in (("num_kv_heads", m.num_kv_heads, m.num_heads), ("head_dim", m.head_dim, 0),
+                                 ("qk_norm", m.qk_norm, False)):
+            if value != fix:
+                raise field_error(f"model.{name}", value, f"model.family=gpt2 does not have it: set it to {fix}")
+    if attention.rope and attention.head_dim % 2:
+        raise field_error("model.head_dim" if m.head_dim else "model.num_heads", m.head_dim or m.num_heads,
+                          f"the head width {attention.head_dim} must be even for RoPE")
     if m.num_experts:
         if m.family != "llama":
             raise field_error("model.num_experts", m.num_experts, "MoE is supported for family=llama only")

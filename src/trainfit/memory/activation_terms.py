@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from trainfit.config import ModelConfig
+from trainfit.models.architecture import Layer, describe
 
 FP32 = 4
 
@@ -96,14 +97,19 @@ class Terms(NamedTuple):
 
 
 def block_shapes(m: ModelConfig) -> tuple[int, int, int, int, int]:
-    head_dim = m.dim // m.num_heads
-    return m.dim, m.num_heads * head_dim, m.num_kv_heads * head_dim, m.num_heads, head_dim
+    a = layer_of(m).attention
+    return m.dim, a.q_dim, a.kv_dim, a.num_heads, a.head_dim
+
+
+def layer_of(m: ModelConfig) -> Layer:
+    """The block the estimate prices (models/architecture.py; every layer alike)."""
+    return describe(m).block
 
 
 def norm_saved(m: ModelConfig, d: ActDtypes, consumers: int) -> Terms:
     """A pre-norm (input owned by the caller) and what its consumers save of its output."""
     D = m.dim
-    if m.family == "gpt2":
+    if layer_of(m).norm.kind == "layer":
         # native_layer_norm saves input (owned elsewhere), mean and rstd (stream dtype, 1 per token);
         # under autocast it runs in fp32 and its output is cast by each consumer.
         own = 2 * d.stream
@@ -121,8 +127,31 @@ def swiglu_saved(c: int, hidden: float) -> float:
 
 
 def ffn_consumers(m: ModelConfig) -> int:
-    if m.family == "gpt2":
+    mlp = layer_of(m).mlp
+    if mlp and not mlp.gated:
         return 1
     if m.num_experts:
         return 1 + (2 if m.num_shared_experts else 0)  # router, shared w1 and w3
     return 2  # w1, w3
+
+
+def norm_input_bytes(m: ModelConfig, d: ActDtypes) -> int:
+    """Bytes per element a pre-norm saves of its input: LayerNorm the input itself, RMSNorm its fp32
+    copy (x.float(); the input itself when the stream is fp32)."""
+    return d.stream if layer_of(m).norm.kind == "layer" else FP32
+
+
+def ungated_mlp(m: ModelConfig) -> bool:
+    """A dense MLP of two matmuls around its activation (GPT-2's fc, GELU, proj), not a SwiGLU."""
+    mlp = layer_of(m).mlp
+    return mlp is not None and not mlp.gated
+
+
+def qk_norm_saved(m: ModelConfig, d: ActDtypes) -> Terms:
+    """QK-norm (models/architecture.py): the RMSNorm of each head of q and k saves its input's fp32
+    copy (the projection's output itself in fp32), its rsqrt per head and the normed values cast back
+    to the projection's dtype (by the gain's multiply): head-sharded, like the projections."""
+    a = layer_of(m).attention
+    if not a.qk_norm:
+        return Terms()
+    return Terms(tp=(FP32 + d.compute) * (a.q_dim + a.kv_dim) + FP32 * (a.num_heads + a.num_kv_heads))

@@ -15,8 +15,11 @@ from trainfit.memory.activation_terms import (
     Terms,
     block_shapes,
     ffn_consumers,
+    layer_of,
+    norm_input_bytes,
     norm_saved,
     swiglu_saved,
+    ungated_mlp,
 )
 from trainfit.memory.attention_activations import attention_kept, attention_saved
 from trainfit.memory.moe_activations import Routing, balanced_routing, moe_saved
@@ -40,9 +43,9 @@ def block_terms(m: ModelConfig, d: ActDtypes, policy: str, routing: Routing | No
     # Block input (for RMSNorm with a 16-bit stream, its fp32 copy replaces it: see norm_saved) and
     # the mid-block residual h, each saved at 4 bytes by the norm that reads it (RMSNorm) or at
     # stream bytes (LayerNorm saves its input as is).
-    residual = 2 * (a * D if m.family == "gpt2" else FP32 * D)
+    residual = 2 * norm_input_bytes(m, d) * D
     terms = Terms(seq=residual) + norm_saved(m, d, 3) + attention_saved(m, d, cp) + norm_saved(m, d, ffn_consumers(m))
-    if m.family == "gpt2":
+    if ungated_mlp(m):
         return terms + Terms(tp=2 * c * m.ffn_dim)  # fc1 out (GELU input), GELU out (fc2 input)
     if m.num_experts:
         return terms + moe_saved(m, d, routing or balanced_routing(m))
@@ -113,7 +116,7 @@ def _selective_kept(m: ModelConfig, d: ActDtypes, policy: str, routing: Routing 
     kept = Terms(seq=d.stream * D, tp=out("wq") + out("wk") + out("wv")) + attention_kept(m, d, cp, policy)
     kept += Terms(gathered=out("wo"))  # under TP: the partial sum before the reduce-scatter
     kept += _row_parallel_reductions(m, d, tp)
-    if m.family == "gpt2":
+    if ungated_mlp(m):
         return kept + Terms(gathered=out("w2"), tp=out("w1"))
     if not m.num_experts:
         return kept + Terms(gathered=out("w2"), tp=out("w1") + out("w3"))
@@ -142,14 +145,14 @@ def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str, tp: int = 1,
       recompute consumes both."""
     D, q_dim, kv_dim, _, _ = block_shapes(m)
     c = d.compute
-    block_input = Terms(seq=d.stream * D if m.family == "llama" and d.stream != FP32 else 0)
+    block_input = Terms(seq=d.stream * D if norm_input_bytes(m, d) != d.stream else 0)
     if policy not in ("selective", "selective-alternate"):
         return PolicyOnly(Terms(), block_input)
     alternate = policy == "selective-alternate"
     released = _reduction(m, d, tp) + Terms(gathered=0 if alternate else c * D)  # wo's reduction, output
     if d.math_attention:
         released += attention_kept(m, d, cp, policy)
-    if m.family == "llama":
+    if _projections_unsaved(m, d):
         released += Terms(tp=c * (q_dim + (0 if alternate else kv_dim)))  # wq, wk outputs (before RoPE)
     if m.num_experts:
         # The recompute runs to the block's end (the load-balancing loss is saved after the output):
@@ -160,9 +163,16 @@ def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str, tp: int = 1,
         return PolicyOnly(released + Terms(gathered=c * m.num_experts) + _expert_parallel_released(m, d, r, policy)
                           + last, block_input, last)
     last = _reduction(m, d, tp)  # w2's / fc2's reduction, and w2's (fc2's) output unless recomputed
-    if not (alternate and m.family == "gpt2"):
+    if not (alternate and ungated_mlp(m)):  # GPT-2's fc2 is the 6th matmul: not kept
         last += Terms(gathered=c * D)
     return PolicyOnly(released, block_input + last)
+
+
+def _projections_unsaved(m: ModelConfig, d: ActDtypes) -> bool:
+    """Whether the unwrapped block saves nothing of wq's and wk's outputs: they feed RoPE (which saves
+    only its tables) or QK-norm's fp32 cast (a copy, unless they are fp32 already)."""
+    a = layer_of(m).attention
+    return a.rope and not (a.qk_norm and d.compute == FP32)
 
 
 def _expert_parallel_released(m: ModelConfig, d: ActDtypes, r: Routing, policy: str) -> Terms:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainfit.config import ModelConfig
-from trainfit.memory.activation_terms import FP32, ActDtypes, Terms, block_shapes
+from trainfit.memory.activation_terms import FP32, ActDtypes, Terms, block_shapes, layer_of, ungated_mlp
 from trainfit.memory.attention_activations import attention_saved
 from trainfit.memory.moe_activations import Routing, balanced_routing
 from trainfit.models.block_spec import block_linears
@@ -42,8 +42,11 @@ def adapter_terms(m: ModelConfig, d: ActDtypes, adaptation: Adaptation, routing:
     c, a = d.compute, d.stream
     adapted = set(adaptation.targets)
     linears = {linear.name: linear for linear in block_linears(m)}
-    gpt2 = m.family == "gpt2"
-    seq = 0 if gpt2 else -2.0 * a * D  # the two RMSNorms' normalized copies, kept only for their gains
+    gpt2 = ungated_mlp(m)
+    layer = layer_of(m)
+    seq = 0 if layer.norm.kind == "layer" else -2.0 * a * D  # the two RMSNorms' normalized copies, kept
+    # only for their gains; so are QK-norm's (frozen too)
+    qk_norm = -c * (layer.attention.q_dim + layer.attention.kv_dim) if layer.attention.qk_norm else 0
     gathered = 0.0
     moe = bool(m.num_experts)
     ffn_consumers = ("w1",) if gpt2 else ("router", *("shared_w1", "shared_w3") * bool(m.num_shared_experts)) \
@@ -56,7 +59,7 @@ def adapter_terms(m: ModelConfig, d: ActDtypes, adaptation: Adaptation, routing:
     ffn = 0 if moe else m.ffn_dim
     # the down projection's input (SwiGLU's product, GELU's output), kept for its adapter's A, or with
     # dropout its dropped copy and mask instead
-    tp = -c * ffn + _inputs_kept(("w2",), adapted, d, ffn, adaptation.dropout)
+    tp = -c * ffn + _inputs_kept(("w2",), adapted, d, ffn, adaptation.dropout) + qk_norm
     if d.math_attention and "wo" not in adapted:
         tp -= c * q_dim  # wo's contiguous copy of the output
     if adaptation.dropout and "wo" in adapted:  # beside SDPA's output, which it keeps anyway
@@ -114,7 +117,7 @@ def first_block_terms(m: ModelConfig, d: ActDtypes, adaptation: Adaptation) -> T
     its output, if wo's adapter reads it), and without one on the attention at all, nor does the
     second norm. The dropout on q, k and v's adapters keeps no mask there."""
     D, q_dim, _, _, _ = block_shapes(m)
-    norm = d.stream * D + 2 * d.stream if m.family == "gpt2" else FP32 * D + FP32
+    norm = d.stream * D + 2 * d.stream if layer_of(m).norm.kind == "layer" else FP32 * D + FP32
     adapted = set(adaptation.targets)
     if adapted & {"wq", "wk", "wv"}:
         # dropout of an input needing no gradient keeps no mask (its dropped copy, A's input, stays)
@@ -130,7 +133,7 @@ def final_norm_adapter_terms(m: ModelConfig, d: ActDtypes, adaptation: Adaptatio
     normalized copy (RMSNorm), and a frozen output projection not its input (the norm's output).
     (Under the chunked loss, what its chunks keep through a frozen projection is not modelled yet:
     logits.py counts full fine-tuning's.)"""
-    gain = 0.0 if m.family == "gpt2" else d.stream * m.dim
+    gain = 0.0 if layer_of(m).norm.kind == "layer" else d.stream * m.dim
     head = (d.compute if d.autocast else d.stream) * m.dim if projected and not adaptation.train_output else 0.0
     return Terms(seq=-gain, gathered=-head)
 

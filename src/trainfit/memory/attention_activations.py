@@ -11,18 +11,23 @@ from trainfit.memory.activation_terms import (
     ActDtypes,
     Terms,
     block_shapes,
+    layer_of,
+    qk_norm_saved,
 )
 
 
 def attention_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
     D, q_dim, kv_dim, H, head_dim = block_shapes(m)
-    c = d.compute
-    per_position = 4 * head_dim * c if (d.autocast and m.family == "llama") else 0  # cos/sin .to(bf16), q and k
+    c, a = d.compute, layer_of(m).attention
+    # Under autocast RoPE casts its cos/sin tables to q's and k's bf16 (saved by its multiplies); after
+    # QK-norm q and k are fp32 (the norm's fp32 gain promotes them), the tables' own dtype: no cast.
+    per_position = 4 * head_dim * c if (d.autocast and a.rope and not a.qk_norm) else 0
+    qk_norm = qk_norm_saved(m, d)
     if d.math_attention:
-        return _math_attention_saved(m, d, cp) + Terms(per_position=per_position)
+        return _math_attention_saved(m, d, cp) + Terms(per_position=per_position) + qk_norm
     # SDPA saves q (after RoPE), k (after RoPE), v, out, and an fp32 logsumexp per head.
     own = Terms(tp=c * (2 * q_dim + 2 * kv_dim) + FP32 * H, per_position=per_position)
-    return own + _context_parallel_saved(m, d, cp)
+    return own + qk_norm + _context_parallel_saved(m, d, cp)
 
 
 def keys_per_query(cp: int) -> tuple[float, float]:
@@ -70,9 +75,9 @@ def _context_parallel_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
 def context_parallel_positions(m: ModelConfig, cp: int, table_bytes: int) -> Terms:
     """Llama under context parallelism: the RoPE tables' rows of the rank's positions, gathered once
     per forward (a copy; unsharded, a slice) and saved by every block's RoPE."""
-    if cp == 1 or m.family != "llama":
+    if cp == 1 or not layer_of(m).attention.rope:
         return Terms()
-    return Terms(per_position=2 * (m.dim // m.num_heads) * table_bytes)
+    return Terms(per_position=2 * block_shapes(m)[4] * table_bytes)
 
 
 def context_parallel_mask_bytes(local_len: int, cp: int, compute: int) -> int:

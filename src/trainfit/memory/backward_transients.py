@@ -10,13 +10,14 @@ from dataclasses import dataclass
 
 from trainfit.config import ModelConfig
 from trainfit.memory.activation_terms import (
-    FP32,
     ActDtypes,
     Terms,
     block_shapes,
     ffn_consumers,
+    norm_input_bytes,
     norm_saved,
     swiglu_saved,
+    ungated_mlp,
 )
 from trainfit.memory.activations import policy_keeps_shared_output
 from trainfit.memory.attention_activations import attention_backward
@@ -106,15 +107,15 @@ def first_linears(m: ModelConfig, d: ActDtypes) -> FirstLinears:
     """What a block holds at the backward of its branches' first linears (FirstLinears)."""
     D, q_dim, _, _, _ = block_shapes(m)
     c = d.compute
-    residual = d.stream * D if m.family == "gpt2" else FP32 * D
-    rebuilt = norm_saved(m, d, 1) + Terms(seq=0 if m.family == "gpt2" or d.stream == FP32 else residual)
+    residual = norm_input_bytes(m, d) * D
+    rebuilt = norm_saved(m, d, 1) + Terms(seq=0 if residual == d.stream * D else residual)
     kept = Terms(seq=residual) + norm_saved(m, d, 1)
     input_grad = Terms(gathered=c * D)
     attention_new = Terms(tp=c * q_dim, gathered=d.stream * D) + input_grad
     at_attention = dict(kept=kept, block_input=Terms(seq=d.stream * D), rebuilt=rebuilt, attention_new=attention_new)
     if m.num_experts:
         return FirstLinears(**at_attention, freed=Terms(), mlp_new=Terms())
-    if m.family == "gpt2":
+    if ungated_mlp(m):
         return FirstLinears(**at_attention, freed=Terms(tp=2 * c * m.ffn_dim),
                             mlp_new=Terms(tp=c * m.ffn_dim) + input_grad)
     w3_cast = Terms(gathered=c * D if d.autocast else 0)
@@ -131,8 +132,8 @@ def attention_backward_freed(m: ModelConfig, d: ActDtypes) -> Terms:
         return Terms()
     _, q_dim, _, _, _ = block_shapes(m)
     c = d.compute
-    residual = d.stream * m.dim if m.family == "gpt2" else FP32 * m.dim
-    mlp = 2 * c * m.ffn_dim if m.family == "gpt2" else swiglu_saved(c, m.ffn_dim)
+    residual = norm_input_bytes(m, d) * m.dim
+    mlp = 2 * c * m.ffn_dim if ungated_mlp(m) else swiglu_saved(c, m.ffn_dim)
     return Terms(seq=residual, tp=mlp + c * q_dim) + norm_saved(m, d, ffn_consumers(m))
 
 
@@ -152,7 +153,7 @@ def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | No
     # The MLP's input held by its forward: saved itself (so rebuilt) unless autocast saves its casts.
     tail = Terms(seq=d.stream * D, gathered=d.stream * D if sequence_parallel else 0) if d.autocast else Terms()
     expert = {}
-    if m.family == "gpt2":
+    if ungated_mlp(m):
         # fp32/16-bit: GELU's backward (its input's and output's gradients, fc2's input freed);
         # autocast: inside fc2's backward (its input's gradient, before the fp32 cast-back).
         hidden, grads = m.ffn_dim, 1 if d.autocast else 2

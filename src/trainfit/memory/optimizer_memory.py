@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from trainfit.config import OptimizerConfig
 from trainfit.memory.activation_terms import FP32
 from trainfit.memory.run_shape import Precision, Run
+from trainfit.models.architecture import describe
 from trainfit.models.block_spec import block_linears
 
 if TYPE_CHECKING:  # annotations only: rank_layout imports this module
@@ -111,7 +112,7 @@ def matrix_shapes(run: Run, lay: RankLayout, shards: int) -> list[tuple[int, ...
         else:
             block.append((n, k))
     vocab = (-(-m.vocab_size // tp), m.dim)
-    ends = [vocab] * lay.first + [(m.max_seq_len, m.dim)] * (lay.first and m.family == "gpt2")
+    ends = [vocab] * lay.first + [(m.max_seq_len, m.dim)] * (lay.first and describe(m).learned_positions)
     ends += [vocab] * (lay.last and not lay.tied_here)
 
     def local(shape: tuple[int, ...], over: int) -> tuple[int, ...]:

@@ -19,6 +19,7 @@ from trainfit.memory.run_shape import (
     precision_of,
     rope_table_bytes,
 )
+from trainfit.models.architecture import describe
 from trainfit.models.block_spec import block_linears
 from trainfit.models.params import ParamCounts
 from trainfit.parallel.stage_split import RankPlacement, checkpointed
@@ -106,15 +107,14 @@ def _block(run: Run, counts: ParamCounts) -> BlockParams:
     linears = block_linears(m)
     matmul = sum(linear.local_params(tp, ep) for linear in linears)
     mlp = sum(linear.local_params(tp, ep) for linear in linears if linear.path.startswith("feed_forward."))
-    head_dim = m.dim // m.num_heads
-    if m.family == "gpt2":
-        biases, tensors, mlp_out = 4 * m.dim + m.ffn_dim + m.dim, 16, m.dim * m.ffn_dim // tp
-    else:
-        biases = m.dim + 2 * m.num_kv_heads * head_dim if m.qkv_bias else 0
-        tensors = 9 + (3 if m.qkv_bias else 0)  # 2 norms, wq wk wv wo, w1 w2 w3
-        if m.num_experts:
-            tensors += 1 + (3 if m.num_shared_experts else 0)  # router; shared w1 w2 w3
-        mlp_out = mlp // 3
+    layer = describe(m).block
+    biases = sum(linear.out_features for linear in linears if linear.bias)
+    norm_tensors = 2 if layer.norm.kind == "layer" else 1  # gain (and bias) of one norm
+    qk_norms = 2 * layer.attention.head_dim if layer.attention.qk_norm else 0
+    # 2 norms, each linear's weight (a routed expert's stacked weight: one) and bias, QK-norm's gains
+    tensors = 2 * norm_tensors + sum(1 + linear.bias for linear in linears) + (2 if qk_norms else 0)
+    w2 = {linear.name: linear for linear in linears}.get("w2")
+    mlp_out = w2.in_features * w2.out_features // tp if w2 and not layer.mlp.gated else mlp // 3
     experts_local = max(1, m.num_experts // ep) * (m.expert_ffn_dim or 0) * m.dim
     adaptation = run.layout.adaptation
     adapters = adapter_params(m, adaptation, ep) if adaptation else 0
@@ -128,10 +128,10 @@ def _block(run: Run, counts: ParamCounts) -> BlockParams:
         float8=sum(k * n + b for k, n, b in float8_linears(m).values()) // tp
         if run.layout.precision == "fp8-mixed" else 0,
         experts=counts.routed_experts // ep + routed_adapters, routed_adapters=routed_adapters,
-        no_decay=counts.norms + biases // tp + magnitudes, mlp_out=mlp_out,
+        no_decay=counts.norms + qk_norms + biases // tp + magnitudes, mlp_out=mlp_out,
         tensors=tensors + (2 + bool(magnitudes)) * len(adaptation.targets) if adaptation else tensors,
-        norm_tensors=2 if m.family == "gpt2" else 1, vocab=m.vocab_size * m.dim // tp,
-        largest=max(m.dim * m.dim // tp, m.ffn_dim * m.dim // tp, experts_local))
+        norm_tensors=norm_tensors, vocab=m.vocab_size * m.dim // tp,
+        largest=max(m.dim * layer.attention.q_dim // tp, m.ffn_dim * m.dim // tp, experts_local))
 
 
 def rank_layout(run: Run, common: LayoutCommon, place: RankPlacement) -> RankLayout:

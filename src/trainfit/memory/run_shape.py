@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 from trainfit.config import HardwareConfig, ModelConfig, OptimizerConfig, TrainingConfig
 from trainfit.memory.activation_terms import FP32, ActDtypes
+from trainfit.models.architecture import describe
 from trainfit.parallel.layout import Layout
 from trainfit.peft.spec import Adaptation
 
@@ -61,7 +62,7 @@ def assumed_attention_kernel(model: ModelConfig, layout: Layout, training: Train
         return "math" if backend == "math" else "fused"
     if hardware.gpu == "cpu":
         return "fused"
-    head_dim = model.dim // model.num_heads
+    head_dim = describe(model).block.attention.head_dim
     half = layout.precision != "fp32"
     if half and layout.cp == 1 and head_dim <= 256:
         return "fused"

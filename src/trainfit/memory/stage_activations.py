@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from trainfit.config import ModelConfig
 from trainfit.memory.activation_terms import (
-    FP32,
     ActDtypes,
     Terms,
     block_shapes,
+    norm_input_bytes,
     norm_saved,
+    ungated_mlp,
 )
 
 
@@ -18,7 +19,7 @@ def final_norm_terms(m: ModelConfig, d: ActDtypes, projected: bool = True) -> Te
     """The final norm: its input (the last block's output) and what the output projection saves of
     its output. `projected` False: the chunked loss projects it (train/loss.py), and its output is
     the model's, which the loss holds (logits._chunked_loss)."""
-    residual = d.stream * m.dim if m.family == "gpt2" else FP32 * m.dim
+    residual = norm_input_bytes(m, d) * m.dim
     norm = norm_saved(m, d, 1)
     return Terms(seq=residual) + (norm if projected else Terms(seq=norm.seq))
 
@@ -45,7 +46,7 @@ def weight_pass_pending_terms(m: ModelConfig, d: ActDtypes) -> Terms:
         ffn = m.expert_ffn_dim or m.ffn_dim
         mlp = 2 * ffn * ((m.experts_per_token or 1) + (m.num_shared_experts or 0))
         return Terms(seq=a * 2 * D + c * 2 * D, gathered=c * (mlp + m.num_experts), tp=c * (q_dim + 2 * kv_dim))
-    inputs = 1 if m.family == "gpt2" else 2  # GPT-2's fc; SwiGLU's w1 and w3
+    inputs = 1 if ungated_mlp(m) else 2  # GPT-2's fc; SwiGLU's w1 and w3
     return Terms(seq=a * 2 * D + c * 2 * D, tp=c * (q_dim + 2 * kv_dim + inputs * m.ffn_dim))
 
 

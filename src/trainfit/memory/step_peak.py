@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from trainfit.memory.activation_terms import Terms
+from trainfit.memory.activation_terms import Terms, ungated_mlp
 from trainfit.memory.activations import shared_experts_saved
 from trainfit.memory.adapter_activations import first_block_casts_unsaved, first_block_saving, nf4_dequant_bytes
 from trainfit.memory.attention_activations import context_parallel_mask_bytes
@@ -23,6 +23,7 @@ from trainfit.memory.pipeline_held import PipelineHeld
 from trainfit.memory.rank_layout import LayoutCommon, RankLayout
 from trainfit.memory.run_shape import Run, rope_table_bytes
 from trainfit.memory.zero_states import stage_states
+from trainfit.models.architecture import describe
 from trainfit.models.block_spec import block_linears
 from trainfit.parallel.engine import DDP_GRADIENT_AS_BUCKET_VIEW, FSDP_PREFETCH_BLOCKS, FSDP_REDUCE_BYTES_MIXED
 from trainfit.peft.spec import adapter_params, adapter_params_of, routed_adapter_params
@@ -121,9 +122,9 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     reduce = (FSDP_REDUCE_BYTES_MIXED if prec.mixed else prec.param) if st.fsdp else 0
     # Context parallelism's causal masks, and Llama's RoPE cos/sin tables
     persistent_buffers = context_parallel_mask_bytes(st.seq, run.layout.cp, act.compute)
-    if run.model.family == "llama":
-        head_dim = run.model.dim // run.model.num_heads
-        persistent_buffers += 2 * run.model.max_seq_len * head_dim * rope_table_bytes(run)
+    attention = describe(run.model).block.attention
+    if attention.rope:
+        persistent_buffers += 2 * run.model.max_seq_len * attention.head_dim * rope_table_bytes(run)
     kind = run.layout.data_parallel
     if kind == "ddp" and not DDP_GRADIENT_AS_BUCKET_VIEW:
         persistent_buffers += st.grads  # DDP's gradient buckets, beside the gradients
@@ -213,7 +214,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     # GELU's peak is inside fc2's backward, where under autocast the 16-bit weight gradient is not
     # yet cast and accumulated. Bucketed, the peak is w2's own backward: its weight gradient, just
     # made (an activation gradient until the bucket's hook takes it), beside its input's gradient.
-    w2_in_flight = run.model.family == "gpt2" and act.autocast
+    w2_in_flight = ungated_mlp(run.model) and act.autocast
     w2 = (0, 0, c * lay.mlp_out) if w2_in_flight else (0, c * lay.mlp_out, 0) if st.fsdp else \
         (0, 0, int(autograd_bytes * lay.mlp_out)) if bucketed else (int(lay.mlp_out * per_param), 0, 0)
     # MoE: the shared experts' backward runs first (mlp_* of `transient`; their w2 for w2), then the
@@ -258,7 +259,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     # own weight gradient (its input gradient is among _float8_backward_bytes's allocations).
     linears = {w.name: w.local_params(tp, run.layout.ep) for w in block_linears(run.model)}
     linears_in = {w.name: w.in_features for w in block_linears(run.model)}
-    attention_norm = run.model.dim * (2 if run.model.family == "gpt2" else 1)
+    attention_norm = describe(run.model).block.norm.params(run.model.dim)
     mlp_linears = () if routing is not None else ("w1", "w2", "w3") if "w3" in linears else ("w1", "w2")
     input_grad = c * run.model.dim * st.tokens  # the first linear's input gradient, in FirstLinears' *_new
 

@@ -10,21 +10,14 @@ training and hardware FLOPs on these; parallel/stage_split.py weighs pipeline st
 from __future__ import annotations
 
 from trainfit.config.schema import ModelConfig
+from trainfit.models.architecture import describe
+from trainfit.models.block_spec import block_linears
 
 
 def block_matmul_params(m: ModelConfig) -> int:
     """Weights one token multiplies through in one block (MoE: router + shared + its top-k experts)."""
-    head_dim = m.dim // m.num_heads
-    q_and_o = 2 * m.dim * m.num_heads * head_dim
-    k_and_v = 2 * m.dim * m.num_kv_heads * head_dim
-    if m.family == "gpt2":
-        mlp = 2 * m.dim * m.ffn_dim
-    elif m.num_experts:
-        expert = 3 * m.dim * m.expert_ffn_dim
-        mlp = m.dim * m.num_experts + (m.experts_per_token + m.num_shared_experts) * expert
-    else:
-        mlp = 3 * m.dim * m.ffn_dim
-    return q_and_o + k_and_v + mlp
+    return sum(round(linear.in_features * linear.out_features * linear.token_share * linear.copies)
+               for linear in block_linears(m))
 
 
 def head_matmul_params(m: ModelConfig) -> int:
@@ -34,6 +27,5 @@ def head_matmul_params(m: ModelConfig) -> int:
 
 def block_attention_flops(m: ModelConfig, seq_len: int, *, causal: bool = True) -> int:
     """Forward FLOPs of QK^T and AV per token in one block; causal halves the average context."""
-    head_dim = m.dim // m.num_heads
-    full = 2 * 2 * m.num_heads * head_dim * seq_len
+    full = 2 * 2 * describe(m).block.attention.q_dim * seq_len
     return full // 2 if causal else full

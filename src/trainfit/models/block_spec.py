@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainfit.config.schema import ModelConfig
+from trainfit.models.architecture import Layer, describe
 
 TpStyle = Literal["column", "row", "replicated"]
 
@@ -66,56 +67,37 @@ class BlockLinear:
 
 
 def block_linears(m: ModelConfig) -> tuple[BlockLinear, ...]:
-    """Every linear layer of one block of `m`, in forward order."""
-    return _block_linears(_BlockShape(m.family, m.dim, m.num_heads, m.num_kv_heads, bool(m.qkv_bias), m.ffn_dim,
-                                      m.num_experts, m.expert_ffn_dim, m.experts_per_token, m.num_shared_experts))
-
-
-@dataclass(frozen=True)
-class _BlockShape:
-    """The fields of a ModelConfig (not hashable) a block's linears depend on."""
-
-    family: str
-    dim: int
-    num_heads: int
-    num_kv_heads: int
-    qkv_bias: bool
-    ffn_dim: int
-    num_experts: int
-    expert_ffn_dim: int
-    experts_per_token: int
-    num_shared_experts: int
+    """Every linear layer of one block of `m` (its layers all alike), in forward order."""
+    return layer_linears(m.dim, describe(m).block)
 
 
 @functools.lru_cache(maxsize=256)
-def _block_linears(m: _BlockShape) -> tuple[BlockLinear, ...]:
-    """block_linears, once per block shape (the planner asks for each candidate's many times)."""
-    head_dim = m.dim // m.num_heads
-    q, kv = m.num_heads * head_dim, m.num_kv_heads * head_dim
-    gpt2 = m.family == "gpt2"
-    qkv_bias = gpt2 or m.qkv_bias
-    attention = (BlockLinear("wq", "attention.wq", m.dim, q, qkv_bias, "column"),
-                 BlockLinear("wk", "attention.wk", m.dim, kv, qkv_bias, "column"),
-                 BlockLinear("wv", "attention.wv", m.dim, kv, qkv_bias, "column"),
-                 BlockLinear("wo", "attention.wo", q, m.dim, gpt2, "row"))
-    if gpt2:
-        return (*attention, BlockLinear("w1", "feed_forward.w1", m.dim, m.ffn_dim, True, "column"),
-                BlockLinear("w2", "feed_forward.w2", m.ffn_dim, m.dim, True, "row"))
-    if not m.num_experts:
-        return (*attention, BlockLinear("w1", "feed_forward.w1", m.dim, m.ffn_dim, False, "column"),
-                BlockLinear("w3", "feed_forward.w3", m.dim, m.ffn_dim, False, "column"),
-                BlockLinear("w2", "feed_forward.w2", m.ffn_dim, m.dim, False, "row"))
-    E, hidden, share = m.num_experts, m.expert_ffn_dim, m.experts_per_token / m.num_experts
-    moe = [BlockLinear("router", "feed_forward.router", m.dim, E, False, "replicated"),
-           BlockLinear("experts_w1", "feed_forward.experts.w1", m.dim, hidden, False, "replicated", E, share),
-           BlockLinear("experts_w3", "feed_forward.experts.w3", m.dim, hidden, False, "replicated", E, share),
-           BlockLinear("experts_w2", "feed_forward.experts.w2", hidden, m.dim, False, "replicated", E, share)]
-    shared = m.num_shared_experts * m.expert_ffn_dim  # one SwiGLU of the shared experts' summed width
+def layer_linears(dim: int, layer: Layer) -> tuple[BlockLinear, ...]:
+    """Every linear layer of `layer` in a model of width `dim`, in forward order (once per layer kind:
+    the planner asks for each candidate's many times)."""
+    a = layer.attention
+    attention = (BlockLinear("wq", "attention.wq", dim, a.q_dim, a.qkv_bias, "column"),
+                 BlockLinear("wk", "attention.wk", dim, a.kv_dim, a.qkv_bias, "column"),
+                 BlockLinear("wv", "attention.wv", dim, a.kv_dim, a.qkv_bias, "column"),
+                 BlockLinear("wo", "attention.wo", a.q_dim, dim, a.out_bias, "row"))
+    mlp = layer.mlp
+    if mlp is not None:
+        up = (BlockLinear("w1", "feed_forward.w1", dim, mlp.hidden, mlp.bias, "column"),)
+        if mlp.gated:
+            up += (BlockLinear("w3", "feed_forward.w3", dim, mlp.hidden, mlp.bias, "column"),)
+        return (*attention, *up, BlockLinear("w2", "feed_forward.w2", mlp.hidden, dim, mlp.bias, "row"))
+    moe = layer.moe
+    E, hidden, share = moe.experts, moe.hidden, moe.top_k / moe.experts
+    routed = [BlockLinear("router", "feed_forward.router", dim, E, False, "replicated"),
+              BlockLinear("experts_w1", "feed_forward.experts.w1", dim, hidden, False, "replicated", E, share),
+              BlockLinear("experts_w3", "feed_forward.experts.w3", dim, hidden, False, "replicated", E, share),
+              BlockLinear("experts_w2", "feed_forward.experts.w2", hidden, dim, False, "replicated", E, share)]
+    shared = moe.shared * hidden  # one SwiGLU of the shared experts' summed width
     if shared:
-        moe += [BlockLinear("shared_w1", "feed_forward.shared_experts.w1", m.dim, shared, False, "replicated"),
-                BlockLinear("shared_w3", "feed_forward.shared_experts.w3", m.dim, shared, False, "replicated"),
-                BlockLinear("shared_w2", "feed_forward.shared_experts.w2", shared, m.dim, False, "replicated")]
-    return (*attention, *moe)
+        routed += [BlockLinear("shared_w1", "feed_forward.shared_experts.w1", dim, shared, False, "replicated"),
+                   BlockLinear("shared_w3", "feed_forward.shared_experts.w3", dim, shared, False, "replicated"),
+                   BlockLinear("shared_w2", "feed_forward.shared_experts.w2", shared, dim, False, "replicated")]
+    return (*attention, *routed)
 
 
 def tp_split_linears(m: ModelConfig) -> tuple[BlockLinear, ...]:

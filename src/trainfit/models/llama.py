@@ -1,7 +1,8 @@
-"""Llama-style decoder (Llama 2/3, Mistral, Mixtral, Qwen2): RMSNorm, RoPE, GQA, SwiGLU.
+"""Llama-style decoder (Llama 2/3, Mistral, Mixtral, Qwen2/3): RMSNorm, RoPE, GQA, SwiGLU; QK-norm
+and any head width where the architecture (models/architecture.py) has them.
 
 Module names follow torchtitan so tensor-parallel plans and HF conversion can address them:
-`tok_embeddings`, `layers.{i}.attention_norm`, `layers.{i}.attention.{wq,wk,wv,wo}`,
+`tok_embeddings`, `layers.{i}.attention_norm`, `layers.{i}.attention.{wq,wk,wv,wo,q_norm,k_norm}`,
 `layers.{i}.ffn_norm`, `layers.{i}.feed_forward.{w1,w2,w3}` (or the MoE of moe.py), `norm`, `output`.
 RoPE uses the HF "rotate_half" layout, so HF q/k weights load without a permutation.
 
@@ -17,6 +18,8 @@ import torch
 from torch import nn
 
 from trainfit.config.schema import ModelConfig
+from trainfit.models.architecture import Attention as AttentionSpec
+from trainfit.models.architecture import describe
 from trainfit.models.common import FeedForward, LayerStack, WholeSequence, output_head
 from trainfit.models.init import init_parameters
 from trainfit.models.moe import MoE
@@ -39,7 +42,7 @@ class RMSNorm(nn.Module):
 def rope_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [max_seq_len, head_dim] in fp32, frequencies repeated twice (rotate_half
     layout), with Llama 3.1's scaling when model.rope_scaling_factor is set."""
-    head_dim = cfg.dim // cfg.num_heads
+    head_dim = describe(cfg).block.attention.head_dim
     inv_freq_K2 = 1.0 / cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
     if cfg.rope_scaling_factor:
         inv_freq_K2 = llama31_scaled_frequencies(inv_freq_K2, cfg)
@@ -73,20 +76,28 @@ class Attention(nn.Module):
     shards wq/wk/wv column-wise (fewer local heads) needs no change here.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, dim: int, spec: AttentionSpec) -> None:
         super().__init__()
-        self.head_dim = cfg.dim // cfg.num_heads
-        self.wq = nn.Linear(cfg.dim, cfg.num_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(cfg.dim, cfg.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(cfg.dim, cfg.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.num_heads * self.head_dim, cfg.dim, bias=False)
+        self.head_dim = spec.head_dim
+        self.wq = nn.Linear(dim, spec.q_dim, bias=spec.qkv_bias)
+        self.wk = nn.Linear(dim, spec.kv_dim, bias=spec.qkv_bias)
+        self.wv = nn.Linear(dim, spec.kv_dim, bias=spec.qkv_bias)
+        self.wo = nn.Linear(spec.q_dim, dim, bias=spec.out_bias)
+        if spec.qk_norm:  # over each head's K features of [B, T, H, K] (tensor parallelism shards H)
+            self.q_norm: RMSNorm | None = RMSNorm(spec.head_dim, spec.qk_norm.eps)
+            self.k_norm: RMSNorm | None = RMSNorm(spec.head_dim, spec.qk_norm.eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.sequence = WholeSequence()
         """Causal attention over the whole sequence; context parallelism swaps in its own."""
 
     def forward(self, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q_BHTK = self.wq(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k_BGTK = self.wk(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q_BTHK = self.wq(x_BTD).view(B, T, -1, self.head_dim)
+        k_BTGK = self.wk(x_BTD).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
+        q_BHTK, k_BGTK = q_BTHK.transpose(1, 2), k_BTGK.transpose(1, 2)
         v_BGTK = self.wv(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
         q_BHTK, k_BGTK = apply_rope(q_BHTK, cos_TK, sin_TK), apply_rope(k_BGTK, cos_TK, sin_TK)
         o_BHTK = self.sequence.attention(q_BHTK, k_BGTK, v_BGTK)
@@ -100,7 +111,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg.dim, describe(cfg).block.attention)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if cfg.num_experts:
             self.feed_forward: nn.Module = MoE(cfg)

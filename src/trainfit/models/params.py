@@ -9,13 +9,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from trainfit.config.schema import ModelConfig
+from trainfit.models.architecture import describe
 
 
 class ParamCounts(NamedTuple):
     embedding: int
     """Token (and GPT-2 position) embeddings."""
     attention: int
-    """One block's attention projections (and their biases)."""
+    """One block's attention projections (and their biases, and QK-norm's gains)."""
     mlp: int
     """One block's dense MLP, or its MoE: router + all routed experts + shared experts."""
     mlp_active: int
@@ -44,39 +45,20 @@ class ParamCounts(NamedTuple):
 
 
 def param_counts(m: ModelConfig) -> ParamCounts:
-    d, head_dim = m.dim, m.dim // m.num_heads
-    q_dim, kv_dim = m.num_heads * head_dim, m.num_kv_heads * head_dim
-    if m.family == "gpt2":
-        return ParamCounts(
-            embedding=(m.vocab_size + m.max_seq_len) * d,
-            attention=4 * d * d + 4 * d,  # q, k, v, o with biases
-            mlp=2 * d * m.ffn_dim + m.ffn_dim + d,
-            mlp_active=2 * d * m.ffn_dim + m.ffn_dim + d,
-            routed_experts=0,
-            norms=2 * 2 * d,  # two LayerNorms, weight and bias
-            final_norm=2 * d,
-            output=0 if m.tie_embeddings else m.vocab_size * d,
-            num_layers=m.num_layers,
-        )
-    attention = d * q_dim + 2 * d * kv_dim + q_dim * d + (q_dim + 2 * kv_dim if m.qkv_bias else 0)
-    if m.num_experts:
-        expert = 3 * d * m.expert_ffn_dim
-        routed = m.num_experts * expert
-        router_and_shared = d * m.num_experts + m.num_shared_experts * expert
-        mlp, mlp_active = router_and_shared + routed, router_and_shared + m.experts_per_token * expert
-    else:
-        routed, mlp = 0, 3 * d * m.ffn_dim
-        mlp_active = mlp
+    arch = describe(m)
+    layer, d = arch.block, arch.dim
+    moe = layer.moe
+    mlp = layer.ffn.params(d)
     return ParamCounts(
-        embedding=m.vocab_size * d,
-        attention=attention,
+        embedding=arch.embedding_params,
+        attention=layer.attention.params(d),
         mlp=mlp,
-        mlp_active=mlp_active,
-        routed_experts=routed,
-        norms=2 * d,
-        final_norm=d,
-        output=0 if m.tie_embeddings else m.vocab_size * d,
-        num_layers=m.num_layers,
+        mlp_active=moe.active_params(d) if moe else mlp,
+        routed_experts=moe.experts * moe.expert_params(d) if moe else 0,
+        norms=2 * layer.norm.params(d),
+        final_norm=arch.final_norm.params(d),
+        output=0 if arch.tie_embeddings else arch.vocab_size * d,
+        num_layers=len(arch.layers),
     )
 
 

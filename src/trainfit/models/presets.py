@@ -20,6 +20,8 @@ DEFAULTS: dict[str, Any] = {
     "rope_original_max_seq_len": 8192,
     "tie_embeddings": False,
     "qkv_bias": False,
+    "head_dim": 0,
+    "qk_norm": False,
     "num_experts": 0,
     "experts_per_token": 2,
     "num_shared_experts": 0,

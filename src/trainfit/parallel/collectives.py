@@ -70,6 +70,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainfit.config.schema import ModelConfig
+from trainfit.models.architecture import describe
 from trainfit.models.block_spec import block_linears
 from trainfit.models.checkpoint_policy import POLICIES
 from trainfit.models.params import param_counts
@@ -244,7 +245,8 @@ def _tp(model: ModelConfig, layout: Layout, layers: int, wrapped: int) -> list[C
         (reduce, "backward", "stream", "output input", output, head),
         *[(kind, "backward", tensor, f"{site} (recomputed)", wrapped, gemms) for kind, tensor, site, gemms in rerun
           if kind != "all_gather"],
-        ("all_gather", "backward", "positions", "pos_embeddings output", embedding * sp * (model.family == "gpt2"), ()),
+        ("all_gather", "backward", "positions", "pos_embeddings output",
+         embedding * sp * describe(model).learned_positions, ()),
     ]
     if sp and layout.data_parallel == "fsdp":  # one all-reduce per gain (and bias) tensor of dim elements
         c = param_counts(model)

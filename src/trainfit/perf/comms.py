@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 from trainfit.config import ModelConfig, TrainingConfig
 from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link
+from trainfit.models.architecture import describe
 from trainfit.models.block_spec import block_linears
 from trainfit.models.params import param_counts
 from trainfit.models.routing import expert_capacity
@@ -265,7 +266,7 @@ def tensor_bytes(model: ModelConfig, layout: Layout, training: TrainingConfig) -
     stream_b = layout.stream_bytes
     out.update(row_output=act, stream=act / act_b * stream_b, loss_stats=tokens * FP32_BYTES,
                positions=t.seq_len / layout.cp * m.dim * stream_b, norm_gain=m.dim * param_b,
-               kv=int(seqs * t.seq_len * m.num_kv_heads * (m.dim // m.num_heads) / layout.tp * act_b),
+               kv=int(seqs * t.seq_len * describe(m).block.attention.kv_dim / layout.tp * act_b),
                boundary=act / layout.tp if layout.sequence_parallel else act)
     if m.num_experts:
         out.update(routed_tokens=expert_rows(m, int(tokens)) * m.dim * act_b,

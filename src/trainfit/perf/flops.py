@@ -32,6 +32,7 @@ models (tests/estimator/test_flops.py).
 from __future__ import annotations
 
 from trainfit.config import ModelConfig
+from trainfit.models.architecture import describe
 from trainfit.models.block_cost import block_attention_flops, block_matmul_params, head_matmul_params
 from trainfit.models.block_spec import block_linears
 from trainfit.models.checkpoint_policy import odd_expert_share, shared_experts_first_matmul
@@ -109,9 +110,9 @@ def alternate_recompute_params(m: ModelConfig, even_share: float | None = None, 
     by the parity of their first matmul. The parity counts a rank's matmuls: under expert
     parallelism its num_experts / ep experts (models/checkpoint_policy.py's odd_expert_share and
     shared_experts_first_matmul, which the memory estimate reads too)."""
-    head_dim = m.dim // m.num_heads
-    attention = m.dim * (m.num_kv_heads + m.num_heads) * head_dim  # wk, wo
-    if m.family == "gpt2":
+    a = describe(m).block
+    attention = m.dim * (a.attention.kv_dim + a.attention.q_dim)  # wk, wo
+    if a.mlp is not None and not a.mlp.gated:  # GPT-2's fc2 is the 6th matmul
         return attention
     if not m.num_experts:
         return attention + m.dim * m.ffn_dim  # w3

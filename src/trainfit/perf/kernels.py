@@ -61,6 +61,7 @@ import math
 from typing import TYPE_CHECKING, NamedTuple
 
 from trainfit.config import HardwareConfig, ModelConfig, TrainingConfig
+from trainfit.models.architecture import describe
 from trainfit.models.block_spec import BlockLinear, block_linears
 from trainfit.parallel.layout import Layout
 from trainfit.perf.comms import stage_params
@@ -169,7 +170,7 @@ def matmul_rate(profile: HardwareProfile, dtype: str, m: ModelConfig, layout: La
 def attention_rate(profile: HardwareProfile, dtype: str, m: ModelConfig, seq_len: int) -> float | None:
     """The causal attention rate measured nearest (sequence, head dim), or None when it was not measured."""
     measured = [((a.seq_len, a.head_dim), a.flops_per_s) for a in profile.attention if a.dtype == dtype]
-    return _nearest_rate(measured, (seq_len, m.dim // m.num_heads)) if measured else None
+    return _nearest_rate(measured, (seq_len, describe(m).block.attention.head_dim)) if measured else None
 
 
 def elementwise_bytes(m: ModelConfig, layout: Layout, t: TrainingConfig) -> tuple[float, float]:
@@ -177,11 +178,11 @@ def elementwise_bytes(m: ModelConfig, layout: Layout, t: TrainingConfig) -> tupl
     tp, sp = layout.tp, layout.tp if layout.sequence_parallel else 1
     stream, autocast = layout.stream_bytes, layout.autocast  # the residual stream's and the norms' element
     inner = 4 if layout.precision == "fp32" else 2  # what matmuls output: RoPE's and the MLP's elements
-    head_dim = m.dim // m.num_heads
+    attention = describe(m).block.attention
     ffn = m.ffn_dim if not m.num_experts else m.expert_ffn_dim * (m.experts_per_token + m.num_shared_experts)
     per_d, per_rope, per_ffn = ((ELEMENTWISE_D_COMPILED, ELEMENTWISE_ROPE_COMPILED, ELEMENTWISE_FFN_COMPILED)
                                 if layout.compile else (ELEMENTWISE_D, ELEMENTWISE_ROPE, ELEMENTWISE_FFN))
-    block = (per_d * m.dim / sp * stream + per_rope * (m.num_heads + m.num_kv_heads) * head_dim / tp
+    block = (per_d * m.dim / sp * stream + per_rope * (attention.q_dim + attention.kv_dim) / tp
              * inner + per_ffn * ffn / tp * inner
              + AUTOCAST_INPUT_CASTS * AUTOCAST_BYTES_PER_ELEMENT * m.dim / sp * autocast)
     head = ELEMENTWISE_HEAD_D * m.dim / sp * stream + ELEMENTWISE_LOSS_V * m.vocab_size / tp * 4

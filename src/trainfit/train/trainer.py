@@ -29,6 +29,7 @@ from trainfit.fp8_matmul import Fp8MatmulRates, probe_fp8_matmul
 from trainfit.memory.attribution import Measurement, MemoryMeter
 from trainfit.memory.measure import current_allocated_bytes
 from trainfit.models import materialize
+from trainfit.models.architecture import describe
 from trainfit.models.hf import load_hf_weights
 from trainfit.models.init import init_magnitudes
 from trainfit.parallel.layout import Layout
@@ -180,7 +181,8 @@ class Trainer:
         m = cfg.model
         dtype = self.policy.autocast_dtype or self.policy.param_dtype
         return probe_attention_kernel(cfg.training.attention_backend, self.device, dtype, m.num_heads // layout.tp,
-                                      m.num_kv_heads // layout.tp, m.dim // m.num_heads, masked=layout.cp > 1)
+                                      m.num_kv_heads // layout.tp, describe(m).block.attention.head_dim,
+                                      masked=layout.cp > 1)
 
     def _load_data(self) -> TokenData:
         """Node-local rank 0 tokenizes into the cache (once); the other ranks wait, then load it."""
