@@ -109,11 +109,12 @@ def counted_step(trainer: Trainer) -> Tally:
 
 
 def predicted(trainer: Trainer) -> Tally:
-    """What comms.step_collectives says this trainer's step issues for tp and cp."""
+    """What comms.step_collectives says this trainer's forward_backward issues for tp and cp (not the
+    step's own: without FSDP the gains' partial gradients are reduced where the step first reads them)."""
     cfg = trainer.cfg
     tally: Tally = Counter()
     for c in comms.step_collectives(cfg.model, trainer.layout, cfg.training):
-        if c.purpose in MODEL_PARALLEL:
+        if c.purpose in MODEL_PARALLEL and c.phase != "step":
             tally[c.purpose, c.kind, c.nbytes] += c.count
     return tally
 

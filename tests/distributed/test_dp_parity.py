@@ -102,6 +102,10 @@ class DataParallelParity(GlooTestCase):
             (("--parallel.zero_stage=3", "--memory.activation_checkpointing=selective"), FP32),
             (("--parallel.zero_stage=3", "--model.preset=debug-gpt2"), FP32),  # tied embedding/output
             (("--parallel.zero_stage=3", "--model.preset=debug-moe"), MOE),
+            # Qwen3's block (QK-norm, heads wider than the model) and Qwen3-MoE's
+            (("--parallel.zero_stage=3", "--model.qk_norm=true", "--model.head_dim=24"), FP32),
+            (("--parallel.zero_stage=3", "--model.preset=debug-moe", "--model.qk_norm=true", "--model.head_dim=24",
+              "--model.num_shared_experts=0"), MOE),
         ])
 
     @with_comms

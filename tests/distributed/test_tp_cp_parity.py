@@ -24,6 +24,7 @@ STEPS, COMPOSITION_STEPS = LONG_STEPS, 4
 BF16_STEPS = 20
 """tp2 + SP in bf16-mixed: its parameters' error relative to how far they moved shrinks with more steps."""
 SP = "--parallel.sequence_parallel=true"
+QWEN3 = ("--model.qk_norm=true", "--model.head_dim=24")
 pytestmark = pytest.mark.slow  # each layout trained on the ranks and on one process
 
 
@@ -44,6 +45,9 @@ class TwoRanks(GlooTestCase):
             # fused AdamW (9.7e-5 with foreach): TP_BF16
             (("--parallel.tp=2", SP, "--precision.mode=bf16-mixed"), TP_BF16, BF16_STEPS),
             (("--parallel.tp=2", "--model.vocab_size=511"), TP_FP32, COMPOSITION_STEPS),  # uneven shards
+            # Qwen3's attention: QK-norm on each rank's heads (its gains' partial gradients summed), heads
+            # wider than the model
+            (("--parallel.tp=2", SP, *QWEN3), TP_FP32, COMPOSITION_STEPS),
         ])
 
     @with_comms
@@ -67,4 +71,5 @@ class FourRanks(FourRankGlooTestCase):
              COMPOSITION_STEPS),
             (("--parallel.cp=2", "--parallel.tp=2", SP, "--parallel.zero_stage=3"), TP_FP32, STEPS),
             (("--parallel.cp=2", "--parallel.zero_stage=2"), TP_FP32, STEPS),  # cp2 x dp2
+            (("--parallel.tp=2", SP, "--parallel.zero_stage=3", *QWEN3), TP_FP32, COMPOSITION_STEPS),
         ])

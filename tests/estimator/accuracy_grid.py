@@ -360,6 +360,26 @@ QLoRA (-7% and +5%: the forward's buffers and gathered parameters); QLoRA accumu
 peak within 0.1%, but the allocator holds 3-6% above the tensors' peak, the meter's bound). None
 explained so far."""
 
+QK_NORM = ("--model.qk_norm=true", "--model.head_dim=48")
+"""Qwen3's attention: RMSNorm over each head of q and k, and 4 heads of 48 (wider than dim 128)."""
+QWEN3 = [*LLAMA, *QK_NORM]
+QWEN3_MOE = [*moe(4, 2, 0, 1.0), *QK_NORM]
+"""Qwen3-MoE's block: QK-norm, 4 routed experts (top 2, no shared one), capacity factor 1."""
+ARCHITECTURE_GRID: list[Row] = [
+    _row("qwen3-fp32", 1, QWEN3),
+    _row("qwen3-bf16-mixed", 1, QWEN3, BF16_MIXED),
+    _row("qwen3-bf16-pure-selective", 1, QWEN3, BF16_PURE, SELECTIVE),
+    _row("qwen3-bf16-mixed-alternate", 1, QWEN3, BF16_MIXED, ALTERNATE),
+    _row("qwen3-bf16-mixed-full", 1, QWEN3, BF16_MIXED, FULL),
+    _row("qwen3-fp32-selective", 1, QWEN3, SELECTIVE),
+    _row("qwen3-lora-all-linear-bf16-mixed", 1, QWEN3, LORA, ALL_LINEAR, BF16_MIXED),
+    _row("qwen3-moe-fp32", 1, QWEN3_MOE),
+    _row("qwen3-z3-bf16-mixed", 2, QWEN3, Z3, BF16_MIXED),
+    _row("qwen3-tp2-sp-fp32", 2, QWEN3, TP2, SP, micro=8),
+]
+"""The architecture description's features (models/architecture.py) beyond Llama's: QK-norm and a head
+width other than dim / heads, part of GRID."""
+
 GRID: list[Row] = [
     # one process: precision x optimizer x checkpointing x batch shape x model
     _row("llama-fp32", 1, LLAMA),
@@ -429,6 +449,7 @@ GRID: list[Row] = [
     *CHUNKED_LOSS_GRID,
     *ATTENTION_GRID,
     *PEFT_GRID,
+    *ARCHITECTURE_GRID,
 ]
 
 

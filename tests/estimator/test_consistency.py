@@ -53,6 +53,8 @@ SHAPE = ("--training.seq_len=32", "--training.micro_batch_size=1")
 """32-token sequences, one row per micro-batch: the debug models' smallest honest step."""
 MOE = ("--model.preset=debug-moe",)
 DENSE = ("--model.preset=debug",)
+QWEN3 = (*DENSE, "--model.qk_norm=true", "--model.head_dim=24")
+"""Qwen3's attention: QK-norm, and heads (4 x 24) wider than the model (64)."""
 
 GRID: dict[str, tuple[str, ...]] = {
     "moe-tp2": (*MOE, "--hardware.num_gpus=2", "--parallel.tp=2", "--training.global_batch_size=1"),
@@ -74,6 +76,12 @@ GRID: dict[str, tuple[str, ...]] = {
                   "--training.global_batch_size=2"),
     "cp2-zero1": (*DENSE, "--hardware.num_gpus=2", "--parallel.cp=2", "--parallel.zero_stage=1",
                   "--training.global_batch_size=2"),
+    # four sequences a micro-batch: the backward, not the optimizer step, holds the peak (its moment
+    # is where the components are compared)
+    "qk-norm-head-dim-tp2-sp": (*QWEN3, "--hardware.num_gpus=2", "--parallel.tp=2", "--parallel.sequence_parallel=true",
+                                "--training.micro_batch_size=4", "--training.global_batch_size=4"),
+    "qk-norm-head-dim-tp2-zero3": (*QWEN3, "--hardware.num_gpus=4", "--parallel.tp=2", "--parallel.zero_stage=3",
+                                   "--training.global_batch_size=2"),
 }
 """Each point: the debug models on SHAPE, one or two micro-batches per rank."""
 

@@ -19,6 +19,9 @@ from trainfit.peft.adapters import LoRALinear, apply_adapters
 from trainfit.traced import trace_step
 from trainfit.train.trainer import Trainer
 
+QWEN3 = ("--model.qk_norm=true", "--model.head_dim=24")
+"""Qwen3's attention on the debug model: QK-norm, heads (4 x 24) wider than the model (64)."""
+
 MIB = 2**20
 
 
@@ -140,6 +143,7 @@ def test_analytic_model_states_of_an_adapted_run_are_the_traced_ones(args: tuple
     ("--peft.method=lora", "--peft.targets=all-linear"),
     ("--peft.method=dora", "--peft.targets=q,v,down", "--peft.rank=4"),
     ("--peft.method=lora", "--peft.train_output=true"),
+    ("--peft.method=lora", "--peft.targets=all-linear", *QWEN3),
 ])
 def test_exported_adapters_load_in_peft_with_the_same_logits(tmp_path, args: tuple[str, ...]) -> None:
     """Train an adapter on a base of HF weights, export it in PEFT's format: transformers' model of the
@@ -149,7 +153,7 @@ def test_exported_adapters_load_in_peft_with_the_same_logits(tmp_path, args: tup
     transformers = pytest.importorskip("transformers")
     from trainfit.train.sample import export_to_hf, load_trained_model
 
-    source = run_config(tmp_path, "--model.preset=debug").model
+    source = run_config(tmp_path, "--model.preset=debug", *(a for a in args if a.startswith("--model."))).model
     save_hf_weights(materialize(build_model(source), "cpu", seed=3), source, tmp_path / "base")
     cfg = run_config(tmp_path / "run", f"--model.init_from={tmp_path / 'base'}", *args, "--training.steps=4",
                      "--training.lr=1e-2", "--logging.measure_memory=false", "--logging.traced_estimate=false",
@@ -185,6 +189,8 @@ def test_exported_adapters_load_in_peft_with_the_same_logits(tmp_path, args: tup
     ("--model.preset=debug-gpt2", "--peft.targets=all-linear"),
     ("--hardware.num_gpus=2", "--parallel.zero_stage=3", "--training.global_batch_size=8"),
     ("--model.num_layers=6", "--peft.targets=mlp"),
+    ("--peft.targets=all-linear", *QWEN3),
+    ("--precision.mode=bf16-mixed", *QWEN3),
 ])
 def test_analytic_peak_of_an_adapted_step_is_within_10_percent_of_the_traced(args: tuple[str, ...]) -> None:
     """What autograd keeps through a frozen base (memory/adapter_activations.py) against the traced step:

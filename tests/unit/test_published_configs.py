@@ -1,17 +1,23 @@
-"""The published config.json files of models trainfit is to support next (tests/data/hf_configs, each
-with its source in SOURCES.md): they are what their model cards say (transformers' own classes, on the
-meta device, count the card's parameters from them), and until trainfit reads their model_type each
-is refused with the named error that lists what it reads."""
+"""The published config.json files of the models trainfit reads (tests/data/hf_configs, each with its
+source in SOURCES.md): they are what their model cards say (transformers' own classes, on the meta
+device, count the card's parameters from them), each loads as trainfit's model with exactly the
+parameters transformers builds from it and estimates, and its preset is that file's model."""
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
 
-from trainfit.config import ConfigError
-from trainfit.models.hf import SUPPORTED_TYPES, model_fields_from_hf_config
+from trainfit.config import ConfigError, ModelConfig
+from trainfit.configure import load_config
+from trainfit.estimate import as_json, estimate
+from trainfit.models import build_model, count_params
+from trainfit.models.hf import SUPPORTED_TYPES, model_fields_from_hf_config, model_fields_of_hf
+from trainfit.models.params import param_counts
+from trainfit.models.presets import PRESETS, PUBLISHED_NUM_PARAMS, resolve_model_config
 
 DATA = Path(__file__).parents[1] / "data" / "hf_configs"
 CARD_BILLIONS = {  # the model card's "Number of Parameters" (SOURCES.md names each copy of the card)
@@ -20,30 +26,69 @@ CARD_BILLIONS = {  # the model card's "Number of Parameters" (SOURCES.md names e
     "Qwen--Qwen3-30B-A3B.json": 30.5, "microsoft--phi-4.json": 14.7,
     "microsoft--Phi-3-mini-4k-instruct.json": 3.8,
 }
+PRESET_OF = {
+    "Qwen--Qwen3-0.6B.json": "qwen3-0.6b", "Qwen--Qwen3-1.7B.json": "qwen3-1.7b", "Qwen--Qwen3-4B.json": "qwen3-4b",
+    "Qwen--Qwen3-8B.json": "qwen3-8b", "Qwen--Qwen3-14B.json": "qwen3-14b", "Qwen--Qwen3-32B.json": "qwen3-32b",
+    "Qwen--Qwen3-30B-A3B.json": "qwen3-30b-a3b", "microsoft--phi-4.json": "phi-4",
+    "microsoft--Phi-3-mini-4k-instruct.json": "phi-3-mini",
+}
 FILES = sorted(p.name for p in DATA.glob("*.json"))
 
 
-def test_every_file_has_its_source_and_card_figure() -> None:
-    sources = (DATA / "SOURCES.md").read_text(encoding="utf-8")
-    assert sorted(CARD_BILLIONS) == FILES and all(f"`{name}`" in sources for name in FILES)
-
-
-def test_transformers_counts_each_cards_parameters_from_its_file() -> None:
+def _transformers_count(name: str) -> int:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    for name in FILES:
-        hf = json.loads((DATA / name).read_text(encoding="utf-8"))
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf))
-        billions = sum(p.numel() for p in model.parameters()) / 1e9
-        assert round(billions, 1) == CARD_BILLIONS[name], (name, billions)
+    hf = json.loads((DATA / name).read_text(encoding="utf-8"))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf))
+    return sum(p.numel() for p in model.parameters())
+
+
+def _ours(preset: str) -> ModelConfig:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Phi-3-mini's sliding window, named in its own test
+        return resolve_model_config(ModelConfig(preset=preset))
+
+
+def test_every_file_has_its_source_card_figure_and_preset() -> None:
+    sources = (DATA / "SOURCES.md").read_text(encoding="utf-8")
+    assert sorted(CARD_BILLIONS) == sorted(PRESET_OF) == FILES and all(f"`{name}`" in sources for name in FILES)
 
 
 @pytest.mark.parametrize("name", FILES)
-def test_a_type_not_read_yet_is_refused_naming_what_is(name: str) -> None:
-    model_type = json.loads((DATA / name).read_text(encoding="utf-8"))["model_type"]
+def test_each_file_is_its_cards_model_and_loads_with_transformers_count(name: str) -> None:
+    theirs = _transformers_count(name)
+    assert round(theirs / 1e9, 1) == CARD_BILLIONS[name]
+    cfg = _ours(str(DATA / name))
+    assert count_params(build_model(cfg)) == theirs == param_counts(cfg).total  # the trainer's and the estimators'
+    preset = PRESET_OF[name]
+    assert PUBLISHED_NUM_PARAMS[preset] == theirs
+    assert {k: v for k, v in vars(_ours(preset)).items() if k != "preset"} == \
+        {k: v for k, v in vars(cfg).items() if k != "preset"}
+
+
+@pytest.mark.parametrize("name", ["Qwen--Qwen3-8B.json", "Qwen--Qwen3-30B-A3B.json", "microsoft--phi-4.json"])
+def test_a_flagship_estimates_from_its_file(name: str) -> None:
+    cfg = load_config(None, [f"--model.preset={DATA / name}", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
+                             "--parallel.zero_stage=3", "--precision.mode=bf16-mixed",
+                             "--training.seq_len=4096", "--training.micro_batch_size=1"])
+    result, count = estimate(cfg), _transformers_count(name)
+    assert as_json(result)["model"]["num_params"] == count
+    # ZeRO-3 over 8 ranks: each holds an eighth of the fp32 master weights (and of the rest)
+    assert result.worst.master_params == pytest.approx(4 * count / 8, rel=0.01)
+    assert result.worst.peak > result.worst.master_params and 0 < result.perf.time["mfu"] < 1
+
+
+def test_phi3_minis_sliding_window_is_named_where_it_is_ignored() -> None:
+    with pytest.warns(UserWarning, match=r"sliding_window=2047 is ignored .* beyond 2047 tokens"):
+        model_fields_from_hf_config(DATA / "microsoft--Phi-3-mini-4k-instruct.json")
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3", "olmo2", "deepseek_v3", "gpt_oss", "llama4"])
+def test_a_type_not_read_yet_is_refused_naming_what_is(model_type: str) -> None:
     assert model_type not in SUPPORTED_TYPES
     with pytest.raises(ConfigError) as err:
-        model_fields_from_hf_config(DATA / name)
+        model_fields_of_hf({"model_type": model_type, "hidden_size": 64})
     assert f"model_type={model_type!r}: not supported" in str(err.value)
     assert all(t in str(err.value) for t in SUPPORTED_TYPES)
+    assert set(PRESETS) >= set(PRESET_OF.values())

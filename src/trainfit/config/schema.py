@@ -99,6 +99,10 @@ class ModelConfig:
     the pairs over capacity are dropped and pass through the residual only. Kept first: every
     token's first choice before any second choice, then by position in the micro-batch. Experts then
     run on fixed [num_experts, capacity] buffers, so memory no longer depends on the routing."""
+    hf_model_type: str | None = None
+    """The Hugging Face model_type whose weight names and config.json `trainfit export` writes (set from
+    the config.json read); "" = the simplest type with the model's features (llama, qwen2 with
+    qkv_bias, qwen3 with qk_norm, mixtral or qwen3_moe with experts)."""
     init_from: str = ""
     """A folder of Hugging Face weights (config.json and *.safetensors, sharded index files too; what
     `trainfit export` writes) to start from instead of random weights; "" = random. Without a

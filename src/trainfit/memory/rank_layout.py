@@ -110,9 +110,8 @@ def _block(run: Run, counts: ParamCounts) -> BlockParams:
     layer = describe(m).block
     biases = sum(linear.out_features for linear in linears if linear.bias)
     norm_tensors = 2 if layer.norm.kind == "layer" else 1  # gain (and bias) of one norm
-    qk_norms = 2 * layer.attention.head_dim if layer.attention.qk_norm else 0
     # 2 norms, each linear's weight (a routed expert's stacked weight: one) and bias, QK-norm's gains
-    tensors = 2 * norm_tensors + sum(1 + linear.bias for linear in linears) + (2 if qk_norms else 0)
+    tensors = 2 * norm_tensors + sum(1 + linear.bias for linear in linears) + 2 * bool(layer.attention.qk_norm)
     w2 = {linear.name: linear for linear in linears}.get("w2")
     mlp_out = w2.in_features * w2.out_features // tp if w2 and not layer.mlp.gated else mlp // 3
     experts_local = max(1, m.num_experts // ep) * (m.expert_ffn_dim or 0) * m.dim
@@ -128,7 +127,7 @@ def _block(run: Run, counts: ParamCounts) -> BlockParams:
         float8=sum(k * n + b for k, n, b in float8_linears(m).values()) // tp
         if run.layout.precision == "fp8-mixed" else 0,
         experts=counts.routed_experts // ep + routed_adapters, routed_adapters=routed_adapters,
-        no_decay=counts.norms + qk_norms + biases // tp + magnitudes, mlp_out=mlp_out,
+        no_decay=counts.norms + biases // tp + magnitudes, mlp_out=mlp_out,
         tensors=tensors + (2 + bool(magnitudes)) * len(adaptation.targets) if adaptation else tensors,
         norm_tensors=norm_tensors, vocab=m.vocab_size * m.dim // tp,
         largest=max(m.dim * layer.attention.q_dim // tp, m.ffn_dim * m.dim // tp, experts_local))

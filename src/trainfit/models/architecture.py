@@ -60,9 +60,14 @@ class Attention:
         return self.num_kv_heads * self.head_dim
 
     def params(self, dim: int) -> int:
+        """The projections' weights and biases (QK-norm's gains are norm_params)."""
         weights = dim * self.q_dim + 2 * dim * self.kv_dim + self.q_dim * dim
-        biases = (self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0) + (dim if self.out_bias else 0)
-        return weights + biases + (2 * self.qk_norm.params(self.head_dim) if self.qk_norm else 0)
+        return weights + (self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0) + (dim if self.out_bias else 0)
+
+    @property
+    def norm_params(self) -> int:
+        """QK-norm's two gains (0 without it)."""
+        return 2 * self.qk_norm.params(self.head_dim) if self.qk_norm else 0
 
 
 Activation = Literal["silu", "gelu_tanh"]
@@ -109,6 +114,10 @@ class Layer:
     attention: Attention
     ffn: DenseMlp | Moe
     norm: Norm
+
+    def norm_params(self, dim: int) -> int:
+        """Every norm's parameters: the two pre-norms' and QK-norm's."""
+        return 2 * self.norm.params(dim) + self.attention.norm_params
 
     @property
     def moe(self) -> Moe | None:

@@ -17,18 +17,43 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainfit.config.schema import ConfigError, ModelConfig
+from trainfit.models.architecture import describe
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-LLAMA_TYPES = ("llama", "mistral", "mixtral", "qwen2")
+@dataclass(frozen=True)
+class _HfType:
+    """What one llama-like `model_type` is in the architecture's terms, and how its checkpoint names
+    the weights. transformers' defaults for keys a config.json may omit: `eps`, `theta`, `head_dim`."""
+
+    architecture: str
+    eps: float = 1e-6
+    theta: float = 10000.0
+    head_dim: int = 0
+    """transformers' default head width (0: hidden_size / num_attention_heads)."""
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    experts: str = ""
+    """How routed experts are configured and named: "" none, "mixtral" or "qwen3_moe"."""
+    fused: bool = False
+    """Phi-3: q, k, v stored as one qkv_proj, gate and up as one gate_up_proj."""
+
+
+_LLAMA_LIKE = {
+    "llama": _HfType("LlamaForCausalLM"),
+    "mistral": _HfType("MistralForCausalLM"),
+    "mixtral": _HfType("MixtralForCausalLM", eps=1e-5, theta=1e6, experts="mixtral"),
+    "qwen2": _HfType("Qwen2ForCausalLM", qkv_bias=True),
+    "qwen3": _HfType("Qwen3ForCausalLM", head_dim=128, qk_norm=True),
+    "qwen3_moe": _HfType("Qwen3MoeForCausalLM", head_dim=128, qk_norm=True, experts="qwen3_moe"),
+    "phi3": _HfType("Phi3ForCausalLM", eps=1e-5, fused=True),
+}
+"""The llama-family model types, each a mapping from its config.json (_llama_fields) and its weight
+names (_llama_groups); a new one is an entry here when its features are the architecture's."""
+LLAMA_TYPES = tuple(_LLAMA_LIKE)
 SUPPORTED_TYPES = (*LLAMA_TYPES, "gpt2")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
-# transformers' defaults for keys that real config.json files may omit.
-_DEFAULT_EPS = {"llama": 1e-6, "mistral": 1e-6, "mixtral": 1e-5, "qwen2": 1e-6}
-_DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "mixtral": 1e6, "qwen2": 10000.0}
 _REQUIRED = object()
 # Checkpoint entries that are buffers, not weights (old GPT-2 masks, old Llama inv_freq).
 _IGNORED = re.compile(r"(\.attn\.(masked_)?bias|rotary_emb\.inv_freq)$")
@@ -58,7 +83,7 @@ def _read_json(path: str | Path) -> tuple[dict[str, Any], Path]:
 _KINDS: dict[str, type | tuple[type, ...]] = {
     "hidden_act": str, "activation_function": str, "tie_word_embeddings": bool,
     "rms_norm_eps": (int, float), "layer_norm_epsilon": (int, float), "router_aux_loss_coef": (int, float),
-    "rope_theta": (int, float),
+    "rope_theta": (int, float), "partial_rotary_factor": (int, float), "norm_topk_prob": bool,
 }
 """The JSON type of each key read; every other key is an integer."""
 
@@ -98,34 +123,57 @@ def model_fields_of_hf(hf: dict[str, Any], file: Path = Path("config.json")) -> 
 
 
 def _llama_fields(hf: dict[str, Any], file: Path, model_type: str) -> dict[str, Any]:
+    kind = _LLAMA_LIKE[model_type]
     dim, num_heads = _get(hf, "hidden_size", file), _get(hf, "num_attention_heads", file)
-    head_dim = hf.get("head_dim")
-    if head_dim not in (None, dim // num_heads):
-        raise _unsupported(file, "head_dim", head_dim,
-                           f"only hidden_size/num_attention_heads={dim // num_heads} is supported")
+    head_dim = _get(hf, "head_dim", file, kind.head_dim or dim // num_heads)
     if _get(hf, "hidden_act", file, "silu") != "silu":
         raise _unsupported(file, "hidden_act", hf["hidden_act"], "only silu (SwiGLU) is supported")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise _unsupported(file, key, hf[key], "biases on o_proj/MLP are not supported (Qwen2-style "
                                "q/k/v biases are: model_type qwen2)")
+    if _get(hf, "partial_rotary_factor", file, 1.0) != 1.0:
+        raise _unsupported(file, "partial_rotary_factor", hf["partial_rotary_factor"],
+                           "only RoPE over the whole head (1.0) is supported")
     _check_sliding_window(hf, file, model_type)
     fields: dict[str, Any] = dict(
         family="llama", dim=dim, num_layers=_get(hf, "num_hidden_layers", file), num_heads=num_heads,
         num_kv_heads=_get(hf, "num_key_value_heads", file, num_heads),
+        head_dim=0 if head_dim * num_heads == dim else head_dim,
         ffn_dim=_get(hf, "intermediate_size", file), vocab_size=_get(hf, "vocab_size", file),
         max_seq_len=_get(hf, "max_position_embeddings", file),
-        norm_eps=float(_get(hf, "rms_norm_eps", file, _DEFAULT_EPS[model_type])),
-        rope_theta=_rope_theta(hf, file, _DEFAULT_THETA[model_type]), **_rope_scaling(hf, file),
+        norm_eps=float(_get(hf, "rms_norm_eps", file, kind.eps)),
+        rope_theta=_rope_theta(hf, file, kind.theta), **_rope_scaling(hf, file),
         tie_embeddings=bool(_get(hf, "tie_word_embeddings", file, False)),
-        qkv_bias=model_type == "qwen2", num_experts=0, num_shared_experts=0,
+        qkv_bias=kind.qkv_bias, qk_norm=kind.qk_norm, num_experts=0, num_shared_experts=0,
+        hf_model_type=model_type,
     )
-    if model_type == "mixtral":
+    if kind.experts == "mixtral":
         fields.update(num_experts=_get(hf, "num_local_experts", file),
                       experts_per_token=_get(hf, "num_experts_per_tok", file),
                       expert_ffn_dim=fields["ffn_dim"],
                       router_aux_loss_coef=float(_get(hf, "router_aux_loss_coef", file, 0.001)))
+    if kind.experts == "qwen3_moe":
+        fields.update(_qwen3_moe_fields(hf, file))
     return fields
+
+
+def _qwen3_moe_fields(hf: dict[str, Any], file: Path) -> dict[str, Any]:
+    """Qwen3-MoE's experts: every layer routed (decoder_sparse_step 1, no mlp_only_layers), top-k
+    probabilities renormalised (norm_topk_prob, as our MoE and Mixtral do)."""
+    if _get(hf, "decoder_sparse_step", file, 1) != 1:
+        raise _unsupported(file, "decoder_sparse_step", hf["decoder_sparse_step"],
+                           "only 1 (every layer MoE) is supported")
+    if hf.get("mlp_only_layers"):
+        raise _unsupported(file, "mlp_only_layers", hf["mlp_only_layers"],
+                           "dense layers among MoE ones are not supported yet; only [] is")
+    if not _get(hf, "norm_topk_prob", file, False):
+        raise _unsupported(file, "norm_topk_prob", hf.get("norm_topk_prob", False),
+                           "only true (the top-k routing weights renormalised to sum to 1) is supported")
+    experts = _get(hf, "num_experts", file, None) or _get(hf, "num_local_experts", file)  # hub's key, transformers 5's
+    return dict(num_experts=experts, experts_per_token=_get(hf, "num_experts_per_tok", file),
+                expert_ffn_dim=_get(hf, "moe_intermediate_size", file),
+                router_aux_loss_coef=float(_get(hf, "router_aux_loss_coef", file, 0.001)))
 
 
 def _rope_theta(hf: dict[str, Any], file: Path, default: float) -> float:
@@ -166,7 +214,7 @@ def _rope_scaling(hf: dict[str, Any], file: Path) -> dict[str, Any]:
 
 def _check_sliding_window(hf: dict[str, Any], file: Path, model_type: str) -> None:
     window = hf.get("sliding_window")
-    if model_type == "qwen2" and not hf.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window"):
         window = None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
         raise _unsupported(file, "sliding_window", window, "must be an integer or null")
@@ -191,26 +239,37 @@ def _gpt2_fields(hf: dict[str, Any], file: Path) -> dict[str, Any]:
 
 
 def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
-    """A config.json that transformers loads for `cfg` (llama, qwen2 when qkv_bias, mixtral, gpt2)."""
+    """A config.json that transformers loads for `cfg`: as model.hf_model_type when set (the type it
+    was read from), else the simplest llama-family type with its features (llama, qwen2 when qkv_bias,
+    qwen3 with QK-norm, mixtral or qwen3_moe with experts), or gpt2."""
     if cfg.family == "gpt2":
-        return dict(architectures=[_ARCHITECTURES["gpt2"]], model_type="gpt2", n_embd=cfg.dim,
+        return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=cfg.dim,
                     n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.ffn_dim,
                     vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, layer_norm_epsilon=cfg.norm_eps,
                     activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                     tie_word_embeddings=cfg.tie_embeddings, torch_dtype=dtype)
     model_type = _llama_model_type(cfg)
-    out = dict(architectures=[_ARCHITECTURES[model_type]], model_type=model_type, hidden_size=cfg.dim,
-               intermediate_size=cfg.expert_ffn_dim if cfg.num_experts else cfg.ffn_dim,
+    kind = _LLAMA_LIKE[model_type]
+    out = dict(architectures=[kind.architecture], model_type=model_type, hidden_size=cfg.dim,
+               intermediate_size=cfg.expert_ffn_dim if kind.experts == "mixtral" else cfg.ffn_dim,
                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-               num_key_value_heads=cfg.num_kv_heads, vocab_size=cfg.vocab_size,
-               max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+               num_key_value_heads=cfg.num_kv_heads, head_dim=describe(cfg).block.attention.head_dim,
+               vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
                rope_theta=cfg.rope_theta, rope_scaling=_hf_rope_scaling(cfg), hidden_act="silu",
                tie_word_embeddings=cfg.tie_embeddings, torch_dtype=dtype)
-    if model_type == "mixtral":
+    if kind.experts == "mixtral":
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
-                   router_aux_loss_coef=cfg.router_aux_loss_coef, sliding_window=None)
-    if model_type == "qwen2":
+                   router_aux_loss_coef=cfg.router_aux_loss_coef)
+    if kind.experts == "qwen3_moe":
+        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                   moe_intermediate_size=cfg.expert_ffn_dim, norm_topk_prob=True, decoder_sparse_step=1,
+                   mlp_only_layers=[], router_aux_loss_coef=cfg.router_aux_loss_coef)
+    if model_type in ("mistral", "mixtral", "phi3"):
+        out.update(sliding_window=None)
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         out.update(use_sliding_window=False)
+    if model_type == "phi3":  # its defaults' pad id (32000) would lie outside a smaller vocabulary
+        out.update(original_max_position_embeddings=cfg.max_seq_len, pad_token_id=None)
     return out
 
 
@@ -221,10 +280,24 @@ def _hf_rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
 
 
 def _llama_model_type(cfg: ModelConfig) -> str:
-    if cfg.num_shared_experts or (cfg.num_experts and cfg.qkv_bias):
-        raise ValueError("shared experts and MoE with q/k/v biases have no equivalent among the supported HF "
-                         f"families ({', '.join(SUPPORTED_TYPES)})")
-    return "mixtral" if cfg.num_experts else "qwen2" if cfg.qkv_bias else "llama"
+    """The llama-family model_type `cfg` is written as (hf_config_dict), checked against its features."""
+    experts = "" if not cfg.num_experts else "qwen3_moe" if cfg.qk_norm else "mixtral"
+    model_type = cfg.hf_model_type or ("qwen3_moe" if experts == "qwen3_moe" else "mixtral" if experts else
+                                       "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama")
+    kind = _LLAMA_LIKE.get(model_type)
+    if kind is None:
+        raise ConfigError(f"model.hf_model_type={model_type!r}: not a llama-family type; choose one of "
+                          f"{', '.join(LLAMA_TYPES)} or '' (chosen from the model's features)")
+    features = dict(qkv_bias=bool(cfg.qkv_bias), qk_norm=bool(cfg.qk_norm), experts=experts)
+    for name, value in features.items():
+        if getattr(kind, name) != value:
+            raise ConfigError(f"model.hf_model_type={model_type!r} has {name}={getattr(kind, name)!r}, the model "
+                              f"{value!r}: no {', '.join(SUPPORTED_TYPES)} checkpoint holds this model; set "
+                              "model.hf_model_type='' to pick one from its features, if one has them")
+    if cfg.num_shared_experts:
+        raise ConfigError(f"model.num_shared_experts={cfg.num_shared_experts}: shared experts have no equivalent "
+                          f"among the supported HF types ({', '.join(SUPPORTED_TYPES)})")
+    return model_type
 
 
 # ---------------------------------------------------------------- weight name groups
@@ -267,34 +340,55 @@ def _groups(cfg: ModelConfig) -> list[_Group]:
 def _llama_groups(cfg: ModelConfig) -> list[_Group]:
     import torch
 
-    model_type = _llama_model_type(cfg)
+    kind, a = _LLAMA_LIKE[_llama_model_type(cfg)], describe(cfg).block.attention
     top = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not cfg.tie_embeddings:
         top["output.weight"] = "lm_head.weight"
     groups = _pairs("", "", top)
     proj = ("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj")
+    stacked = dict(to_ours=lambda ts: [torch.stack(ts)],
+                   to_theirs=lambda ts: [t.clone() for t in ts[0].unbind(0)])  # unshared storage
     for i in range(cfg.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
         layer = {"attention_norm.weight": "input_layernorm.weight",
                  "attention.wo.weight": "self_attn.o_proj.weight",
                  "ffn_norm.weight": "post_attention_layernorm.weight"}
-        layer.update({f"attention.{a}.weight": f"self_attn.{b}.weight" for a, b in proj})
+        if kind.fused:
+            groups += [_fused(f"{ours}attention.", (("wq", a.q_dim), ("wk", a.kv_dim), ("wv", a.kv_dim)),
+                              f"{theirs}self_attn.qkv_proj.weight")]
+        else:
+            layer.update({f"attention.{a}.weight": f"self_attn.{b}.weight" for a, b in proj})
         if cfg.qkv_bias:
             layer.update({f"attention.{a}.bias": f"self_attn.{b}.bias" for a, b in proj})
-        if model_type == "mixtral":
-            layer["feed_forward.router.weight"] = "block_sparse_moe.gate.weight"
-            groups += [
-                _Group([f"{ours}feed_forward.experts.{w}"],
-                       [f"{theirs}block_sparse_moe.experts.{e}.{w}.weight" for e in range(cfg.num_experts)],
-                       to_ours=lambda ts: [torch.stack(ts)],
-                       to_theirs=lambda ts: [t.clone() for t in ts[0].unbind(0)])  # unshared storage
-                for w in ("w1", "w2", "w3")
-            ]
+        if cfg.qk_norm:
+            layer.update({"attention.q_norm.weight": "self_attn.q_norm.weight",
+                          "attention.k_norm.weight": "self_attn.k_norm.weight"})
+        if kind.experts:
+            moe, names = (("block_sparse_moe", ("w1", "w2", "w3")) if kind.experts == "mixtral" else
+                          ("mlp", ("gate_proj", "down_proj", "up_proj")))
+            layer["feed_forward.router.weight"] = f"{moe}.gate.weight"
+            groups += [_Group([f"{ours}feed_forward.experts.{w}"],
+                              [f"{theirs}{moe}.experts.{e}.{name}.weight" for e in range(cfg.num_experts)], **stacked)
+                       for w, name in zip(("w1", "w2", "w3"), names, strict=True)]
+        elif kind.fused:
+            layer["feed_forward.w2.weight"] = "mlp.down_proj.weight"
+            groups += [_fused(f"{ours}feed_forward.", (("w1", cfg.ffn_dim), ("w3", cfg.ffn_dim)),
+                              f"{theirs}mlp.gate_up_proj.weight")]
         else:
             layer.update({"feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w2.weight":
                           "mlp.down_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight"})
         groups += _pairs(ours, theirs, layer)
     return groups
+
+
+def _fused(ours: str, linears: tuple[tuple[str, int], ...], theirs: str) -> _Group:
+    """Linears stored as one weight, their output rows one after the other (Phi-3's qkv_proj, gate_up_proj):
+    `linears` are (name, output rows) in that order."""
+    import torch
+
+    rows = [n for _, n in linears]
+    return _Group([f"{ours}{w}.weight" for w, _ in linears], [theirs],
+                  to_ours=lambda ts: list(ts[0].split(rows, dim=0)), to_theirs=lambda ts: [torch.cat(ts, dim=0)])
 
 
 def _gpt2_groups(cfg: ModelConfig) -> list[_Group]:

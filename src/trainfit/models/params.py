@@ -16,7 +16,7 @@ class ParamCounts(NamedTuple):
     embedding: int
     """Token (and GPT-2 position) embeddings."""
     attention: int
-    """One block's attention projections (and their biases, and QK-norm's gains)."""
+    """One block's attention projections (and their biases)."""
     mlp: int
     """One block's dense MLP, or its MoE: router + all routed experts + shared experts."""
     mlp_active: int
@@ -55,7 +55,7 @@ def param_counts(m: ModelConfig) -> ParamCounts:
         mlp=mlp,
         mlp_active=moe.active_params(d) if moe else mlp,
         routed_experts=moe.experts * moe.expert_params(d) if moe else 0,
-        norms=2 * layer.norm.params(d),
+        norms=layer.norm_params(d),
         final_norm=arch.final_norm.params(d),
         output=0 if arch.tie_embeddings else arch.vocab_size * d,
         num_layers=len(arch.layers),

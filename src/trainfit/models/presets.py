@@ -22,6 +22,7 @@ DEFAULTS: dict[str, Any] = {
     "qkv_bias": False,
     "head_dim": 0,
     "qk_norm": False,
+    "hf_model_type": "",
     "num_experts": 0,
     "experts_per_token": 2,
     "num_shared_experts": 0,
@@ -34,6 +35,8 @@ def _gpt2(dim: int, num_layers: int, num_heads: int) -> dict[str, Any]:
     return dict(family="gpt2", dim=dim, num_layers=num_layers, num_heads=num_heads, ffn_dim=4 * dim,
                 vocab_size=50257, max_seq_len=1024, tie_embeddings=True)
 
+
+_QWEN3 = dict(vocab_size=151936, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, hf_model_type="qwen3")
 
 _LLAMA31_ROPE = dict(rope_scaling_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                      rope_original_max_seq_len=8192)
@@ -98,6 +101,27 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-7b": dict(dim=3584, num_layers=28, num_heads=28, num_kv_heads=4, ffn_dim=18944,
                        vocab_size=152064, max_seq_len=131072, rope_theta=1e6, norm_eps=1e-6,
                        qkv_bias=True),
+    # Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B,32B} and Qwen3-30B-A3B (their config.json files, kept in
+    # tests/data/hf_configs with their sources): QK-norm, head_dim 128 whatever the width.
+    **{f"qwen3-{size}": dict(_QWEN3, **dims) for size, dims in {
+        "0.6b": dict(dim=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, ffn_dim=3072,
+                     tie_embeddings=True),
+        "1.7b": dict(dim=2048, num_layers=28, num_heads=16, num_kv_heads=8, ffn_dim=6144, tie_embeddings=True),
+        "4b": dict(dim=2560, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, ffn_dim=9728,
+                   tie_embeddings=True),
+        "8b": dict(dim=4096, num_layers=36, num_heads=32, num_kv_heads=8, ffn_dim=12288),
+        "14b": dict(dim=5120, num_layers=40, num_heads=40, num_kv_heads=8, ffn_dim=17408),
+        "32b": dict(dim=5120, num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128, ffn_dim=25600),
+        "30b-a3b": dict(dim=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, ffn_dim=6144,
+                        num_experts=128, experts_per_token=8, expert_ffn_dim=768, router_aux_loss_coef=0.001,
+                        hf_model_type="qwen3_moe"),
+    }.items()},
+    # microsoft/Phi-3-mini-4k-instruct (its 2047-token sliding window is ignored: full causal
+    # attention, identical up to 2047 tokens) and microsoft/phi-4: q, k, v and gate, up stored fused.
+    "phi-3-mini": dict(dim=3072, num_layers=32, num_heads=32, num_kv_heads=32, ffn_dim=8192, vocab_size=32064,
+                       max_seq_len=4096, hf_model_type="phi3"),
+    "phi-4": dict(dim=5120, num_layers=40, num_heads=40, num_kv_heads=10, ffn_dim=17920, vocab_size=100352,
+                  max_seq_len=16384, rope_theta=250000.0, hf_model_type="phi3"),
 }
 
 # Parameter counts as published (HF hub safetensors metadata / transformers `num_parameters()`,
@@ -119,6 +143,17 @@ PUBLISHED_NUM_PARAMS: dict[str, int] = {
     "mixtral-8x7b": 46_702_792_704,  # mistralai/Mixtral-8x7B-v0.1
     "qwen2.5-7b": 7_615_616_512,  # Qwen/Qwen2.5-7B ("7.61B" on the model card)
     "olmoe-1b-7b": 6_919_161_856,  # allenai/OLMoE-1B-7B-0924 safetensors metadata; QK-norm included
+    # transformers' count (meta device) from each model's config.json (tests/data/hf_configs), which the
+    # model cards round: 0.6B, 1.7B, 4.0B, 8.2B, 14.8B, 32.8B, 30.5B; 3.8B; 14.7B
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-1.7b": 1_720_574_976,
+    "qwen3-4b": 4_022_468_096,
+    "qwen3-8b": 8_190_735_360,
+    "qwen3-14b": 14_768_307_200,
+    "qwen3-32b": 32_762_123_264,
+    "qwen3-30b-a3b": 30_532_122_624,
+    "phi-3-mini": 3_821_079_552,
+    "phi-4": 14_659_507_200,
 }
 
 

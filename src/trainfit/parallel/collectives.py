@@ -73,7 +73,6 @@ from trainfit.config.schema import ModelConfig
 from trainfit.models.architecture import describe
 from trainfit.models.block_spec import block_linears
 from trainfit.models.checkpoint_policy import POLICIES
-from trainfit.models.params import param_counts
 from trainfit.parallel.layout import AXES, Layout
 
 Technique = Literal["ddp", "zero1", "fsdp", "tp", "cp", "ep", "pp", "train"]
@@ -96,6 +95,7 @@ TENSORS: dict[str, str] = {
     "loss_stats": "one fp32 number per token (loss_parallel's max, sum of exps or target logit)",
     "positions": "GPT-2's learned positions of the rank's tokens",
     "norm_gain": "a norm gain's gradient (dim elements)",
+    "qk_norm_gain": "a QK-norm gain's gradient (head_dim elements)",
     "kv": "K or V of the whole sequence (the rank's heads)",
     "routed_tokens": "the hidden state of each (token, choice) pair a rank sends (capacity: every slot)",
     "expert_counts": "the per-expert row counts (int64)",
@@ -248,12 +248,26 @@ def _tp(model: ModelConfig, layout: Layout, layers: int, wrapped: int) -> list[C
         ("all_gather", "backward", "positions", "pos_embeddings output",
          embedding * sp * describe(model).learned_positions, ()),
     ]
-    if sp and layout.data_parallel == "fsdp":  # one all-reduce per gain (and bias) tensor of dim elements
-        c = param_counts(model)
-        calls.append(("all_reduce", "backward", "norm_gain", "norm gains",
-                      (c.norms * layers + c.final_norm * output) // model.dim, ()))
-    return [CollectiveCall("tp", kind, ("tp",), tensor, site, phase, count, overlaps=gemms)
-            for kind, phase, tensor, site, count, gemms in calls]
+    out = [CollectiveCall("tp", kind, ("tp",), tensor, site, phase, count, overlaps=gemms)
+           for kind, phase, tensor, site, count, gemms in calls]
+    return out + _partial_gains(model, layout, layers, output)
+
+
+def _partial_gains(model: ModelConfig, layout: Layout, layers: int, output: int) -> list[CollectiveCall]:
+    """The gains whose gradient each tp rank holds a partial sum of, one all-reduce per tensor: under
+    sequence parallelism the norms' (gain and bias, dim elements each: each rank normed its tokens),
+    with QK-norm its two gains (head_dim: each rank normed its heads). FSDP2 reduces them in every
+    backward, before its reduce-scatter; otherwise they stay partial through accumulation and are
+    reduced once, where the step first reads them (clipping's norm)."""
+    layer = describe(model).block
+    per_norm = layer.norm.params(model.dim) // model.dim  # tensors of dim elements in one norm
+    dims = (2 * layers + output) * per_norm if layout.sequence_parallel else 0
+    heads = 2 * layers if layer.attention.qk_norm else 0
+    fsdp = layout.data_parallel == "fsdp"
+    phase: Phase = "backward" if fsdp else "step"
+    return [CollectiveCall("tp", "all_reduce", ("tp",), tensor, site, phase, count, per_microbatch=fsdp)
+            for tensor, site, count in (("norm_gain", "norm gains", dims), ("qk_norm_gain", "QK-norm gains", heads))
+            if count]
 
 
 def _train(model: ModelConfig, layout: Layout) -> list[CollectiveCall]:

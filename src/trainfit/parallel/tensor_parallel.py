@@ -4,6 +4,7 @@ al. 2022) as DTensor `parallelize_module` plans, one per model family, on the me
 Per block:
 - attention: wq, wk, wv column-parallel (each rank computes whole heads: its slice of the query
   and key/value heads), wo row-parallel (each rank's heads give a partial sum of the output);
+  QK-norm on the rank's heads, its gains replicated;
 - MLP: the up/gate projections (w1, w3) column-parallel, the down projection (w2) row-parallel;
 - MoE: the whole feed-forward (router, routed and shared experts) is replicated on the tp ranks
   and computes on the whole sequence (Megatron's expert_tensor_parallel_size=1): its gradients
@@ -46,6 +47,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from trainfit.config.schema import ModelConfig
+from trainfit.models.architecture import describe
 from trainfit.models.block_spec import tp_split_linears
 
 
@@ -65,6 +67,11 @@ def block_plan(cfg: ModelConfig, block: nn.Module, sequence_parallel: bool) -> d
     if sequence_parallel:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
+    if describe(cfg).block.attention.qk_norm:
+        # QK-norm runs on the rank's heads of [B, T, H, K] (dim 2 sharded, K whole): its gain is a
+        # replicated DTensor whose gradient, a partial sum over each rank's heads, DTensor sums over tp.
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     # The attention's and the MLP's input becomes one replicated DTensor for all of their
     # column-parallel projections (all-gathered first under SP): backward then sums their partial
     # input gradients locally and reduces once, not once per projection.

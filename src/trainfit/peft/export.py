@@ -32,6 +32,10 @@ def adapter_tensors(model: nn.Module, cfg: ModelConfig, peft: PeftConfig) -> dic
     out: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
+            if f"{name}.weight" not in names:  # Phi-3's fused qkv_proj / gate_up_proj hold several of ours
+                raise ConfigError(f"model.hf_model_type={cfg.hf_model_type!r}: {name} is stored fused with other "
+                                  "linears in its checkpoint, where PEFT puts one adapter on the fused weight; "
+                                  "export the adapters merged (trainfit export --merge)")
             theirs = PEFT_PREFIX + names[f"{name}.weight"].removesuffix(".weight")
             out[f"{theirs}.lora_A.weight"] = module.lora_a.detach()
             out[f"{theirs}.lora_B.weight"] = module.lora_b.detach()

@@ -198,13 +198,16 @@ def stage_params(model: ModelConfig, layout: Layout) -> tuple[int, int]:
 
     Blocks: each linear as tensor and expert parallelism split it (models/block_spec.py: an MoE
     feed-forward whole on the tp ranks, its routed experts / ep), norms whole. Root (embeddings,
-    final norm, output): all of it without pipeline parallelism, else the larger of the first and
-    last stage's part.
+    final norm, output; the vocabulary's rows split over tp): all of it without pipeline parallelism,
+    else the larger of the first and last stage's part.
     """
-    c = param_counts(model)
+    c, arch = param_counts(model), describe(model)
     block = sum(linear.local_params(layout.tp, layout.ep) for linear in block_linears(model)) + c.norms
-    root = c.embedding + c.final_norm + c.output if layout.pp == 1 else max(c.embedding, c.final_norm + c.output)
-    return block, root // layout.tp
+    # the vocabulary's rows split over tp; the final norm and GPT-2's positions whole on every tp rank
+    vocab = arch.vocab_size * arch.dim // layout.tp
+    first = vocab + c.embedding - arch.vocab_size * arch.dim
+    last = c.final_norm + (c.output // layout.tp)
+    return block, first + last if layout.pp == 1 else max(first, last)
 
 
 def expert_params(model: ModelConfig, layout: Layout) -> int:
@@ -266,6 +269,7 @@ def tensor_bytes(model: ModelConfig, layout: Layout, training: TrainingConfig) -
     stream_b = layout.stream_bytes
     out.update(row_output=act, stream=act / act_b * stream_b, loss_stats=tokens * FP32_BYTES,
                positions=t.seq_len / layout.cp * m.dim * stream_b, norm_gain=m.dim * param_b,
+               qk_norm_gain=describe(m).block.attention.head_dim * param_b,
                kv=int(seqs * t.seq_len * describe(m).block.attention.kv_dim / layout.tp * act_b),
                boundary=act / layout.tp if layout.sequence_parallel else act)
     if m.num_experts:

@@ -31,6 +31,14 @@ HF_CONFIGS = {
     "mistral": ("MistralConfig", dict(_LLAMA_DIMS, sliding_window=None)),
     "mixtral": ("MixtralConfig", dict(_LLAMA_DIMS, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2": ("Qwen2Config", dict(_LLAMA_DIMS, tie_word_embeddings=True, rope_theta=1e6)),
+    # Qwen3: QK-norm, and a head width (24) that is not hidden_size / heads (16).
+    "qwen3": ("Qwen3Config", dict(_LLAMA_DIMS, head_dim=24, rope_theta=1e6, tie_word_embeddings=True)),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(_LLAMA_DIMS, head_dim=24, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=40, norm_topk_prob=True)),
+    # Mistral Small 3's shape: num_heads x head_dim (4 x 32) wider than hidden_size.
+    "mistral-head-dim": ("MistralConfig", dict(_LLAMA_DIMS, head_dim=32, sliding_window=None)),
+    # Phi-3 / Phi-4: q, k, v fused in one qkv_proj, gate and up in one gate_up_proj.
+    "phi3": ("Phi3Config", dict(_LLAMA_DIMS, pad_token_id=0, sliding_window=None)),
     "gpt2": ("GPT2Config", _GPT2_DIMS),
     "gpt2-untied": ("GPT2Config", dict(_GPT2_DIMS, n_inner=96, tie_word_embeddings=False)),
 }
@@ -90,9 +98,7 @@ def test_saved_checkpoint_loads_in_transformers_with_same_logits(name: str, tmp_
     ours, cfg = our_model(tmp_path / "src", seed=3)
     save_hf_weights(ours, cfg, tmp_path / "out")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
-    # Mistral without a sliding window is a Llama with GQA; it is written as one.
-    expected = "LlamaForCausalLM" if name == "mistral" else type(reference).__name__
-    assert type(theirs).__name__ == expected
+    assert type(theirs).__name__ == type(reference).__name__  # written as the type it was read as
     x = tokens()
     with torch.no_grad():
         torch.testing.assert_close(theirs.eval()(x).logits, ours(x), atol=1e-4, rtol=1e-4)
@@ -127,7 +133,11 @@ def write_config(tmp_path: Path, **changes: object) -> Path:
         (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_scaling.rope_type='dynamic'"),
         (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_parameters.rope_type='yarn'"),
         (dict(hidden_size="<drop>"), "key 'hidden_size' is missing"),
-        (dict(head_dim=32), "head_dim=32"),
+        (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+        (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+              norm_topk_prob=True, mlp_only_layers=[0]), r"mlp_only_layers=[0]"),
+        (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
+         "norm_topk_prob=False"),
         (dict(attention_bias=True), "attention_bias=True"),
     ],
 )
@@ -144,7 +154,7 @@ def test_config_maps_fields_and_warns_on_sliding_window(tmp_path: Path) -> None:
     assert fields == dict(family="llama", dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=96,
                           vocab_size=300, max_seq_len=64, norm_eps=1e-5, rope_theta=10000.0,
                           rope_scaling_factor=0.0, tie_embeddings=False, qkv_bias=False, num_experts=0,
-                          num_shared_experts=0)
+                          num_shared_experts=0, head_dim=0, qk_norm=False, hf_model_type="mistral")
     assert path.is_file()
 
 

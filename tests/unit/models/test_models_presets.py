@@ -64,7 +64,10 @@ def test_closed_form_counts_equal_the_built_model(name: str) -> None:
     assert counts.total == count_params(model)
     block = model.layers[0]
     assert counts.per_layer == sum(p.numel() for p in block.parameters())
-    assert counts.attention == sum(p.numel() for p in block.attention.parameters())
+    norms = {n: p.numel() for n, p in block.named_parameters() if n.rsplit(".", 2)[-2].endswith("norm")}
+    assert counts.norms == sum(norms.values())  # the pre-norms' and QK-norm's
+    assert counts.attention == sum(p.numel() for n, p in block.attention.named_parameters()
+                                   if f"attention.{n}" not in norms)
     assert counts.mlp == sum(p.numel() for p in block.feed_forward.parameters())
     if cfg.num_experts:
         assert counts.routed_experts == sum(p.numel() for p in block.feed_forward.experts.parameters())
