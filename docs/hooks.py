@@ -41,6 +41,10 @@ def _generated(name: str) -> str:
         from trainfit.config.docs import config_reference
 
         return config_reference()
+    if name == "models-reference":
+        from trainfit.models.reference import models_reference
+
+        return models_reference()
     if name == "json-reference":
         from trainfit.plan.answer_schema import json_reference
 

@@ -86,6 +86,9 @@ def _schema_cases() -> list[Bad]:
 
 SEMANTIC = [  # values of the right type that make no sense, each with the words of its fix
     ("--training.steps=0", ("training.steps", "0", ">= 1")),
+    ("--model.sliding_window=-1", ("model.sliding_window", "-1", "0 (full causal attention)")),
+    ("--model.head_dim=-8", ("model.head_dim", "-8", "0 for dim / num_heads")),
+    ("--model.head_dim=7", ("model.head_dim", "7", "even for RoPE")),
     ("--training.seq_len=-4", ("training.seq_len", "-4")),
     ("--training.seq_len=100000", ("training.seq_len", "model.max_seq_len")),
     ("--training.micro_batch_size=0", ("training.micro_batch_size", ">= 1")),
@@ -159,6 +162,11 @@ ARGUMENTS = [  # the command line itself
     (("estimate", "nowhere.toml"), ("nowhere.toml", "does not exist")),
     (("train", "--training.steps", "5", "extra.toml", "more"), ("more",)),
     (("frobnicate",), ("frobnicate",)),
+    (("estimate", "--model.preset=debug-gpt2", "--model.qk_norm=head"), ("model.qk_norm", "family=gpt2", "none")),
+    (("estimate", "--model.qk_norm=whole", "--hardware.num_gpus=2", "--parallel.tp=2"),
+     ("parallel.tp", "model.qk_norm=whole", "parallel.tp=1")),
+    (("estimate", "--model.sliding_window=8", "--hardware.num_gpus=2", "--parallel.cp=2"),
+     ("parallel.cp", "sliding window", "parallel.cp=1")),
     (("estimate", "--plot"), ("--plot",)),
     (("measure", "--steps", "1", "--training.steps=2"), ("--steps 1", "at least 2")),
     (("measure", "--steps", "x"), ("--steps", "x")),

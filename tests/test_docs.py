@@ -59,6 +59,11 @@ def test_the_generated_parts_are_in_the_pages(site) -> None:
     assert "<td>analytic</td>" in accuracy and "The whole grid" in accuracy  # the CPU grid's kept run
     estimate = (site / "commands" / "estimate" / "index.html").read_text(encoding="utf-8")
     assert "usage: trainfit estimate" in estimate and "<!--" not in estimate.split("<article")[1]
+    from trainfit.models.hf import SUPPORTED_TYPES
+    from trainfit.models.presets import PRESETS
+
+    models = (site / "models" / "index.html").read_text(encoding="utf-8")
+    assert all(f"<code>{name}</code>" in models for name in (*SUPPORTED_TYPES, *PRESETS))
 
 
 @pytest.mark.parametrize("args", [

@@ -112,7 +112,7 @@ def probe_attention_kernel(backend: str, device: torch.device, dtype: torch.dtyp
         if device.type == "cpu":
             reasons += " (on CPU torch has only its flash kernel and math)"
         form = (f"{dtype} on {device.type}, {heads} heads, {kv_heads} kv heads, head dim {head_dim}, "
-                + ("an explicit mask (context parallelism)" if masked else "causal"))
+                + ("an explicit mask (context parallelism, a sliding window)" if masked else "causal"))
         raise field_error("training.attention_backend", backend,
                           f"torch cannot run this kernel for the run's attention ({form}): {reasons}. Choose "
                           "auto (torch picks a kernel that runs) or math (runs everywhere)") from err

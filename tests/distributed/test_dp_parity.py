@@ -103,8 +103,10 @@ class DataParallelParity(GlooTestCase):
             (("--parallel.zero_stage=3", "--model.preset=debug-gpt2"), FP32),  # tied embedding/output
             (("--parallel.zero_stage=3", "--model.preset=debug-moe"), MOE),
             # Qwen3's block (QK-norm, heads wider than the model) and Qwen3-MoE's
-            (("--parallel.zero_stage=3", "--model.qk_norm=true", "--model.head_dim=24"), FP32),
-            (("--parallel.zero_stage=3", "--model.preset=debug-moe", "--model.qk_norm=true", "--model.head_dim=24",
+            (("--parallel.zero_stage=3", "--model.qk_norm=head", "--model.head_dim=24"), FP32),
+            # OLMo 2's block: norms after the branches, QK-norm over all heads
+            (("--parallel.zero_stage=3", "--model.norm_placement=post", "--model.qk_norm=whole"), FP32),
+            (("--parallel.zero_stage=3", "--model.preset=debug-moe", "--model.qk_norm=head", "--model.head_dim=24",
               "--model.num_shared_experts=0"), MOE),
         ])
 

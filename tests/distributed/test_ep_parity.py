@@ -84,7 +84,7 @@ class TwoRanks(ExpertParallelParity):
             (("--parallel.ep=2", "--parallel.cp=2", "--parallel.zero_stage=3", "--model.router_aux_loss_coef=0"),
              COMPOSITION_STEPS),
             # Qwen3-MoE's block: QK-norm, heads wider than the model, no shared expert
-            ((*EP2, "--model.qk_norm=true", "--model.head_dim=24", "--model.num_shared_experts=0"), COMPOSITION_STEPS),
+            ((*EP2, "--model.qk_norm=head", "--model.head_dim=24", "--model.num_shared_experts=0"), COMPOSITION_STEPS),
         ]}, self.check_case)
         self.run_subtests({"overrides": [EP2, (*EP2, CAPACITY)]}, self.check_gradients)
 

@@ -56,6 +56,9 @@ class TwoRanks(GlooTestCase):
             (("--parallel.pp=2", "--parallel.num_microbatches=8"), PP_FP32, COMPOSITION_STEPS),
             # fp16 loss scaling: the scale is the same on both stages, the inf check spans them
             (("--parallel.pp=2", "--precision.mode=fp16-mixed"), AUTOCAST, COMPOSITION_STEPS),
+            # a sliding window (8 of the 32 positions): each stage builds its mask
+            (("--parallel.pp=2", "--model.sliding_window=8"), PP_FP32, COMPOSITION_STEPS),
+            (("--parallel.pp=2", "--model.norm_placement=post", "--model.qk_norm=whole"), PP_FP32, COMPOSITION_STEPS),
         ])
 
 

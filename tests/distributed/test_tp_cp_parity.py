@@ -24,7 +24,7 @@ STEPS, COMPOSITION_STEPS = LONG_STEPS, 4
 BF16_STEPS = 20
 """tp2 + SP in bf16-mixed: its parameters' error relative to how far they moved shrinks with more steps."""
 SP = "--parallel.sequence_parallel=true"
-QWEN3 = ("--model.qk_norm=true", "--model.head_dim=24")
+QWEN3 = ("--model.qk_norm=head", "--model.head_dim=24")
 pytestmark = pytest.mark.slow  # each layout trained on the ranks and on one process
 
 
@@ -48,6 +48,9 @@ class TwoRanks(GlooTestCase):
             # Qwen3's attention: QK-norm on each rank's heads (its gains' partial gradients summed), heads
             # wider than the model
             (("--parallel.tp=2", SP, *QWEN3), TP_FP32, COMPOSITION_STEPS),
+            (("--parallel.tp=2", SP, "--model.sliding_window=8"), TP_FP32, COMPOSITION_STEPS),  # of 32 positions
+            # norms after the branches (OLMo 2's placement) on the sequence-sharded stream
+            (("--parallel.tp=2", SP, "--model.norm_placement=post", *QWEN3), TP_FP32, COMPOSITION_STEPS),
         ])
 
     @with_comms

@@ -53,7 +53,7 @@ SHAPE = ("--training.seq_len=32", "--training.micro_batch_size=1")
 """32-token sequences, one row per micro-batch: the debug models' smallest honest step."""
 MOE = ("--model.preset=debug-moe",)
 DENSE = ("--model.preset=debug",)
-QWEN3 = (*DENSE, "--model.qk_norm=true", "--model.head_dim=24")
+QWEN3 = (*DENSE, "--model.qk_norm=head", "--model.head_dim=24")
 """Qwen3's attention: QK-norm, and heads (4 x 24) wider than the model (64)."""
 
 GRID: dict[str, tuple[str, ...]] = {

@@ -19,7 +19,7 @@ from trainfit.peft.adapters import LoRALinear, apply_adapters
 from trainfit.traced import trace_step
 from trainfit.train.trainer import Trainer
 
-QWEN3 = ("--model.qk_norm=true", "--model.head_dim=24")
+QWEN3 = ("--model.qk_norm=head", "--model.head_dim=24")
 """Qwen3's attention on the debug model: QK-norm, heads (4 x 24) wider than the model (64)."""
 
 MIB = 2**20
@@ -144,6 +144,7 @@ def test_analytic_model_states_of_an_adapted_run_are_the_traced_ones(args: tuple
     ("--peft.method=dora", "--peft.targets=q,v,down", "--peft.rank=4"),
     ("--peft.method=lora", "--peft.train_output=true"),
     ("--peft.method=lora", "--peft.targets=all-linear", *QWEN3),
+    ("--peft.method=lora", "--peft.targets=attention", "--model.norm_placement=post", "--model.qk_norm=whole"),
 ])
 def test_exported_adapters_load_in_peft_with_the_same_logits(tmp_path, args: tuple[str, ...]) -> None:
     """Train an adapter on a base of HF weights, export it in PEFT's format: transformers' model of the

@@ -6,7 +6,6 @@ parameters transformers builds from it and estimates, and its preset is that fil
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import pytest
@@ -45,9 +44,7 @@ def _transformers_count(name: str) -> int:
 
 
 def _ours(preset: str) -> ModelConfig:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Phi-3-mini's sliding window, named in its own test
-        return resolve_model_config(ModelConfig(preset=preset))
+    return resolve_model_config(ModelConfig(preset=preset))
 
 
 def test_every_file_has_its_source_card_figure_and_preset() -> None:
@@ -79,12 +76,12 @@ def test_a_flagship_estimates_from_its_file(name: str) -> None:
     assert result.worst.peak > result.worst.master_params and 0 < result.perf.time["mfu"] < 1
 
 
-def test_phi3_minis_sliding_window_is_named_where_it_is_ignored() -> None:
-    with pytest.warns(UserWarning, match=r"sliding_window=2047 is ignored .* beyond 2047 tokens"):
-        model_fields_from_hf_config(DATA / "microsoft--Phi-3-mini-4k-instruct.json")
+def test_the_sliding_windows_are_read_where_they_are_shorter_than_the_context() -> None:
+    assert model_fields_from_hf_config(DATA / "microsoft--Phi-3-mini-4k-instruct.json")["sliding_window"] == 2047
+    assert model_fields_from_hf_config(DATA / "microsoft--phi-4.json")["sliding_window"] == 0  # its context
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "gemma3", "olmo2", "deepseek_v3", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3", "olmoe", "deepseek_v3", "gpt_oss", "llama4"])
 def test_a_type_not_read_yet_is_refused_naming_what_is(model_type: str) -> None:
     assert model_type not in SUPPORTED_TYPES
     with pytest.raises(ConfigError) as err:

@@ -37,6 +37,10 @@ def field_error(name: str, value: object, fix: str) -> ConfigError:
     return ConfigError(f"{name}={value!r}: {fix}")
 
 
+QkNorm = Literal["none", "head", "whole"]
+NormPlacement = Literal["pre", "post"]
+
+
 @dataclass
 class ModelConfig:
     preset: str = "tiny"
@@ -55,8 +59,16 @@ class ModelConfig:
     head_dim: int | None = None
     """Width of each attention head; 0 = dim / num_heads. Qwen3 and Mistral Small 3 set it so that
     num_heads x head_dim differs from dim."""
-    qk_norm: bool | None = None
-    """RMSNorm over each head of the queries and keys before RoPE, one gain of head_dim each (Qwen3)."""
+    qk_norm: QkNorm | None = None
+    """RMSNorm on the queries and keys before RoPE: none | head (over each head, one gain of head_dim for
+    q and one for k: Qwen3) | whole (over all of q's heads and all of k's: OLMo 2)."""
+    norm_placement: NormPlacement | None = None
+    """Where each branch's norm sits: pre (norm, then attention or MLP, then the residual add: Llama) |
+    post (attention or MLP, then norm, then the add; no norm before: OLMo 2)."""
+    sliding_window: int | None = None
+    """0 = full causal attention. W > 0: each query attends its W latest positions, itself included
+    (Mistral 7B v0.1: 4096; Phi-3-mini: 2047), in every layer; sequences no longer than W are plain
+    causal attention."""
     ffn_dim: int | None = None
     """Hidden size of the dense MLP."""
     vocab_size: int | None = None

@@ -60,16 +60,20 @@ def _validate_model(m: ModelConfig) -> None:
     if m.num_heads % m.num_kv_heads:
         raise field_error("model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads={m.num_heads}")
     attention = describe(m).block.attention
+    if m.sliding_window is None or m.sliding_window < 0:
+        raise field_error("model.sliding_window", m.sliding_window, "must be 0 (full causal attention) or a "
+                          "positive number of positions")
     if m.family == "gpt2":  # the features GPT-2's module tree (models/gpt2.py) does not have
         for name, value, fix in (("num_kv_heads", m.num_kv_heads, m.num_heads), ("head_dim", m.head_dim, 0),
-                                 ("qk_norm", m.qk_norm, False)):
+                                 ("qk_norm", m.qk_norm, "none"), ("sliding_window", m.sliding_window, 0),
+                                 ("norm_placement", m.norm_placement, "pre")):
             if value != fix:
                 raise field_error(f"model.{name}", value, f"model.family=gpt2 does not have it: set it to {fix}")
     if attention.rope and attention.head_dim % 2:
         raise field_error("model.head_dim" if m.head_dim else "model.num_heads", m.head_dim or m.num_heads,
                           f"the head width {attention.head_dim} must be even for RoPE")
     if m.num_experts:
-        if m.family != "llama":
+        if m.family != "llama":  # GPT-2's module tree (models/gpt2.py) has a dense MLP only
             raise field_error("model.num_experts", m.num_experts, "MoE is supported for family=llama only")
         if not 1 <= m.experts_per_token <= m.num_experts:
             raise field_error("model.experts_per_token", m.experts_per_token,
@@ -88,7 +92,7 @@ def _validate_rope_scaling(m: ModelConfig) -> None:
     if not m.rope_scaling_factor >= 1:
         raise field_error("model.rope_scaling_factor", m.rope_scaling_factor,
                           "must be 0 (plain RoPE) or >= 1 (Llama 3.1 scaling; its factor is 8)")
-    if m.family != "llama":
+    if m.family != "llama":  # GPT-2 has learned positions, no RoPE
         raise field_error("model.rope_scaling_factor", m.rope_scaling_factor, "RoPE is the llama family's; set it to 0")
     if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
         raise field_error("model.rope_high_freq_factor", m.rope_high_freq_factor,

@@ -141,6 +141,18 @@ def norm_input_bytes(m: ModelConfig, d: ActDtypes) -> int:
     return d.stream if layer_of(m).norm.kind == "layer" else FP32
 
 
+def post_norms_saved(m: ModelConfig, d: ActDtypes) -> Terms:
+    """A post-norm block's norms and the branches' inputs (models/architecture.py's norm_placement
+    post, OLMo 2): each branch's first linears save the stream itself (the block input, the mid-block
+    residual; under autocast each its own cast instead), and each norm after a branch saves the fp32
+    copy of the branch's output, its rsqrt and the normed values in the output's dtype (the matmul's;
+    an MoE's is the stream's)."""
+    D, c = m.dim, d.compute
+    ffn_out = d.stream if m.num_experts else c
+    inputs = Terms(gathered=(3 + ffn_consumers(m)) * c * D if d.autocast else 2 * d.stream * D)
+    return inputs + Terms(seq=2 * (FP32 * D + FP32) + (c + ffn_out) * D)
+
+
 def ungated_mlp(m: ModelConfig) -> bool:
     """A dense MLP of two matmuls around its activation (GPT-2's fc, GELU, proj), not a SwiGLU."""
     mlp = layer_of(m).mlp
@@ -148,10 +160,10 @@ def ungated_mlp(m: ModelConfig) -> bool:
 
 
 def qk_norm_saved(m: ModelConfig, d: ActDtypes) -> Terms:
-    """QK-norm (models/architecture.py): the RMSNorm of each head of q and k saves its input's fp32
-    copy (the projection's output itself in fp32), its rsqrt per head and the normed values cast back
-    to the projection's dtype (by the gain's multiply): head-sharded, like the projections."""
+    """QK-norm (models/architecture.py): the RMSNorm of q and k (each head's, or each whole) saves its
+    input's fp32 copy (the projection's output itself in fp32), its rsqrt per row and the normed values
+    cast back to the projection's dtype (by the gain's multiply): head-sharded, like the projections."""
     a = layer_of(m).attention
     if not a.qk_norm:
         return Terms()
-    return Terms(tp=(FP32 + d.compute) * (a.q_dim + a.kv_dim) + FP32 * (a.num_heads + a.num_kv_heads))
+    return Terms(tp=(FP32 + d.compute) * (a.q_dim + a.kv_dim) + FP32 * a.qk_norm_rows())

@@ -18,6 +18,7 @@ from trainfit.memory.activation_terms import (
     layer_of,
     norm_input_bytes,
     norm_saved,
+    post_norms_saved,
     swiglu_saved,
     ungated_mlp,
 )
@@ -43,8 +44,12 @@ def block_terms(m: ModelConfig, d: ActDtypes, policy: str, routing: Routing | No
     # Block input (for RMSNorm with a 16-bit stream, its fp32 copy replaces it: see norm_saved) and
     # the mid-block residual h, each saved at 4 bytes by the norm that reads it (RMSNorm) or at
     # stream bytes (LayerNorm saves its input as is).
-    residual = 2 * norm_input_bytes(m, d) * D
-    terms = Terms(seq=residual) + norm_saved(m, d, 3) + attention_saved(m, d, cp) + norm_saved(m, d, ffn_consumers(m))
+    if layer_of(m).norm_placement == "post":
+        terms = post_norms_saved(m, d) + attention_saved(m, d, cp)
+    else:
+        residual = 2 * norm_input_bytes(m, d) * D
+        terms = Terms(seq=residual) + norm_saved(m, d, 3) + attention_saved(m, d, cp) + \
+            norm_saved(m, d, ffn_consumers(m))
     if ungated_mlp(m):
         return terms + Terms(tp=2 * c * m.ffn_dim)  # fc1 out (GELU input), GELU out (fc2 input)
     if m.num_experts:
@@ -149,7 +154,9 @@ def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str, tp: int = 1,
     if policy not in ("selective", "selective-alternate"):
         return PolicyOnly(Terms(), block_input)
     alternate = policy == "selective-alternate"
-    released = _reduction(m, d, tp) + Terms(gathered=0 if alternate else c * D)  # wo's reduction, output
+    # a post-norm's norms save their input's fp32 copy: in fp32, wo's and w2's outputs themselves
+    post_saves_outputs = layer_of(m).norm_placement == "post" and c == FP32
+    released = _reduction(m, d, tp) + Terms(gathered=0 if alternate or post_saves_outputs else c * D)  # wo's
     if d.math_attention:
         released += attention_kept(m, d, cp, policy)
     if _projections_unsaved(m, d):
@@ -163,7 +170,7 @@ def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str, tp: int = 1,
         return PolicyOnly(released + Terms(gathered=c * m.num_experts) + _expert_parallel_released(m, d, r, policy)
                           + last, block_input, last)
     last = _reduction(m, d, tp)  # w2's / fc2's reduction, and w2's (fc2's) output unless recomputed
-    if not (alternate and ungated_mlp(m)):  # GPT-2's fc2 is the 6th matmul: not kept
+    if not (alternate and ungated_mlp(m)) and not post_saves_outputs:  # GPT-2's fc2 (6th) is not kept
         last += Terms(gathered=c * D)
     return PolicyOnly(released, block_input + last)
 

@@ -44,8 +44,10 @@ def adapter_terms(m: ModelConfig, d: ActDtypes, adaptation: Adaptation, routing:
     linears = {linear.name: linear for linear in block_linears(m)}
     gpt2 = ungated_mlp(m)
     layer = layer_of(m)
-    seq = 0 if layer.norm.kind == "layer" else -2.0 * a * D  # the two RMSNorms' normalized copies, kept
-    # only for their gains; so are QK-norm's (frozen too)
+    # the two RMSNorms' normalized copies, kept only for their gains (after a branch: in its output's
+    # dtype); so are QK-norm's (frozen too)
+    normed = (c + (a if m.num_experts else c)) * D if layer.norm_placement == "post" else 2.0 * a * D
+    seq = 0 if layer.norm.kind == "layer" else -normed
     qk_norm = -c * (layer.attention.q_dim + layer.attention.kv_dim) if layer.attention.qk_norm else 0
     gathered = 0.0
     moe = bool(m.num_experts)

@@ -120,9 +120,11 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     root_gather = c * (lay.embedding + lay.head) if zero3 else 0
     block_gather = c * lay.block - fp8_gathered if zero3 else 0
     reduce = (FSDP_REDUCE_BYTES_MIXED if prec.mixed else prec.param) if st.fsdp else 0
-    # Context parallelism's causal masks, and Llama's RoPE cos/sin tables
+    # Context parallelism's causal masks, a sliding window's mask (one in the queries' dtype, shared by
+    # the layers: models/common.window_mask), and the RoPE cos/sin tables
     persistent_buffers = context_parallel_mask_bytes(st.seq, run.layout.cp, act.compute)
     attention = describe(run.model).block.attention
+    persistent_buffers += st.seq * st.seq * act.compute if attention.masked(st.seq) else 0
     if attention.rope:
         persistent_buffers += 2 * run.model.max_seq_len * attention.head_dim * rope_table_bytes(run)
     kind = run.layout.data_parallel
@@ -351,6 +353,11 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     # accumulated before already hold them: max(g.before, ...) below).
     last_moments, first_moments = in_backward(lay.last_wrapped), in_backward(lay.first_wrapped)
 
+    # A tied embedding and output projection trained in full, on a rank that holds whole gradients
+    # (FSDP2 reduce-scatters the root's as its backward ends): see the moment below.
+    tied_embedding_grad = 2 * lay.embedding * prec.param if lay.first and lay.tied_here and not st.fsdp \
+        and not run.layout.adaptation else 0
+
     n_if, h_if = lay.in_flight, lay.head_in_flight
     older_own = (n_if - 1) * a_blocks + (h_if - 1) * a_final  # other micro-batches in flight
     # Autocast caches one cast per parameter for its whole block, and a pipeline step runs every
@@ -427,6 +434,12 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
                  max(g.before, g.later_grads + first_grads) + g.pending(lay.block + lay.embedding),
                  bwd + g.first_comms + first_buffers)
                 for first_grads, first_buffers, first_acts, first_casts in first_moments]
+            if tied_embedding_grad:
+                # The embedding's backward, the step's last: a tied weight's gradient already holds the
+                # output projection's, every other gradient is made, and the embedding's own [V, D]
+                # gradient is summed into it (the incoming and the sum, until the sum replaces it).
+                moments.append(("backward", 0, older + tied_embedding_grad, older_logits, max(g.before, st.grads),
+                                bwd))
         moments += [
             # The step: every gradient (ZeRO-1's master gradients too) and the optimizer's temporaries.
             ("optimizer", 0, 0, 0, st.grads + st.master_grads, persistent_buffers + pipe.slots + st.optimizer_temp),

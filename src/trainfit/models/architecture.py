@@ -48,8 +48,22 @@ class Attention:
     rope: bool
     """Rotary positions on q and k (False: the model adds learned position embeddings instead)."""
     qk_norm: Norm | None
-    """RMSNorm over each head of q and of k before RoPE, a gain of head_dim shared by the heads
-    (Qwen3's q_norm and k_norm)."""
+    """RMSNorm on q and on k before RoPE (model.qk_norm): over each head, a gain of head_dim shared by
+    the heads (Qwen3), or with `qk_norm_whole` over all heads at once, a gain of q_dim and one of kv_dim
+    (OLMo 2)."""
+    qk_norm_whole: bool = False
+    window: int = 0
+    """A sliding window: each query attends its `window` latest positions, itself included (Mistral 7B
+    v0.1, Phi-3-mini); 0 = every earlier position."""
+
+    def keys_per_query(self, seq_len: int) -> float:
+        """The keys a query attends on average over a causal sequence of seq_len (window or not)."""
+        w = min(self.window or seq_len, seq_len)
+        return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+
+    def masked(self, seq_len: int) -> bool:
+        """Whether its SDPA takes an explicit mask at seq_len (a window shorter than the sequence)."""
+        return 0 < self.window < seq_len
 
     @property
     def q_dim(self) -> int:
@@ -67,7 +81,14 @@ class Attention:
     @property
     def norm_params(self) -> int:
         """QK-norm's two gains (0 without it)."""
-        return 2 * self.qk_norm.params(self.head_dim) if self.qk_norm else 0
+        if not self.qk_norm:
+            return 0
+        return self.qk_norm.params(self.q_dim + self.kv_dim) if self.qk_norm_whole else 2 * self.qk_norm.params(
+            self.head_dim)
+
+    def qk_norm_rows(self) -> int:
+        """The rows QK-norm normalises per token: each head of q and of k, or q and k whole."""
+        return 0 if not self.qk_norm else 2 if self.qk_norm_whole else self.num_heads + self.num_kv_heads
 
 
 Activation = Literal["silu", "gelu_tanh"]
@@ -107,13 +128,18 @@ class Moe:
         return dim * self.experts + (self.top_k + self.shared) * self.expert_params(dim)
 
 
+NormPlacement = Literal["pre", "post"]
+
+
 @dataclass(frozen=True)
 class Layer:
-    """One transformer layer: pre-norm attention and pre-norm feed-forward, each added to the stream."""
+    """One transformer layer: attention, then the feed-forward, each added to the stream with its norm
+    before it (pre: x + f(norm(x))) or after it (post: x + norm(f(x)))."""
 
     attention: Attention
     ffn: DenseMlp | Moe
     norm: Norm
+    norm_placement: NormPlacement = "pre"
 
     def norm_params(self, dim: int) -> int:
         """Every norm's parameters: the two pre-norms' and QK-norm's."""
@@ -166,13 +192,14 @@ def _describe(fields: tuple) -> Architecture:
     attention = Attention(
         num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=head_dim(m),
         qkv_bias=gpt2 or bool(m.qkv_bias), out_bias=gpt2, rope=not gpt2,
-        qk_norm=Norm("rms", m.norm_eps) if m.qk_norm else None)
+        qk_norm=Norm("rms", m.norm_eps) if m.qk_norm != "none" else None, qk_norm_whole=m.qk_norm == "whole",
+        window=m.sliding_window or 0)
     ffn: DenseMlp | Moe
     if m.num_experts:
         ffn = Moe(m.num_experts, m.experts_per_token, m.expert_ffn_dim, m.num_shared_experts)
     else:
         ffn = DenseMlp(m.ffn_dim, gated=not gpt2, activation="gelu_tanh" if gpt2 else "silu", bias=gpt2)
-    layer = Layer(attention, ffn, norm)
+    layer = Layer(attention, ffn, norm, m.norm_placement)
     return Architecture(dim=m.dim, vocab_size=m.vocab_size, max_seq_len=m.max_seq_len, learned_positions=gpt2,
                         layers=(layer,) * m.num_layers, final_norm=norm, tie_embeddings=bool(m.tie_embeddings))
 

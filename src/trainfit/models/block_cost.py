@@ -26,6 +26,17 @@ def head_matmul_params(m: ModelConfig) -> int:
 
 
 def block_attention_flops(m: ModelConfig, seq_len: int, *, causal: bool = True) -> int:
-    """Forward FLOPs of QK^T and AV per token in one block; causal halves the average context."""
-    full = 2 * 2 * describe(m).block.attention.q_dim * seq_len
-    return full // 2 if causal else full
+    """Forward FLOPs of QK^T and AV per token in one block; causal halves the average context, and a
+    sliding window shorter than the sequence bounds it (the keys each query attends: the useful work)."""
+    a = describe(m).block.attention
+    full = 2 * 2 * a.q_dim * seq_len
+    if not causal:
+        return full
+    return round(2 * 2 * a.q_dim * a.keys_per_query(seq_len)) if a.masked(seq_len) else full // 2
+
+
+def block_attention_kernel_flops(m: ModelConfig, seq_len: int) -> int:
+    """What the attention kernel computes per token in one block: the causal half without a mask; with a
+    sliding window's explicit mask, SDPA's kernels (CPU flash, CUDA memory-efficient) compute every
+    query-key block and mask afterwards, the whole sequence."""
+    return block_attention_flops(m, seq_len, causal=not describe(m).block.attention.masked(seq_len))

@@ -88,11 +88,31 @@ class WholeSequence:
         """The positions of this rank's `local_len` tokens: rows of a position table."""
         return slice(0, local_len)
 
-    def attention(self, q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor) -> torch.Tensor:
-        """Causal attention of the queries over the keys and values (grouped-query when G < H)."""
+    def attention(self, q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,
+                  window_TT: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of the queries over the keys and values (grouped-query when G < H); with
+        `window_TT` (window_mask's), over the keys it allows only."""
         with self.kernel():
-            return F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, is_causal=True,
+            return F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, attn_mask=window_TT,
+                                                  is_causal=window_TT is None,
                                                   enable_gqa=q_BHTK.shape[1] != k_BGTK.shape[1])
+
+
+def window_mask(seq_len: int, window: int, like: torch.Tensor) -> torch.Tensor | None:
+    """A sliding window's additive mask [T, T] (0 or -inf): query i attends keys i - window < j <= i
+    (Mistral's and transformers' convention: the window counts the query itself); None when the window
+    spans the whole sequence (plain causal attention, the same result). SDPA takes it as an explicit
+    mask (on CPU its flash kernel; on CUDA the memory-efficient one). Built once per forward in the
+    dtype the attention's queries have (autocast's, else `like`'s), so every layer's SDPA saves this
+    one tensor: a boolean mask, or another dtype, would be converted, and saved, once per layer."""
+    if not window or window >= seq_len:
+        return None
+    device = like.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else like.dtype
+    pos_T = torch.arange(seq_len, device=device)
+    offset_TT = pos_T[:, None] - pos_T[None, :]
+    hidden_TT = (offset_TT < 0) | (offset_TT >= window)
+    return torch.zeros(seq_len, seq_len, dtype=dtype, device=device).masked_fill_(hidden_TT, float("-inf"))
 
 
 def set_sequence_layout(model: nn.Module, layout: WholeSequence) -> None:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 @dataclass(frozen=True)
-class _HfType:
+class HfType:
     """What one llama-like `model_type` is in the architecture's terms, and how its checkpoint names
     the weights. transformers' defaults for keys a config.json may omit: `eps`, `theta`, `head_dim`."""
 
@@ -34,25 +34,27 @@ class _HfType:
     head_dim: int = 0
     """transformers' default head width (0: hidden_size / num_attention_heads)."""
     qkv_bias: bool = False
-    qk_norm: bool = False
+    qk_norm: str = "none"
+    norm_placement: str = "pre"
     experts: str = ""
     """How routed experts are configured and named: "" none, "mixtral" or "qwen3_moe"."""
     fused: bool = False
     """Phi-3: q, k, v stored as one qkv_proj, gate and up as one gate_up_proj."""
 
 
-_LLAMA_LIKE = {
-    "llama": _HfType("LlamaForCausalLM"),
-    "mistral": _HfType("MistralForCausalLM"),
-    "mixtral": _HfType("MixtralForCausalLM", eps=1e-5, theta=1e6, experts="mixtral"),
-    "qwen2": _HfType("Qwen2ForCausalLM", qkv_bias=True),
-    "qwen3": _HfType("Qwen3ForCausalLM", head_dim=128, qk_norm=True),
-    "qwen3_moe": _HfType("Qwen3MoeForCausalLM", head_dim=128, qk_norm=True, experts="qwen3_moe"),
-    "phi3": _HfType("Phi3ForCausalLM", eps=1e-5, fused=True),
+LLAMA_LIKE_TYPES = {
+    "llama": HfType("LlamaForCausalLM"),
+    "mistral": HfType("MistralForCausalLM"),
+    "mixtral": HfType("MixtralForCausalLM", eps=1e-5, theta=1e6, experts="mixtral"),
+    "qwen2": HfType("Qwen2ForCausalLM", qkv_bias=True),
+    "qwen3": HfType("Qwen3ForCausalLM", head_dim=128, qk_norm="head"),
+    "qwen3_moe": HfType("Qwen3MoeForCausalLM", head_dim=128, qk_norm="head", experts="qwen3_moe"),
+    "olmo2": HfType("Olmo2ForCausalLM", eps=1e-5, qk_norm="whole", norm_placement="post"),
+    "phi3": HfType("Phi3ForCausalLM", eps=1e-5, fused=True),
 }
 """The llama-family model types, each a mapping from its config.json (_llama_fields) and its weight
 names (_llama_groups); a new one is an entry here when its features are the architecture's."""
-LLAMA_TYPES = tuple(_LLAMA_LIKE)
+LLAMA_TYPES = tuple(LLAMA_LIKE_TYPES)
 SUPPORTED_TYPES = (*LLAMA_TYPES, "gpt2")
 _REQUIRED = object()
 # Checkpoint entries that are buffers, not weights (old GPT-2 masks, old Llama inv_freq).
@@ -123,7 +125,7 @@ def model_fields_of_hf(hf: dict[str, Any], file: Path = Path("config.json")) -> 
 
 
 def _llama_fields(hf: dict[str, Any], file: Path, model_type: str) -> dict[str, Any]:
-    kind = _LLAMA_LIKE[model_type]
+    kind = LLAMA_LIKE_TYPES[model_type]
     dim, num_heads = _get(hf, "hidden_size", file), _get(hf, "num_attention_heads", file)
     head_dim = _get(hf, "head_dim", file, kind.head_dim or dim // num_heads)
     if _get(hf, "hidden_act", file, "silu") != "silu":
@@ -135,7 +137,6 @@ def _llama_fields(hf: dict[str, Any], file: Path, model_type: str) -> dict[str, 
     if _get(hf, "partial_rotary_factor", file, 1.0) != 1.0:
         raise _unsupported(file, "partial_rotary_factor", hf["partial_rotary_factor"],
                            "only RoPE over the whole head (1.0) is supported")
-    _check_sliding_window(hf, file, model_type)
     fields: dict[str, Any] = dict(
         family="llama", dim=dim, num_layers=_get(hf, "num_hidden_layers", file), num_heads=num_heads,
         num_kv_heads=_get(hf, "num_key_value_heads", file, num_heads),
@@ -145,8 +146,9 @@ def _llama_fields(hf: dict[str, Any], file: Path, model_type: str) -> dict[str, 
         norm_eps=float(_get(hf, "rms_norm_eps", file, kind.eps)),
         rope_theta=_rope_theta(hf, file, kind.theta), **_rope_scaling(hf, file),
         tie_embeddings=bool(_get(hf, "tie_word_embeddings", file, False)),
-        qkv_bias=kind.qkv_bias, qk_norm=kind.qk_norm, num_experts=0, num_shared_experts=0,
-        hf_model_type=model_type,
+        qkv_bias=kind.qkv_bias, qk_norm=kind.qk_norm, norm_placement=kind.norm_placement,
+        sliding_window=_sliding_window(hf, file, model_type),
+        num_experts=0, num_shared_experts=0, hf_model_type=model_type,
     )
     if kind.experts == "mixtral":
         fields.update(num_experts=_get(hf, "num_local_experts", file),
@@ -212,15 +214,23 @@ def _rope_scaling(hf: dict[str, Any], file: Path) -> dict[str, Any]:
     return fields
 
 
-def _check_sliding_window(hf: dict[str, Any], file: Path, model_type: str) -> None:
+def _sliding_window(hf: dict[str, Any], file: Path, model_type: str) -> int:
+    """model.sliding_window: the config's window where every layer has it (Mistral, Mixtral, Phi-3),
+    0 when it spans the context. Qwen2/3's (use_sliding_window, from layer max_window_layers on) is
+    not every layer's: ignored with a warning."""
     window = hf.get("sliding_window")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window"):
+    qwen = model_type in ("qwen2", "qwen3", "qwen3_moe")
+    if qwen and not hf.get("use_sliding_window"):
         window = None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
         raise _unsupported(file, "sliding_window", window, "must be an integer or null")
-    if window is not None and window < _get(hf, "max_position_embeddings", file):
+    if window is None or window >= _get(hf, "max_position_embeddings", file):
+        return 0
+    if qwen:
         warnings.warn(f"{file}: sliding_window={window} is ignored (full causal attention); logits "
-                      f"differ from the original model beyond {window} tokens", stacklevel=3)
+                      f"differ from the original model beyond {window} tokens", stacklevel=4)
+        return 0
+    return window
 
 
 def _gpt2_fields(hf: dict[str, Any], file: Path) -> dict[str, Any]:
@@ -242,14 +252,14 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """A config.json that transformers loads for `cfg`: as model.hf_model_type when set (the type it
     was read from), else the simplest llama-family type with its features (llama, qwen2 when qkv_bias,
     qwen3 with QK-norm, mixtral or qwen3_moe with experts), or gpt2."""
-    if cfg.family == "gpt2":
+    if cfg.family == "gpt2":  # GPT-2's config.json is a schema of its own (n_embd, n_layer, ...)
         return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=cfg.dim,
                     n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.ffn_dim,
                     vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, layer_norm_epsilon=cfg.norm_eps,
                     activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                     tie_word_embeddings=cfg.tie_embeddings, torch_dtype=dtype)
     model_type = _llama_model_type(cfg)
-    kind = _LLAMA_LIKE[model_type]
+    kind = LLAMA_LIKE_TYPES[model_type]
     out = dict(architectures=[kind.architecture], model_type=model_type, hidden_size=cfg.dim,
                intermediate_size=cfg.expert_ffn_dim if kind.experts == "mixtral" else cfg.ffn_dim,
                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
@@ -265,7 +275,7 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
                    moe_intermediate_size=cfg.expert_ffn_dim, norm_topk_prob=True, decoder_sparse_step=1,
                    mlp_only_layers=[], router_aux_loss_coef=cfg.router_aux_loss_coef)
     if model_type in ("mistral", "mixtral", "phi3"):
-        out.update(sliding_window=None)
+        out.update(sliding_window=cfg.sliding_window or None)
     if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         out.update(use_sliding_window=False)
     if model_type == "phi3":  # its defaults' pad id (32000) would lie outside a smaller vocabulary
@@ -281,18 +291,24 @@ def _hf_rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
 
 def _llama_model_type(cfg: ModelConfig) -> str:
     """The llama-family model_type `cfg` is written as (hf_config_dict), checked against its features."""
-    experts = "" if not cfg.num_experts else "qwen3_moe" if cfg.qk_norm else "mixtral"
+    experts = "" if not cfg.num_experts else "qwen3_moe" if cfg.qk_norm == "head" else "mixtral"
     model_type = cfg.hf_model_type or ("qwen3_moe" if experts == "qwen3_moe" else "mixtral" if experts else
-                                       "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama")
-    kind = _LLAMA_LIKE.get(model_type)
+                                       "olmo2" if cfg.norm_placement == "post" else
+                                       "qwen3" if cfg.qk_norm == "head" else "qwen2" if cfg.qkv_bias else
+                                       "mistral" if cfg.sliding_window else "llama")
+    kind = LLAMA_LIKE_TYPES.get(model_type)
     if kind is None:
         raise ConfigError(f"model.hf_model_type={model_type!r}: not a llama-family type; choose one of "
                           f"{', '.join(LLAMA_TYPES)} or '' (chosen from the model's features)")
-    features = dict(qkv_bias=bool(cfg.qkv_bias), qk_norm=bool(cfg.qk_norm), experts=experts)
+    features = dict(qkv_bias=bool(cfg.qkv_bias), qk_norm=cfg.qk_norm, norm_placement=cfg.norm_placement,
+                    experts=experts)
+    if cfg.sliding_window and model_type not in ("mistral", "mixtral", "phi3"):
+        features["window"] = True  # a type whose every layer may have one
     for name, value in features.items():
-        if getattr(kind, name) != value:
-            raise ConfigError(f"model.hf_model_type={model_type!r} has {name}={getattr(kind, name)!r}, the model "
-                              f"{value!r}: no {', '.join(SUPPORTED_TYPES)} checkpoint holds this model; set "
+        theirs = getattr(kind, name, False)
+        if theirs != value:
+            raise ConfigError(f"model.hf_model_type={model_type!r} has {name}={theirs!r}, the model {value!r}: "
+                              f"no {', '.join(SUPPORTED_TYPES)} checkpoint holds this model; set "
                               "model.hf_model_type='' to pick one from its features, if one has them")
     if cfg.num_shared_experts:
         raise ConfigError(f"model.num_shared_experts={cfg.num_shared_experts}: shared experts have no equivalent "
@@ -334,13 +350,14 @@ def hf_names(cfg: ModelConfig) -> dict[str, str]:
 
 
 def _groups(cfg: ModelConfig) -> list[_Group]:
+    # GPT-2's checkpoint names and lays out its weights its own way (Conv1D's [in, out], one c_attn)
     return _gpt2_groups(cfg) if cfg.family == "gpt2" else _llama_groups(cfg)
 
 
 def _llama_groups(cfg: ModelConfig) -> list[_Group]:
     import torch
 
-    kind, a = _LLAMA_LIKE[_llama_model_type(cfg)], describe(cfg).block.attention
+    kind, a = LLAMA_LIKE_TYPES[_llama_model_type(cfg)], describe(cfg).block.attention
     top = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not cfg.tie_embeddings:
         top["output.weight"] = "lm_head.weight"
@@ -350,9 +367,13 @@ def _llama_groups(cfg: ModelConfig) -> list[_Group]:
                    to_theirs=lambda ts: [t.clone() for t in ts[0].unbind(0)])  # unshared storage
     for i in range(cfg.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        layer = {"attention_norm.weight": "input_layernorm.weight",
-                 "attention.wo.weight": "self_attn.o_proj.weight",
-                 "ffn_norm.weight": "post_attention_layernorm.weight"}
+        layer = {"attention.wo.weight": "self_attn.o_proj.weight"}
+        if cfg.norm_placement == "post":  # OLMo 2: a norm after each branch, none before
+            layer.update({"attention_post_norm.weight": "post_attention_layernorm.weight",
+                          "ffn_post_norm.weight": "post_feedforward_layernorm.weight"})
+        else:
+            layer.update({"attention_norm.weight": "input_layernorm.weight",
+                          "ffn_norm.weight": "post_attention_layernorm.weight"})
         if kind.fused:
             groups += [_fused(f"{ours}attention.", (("wq", a.q_dim), ("wk", a.kv_dim), ("wv", a.kv_dim)),
                               f"{theirs}self_attn.qkv_proj.weight")]
@@ -360,7 +381,7 @@ def _llama_groups(cfg: ModelConfig) -> list[_Group]:
             layer.update({f"attention.{a}.weight": f"self_attn.{b}.weight" for a, b in proj})
         if cfg.qkv_bias:
             layer.update({f"attention.{a}.bias": f"self_attn.{b}.bias" for a, b in proj})
-        if cfg.qk_norm:
+        if cfg.qk_norm != "none":
             layer.update({"attention.q_norm.weight": "self_attn.q_norm.weight",
                           "attention.k_norm.weight": "self_attn.k_norm.weight"})
         if kind.experts:
@@ -456,7 +477,7 @@ def load_hf_weights(model: nn.Module, cfg: ModelConfig, path: str | Path) -> Non
     theirs: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(Path(path)):
         theirs.update(load_file(file))
-    if cfg.family == "gpt2":
+    if cfg.family == "gpt2":  # hub files omit GPT2LMHeadModel's "transformer." prefix, save_pretrained writes it
         theirs = {name.removeprefix("transformer."): t for name, t in theirs.items()}
     groups = _groups(cfg)
     tied_output = {"output.weight"} if cfg.tie_embeddings else set()
@@ -496,7 +517,7 @@ def save_hf_weights(model: nn.Module, cfg: ModelConfig, out_dir: str | Path) -> 
     out.mkdir(parents=True, exist_ok=True)
     params = {name: p for name, p in model.named_parameters(remove_duplicate=False)
               if not name.rsplit(".", 1)[-1].startswith("lora_")}  # adapters: merged in first, or exported apart
-    prefix = "transformer." if cfg.family == "gpt2" else ""
+    prefix = "transformer." if cfg.family == "gpt2" else ""  # what from_pretrained's GPT2LMHeadModel names
     tensors = {}
     for group in _groups(cfg):
         values = group.to_theirs([params[n].detach() for n in group.ours])

@@ -20,7 +20,7 @@ from torch import nn
 from trainfit.config.schema import ModelConfig
 from trainfit.models.architecture import Attention as AttentionSpec
 from trainfit.models.architecture import describe
-from trainfit.models.common import FeedForward, LayerStack, WholeSequence, output_head
+from trainfit.models.common import FeedForward, LayerStack, WholeSequence, output_head, window_mask
 from trainfit.models.init import init_parameters
 from trainfit.models.moe import MoE
 
@@ -83,43 +83,62 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, spec.kv_dim, bias=spec.qkv_bias)
         self.wv = nn.Linear(dim, spec.kv_dim, bias=spec.qkv_bias)
         self.wo = nn.Linear(spec.q_dim, dim, bias=spec.out_bias)
-        if spec.qk_norm:  # over each head's K features of [B, T, H, K] (tensor parallelism shards H)
-            self.q_norm: RMSNorm | None = RMSNorm(spec.head_dim, spec.qk_norm.eps)
-            self.k_norm: RMSNorm | None = RMSNorm(spec.head_dim, spec.qk_norm.eps)
+        # QK-norm over each head's K features of [B, T, H, K] (tensor parallelism shards H), or over
+        # all of q's H x K and k's G x K (whole)
+        self.qk_norm_whole = spec.qk_norm_whole
+        if spec.qk_norm:
+            q_width, kv_width = (spec.q_dim, spec.kv_dim) if spec.qk_norm_whole else (spec.head_dim, spec.head_dim)
+            self.q_norm: RMSNorm | None = RMSNorm(q_width, spec.qk_norm.eps)
+            self.k_norm: RMSNorm | None = RMSNorm(kv_width, spec.qk_norm.eps)
         else:
             self.q_norm = self.k_norm = None
         self.sequence = WholeSequence()
         """Causal attention over the whole sequence; context parallelism swaps in its own."""
 
-    def forward(self, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
+                window_TT: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q_BTHK = self.wq(x_BTD).view(B, T, -1, self.head_dim)
-        k_BTGK = self.wk(x_BTD).view(B, T, -1, self.head_dim)
-        if self.q_norm is not None:
+        q, k = self.wq(x_BTD), self.wk(x_BTD)
+        if self.q_norm is not None and self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_BTHK, k_BTGK = q.view(B, T, -1, self.head_dim), k.view(B, T, -1, self.head_dim)
+        if self.q_norm is not None and not self.qk_norm_whole:
             q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         q_BHTK, k_BGTK = q_BTHK.transpose(1, 2), k_BTGK.transpose(1, 2)
         v_BGTK = self.wv(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
         q_BHTK, k_BGTK = apply_rope(q_BHTK, cos_TK, sin_TK), apply_rope(k_BGTK, cos_TK, sin_TK)
-        o_BHTK = self.sequence.attention(q_BHTK, k_BGTK, v_BGTK)
+        o_BHTK = self.sequence.attention(q_BHTK, k_BGTK, v_BGTK, window_TT)
         return self.wo(o_BHTK.transpose(1, 2).reshape(B, T, -1))
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block; called as block(x_BTD, cos_TK, sin_TK) with positional tensors only, so
-    torch.utils.checkpoint and torch.compile can wrap it as is."""
+    """Pre-norm block; called as block(x_BTD, cos_TK, sin_TK, window_TT) with positional arguments only,
+    so torch.utils.checkpoint and torch.compile can wrap it as is (window_TT: common.window_mask's, or None)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg.dim, describe(cfg).block.attention)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        layer = describe(cfg).block
+        self.post_norm = layer.norm_placement == "post"
+        if self.post_norm:  # OLMo 2: attention_post_norm and ffn_post_norm after the branches
+            self.attention_post_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        else:
+            self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg.dim, layer.attention)
+        if self.post_norm:
+            self.ffn_post_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        else:
+            self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if cfg.num_experts:
             self.feed_forward: nn.Module = MoE(cfg)
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
-        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TK, sin_TK)
+    def forward(self, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
+                window_TT: torch.Tensor | None = None) -> torch.Tensor:
+        if self.post_norm:
+            h_BTD = x_BTD + self.attention_post_norm(self.attention(x_BTD, cos_TK, sin_TK, window_TT))
+            return h_BTD + self.ffn_post_norm(self.feed_forward(h_BTD))
+        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TK, sin_TK, window_TT)
         return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
 
 
@@ -159,8 +178,9 @@ class Transformer(nn.Module):
         # The input's T, not h_BTD's: under sequence parallelism that holds 1/tp of the positions.
         rows = self.sequence.rows(tokens_BT.shape[1] * self.input_shards)
         cos_TK, sin_TK = self.rope_cos[rows], self.rope_sin[rows]
+        window_TT = window_mask(cos_TK.shape[0], describe(self.cfg).block.attention.window, h_BTD)
         for block in self.layers:
-            h_BTD = block(h_BTD, cos_TK, sin_TK)
+            h_BTD = block(h_BTD, cos_TK, sin_TK, window_TT)
         self.aux_loss = collect_aux_loss(self.layers, h_BTD.device)
         return output_head(self, h_BTD)
 

@@ -21,7 +21,9 @@ DEFAULTS: dict[str, Any] = {
     "tie_embeddings": False,
     "qkv_bias": False,
     "head_dim": 0,
-    "qk_norm": False,
+    "qk_norm": "none",
+    "norm_placement": "pre",
+    "sliding_window": 0,
     "hf_model_type": "",
     "num_experts": 0,
     "experts_per_token": 2,
@@ -36,7 +38,8 @@ def _gpt2(dim: int, num_layers: int, num_heads: int) -> dict[str, Any]:
                 vocab_size=50257, max_seq_len=1024, tie_embeddings=True)
 
 
-_QWEN3 = dict(vocab_size=151936, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, hf_model_type="qwen3")
+_QWEN3 = dict(vocab_size=151936, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm="head",
+              hf_model_type="qwen3")
 
 _LLAMA31_ROPE = dict(rope_scaling_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                      rope_original_max_seq_len=8192)
@@ -80,10 +83,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                          vocab_size=128256, max_seq_len=131072, rope_theta=500000.0, **_LLAMA31_ROPE),
     "llama3.1-405b": dict(dim=16384, num_layers=126, num_heads=128, num_kv_heads=8, ffn_dim=53248,
                           vocab_size=128256, max_seq_len=131072, rope_theta=500000.0, **_LLAMA31_ROPE),
-    # mistralai/Mistral-7B-v0.1. Its 4096-token sliding window is ignored (full causal attention):
-    # identical for sequences up to 4096 tokens.
+    # mistralai/Mistral-7B-v0.1: a 4096-token sliding window in every layer.
     "mistral-7b": dict(dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=14336,
-                       vocab_size=32000, max_seq_len=32768),
+                       vocab_size=32000, max_seq_len=32768, sliding_window=4096),
     # mistralai/Mixtral-8x7B-v0.1 (every layer is MoE; ffn_dim is unused).
     "mixtral-8x7b": dict(dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=14336,
                          vocab_size=32000, max_seq_len=32768, rope_theta=1e6, num_experts=8,
@@ -116,10 +118,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                         num_experts=128, experts_per_token=8, expert_ffn_dim=768, router_aux_loss_coef=0.001,
                         hf_model_type="qwen3_moe"),
     }.items()},
-    # microsoft/Phi-3-mini-4k-instruct (its 2047-token sliding window is ignored: full causal
-    # attention, identical up to 2047 tokens) and microsoft/phi-4: q, k, v and gate, up stored fused.
+    # microsoft/Phi-3-mini-4k-instruct (a 2047-token sliding window) and microsoft/phi-4 (its window,
+    # 16384, is its context): q, k, v and gate, up stored fused.
     "phi-3-mini": dict(dim=3072, num_layers=32, num_heads=32, num_kv_heads=32, ffn_dim=8192, vocab_size=32064,
-                       max_seq_len=4096, hf_model_type="phi3"),
+                       max_seq_len=4096, sliding_window=2047, hf_model_type="phi3"),
     "phi-4": dict(dim=5120, num_layers=40, num_heads=40, num_kv_heads=10, ffn_dim=17920, vocab_size=100352,
                   max_seq_len=16384, rope_theta=250000.0, hf_model_type="phi3"),
 }

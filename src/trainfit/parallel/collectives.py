@@ -262,7 +262,7 @@ def _partial_gains(model: ModelConfig, layout: Layout, layers: int, output: int)
     layer = describe(model).block
     per_norm = layer.norm.params(model.dim) // model.dim  # tensors of dim elements in one norm
     dims = (2 * layers + output) * per_norm if layout.sequence_parallel else 0
-    heads = 2 * layers if layer.attention.qk_norm else 0
+    heads = 2 * layers if layer.attention.qk_norm else 0  # per head (whole: refused under tp)
     fsdp = layout.data_parallel == "fsdp"
     phase: Phase = "backward" if fsdp else "step"
     return [CollectiveCall("tp", "all_reduce", ("tp",), tensor, site, phase, count, per_microbatch=fsdp)

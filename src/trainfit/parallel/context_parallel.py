@@ -55,9 +55,13 @@ class ContextParallel(WholeSequence):
                 self.mesh.device_type)
         return self._cache[key]
 
-    def attention(self, q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor) -> torch.Tensor:
+    def attention(self, q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,
+                  window_TT: torch.Tensor | None = None) -> torch.Tensor:
         """Each of this rank's two query chunks attends the keys from position 0 to its own chunk's
-        end, causally within its chunk (a lower-right-aligned causal mask of [chunk, end])."""
+        end, causally within its chunk (a lower-right-aligned causal mask of [chunk, end]). No sliding
+        window: the layout refuses one shorter than the sequence (parallel/resolve.py)."""
+        if window_TT is not None:
+            raise ValueError("context parallelism does not run a sliding window; the layout refuses it")
         chunk = q_BHTK.shape[2] // 2
         k_BGSK, v_BGSK = self._gather_in_order(k_BGTK), self._gather_in_order(v_BGTK)
         gqa = q_BHTK.shape[1] != k_BGTK.shape[1]

@@ -218,6 +218,14 @@ def _check_model_split(cfg: Config) -> None:
         raise _fail("parallel.cp", p.cp, f"2 x cp must divide training.seq_len={t.seq_len} (load-balanced causal "
                     "sharding gives each rank two chunks)",
                     f"try cp={nearest(p.cp, [d for d in _divisors(t.seq_len) if t.seq_len % (2 * d) == 0])}")
+    if p.tp > 1 and m.qk_norm == "whole":
+        raise _fail("parallel.tp", p.tp, "QK-norm over all heads (model.qk_norm=whole, OLMo 2) would need the "
+                    "heads of every tp rank; not supported yet", "set parallel.tp=1 (FSDP, pipeline and context "
+                    "parallelism shard it)")
+    if p.cp > 1 and 0 < m.sliding_window < t.seq_len:
+        raise _fail("parallel.cp", p.cp, f"context parallelism does not run a sliding window yet "
+                    f"(model.sliding_window={m.sliding_window} < training.seq_len={t.seq_len})",
+                    "set parallel.cp=1, or a training.seq_len within the window")
     if p.ep > 1:
         if not m.num_experts:
             raise _fail("parallel.ep", p.ep, "expert parallelism needs an MoE model (model.num_experts > 0)",

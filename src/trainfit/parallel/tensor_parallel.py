@@ -64,10 +64,13 @@ def block_plan(cfg: ModelConfig, block: nn.Module, sequence_parallel: bool) -> d
     plan: dict[str, ParallelStyle] = {
         linear.path: ColwiseParallel() if linear.tp == "column" else RowwiseParallel(output_layouts=stream)
         for linear in tp_split_linears(cfg)}
-    if sequence_parallel:
-        plan["attention_norm"] = SequenceParallel()
-        plan["ffn_norm"] = SequenceParallel()
-    if describe(cfg).block.attention.qk_norm:
+    layer = describe(cfg).block
+    if sequence_parallel:  # the norms on the stream: before the branches, or after them (post: their
+        # output joins the residual stream, a local tensor, so it leaves as one)
+        post = layer.norm_placement == "post"
+        for name in ("attention_post_norm", "ffn_post_norm") if post else ("attention_norm", "ffn_norm"):
+            plan[name] = SequenceParallel(use_local_output=post)
+    if layer.attention.qk_norm:
         # QK-norm runs on the rank's heads of [B, T, H, K] (dim 2 sharded, K whole): its gain is a
         # replicated DTensor whose gradient, a partial sum over each rank's heads, DTensor sums over tp.
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)

@@ -24,7 +24,7 @@ MODULES_TO_SAVE = {"tok_embeddings.weight": "embed_tokens", "output.weight": "lm
 
 def adapter_tensors(model: nn.Module, cfg: ModelConfig, peft: PeftConfig) -> dict[str, torch.Tensor]:
     """The adapters (and fully trained modules) of a plain adapted model, named as PEFT saves them."""
-    if cfg.family != "llama" or cfg.num_experts:
+    if cfg.family != "llama" or cfg.num_experts:  # PEFT's GPT-2 names its fused c_attn; experts are stacked here
         raise ConfigError(f"model.family={cfg.family!r}{' (MoE)' if cfg.num_experts else ''}: adapters export in "
                           "PEFT's format for dense llama-family models; export them merged (trainfit export --merge), "
                           "which folds every adapter, routed experts' too, into the base's weights")

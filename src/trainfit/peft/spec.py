@@ -135,7 +135,7 @@ def enabled(peft: PeftConfig) -> bool:
 def target_names(model: ModelConfig, peft: PeftConfig) -> list[str]:
     """The block linears' short names peft.targets adapts (in block order), or a ConfigError naming the
     field, the value and the fix."""
-    family = TARGETS[model.family or "llama"]
+    family = TARGETS[model.family or "llama"]  # PEFT names GPT-2's fused c_attn and its MLP its own way
     wanted: list[str] = []
     for target in peft.targets:
         if target in GROUPS:

@@ -213,8 +213,9 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> RankFlops:
     """The busiest rank's hardware FLOPs per step: forward, backward incl. recomputation, the
     attention kernel's part of each, and the float8 linears' (a checkpointed block reruns them in
     proportion to its matmul FLOPs)."""
-    mm, at = 2 * B.block_matmul_params(m), B.block_attention_flops(m, t.seq_len)
+    mm, at = 2 * B.block_matmul_params(m), B.block_attention_kernel_flops(m, t.seq_len)
     rc_mm, rc_at = F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing, layout.ep)
+    rc_at = rc_at * at / B.block_attention_flops(m, t.seq_len)  # the kernel's work, as for the forward
     local = sum(g.k * g.n * g.share for g in K.block_gemms(m, layout))  # one tp rank's share of a block's
     # The tp ranks split attention, the output projection and a dense block's linears; an MoE
     # feed-forward is whole on each (models/block_spec.py): its matmuls are not divided below.

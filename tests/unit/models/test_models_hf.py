@@ -37,8 +37,13 @@ HF_CONFIGS = {
                                          moe_intermediate_size=40, norm_topk_prob=True)),
     # Mistral Small 3's shape: num_heads x head_dim (4 x 32) wider than hidden_size.
     "mistral-head-dim": ("MistralConfig", dict(_LLAMA_DIMS, head_dim=32, sliding_window=None)),
-    # Phi-3 / Phi-4: q, k, v fused in one qkv_proj, gate and up in one gate_up_proj.
+    # Phi-3 / Phi-4: q, k, v fused in one qkv_proj, gate and up in one gate_up_proj; Phi-3-mini's sliding
+    # window, here 5 of the test's 12 positions.
     "phi3": ("Phi3Config", dict(_LLAMA_DIMS, pad_token_id=0, sliding_window=None)),
+    "phi3-window": ("Phi3Config", dict(_LLAMA_DIMS, pad_token_id=0, sliding_window=5)),
+    "mistral-window": ("MistralConfig", dict(_LLAMA_DIMS, sliding_window=4)),
+    # OLMo 2: a norm after each branch (none before), QK-norm over all heads of q and of k.
+    "olmo2": ("Olmo2Config", dict(_LLAMA_DIMS, rope_theta=5e5, pad_token_id=0)),
     "gpt2": ("GPT2Config", _GPT2_DIMS),
     "gpt2-untied": ("GPT2Config", dict(_GPT2_DIMS, n_inner=96, tie_word_embeddings=False)),
 }
@@ -148,14 +153,19 @@ def test_config_errors_name_the_key(tmp_path: Path, changes: dict, expected: str
 
 
 def test_config_maps_fields_and_warns_on_sliding_window(tmp_path: Path) -> None:
-    path = write_config(tmp_path, model_type="mistral", sliding_window=16, rms_norm_eps=1e-5)
-    with pytest.warns(UserWarning, match="sliding_window=16 is ignored"):
-        fields = model_fields_from_hf_config(tmp_path)
+    write_config(tmp_path, model_type="mistral", sliding_window=16, rms_norm_eps=1e-5)
+    fields = model_fields_from_hf_config(tmp_path)
     assert fields == dict(family="llama", dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=96,
                           vocab_size=300, max_seq_len=64, norm_eps=1e-5, rope_theta=10000.0,
                           rope_scaling_factor=0.0, tie_embeddings=False, qkv_bias=False, num_experts=0,
-                          num_shared_experts=0, head_dim=0, qk_norm=False, hf_model_type="mistral")
-    assert path.is_file()
+                          num_shared_experts=0, head_dim=0, qk_norm="none", norm_placement="pre", sliding_window=16,
+                          hf_model_type="mistral")
+    write_config(tmp_path, model_type="mistral", sliding_window=64)  # the whole context: plain causal
+    assert model_fields_from_hf_config(tmp_path)["sliding_window"] == 0
+    # Qwen2's window, from layer max_window_layers on, is not every layer's: ignored, and said so
+    write_config(tmp_path, model_type="qwen2", sliding_window=16, use_sliding_window=True)
+    with pytest.warns(UserWarning, match="sliding_window=16 is ignored"):
+        assert model_fields_from_hf_config(tmp_path)["sliding_window"] == 0
 
 
 def test_load_errors_on_mismatched_checkpoint(tmp_path: Path) -> None:

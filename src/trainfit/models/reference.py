@@ -1,0 +1,60 @@
+"""The documentation's list of the models trainfit reads: each Hugging Face model_type with the
+architecture features it maps to, and each preset with its parameter count. Torch-free; drawn from the
+same tables the code reads (models/hf.py's types, models/presets.py), so the page cannot drift."""
+
+from __future__ import annotations
+
+from trainfit.config.schema import ModelConfig
+from trainfit.models.architecture import describe
+from trainfit.models.hf import LLAMA_LIKE_TYPES
+from trainfit.models.params import format_count, param_counts
+from trainfit.models.presets import PRESETS, resolve_model_config
+
+
+def _features(m: ModelConfig) -> str:
+    arch = describe(m)
+    layer = arch.block
+    a = layer.attention
+    parts = ["LayerNorm" if layer.norm.kind == "layer" else "RMSNorm",
+             "learned positions" if arch.learned_positions else "RoPE"]
+    if a.num_kv_heads != a.num_heads:
+        parts.append(f"GQA {a.num_heads}/{a.num_kv_heads}")
+    if a.q_dim != arch.dim:
+        parts.append(f"head_dim {a.head_dim}")
+    if a.qk_norm:
+        parts.append("QK-norm" + (" (whole)" if a.qk_norm_whole else ""))
+    if layer.norm_placement == "post":
+        parts.append("post-norm")
+    if a.qkv_bias:
+        parts.append("q/k/v biases")
+    moe = layer.moe
+    parts.append(f"MoE {moe.experts} experts top-{moe.top_k}" + (f" + {moe.shared} shared" if moe.shared else "")
+                 if moe else "SwiGLU" if layer.mlp.gated else "GELU MLP")
+    if arch.tie_embeddings:
+        parts.append("tied")
+    return ", ".join(parts)
+
+
+def models_reference() -> str:
+    """Markdown: the HF model types read and written, then every preset."""
+    lines = ["| `model_type` | read as | written back as | stored |", "| --- | --- | --- | --- |"]
+    for name, kind in LLAMA_LIKE_TYPES.items():
+        features = ["RMSNorm, RoPE, SwiGLU"]
+        if kind.qkv_bias:
+            features.append("q/k/v biases")
+        if kind.qk_norm == "head":
+            features.append("QK-norm, head_dim")
+        if kind.qk_norm == "whole":
+            features.append("QK-norm over all heads")
+        if kind.norm_placement == "post":
+            features[0] = "RMSNorm after each branch, RoPE, SwiGLU"
+        if kind.experts:
+            features.append("routed experts")
+        stored = "q, k, v fused; gate, up fused" if kind.fused else "one tensor per projection"
+        lines.append(f"| `{name}` | {', '.join(features)} | `{kind.architecture}` | {stored} |")
+    lines.append("| `gpt2` | LayerNorm, learned positions, GELU MLP, biases | `GPT2LMHeadModel` | q, k, v fused |")
+    lines += ["", "| preset | parameters | architecture |", "| --- | ---: | --- |"]
+    for name in PRESETS:
+        m = resolve_model_config(ModelConfig(preset=name))
+        lines.append(f"| `{name}` | {format_count(param_counts(m).total)} | {_features(m)} |")
+    return "\n".join(lines) + "\n"
