@@ -37,6 +37,6 @@ def block_attention_flops(m: ModelConfig, seq_len: int, *, causal: bool = True) 
 
 def block_attention_kernel_flops(m: ModelConfig, seq_len: int) -> int:
     """What the attention kernel computes per token in one block: the causal half without a mask; with a
-    sliding window's explicit mask, SDPA's kernels (CPU flash, CUDA memory-efficient) compute every
-    query-key block and mask afterwards, the whole sequence."""
+    sliding window's explicit mask, SDPA's kernels that take one (CPU flash, CUDA memory-efficient)
+    compute every query-key block and mask afterwards, the whole sequence."""
     return block_attention_flops(m, seq_len, causal=not describe(m).block.attention.masked(seq_len))

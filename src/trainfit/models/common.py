@@ -102,7 +102,7 @@ def window_mask(seq_len: int, window: int, like: torch.Tensor) -> torch.Tensor |
     """A sliding window's additive mask [T, T] (0 or -inf): query i attends keys i - window < j <= i
     (Mistral's and transformers' convention: the window counts the query itself); None when the window
     spans the whole sequence (plain causal attention, the same result). SDPA takes it as an explicit
-    mask (on CPU its flash kernel; on CUDA the memory-efficient one). Built once per forward in the
+    mask (on CPU its flash kernel; on CUDA a kernel that takes masks). Built once per forward in the
     dtype the attention's queries have (autocast's, else `like`'s), so every layer's SDPA saves this
     one tensor: a boolean mask, or another dtype, would be converted, and saved, once per layer."""
     if not window or window >= seq_len:
