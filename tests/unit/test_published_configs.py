@@ -50,6 +50,7 @@ def _ours(preset: str) -> ModelConfig:
 def test_every_file_has_its_source_card_figure_and_preset() -> None:
     sources = (DATA / "SOURCES.md").read_text(encoding="utf-8")
     assert sorted(CARD_BILLIONS) == sorted(PRESET_OF) == FILES and all(f"`{name}`" in sources for name in FILES)
+    assert set(PRESETS) >= set(PRESET_OF.values())
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -88,4 +89,3 @@ def test_a_type_not_read_yet_is_refused_naming_what_is(model_type: str) -> None:
         model_fields_of_hf({"model_type": model_type, "hidden_size": 64})
     assert f"model_type={model_type!r}: not supported" in str(err.value)
     assert all(t in str(err.value) for t in SUPPORTED_TYPES)
-    assert set(PRESETS) >= set(PRESET_OF.values())

@@ -164,6 +164,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos_TK, persistent=False)
         self.register_buffer("rope_sin", sin_TK, persistent=False)
         self.aux_loss = torch.zeros(())
+        self.window = describe(cfg).block.attention.window
+        """Every layer's sliding window (0: none), read once here rather than in each forward."""
         self.project_logits = True
         """False: forward returns the final norm's output and the loss projects it chunk by chunk
         (memory.chunked_loss, train/loss.py), so the whole logits never exist."""
@@ -178,7 +180,7 @@ class Transformer(nn.Module):
         # The input's T, not h_BTD's: under sequence parallelism that holds 1/tp of the positions.
         rows = self.sequence.rows(tokens_BT.shape[1] * self.input_shards)
         cos_TK, sin_TK = self.rope_cos[rows], self.rope_sin[rows]
-        window_TT = window_mask(cos_TK.shape[0], describe(self.cfg).block.attention.window, h_BTD)
+        window_TT = window_mask(cos_TK.shape[0], self.window, h_BTD)
         for block in self.layers:
             h_BTD = block(h_BTD, cos_TK, sin_TK, window_TT)
         self.aux_loss = collect_aux_loss(self.layers, h_BTD.device)
