@@ -55,6 +55,16 @@ figure, 4e-7 for DDP on one machine's CPU and 1.0e-5 on another's (AMD EPYC, for
 AUTOCAST = {"loss_rtol": 1e-4, "update_rtol": 2e-2}
 LOW = {"loss_rtol": 1e-3, "update_rtol": 6e-2}
 MOE = {"loss_rtol": 1e-3, "update_rtol": 0.2}
+GEMMA3 = ("--model.norm_placement=sandwich", "--model.norm_offset=true", "--model.mlp_activation=gelu_tanh",
+          "--model.embedding_scale=true", "--model.qk_norm=head", "--model.head_dim=24",
+          "--model.query_pre_attn_scalar=20", "--model.sliding_window=8", "--model.sliding_window_pattern=2",
+          "--model.rope_local_theta=100")
+"""Gemma 3's block on the debug model: four (1 + w) norms, GeGLU, QK-norm, scaled embeddings and queries, a
+windowed layer (8 of the tests' 32 positions; its own RoPE base) before a global one."""
+GEMMA2 = (*(a for a in GEMMA3 if not a.startswith(("--model.qk_norm", "--model.head_dim", "--model.rope_local"))),
+          "--model.attention_softcap=5", "--model.final_softcap=3")
+"""Gemma 2's block on the debug model: Gemma 3's without QK-norm, soft-capped scores (the eager attention) and
+logits, capped low enough to bend them."""
 DP_BATCH = ("--training.micro_batch_size=2", "--training.global_batch_size=8")
 """The data-parallel tests' batch (after _runs.DEBUG_RUN, which they run): global batch 8, on 2 ranks 2
 micro-batches of 2 rows each per rank, so gradient accumulation is part of every layout's test."""

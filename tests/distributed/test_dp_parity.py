@@ -35,6 +35,8 @@ from _dist import (
     AUTOCAST,
     DP_BATCH,
     FP32,
+    GEMMA2,
+    GEMMA3,
     LONG_STEPS,
     LOW,
     MOE,
@@ -106,6 +108,8 @@ class DataParallelParity(GlooTestCase):
             (("--parallel.zero_stage=3", "--model.qk_norm=head", "--model.head_dim=24"), FP32),
             # OLMo 2's block: norms after the branches, QK-norm over all heads
             (("--parallel.zero_stage=3", "--model.norm_placement=post", "--model.qk_norm=whole"), FP32),
+            (("--parallel.zero_stage=3", *GEMMA3), FP32),  # Gemma 3's block
+            (("--parallel.zero_stage=3", *GEMMA2), FP32),  # Gemma 2's
             (("--parallel.zero_stage=3", "--model.preset=debug-moe", "--model.qk_norm=head", "--model.head_dim=24",
               "--model.num_shared_experts=0"), MOE),
         ])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from _dist import AUTOCAST, LONG_STEPS, FourRankGlooTestCase, GlooTestCase, with_comms
+from _dist import AUTOCAST, GEMMA3, LONG_STEPS, FourRankGlooTestCase, GlooTestCase, with_comms
 
 PP_FP32 = {"loss_rtol": 1e-4, "update_rtol": 1e-4}
 STEPS, COMPOSITION_STEPS = LONG_STEPS, 4
@@ -59,6 +59,9 @@ class TwoRanks(GlooTestCase):
             # a sliding window (8 of the 32 positions): each stage builds its mask
             (("--parallel.pp=2", "--model.sliding_window=8"), PP_FP32, COMPOSITION_STEPS),
             (("--parallel.pp=2", "--model.norm_placement=post", "--model.qk_norm=whole"), PP_FP32, COMPOSITION_STEPS),
+            # Gemma 3's pattern (two windowed layers to one global) cut inside its period: layers 0-1 and 2-3
+            (("--parallel.pp=2", *GEMMA3, "--model.num_layers=4", "--model.sliding_window_pattern=3"), PP_FP32,
+             COMPOSITION_STEPS),
         ])
 
 

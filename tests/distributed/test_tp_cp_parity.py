@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from _dist import AUTOCAST, LONG_STEPS, MOE, FourRankGlooTestCase, GlooTestCase, with_comms
+from _dist import AUTOCAST, GEMMA2, GEMMA3, LONG_STEPS, MOE, FourRankGlooTestCase, GlooTestCase, with_comms
 
 TP_FP32 = {"loss_rtol": 1e-4, "update_rtol": 1e-4}
 TP_BF16 = {**AUTOCAST, "loss_rtol": 3e-4}
@@ -51,6 +51,9 @@ class TwoRanks(GlooTestCase):
             (("--parallel.tp=2", SP, "--model.sliding_window=8"), TP_FP32, COMPOSITION_STEPS),  # of 32 positions
             # norms after the branches (OLMo 2's placement) on the sequence-sharded stream
             (("--parallel.tp=2", SP, "--model.norm_placement=post", *QWEN3), TP_FP32, COMPOSITION_STEPS),
+            # Gemma 3's block: sandwich norms on the sharded stream, windowed and global layers
+            (("--parallel.tp=2", SP, *GEMMA3), TP_FP32, COMPOSITION_STEPS),
+            (("--parallel.tp=2", SP, *GEMMA2), TP_FP32, COMPOSITION_STEPS),  # the eager attention on a rank's heads
         ])
 
     @with_comms

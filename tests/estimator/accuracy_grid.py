@@ -373,6 +373,17 @@ POST_NORM = "--model.norm_placement=post"
 OLMO2 = [*LLAMA, POST_NORM, "--model.qk_norm=whole"]
 QWEN3_MOE = [*moe(4, 2, 0, 1.0), *QK_NORM]
 """Qwen3-MoE's block: QK-norm, 4 routed experts (top 2, no shared one), capacity factor 1."""
+GEMMA3 = [*LLAMA, "--model.num_layers=3", "--model.norm_placement=sandwich", "--model.norm_offset=true",
+          "--model.mlp_activation=gelu_tanh", "--model.embedding_scale=true", *QK_NORM,
+          "--model.query_pre_attn_scalar=32", WINDOW, "--model.sliding_window_pattern=3",
+          "--model.rope_local_theta=1000"]
+"""Gemma 3's block: four (1 + w) norms, GeGLU, QK-norm, scaled embeddings and queries; two layers with a
+window of 64 (their own RoPE base) to one global."""
+GEMMA2 = [*LLAMA, "--model.num_layers=3", "--model.norm_placement=sandwich", "--model.norm_offset=true",
+          "--model.mlp_activation=gelu_tanh", "--model.embedding_scale=true", "--model.query_pre_attn_scalar=32",
+          WINDOW, "--model.sliding_window_pattern=2", "--model.attention_softcap=50", "--model.final_softcap=30"]
+"""Gemma 2's block: Gemma 3's without QK-norm, windowed and global layers alternating, soft-capped scores
+(an eager attention) and logits."""
 ARCHITECTURE_GRID: list[Row] = [
     _row("qwen3-fp32", 1, QWEN3),
     _row("qwen3-bf16-mixed", 1, QWEN3, BF16_MIXED),
@@ -397,12 +408,30 @@ ARCHITECTURE_GRID: list[Row] = [
     _row("olmo2-lora-all-linear-bf16-mixed", 1, OLMO2, LORA, ALL_LINEAR, BF16_MIXED),
     _row("olmo2-z3-bf16-mixed", 2, OLMO2, Z3, BF16_MIXED),
     _row("post-norm-tp2-sp-fp32", 2, QWEN3, POST_NORM, TP2, SP, micro=8),
+    # Gemma 3's block (the selective policies' rows: the window rows' and the QK-norm rows' above)
+    _row("gemma3-fp32", 1, GEMMA3),
+    _row("gemma3-bf16-mixed", 1, GEMMA3, BF16_MIXED),
+    _row("gemma3-bf16-pure", 1, GEMMA3, BF16_PURE),
+    _row("gemma3-bf16-mixed-full", 1, GEMMA3, BF16_MIXED, FULL),
+    _row("gemma3-lora-all-linear-bf16-mixed", 1, GEMMA3, LORA, ALL_LINEAR, BF16_MIXED),
+    _row("gemma3-z3-bf16-mixed", 2, GEMMA3, Z3, BF16_MIXED),
+    _row("gemma3-tp2-sp-fp32", 2, GEMMA3, TP2, SP, micro=8),
+    # Gemma 2's block
+    _row("gemma2-fp32", 1, GEMMA2),
+    _row("gemma2-bf16-mixed", 1, GEMMA2, BF16_MIXED),
+    _row("gemma2-bf16-pure", 1, GEMMA2, BF16_PURE),
+    _row("gemma2-bf16-mixed-full", 1, GEMMA2, BF16_MIXED, FULL),
+    _row("gemma2-lora-all-linear-bf16-mixed", 1, GEMMA2, LORA, ALL_LINEAR, BF16_MIXED),
+    _row("gemma2-z3-bf16-mixed", 2, GEMMA2, Z3, BF16_MIXED),
+    _row("gemma2-tp2-sp-fp32", 2, GEMMA2, TP2, SP, micro=8),
 ]
 """The architecture description's features (models/architecture.py) beyond Llama's: QK-norm, a head
 width other than dim / heads, a sliding window, norms after the branches; part of GRID. Not here yet:
 post-norm blocks under the selective policies, their peak within 6% but the backward's buffers 0.5-1.5
 MiB (12-37% of that component) off: the recompute's released tensors are modelled on a pre-norm
-block's."""
+block's; Gemma 2's soft-capped (eager) attention under selective checkpointing, its peak 2.0% low but
+the backward's buffers 4.2 MiB (22%) low, about one fp32 [heads, queries, keys] tensor that the
+recompute holds and the estimate does not."""
 
 GRID: list[Row] = [
     # one process: precision x optimizer x checkpointing x batch shape x model

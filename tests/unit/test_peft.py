@@ -20,6 +20,10 @@ from trainfit.traced import trace_step
 from trainfit.train.trainer import Trainer
 
 QWEN3 = ("--model.qk_norm=head", "--model.head_dim=24")
+GEMMA3 = ("--model.norm_placement=sandwich", "--model.norm_offset=true", "--model.mlp_activation=gelu_tanh",
+          "--model.embedding_scale=true", *QWEN3, "--model.query_pre_attn_scalar=20", "--model.sliding_window=8",
+          "--model.sliding_window_pattern=2", "--model.rope_local_theta=100", "--model.tie_embeddings=true")
+"""Gemma 3's block (tests/_dist.py's), tied as Gemma's, 8 of the 24-32 positions in a window."""
 """Qwen3's attention on the debug model: QK-norm, heads (4 x 24) wider than the model (64)."""
 
 MIB = 2**20
@@ -145,6 +149,7 @@ def test_analytic_model_states_of_an_adapted_run_are_the_traced_ones(args: tuple
     ("--peft.method=lora", "--peft.train_output=true"),
     ("--peft.method=lora", "--peft.targets=all-linear", *QWEN3),
     ("--peft.method=lora", "--peft.targets=attention", "--model.norm_placement=post", "--model.qk_norm=whole"),
+    ("--peft.method=lora", "--peft.targets=all-linear", *GEMMA3),
 ])
 def test_exported_adapters_load_in_peft_with_the_same_logits(tmp_path, args: tuple[str, ...]) -> None:
     """Train an adapter on a base of HF weights, export it in PEFT's format: transformers' model of the
@@ -192,6 +197,7 @@ def test_exported_adapters_load_in_peft_with_the_same_logits(tmp_path, args: tup
     ("--model.num_layers=6", "--peft.targets=mlp"),
     ("--peft.targets=all-linear", *QWEN3),
     ("--precision.mode=bf16-mixed", *QWEN3),
+    ("--precision.mode=bf16-mixed", "--peft.targets=all-linear", *GEMMA3),
 ])
 def test_analytic_peak_of_an_adapted_step_is_within_10_percent_of_the_traced(args: tuple[str, ...]) -> None:
     """What autograd keeps through a frozen base (memory/adapter_activations.py) against the traced step:

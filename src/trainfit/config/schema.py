@@ -38,7 +38,9 @@ def field_error(name: str, value: object, fix: str) -> ConfigError:
 
 
 QkNorm = Literal["none", "head", "whole"]
-NormPlacement = Literal["pre", "post"]
+NormPlacement = Literal["pre", "post", "sandwich"]
+MlpActivation = Literal["silu", "gelu_tanh"]
+RopeScalingType = Literal["llama3", "linear"]
 
 
 @dataclass
@@ -64,11 +66,31 @@ class ModelConfig:
     q and one for k: Qwen3) | whole (over all of q's heads and all of k's: OLMo 2)."""
     norm_placement: NormPlacement | None = None
     """Where each branch's norm sits: pre (norm, then attention or MLP, then the residual add: Llama) |
-    post (attention or MLP, then norm, then the add; no norm before: OLMo 2)."""
+    post (attention or MLP, then norm, then the add; no norm before: OLMo 2) | sandwich (a norm before and
+    one after each branch, four per layer: Gemma 2 and 3)."""
+    norm_offset: bool | None = None
+    """Gemma's RMSNorm: the gain is (1 + w), w stored and initialised at 0, and the product is taken in fp32
+    before the cast back to the input's dtype (Llama casts first)."""
     sliding_window: int | None = None
     """0 = full causal attention. W > 0: each query attends its W latest positions, itself included
-    (Mistral 7B v0.1: 4096; Phi-3-mini: 2047), in every layer; sequences no longer than W are plain
-    causal attention."""
+    (Mistral 7B v0.1: 4096; Phi-3-mini: 2047), in every layer unless sliding_window_pattern says otherwise;
+    sequences no longer than W are plain causal attention."""
+    sliding_window_pattern: int | None = None
+    """With a sliding window: every n-th layer (layers n-1, 2n-1, ... counted from 0) attends the whole
+    sequence and the others the window (Gemma 2: 2, Gemma 3: 6); 0 = every layer has the window."""
+    query_pre_attn_scalar: float | None = None
+    """The queries are scaled by query_pre_attn_scalar^-1/2 before the dot product; 0 = head_dim (the usual
+    1 / sqrt(head_dim)). Gemma 3 27B: 168 with head_dim 128."""
+    attention_softcap: float | None = None
+    """0 = none. c > 0: each attention score s is replaced by c tanh(s / c) before the softmax (Gemma 2: 50),
+    which SDPA cannot express: the layers run an eager attention that keeps its [heads, queries, keys]
+    scores and probabilities."""
+    final_softcap: float | None = None
+    """0 = none. c > 0: the logits l are replaced by c tanh(l / c) (Gemma 2: 30)."""
+    embedding_scale: bool | None = None
+    """Multiply the token embeddings by sqrt(dim), rounded to the parameters' dtype first (Gemma)."""
+    mlp_activation: MlpActivation | None = None
+    """The gated MLP's activation (llama family): silu (SwiGLU) | gelu_tanh (GeGLU: Gemma)."""
     ffn_dim: int | None = None
     """Hidden size of the dense MLP."""
     vocab_size: int | None = None
@@ -90,6 +112,12 @@ class ModelConfig:
     """Llama 3.1 RoPE scaling: see rope_scaling_factor (Llama 3.1: 4)."""
     rope_original_max_seq_len: int | None = None
     """Llama 3.1 RoPE scaling: the context the model was pre-trained at before scaling (8192)."""
+    rope_scaling_type: RopeScalingType | None = None
+    """How rope_scaling_factor scales: llama3 (Llama 3.1's, above) | linear (every frequency divided by the
+    factor, positions interpolated: Gemma 3 4B and larger, 8)."""
+    rope_local_theta: float | None = None
+    """The RoPE base of the sliding-window layers where it differs from rope_theta (Gemma 3: 10000, its
+    global layers 1e6); 0 = rope_theta. Set, RoPE scaling applies to the global layers only."""
     tie_embeddings: bool | None = None
     """Share the token embedding with the output projection."""
     qkv_bias: bool | None = None

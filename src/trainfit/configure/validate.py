@@ -59,14 +59,28 @@ def _validate_model(m: ModelConfig) -> None:
         raise field_error("model.num_heads", m.num_heads, f"must divide model.dim={m.dim} (or set model.head_dim)")
     if m.num_heads % m.num_kv_heads:
         raise field_error("model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads={m.num_heads}")
-    attention = describe(m).block.attention
     if m.sliding_window is None or m.sliding_window < 0:
         raise field_error("model.sliding_window", m.sliding_window, "must be 0 (full causal attention) or a "
                           "positive number of positions")
+    for name, what in (("sliding_window_pattern", "0 (every layer windowed) or n (every n-th layer global)"),
+                       ("query_pre_attn_scalar", "0 (head_dim) or the positive number the query scale is 1/sqrt of"),
+                       ("rope_local_theta", "0 (rope_theta) or the windowed layers' positive RoPE base"),
+                       ("attention_softcap", "0 (none) or the positive cap c of c tanh(s / c), Gemma 2's 50"),
+                       ("final_softcap", "0 (none) or the positive cap c of c tanh(l / c), Gemma 2's 30")):
+        if getattr(m, name) is None or getattr(m, name) < 0:
+            raise field_error(f"model.{name}", getattr(m, name), f"must be {what}")
+    attention = describe(m).block.attention
     if m.family == "gpt2":  # the features GPT-2's module tree (models/gpt2.py) does not have
         for name, value, fix in (("num_kv_heads", m.num_kv_heads, m.num_heads), ("head_dim", m.head_dim, 0),
                                  ("qk_norm", m.qk_norm, "none"), ("sliding_window", m.sliding_window, 0),
-                                 ("norm_placement", m.norm_placement, "pre")):
+                                 ("norm_placement", m.norm_placement, "pre"), ("norm_offset", m.norm_offset, False),
+                                 ("embedding_scale", m.embedding_scale, False),
+                                 ("mlp_activation", m.mlp_activation, "silu"),
+                                 ("query_pre_attn_scalar", m.query_pre_attn_scalar, 0.0),
+                                 ("sliding_window_pattern", m.sliding_window_pattern, 0),
+                                 ("rope_local_theta", m.rope_local_theta, 0.0),
+                                 ("attention_softcap", m.attention_softcap, 0.0),
+                                 ("final_softcap", m.final_softcap, 0.0)):
             if value != fix:
                 raise field_error(f"model.{name}", value, f"model.family=gpt2 does not have it: set it to {fix}")
     if attention.rope and attention.head_dim % 2:
@@ -92,6 +106,8 @@ def _validate_rope_scaling(m: ModelConfig) -> None:
     if not m.rope_scaling_factor >= 1:
         raise field_error("model.rope_scaling_factor", m.rope_scaling_factor,
                           "must be 0 (plain RoPE) or >= 1 (Llama 3.1 scaling; its factor is 8)")
+    if m.rope_scaling_type == "linear":
+        return
     if m.family != "llama":  # GPT-2 has learned positions, no RoPE
         raise field_error("model.rope_scaling_factor", m.rope_scaling_factor, "RoPE is the llama family's; set it to 0")
     if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:

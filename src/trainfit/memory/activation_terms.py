@@ -116,8 +116,8 @@ def norm_saved(m: ModelConfig, d: ActDtypes, consumers: int) -> Terms:
     else:
         # RMSNorm: x.float() (the input itself, or its fp32 copy for a 16-bit stream: counted by
         # the caller as the residual), rsqrt (fp32, 1 per token), normed (cast back to the stream
-        # dtype, saved by the gain's multiply).
-        own = FP32 + d.stream * D
+        # dtype, saved by the gain's multiply; Gemma's (1 + w) multiplies it in fp32 and saves that).
+        own = FP32 + normed_bytes(m, d.stream) * D
     out = consumers * d.compute * D if d.autocast else d.stream * D
     return Terms(seq=own, gathered=out)
 
@@ -153,6 +153,27 @@ def post_norms_saved(m: ModelConfig, d: ActDtypes) -> Terms:
     return inputs + Terms(seq=2 * (FP32 * D + FP32) + (c + ffn_out) * D)
 
 
+def scores_kept(m: ModelConfig, d: ActDtypes) -> bool:
+    """Whether the attention keeps [heads, queries, keys] tensors for its backward, whose gradients come
+    after the MLP's: torch's math SDPA kernel, or the eager soft-capped attention (Gemma 2's)."""
+    return d.math_attention or bool(layer_of(m).attention.softcap)
+
+
+def normed_bytes(m: ModelConfig, cast: int) -> int:
+    """Bytes per element an RMSNorm's gain multiply saves of the normed values: cast back to `cast` (its
+    input's dtype) first, as Llama's, or fp32 (Gemma's (1 + w), multiplied before the cast)."""
+    return FP32 if layer_of(m).norm.offset else cast
+
+
+def sandwich_post_norms_saved(m: ModelConfig, d: ActDtypes) -> Terms:
+    """The two norms after the branches of a sandwich block (Gemma): each saves the fp32 copy of the
+    branch's output (the output itself in fp32), its rsqrt and the normed values (normed_bytes of the
+    output's dtype: the matmul's; an MoE's is the stream's)."""
+    D, c = m.dim, d.compute
+    ffn_out = d.stream if m.num_experts else c
+    return Terms(seq=2 * (FP32 * D + FP32) + (normed_bytes(m, c) + normed_bytes(m, ffn_out)) * D)
+
+
 def ungated_mlp(m: ModelConfig) -> bool:
     """A dense MLP of two matmuls around its activation (GPT-2's fc, GELU, proj), not a SwiGLU."""
     mlp = layer_of(m).mlp
@@ -162,8 +183,9 @@ def ungated_mlp(m: ModelConfig) -> bool:
 def qk_norm_saved(m: ModelConfig, d: ActDtypes) -> Terms:
     """QK-norm (models/architecture.py): the RMSNorm of q and k (each head's, or each whole) saves its
     input's fp32 copy (the projection's output itself in fp32), its rsqrt per row and the normed values
-    cast back to the projection's dtype (by the gain's multiply): head-sharded, like the projections."""
+    cast back to the projection's dtype (by the gain's multiply; Gemma's in fp32): head-sharded, like the
+    projections."""
     a = layer_of(m).attention
     if not a.qk_norm:
         return Terms()
-    return Terms(tp=(FP32 + d.compute) * (a.q_dim + a.kv_dim) + FP32 * a.qk_norm_rows())
+    return Terms(tp=(FP32 + normed_bytes(m, d.compute)) * (a.q_dim + a.kv_dim) + FP32 * a.qk_norm_rows())

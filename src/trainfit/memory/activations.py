@@ -19,6 +19,8 @@ from trainfit.memory.activation_terms import (
     norm_input_bytes,
     norm_saved,
     post_norms_saved,
+    sandwich_post_norms_saved,
+    scores_kept,
     swiglu_saved,
     ungated_mlp,
 )
@@ -44,12 +46,15 @@ def block_terms(m: ModelConfig, d: ActDtypes, policy: str, routing: Routing | No
     # Block input (for RMSNorm with a 16-bit stream, its fp32 copy replaces it: see norm_saved) and
     # the mid-block residual h, each saved at 4 bytes by the norm that reads it (RMSNorm) or at
     # stream bytes (LayerNorm saves its input as is).
-    if layer_of(m).norm_placement == "post":
+    placement = layer_of(m).norm_placement
+    if placement == "post":
         terms = post_norms_saved(m, d) + attention_saved(m, d, cp)
     else:
         residual = 2 * norm_input_bytes(m, d) * D
         terms = Terms(seq=residual) + norm_saved(m, d, 3) + attention_saved(m, d, cp) + \
             norm_saved(m, d, ffn_consumers(m))
+        if placement == "sandwich":
+            terms += sandwich_post_norms_saved(m, d)
     if ungated_mlp(m):
         return terms + Terms(tp=2 * c * m.ffn_dim)  # fc1 out (GELU input), GELU out (fc2 input)
     if m.num_experts:
@@ -155,9 +160,9 @@ def policy_only_terms(m: ModelConfig, d: ActDtypes, policy: str, tp: int = 1,
         return PolicyOnly(Terms(), block_input)
     alternate = policy == "selective-alternate"
     # a post-norm's norms save their input's fp32 copy: in fp32, wo's and w2's outputs themselves
-    post_saves_outputs = layer_of(m).norm_placement == "post" and c == FP32
+    post_saves_outputs = layer_of(m).norm_placement != "pre" and c == FP32
     released = _reduction(m, d, tp) + Terms(gathered=0 if alternate or post_saves_outputs else c * D)  # wo's
-    if d.math_attention:
+    if scores_kept(m, d):
         released += attention_kept(m, d, cp, policy)
     if _projections_unsaved(m, d):
         released += Terms(tp=c * (q_dim + (0 if alternate else kv_dim)))  # wq, wk outputs (before RoPE)

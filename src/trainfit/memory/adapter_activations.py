@@ -23,7 +23,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainfit.config import ModelConfig
-from trainfit.memory.activation_terms import FP32, ActDtypes, Terms, block_shapes, layer_of, ungated_mlp
+from trainfit.memory.activation_terms import (
+    FP32,
+    ActDtypes,
+    Terms,
+    block_shapes,
+    layer_of,
+    normed_bytes,
+    scores_kept,
+    ungated_mlp,
+)
 from trainfit.memory.attention_activations import attention_saved
 from trainfit.memory.moe_activations import Routing, balanced_routing
 from trainfit.models.block_spec import block_linears
@@ -44,11 +53,13 @@ def adapter_terms(m: ModelConfig, d: ActDtypes, adaptation: Adaptation, routing:
     linears = {linear.name: linear for linear in block_linears(m)}
     gpt2 = ungated_mlp(m)
     layer = layer_of(m)
-    # the two RMSNorms' normalized copies, kept only for their gains (after a branch: in its output's
-    # dtype); so are QK-norm's (frozen too)
-    normed = (c + (a if m.num_experts else c)) * D if layer.norm_placement == "post" else 2.0 * a * D
-    seq = 0 if layer.norm.kind == "layer" else -normed
-    qk_norm = -c * (layer.attention.q_dim + layer.attention.kv_dim) if layer.attention.qk_norm else 0
+    # the RMSNorms' normalized copies, kept only for their gains (before a branch: in the stream's dtype,
+    # after one: in its output's; Gemma's (1 + w): in fp32); so are QK-norm's (frozen too)
+    before = 2.0 * normed_bytes(m, a) * D if layer.norm_placement != "post" else 0.0
+    after = (normed_bytes(m, c) + normed_bytes(m, a if m.num_experts else c)) * D \
+        if layer.norm_placement != "pre" else 0.0
+    seq = 0 if layer.norm.kind == "layer" else -(before + after)
+    qk_norm = -normed_bytes(m, c) * (layer.attention.q_dim + layer.attention.kv_dim) if layer.attention.qk_norm else 0
     gathered = 0.0
     moe = bool(m.num_experts)
     ffn_consumers = ("w1",) if gpt2 else ("router", *("shared_w1", "shared_w3") * bool(m.num_shared_experts)) \
@@ -62,7 +73,7 @@ def adapter_terms(m: ModelConfig, d: ActDtypes, adaptation: Adaptation, routing:
     # the down projection's input (SwiGLU's product, GELU's output), kept for its adapter's A, or with
     # dropout its dropped copy and mask instead
     tp = -c * ffn + _inputs_kept(("w2",), adapted, d, ffn, adaptation.dropout) + qk_norm
-    if d.math_attention and "wo" not in adapted:
+    if scores_kept(m, d) and "wo" not in adapted:
         tp -= c * q_dim  # wo's contiguous copy of the output
     if adaptation.dropout and "wo" in adapted:  # beside SDPA's output, which it keeps anyway
         tp += (c + d.dropout_mask(c)) * q_dim

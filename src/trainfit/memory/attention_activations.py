@@ -20,9 +20,13 @@ def attention_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
     D, q_dim, kv_dim, H, head_dim = block_shapes(m)
     c, a = d.compute, layer_of(m).attention
     # Under autocast RoPE casts its cos/sin tables to q's and k's bf16 (saved by its multiplies); after
-    # QK-norm q and k are fp32 (the norm's fp32 gain promotes them), the tables' own dtype: no cast.
-    per_position = 4 * head_dim * c if (d.autocast and a.rope and not a.qk_norm) else 0
+    # QK-norm q and k are fp32 (the norm's fp32 gain promotes them), the tables' own dtype: no cast, unless
+    # the norm casts back after its gain (Gemma's (1 + w)).
+    cast_back = a.qk_norm is not None and a.qk_norm.offset
+    per_position = 4 * head_dim * c if (d.autocast and a.rope and (not a.qk_norm or cast_back)) else 0
     qk_norm = qk_norm_saved(m, d)
+    if a.softcap:
+        return _softcapped_attention_saved(m, d) + Terms(per_position=per_position) + qk_norm
     if d.math_attention:
         return _math_attention_saved(m, d, cp) + Terms(per_position=per_position) + qk_norm
     # SDPA saves q (after RoPE), k (after RoPE), v, out, and an fp32 logsumexp per head.
@@ -61,6 +65,18 @@ def _math_attention_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
     return Terms(tp=d.compute * q_dim + FP32 * (q_dim + q_dim * per_call) + v, per_key=FP32 * H * per_query)
 
 
+def _softcapped_attention_saved(m: ModelConfig, d: ActDtypes) -> Terms:
+    """models/common.softcapped_attention (Gemma 2's soft-capped scores, eager): the first matmul saves q
+    and the keys expanded to the query heads (a copy under GQA), tanh its output ([heads, queries, keys]
+    in the compute dtype), the fp32 softmax its output, the second matmul the probabilities cast back
+    (unless fp32: the softmax's own) and the expanded values. No output nor logsumexp: the output
+    projection saves its own copy of the output, as under the fused kernel."""
+    D, q_dim, kv_dim, H, _ = block_shapes(m)
+    c = d.compute
+    expanded = q_dim if m.num_kv_heads != m.num_heads else kv_dim
+    return Terms(tp=c * (2 * q_dim + 2 * expanded), per_key=H * (c + FP32 + (c if c != FP32 else 0)))
+
+
 def _context_parallel_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
     """What an attention saves under context parallelism beyond its unsharded form, per local token
     (parallel/context_parallel.py): its SDPAs save the all-gathered k and v of the whole sequence,
@@ -96,6 +112,9 @@ def attention_backward(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
     gradient of v (expanded under GQA) waits for its own path (its nodes were made earlier, so
     the engine runs them later)."""
     _, q_dim, kv_dim, H, _ = block_shapes(m)
+    v = q_dim if m.num_kv_heads != m.num_heads else kv_dim
+    if layer_of(m).attention.softcap:  # eager: the fp32 softmax's backward, the expanded v's gradient waiting
+        return Terms(tp=d.compute * v, per_key=2 * FP32 * H)
     if not d.math_attention:
         return Terms(tp=d.compute * (2 * q_dim + 2 * kv_dim))
     per_query, per_call = keys_per_query(cp)
@@ -111,6 +130,9 @@ def attention_kept(m: ModelConfig, d: ActDtypes, cp: int, policy: str) -> Terms:
     5th matmuls (after wq, wk, wv), so it keeps the output only and the block's other matmuls keep
     their parity (the same projections are kept as with a fused kernel)."""
     _, q_dim, _, H, _ = block_shapes(m)
+    if layer_of(m).attention.softcap:  # eager: its two matmuls, in the compute dtype (as the math kernel's)
+        scores = Terms(per_key=d.compute * H) if policy == "selective" else Terms()
+        return Terms(tp=d.compute * q_dim) + scores
     if not d.math_attention:
         return Terms(tp=d.compute * q_dim + FP32 * H)
     scores = Terms(per_key=FP32 * H * keys_per_query(cp)[0]) if policy == "selective" else Terms()

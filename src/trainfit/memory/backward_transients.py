@@ -14,8 +14,10 @@ from trainfit.memory.activation_terms import (
     Terms,
     block_shapes,
     ffn_consumers,
+    layer_of,
     norm_input_bytes,
     norm_saved,
+    sandwich_post_norms_saved,
     swiglu_saved,
     ungated_mlp,
 )
@@ -134,7 +136,8 @@ def attention_backward_freed(m: ModelConfig, d: ActDtypes) -> Terms:
     c = d.compute
     residual = norm_input_bytes(m, d) * m.dim
     mlp = 2 * c * m.ffn_dim if ungated_mlp(m) else swiglu_saved(c, m.ffn_dim)
-    return Terms(seq=residual, tp=mlp + c * q_dim) + norm_saved(m, d, ffn_consumers(m))
+    after = sandwich_post_norms_saved(m, d) if layer_of(m).norm_placement == "sandwich" else Terms()
+    return Terms(seq=residual, tp=mlp + c * q_dim) + norm_saved(m, d, ffn_consumers(m)) + after
 
 
 def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | None = None,

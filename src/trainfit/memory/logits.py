@@ -41,20 +41,21 @@ def loss_bytes(m: ModelConfig, prec: Precision, shape: MicroBatchShape) -> LossB
     .float() (a copy unless fp32 already) -> cross_entropy = log_softmax (fp32, saved) + nll_loss.
     Backward starts with nll_loss's gradient (fp32) and log_softmax's input gradient while its
     output is still held: 3 fp32 logits (measured). Under tp, loss_parallel's unfused forms
-    (LOSS_PARALLEL_FP32_COPIES) on a rank's vocabulary shard. Chunked: `_chunked_loss`."""
+    (LOSS_PARALLEL_FP32_COPIES) on a rank's vocabulary shard. Chunked: `_chunked_loss`. (Soft-capped
+    logits: the model's forward saves their tanh's output, stage_activations.final_norm_terms.)"""
     tokens, tp = shape.tokens, shape.tp
     V = -(-m.vocab_size // tp)  # the largest shard: an uneven vocabulary's first ranks
     c = prec.act.compute
     copy = FP32 if c != FP32 else 0
     inside, backward = LOSS_PARALLEL_FP32_COPIES if tp > 1 else (1, 3)
     if shape.chunked_loss:
-        return _chunked_loss(m, prec, shape, V, inside, backward)
+        return _chunked_loss(m, prec, shape, V, inside, backward, c if m.final_softcap else 0)
     return LossBytes(saved=FP32 * V * tokens, output=c * V * tokens, forward=V * tokens * (c + copy + inside * FP32),
-                 backward=backward * FP32 * V * tokens)
+                     backward=backward * FP32 * V * tokens)
 
 
 def _chunked_loss(m: ModelConfig, prec: Precision, shape: MicroBatchShape, V: int, inside: int,
-                  backward: int) -> LossBytes:
+                  backward: int, capped: int) -> LossBytes:
     """memory.chunked_loss (train/loss.py): the model returns the final norm's output [tokens, D] in
     the stream's dtype, which the loss's checkpointed chunks keep as their inputs through its
     backward (under sequence parallelism its all-gathered, whole-sequence copy too). A chunk of q
@@ -64,7 +65,8 @@ def _chunked_loss(m: ModelConfig, prec: Precision, shape: MicroBatchShape, V: in
     cast to the compute dtype, which the recomputed projection saves for its weight gradient. From
     the second chunk on, autograd also sums the chunks' gradients in its input buffers before
     passing them on: the output weight's (the matmul's dtype, one vocabulary shard) and the hidden
-    states' (whole tokens: each chunk's slice gradient is full-size)."""
+    states' (whole tokens: each chunk's slice gradient is full-size). Soft-capped logits: a chunk's tanh
+    output (`capped` bytes per element) beside them, in forward and in its recompute."""
     D, act, tokens = m.dim, prec.act, shape.tokens
     sequence_parallel = shape.sequence_parallel
     output = Terms(seq=act.stream * D).bytes(tokens, 0, shape.tp, sequence_parallel)
@@ -72,5 +74,6 @@ def _chunked_loss(m: ModelConfig, prec: Precision, shape: MicroBatchShape, V: in
     chunk = min(tokens, shape.loss_chunk_tokens)
     sums = V * D * act.compute + tokens * D * act.stream if tokens > chunk else 0
     rows_cast = act.compute * D * chunk if act.autocast else 0
-    return LossBytes(saved=gathered, output=output, forward=output + gathered + (1 + inside) * FP32 * V * chunk,
-                 backward=gathered + backward * FP32 * V * chunk + sums + rows_cast, keeps_output=True)
+    return LossBytes(saved=gathered, output=output,
+                     forward=output + gathered + ((1 + inside) * FP32 + capped) * V * chunk,
+                     backward=gathered + (backward * FP32 + capped) * V * chunk + sums + rows_cast, keeps_output=True)

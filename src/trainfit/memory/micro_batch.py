@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from trainfit.config import ModelConfig
-from trainfit.memory.activation_terms import Terms
+from trainfit.memory.activation_terms import Terms, scores_kept
 from trainfit.memory.activations import block_terms, policy_only_terms
 from trainfit.memory.adapter_activations import adapter_terms, final_norm_adapter_terms, selective_adapter_terms
 from trainfit.memory.attention_activations import context_parallel_positions
@@ -102,7 +102,7 @@ def _micro_batch(m: ModelConfig, prec: Precision, shape: MicroBatchShape) -> Mic
         released_last=size(only.released_last), grad_stream=size(t.grad_stream), grad_cast=size(t.grad_cast),
         branch_grad=size(t.branch_grad), attention=size(t.attention), mlp_new=size(t.mlp_new),
         mlp_freed=size(t.mlp_freed), recompute_tail=size(t.recompute_tail),
-        attention_freed=size(attention_backward_freed(m, act)) if act.math_attention else 0,
+        attention_freed=size(attention_backward_freed(m, act)) if scores_kept(m, act) else 0,
         first_kept=size(first.kept), first_input=size(first.block_input),
         first_rebuilt=size(first.rebuilt), first_attention_new=size(first.attention_new),
         first_mlp_freed=size(first.freed), first_mlp_new=size(first.mlp_new),

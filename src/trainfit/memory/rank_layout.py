@@ -110,8 +110,9 @@ def _block(run: Run, counts: ParamCounts) -> BlockParams:
     layer = describe(m).block
     biases = sum(linear.out_features for linear in linears if linear.bias)
     norm_tensors = 2 if layer.norm.kind == "layer" else 1  # gain (and bias) of one norm
-    # 2 norms, each linear's weight (a routed expert's stacked weight: one) and bias, QK-norm's gains
-    tensors = 2 * norm_tensors + sum(1 + linear.bias for linear in linears) + 2 * bool(layer.attention.qk_norm)
+    # the stream's norms, each linear's weight (a routed expert's stacked weight: one) and bias, QK-norm's gains
+    tensors = layer.stream_norms * norm_tensors + sum(1 + linear.bias for linear in linears) + \
+        2 * bool(layer.attention.qk_norm)
     w2 = {linear.name: linear for linear in linears}.get("w2")
     mlp_out = w2.in_features * w2.out_features // tp if w2 and not layer.mlp.gated else mlp // 3
     experts_local = max(1, m.num_experts // ep) * (m.expert_ffn_dim or 0) * m.dim

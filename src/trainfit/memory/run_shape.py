@@ -62,10 +62,10 @@ def assumed_attention_kernel(model: ModelConfig, layout: Layout, training: Train
         return "math" if backend == "math" else "fused"
     if hardware.gpu == "cpu":
         return "fused"
-    attention = describe(model).block.attention
-    head_dim = attention.head_dim
+    arch = describe(model)
+    head_dim = arch.block.attention.head_dim
     half = layout.precision != "fp32"
-    if half and layout.cp == 1 and not attention.masked(training.seq_len) and head_dim <= 256:
+    if half and layout.cp == 1 and not arch.masked_windows(training.seq_len) and head_dim <= 256:
         return "fused"
     return "fused" if head_dim % (8 if half else 4) == 0 else "math"
 

@@ -13,15 +13,21 @@ from trainfit.memory.activation_terms import (
     norm_saved,
     ungated_mlp,
 )
+from trainfit.models.architecture import describe
 
 
 def final_norm_terms(m: ModelConfig, d: ActDtypes, projected: bool = True) -> Terms:
     """The final norm: its input (the last block's output) and what the output projection saves of
-    its output. `projected` False: the chunked loss projects it (train/loss.py), and its output is
-    the model's, which the loss holds (logits._chunked_loss)."""
+    its output, and of soft-capped logits (Gemma 2, models/common.softcapped) the tanh's output, in the
+    compute dtype (vocabulary-sharded under tp, like the logits). `projected` False: the chunked loss
+    projects it (train/loss.py), and its output is the model's, which the loss holds
+    (logits._chunked_loss)."""
     residual = norm_input_bytes(m, d) * m.dim
     norm = norm_saved(m, d, 1)
-    return Terms(seq=residual) + (norm if projected else Terms(seq=norm.seq))
+    if not projected:
+        return Terms(seq=residual + norm.seq)
+    capped = Terms(tp=d.compute * m.vocab_size) if describe(m).final_softcap else Terms()
+    return Terms(seq=residual) + norm + capped
 
 
 def stage_boundary_terms(m: ModelConfig, d: ActDtypes) -> Terms:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from trainfit.memory.activation_terms import Terms, ungated_mlp
+from trainfit.memory.activation_terms import Terms, scores_kept, ungated_mlp
 from trainfit.memory.activations import shared_experts_saved
 from trainfit.memory.adapter_activations import first_block_casts_unsaved, first_block_saving, nf4_dequant_bytes
 from trainfit.memory.attention_activations import context_parallel_mask_bytes
@@ -120,13 +120,13 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     root_gather = c * (lay.embedding + lay.head) if zero3 else 0
     block_gather = c * lay.block - fp8_gathered if zero3 else 0
     reduce = (FSDP_REDUCE_BYTES_MIXED if prec.mixed else prec.param) if st.fsdp else 0
-    # Context parallelism's causal masks, a sliding window's mask (one in the queries' dtype, shared by
-    # the layers: models/common.window_mask), and the RoPE cos/sin tables
+    # Context parallelism's causal masks, each sliding window's mask (one in the queries' dtype, shared by
+    # the layers of that window: models/common.window_mask), and each RoPE setting's cos/sin tables
     persistent_buffers = context_parallel_mask_bytes(st.seq, run.layout.cp, act.compute)
-    attention = describe(run.model).block.attention
-    persistent_buffers += st.seq * st.seq * act.compute if attention.masked(st.seq) else 0
-    if attention.rope:
-        persistent_buffers += 2 * run.model.max_seq_len * attention.head_dim * rope_table_bytes(run)
+    arch = describe(run.model)
+    persistent_buffers += len(arch.masked_windows(st.seq)) * st.seq * st.seq * act.compute
+    persistent_buffers += len(arch.rope_keys) * 2 * run.model.max_seq_len * arch.block.attention.head_dim * \
+        rope_table_bytes(run)
     kind = run.layout.data_parallel
     if kind == "ddp" and not DDP_GRADIENT_AS_BUCKET_VIEW:
         persistent_buffers += st.grads  # DDP's gradient buckets, beside the gradients
@@ -311,15 +311,15 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
         # With sequence parallelism the branch's cast is all-gathered (branch_grad) and freed.
         stream, cast = mb.grad_stream + tied_pending, 0 if run.layout.sequence_parallel else mb.grad_cast
         incoming = mb.branch_grad if run.layout.sequence_parallel else cast  # a branch's output gradient
-        # The math attention kernel's backward (S²-sized gradients) comes after the MLP's and the
-        # output projection's, whose saved (or rebuilt) tensors are freed by then.
-        freed = mb.attention_freed
+        # The math attention kernel's backward, or the eager soft-capped one's (S²-sized gradients), comes
+        # after the MLP's and the output projection's, whose saved (or rebuilt) tensors are freed by then.
+        freed, scores = mb.attention_freed, scores_kept(run.model, act)
         attention = (w2[0], w2[1], a_none - freed + stream + cast + mb.attention, 0)
         if not wrapped:
             mlp = mb.mlp_new - mb.mlp_freed
-            fused_attention = 0 if act.math_attention else mb.attention
+            fused_attention = 0 if scores else mb.attention
             moments = [(w2[0], w2[1], a_none + stream + cast + max(fused_attention, mlp + w2[2]), 0)]
-            moments += [attention] if act.math_attention else []
+            moments += [attention] if scores else []
             if fp8_backward:  # before any of the block's weight gradients exists
                 moments.append((0, 0, a_none + stream + incoming + fp8_backward, 0))
             moments += first_linear_moments(stream)
@@ -341,7 +341,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
             moments.append((0, rebuild + dequant + recompute_input, kept + max(cast, mb.branch_grad), 0))
         elif dequant:  # selective: the linears are not recomputed; the first backward matmul
             moments.append((0, rebuild, kept + cast + dequant, 0))
-        if act.math_attention:  # the kept tensors and the recompute's, less what the MLP's backward freed
+        if scores:  # the kept tensors and the recompute's, less what the MLP's backward freed
             moments.append((w2[0], w2[1] + max(0, rebuild - freed), kept + cast + mb.attention, 0))
         for r in routed_moments:
             grads, buffers = routed(r.done)

@@ -6,8 +6,11 @@ the linears' list (block_spec.py), the parameter count (params.py), the FLOP cou
 and both memory estimators, so that a feature (QK-norm, a head width other than dim / heads, a
 LayerNorm) is a field read where it matters, not a model family branched on in each module. A
 model's layers are a tuple of `Layer`s, one per layer, so a model whose layers differ (dense layers
-before MoE ones, local and global attention) is data; `Architecture.block` is the layer of a model
-whose layers are all alike, which is what the estimators price today.
+before MoE ones, local and global attention) is data. `Architecture.block` is the layer whose tensors
+every layer has, which is what the estimators price per layer: the layers themselves when they are
+alike, or when they differ only in their attention's span (Gemma's windowed and global layers, each
+with its RoPE base) that layer with the span left unset, so that what depends on it (the attention's
+FLOPs, its masks, the RoPE tables) reads `Architecture.layers`.
 
 `model.family` is read here only, as a name for a bundle of features (llama: RMSNorm, RoPE, SwiGLU,
 no biases but optional q/k/v ones; gpt2: LayerNorm, learned positions, tanh-GELU MLP, biases
@@ -31,6 +34,9 @@ NormKind = Literal["rms", "layer"]
 class Norm:
     kind: NormKind
     eps: float
+    offset: bool = False
+    """Gemma's RMSNorm: the gain is (1 + w) (w stored, initialised at 0), multiplied in fp32 before the
+    cast back to the input's dtype."""
 
     def params(self, width: int) -> int:
         """Parameters of one norm over `width` features (gain, and LayerNorm's bias)."""
@@ -47,23 +53,48 @@ class Attention:
     out_bias: bool
     rope: bool
     """Rotary positions on q and k (False: the model adds learned position embeddings instead)."""
+    scale: float
+    """What the queries' dot products with the keys are multiplied by: 1 / sqrt(head_dim), or Gemma's
+    1 / sqrt(query_pre_attn_scalar)."""
     qk_norm: Norm | None
     """RMSNorm on q and on k before RoPE (model.qk_norm): over each head, a gain of head_dim shared by
     the heads (Qwen3), or with `qk_norm_whole` over all heads at once, a gain of q_dim and one of kv_dim
     (OLMo 2)."""
     qk_norm_whole: bool = False
-    window: int = 0
+    softcap: float = 0.0
+    """Gemma 2's soft-capped scores, c tanh(s / c) (0: none): an eager attention, not SDPA."""
+    window: int | None = 0
     """A sliding window: each query attends its `window` latest positions, itself included (Mistral 7B
-    v0.1, Phi-3-mini); 0 = every earlier position."""
+    v0.1, Phi-3-mini, Gemma's local layers); 0 = every earlier position; None in `Architecture.block`
+    when the layers' windows differ."""
+    rope_theta: float | None = 10000.0
+    """The RoPE base (None in `Architecture.block` when the layers' differ)."""
+    rope_scaled: bool | None = False
+    """Whether model.rope_scaling_factor applies to this layer's RoPE (None as rope_theta)."""
+
+    def _span(self) -> int:
+        if self.window is None:
+            raise ValueError("the layers' windows differ: read Architecture.layers one by one")
+        return self.window
 
     def keys_per_query(self, seq_len: int) -> float:
         """The keys a query attends on average over a causal sequence of seq_len (window or not)."""
-        w = min(self.window or seq_len, seq_len)
+        w = min(self._span() or seq_len, seq_len)
         return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
 
     def masked(self, seq_len: int) -> bool:
         """Whether its SDPA takes an explicit mask at seq_len (a window shorter than the sequence)."""
-        return 0 < self.window < seq_len
+        return 0 < self._span() < seq_len
+
+    @property
+    def rope_key(self) -> tuple[float, bool] | None:
+        """What its RoPE tables depend on besides the model (None without RoPE): layers with the same key
+        share one pair of cos/sin tables."""
+        if not self.rope:
+            return None
+        if self.rope_theta is None:
+            raise ValueError("the layers' RoPE differs: read Architecture.layers one by one")
+        return self.rope_theta, bool(self.rope_scaled)
 
     @property
     def q_dim(self) -> int:
@@ -98,7 +129,7 @@ Activation = Literal["silu", "gelu_tanh"]
 class DenseMlp:
     hidden: int
     gated: bool
-    """SwiGLU-style: w2(act(w1 x) * w3 x); else w2(act(w1 x))."""
+    """w2(act(w1 x) * w3 x): SwiGLU with silu, GeGLU with gelu_tanh (Gemma); else w2(act(w1 x)) (GPT-2)."""
     activation: Activation
     bias: bool
 
@@ -128,22 +159,28 @@ class Moe:
         return dim * self.experts + (self.top_k + self.shared) * self.expert_params(dim)
 
 
-NormPlacement = Literal["pre", "post"]
+NormPlacement = Literal["pre", "post", "sandwich"]
 
 
 @dataclass(frozen=True)
 class Layer:
     """One transformer layer: attention, then the feed-forward, each added to the stream with its norm
-    before it (pre: x + f(norm(x))) or after it (post: x + norm(f(x)))."""
+    before it (pre: x + f(norm(x))), after it (post: x + norm(f(x))) or both (sandwich: x +
+    norm(f(norm(x))), Gemma's four norms)."""
 
     attention: Attention
     ffn: DenseMlp | Moe
     norm: Norm
     norm_placement: NormPlacement = "pre"
 
+    @property
+    def stream_norms(self) -> int:
+        """The norms of dim on the residual stream's branches: two, four when sandwiched."""
+        return 4 if self.norm_placement == "sandwich" else 2
+
     def norm_params(self, dim: int) -> int:
-        """Every norm's parameters: the two pre-norms' and QK-norm's."""
-        return 2 * self.norm.params(dim) + self.attention.norm_params
+        """Every norm's parameters: the branches' norms and QK-norm's."""
+        return self.stream_norms * self.norm.params(dim) + self.attention.norm_params
 
     @property
     def moe(self) -> Moe | None:
@@ -164,18 +201,41 @@ class Architecture:
     layers: tuple[Layer, ...]
     final_norm: Norm
     tie_embeddings: bool
+    embedding_scale: bool = False
+    """The token embeddings are multiplied by sqrt(dim), rounded to the parameters' dtype (Gemma)."""
+    final_softcap: float = 0.0
+    """The logits l become c tanh(l / c) (Gemma 2; 0: none)."""
 
     @property
     def block(self) -> Layer:
-        """The layer of a model whose layers are all alike (every model trainfit builds today)."""
+        """The layer whose tensors every layer has (module docstring): the layer itself when all are alike;
+        when they differ only in their attention's span (window, RoPE base and scaling), that layer with
+        the span unset (None); otherwise a ValueError."""
         first = self.layers[0]
-        if any(layer != first for layer in self.layers[1:]):
-            raise ValueError("the model's layers differ; read Architecture.layers one by one")
-        return first
+        if all(layer == first for layer in self.layers[1:]):
+            return first
+        unspanned = {_unspanned(layer) for layer in self.layers}
+        if len(unspanned) > 1:
+            raise ValueError("the model's layers differ in their tensors; read Architecture.layers one by one")
+        return unspanned.pop()
+
+    def masked_windows(self, seq_len: int) -> tuple[int, ...]:
+        """The distinct windows shorter than seq_len among the layers: one explicit mask each per forward."""
+        return tuple(sorted({la.attention.window for la in self.layers if la.attention.masked(seq_len)}))
+
+    @property
+    def rope_keys(self) -> tuple[tuple[float, bool], ...]:
+        """The distinct RoPE settings among the layers: one pair of cos/sin tables each."""
+        return tuple(dict.fromkeys(la.attention.rope_key for la in self.layers if la.attention.rope))
 
     @property
     def embedding_params(self) -> int:
         return (self.vocab_size + (self.max_seq_len if self.learned_positions else 0)) * self.dim
+
+
+def _unspanned(layer: Layer) -> Layer:
+    return dataclasses.replace(layer, attention=dataclasses.replace(layer.attention, window=None, rope_theta=None,
+                                                                    rope_scaled=None))
 
 
 def describe(m: ModelConfig) -> Architecture:
@@ -188,20 +248,36 @@ def _describe(fields: tuple) -> Architecture:
     """describe, once per config (the planner asks for each candidate's many times)."""
     m = ModelConfig(*fields)
     gpt2 = m.family == "gpt2"  # the feature bundle a family name stands for (module docstring)
-    norm = Norm("layer" if gpt2 else "rms", m.norm_eps)
-    attention = Attention(
-        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=head_dim(m),
+    norm = Norm("layer" if gpt2 else "rms", m.norm_eps, offset=bool(m.norm_offset))
+    width = head_dim(m)
+    shapes = dict(
+        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=width,
         qkv_bias=gpt2 or bool(m.qkv_bias), out_bias=gpt2, rope=not gpt2,
-        qk_norm=Norm("rms", m.norm_eps) if m.qk_norm != "none" else None, qk_norm_whole=m.qk_norm == "whole",
-        window=m.sliding_window or 0)
+        scale=(m.query_pre_attn_scalar or width) ** -0.5,
+        qk_norm=norm if m.qk_norm != "none" else None, qk_norm_whole=m.qk_norm == "whole",
+        softcap=m.attention_softcap)
+    scaled = bool(m.rope_scaling_factor)
+    spans = [dict(window=m.sliding_window or 0, rope_theta=m.rope_theta, rope_scaled=scaled)
+             for _ in range(m.num_layers)]
+    if m.sliding_window and m.sliding_window_pattern:  # every n-th layer global, with the model's RoPE
+        for i, span in enumerate(spans):
+            if (i + 1) % m.sliding_window_pattern:
+                span["window"] = m.sliding_window
+                if m.rope_local_theta:  # the windowed layers' own base, unscaled (Gemma 3)
+                    span.update(rope_theta=m.rope_local_theta, rope_scaled=False)
+            else:
+                span["window"] = 0
     ffn: DenseMlp | Moe
     if m.num_experts:
         ffn = Moe(m.num_experts, m.experts_per_token, m.expert_ffn_dim, m.num_shared_experts)
     else:
-        ffn = DenseMlp(m.ffn_dim, gated=not gpt2, activation="gelu_tanh" if gpt2 else "silu", bias=gpt2)
-    layer = Layer(attention, ffn, norm, m.norm_placement)
+        ffn = DenseMlp(m.ffn_dim, gated=not gpt2, activation="gelu_tanh" if gpt2 else m.mlp_activation, bias=gpt2)
+    kinds: dict[tuple, Layer] = {}  # one Layer object per kind, shared by the layers of that kind
+    layers = tuple(kinds.setdefault(tuple(span.values()), Layer(Attention(**shapes, **span), ffn, norm,
+                                                                    m.norm_placement)) for span in spans)
     return Architecture(dim=m.dim, vocab_size=m.vocab_size, max_seq_len=m.max_seq_len, learned_positions=gpt2,
-                        layers=(layer,) * m.num_layers, final_norm=norm, tie_embeddings=bool(m.tie_embeddings))
+                        layers=layers, final_norm=norm, tie_embeddings=bool(m.tie_embeddings),
+                        embedding_scale=bool(m.embedding_scale), final_softcap=m.final_softcap)
 
 
 def head_dim(m: ModelConfig) -> int:

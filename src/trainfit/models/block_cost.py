@@ -10,7 +10,7 @@ training and hardware FLOPs on these; parallel/stage_split.py weighs pipeline st
 from __future__ import annotations
 
 from trainfit.config.schema import ModelConfig
-from trainfit.models.architecture import describe
+from trainfit.models.architecture import Attention, describe
 from trainfit.models.block_spec import block_linears
 
 
@@ -26,17 +26,26 @@ def head_matmul_params(m: ModelConfig) -> int:
 
 
 def block_attention_flops(m: ModelConfig, seq_len: int, *, causal: bool = True) -> int:
-    """Forward FLOPs of QK^T and AV per token in one block; causal halves the average context, and a
-    sliding window shorter than the sequence bounds it (the keys each query attends: the useful work)."""
-    a = describe(m).block.attention
+    """Forward FLOPs of QK^T and AV per token in one block, the mean over the layers (Gemma's windowed and
+    global layers differ); causal halves the average context, and a sliding window shorter than the
+    sequence bounds it (the keys each query attends: the useful work)."""
+    layers = describe(m).layers
+    return round(sum(_attention_flops(la.attention, seq_len, causal) for la in layers) / len(layers))
+
+
+def _attention_flops(a: Attention, seq_len: int, causal: bool) -> float:
     full = 2 * 2 * a.q_dim * seq_len
     if not causal:
         return full
-    return round(2 * 2 * a.q_dim * a.keys_per_query(seq_len)) if a.masked(seq_len) else full // 2
+    return 2 * 2 * a.q_dim * a.keys_per_query(seq_len) if a.masked(seq_len) else full // 2
 
 
 def block_attention_kernel_flops(m: ModelConfig, seq_len: int) -> int:
-    """What the attention kernel computes per token in one block: the causal half without a mask; with a
-    sliding window's explicit mask, SDPA's kernels that take one (CPU flash, CUDA memory-efficient)
-    compute every query-key block and mask afterwards, the whole sequence."""
-    return block_attention_flops(m, seq_len, causal=not describe(m).block.attention.masked(seq_len))
+    """What the attention kernel computes per token in one block (the mean over the layers): the causal
+    half without a mask; with a sliding window's explicit mask, SDPA's kernels that take one (CPU flash,
+    CUDA memory-efficient) compute every query-key block and mask afterwards, the whole sequence, as
+    the eager soft-capped attention does (Gemma 2)."""
+    layers = describe(m).layers
+    whole = [la.attention.masked(seq_len) or bool(la.attention.softcap) for la in layers]
+    return round(sum(_attention_flops(la.attention, seq_len, causal=not w) for la, w in zip(layers, whole,
+                                                                                            strict=True)) / len(layers))

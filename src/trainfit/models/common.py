@@ -15,16 +15,22 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x); w1 is the gate, w3 the up projection, w2 the down one."""
+    """Gated MLP: w2(act(w1 x) * w3 x), SwiGLU with silu, GeGLU with tanh-GELU (Gemma); w1 is the gate,
+    w3 the up projection, w2 the down one."""
 
-    def __init__(self, dim: int, hidden_dim: int) -> None:
+    def __init__(self, dim: int, hidden_dim: int, activation: str = "silu") -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.gelu = activation == "gelu_tanh"
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x_BTD)) * self.w3(x_BTD))
+        # one expression, no locals: each temporary is freed as soon as its consumer has run
+        return self.w2(self._activate(self.w1(x_BTD)) * self.w3(x_BTD))
+
+    def _activate(self, gate_BTF: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate_BTF, approximate="tanh") if self.gelu else F.silu(gate_BTF)
 
 
 def output_head(model: nn.Module, h_BTD: torch.Tensor) -> torch.Tensor:
@@ -32,7 +38,14 @@ def output_head(model: nn.Module, h_BTD: torch.Tensor) -> torch.Tensor:
     also when the loss applies it itself (`model.project_logits` False: memory.chunked_loss)."""
     if model.norm is not None:
         h_BTD = model.norm(h_BTD)
-    return model.output(h_BTD) if model.output is not None and model.project_logits else h_BTD
+    if model.output is None or not model.project_logits:
+        return h_BTD
+    return softcapped(model.output(h_BTD), getattr(model, "final_softcap", 0.0))
+
+
+def softcapped(logits: torch.Tensor, softcap: float) -> torch.Tensor:
+    """softcap x tanh(logits / softcap) (Gemma 2's final logits, in transformers' order); as is when 0."""
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
 
 
 class LayerStack(nn.ModuleDict):
@@ -89,13 +102,35 @@ class WholeSequence:
         return slice(0, local_len)
 
     def attention(self, q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,
-                  window_TT: torch.Tensor | None = None) -> torch.Tensor:
+                  window_TT: torch.Tensor | None = None, scale: float | None = None, softcap: float = 0.0
+                  ) -> torch.Tensor:
         """Causal attention of the queries over the keys and values (grouped-query when G < H); with
-        `window_TT` (window_mask's), over the keys it allows only."""
+        `window_TT` (window_mask's), over the keys it allows only; `scale`: the dot products' factor
+        (None: 1 / sqrt(head_dim)); `softcap`: soft-capped scores (softcapped_attention), else SDPA."""
+        if softcap:
+            return softcapped_attention(q_BHTK, k_BGTK, v_BGTK, window_TT, scale, softcap)
         with self.kernel():
             return F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, attn_mask=window_TT,
-                                                  is_causal=window_TT is None,
+                                                  is_causal=window_TT is None, scale=scale,
                                                   enable_gqa=q_BHTK.shape[1] != k_BGTK.shape[1])
+
+
+def softcapped_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,
+                         window_TT: torch.Tensor | None, scale: float | None, softcap: float) -> torch.Tensor:
+    """Attention whose scores s become softcap x tanh(s / softcap) before the mask and an fp32 softmax
+    (Gemma 2's, in transformers' order), written out op by op: no SDPA kernel takes a score function on
+    CPU. It keeps what eager attention keeps: q, the keys and values expanded to the query heads, the
+    tanh's output and the fp32 probabilities (and their cast to the queries' dtype)."""
+    H, G, T = q_BHTK.shape[1], k_BGTK.shape[1], q_BHTK.shape[2]
+    if G != H:
+        k_BGTK, v_BGTK = k_BGTK.repeat_interleave(H // G, dim=1), v_BGTK.repeat_interleave(H // G, dim=1)
+    scores_BHTS = torch.matmul(q_BHTK, k_BGTK.transpose(2, 3)) * (scale or q_BHTK.shape[-1] ** -0.5)
+    scores_BHTS = torch.tanh(scores_BHTS / softcap) * softcap
+    if window_TT is None:  # causal: an additive mask of this call's (nothing keeps it)
+        window_TT = torch.zeros(T, T, dtype=scores_BHTS.dtype, device=scores_BHTS.device).masked_fill_(
+            torch.ones(T, T, dtype=torch.bool, device=scores_BHTS.device).triu_(1), float("-inf"))
+    probs_BHTS = torch.softmax(scores_BHTS + window_TT, dim=-1, dtype=torch.float32).to(q_BHTK.dtype)
+    return torch.matmul(probs_BHTS, v_BGTK)
 
 
 def window_mask(seq_len: int, window: int, like: torch.Tensor) -> torch.Tensor | None:

@@ -1,6 +1,7 @@
 """Hugging Face interop: config.json -> ModelConfig fields (torch-free), safetensors weights in and out.
 
-Supported `model_type`s: llama, mistral, mixtral, qwen2 (family llama) and gpt2. Weight names are
+Supported `model_type`s: the llama-family ones of LLAMA_LIKE_TYPES (llama, mistral, mixtral, qwen2/3,
+qwen3_moe, olmo2, phi3, gemma3_text and the text model of gemma3) and gpt2. Weight names are
 mapped by explicit groups (ours <-> theirs, with a conversion each way), so loading checks that
 every tensor of the checkpoint is used and every parameter of ours is filled with the right shape.
 torch and safetensors are imported inside the weight functions only.
@@ -40,6 +41,31 @@ class HfType:
     """How routed experts are configured and named: "" none, "mixtral" or "qwen3_moe"."""
     fused: bool = False
     """Phi-3: q, k, v stored as one qkv_proj, gate and up as one gate_up_proj."""
+    gemma: bool = False
+    """Gemma's features: (1 + w) norms, sandwich norms, GeGLU, sqrt(dim)-scaled embeddings, a query scale,
+    windowed layers among global ones (sliding_window_pattern or layer_types), their own RoPE base."""
+    defaults: tuple[tuple[str, Any], ...] = ()
+    """transformers' values for keys a config.json may omit (Gemma 3's hub files omit most)."""
+    local_rope: bool = False
+    """Gemma 3: the windowed layers have a RoPE base of their own, and RoPE scaling is the global ones'."""
+    softcaps: bool = False
+    """Gemma 2: soft-capped attention scores and logits (attn_logit_softcapping, final_logit_softcapping)."""
+
+
+GEMMA3_TEXT_DEFAULTS = (
+    ("vocab_size", 262_208), ("hidden_size", 2304), ("intermediate_size", 9216), ("num_hidden_layers", 26),
+    ("num_attention_heads", 8), ("num_key_value_heads", 4), ("head_dim", 256),
+    ("hidden_activation", "gelu_pytorch_tanh"), ("max_position_embeddings", 131_072), ("rms_norm_eps", 1e-6),
+    ("rope_local_base_freq", 10_000.0), ("query_pre_attn_scalar", 256),
+    ("sliding_window", 4096), ("sliding_window_pattern", 6), ("tie_word_embeddings", True))
+"""Gemma3TextConfig's defaults (transformers 5: configuration_gemma3.py)."""
+GEMMA2_DEFAULTS = (
+    ("vocab_size", 256_000), ("hidden_size", 2304), ("intermediate_size", 9216), ("num_hidden_layers", 26),
+    ("num_attention_heads", 8), ("num_key_value_heads", 4), ("head_dim", 256),
+    ("hidden_activation", "gelu_pytorch_tanh"), ("max_position_embeddings", 8192), ("rms_norm_eps", 1e-6),
+    ("query_pre_attn_scalar", 256), ("sliding_window", 4096), ("sliding_window_pattern", 2),
+    ("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0), ("tie_word_embeddings", True))
+"""Gemma2Config's defaults (configuration_gemma2.py; its layer_types alternate, windowed first)."""
 
 
 LLAMA_LIKE_TYPES = {
@@ -51,11 +77,18 @@ LLAMA_LIKE_TYPES = {
     "qwen3_moe": HfType("Qwen3MoeForCausalLM", head_dim=128, qk_norm="head", experts="qwen3_moe"),
     "olmo2": HfType("Olmo2ForCausalLM", eps=1e-5, qk_norm="whole", norm_placement="post"),
     "phi3": HfType("Phi3ForCausalLM", eps=1e-5, fused=True),
+    "gemma2": HfType("Gemma2ForCausalLM", theta=1e4, norm_placement="sandwich", gemma=True, defaults=GEMMA2_DEFAULTS,
+                     softcaps=True),
+    "gemma3_text": HfType("Gemma3ForCausalLM", theta=1e6, qk_norm="head", norm_placement="sandwich", gemma=True,
+                          defaults=GEMMA3_TEXT_DEFAULTS, local_rope=True),
 }
 """The llama-family model types, each a mapping from its config.json (_llama_fields) and its weight
 names (_llama_groups); a new one is an entry here when its features are the architecture's."""
 LLAMA_TYPES = tuple(LLAMA_LIKE_TYPES)
-SUPPORTED_TYPES = (*LLAMA_TYPES, "gpt2")
+WRAPPED_TYPES = {"gemma3": "gemma3_text"}
+"""Multimodal model types whose text model (config.json's text_config, its weights under the language
+model's prefix) trainfit trains and estimates; the vision tower is neither (a warning names it)."""
+SUPPORTED_TYPES = (*LLAMA_TYPES, *WRAPPED_TYPES, "gpt2")
 _REQUIRED = object()
 # Checkpoint entries that are buffers, not weights (old GPT-2 masks, old Llama inv_freq).
 _IGNORED = re.compile(r"(\.attn\.(masked_)?bias|rotary_emb\.inv_freq)$")
@@ -86,6 +119,8 @@ _KINDS: dict[str, type | tuple[type, ...]] = {
     "hidden_act": str, "activation_function": str, "tie_word_embeddings": bool,
     "rms_norm_eps": (int, float), "layer_norm_epsilon": (int, float), "router_aux_loss_coef": (int, float),
     "rope_theta": (int, float), "partial_rotary_factor": (int, float), "norm_topk_prob": bool,
+    "hidden_activation": str, "rope_local_base_freq": (int, float), "query_pre_attn_scalar": (int, float),
+    "final_logit_softcapping": (int, float), "attn_logit_softcapping": (int, float),
 }
 """The JSON type of each key read; every other key is an integer."""
 
@@ -121,15 +156,31 @@ def model_fields_of_hf(hf: dict[str, Any], file: Path = Path("config.json")) -> 
     if model_type not in SUPPORTED_TYPES:
         raise _unsupported(file, "model_type", model_type, f"not supported; supported: "
                            f"{', '.join(SUPPORTED_TYPES)} (or set model.preset='' and give the dimensions)")
+    if model_type in WRAPPED_TYPES:
+        text = hf.get("text_config")
+        if not isinstance(text, dict):
+            raise _unsupported(file, "text_config", text, f"model_type {model_type} is supported with its text "
+                               "model's config here (an object)")
+        if hf.get("vision_config") is not None:
+            warnings.warn(f"{file}: model_type {model_type}: its text model only is trained and estimated; "
+                          "the vision tower (vision_config) and its projector are not", stacklevel=3)
+        model_type, hf = WRAPPED_TYPES[model_type], {**text, "model_type": WRAPPED_TYPES[model_type]}
     return _gpt2_fields(hf, file) if model_type == "gpt2" else _llama_fields(hf, file, model_type)
+
+
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+"""HF's hidden_act (Gemma's hidden_activation) of a gated MLP -> model.mlp_activation."""
 
 
 def _llama_fields(hf: dict[str, Any], file: Path, model_type: str) -> dict[str, Any]:
     kind = LLAMA_LIKE_TYPES[model_type]
+    hf = {**dict(kind.defaults), **hf}
     dim, num_heads = _get(hf, "hidden_size", file), _get(hf, "num_attention_heads", file)
     head_dim = _get(hf, "head_dim", file, kind.head_dim or dim // num_heads)
-    if _get(hf, "hidden_act", file, "silu") != "silu":
-        raise _unsupported(file, "hidden_act", hf["hidden_act"], "only silu (SwiGLU) is supported")
+    act_key = "hidden_activation" if hf.get("hidden_activation") is not None else "hidden_act"
+    activation = _get(hf, act_key, file, "silu")
+    if activation not in ACTIVATIONS:
+        raise _unsupported(file, act_key, activation, f"supported: {', '.join(ACTIVATIONS)} (a gated MLP)")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise _unsupported(file, key, hf[key], "biases on o_proj/MLP are not supported (Qwen2-style "
@@ -144,12 +195,14 @@ def _llama_fields(hf: dict[str, Any], file: Path, model_type: str) -> dict[str, 
         ffn_dim=_get(hf, "intermediate_size", file), vocab_size=_get(hf, "vocab_size", file),
         max_seq_len=_get(hf, "max_position_embeddings", file),
         norm_eps=float(_get(hf, "rms_norm_eps", file, kind.eps)),
-        rope_theta=_rope_theta(hf, file, kind.theta), **_rope_scaling(hf, file),
+        rope_theta=_rope_theta(hf, file, kind.theta), **({} if kind.gemma else _rope_scaling(hf, file)),
         tie_embeddings=bool(_get(hf, "tie_word_embeddings", file, False)),
         qkv_bias=kind.qkv_bias, qk_norm=kind.qk_norm, norm_placement=kind.norm_placement,
-        sliding_window=_sliding_window(hf, file, model_type),
+        sliding_window=_sliding_window(hf, file, model_type), mlp_activation=ACTIVATIONS[activation],
         num_experts=0, num_shared_experts=0, hf_model_type=model_type,
     )
+    if kind.gemma:
+        fields.update(_gemma_fields(hf, file, fields, kind))
     if kind.experts == "mixtral":
         fields.update(num_experts=_get(hf, "num_local_experts", file),
                       experts_per_token=_get(hf, "num_experts_per_tok", file),
@@ -176,6 +229,73 @@ def _qwen3_moe_fields(hf: dict[str, Any], file: Path) -> dict[str, Any]:
     return dict(num_experts=experts, experts_per_token=_get(hf, "num_experts_per_tok", file),
                 expert_ffn_dim=_get(hf, "moe_intermediate_size", file),
                 router_aux_loss_coef=float(_get(hf, "router_aux_loss_coef", file, 0.001)))
+
+
+def _gemma_fields(hf: dict[str, Any], file: Path, fields: dict[str, Any], kind: HfType) -> dict[str, Any]:
+    """Gemma's features: (1 + w) norms, sqrt(dim)-scaled embeddings, the query scale, which layers are
+    windowed (sliding_window_pattern, or transformers 5's layer_types); Gemma 2's soft-capped scores and
+    logits; Gemma 3's RoPE base of the windowed layers (rope_local_base_freq, or
+    rope_parameters.sliding_attention) and RoPE scaling on the global ones. Gemma 3's
+    attn_logit_softcapping is read by neither transformers' Gemma 3 nor trainfit."""
+    if hf.get("use_bidirectional_attention"):
+        raise _unsupported(file, "use_bidirectional_attention", hf["use_bidirectional_attention"],
+                           "not supported; only null/false (causal attention) is")
+    out: dict[str, Any] = dict(norm_offset=True, embedding_scale=True,
+                               query_pre_attn_scalar=float(_get(hf, "query_pre_attn_scalar", file)),
+                               sliding_window_pattern=_layer_pattern(hf, file), rope_scaling_type="llama3")
+    if kind.softcaps:
+        out.update(attention_softcap=float(_get(hf, "attn_logit_softcapping", file, 0.0)),
+                   final_softcap=float(_get(hf, "final_logit_softcapping", file, 0.0)))
+    elif hf.get("final_logit_softcapping"):
+        raise _unsupported(file, "final_logit_softcapping", hf["final_logit_softcapping"],
+                           f"not supported for {hf.get('model_type')}; only null is")
+    if not kind.local_rope:  # one RoPE for every layer, read as the llama family's
+        if not fields["sliding_window"]:
+            out.update(sliding_window_pattern=0)
+        return {**out, **_rope_scaling(hf, file)}
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # transformers 5: one entry per layer kind
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        for where, entry in (("full_attention", full), ("sliding_attention", local)):
+            if not isinstance(entry, dict):
+                raise _unsupported(file, f"rope_parameters.{where}", entry, "expected an object")
+        if local.get("rope_type", "default") != "default":
+            raise _unsupported(file, "rope_parameters.sliding_attention.rope_type", local["rope_type"],
+                               "only default RoPE on the windowed layers is supported")
+        theta, local_theta, scaling = full.get("rope_theta"), local.get("rope_theta"), full
+    else:
+        theta, local_theta = hf.get("rope_theta"), hf.get("rope_local_base_freq")
+        scaling = hf.get("rope_scaling") or {}
+    out.update(rope_theta=float(theta or 1e6), rope_local_theta=float(local_theta or 1e4))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else scaling
+    if kind == "linear":
+        factor = scaling.get("factor")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
+            raise _unsupported(file, "rope_scaling.factor", factor, "rope_type linear needs a factor >= 1")
+        out.update(rope_scaling_factor=float(factor), rope_scaling_type="linear")
+    elif kind != "default":
+        raise _unsupported(file, "rope_scaling.rope_type", kind, "Gemma 3 is supported with default or linear RoPE")
+    else:
+        out.update(rope_scaling_factor=0.0)
+    if not fields["sliding_window"]:
+        out.update(sliding_window_pattern=0)
+    return out
+
+
+def _layer_pattern(hf: dict[str, Any], file: Path) -> int:
+    """model.sliding_window_pattern from transformers 5's layer_types (every n-th layer full_attention, the
+    others sliding_attention) or the hub's sliding_window_pattern."""
+    types = hf.get("layer_types")
+    if types is None:
+        return _get(hf, "sliding_window_pattern", file)
+    if not isinstance(types, list) or not types or any(t not in ("sliding_attention", "full_attention")
+                                                       for t in types):
+        raise _unsupported(file, "layer_types", types, "expected a list of sliding_attention / full_attention")
+    for n in range(1, len(types) + 2):
+        if types == ["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(len(types))]:
+            return n if n <= len(types) else 0
+    raise _unsupported(file, "layer_types", types, "only every n-th layer full_attention (the others "
+                       "sliding_attention) is supported")
 
 
 def _rope_theta(hf: dict[str, Any], file: Path, default: float) -> float:
@@ -265,8 +385,24 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                num_key_value_heads=cfg.num_kv_heads, head_dim=describe(cfg).block.attention.head_dim,
                vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-               rope_theta=cfg.rope_theta, rope_scaling=_hf_rope_scaling(cfg), hidden_act="silu",
+               rope_theta=cfg.rope_theta, rope_scaling=_hf_rope_scaling(cfg),
+               hidden_act={v: k for k, v in ACTIVATIONS.items()}[cfg.mlp_activation],
                tie_word_embeddings=cfg.tie_embeddings, torch_dtype=dtype)
+    if kind.gemma:  # transformers 5's schema: each layer's kind listed (Gemma 3: RoPE per kind)
+        windowed = [la.attention.window != 0 for la in describe(cfg).layers]
+        scalar = cfg.query_pre_attn_scalar or describe(cfg).block.attention.head_dim
+        out.update(hidden_activation=out.pop("hidden_act"), sliding_window=cfg.sliding_window or None,
+                   query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,  # transformers: an int
+                   layer_types=["sliding_attention" if w else "full_attention" for w in windowed],
+                   final_logit_softcapping=cfg.final_softcap or None, attn_logit_softcapping=cfg.attention_softcap
+                   or None, pad_token_id=None)
+    if kind.local_rope:
+        del out["rope_theta"], out["rope_scaling"]
+        full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        if cfg.rope_scaling_factor:
+            full.update(rope_type="linear", factor=cfg.rope_scaling_factor)
+        out.update(rope_parameters={"full_attention": full, "sliding_attention": {
+            "rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}})
     if kind.experts == "mixtral":
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                    router_aux_loss_coef=cfg.router_aux_loss_coef)
@@ -286,13 +422,17 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
 def _hf_rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
     if not cfg.rope_scaling_factor:
         return None
+    if cfg.rope_scaling_type == "linear":
+        return {"rope_type": "linear", "factor": cfg.rope_scaling_factor}
     return {"rope_type": "llama3", **{key: getattr(cfg, name) for key, name in LLAMA3_ROPE_KEYS.items()}}
 
 
 def _llama_model_type(cfg: ModelConfig) -> str:
     """The llama-family model_type `cfg` is written as (hf_config_dict), checked against its features."""
     experts = "" if not cfg.num_experts else "qwen3_moe" if cfg.qk_norm == "head" else "mixtral"
+    gemma = cfg.norm_placement == "sandwich" or bool(cfg.norm_offset or cfg.embedding_scale)
     model_type = cfg.hf_model_type or ("qwen3_moe" if experts == "qwen3_moe" else "mixtral" if experts else
+                                       ("gemma2" if cfg.qk_norm == "none" else "gemma3_text") if gemma else
                                        "olmo2" if cfg.norm_placement == "post" else
                                        "qwen3" if cfg.qk_norm == "head" else "qwen2" if cfg.qkv_bias else
                                        "mistral" if cfg.sliding_window else "llama")
@@ -301,8 +441,16 @@ def _llama_model_type(cfg: ModelConfig) -> str:
         raise ConfigError(f"model.hf_model_type={model_type!r}: not a llama-family type; choose one of "
                           f"{', '.join(LLAMA_TYPES)} or '' (chosen from the model's features)")
     features = dict(qkv_bias=bool(cfg.qkv_bias), qk_norm=cfg.qk_norm, norm_placement=cfg.norm_placement,
-                    experts=experts)
-    if cfg.sliding_window and model_type not in ("mistral", "mixtral", "phi3"):
+                    experts=experts, gemma=gemma)
+    held = {"query_pre_attn_scalar": (0.0, kind.gemma), "sliding_window_pattern": (0, kind.gemma),
+            "rope_local_theta": (0.0, kind.local_rope), "rope_scaling_type": ("llama3", kind.local_rope),
+            "attention_softcap": (0.0, kind.softcaps), "final_softcap": (0.0, kind.softcaps)}
+    for name, (plain, holds) in held.items():  # what only some types' config.json can say
+        if not holds and getattr(cfg, name) != plain and (name != "rope_scaling_type" or cfg.rope_scaling_factor):
+            raise ConfigError(f"model.{name}={getattr(cfg, name)!r}: model.hf_model_type={model_type!r} cannot "
+                              f"hold it; set it to {plain!r}, or model.hf_model_type to a type that has it "
+                              "(gemma2: soft-capping; gemma3_text: a RoPE base of the windowed layers)")
+    if cfg.sliding_window and model_type not in ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text"):
         features["window"] = True  # a type whose every layer may have one
     for name, value in features.items():
         theirs = getattr(kind, name, False)
@@ -370,6 +518,11 @@ def _llama_groups(cfg: ModelConfig) -> list[_Group]:
         layer = {"attention.wo.weight": "self_attn.o_proj.weight"}
         if cfg.norm_placement == "post":  # OLMo 2: a norm after each branch, none before
             layer.update({"attention_post_norm.weight": "post_attention_layernorm.weight",
+                          "ffn_post_norm.weight": "post_feedforward_layernorm.weight"})
+        elif cfg.norm_placement == "sandwich":  # Gemma: one before and one after each branch
+            layer.update({"attention_norm.weight": "input_layernorm.weight",
+                          "attention_post_norm.weight": "post_attention_layernorm.weight",
+                          "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                           "ffn_post_norm.weight": "post_feedforward_layernorm.weight"})
         else:
             layer.update({"attention_norm.weight": "input_layernorm.weight",
@@ -479,6 +632,7 @@ def load_hf_weights(model: nn.Module, cfg: ModelConfig, path: str | Path) -> Non
         theirs.update(load_file(file))
     if cfg.family == "gpt2":  # hub files omit GPT2LMHeadModel's "transformer." prefix, save_pretrained writes it
         theirs = {name.removeprefix("transformer."): t for name, t in theirs.items()}
+    theirs = _text_model_tensors(theirs, path)
     groups = _groups(cfg)
     tied_output = {"output.weight"} if cfg.tie_embeddings else set()
     assert {n for g in groups for n in g.ours} | tied_output == set(params)
@@ -507,6 +661,30 @@ def load_hf_weights(model: nn.Module, cfg: ModelConfig, path: str | Path) -> Non
                     value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
                                               src_data_rank=None)
                 param.copy_(value)
+
+
+_TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                         "language_model.lm_head.": "lm_head."}
+"""A multimodal checkpoint's text model (Gemma 3: the hub's names, then transformers 5's) -> a causal LM's."""
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _text_model_tensors(theirs: dict[str, torch.Tensor], path: str | Path) -> dict[str, torch.Tensor]:
+    """The text model's tensors of a multimodal checkpoint under a causal LM's names, the vision tower's
+    left out with a warning that counts them (a causal LM's checkpoint passes unchanged)."""
+    vision = [name for name in theirs if name.startswith(_VISION_PREFIXES)]
+    if not vision and not any(name.startswith(tuple(_TEXT_MODEL_PREFIXES)) for name in theirs):
+        return theirs
+    if vision:
+        warnings.warn(f"{path}: {len(vision)} tensors of the vision tower and its projector (e.g. {vision[0]}) "
+                      "are not loaded: the text model alone is trained", stacklevel=3)
+    out = {}
+    for name, tensor in theirs.items():
+        if name in vision:
+            continue
+        prefix = next((p for p in _TEXT_MODEL_PREFIXES if name.startswith(p)), "")
+        out[(_TEXT_MODEL_PREFIXES[prefix] + name[len(prefix):]) if prefix else name] = tensor
+    return out
 
 
 def save_hf_weights(model: nn.Module, cfg: ModelConfig, out_dir: str | Path) -> None:

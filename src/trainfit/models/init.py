@@ -84,8 +84,9 @@ def fill_constant_(param: torch.Tensor, value: float) -> None:
 
 def init_parameters(model: nn.Module, *, seed: int, num_layers: int) -> None:
     """Re-tie shared embeddings (to_empty() unties them), then N(0, 0.02) for weights, scaled by
-    1/sqrt(2 x num_layers) on residual output projections (GPT-2's scheme); ones for norm gains,
-    zeros for biases. Each value depends on (seed, parameter name) only; see the module docstring."""
+    1/sqrt(2 x num_layers) on residual output projections (GPT-2's scheme); ones for norm gains (zeros
+    for Gemma's, which add one), zeros for biases. Each value depends on (seed, parameter name) only; see
+    the module docstring."""
     if model.cfg.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
         model.output.weight = model.tok_embeddings.weight
     from trainfit.models.nf4 import assign_nf4_, is_nf4
@@ -101,8 +102,8 @@ def init_parameters(model: nn.Module, *, seed: int, num_layers: int) -> None:
             continue  # init_magnitudes, from the weight
         elif name.endswith("bias"):
             fill_constant_(param, 0.0)
-        elif name.rsplit(".", 2)[-2].endswith("norm"):
-            fill_constant_(param, 1.0)
+        elif name.rsplit(".", 2)[-2].endswith("norm"):  # a gain: 1, Gemma's (1 + w) norms' w 0
+            fill_constant_(param, 0.0 if model.cfg.norm_offset else 1.0)
         else:
             std = residual_std if name.endswith(RESIDUAL_SUFFIXES) else INIT_STD
             if is_nf4(param):  # QLoRA's base: the same values as LoRA's, quantized whole (peft/nf4.py)

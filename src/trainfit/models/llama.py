@@ -1,9 +1,12 @@
-"""Llama-style decoder (Llama 2/3, Mistral, Mixtral, Qwen2/3): RMSNorm, RoPE, GQA, SwiGLU; QK-norm
-and any head width where the architecture (models/architecture.py) has them.
+"""Llama-style decoder (Llama 2/3, Mistral, Mixtral, Qwen2/3, Phi-3, OLMo 2, Gemma 3): RMSNorm, RoPE, GQA,
+a gated MLP; QK-norm, any head width, post or sandwich norms, Gemma's (1 + w) norms, scaled embeddings and
+queries, windowed and global layers with their own RoPE where the architecture (models/architecture.py)
+has them.
 
 Module names follow torchtitan so tensor-parallel plans and HF conversion can address them:
 `tok_embeddings`, `layers.{i}.attention_norm`, `layers.{i}.attention.{wq,wk,wv,wo,q_norm,k_norm}`,
-`layers.{i}.ffn_norm`, `layers.{i}.feed_forward.{w1,w2,w3}` (or the MoE of moe.py), `norm`, `output`.
+`layers.{i}.ffn_norm`, `layers.{i}.feed_forward.{w1,w2,w3}` (or the MoE of moe.py), `norm`, `output`;
+after the branches (post, sandwich) `layers.{i}.attention_post_norm`, `layers.{i}.ffn_post_norm`.
 RoPE uses the HF "rotate_half" layout, so HF q/k weights load without a permutation.
 
 Shape suffixes: B batch, T sequence, D model dim, H query heads, G key/value heads,
@@ -19,32 +22,44 @@ from torch import nn
 
 from trainfit.config.schema import ModelConfig
 from trainfit.models.architecture import Attention as AttentionSpec
-from trainfit.models.architecture import describe
+from trainfit.models.architecture import Norm, describe
 from trainfit.models.common import FeedForward, LayerStack, WholeSequence, output_head, window_mask
 from trainfit.models.init import init_parameters
 from trainfit.models.moe import MoE
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32 and cast back before the gain, as HF Llama does."""
+    """Root-mean-square norm computed in fp32: cast back before the gain, as HF Llama does, or (offset:
+    Gemma's) multiplied by (1 + gain) in fp32 and cast back after."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         x_f32 = x_BTD.float()
         normed = x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (normed * (1.0 + self.weight.float())).to(x_BTD.dtype)
         return self.weight * normed.to(x_BTD.dtype)
 
 
-def rope_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_seq_len, head_dim] in fp32, frequencies repeated twice (rotate_half
-    layout), with Llama 3.1's scaling when model.rope_scaling_factor is set."""
+def rms_norm(dim: int, norm: Norm) -> RMSNorm:
+    return RMSNorm(dim, norm.eps, norm.offset)
+
+
+def rope_tables(cfg: ModelConfig, key: tuple[float, bool], device: torch.device | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_seq_len, head_dim] in fp32 for the layers of RoPE `key` (Attention.rope_key:
+    base, scaled), frequencies repeated twice (rotate_half layout), scaled as model.rope_scaling_type
+    says when the key is: Llama 3.1's, or linear."""
     head_dim = describe(cfg).block.attention.head_dim
-    inv_freq_K2 = 1.0 / cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
-    if cfg.rope_scaling_factor:
+    theta, scaled = key
+    inv_freq_K2 = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    if scaled and cfg.rope_scaling_type == "linear":
+        inv_freq_K2 = inv_freq_K2 / cfg.rope_scaling_factor
+    elif scaled:
         inv_freq_K2 = llama31_scaled_frequencies(inv_freq_K2, cfg)
     pos_T = torch.arange(cfg.max_seq_len, dtype=torch.float32, device=device)
     angles_TK = torch.outer(pos_T, inv_freq_K2).repeat(1, 2)
@@ -78,7 +93,7 @@ class Attention(nn.Module):
 
     def __init__(self, dim: int, spec: AttentionSpec) -> None:
         super().__init__()
-        self.head_dim = spec.head_dim
+        self.head_dim, self.scale, self.softcap = spec.head_dim, spec.scale, spec.softcap
         self.wq = nn.Linear(dim, spec.q_dim, bias=spec.qkv_bias)
         self.wk = nn.Linear(dim, spec.kv_dim, bias=spec.qkv_bias)
         self.wv = nn.Linear(dim, spec.kv_dim, bias=spec.qkv_bias)
@@ -88,8 +103,8 @@ class Attention(nn.Module):
         self.qk_norm_whole = spec.qk_norm_whole
         if spec.qk_norm:
             q_width, kv_width = (spec.q_dim, spec.kv_dim) if spec.qk_norm_whole else (spec.head_dim, spec.head_dim)
-            self.q_norm: RMSNorm | None = RMSNorm(q_width, spec.qk_norm.eps)
-            self.k_norm: RMSNorm | None = RMSNorm(kv_width, spec.qk_norm.eps)
+            self.q_norm: RMSNorm | None = rms_norm(q_width, spec.qk_norm)
+            self.k_norm: RMSNorm | None = rms_norm(kv_width, spec.qk_norm)
         else:
             self.q_norm = self.k_norm = None
         self.sequence = WholeSequence()
@@ -107,39 +122,47 @@ class Attention(nn.Module):
         q_BHTK, k_BGTK = q_BTHK.transpose(1, 2), k_BTGK.transpose(1, 2)
         v_BGTK = self.wv(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
         q_BHTK, k_BGTK = apply_rope(q_BHTK, cos_TK, sin_TK), apply_rope(k_BGTK, cos_TK, sin_TK)
-        o_BHTK = self.sequence.attention(q_BHTK, k_BGTK, v_BGTK, window_TT)
+        o_BHTK = self.sequence.attention(q_BHTK, k_BGTK, v_BGTK, window_TT, self.scale, self.softcap)
         return self.wo(o_BHTK.transpose(1, 2).reshape(B, T, -1))
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block; called as block(x_BTD, cos_TK, sin_TK, window_TT) with positional arguments only,
-    so torch.utils.checkpoint and torch.compile can wrap it as is (window_TT: common.window_mask's, or None)."""
+    """One layer; called as block(x_BTD, cos_TK, sin_TK, window_TT) with positional arguments only, so
+    torch.utils.checkpoint and torch.compile can wrap it as is (window_TT: common.window_mask's, or None).
+    Its norms sit before each branch (pre), after it (post: OLMo 2) or both (sandwich: Gemma)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
-        layer = describe(cfg).block
-        self.post_norm = layer.norm_placement == "post"
-        if self.post_norm:  # OLMo 2: attention_post_norm and ffn_post_norm after the branches
-            self.attention_post_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        else:
-            self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg.dim, layer.attention)
-        if self.post_norm:
-            self.ffn_post_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        else:
-            self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        layer = describe(cfg).layers[index]
+        placement, D = layer.norm_placement, cfg.dim
+        self.pre_norms, self.post_norms = placement != "post", placement != "pre"
+        if self.pre_norms:
+            self.attention_norm = rms_norm(D, layer.norm)
+        self.attention = Attention(D, layer.attention)
+        if self.post_norms:
+            self.attention_post_norm = rms_norm(D, layer.norm)
+        if self.pre_norms:
+            self.ffn_norm = rms_norm(D, layer.norm)
         if cfg.num_experts:
             self.feed_forward: nn.Module = MoE(cfg)
         else:
-            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+            self.feed_forward = FeedForward(D, cfg.ffn_dim, layer.mlp.activation)
+        if self.post_norms:
+            self.ffn_post_norm = rms_norm(D, layer.norm)
 
     def forward(self, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
                 window_TT: torch.Tensor | None = None) -> torch.Tensor:
-        if self.post_norm:
-            h_BTD = x_BTD + self.attention_post_norm(self.attention(x_BTD, cos_TK, sin_TK, window_TT))
-            return h_BTD + self.ffn_post_norm(self.feed_forward(h_BTD))
-        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TK, sin_TK, window_TT)
-        return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
+        # Nested calls, no locals but the residual: a branch's output and its norm's are freed as soon as
+        # the next operation has read them (a local would keep the attention's through the MLP).
+        h_BTD = x_BTD + self._after("attention_post_norm", self.attention(
+            self._before("attention_norm", x_BTD), cos_TK, sin_TK, window_TT))
+        return h_BTD + self._after("ffn_post_norm", self.feed_forward(self._before("ffn_norm", h_BTD)))
+
+    def _before(self, norm: str, x_BTD: torch.Tensor) -> torch.Tensor:
+        return getattr(self, norm)(x_BTD) if self.pre_norms else x_BTD
+
+    def _after(self, norm: str, x_BTD: torch.Tensor) -> torch.Tensor:
+        return getattr(self, norm)(x_BTD) if self.post_norms else x_BTD
 
 
 class Transformer(nn.Module):
@@ -153,19 +176,27 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        arch = describe(cfg)
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = LayerStack([TransformerBlock(cfg) for _ in range(cfg.num_layers)])
-        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.layers = LayerStack([TransformerBlock(cfg, i) for i in range(cfg.num_layers)])
+        self.norm: RMSNorm | None = rms_norm(cfg.dim, arch.final_norm)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos_TK, sin_TK = rope_tables(cfg)
-        # Non-persistent: derived from the config, never saved, recomputed by init_weights().
-        self.register_buffer("rope_cos", cos_TK, persistent=False)
-        self.register_buffer("rope_sin", sin_TK, persistent=False)
+        self.embedding_scale = cfg.dim ** 0.5 if arch.embedding_scale else None
+        self.final_softcap = arch.final_softcap
+        """Gemma 2's soft-capped logits (0: none), applied by common.output_head and the chunked loss."""
+        self.rope_keys = arch.rope_keys
+        """The distinct RoPE settings; the tables of the k-th are buffers rope_cos / rope_sin (k = 0), else
+        rope_cos_k / rope_sin_k. Non-persistent: derived from the config, never saved, recomputed by
+        init_weights()."""
+        for k, key in enumerate(self.rope_keys):
+            cos_TK, sin_TK = rope_tables(cfg, key)
+            self.register_buffer(_rope_name("cos", k), cos_TK, persistent=False)
+            self.register_buffer(_rope_name("sin", k), sin_TK, persistent=False)
+        self.spans = [(self.rope_keys.index(la.attention.rope_key), la.attention.window) for la in arch.layers]
+        """Each layer's (RoPE table index, sliding window: 0 none), read once here rather than in each forward."""
         self.aux_loss = torch.zeros(())
-        self.window = describe(cfg).block.attention.window
-        """Every layer's sliding window (0: none), read once here rather than in each forward."""
         self.project_logits = True
         """False: forward returns the final norm's output and the loss projects it chunk by chunk
         (memory.chunked_loss, train/loss.py), so the whole logits never exist."""
@@ -176,13 +207,21 @@ class Transformer(nn.Module):
         states sharded along the sequence (sequence parallelism), else 1."""
 
     def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
-        h_BTD = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
+        if self.tok_embeddings is not None:
+            h_BTD = self.tok_embeddings(tokens_BT)
+            if self.embedding_scale is not None:  # rounded to the embeddings' dtype first, as Gemma's
+                h_BTD = h_BTD * torch.tensor(self.embedding_scale, dtype=h_BTD.dtype, device=h_BTD.device)
+        else:
+            h_BTD = tokens_BT
         # The input's T, not h_BTD's: under sequence parallelism that holds 1/tp of the positions.
         rows = self.sequence.rows(tokens_BT.shape[1] * self.input_shards)
-        cos_TK, sin_TK = self.rope_cos[rows], self.rope_sin[rows]
-        window_TT = window_mask(cos_TK.shape[0], self.window, h_BTD)
-        for block in self.layers:
-            h_BTD = block(h_BTD, cos_TK, sin_TK, window_TT)
+        tables = [(getattr(self, _rope_name("cos", k))[rows], getattr(self, _rope_name("sin", k))[rows])
+                  for k in range(len(self.rope_keys))]
+        seq_len = tables[0][0].shape[0]
+        masks = {w: window_mask(seq_len, w, h_BTD) for w in {w for _, w in self.spans}}  # one per window
+        for i, block in self.layers.indexed():
+            table, window = self.spans[i]
+            h_BTD = block(h_BTD, *tables[table], masks[window])
         self.aux_loss = collect_aux_loss(self.layers, h_BTD.device)
         return output_head(self, h_BTD)
 
@@ -191,9 +230,16 @@ class Transformer(nn.Module):
         """Fill every parameter this rank holds from `seed` (models/init.py: the same values on every
         layout) and rebuild the RoPE tables."""
         init_parameters(self, seed=seed, num_layers=self.cfg.num_layers)
-        cos_TK, sin_TK = rope_tables(self.cfg, device=self.rope_cos.device)
-        self.rope_cos.copy_(cos_TK)
-        self.rope_sin.copy_(sin_TK)
+        for k, key in enumerate(self.rope_keys):
+            cos = getattr(self, _rope_name("cos", k))
+            cos_TK, sin_TK = rope_tables(self.cfg, key, device=cos.device)
+            cos.copy_(cos_TK)
+            getattr(self, _rope_name("sin", k)).copy_(sin_TK)
+
+
+def _rope_name(table: str, k: int) -> str:
+    """The buffer of the k-th RoPE setting's cos or sin table (Transformer.rope_keys)."""
+    return f"rope_{table}" if k == 0 else f"rope_{table}_{k}"
 
 
 def collect_aux_loss(layers: LayerStack, device: torch.device) -> torch.Tensor:

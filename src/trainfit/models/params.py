@@ -65,6 +65,6 @@ def param_counts(m: ModelConfig) -> ParamCounts:
 def format_count(n: int) -> str:
     """A parameter count as people write it: 6.74B, 3.28M, 12.5K, 512."""
     for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
+        if n >= 0.9995 * scale:  # what rounds to 1000 of the unit below is 1 of this one (1B, not 1000M)
             return f"{n / scale:.3g}{unit}" if n < 100 * scale else f"{n / scale:.0f}{unit}"
     return str(n)

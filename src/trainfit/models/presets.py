@@ -24,6 +24,15 @@ DEFAULTS: dict[str, Any] = {
     "qk_norm": "none",
     "norm_placement": "pre",
     "sliding_window": 0,
+    "sliding_window_pattern": 0,
+    "query_pre_attn_scalar": 0.0,
+    "attention_softcap": 0.0,
+    "final_softcap": 0.0,
+    "embedding_scale": False,
+    "mlp_activation": "silu",
+    "norm_offset": False,
+    "rope_scaling_type": "llama3",
+    "rope_local_theta": 0.0,
     "hf_model_type": "",
     "num_experts": 0,
     "experts_per_token": 2,
@@ -40,6 +49,15 @@ def _gpt2(dim: int, num_layers: int, num_heads: int) -> dict[str, Any]:
 
 _QWEN3 = dict(vocab_size=151936, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm="head",
               hf_model_type="qwen3")
+
+_GEMMA2 = dict(vocab_size=256000, max_seq_len=8192, norm_eps=1e-6, tie_embeddings=True, norm_placement="sandwich",
+               norm_offset=True, embedding_scale=True, mlp_activation="gelu_tanh", sliding_window=4096,
+               sliding_window_pattern=2, attention_softcap=50.0, final_softcap=30.0, hf_model_type="gemma2")
+_GEMMA3 = dict(head_dim=256, norm_eps=1e-6, rope_theta=1e6, rope_local_theta=1e4, tie_embeddings=True, qk_norm="head",
+               norm_placement="sandwich", norm_offset=True, embedding_scale=True, mlp_activation="gelu_tanh",
+               sliding_window_pattern=6, hf_model_type="gemma3_text")
+_GEMMA3_SCALED = dict(vocab_size=262208, max_seq_len=131072, sliding_window=1024, rope_scaling_type="linear",
+                      rope_scaling_factor=8.0)
 
 _LLAMA31_ROPE = dict(rope_scaling_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                      rope_original_max_seq_len=8192)
@@ -124,6 +142,26 @@ PRESETS: dict[str, dict[str, Any]] = {
                        max_seq_len=4096, sliding_window=2047, hf_model_type="phi3"),
     "phi-4": dict(dim=5120, num_layers=40, num_heads=40, num_kv_heads=10, ffn_dim=17920, vocab_size=100352,
                   max_seq_len=16384, rope_theta=250000.0, hf_model_type="phi3"),
+    # mistralai/Mistral-Small-24B-Instruct-2501: 32 heads of 128 (4096) on a 5120-wide stream.
+    "mistral-small-24b": dict(dim=5120, num_layers=40, num_heads=32, num_kv_heads=8, head_dim=128, ffn_dim=32768,
+                              vocab_size=131072, max_seq_len=32768, rope_theta=1e8, hf_model_type="mistral"),
+    # google/gemma-2-{2b,9b,27b}-it: Gemma's sandwich (1 + w) norms, GeGLU and scales; windowed (4096) and
+    # global layers alternating, soft-capped attention scores (50) and logits (30).
+    "gemma-2-2b": dict(_GEMMA2, dim=2304, num_layers=26, num_heads=8, num_kv_heads=4, head_dim=256, ffn_dim=9216,
+                       query_pre_attn_scalar=256.0),
+    "gemma-2-9b": dict(_GEMMA2, dim=3584, num_layers=42, num_heads=16, num_kv_heads=8, head_dim=256, ffn_dim=14336,
+                       query_pre_attn_scalar=256.0),
+    "gemma-2-27b": dict(_GEMMA2, dim=4608, num_layers=46, num_heads=32, num_kv_heads=16, head_dim=128, ffn_dim=36864,
+                        query_pre_attn_scalar=144.0),
+    # google/gemma-3-{1b,4b,27b}-it (the text model of 4B and 27B): sandwich (1 + w) norms, GeGLU, QK-norm,
+    # five windowed layers to one global, the windowed ones with RoPE base 10,000, the global ones 1e6
+    # (scaled linearly by 8 from 4B up).
+    "gemma-3-1b": dict(_GEMMA3, dim=1152, num_layers=26, num_heads=4, num_kv_heads=1, ffn_dim=6912, vocab_size=262144,
+                       max_seq_len=32768, sliding_window=512, query_pre_attn_scalar=256.0),
+    "gemma-3-4b": dict(_GEMMA3, **_GEMMA3_SCALED, dim=2560, num_layers=34, num_heads=8, num_kv_heads=4, ffn_dim=10240,
+                       query_pre_attn_scalar=256.0),
+    "gemma-3-27b": dict(_GEMMA3, **_GEMMA3_SCALED, dim=5376, num_layers=62, num_heads=32, num_kv_heads=16, head_dim=128,
+                        ffn_dim=21504, query_pre_attn_scalar=168.0),
 }
 
 # Parameter counts as published (HF hub safetensors metadata / transformers `num_parameters()`,
@@ -156,6 +194,17 @@ PUBLISHED_NUM_PARAMS: dict[str, int] = {
     "qwen3-30b-a3b": 30_532_122_624,
     "phi-3-mini": 3_821_079_552,
     "phi-4": 14_659_507_200,
+    # the same from Gemma 2's files: each its embedding (256,000 x dim) plus the Gemma 2 report's (arXiv
+    # 2408.00118) non-embedding count, 2,024,517,888, 8,324,201,984 and 26,047,480,320
+    "gemma-2-2b": 2_614_341_888,
+    "gemma-2-9b": 9_241_705_984,
+    "gemma-2-27b": 27_227_128_320,
+    # the same from Mistral Small's and Gemma 3's files (the text models), which the cards and the Gemma 3
+    # report round: 24B; 1B, 4B (text and vision), 27B (25.6B + 1.4B of embeddings)
+    "mistral-small-24b": 23_572_403_200,
+    "gemma-3-1b": 999_885_952,
+    "gemma-3-4b": 3_880_263_168,
+    "gemma-3-27b": 27_009_346_304,
 }
 
 

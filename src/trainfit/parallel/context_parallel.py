@@ -56,12 +56,15 @@ class ContextParallel(WholeSequence):
         return self._cache[key]
 
     def attention(self, q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,
-                  window_TT: torch.Tensor | None = None) -> torch.Tensor:
+                  window_TT: torch.Tensor | None = None, scale: float | None = None, softcap: float = 0.0
+                  ) -> torch.Tensor:
         """Each of this rank's two query chunks attends the keys from position 0 to its own chunk's
-        end, causally within its chunk (a lower-right-aligned causal mask of [chunk, end]). No sliding
+        end, causally within its chunk (a lower-right-aligned causal mask of [chunk, end]), its dot products
+        multiplied by `scale` (None: 1 / sqrt(head_dim)). No sliding
         window: the layout refuses one shorter than the sequence (parallel/resolve.py)."""
-        if window_TT is not None:
-            raise ValueError("context parallelism does not run a sliding window; the layout refuses it")
+        if window_TT is not None or softcap:
+            raise ValueError("context parallelism runs neither a sliding window nor soft-capped scores; the layout "
+                             "refuses both")
         chunk = q_BHTK.shape[2] // 2
         k_BGSK, v_BGSK = self._gather_in_order(k_BGTK), self._gather_in_order(v_BGTK)
         gqa = q_BHTK.shape[1] != k_BGTK.shape[1]
@@ -71,7 +74,7 @@ class ContextParallel(WholeSequence):
             with self.kernel():
                 out.append(F.scaled_dot_product_attention(
                     q_BHTK[:, :, part * chunk:(part + 1) * chunk], k_BGSK[:, :, :end], v_BGSK[:, :, :end],
-                    attn_mask=self._mask(chunk, end, q_BHTK.dtype), enable_gqa=gqa))
+                    attn_mask=self._mask(chunk, end, q_BHTK.dtype), scale=scale, enable_gqa=gqa))
         return torch.cat(out, dim=2)
 
     def _mask(self, chunk: int, end: int, dtype: torch.dtype) -> torch.Tensor:

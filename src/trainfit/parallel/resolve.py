@@ -226,6 +226,9 @@ def _check_model_split(cfg: Config) -> None:
         raise _fail("parallel.cp", p.cp, f"context parallelism does not run a sliding window yet "
                     f"(model.sliding_window={m.sliding_window} < training.seq_len={t.seq_len})",
                     "set parallel.cp=1, or a training.seq_len within the window")
+    if p.cp > 1 and m.attention_softcap:
+        raise _fail("parallel.cp", p.cp, f"context parallelism does not run soft-capped attention scores yet "
+                    f"(model.attention_softcap={m.attention_softcap}, Gemma 2)", "set parallel.cp=1")
     if p.ep > 1:
         if not m.num_experts:
             raise _fail("parallel.ep", p.ep, "expert parallelism needs an MoE model (model.num_experts > 0)",

@@ -65,11 +65,13 @@ def block_plan(cfg: ModelConfig, block: nn.Module, sequence_parallel: bool) -> d
         linear.path: ColwiseParallel() if linear.tp == "column" else RowwiseParallel(output_layouts=stream)
         for linear in tp_split_linears(cfg)}
     layer = describe(cfg).block
-    if sequence_parallel:  # the norms on the stream: before the branches, or after them (post: their
-        # output joins the residual stream, a local tensor, so it leaves as one)
-        post = layer.norm_placement == "post"
-        for name in ("attention_post_norm", "ffn_post_norm") if post else ("attention_norm", "ffn_norm"):
-            plan[name] = SequenceParallel(use_local_output=post)
+    if sequence_parallel:  # the norms on the stream: before the branches, or after them (whose output
+        # joins the residual stream, a local tensor, so it leaves as one), or both (sandwich)
+        if layer.norm_placement != "post":
+            plan.update(attention_norm=SequenceParallel(), ffn_norm=SequenceParallel())
+        if layer.norm_placement != "pre":
+            plan.update(attention_post_norm=SequenceParallel(use_local_output=True),
+                        ffn_post_norm=SequenceParallel(use_local_output=True))
     if layer.attention.qk_norm:
         # QK-norm runs on the rank's heads of [B, T, H, K] (dim 2 sharded, K whole): its gain is a
         # replicated DTensor whose gradient, a partial sum over each rank's heads, DTensor sums over tp.

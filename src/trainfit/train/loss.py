@@ -27,6 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
+from trainfit.models.common import softcapped
+
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of [B, T, V] logits (or [N, V]) against their targets, in fp32."""
@@ -38,11 +40,12 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, output: nn.Linear,
-                          chunk_tokens: int) -> torch.Tensor:
+                          chunk_tokens: int, softcap: float = 0.0) -> torch.Tensor:
     """cross_entropy(output(hidden), targets) without the whole logits: `hidden` [B, T, D] (the final
     norm's output), projected by `output`'s weight `chunk_tokens` tokens at a time. Call it inside
     the forward's autocast region (if any): each chunk projects as the model's own forward would, and
-    checkpointing re-enters that autocast state when it recomputes the chunk in backward."""
+    checkpointing re-enters that autocast state when it recomputes the chunk in backward. `softcap`: the
+    model's soft-capped logits (models/common.softcapped), applied to each chunk's."""
     if output.bias is not None:
         raise ValueError("chunked_cross_entropy: the output projection has a bias; no model of trainfit's has one")
     weight = output.weight
@@ -56,22 +59,22 @@ def chunked_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, output
     for start in range(0, rows.shape[0], chunk_tokens):
         chunk = slice(start, start + chunk_tokens)
         if torch.is_grad_enabled():
-            part = checkpoint(_chunk_loss_sum, rows[chunk], weight, labels[chunk], use_reentrant=False)
+            part = checkpoint(_chunk_loss_sum, rows[chunk], weight, labels[chunk], softcap, use_reentrant=False)
         else:
-            part = _chunk_loss_sum(rows[chunk], weight, labels[chunk])
+            part = _chunk_loss_sum(rows[chunk], weight, labels[chunk], softcap)
         total = part if total is None else total + part
     assert total is not None, "an empty micro-batch"
     return _local(total) / labels.numel()
 
 
-def _chunk_loss_sum(rows: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _chunk_loss_sum(rows: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, softcap: float) -> torch.Tensor:
     """Summed fp32 cross-entropy of one chunk of rows."""
-    logits = F.linear(rows, weight)
+    logits = softcapped(F.linear(rows, weight), softcap)
     logits = logits if logits.dtype == torch.float32 else logits.float()
     return F.cross_entropy(logits, labels, reduction="sum")
 
 
-def loss_function(chunk_tokens: int, output: Callable[[], nn.Linear | None]
+def loss_function(chunk_tokens: int, output: Callable[[], nn.Linear | None], softcap: float = 0.0
                   ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The loss of a model's output and its targets: `cross_entropy` of logits, or with
     `chunk_tokens` > 0 (memory.chunked_loss) `chunked_cross_entropy` of the final hidden states by
@@ -82,7 +85,7 @@ def loss_function(chunk_tokens: int, output: Callable[[], nn.Linear | None]
     def chunked(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         head = output()
         assert head is not None, "the chunked loss runs where the output projection lives"
-        return chunked_cross_entropy(hidden, targets, output=head, chunk_tokens=chunk_tokens)
+        return chunked_cross_entropy(hidden, targets, output=head, chunk_tokens=chunk_tokens, softcap=softcap)
 
     return chunked
 

@@ -93,7 +93,8 @@ class TrainStep:
         self.autocast = policy.autocast if layout.autocast else contextlib.nullcontext
         # Tensor parallelism leaves the logits sharded over the vocabulary (parallel/tensor_parallel.py).
         self.loss_context = functools.partial(vocabulary_parallel_loss, layout.tp > 1)
-        self.lm_loss = loss_function(layout.loss_chunk_tokens if layout.chunked_loss else 0, lambda: self.model.output)
+        self.lm_loss = loss_function(layout.loss_chunk_tokens if layout.chunked_loss else 0, lambda: self.model.output,
+                                     softcap=cfg.model.final_softcap)
         """(model output, targets) -> the micro-batch's mean cross-entropy (train/loss.py)."""
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.scaler = self.build_grad_scaler()

@@ -180,10 +180,10 @@ class Trainer:
         cfg, layout = self.cfg, self.layout
         m = cfg.model
         dtype = self.policy.autocast_dtype or self.policy.param_dtype
-        attention = describe(m).block.attention
+        arch = describe(m)
         return probe_attention_kernel(cfg.training.attention_backend, self.device, dtype, m.num_heads // layout.tp,
-                                      m.num_kv_heads // layout.tp, attention.head_dim,
-                                      masked=layout.cp > 1 or attention.masked(cfg.training.seq_len))
+                                      m.num_kv_heads // layout.tp, arch.block.attention.head_dim,
+                                      masked=layout.cp > 1 or bool(arch.masked_windows(cfg.training.seq_len)))
 
     def _load_data(self) -> TokenData:
         """Node-local rank 0 tokenizes into the cache (once); the other ranks wait, then load it."""

@@ -44,6 +44,18 @@ HF_CONFIGS = {
     "mistral-window": ("MistralConfig", dict(_LLAMA_DIMS, sliding_window=4)),
     # OLMo 2: a norm after each branch (none before), QK-norm over all heads of q and of k.
     "olmo2": ("Olmo2Config", dict(_LLAMA_DIMS, rope_theta=5e5, pad_token_id=0)),
+    # Gemma 3: sandwich (1 + w) norms, GeGLU, QK-norm, scaled embeddings and queries; two windowed layers
+    # (5 of the 12 positions, RoPE base 100) to one global (base 1e4, scaled linearly by 4).
+    "gemma3": ("Gemma3TextConfig", dict(_LLAMA_DIMS, num_hidden_layers=3, head_dim=24, query_pre_attn_scalar=20,
+                                        sliding_window=5, sliding_window_pattern=3, rope_theta=1e4,
+                                        rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
+                                        pad_token_id=0)),
+    # Gemma 2: Gemma's sandwich norms, GeGLU and scales, without QK-norm; windowed and global layers
+    # alternating (5 of the 12 positions), soft-capped scores (eager attention) and logits, capped low
+    # enough to bend the test's scores and logits.
+    "gemma2": ("Gemma2Config", dict(_LLAMA_DIMS, num_hidden_layers=3, head_dim=24, query_pre_attn_scalar=20,
+                                    sliding_window=5, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                    pad_token_id=0)),
     "gpt2": ("GPT2Config", _GPT2_DIMS),
     "gpt2-untied": ("GPT2Config", dict(_GPT2_DIMS, n_inner=96, tie_word_embeddings=False)),
 }
@@ -144,6 +156,11 @@ def write_config(tmp_path: Path, **changes: object) -> Path:
         (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
          "norm_topk_prob=False"),
         (dict(attention_bias=True), "attention_bias=True"),
+        (dict(model_type="gemma3_text", final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),
+        (dict(model_type="gemma3_text", layer_types=["full_attention", "sliding_attention"]), "layer_types="),
+        (dict(model_type="gemma3_text", rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling.rope_type"),
+        (dict(model_type="gemma3", text_config=None), "text_config=None"),
+        (dict(hidden_act="relu"), "hidden_act='relu'"),
     ],
 )
 def test_config_errors_name_the_key(tmp_path: Path, changes: dict, expected: str) -> None:
@@ -159,7 +176,7 @@ def test_config_maps_fields_and_warns_on_sliding_window(tmp_path: Path) -> None:
                           vocab_size=300, max_seq_len=64, norm_eps=1e-5, rope_theta=10000.0,
                           rope_scaling_factor=0.0, tie_embeddings=False, qkv_bias=False, num_experts=0,
                           num_shared_experts=0, head_dim=0, qk_norm="none", norm_placement="pre", sliding_window=16,
-                          hf_model_type="mistral")
+                          mlp_activation="silu", hf_model_type="mistral")
     write_config(tmp_path, model_type="mistral", sliding_window=64)  # the whole context: plain causal
     assert model_fields_from_hf_config(tmp_path)["sliding_window"] == 0
     # Qwen2's window, from layer max_window_layers on, is not every layer's: ignored, and said so
@@ -183,3 +200,24 @@ def test_load_errors_on_mismatched_checkpoint(tmp_path: Path) -> None:
     deep, deep_cfg = our_model(write_config(tmp_path, num_hidden_layers=3))
     with pytest.raises(ValueError, match=r"missing, e\.g\. \['model\.layers\.2\."):
         load_hf_weights(deep, deep_cfg, tmp_path / "ckpt")
+
+
+@pytest.mark.filterwarnings("ignore:.*vision tower")
+def test_a_multimodal_gemma3_checkpoint_loads_its_text_model_naming_the_vision_tower(tmp_path: Path) -> None:
+    """Gemma 3 4B-27B are Gemma3ForConditionalGeneration: the text model's weights sit under the language
+    model's prefix beside a vision tower, which trainfit neither trains nor estimates and says so."""
+    _, text = HF_CONFIGS["gemma3"]
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    theirs = randomize_(transformers.Gemma3ForConditionalGeneration(config), seed=0).eval()
+    theirs.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="vision tower"):
+        ours, cfg = our_model(tmp_path)
+    assert cfg.hf_model_type == "gemma3_text"
+    with pytest.warns(UserWarning, match=r"tensors of the vision tower and its projector \(e\.g\. "):
+        load_hf_weights(ours, cfg, tmp_path)
+    x = tokens() % 290  # text tokens only
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(input_ids=x).logits, atol=1e-4, rtol=1e-4)
