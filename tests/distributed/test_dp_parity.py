@@ -110,6 +110,9 @@ class DataParallelParity(GlooTestCase):
             (("--parallel.zero_stage=3", "--model.norm_placement=post", "--model.qk_norm=whole"), FP32),
             (("--parallel.zero_stage=3", *GEMMA3), FP32),  # Gemma 3's block
             (("--parallel.zero_stage=3", *GEMMA2), FP32),  # Gemma 2's
+            # OLMoE's: QK-norm over all heads, the top-k routing weights as the softmax gave them
+            (("--parallel.zero_stage=3", "--model.preset=debug-moe", "--model.qk_norm=whole",
+              "--model.router_normalize_topk=false", "--model.num_shared_experts=0"), MOE),
             (("--parallel.zero_stage=3", "--model.preset=debug-moe", "--model.qk_norm=head", "--model.head_dim=24",
               "--model.num_shared_experts=0"), MOE),
         ])

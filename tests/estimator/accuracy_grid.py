@@ -393,6 +393,8 @@ ARCHITECTURE_GRID: list[Row] = [
     _row("qwen3-fp32-selective", 1, QWEN3, SELECTIVE),
     _row("qwen3-lora-all-linear-bf16-mixed", 1, QWEN3, LORA, ALL_LINEAR, BF16_MIXED),
     _row("qwen3-moe-fp32", 1, QWEN3_MOE),
+    # OLMoE's block: QK-norm over all heads, the top-k routing weights not renormalised (dropless)
+    _row("olmoe-fp32", 1, [*moe(4, 2), "--model.qk_norm=whole", "--model.router_normalize_topk=false"]),
     _row("qwen3-z3-bf16-mixed", 2, QWEN3, Z3, BF16_MIXED),
     _row("qwen3-tp2-sp-fp32", 2, QWEN3, TP2, SP, micro=8),
     # a sliding window of 64 of the 256 positions: SDPA with the window's mask
@@ -408,22 +410,15 @@ ARCHITECTURE_GRID: list[Row] = [
     _row("olmo2-lora-all-linear-bf16-mixed", 1, OLMO2, LORA, ALL_LINEAR, BF16_MIXED),
     _row("olmo2-z3-bf16-mixed", 2, OLMO2, Z3, BF16_MIXED),
     _row("post-norm-tp2-sp-fp32", 2, QWEN3, POST_NORM, TP2, SP, micro=8),
-    # Gemma 3's block (the selective policies' rows: the window rows' and the QK-norm rows' above)
-    _row("gemma3-fp32", 1, GEMMA3),
-    _row("gemma3-bf16-mixed", 1, GEMMA3, BF16_MIXED),
-    _row("gemma3-bf16-pure", 1, GEMMA3, BF16_PURE),
-    _row("gemma3-bf16-mixed-full", 1, GEMMA3, BF16_MIXED, FULL),
-    _row("gemma3-lora-all-linear-bf16-mixed", 1, GEMMA3, LORA, ALL_LINEAR, BF16_MIXED),
-    _row("gemma3-z3-bf16-mixed", 2, GEMMA3, Z3, BF16_MIXED),
-    _row("gemma3-tp2-sp-fp32", 2, GEMMA3, TP2, SP, micro=8),
-    # Gemma 2's block
-    _row("gemma2-fp32", 1, GEMMA2),
-    _row("gemma2-bf16-mixed", 1, GEMMA2, BF16_MIXED),
-    _row("gemma2-bf16-pure", 1, GEMMA2, BF16_PURE),
-    _row("gemma2-bf16-mixed-full", 1, GEMMA2, BF16_MIXED, FULL),
-    _row("gemma2-lora-all-linear-bf16-mixed", 1, GEMMA2, LORA, ALL_LINEAR, BF16_MIXED),
-    _row("gemma2-z3-bf16-mixed", 2, GEMMA2, Z3, BF16_MIXED),
-    _row("gemma2-tp2-sp-fp32", 2, GEMMA2, TP2, SP, micro=8),
+    # Gemma 3's and Gemma 2's blocks (the selective policies' rows: the window and QK-norm rows' above)
+    *(row for name, shape in (("gemma3", GEMMA3), ("gemma2", GEMMA2)) for row in (
+        _row(f"{name}-fp32", 1, shape),
+        _row(f"{name}-bf16-mixed", 1, shape, BF16_MIXED),
+        _row(f"{name}-bf16-pure", 1, shape, BF16_PURE),
+        _row(f"{name}-bf16-mixed-full", 1, shape, BF16_MIXED, FULL),
+        _row(f"{name}-lora-all-linear-bf16-mixed", 1, shape, LORA, ALL_LINEAR, BF16_MIXED),
+        _row(f"{name}-z3-bf16-mixed", 2, shape, Z3, BF16_MIXED),
+        _row(f"{name}-tp2-sp-fp32", 2, shape, TP2, SP, micro=8))),
 ]
 """The architecture description's features (models/architecture.py) beyond Llama's: QK-norm, a head
 width other than dim / heads, a sliding window, norms after the branches; part of GRID. Not here yet:

@@ -111,7 +111,7 @@ def test_the_sliding_windows_are_read_where_they_are_shorter_than_the_context() 
     assert (gemma["sliding_window"], gemma["sliding_window_pattern"], gemma["rope_local_theta"]) == (512, 6, 1e4)
 
 
-@pytest.mark.parametrize("model_type", ["olmoe", "deepseek_v3", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "gpt_oss", "llama4"])
 def test_a_type_not_read_yet_is_refused_naming_what_is(model_type: str) -> None:
     assert model_type not in SUPPORTED_TYPES
     with pytest.raises(ConfigError) as err:

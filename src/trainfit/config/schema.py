@@ -130,6 +130,9 @@ class ModelConfig:
     """Experts every token passes through, beside the routed ones."""
     expert_ffn_dim: int | None = None
     """Hidden size of each expert's MLP; defaults to ffn_dim."""
+    router_normalize_topk: bool | None = None
+    """true: each token's top-k routing weights are renormalised to sum to 1 (Mixtral; Qwen3-MoE's
+    norm_topk_prob); false: kept as the softmax over all experts gave them (OLMoE)."""
     router_aux_loss_coef: float | None = None
     """Weight of the load-balancing auxiliary loss added to the training loss (MoE only)."""
     capacity_factor: float | None = None

@@ -18,6 +18,7 @@ from trainfit.hardware import device_spec
 from trainfit.memory.analytic import MemoryEstimate, estimate_memory
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.run_shape import assumed_attention_kernel
+from trainfit.models.architecture import describe
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.resolve import build_layout
@@ -55,6 +56,9 @@ class Estimate:
     def attention_note(self) -> str:
         """Which attention kernel the estimate assumes, and why, in one line."""
         backend = self.cfg.training.attention_backend
+        if describe(self.cfg.model).block.attention.softcap:
+            return ("attention: soft-capped scores (model.attention_softcap) run an eager attention, not SDPA: "
+                    "heads x seq x seq scores and fp32 probabilities saved per block")
         why = "torch's choice for these inputs" if backend == "auto" else "asked"
         if self.attention_kernel == "math":
             return (f"attention: math kernel assumed ({why}, training.attention_backend={backend}): "

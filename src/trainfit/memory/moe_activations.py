@@ -99,7 +99,9 @@ def balanced_routing(m: ModelConfig) -> Routing:
 def moe_saved(m: ModelConfig, d: ActDtypes, r: Routing) -> Terms:
     """Router, top-k, the routed experts' rows (moe.GroupedExperts) and the shared experts."""
     E, k = m.num_experts, m.experts_per_token
-    router = FP32 * E + INDEX * k + FP32 * k + FP32  # softmax probs, top-k ids, top-k weights and their sum
+    # softmax probs, top-k ids, and where they are renormalised (model.router_normalize_topk) the top-k
+    # weights and their sum, which the division saves
+    router = FP32 * E + INDEX * k + (FP32 * k + FP32 if m.router_normalize_topk else 0)
     # Per expert row: the expert's input (index_select; under autocast w1 and w3 (bmm) each save a
     # cast), 4 SwiGLU tensors, the routing weight, the w2 output and the weighted output y
     # (index_add_ saves it), plus its token index: dropless, the (M, 2) nonzero() result;

@@ -148,6 +148,8 @@ class Moe:
     """Each routed expert's width (and each shared expert's)."""
     shared: int
     """Shared experts every token passes through: one SwiGLU of shared x hidden."""
+    normalize_topk: bool = True
+    """Each token's top-k routing weights renormalised to sum to 1 (False: the softmax's, OLMoE)."""
 
     def expert_params(self, dim: int) -> int:
         return 3 * dim * self.hidden
@@ -269,7 +271,8 @@ def _describe(fields: tuple) -> Architecture:
                 span["window"] = 0
     ffn: DenseMlp | Moe
     if m.num_experts:
-        ffn = Moe(m.num_experts, m.experts_per_token, m.expert_ffn_dim, m.num_shared_experts)
+        ffn = Moe(m.num_experts, m.experts_per_token, m.expert_ffn_dim, m.num_shared_experts,
+                  normalize_topk=bool(m.router_normalize_topk))
     else:
         ffn = DenseMlp(m.ffn_dim, gated=not gpt2, activation="gelu_tanh" if gpt2 else m.mlp_activation, bias=gpt2)
     kinds: dict[tuple, Layer] = {}  # one Layer object per kind, shared by the layers of that kind

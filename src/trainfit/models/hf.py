@@ -38,7 +38,7 @@ class HfType:
     qk_norm: str = "none"
     norm_placement: str = "pre"
     experts: str = ""
-    """How routed experts are configured and named: "" none, "mixtral" or "qwen3_moe"."""
+    """How routed experts are configured and named: "" none, "mixtral", "qwen3_moe" or "olmoe"."""
     fused: bool = False
     """Phi-3: q, k, v stored as one qkv_proj, gate and up as one gate_up_proj."""
     gemma: bool = False
@@ -49,7 +49,8 @@ class HfType:
     local_rope: bool = False
     """Gemma 3: the windowed layers have a RoPE base of their own, and RoPE scaling is the global ones'."""
     softcaps: bool = False
-    """Gemma 2: soft-capped attention scores and logits (attn_logit_softcapping, final_logit_softcapping)."""
+    """Gemma 2: soft-capped attention scores (attn_logit_softcapping; both Gemmas read
+    final_logit_softcapping, the logits')."""
 
 
 GEMMA3_TEXT_DEFAULTS = (
@@ -76,6 +77,7 @@ LLAMA_LIKE_TYPES = {
     "qwen3": HfType("Qwen3ForCausalLM", head_dim=128, qk_norm="head"),
     "qwen3_moe": HfType("Qwen3MoeForCausalLM", head_dim=128, qk_norm="head", experts="qwen3_moe"),
     "olmo2": HfType("Olmo2ForCausalLM", eps=1e-5, qk_norm="whole", norm_placement="post"),
+    "olmoe": HfType("OlmoeForCausalLM", eps=1e-5, qk_norm="whole", experts="olmoe"),
     "phi3": HfType("Phi3ForCausalLM", eps=1e-5, fused=True),
     "gemma2": HfType("Gemma2ForCausalLM", theta=1e4, norm_placement="sandwich", gemma=True, defaults=GEMMA2_DEFAULTS,
                      softcaps=True),
@@ -164,7 +166,11 @@ def model_fields_of_hf(hf: dict[str, Any], file: Path = Path("config.json")) -> 
         if hf.get("vision_config") is not None:
             warnings.warn(f"{file}: model_type {model_type}: its text model only is trained and estimated; "
                           "the vision tower (vision_config) and its projector are not", stacklevel=3)
-        model_type, hf = WRAPPED_TYPES[model_type], {**text, "model_type": WRAPPED_TYPES[model_type]}
+        if text.get("final_logit_softcapping"):  # the multimodal class never applies it (its causal LM does)
+            warnings.warn(f"{file}: text_config.final_logit_softcapping={text['final_logit_softcapping']!r} is "
+                          f"ignored, as transformers' {model_type} model ignores it", stacklevel=3)
+        model_type, hf = WRAPPED_TYPES[model_type], {**text, "model_type": WRAPPED_TYPES[model_type],
+                                                     "final_logit_softcapping": None}
     return _gpt2_fields(hf, file) if model_type == "gpt2" else _llama_fields(hf, file, model_type)
 
 
@@ -210,31 +216,36 @@ def _llama_fields(hf: dict[str, Any], file: Path, model_type: str) -> dict[str, 
                       router_aux_loss_coef=float(_get(hf, "router_aux_loss_coef", file, 0.001)))
     if kind.experts == "qwen3_moe":
         fields.update(_qwen3_moe_fields(hf, file))
+    if kind.experts == "olmoe":  # intermediate_size is each expert's width
+        if hf.get("clip_qkv") is not None:
+            raise _unsupported(file, "clip_qkv", hf["clip_qkv"], "not supported; only null (no clamping) is")
+        fields.update(num_experts=_get(hf, "num_experts", file),
+                      experts_per_token=_get(hf, "num_experts_per_tok", file), expert_ffn_dim=fields["ffn_dim"],
+                      router_normalize_topk=bool(_get(hf, "norm_topk_prob", file, False)),
+                      router_aux_loss_coef=float(_get(hf, "router_aux_loss_coef", file, 0.01)))
     return fields
 
 
 def _qwen3_moe_fields(hf: dict[str, Any], file: Path) -> dict[str, Any]:
     """Qwen3-MoE's experts: every layer routed (decoder_sparse_step 1, no mlp_only_layers), top-k
-    probabilities renormalised (norm_topk_prob, as our MoE and Mixtral do)."""
+    probabilities renormalised or not (norm_topk_prob)."""
     if _get(hf, "decoder_sparse_step", file, 1) != 1:
         raise _unsupported(file, "decoder_sparse_step", hf["decoder_sparse_step"],
                            "only 1 (every layer MoE) is supported")
     if hf.get("mlp_only_layers"):
         raise _unsupported(file, "mlp_only_layers", hf["mlp_only_layers"],
                            "dense layers among MoE ones are not supported yet; only [] is")
-    if not _get(hf, "norm_topk_prob", file, False):
-        raise _unsupported(file, "norm_topk_prob", hf.get("norm_topk_prob", False),
-                           "only true (the top-k routing weights renormalised to sum to 1) is supported")
     experts = _get(hf, "num_experts", file, None) or _get(hf, "num_local_experts", file)  # hub's key, transformers 5's
     return dict(num_experts=experts, experts_per_token=_get(hf, "num_experts_per_tok", file),
                 expert_ffn_dim=_get(hf, "moe_intermediate_size", file),
+                router_normalize_topk=bool(_get(hf, "norm_topk_prob", file, False)),
                 router_aux_loss_coef=float(_get(hf, "router_aux_loss_coef", file, 0.001)))
 
 
 def _gemma_fields(hf: dict[str, Any], file: Path, fields: dict[str, Any], kind: HfType) -> dict[str, Any]:
     """Gemma's features: (1 + w) norms, sqrt(dim)-scaled embeddings, the query scale, which layers are
     windowed (sliding_window_pattern, or transformers 5's layer_types); Gemma 2's soft-capped scores and
-    logits; Gemma 3's RoPE base of the windowed layers (rope_local_base_freq, or
+    logits (Gemma 3: the logits'); Gemma 3's RoPE base of the windowed layers (rope_local_base_freq, or
     rope_parameters.sliding_attention) and RoPE scaling on the global ones. Gemma 3's
     attn_logit_softcapping is read by neither transformers' Gemma 3 nor trainfit."""
     if hf.get("use_bidirectional_attention"):
@@ -243,12 +254,9 @@ def _gemma_fields(hf: dict[str, Any], file: Path, fields: dict[str, Any], kind: 
     out: dict[str, Any] = dict(norm_offset=True, embedding_scale=True,
                                query_pre_attn_scalar=float(_get(hf, "query_pre_attn_scalar", file)),
                                sliding_window_pattern=_layer_pattern(hf, file), rope_scaling_type="llama3")
+    out.update(final_softcap=float(_get(hf, "final_logit_softcapping", file, 0.0)))
     if kind.softcaps:
-        out.update(attention_softcap=float(_get(hf, "attn_logit_softcapping", file, 0.0)),
-                   final_softcap=float(_get(hf, "final_logit_softcapping", file, 0.0)))
-    elif hf.get("final_logit_softcapping"):
-        raise _unsupported(file, "final_logit_softcapping", hf["final_logit_softcapping"],
-                           f"not supported for {hf.get('model_type')}; only null is")
+        out.update(attention_softcap=float(_get(hf, "attn_logit_softcapping", file, 0.0)))
     if not kind.local_rope:  # one RoPE for every layer, read as the llama family's
         if not fields["sliding_window"]:
             out.update(sliding_window_pattern=0)
@@ -408,8 +416,12 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
                    router_aux_loss_coef=cfg.router_aux_loss_coef)
     if kind.experts == "qwen3_moe":
         out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
-                   moe_intermediate_size=cfg.expert_ffn_dim, norm_topk_prob=True, decoder_sparse_step=1,
-                   mlp_only_layers=[], router_aux_loss_coef=cfg.router_aux_loss_coef)
+                   moe_intermediate_size=cfg.expert_ffn_dim, norm_topk_prob=bool(cfg.router_normalize_topk),
+                   decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=cfg.router_aux_loss_coef)
+    if kind.experts == "olmoe":
+        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                   intermediate_size=cfg.expert_ffn_dim, norm_topk_prob=bool(cfg.router_normalize_topk),
+                   router_aux_loss_coef=cfg.router_aux_loss_coef, clip_qkv=None)
     if model_type in ("mistral", "mixtral", "phi3"):
         out.update(sliding_window=cfg.sliding_window or None)
     if model_type in ("qwen2", "qwen3", "qwen3_moe"):
@@ -429,9 +441,9 @@ def _hf_rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
 
 def _llama_model_type(cfg: ModelConfig) -> str:
     """The llama-family model_type `cfg` is written as (hf_config_dict), checked against its features."""
-    experts = "" if not cfg.num_experts else "qwen3_moe" if cfg.qk_norm == "head" else "mixtral"
+    experts = "" if not cfg.num_experts else {"head": "qwen3_moe", "whole": "olmoe"}.get(cfg.qk_norm, "mixtral")
     gemma = cfg.norm_placement == "sandwich" or bool(cfg.norm_offset or cfg.embedding_scale)
-    model_type = cfg.hf_model_type or ("qwen3_moe" if experts == "qwen3_moe" else "mixtral" if experts else
+    model_type = cfg.hf_model_type or (experts if experts else
                                        ("gemma2" if cfg.qk_norm == "none" else "gemma3_text") if gemma else
                                        "olmo2" if cfg.norm_placement == "post" else
                                        "qwen3" if cfg.qk_norm == "head" else "qwen2" if cfg.qkv_bias else
@@ -444,7 +456,7 @@ def _llama_model_type(cfg: ModelConfig) -> str:
                     experts=experts, gemma=gemma)
     held = {"query_pre_attn_scalar": (0.0, kind.gemma), "sliding_window_pattern": (0, kind.gemma),
             "rope_local_theta": (0.0, kind.local_rope), "rope_scaling_type": ("llama3", kind.local_rope),
-            "attention_softcap": (0.0, kind.softcaps), "final_softcap": (0.0, kind.softcaps)}
+            "attention_softcap": (0.0, kind.softcaps), "final_softcap": (0.0, kind.gemma)}
     for name, (plain, holds) in held.items():  # what only some types' config.json can say
         if not holds and getattr(cfg, name) != plain and (name != "rope_scaling_type" or cfg.rope_scaling_factor):
             raise ConfigError(f"model.{name}={getattr(cfg, name)!r}: model.hf_model_type={model_type!r} cannot "
@@ -461,6 +473,9 @@ def _llama_model_type(cfg: ModelConfig) -> str:
     if cfg.num_shared_experts:
         raise ConfigError(f"model.num_shared_experts={cfg.num_shared_experts}: shared experts have no equivalent "
                           f"among the supported HF types ({', '.join(SUPPORTED_TYPES)})")
+    if cfg.num_experts and not cfg.router_normalize_topk and kind.experts == "mixtral":
+        raise ConfigError(f"model.router_normalize_topk=False: model.hf_model_type={model_type!r} always "
+                          "renormalises the top-k routing weights; set it to true, or use qwen3_moe or olmoe")
     return model_type
 
 

@@ -6,7 +6,8 @@ parallelism can shard dim 0), `shared_experts.{w1,w2,w3}` (one SwiGLU of width
 num_shared_experts * expert_ffn_dim, which equals the sum of that many experts of width expert_ffn_dim).
 
 Routing matches transformers' Mixtral: softmax over all experts in fp32, top-k, renormalize the k
-weights (the same as a softmax over the top-k logits).
+weights (the same as a softmax over the top-k logits); with model.router_normalize_topk false the k
+weights stay the softmax's (OLMoE, Qwen3-MoE's norm_topk_prob false).
 
 Two ways to run the experts (models/routing.py sizes both for the estimators):
 - dropless (model.capacity_factor = 0, and always outside training): each expert runs on exactly the
@@ -199,6 +200,7 @@ class MoE(nn.Module):
         self.num_experts = cfg.num_experts
         self.top_k = cfg.experts_per_token
         self.capacity_factor = cfg.capacity_factor or 0.0
+        self.normalize_topk = bool(cfg.router_normalize_topk)
         self.router = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
         self.experts = GroupedExperts(cfg.num_experts, cfg.dim, cfg.expert_ffn_dim)
         shared_dim = cfg.num_shared_experts * cfg.expert_ffn_dim
@@ -210,7 +212,8 @@ class MoE(nn.Module):
         x_ND = x_BTD.reshape(-1, D)
         probs_NE = F.softmax(self.router(x_ND).float(), dim=-1)
         weight_NK, expert_NK = probs_NE.topk(self.top_k, dim=-1)
-        weight_NK = weight_NK / weight_NK.sum(dim=-1, keepdim=True)
+        if self.normalize_topk:
+            weight_NK = weight_NK / weight_NK.sum(dim=-1, keepdim=True)
         capacity = 0
         if self.training and self.capacity_factor > 0:
             capacity = expert_capacity(x_ND.shape[0], self.top_k, self.num_experts, self.capacity_factor)

@@ -39,6 +39,7 @@ DEFAULTS: dict[str, Any] = {
     "num_shared_experts": 0,
     "router_aux_loss_coef": 0.01,
     "capacity_factor": 0.0,
+    "router_normalize_topk": True,
 }
 
 
@@ -110,13 +111,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                          experts_per_token=2, expert_ffn_dim=14336, router_aux_loss_coef=0.02),
     # allenai/OLMoE-1B-7B-0924 (its config.json: 64 experts of width 1024, 8 per token, every layer
     # MoE, no shared expert; Muennighoff et al. 2024, arXiv 2409.02060): fine-grained experts, where
-    # Mixtral has 8 wide ones. Our Llama-style block has no QK-norm (OLMoE's RMSNorm on the query
-    # and key projections: 65,536 parameters in all), the one difference in shape. In routing, OLMoE
-    # keeps the top-8 softmax probabilities as they are (norm_topk_prob false); our MoE renormalises
-    # them to sum to 1, as Mixtral does.
+    # Mixtral has 8 wide ones; QK-norm over all heads of q and of k, and the top-8 softmax
+    # probabilities kept as they are (norm_topk_prob false).
     "olmoe-1b-7b": dict(dim=2048, num_layers=16, num_heads=16, num_kv_heads=16, ffn_dim=1024,
                         vocab_size=50304, max_seq_len=4096, num_experts=64, experts_per_token=8,
-                        expert_ffn_dim=1024, router_aux_loss_coef=0.01),
+                        expert_ffn_dim=1024, router_aux_loss_coef=0.01, qk_norm="whole", router_normalize_topk=False,
+                        hf_model_type="olmoe"),
     # Qwen/Qwen2.5-7B.
     "qwen2.5-7b": dict(dim=3584, num_layers=28, num_heads=28, num_kv_heads=4, ffn_dim=18944,
                        vocab_size=152064, max_seq_len=131072, rope_theta=1e6, norm_eps=1e-6,
@@ -182,7 +182,7 @@ PUBLISHED_NUM_PARAMS: dict[str, int] = {
     "mistral-7b": 7_241_732_096,  # mistralai/Mistral-7B-v0.1
     "mixtral-8x7b": 46_702_792_704,  # mistralai/Mixtral-8x7B-v0.1
     "qwen2.5-7b": 7_615_616_512,  # Qwen/Qwen2.5-7B ("7.61B" on the model card)
-    "olmoe-1b-7b": 6_919_161_856,  # allenai/OLMoE-1B-7B-0924 safetensors metadata; QK-norm included
+    "olmoe-1b-7b": 6_919_161_856,  # allenai/OLMoE-1B-7B-0924 safetensors metadata
     # transformers' count (meta device) from each model's config.json (tests/data/hf_configs), which the
     # model cards round: 0.6B, 1.7B, 4.0B, 8.2B, 14.8B, 32.8B, 30.5B; 3.8B; 14.7B
     "qwen3-0.6b": 596_049_920,

@@ -36,6 +36,7 @@ def _features(m: ModelConfig) -> str:
         parts.append("q/k/v biases")
     moe = layer.moe
     parts.append(f"MoE {moe.experts} experts top-{moe.top_k}" + (f" + {moe.shared} shared" if moe.shared else "")
+                 + ("" if moe.normalize_topk else " (weights not renormalised)")
                  if moe else ("GeGLU" if layer.mlp.activation == "gelu_tanh" else "SwiGLU") if layer.mlp.gated
                  else "GELU MLP")
     if arch.tie_embeddings:

@@ -90,6 +90,7 @@ from trainfit.hardware import (
     peak_flops,
 )
 from trainfit.models import block_cost as B
+from trainfit.models.architecture import describe
 from trainfit.models.block_spec import block_linears
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES
@@ -418,8 +419,9 @@ def _gpu_compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rate
     efficiency = rates.efficiency
     matmul = rate(others, high) * efficiency
     matmul_fp8 = rate([(g, 1) for g in fp8_gemms], "fp8") * efficiency if fp8_gemms else 1.0
-    att_fwd, att_bwd = GK.attention_rates(attention_kernel(t.attention_backend, device), t.seq_len // layout.cp,
-                                          GK.mamf(device, "bf16", peaks))
+    # soft-capped scores (Gemma 2) run the eager attention, op by op: priced as the unfused math kernel
+    kernel = "math" if describe(m).block.attention.softcap else attention_kernel(t.attention_backend, device)
+    att_fwd, att_bwd = GK.attention_rates(kernel, t.seq_len // layout.cp, GK.mamf(device, "bf16", peaks))
     ew_fwd, ew_bwd = K.elementwise_bytes(m, layout, t)
 
     def seconds(total: float, fp8: float, att: float, attention_rate: float, elementwise: float) -> dict[str, float]:

@@ -45,17 +45,22 @@ HF_CONFIGS = {
     # OLMo 2: a norm after each branch (none before), QK-norm over all heads of q and of k.
     "olmo2": ("Olmo2Config", dict(_LLAMA_DIMS, rope_theta=5e5, pad_token_id=0)),
     # Gemma 3: sandwich (1 + w) norms, GeGLU, QK-norm, scaled embeddings and queries; two windowed layers
-    # (5 of the 12 positions, RoPE base 100) to one global (base 1e4, scaled linearly by 4).
+    # (5 of the 12 positions, RoPE base 100) to one global (base 1e4, scaled linearly by 4); soft-capped logits.
     "gemma3": ("Gemma3TextConfig", dict(_LLAMA_DIMS, num_hidden_layers=3, head_dim=24, query_pre_attn_scalar=20,
                                         sliding_window=5, sliding_window_pattern=3, rope_theta=1e4,
                                         rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
-                                        pad_token_id=0)),
+                                        final_logit_softcapping=3.0, pad_token_id=0)),
     # Gemma 2: Gemma's sandwich norms, GeGLU and scales, without QK-norm; windowed and global layers
     # alternating (5 of the 12 positions), soft-capped scores (eager attention) and logits, capped low
     # enough to bend the test's scores and logits.
     "gemma2": ("Gemma2Config", dict(_LLAMA_DIMS, num_hidden_layers=3, head_dim=24, query_pre_attn_scalar=20,
                                     sliding_window=5, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
                                     pad_token_id=0)),
+    # OLMoE: QK-norm over all heads, 4 experts (top 2) of width intermediate_size, the top-k weights not
+    # renormalised; Qwen3-MoE's with norm_topk_prob false too.
+    "olmoe": ("OlmoeConfig", dict(_LLAMA_DIMS, num_experts=4, num_experts_per_tok=2, pad_token_id=0)),
+    "qwen3-moe-unnormalized": ("Qwen3MoeConfig", dict(_LLAMA_DIMS, head_dim=24, num_experts=4, num_experts_per_tok=2,
+                                                      moe_intermediate_size=40, norm_topk_prob=False)),
     "gpt2": ("GPT2Config", _GPT2_DIMS),
     "gpt2-untied": ("GPT2Config", dict(_GPT2_DIMS, n_inner=96, tie_word_embeddings=False)),
 }
@@ -153,10 +158,9 @@ def write_config(tmp_path: Path, **changes: object) -> Path:
         (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
         (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
               norm_topk_prob=True, mlp_only_layers=[0]), r"mlp_only_layers=[0]"),
-        (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
-         "norm_topk_prob=False"),
+        (dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, clip_qkv=8.0), "clip_qkv=8.0"),
         (dict(attention_bias=True), "attention_bias=True"),
-        (dict(model_type="gemma3_text", final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),
+        (dict(model_type="gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention=True"),
         (dict(model_type="gemma3_text", layer_types=["full_attention", "sliding_attention"]), "layer_types="),
         (dict(model_type="gemma3_text", rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling.rope_type"),
         (dict(model_type="gemma3", text_config=None), "text_config=None"),
