@@ -55,6 +55,9 @@ MOE = ("--model.preset=debug-moe",)
 DENSE = ("--model.preset=debug",)
 QWEN3 = (*DENSE, "--model.qk_norm=head", "--model.head_dim=24")
 """Qwen3's attention: QK-norm, and heads (4 x 24) wider than the model (64)."""
+GEMMA = (*DENSE, "--model.norm_placement=sandwich", "--model.norm_offset=true", "--model.mlp_activation=gelu_tanh",
+         "--model.embedding_scale=true", "--model.sliding_window=8", "--model.sliding_window_pattern=2")
+"""Gemma's block: sandwich (1 + w) norms, GeGLU, a windowed layer (8 of 32 positions) before a global one."""
 
 GRID: dict[str, tuple[str, ...]] = {
     "moe-tp2": (*MOE, "--hardware.num_gpus=2", "--parallel.tp=2", "--training.global_batch_size=1"),
@@ -82,6 +85,13 @@ GRID: dict[str, tuple[str, ...]] = {
                                 "--training.micro_batch_size=4", "--training.global_batch_size=4"),
     "qk-norm-head-dim-tp2-zero3": (*QWEN3, "--hardware.num_gpus=4", "--parallel.tp=2", "--parallel.zero_stage=3",
                                    "--training.global_batch_size=2"),
+    # Gemma 3's windowed and global layers (their own RoPE bases) and Gemma 2's eager soft-capped attention
+    "gemma3-window-tp2-sp": (*GEMMA, "--model.qk_norm=head", "--model.head_dim=24", "--model.rope_local_theta=100",
+                             "--hardware.num_gpus=2", "--parallel.tp=2", "--parallel.sequence_parallel=true",
+                             "--training.micro_batch_size=4", "--training.global_batch_size=4"),
+    "gemma2-softcap-zero3": (*GEMMA, "--model.attention_softcap=50", "--model.final_softcap=30",
+                             "--hardware.num_gpus=2", "--parallel.zero_stage=3", "--training.micro_batch_size=4",
+                             "--training.global_batch_size=8"),
 }
 """Each point: the debug models on SHAPE, one or two micro-batches per rank."""
 
@@ -215,6 +225,11 @@ KNOWN: dict[tuple[str, str], str] = {
         "tensor cannot answer), so each pre-all-gather all-reduces its weight's amax: 28 all-reduces of 4 bytes "
         "(7 float8 linears x 2 blocks x forward and backward gathers) that comms.py, modelling a later "
         "step, leaves out. comms.py is right for every step after the first",
+    ("memory", "gemma2-softcap-zero3"):
+        "the analytic peak is the loss's backward (three fp32 logits), 22 KB (0.5%) below the traced one, which "
+        "comes later in the backward with 270 KB more activations and 144 KB more buffers and 393 KB fewer logits: "
+        "a moment of the soft-capped logits' or the eager attention's backward that the analytic estimate does "
+        "not model yet (at 256 positions, the accuracy grid's Gemma 2 rows agree per component)",
 }
 """Grid points whose check fails today, by (check, point): the disagreement, and which side is right
 where that is known. Strict: a fix makes the test fail until its entry goes."""
@@ -268,6 +283,8 @@ def test_flops_are_what_the_time_model_counts(name: str, traced_points: dict[str
     cfg = point.cfg
     f = timing._rank_flops(cfg.model, build_layout(cfg), cfg.training)
     matmuls = f.forward + f.backward - f.forward_attention - f.backward_attention
+    if cfg.model.attention_softcap:  # the eager attention's two products are matmuls to the counter (SDPA is not)
+        matmuls += f.forward_attention + f.backward_attention
     assert max(point.flops) == pytest.approx(matmuls, rel=1e-12, abs=0)
 
 

@@ -255,13 +255,14 @@ def _tp(model: ModelConfig, layout: Layout, layers: int, wrapped: int) -> list[C
 
 def _partial_gains(model: ModelConfig, layout: Layout, layers: int, output: int) -> list[CollectiveCall]:
     """The gains whose gradient each tp rank holds a partial sum of, one all-reduce per tensor: under
-    sequence parallelism the norms' (gain and bias, dim elements each: each rank normed its tokens),
+    sequence parallelism the norms' (gain and bias, dim elements each: each rank normed its tokens; two
+    per layer, four when sandwiched),
     with QK-norm its two gains (head_dim: each rank normed its heads). FSDP2 reduces them in every
     backward, before its reduce-scatter; otherwise they stay partial through accumulation and are
     reduced once, where the step first reads them (clipping's norm)."""
     layer = describe(model).block
     per_norm = layer.norm.params(model.dim) // model.dim  # tensors of dim elements in one norm
-    dims = (2 * layers + output) * per_norm if layout.sequence_parallel else 0
+    dims = (layer.stream_norms * layers + output) * per_norm if layout.sequence_parallel else 0
     heads = 2 * layers if layer.attention.qk_norm else 0  # per head (whole: refused under tp)
     fsdp = layout.data_parallel == "fsdp"
     phase: Phase = "backward" if fsdp else "step"

@@ -232,16 +232,17 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> RankFlops:
     weight_grads = 0 if adaptation else 1
 
     first_skipped = 2 * F.first_block_input_grad_params(m, adaptation) * whole if adaptation else 0
+    attention_bwd = F.attention_backward_factor(m)
 
     def rank(layers: int, wrapped: int, last_stage: bool) -> RankFlops:
         wrapped = 0 if layout.activation_checkpointing == "none" else wrapped
         head = 2 * B.head_matmul_params(m) * last_stage  # the last stage's rank holds the output projection
         head_weight_grad = head * (weight_grads or bool(adaptation and adaptation.train_output))
         forward = layers * (mm + at + adapters) + head
-        backward = (layers * ((1 + weight_grads) * mm + 2 * adapters + F.FLASH_ATTENTION_BWD_FACTOR * at) + head
+        backward = (layers * ((1 + weight_grads) * mm + 2 * adapters + attention_bwd * at) + head
                     + head_weight_grad - first_skipped + wrapped * (rc_mm + rc_at)
                     + head * layout.chunked_loss)  # the chunked loss reruns the output projection
-        return RankFlops(forward, backward, layers * at, layers * at * F.FLASH_ATTENTION_BWD_FACTOR + wrapped * rc_at,
+        return RankFlops(forward, backward, layers * at, layers * at * attention_bwd + wrapped * rc_at,
                          fp8 * layers * mm, fp8 * (2 * layers * mm + wrapped * rc_mm), layers, wrapped, last_stage)
 
     busiest = max((rank(*shape) for shape in layout.rank_shapes()), key=lambda f: f.forward + f.backward)

@@ -29,7 +29,7 @@ from trainfit.fp8_matmul import Fp8MatmulRates, probe_fp8_matmul
 from trainfit.memory.attribution import Measurement, MemoryMeter
 from trainfit.memory.measure import current_allocated_bytes
 from trainfit.models import materialize
-from trainfit.models.architecture import describe
+from trainfit.models.architecture import Architecture, describe
 from trainfit.models.hf import load_hf_weights
 from trainfit.models.init import init_magnitudes
 from trainfit.parallel.layout import Layout
@@ -101,6 +101,9 @@ class Trainer:
         """Messages for the log, printed when training starts (resume, schedule changes)."""
         self.attention_kernel = self._probe_attention_kernel()
         self.notes.append(self.attention_kernel.note())
+        layers_note = attention_layers_note(describe(cfg.model), t.seq_len)
+        if layers_note:
+            self.notes.append(layers_note)
         self.world.set_group_timeouts()  # the model's own groups (expert meshes) exist now
         if not t.global_batch_size:
             self.notes.append(f"training.global_batch_size derived: micro_batch_size {t.micro_batch_size} x "
@@ -345,3 +348,19 @@ def measure_step(cfg: Config, steps: int = 2, *, cuda_snapshot: str | Path | Non
         return measure_trainer_step(trainer, warmup_steps=steps - 1, cuda_snapshot=cuda_snapshot)
     finally:
         trainer.close()
+
+
+def attention_layers_note(arch: Architecture, seq_len: int) -> str | None:
+    """Which attention each kind of layer runs, where the layers differ from plain causal SDPA: the eager
+    soft-capped attention (Gemma 2), or windowed layers (an explicit mask) beside global ones."""
+    if arch.block.attention.softcap:
+        return (f"attention: soft-capped scores (model.attention_softcap={arch.block.attention.softcap:g}) in every "
+                "layer: the eager attention (its scores and fp32 probabilities kept for backward), not SDPA")
+    windowed = [la.attention.window for la in arch.layers if la.attention.masked(seq_len)]
+    if not windowed:
+        return None
+    return (f"attention: {len(windowed)} of {len(arch.layers)} layers attend a window of {max(windowed)} positions "
+            "(SDPA with an explicit mask, the kernel above)" + (f", the other {len(arch.layers) - len(windowed)} "
+                                                                 "the whole causal sequence" if len(windowed) <
+                                                                 len(arch.layers) else ""))
+

@@ -1,0 +1,59 @@
+"""The architecture description's layer kinds (models/architecture.py): Gemma's windowed and global layers,
+each with its RoPE, are one block of tensors whose span is read layer by layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainfit.config import ModelConfig
+from trainfit.models import build_model, materialize
+from trainfit.models.architecture import describe
+from trainfit.models.presets import resolve_model_config
+from trainfit.train.trainer import attention_layers_note
+
+
+def _gemma3(**changes: object) -> ModelConfig:
+    return resolve_model_config(ModelConfig(preset="gemma-3-1b", num_layers=7, **changes))
+
+
+def test_gemma3s_pattern_is_five_windowed_layers_to_one_global_each_with_its_rope() -> None:
+    arch = describe(_gemma3())
+    assert [la.attention.window for la in arch.layers] == [512] * 5 + [0] + [512]
+    assert [la.attention.rope_theta for la in arch.layers] == [1e4] * 5 + [1e6] + [1e4]
+    assert arch.rope_keys == ((1e4, False), (1e6, False)) and arch.masked_windows(4096) == (512,)
+    assert arch.masked_windows(512) == ()  # a sequence within the window: plain causal attention
+    block = arch.block  # the tensors every layer has, its span unset: whatever reads one must ask per layer
+    assert block.attention.window is None and block.attention.head_dim == 256
+    with pytest.raises(ValueError, match="read Architecture.layers"):
+        block.attention.masked(4096)
+
+
+def test_layers_that_differ_in_their_tensors_have_no_common_block() -> None:
+    arch = describe(_gemma3())
+    changed = type(arch)(**{**vars(arch), "layers": (arch.layers[0], type(arch.layers[0])(
+        arch.layers[0].attention, type(arch.layers[0].ffn)(**{**vars(arch.layers[0].ffn), "hidden": 8}),
+        arch.layers[0].norm, arch.layers[0].norm_placement))})
+    with pytest.raises(ValueError, match="differ in their tensors"):
+        changed.block
+
+
+def test_the_model_builds_one_pair_of_rope_tables_per_setting_and_scales_the_global_ones() -> None:
+    cfg = _gemma3(dim=64, num_heads=2, num_kv_heads=1, head_dim=16, ffn_dim=32, vocab_size=64, max_seq_len=32,
+                  rope_scaling_type="linear", rope_scaling_factor=8.0)
+    model = materialize(build_model(cfg), "cpu")
+    local, scaled = model.rope_cos, model.rope_cos_1
+    assert local.shape == scaled.shape == (32, 16)
+    position = 8  # the global layers' frequencies are the plain ones divided by 8: position p as p / 8
+    base = 1e6 ** -(torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+    torch.testing.assert_close(scaled[position, :8], torch.cos(position * base / 8))
+    torch.testing.assert_close(local[position, :8], torch.cos(position * 1e4 ** -(torch.arange(0, 16, 2) / 16)))
+
+
+def test_the_run_log_names_what_each_kind_of_layer_runs() -> None:
+    assert attention_layers_note(describe(_gemma3()), 4096) == (
+        "attention: 6 of 7 layers attend a window of 512 positions (SDPA with an explicit mask, the kernel "
+        "above), the other 1 the whole causal sequence")
+    assert attention_layers_note(describe(_gemma3()), 256) is None
+    gemma2 = resolve_model_config(ModelConfig(preset="gemma-2-2b"))
+    assert "eager attention" in attention_layers_note(describe(gemma2), 4096)
