@@ -35,7 +35,7 @@ def test_layers_that_differ_in_their_tensors_have_no_common_block() -> None:
         arch.layers[0].attention, type(arch.layers[0].ffn)(**{**vars(arch.layers[0].ffn), "hidden": 8}),
         arch.layers[0].norm, arch.layers[0].norm_placement))})
     with pytest.raises(ValueError, match="differ in their tensors"):
-        changed.block
+        _ = changed.block
 
 
 def test_the_model_builds_one_pair_of_rope_tables_per_setting_and_scales_the_global_ones() -> None:
