@@ -351,6 +351,11 @@ GPU_ALIASES = {"H100": "H100-SXM-80GB", "H200": "H200-141GB", "A100": "A100-SXM-
 """Short names people write, for the catalog entry they mean."""
 
 
+def device_type(hw: HardwareConfig) -> str:
+    """torch's device type of the machine `hw` describes: "cpu", or "cuda" for every catalog GPU."""
+    return "cpu" if hw.gpu == "cpu" else "cuda"
+
+
 def canonical_gpu(name: str) -> str:
     """The catalog name of a device name or its short alias (H200 -> H200-141GB)."""
     return GPU_ALIASES.get(name, name)

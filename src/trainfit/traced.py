@@ -62,7 +62,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from trainfit.config import Config
-from trainfit.hardware import device_spec
+from trainfit.hardware import device_spec, device_type
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.caching_allocator import CachingAllocator
 from trainfit.memory.ledger import StorageLedger, TimelinePoint, phase_listener, unsharded_component
@@ -70,6 +70,7 @@ from trainfit.memory.margin import CUDA_CONTEXT_BYTES
 from trainfit.models import materialize
 from trainfit.models.moe import GroupedExperts
 from trainfit.models.routing import dropless_loads, expert_parallel_loads
+from trainfit.models.softcapped_attention import traced_as
 from trainfit.parallel.data_parallel import init_optimizer_states, local_state_bytes
 from trainfit.parallel.expert import Routes
 from trainfit.parallel.layout import Layout
@@ -345,7 +346,7 @@ def _run_unvoted(pipeline: PipelineStep) -> None:
 
 def _target_device_type(cfg: Config) -> str:
     """The device the traced run stands for (it executes on fake CPU tensors either way)."""
-    return "cpu" if cfg.hardware.gpu == "cpu" else "cuda"
+    return device_type(cfg.hardware)
 
 
 # ---------------------------------------------------------------- entry point
@@ -441,7 +442,8 @@ def _trace_rank(cfg: Config, layout: Layout, rank: int) -> _RankTrace:
         eight_bit = _eight_bit_update_as_compiled(cfg.optimizer.name == "adamw-8bit", _target_device_type(cfg))
         allocator = (CachingAllocator(capacity=device_spec(cfg.hardware).memory_bytes - CUDA_CONTEXT_BYTES)
                      if _target_device_type(cfg) == "cuda" else None)
-        with _ddp_without_init_sync(), _works_hold_tensors(), eight_bit, FakeTensorMode(allow_non_fake_inputs=True), \
+        with _ddp_without_init_sync(), _works_hold_tensors(), eight_bit, traced_as(_target_device_type(cfg)), \
+                FakeTensorMode(allow_non_fake_inputs=True), \
                 StorageLedger(fake=True, unsharded_component=unsharded_component(layout),
                               host_states=layout.offload != "none", allocator=allocator) as ledger:
             if cfg.model.num_experts and not cfg.model.capacity_factor:

@@ -42,6 +42,7 @@ from _collectives import CollectiveLog, sync_allreduce_hook
 from trainfit import traced
 from trainfit.config import Config
 from trainfit.configure import load_config
+from trainfit.hardware import device_type
 from trainfit.parallel.resolve import build_layout
 from trainfit.perf import comms, timing
 from trainfit.traced import TracedEstimate
@@ -281,7 +282,7 @@ def test_collectives_are_what_comms_predicts(name: str, traced_points: dict[str,
 def test_flops_are_what_the_time_model_counts(name: str, traced_points: dict[str, Traced]) -> None:
     point = _point(name, traced_points)
     cfg = point.cfg
-    f = timing._rank_flops(cfg.model, build_layout(cfg), cfg.training)
+    f = timing._rank_flops(cfg.model, build_layout(cfg), cfg.training, device_type(cfg.hardware))
     matmuls = f.forward + f.backward - f.forward_attention - f.backward_attention
     if cfg.model.attention_softcap:  # the eager attention's two products are matmuls to the counter (SDPA is not)
         matmuls += f.forward_attention + f.backward_attention

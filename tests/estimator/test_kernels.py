@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten
 
 from _profiles import profile
 from trainfit.configure import load_config
+from trainfit.hardware import device_type
 from trainfit.hardware_profile import (
     AttentionShape,
     Concurrency,
@@ -195,7 +196,7 @@ def test_measured_concurrency_slows_each_kind_of_work_by_its_fraction(tmp_path: 
     cfg, layout = cpu(num_gpus=4)
     assert K.concurrency_slowdown(measured_four, cfg.hardware, layout) == pytest.approx((3.2, 5.0))
     cfg, layout = cpu(num_gpus=2)
-    flops = timing._rank_flops(cfg.model, layout, cfg.training)
+    flops = timing._rank_flops(cfg.model, layout, cfg.training, device_type(cfg.hardware))
 
     def compute(measured: HardwareProfile, name: str) -> tuple[float, float]:
         hw = dataclasses.replace(cfg.hardware, profile=str(write_profile(measured, tmp_path / name)))
@@ -293,7 +294,7 @@ def test_fp8_on_a_profile_prices_its_linears_at_fp8s_rate_and_its_casts_at_the_m
 
     def time(*args: str) -> tuple[dict, float]:
         cfg, layout = cpu(f"--hardware.profile={path}", *args)
-        flops = timing._rank_flops(cfg.model, layout, cfg.training)
+        flops = timing._rank_flops(cfg.model, layout, cfg.training, device_type(cfg.hardware))
         cast_bytes = sum(timing._fp8_cast_bytes(cfg.model, layout, cfg.training, flops))
         return timing.estimate_perf(cfg.model, layout, cfg.training, cfg.hardware).time, cast_bytes
 

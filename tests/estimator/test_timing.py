@@ -7,7 +7,7 @@ import pytest
 from trainfit import hardware
 from trainfit.config import ConfigError, ModelConfig
 from trainfit.configure import load_config
-from trainfit.hardware import peak_flops
+from trainfit.hardware import device_type, peak_flops
 from trainfit.models.params import param_counts
 from trainfit.parallel.resolve import build_layout
 from trainfit.perf import comms
@@ -297,8 +297,8 @@ def test_async_tp_hides_each_tp_collective_behind_its_gemms() -> None:
     from trainfit.perf import kernels as K
     from trainfit.perf.timing import Rates, _async_tp_exposed, _compute_seconds, _rank_flops
     rates = Rates.of(cfg.hardware)
-    rate = _compute_seconds(cfg.model, async_layout, cfg.training, rates,
-                            _rank_flops(cfg.model, async_layout, cfg.training)).matmul_flops_per_s
+    flops = _rank_flops(cfg.model, async_layout, cfg.training, device_type(cfg.hardware))
+    rate = _compute_seconds(cfg.model, async_layout, cfg.training, rates, flops).matmul_flops_per_s
     names = {g.name for g in K.block_gemms(cfg.model, async_layout)} | {"output"}
     exposed = dict(zip([id(c) for c, _ in overlapped.collectives],
                        [one for _, one in _async_tp_exposed(list(overlapped.collectives), cfg.model, async_layout,

@@ -26,12 +26,15 @@ CARD_BILLIONS = {  # the model card's "Number of Parameters" (SOURCES.md names e
     "Qwen--Qwen3-30B-A3B.json": 30.5, "microsoft--phi-4.json": 14.7,
     "microsoft--Phi-3-mini-4k-instruct.json": 3.8, "mistralai--Mistral-Small-24B-Instruct-2501.json": 24.0,
     "google--gemma-3-1b-it.json": 1.0, "google--gemma-3-4b-it.json": 4.0, "google--gemma-3-27b-it.json": 27.0,
+    "google--gemma-3-12b-it.json": 12.0, "allenai--OLMo-2-1124-7B.json": 7.0, "allenai--OLMo-2-1124-13B.json": 13.0,
 }
+SIZE_CLASS = {"allenai--OLMo-2-1124-7B.json", "allenai--OLMo-2-1124-13B.json"}
+"""Files whose card names a size class only ("7B and 13B models"): the count lies between it and the next."""
 NON_EMBEDDING = {  # the Gemma 2 report's (arXiv 2408.00118) non-embedding parameters (SOURCES.md)
     "google--gemma-2-2b-it.json": 2_024_517_888, "google--gemma-2-9b-it.json": 8_324_201_984,
     "google--gemma-2-27b-it.json": 26_047_480_320,
 }
-MULTIMODAL = {"google--gemma-3-4b-it.json", "google--gemma-3-27b-it.json"}
+MULTIMODAL = {"google--gemma-3-4b-it.json", "google--gemma-3-12b-it.json", "google--gemma-3-27b-it.json"}
 """Files of a multimodal model whose text model alone trainfit builds: the card's figure counts the vision
 tower too (Gemma 3 27B's report figure, 25.6B + 1.4B of embeddings, is the text model's)."""
 PRESET_OF = {
@@ -42,7 +45,8 @@ PRESET_OF = {
     "mistralai--Mistral-Small-24B-Instruct-2501.json": "mistral-small-24b", "google--gemma-3-1b-it.json": "gemma-3-1b",
     "google--gemma-3-4b-it.json": "gemma-3-4b", "google--gemma-3-27b-it.json": "gemma-3-27b",
     "google--gemma-2-2b-it.json": "gemma-2-2b", "google--gemma-2-9b-it.json": "gemma-2-9b",
-    "google--gemma-2-27b-it.json": "gemma-2-27b",
+    "google--gemma-2-27b-it.json": "gemma-2-27b", "google--gemma-3-12b-it.json": "gemma-3-12b",
+    "allenai--OLMo-2-1124-7B.json": "olmo-2-7b", "allenai--OLMo-2-1124-13B.json": "olmo-2-13b",
 }
 FILES = sorted(p.name for p in DATA.glob("*.json"))
 
@@ -75,6 +79,8 @@ def test_each_file_is_its_cards_model_and_loads_with_transformers_count(name: st
     if name in NON_EMBEDDING:  # the report's figure exactly, beside the embedding
         hf = json.loads((DATA / name).read_text(encoding="utf-8"))
         assert theirs == NON_EMBEDDING[name] + hf["vocab_size"] * hf["hidden_size"]
+    elif name in SIZE_CLASS:
+        assert CARD_BILLIONS[name] <= theirs / 1e9 < CARD_BILLIONS[name] + 1
     elif name in MULTIMODAL:
         card = CARD_BILLIONS[name] * 1e9
         assert 0.9 * card < theirs < card if name != "google--gemma-3-27b-it.json" else round(theirs / 1e9, 1) == 27.0

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainfit.config import Config
-from trainfit.hardware import device_spec
+from trainfit.hardware import device_spec, device_type
 from trainfit.memory.analytic import MemoryEstimate, estimate_memory
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.run_shape import assumed_attention_kernel
-from trainfit.models.architecture import describe
+from trainfit.models.architecture import describe, softcap_kernel
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.resolve import build_layout
@@ -57,6 +57,9 @@ class Estimate:
         """Which attention kernel the estimate assumes, and why, in one line."""
         backend = self.cfg.training.attention_backend
         if describe(self.cfg.model).block.attention.softcap:
+            if softcap_kernel(device_type(self.cfg.hardware)) == "flex":
+                return ("attention: soft-capped scores (model.attention_softcap) run FlexAttention, compiled: no seq "
+                        "x seq term (not yet run on a GPU; priced at FlashAttention-2's rates)")
             return ("attention: soft-capped scores (model.attention_softcap) run an eager attention, not SDPA: "
                     "heads x seq x seq scores and fp32 probabilities saved per block")
         why = "torch's choice for these inputs" if backend == "auto" else "asked"

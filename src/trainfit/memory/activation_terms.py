@@ -63,6 +63,9 @@ class ActDtypes:
     """torch.amp: each matmul casts (and saves) its fp32 input itself."""
     math_attention: bool = False
     """SDPA runs torch's math kernel (run_shape.assumed_attention_kernel), not a fused one."""
+    eager_attention: bool = False
+    """Soft-capped scores (Gemma 2) run the eager attention, not FlexAttention (on the CPU:
+    models/architecture.softcap_kernel), keeping its [heads, queries, keys] scores and probabilities."""
     dropout_noise: bool = False
     """Dropout saves a noise tensor in its input's dtype (torch's CPU dropout multiplies by one), not
     the bool mask of the fused native_dropout kernel (CUDA)."""
@@ -156,7 +159,7 @@ def post_norms_saved(m: ModelConfig, d: ActDtypes) -> Terms:
 def scores_kept(m: ModelConfig, d: ActDtypes) -> bool:
     """Whether the attention keeps [heads, queries, keys] tensors for its backward, whose gradients come
     after the MLP's: torch's math SDPA kernel, or the eager soft-capped attention (Gemma 2's)."""
-    return d.math_attention or bool(layer_of(m).attention.softcap)
+    return d.math_attention or d.eager_attention
 
 
 def normed_bytes(m: ModelConfig, cast: int) -> int:

@@ -25,7 +25,7 @@ def attention_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
     cast_back = a.qk_norm is not None and a.qk_norm.offset
     per_position = 4 * head_dim * c if (d.autocast and a.rope and (not a.qk_norm or cast_back)) else 0
     qk_norm = qk_norm_saved(m, d)
-    if a.softcap:
+    if d.eager_attention:
         return _softcapped_attention_saved(m, d) + Terms(per_position=per_position) + qk_norm
     if d.math_attention:
         return _math_attention_saved(m, d, cp) + Terms(per_position=per_position) + qk_norm
@@ -66,7 +66,8 @@ def _math_attention_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
 
 
 def _softcapped_attention_saved(m: ModelConfig, d: ActDtypes) -> Terms:
-    """models/common.softcapped_attention (Gemma 2's soft-capped scores, eager): the first matmul saves q
+    """models/softcapped_attention.py's eager form (Gemma 2's soft-capped scores; FlexAttention, on CUDA,
+    keeps what the fused kernel keeps): the first matmul saves q
     and the keys expanded to the query heads (a copy under GQA), tanh its output ([heads, queries, keys]
     in the compute dtype), the fp32 softmax its output, the second matmul the probabilities cast back
     (unless fp32: the softmax's own) and the expanded values. No output nor logsumexp: the output
@@ -113,7 +114,7 @@ def attention_backward(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
     the engine runs them later)."""
     _, q_dim, kv_dim, H, _ = block_shapes(m)
     v = q_dim if m.num_kv_heads != m.num_heads else kv_dim
-    if layer_of(m).attention.softcap:  # eager: the fp32 softmax's backward, the expanded v's gradient waiting
+    if d.eager_attention:  # the fp32 softmax's backward, the expanded v's gradient waiting
         return Terms(tp=d.compute * v, per_key=2 * FP32 * H)
     if not d.math_attention:
         return Terms(tp=d.compute * (2 * q_dim + 2 * kv_dim))
@@ -130,7 +131,7 @@ def attention_kept(m: ModelConfig, d: ActDtypes, cp: int, policy: str) -> Terms:
     5th matmuls (after wq, wk, wv), so it keeps the output only and the block's other matmuls keep
     their parity (the same projections are kept as with a fused kernel)."""
     _, q_dim, _, H, _ = block_shapes(m)
-    if layer_of(m).attention.softcap:  # eager: its two matmuls, in the compute dtype (as the math kernel's)
+    if d.eager_attention:  # its two matmuls, in the compute dtype (as the math kernel's)
         scores = Terms(per_key=d.compute * H) if policy == "selective" else Terms()
         return Terms(tp=d.compute * q_dim) + scores
     if not d.math_attention:

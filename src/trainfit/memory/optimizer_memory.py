@@ -10,6 +10,7 @@ import math
 from typing import TYPE_CHECKING
 
 from trainfit.config import OptimizerConfig
+from trainfit.hardware import device_type
 from trainfit.memory.activation_terms import FP32
 from trainfit.memory.run_shape import Precision, Run
 from trainfit.models.architecture import describe
@@ -188,4 +189,4 @@ def optimizer_step_temporaries(run: Run, prec: Precision, decay: int, largest: i
 
 
 def _device(run: Run) -> str:
-    return "cpu" if run.hardware.gpu == "cpu" else "cuda"
+    return device_type(run.hardware)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+from trainfit.hardware import device_type
 from trainfit.memory.comm_buffers import comm_buffer_bytes
 from trainfit.memory.micro_batch import MicroBatch, SharedSizes
 from trainfit.memory.pipeline_held import micro_batches_in_flight
@@ -19,7 +20,7 @@ from trainfit.memory.run_shape import (
     precision_of,
     rope_table_bytes,
 )
-from trainfit.models.architecture import describe
+from trainfit.models.architecture import describe, softcap_kernel
 from trainfit.models.block_spec import block_linears
 from trainfit.models.params import ParamCounts
 from trainfit.parallel.stage_split import RankPlacement, checkpointed
@@ -186,6 +187,8 @@ def layout_common(run: Run, shared: SharedSizes) -> LayoutCommon:
     prec = precision_of(layout.precision, not layout.autocast)
     if assumed_attention_kernel(run.model, layout, run.training, run.hardware) == "math":
         prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, math_attention=True))
+    if describe(run.model).block.attention.softcap and softcap_kernel(device_type(run.hardware)) == "eager":
+        prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, eager_attention=True))
     if run.hardware.gpu == "cpu":
         prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, dropout_noise=True))
     seq = run.training.seq_len // layout.cp

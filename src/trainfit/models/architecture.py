@@ -283,6 +283,17 @@ def _describe(fields: tuple) -> Architecture:
                         embedding_scale=bool(m.embedding_scale), final_softcap=m.final_softcap)
 
 
+FLEX_DEVICES = ("cuda",)
+"""Where soft-capped attention runs FlexAttention (its score_mod and block mask, compiled): torch 2.13's has
+no backward on CPU, where the eager attention (models/softcapped_attention.py) runs instead."""
+
+
+def softcap_kernel(device_type: str) -> Literal["flex", "eager"]:
+    """The kernel of a soft-capped attention layer on `device_type` (torch's: "cuda", "cpu"): the model
+    runs it and both estimators price what it keeps and computes."""
+    return "flex" if device_type in FLEX_DEVICES else "eager"
+
+
 def head_dim(m: ModelConfig) -> int:
     """Each attention head's width: model.head_dim, or dim / num_heads when it is 0 (unset)."""
     return m.head_dim or m.dim // m.num_heads

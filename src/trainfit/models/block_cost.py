@@ -40,12 +40,16 @@ def _attention_flops(a: Attention, seq_len: int, causal: bool) -> float:
     return 2 * 2 * a.q_dim * a.keys_per_query(seq_len) if a.masked(seq_len) else full // 2
 
 
-def block_attention_kernel_flops(m: ModelConfig, seq_len: int) -> int:
+def block_attention_kernel_flops(m: ModelConfig, seq_len: int, *, eager_softcap: bool) -> int:
     """What the attention kernel computes per token in one block (the mean over the layers): the causal
     half without a mask; with a sliding window's explicit mask, SDPA's kernels that take one (CPU flash,
     CUDA memory-efficient) compute every query-key block and mask afterwards, the whole sequence, as
-    the eager soft-capped attention does (Gemma 2)."""
+    the eager soft-capped attention does (Gemma 2, `eager_softcap`: on the CPU); FlexAttention's block mask
+    (its CUDA form) skips the blocks outside the causal window: the useful work."""
     layers = describe(m).layers
-    whole = [la.attention.masked(seq_len) or bool(la.attention.softcap) for la in layers]
+    if describe(m).block.attention.softcap:
+        return block_attention_flops(m, seq_len, causal=not eager_softcap) if eager_softcap else \
+            block_attention_flops(m, seq_len)
+    whole = [la.attention.masked(seq_len) for la in layers]
     return round(sum(_attention_flops(la.attention, seq_len, causal=not w) for la, w in zip(layers, whole,
                                                                                             strict=True)) / len(layers))

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from trainfit.models.softcapped_attention import softcapped_attention
+
 
 class FeedForward(nn.Module):
     """Gated MLP: w2(act(w1 x) * w3 x), SwiGLU with silu, GeGLU with tanh-GELU (Gemma); w1 is the gate,
@@ -102,35 +104,18 @@ class WholeSequence:
         return slice(0, local_len)
 
     def attention(self, q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,
-                  window_TT: torch.Tensor | None = None, scale: float | None = None, softcap: float = 0.0
-                  ) -> torch.Tensor:
+                  window_TT: torch.Tensor | None = None, scale: float | None = None, softcap: float = 0.0,
+                  window: int = 0) -> torch.Tensor:
         """Causal attention of the queries over the keys and values (grouped-query when G < H); with
-        `window_TT` (window_mask's), over the keys it allows only; `scale`: the dot products' factor
-        (None: 1 / sqrt(head_dim)); `softcap`: soft-capped scores (softcapped_attention), else SDPA."""
+        `window_TT` (window_mask's of the layer's `window`), over the keys it allows only; `scale`: the dot
+        products' factor (None: 1 / sqrt(head_dim)); `softcap`: soft-capped scores
+        (models/softcapped_attention.py), else SDPA."""
         if softcap:
-            return softcapped_attention(q_BHTK, k_BGTK, v_BGTK, window_TT, scale, softcap)
+            return softcapped_attention(q_BHTK, k_BGTK, v_BGTK, window_TT, scale, softcap, window)
         with self.kernel():
             return F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, attn_mask=window_TT,
                                                   is_causal=window_TT is None, scale=scale,
                                                   enable_gqa=q_BHTK.shape[1] != k_BGTK.shape[1])
-
-
-def softcapped_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,
-                         window_TT: torch.Tensor | None, scale: float | None, softcap: float) -> torch.Tensor:
-    """Attention whose scores s become softcap x tanh(s / softcap) before the mask and an fp32 softmax
-    (Gemma 2's, in transformers' order), written out op by op: no SDPA kernel takes a score function on
-    CPU. It keeps what eager attention keeps: q, the keys and values expanded to the query heads, the
-    tanh's output and the fp32 probabilities (and their cast to the queries' dtype)."""
-    H, G, T = q_BHTK.shape[1], k_BGTK.shape[1], q_BHTK.shape[2]
-    if G != H:
-        k_BGTK, v_BGTK = k_BGTK.repeat_interleave(H // G, dim=1), v_BGTK.repeat_interleave(H // G, dim=1)
-    scores_BHTS = torch.matmul(q_BHTK, k_BGTK.transpose(2, 3)) * (scale or q_BHTK.shape[-1] ** -0.5)
-    scores_BHTS = torch.tanh(scores_BHTS / softcap) * softcap
-    if window_TT is None:  # causal: an additive mask of this call's (nothing keeps it)
-        window_TT = torch.zeros(T, T, dtype=scores_BHTS.dtype, device=scores_BHTS.device).masked_fill_(
-            torch.ones(T, T, dtype=torch.bool, device=scores_BHTS.device).triu_(1), float("-inf"))
-    probs_BHTS = torch.softmax(scores_BHTS + window_TT, dim=-1, dtype=torch.float32).to(q_BHTK.dtype)
-    return torch.matmul(probs_BHTS, v_BGTK)
 
 
 def window_mask(seq_len: int, window: int, like: torch.Tensor) -> torch.Tensor | None:

@@ -93,7 +93,7 @@ class Attention(nn.Module):
 
     def __init__(self, dim: int, spec: AttentionSpec) -> None:
         super().__init__()
-        self.head_dim, self.scale, self.softcap = spec.head_dim, spec.scale, spec.softcap
+        self.head_dim, self.scale, self.softcap, self.window = spec.head_dim, spec.scale, spec.softcap, spec.window
         self.wq = nn.Linear(dim, spec.q_dim, bias=spec.qkv_bias)
         self.wk = nn.Linear(dim, spec.kv_dim, bias=spec.qkv_bias)
         self.wv = nn.Linear(dim, spec.kv_dim, bias=spec.qkv_bias)
@@ -122,7 +122,7 @@ class Attention(nn.Module):
         q_BHTK, k_BGTK = q_BTHK.transpose(1, 2), k_BTGK.transpose(1, 2)
         v_BGTK = self.wv(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
         q_BHTK, k_BGTK = apply_rope(q_BHTK, cos_TK, sin_TK), apply_rope(k_BGTK, cos_TK, sin_TK)
-        o_BHTK = self.sequence.attention(q_BHTK, k_BGTK, v_BGTK, window_TT, self.scale, self.softcap)
+        o_BHTK = self.sequence.attention(q_BHTK, k_BGTK, v_BGTK, window_TT, self.scale, self.softcap, self.window)
         return self.wo(o_BHTK.transpose(1, 2).reshape(B, T, -1))
 
 

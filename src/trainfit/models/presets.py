@@ -51,6 +51,8 @@ def _gpt2(dim: int, num_layers: int, num_heads: int) -> dict[str, Any]:
 _QWEN3 = dict(vocab_size=151936, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm="head",
               hf_model_type="qwen3")
 
+_OLMO2 = dict(vocab_size=100352, max_seq_len=4096, norm_eps=1e-6, rope_theta=5e5, qk_norm="whole",
+              norm_placement="post", hf_model_type="olmo2")
 _GEMMA2 = dict(vocab_size=256000, max_seq_len=8192, norm_eps=1e-6, tie_embeddings=True, norm_placement="sandwich",
                norm_offset=True, embedding_scale=True, mlp_activation="gelu_tanh", sliding_window=4096,
                sliding_window_pattern=2, attention_softcap=50.0, final_softcap=30.0, hf_model_type="gemma2")
@@ -153,13 +155,18 @@ PRESETS: dict[str, dict[str, Any]] = {
                        query_pre_attn_scalar=256.0),
     "gemma-2-27b": dict(_GEMMA2, dim=4608, num_layers=46, num_heads=32, num_kv_heads=16, head_dim=128, ffn_dim=36864,
                         query_pre_attn_scalar=144.0),
-    # google/gemma-3-{1b,4b,27b}-it (the text model of 4B and 27B): sandwich (1 + w) norms, GeGLU, QK-norm,
+    # allenai/OLMo-2-1124-{7B,13B}: a norm after each branch (none before), QK-norm over all heads.
+    "olmo-2-7b": dict(_OLMO2, dim=4096, num_layers=32, num_heads=32, num_kv_heads=32, ffn_dim=11008),
+    "olmo-2-13b": dict(_OLMO2, dim=5120, num_layers=40, num_heads=40, num_kv_heads=40, ffn_dim=13824),
+    # google/gemma-3-{1b,4b,12b,27b}-it (the text model of 4B and 27B): sandwich (1 + w) norms, GeGLU, QK-norm,
     # five windowed layers to one global, the windowed ones with RoPE base 10,000, the global ones 1e6
     # (scaled linearly by 8 from 4B up).
     "gemma-3-1b": dict(_GEMMA3, dim=1152, num_layers=26, num_heads=4, num_kv_heads=1, ffn_dim=6912, vocab_size=262144,
                        max_seq_len=32768, sliding_window=512, query_pre_attn_scalar=256.0),
     "gemma-3-4b": dict(_GEMMA3, **_GEMMA3_SCALED, dim=2560, num_layers=34, num_heads=8, num_kv_heads=4, ffn_dim=10240,
                        query_pre_attn_scalar=256.0),
+    "gemma-3-12b": dict(_GEMMA3, **_GEMMA3_SCALED, dim=3840, num_layers=48, num_heads=16, num_kv_heads=8,
+                        ffn_dim=15360, query_pre_attn_scalar=256.0),
     "gemma-3-27b": dict(_GEMMA3, **_GEMMA3_SCALED, dim=5376, num_layers=62, num_heads=32, num_kv_heads=16, head_dim=128,
                         ffn_dim=21504, query_pre_attn_scalar=168.0),
 }
@@ -200,11 +207,17 @@ PUBLISHED_NUM_PARAMS: dict[str, int] = {
     "gemma-2-9b": 9_241_705_984,
     "gemma-2-27b": 27_227_128_320,
     # the same from Mistral Small's and Gemma 3's files (the text models), which the cards and the Gemma 3
-    # report round: 24B; 1B, 4B (text and vision), 27B (25.6B + 1.4B of embeddings)
+    # report round: 24B; 1B, 4B, 12B (text and vision), 27B (25.6B + 1.4B of embeddings); each Gemma 3's
+    # count less its embedding (262,144 or 262,208 x dim) is the report's non-embedding one: 698M, 3,209M,
+    # 10,759M, 25,600M
     "mistral-small-24b": 23_572_403_200,
     "gemma-3-1b": 999_885_952,
     "gemma-3-4b": 3_880_263_168,
+    "gemma-3-12b": 11_766_034_176,
     "gemma-3-27b": 27_009_346_304,
+    # OLMo 2's files, which the cards call 7B and 13B
+    "olmo-2-7b": 7_298_617_344,
+    "olmo-2-13b": 13_716_198_400,
 }
 
 

@@ -56,8 +56,8 @@ class ContextParallel(WholeSequence):
         return self._cache[key]
 
     def attention(self, q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,
-                  window_TT: torch.Tensor | None = None, scale: float | None = None, softcap: float = 0.0
-                  ) -> torch.Tensor:
+                  window_TT: torch.Tensor | None = None, scale: float | None = None, softcap: float = 0.0,
+                  window: int = 0) -> torch.Tensor:
         """Each of this rank's two query chunks attends the keys from position 0 to its own chunk's
         end, causally within its chunk (a lower-right-aligned causal mask of [chunk, end]), its dot products
         multiplied by `scale` (None: 1 / sqrt(head_dim)). No sliding

@@ -149,15 +149,16 @@ def loss_recompute_flops_per_token(m: ModelConfig, chunked_loss: bool) -> int:
     return 2 * head_matmul_params(m) if chunked_loss else 0
 
 
-def attention_backward_factor(m: ModelConfig) -> float:
-    """The attention backward's FLOPs over its forward's: the fused kernel's 2.5 (module docstring); the
-    eager soft-capped attention's (Gemma 2) 2, the gradients of its two products from what it saved."""
-    return 2.0 if describe(m).block.attention.softcap else FLASH_ATTENTION_BWD_FACTOR
+def attention_backward_factor(m: ModelConfig, eager_softcap: bool) -> float:
+    """The attention backward's FLOPs over its forward's: a fused kernel's 2.5 (module docstring; so is
+    FlexAttention's, on CUDA); the eager soft-capped attention's (Gemma 2, `eager_softcap`: on the CPU) 2,
+    the gradients of its two products from what it saved."""
+    return 2.0 if eager_softcap and describe(m).block.attention.softcap else FLASH_ATTENTION_BWD_FACTOR
 
 
 def flash_backward_extra_flops_per_token(m: ModelConfig, seq_len: int) -> int:
     """What the fused attention backward executes beyond the 2x-forward of model FLOPs."""
-    return int((attention_backward_factor(m) - 2) * attention_flops_per_token(m, seq_len))
+    return int((attention_backward_factor(m, eager_softcap=False) - 2) * attention_flops_per_token(m, seq_len))
 
 
 def hardware_flops_per_token(m: ModelConfig, seq_len: int, policy: str = "none", every_n_layers: int = 1, *,

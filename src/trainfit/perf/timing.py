@@ -83,6 +83,7 @@ from trainfit.hardware import (
     compute_dtype_of,
     compute_efficiency,
     device_spec,
+    device_type,
     host_link,
     inter_node_link,
     intra_node_link,
@@ -90,7 +91,7 @@ from trainfit.hardware import (
     peak_flops,
 )
 from trainfit.models import block_cost as B
-from trainfit.models.architecture import describe
+from trainfit.models.architecture import describe, softcap_kernel
 from trainfit.models.block_spec import block_linears
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES
@@ -210,11 +211,13 @@ class RankFlops(NamedTuple):
     """Whether the rank runs the output projection."""
 
 
-def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> RankFlops:
-    """The busiest rank's hardware FLOPs per step: forward, backward incl. recomputation, the
-    attention kernel's part of each, and the float8 linears' (a checkpointed block reruns them in
-    proportion to its matmul FLOPs)."""
-    mm, at = 2 * B.block_matmul_params(m), B.block_attention_kernel_flops(m, t.seq_len)
+def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig, device: str) -> RankFlops:
+    """The busiest rank's hardware FLOPs per step on a `device` ("cpu", "cuda": the soft-capped attention's
+    kernel, models/architecture.softcap_kernel): forward, backward incl. recomputation, the attention
+    kernel's part of each, and the float8 linears' (a checkpointed block reruns them in proportion to its
+    matmul FLOPs)."""
+    eager = softcap_kernel(device) == "eager"
+    mm, at = 2 * B.block_matmul_params(m), B.block_attention_kernel_flops(m, t.seq_len, eager_softcap=eager)
     rc_mm, rc_at = F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing, layout.ep)
     rc_at = rc_at * at / B.block_attention_flops(m, t.seq_len)  # the kernel's work, as for the forward
     local = sum(g.k * g.n * g.share for g in K.block_gemms(m, layout))  # one tp rank's share of a block's
@@ -232,7 +235,7 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig) -> RankFlops:
     weight_grads = 0 if adaptation else 1
 
     first_skipped = 2 * F.first_block_input_grad_params(m, adaptation) * whole if adaptation else 0
-    attention_bwd = F.attention_backward_factor(m)
+    attention_bwd = F.attention_backward_factor(m, eager)
 
     def rank(layers: int, wrapped: int, last_stage: bool) -> RankFlops:
         wrapped = 0 if layout.activation_checkpointing == "none" else wrapped
@@ -420,8 +423,9 @@ def _gpu_compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rate
     efficiency = rates.efficiency
     matmul = rate(others, high) * efficiency
     matmul_fp8 = rate([(g, 1) for g in fp8_gemms], "fp8") * efficiency if fp8_gemms else 1.0
-    # soft-capped scores (Gemma 2) run the eager attention, op by op: priced as the unfused math kernel
-    kernel = "math" if describe(m).block.attention.softcap else attention_kernel(t.attention_backend, device)
+    # soft-capped scores (Gemma 2) run FlexAttention on a GPU (models/architecture.softcap_kernel), a fused
+    # kernel that is priced as FlashAttention-2 (FlexAttention's own rate is not measured here)
+    kernel = "flash" if describe(m).block.attention.softcap else attention_kernel(t.attention_backend, device)
     att_fwd, att_bwd = GK.attention_rates(kernel, t.seq_len // layout.cp, GK.mamf(device, "bf16", peaks))
     ew_fwd, ew_bwd = K.elementwise_bytes(m, layout, t)
 
@@ -464,7 +468,7 @@ def compute_time_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwa
                    rates: Rates | None = None) -> float:
     """The busiest rank's forward and backward compute per step (estimate_perf's compute_s), alone:
     part of the lower bounds plan/search.py computes before whole estimates."""
-    compute = _compute_seconds(m, layout, t, rates or Rates.of(hw), _rank_flops(m, layout, t))
+    compute = _compute_seconds(m, layout, t, rates or Rates.of(hw), _rank_flops(m, layout, t, device_type(hw)))
     return compute.forward + compute.backward
 
 
@@ -591,7 +595,7 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
     recompute_tok = (F.recompute_flops_per_token(m, t.seq_len, layout.activation_checkpointing,
                                                  layout.ac_every_n_layers, layout.ep)
                      + F.loss_recompute_flops_per_token(m, layout.chunked_loss))
-    rank_flops = _rank_flops(m, layout, t)
+    rank_flops = _rank_flops(m, layout, t, device_type(hw))
     fwd, bwd = rank_flops.forward, rank_flops.backward
     compute = _compute_seconds(m, layout, t, rates, rank_flops)
     fwd_s, bwd_s, fp8_cast_s, nf4_dequant_s = compute.forward, compute.backward, compute.fp8_casts, compute.nf4_dequant

@@ -13,6 +13,7 @@ from _dist import fake_world
 from _runs import run_config
 from trainfit.config import ModelConfig
 from trainfit.configure import load_config
+from trainfit.hardware import device_type
 from trainfit.models import build_model
 from trainfit.models.block_spec import block_linears
 from trainfit.models.params import param_counts
@@ -87,8 +88,8 @@ def test_an_moe_feed_forward_is_priced_whole_on_each_tp_rank(tmp_path) -> None:
     assert block_one == c.per_layer
     assert block_two == c.per_layer - c.attention // 2  # attention halves; the MoE and the norms stay whole
     # Per rank and token, tp=2 halves the attention's matmuls and none of the MoE's.
-    flops_one = timing._rank_flops(m, build_layout(one, 1), one.training)
-    flops_two = timing._rank_flops(m, build_layout(two, 2), two.training)
+    flops_one = timing._rank_flops(m, build_layout(one, 1), one.training, device_type(one.hardware))
+    flops_two = timing._rank_flops(m, build_layout(two, 2), two.training, device_type(two.hardware))
     tokens = one.training.micro_batch_size * one.training.seq_len  # per rank in both (dp 1)
     local = 2 * sum(g.k * g.n * g.share for g in kernels.block_gemms(m, build_layout(two, 2)))
     whole = 2 * sum(g.k * g.n * g.share for g in kernels.block_gemms(m, build_layout(one, 1)))
