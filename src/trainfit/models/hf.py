@@ -41,6 +41,9 @@ class HfType:
     """How routed experts are configured and named: "" none, "mixtral", "qwen3_moe" or "olmoe"."""
     fused: bool = False
     """Phi-3: q, k, v stored as one qkv_proj, gate and up as one gate_up_proj."""
+    window: bool = False
+    """Its config.json's sliding_window is every layer's (Mistral, Mixtral, Phi-3) or every windowed layer's
+    (Gemma), so a model with model.sliding_window can be written as it."""
     gemma: bool = False
     """Gemma's features: (1 + w) norms, sandwich norms, GeGLU, sqrt(dim)-scaled embeddings, a query scale,
     windowed layers among global ones (sliding_window_pattern or layer_types), their own RoPE base."""
@@ -71,18 +74,18 @@ GEMMA2_DEFAULTS = (
 
 LLAMA_LIKE_TYPES = {
     "llama": HfType("LlamaForCausalLM"),
-    "mistral": HfType("MistralForCausalLM"),
-    "mixtral": HfType("MixtralForCausalLM", eps=1e-5, theta=1e6, experts="mixtral"),
+    "mistral": HfType("MistralForCausalLM", window=True),
+    "mixtral": HfType("MixtralForCausalLM", eps=1e-5, theta=1e6, experts="mixtral", window=True),
     "qwen2": HfType("Qwen2ForCausalLM", qkv_bias=True),
     "qwen3": HfType("Qwen3ForCausalLM", head_dim=128, qk_norm="head"),
     "qwen3_moe": HfType("Qwen3MoeForCausalLM", head_dim=128, qk_norm="head", experts="qwen3_moe"),
     "olmo2": HfType("Olmo2ForCausalLM", eps=1e-5, qk_norm="whole", norm_placement="post"),
     "olmoe": HfType("OlmoeForCausalLM", eps=1e-5, qk_norm="whole", experts="olmoe"),
-    "phi3": HfType("Phi3ForCausalLM", eps=1e-5, fused=True),
+    "phi3": HfType("Phi3ForCausalLM", eps=1e-5, fused=True, window=True),
     "gemma2": HfType("Gemma2ForCausalLM", theta=1e4, norm_placement="sandwich", gemma=True, defaults=GEMMA2_DEFAULTS,
-                     softcaps=True),
+                     softcaps=True, window=True),
     "gemma3_text": HfType("Gemma3ForCausalLM", theta=1e6, qk_norm="head", norm_placement="sandwich", gemma=True,
-                          defaults=GEMMA3_TEXT_DEFAULTS, local_rope=True),
+                          defaults=GEMMA3_TEXT_DEFAULTS, local_rope=True, window=True),
 }
 """The llama-family model types, each a mapping from its config.json (_llama_fields) and its weight
 names (_llama_groups); a new one is an entry here when its features are the architecture's."""
@@ -422,7 +425,7 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                    intermediate_size=cfg.expert_ffn_dim, norm_topk_prob=bool(cfg.router_normalize_topk),
                    router_aux_loss_coef=cfg.router_aux_loss_coef, clip_qkv=None)
-    if model_type in ("mistral", "mixtral", "phi3"):
+    if kind.window and not kind.gemma:  # Gemma's is written with its layer kinds above
         out.update(sliding_window=cfg.sliding_window or None)
     if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         out.update(use_sliding_window=False)
@@ -462,8 +465,8 @@ def _llama_model_type(cfg: ModelConfig) -> str:
             raise ConfigError(f"model.{name}={getattr(cfg, name)!r}: model.hf_model_type={model_type!r} cannot "
                               f"hold it; set it to {plain!r}, or model.hf_model_type to a type that has it "
                               "(gemma2: soft-capping; gemma3_text: a RoPE base of the windowed layers)")
-    if cfg.sliding_window and model_type not in ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text"):
-        features["window"] = True  # a type whose every layer may have one
+    if cfg.sliding_window:
+        features["window"] = True  # a type whose config.json says its layers' window
     for name, value in features.items():
         theirs = getattr(kind, name, False)
         if theirs != value:
