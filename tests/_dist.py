@@ -33,7 +33,8 @@ from trainfit.parallel.data_parallel import state_dicts
 from trainfit.train.distributed import World
 from trainfit.train.trainer import Trainer, TrainResult
 
-__all__ = ["AUTOCAST", "DP_BATCH", "FP32", "LONG_STEPS", "LOW", "MOE", "REFERENCES_ENV", "STEPS", "ZERO1_LAYOUT",
+__all__ = ["AUTOCAST", "DP_BATCH", "FP32", "LONG_STEPS", "LOW", "MIXED_MOE", "MOE", "REFERENCES_ENV", "STEPS",
+           "ZERO1_LAYOUT",
            "ZERO1_RUN_ENV", "ZERO3_LAYOUT", "ZERO3_RUN_ENV", "ZERO3_STEPS", "FourRankGlooTestCase", "GlooTestCase",
            "Reference", "fake_world", "full_params", "parity_name", "spawn_gloo", "subprocess_env", "torchrun",
            "with_comms"]
@@ -55,6 +56,9 @@ figure, 4e-7 for DDP on one machine's CPU and 1.0e-5 on another's (AMD EPYC, for
 AUTOCAST = {"loss_rtol": 1e-4, "update_rtol": 2e-2}
 LOW = {"loss_rtol": 1e-3, "update_rtol": 6e-2}
 MOE = {"loss_rtol": 1e-3, "update_rtol": 0.2}
+MIXED_MOE = ("--model.num_layers=4", "--model.moe_dense_layers=1", "--model.moe_layer_step=2")
+"""On an MoE model: the first layer dense, then every second one MoE (Qwen3-MoE's mlp_only_layers [0] and
+decoder_sparse_step 2): dense, MoE, dense, MoE."""
 GEMMA3 = ("--model.norm_placement=sandwich", "--model.norm_offset=true", "--model.mlp_activation=gelu_tanh",
           "--model.embedding_scale=true", "--model.qk_norm=head", "--model.head_dim=24",
           "--model.query_pre_attn_scalar=20", "--model.sliding_window=8", "--model.sliding_window_pattern=2",

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
-from _dist import DP_BATCH, LAYOUT_FIELDS, LONG_STEPS, FourRankGlooTestCase, GlooTestCase, with_comms
+from _dist import DP_BATCH, LAYOUT_FIELDS, LONG_STEPS, MIXED_MOE, FourRankGlooTestCase, GlooTestCase, with_comms
 from _runs import assert_export_matches, run_config
 from trainfit.models.init import canonical_name
 from trainfit.train.distributed import World
@@ -83,8 +83,10 @@ class TwoRanks(ExpertParallelParity):
             # cp: each rank routes half of every row, so its load-balancing loss is not one process's: off here
             (("--parallel.ep=2", "--parallel.cp=2", "--parallel.zero_stage=3", "--model.router_aux_loss_coef=0"),
              COMPOSITION_STEPS),
-            # Qwen3-MoE's block: QK-norm, heads wider than the model, no shared expert
-            ((*EP2, "--model.qk_norm=head", "--model.head_dim=24", "--model.num_shared_experts=0"), COMPOSITION_STEPS),
+            # Qwen3-MoE's block: QK-norm, heads wider than the model, no shared expert; its layers dense, MoE,
+            # dense, MoE (expert parallelism on the MoE ones only)
+            ((*EP2, "--model.qk_norm=head", "--model.head_dim=24", "--model.num_shared_experts=0", *MIXED_MOE),
+             COMPOSITION_STEPS),
         ]}, self.check_case)
         self.run_subtests({"overrides": [EP2, (*EP2, CAPACITY)]}, self.check_gradients)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from _dist import AUTOCAST, GEMMA3, LONG_STEPS, FourRankGlooTestCase, GlooTestCase, with_comms
+from _dist import AUTOCAST, GEMMA3, LONG_STEPS, MIXED_MOE, FourRankGlooTestCase, GlooTestCase, with_comms
 
 PP_FP32 = {"loss_rtol": 1e-4, "update_rtol": 1e-4}
 STEPS, COMPOSITION_STEPS = LONG_STEPS, 4
@@ -50,6 +50,9 @@ class TwoRanks(GlooTestCase):
             # The auxiliary losses of both stages reach their routers. The reference accumulates the same
             # 2-row micro-batches (the load-balancing loss of 8 rows at once is another function).
             (("--parallel.pp=2", "--model.preset=debug-moe", "--training.micro_batch_size=2"), PP_FP32, STEPS),
+            # dense and MoE layers: the split weighs each block by its kind
+            (("--parallel.pp=2", "--model.preset=debug-moe", "--training.micro_batch_size=2", *MIXED_MOE), PP_FP32,
+             COMPOSITION_STEPS),
             (("--parallel.pp=2", "--memory.activation_checkpointing=full"), PP_FP32, COMPOSITION_STEPS),
             (("--parallel.pp=2", "--precision.mode=bf16-mixed"), AUTOCAST, COMPOSITION_STEPS),
             (("--parallel.pp=2", "--training.grad_clip=0.05"), PP_FP32, COMPOSITION_STEPS),  # clips every step

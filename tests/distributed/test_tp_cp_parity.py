@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from _dist import AUTOCAST, GEMMA2, GEMMA3, LONG_STEPS, MOE, FourRankGlooTestCase, GlooTestCase, with_comms
+from _dist import AUTOCAST, GEMMA2, GEMMA3, LONG_STEPS, MIXED_MOE, MOE, FourRankGlooTestCase, GlooTestCase, with_comms
 
 TP_FP32 = {"loss_rtol": 1e-4, "update_rtol": 1e-4}
 TP_BF16 = {**AUTOCAST, "loss_rtol": 3e-4}
@@ -38,6 +38,8 @@ class TwoRanks(GlooTestCase):
             # experts replicated; top-2 routing turns 1e-7 differences into other experts for a few
             # tokens, as under data parallelism (test_dp_parity.py)
             (("--parallel.tp=2", SP, "--model.preset=debug-moe"), MOE, COMPOSITION_STEPS),
+            # dense and MoE layers: each block's plan by its kind (the dense MLP split, the MoE's whole)
+            (("--parallel.tp=2", SP, "--model.preset=debug-moe", *MIXED_MOE), MOE, COMPOSITION_STEPS),
             (("--parallel.tp=2", SP, "--memory.activation_checkpointing=full"), TP_FP32, COMPOSITION_STEPS),
             # 20 steps: the row-parallel partial sums are reduced in bf16 across ranks (one process sums
             # them in the matmul's fp32), a 16-bit rounding that weighs on the few steps' update more

@@ -373,6 +373,9 @@ POST_NORM = "--model.norm_placement=post"
 OLMO2 = [*LLAMA, POST_NORM, "--model.qk_norm=whole"]
 QWEN3_MOE = [*moe(4, 2, 0, 1.0), *QK_NORM]
 """Qwen3-MoE's block: QK-norm, 4 routed experts (top 2, no shared one), capacity factor 1."""
+MIXED_MOE = [*QWEN3_MOE, "--model.num_layers=4", "--model.moe_dense_layers=1", "--model.moe_layer_step=2"]
+"""Qwen3-MoE's block among dense ones: the first layer dense, then every second routed (dense, MoE,
+dense, MoE; mlp_only_layers [0], decoder_sparse_step 2)."""
 GEMMA3 = [*LLAMA, "--model.num_layers=3", "--model.norm_placement=sandwich", "--model.norm_offset=true",
           "--model.mlp_activation=gelu_tanh", "--model.embedding_scale=true", *QK_NORM,
           "--model.query_pre_attn_scalar=32", WINDOW, "--model.sliding_window_pattern=3",
@@ -395,6 +398,13 @@ ARCHITECTURE_GRID: list[Row] = [
     _row("qwen3-moe-fp32", 1, QWEN3_MOE),
     # OLMoE's block: QK-norm over all heads, the top-k routing weights not renormalised (dropless)
     _row("olmoe-fp32", 1, [*moe(4, 2), "--model.qk_norm=whole", "--model.router_normalize_topk=false"]),
+    _row("mixed-moe-fp32", 1, MIXED_MOE),
+    _row("mixed-moe-bf16-mixed-full", 1, MIXED_MOE, BF16_MIXED, FULL),
+    _row("mixed-moe-bf16-pure-selective", 1, MIXED_MOE, BF16_PURE, SELECTIVE),
+    _row("mixed-moe-z3-bf16-mixed", 2, MIXED_MOE, Z3, BF16_MIXED),
+    _row("mixed-moe-ep2-z3-fp32", 2, MIXED_MOE, EP2, Z3),
+    _row("mixed-moe-tp2-sp-fp32", 2, MIXED_MOE, TP2, SP, micro=8),
+    _row("mixed-moe-pp2-fp32", 2, MIXED_MOE, "--parallel.pp=2", micro=2),
     _row("qwen3-z3-bf16-mixed", 2, QWEN3, Z3, BF16_MIXED),
     _row("qwen3-tp2-sp-fp32", 2, QWEN3, TP2, SP, micro=8),
     # a sliding window of 64 of the 256 positions: SDPA with the window's mask

@@ -59,6 +59,8 @@ QWEN3 = (*DENSE, "--model.qk_norm=head", "--model.head_dim=24")
 GEMMA = (*DENSE, "--model.norm_placement=sandwich", "--model.norm_offset=true", "--model.mlp_activation=gelu_tanh",
          "--model.embedding_scale=true", "--model.sliding_window=8", "--model.sliding_window_pattern=2")
 """Gemma's block: sandwich (1 + w) norms, GeGLU, a windowed layer (8 of 32 positions) before a global one."""
+MIXED_MOE = (*MOE, "--model.num_layers=4", "--model.moe_dense_layers=1", "--model.moe_layer_step=2")
+"""The first layer dense, then every second one MoE (Qwen3-MoE's mlp_only_layers and decoder_sparse_step)."""
 
 GRID: dict[str, tuple[str, ...]] = {
     "moe-tp2": (*MOE, "--hardware.num_gpus=2", "--parallel.tp=2", "--training.global_batch_size=1"),
@@ -93,6 +95,12 @@ GRID: dict[str, tuple[str, ...]] = {
     "gemma2-softcap-zero3": (*GEMMA, "--model.attention_softcap=50", "--model.final_softcap=30",
                              "--hardware.num_gpus=2", "--parallel.zero_stage=3", "--training.micro_batch_size=4",
                              "--training.global_batch_size=8"),
+    # dense and MoE layers mixed (dense, MoE, dense, MoE): each kind's tensor-parallel plan and collectives,
+    # the experts' units and all-to-alls on the MoE layers only
+    "mixed-moe-tp2-sp": (*MIXED_MOE, "--hardware.num_gpus=2", "--parallel.tp=2", "--parallel.sequence_parallel=true",
+                         "--training.micro_batch_size=4", "--training.global_batch_size=4"),
+    "mixed-moe-ep2-zero3": (*MIXED_MOE, "--hardware.num_gpus=2", "--parallel.ep=2", "--parallel.zero_stage=3",
+                            "--model.capacity_factor=1.0", "--training.global_batch_size=2"),
 }
 """Each point: the debug models on SHAPE, one or two micro-batches per rank."""
 
@@ -231,6 +239,11 @@ KNOWN: dict[tuple[str, str], str] = {
         "comes later in the backward with 270 KB more activations and 144 KB more buffers and 393 KB fewer logits: "
         "a moment of the soft-capped logits' or the eager attention's backward that the analytic estimate does "
         "not model yet (at 256 positions, the accuracy grid's Gemma 2 rows agree per component)",
+    **{("memory", name): (
+        "the peak within 1.2% of the traced one (4.8 and 2.9 MB), but a component 80-150 KB (1.7-5% of the peak) "
+        "off: the analytic step's moments size every block's transients by the stage's last block (here an MoE "
+        "one), also at the backward of the dense blocks, the likely cause (at 256 positions, the accuracy grid's "
+        "mixed rows agree per component)") for name in ("mixed-moe-tp2-sp", "mixed-moe-ep2-zero3")},
 }
 """Grid points whose check fails today, by (check, point): the disagreement, and which side is right
 where that is known. Strict: a fix makes the test fail until its entry goes."""

@@ -130,6 +130,13 @@ class ModelConfig:
     """Experts every token passes through, beside the routed ones."""
     expert_ffn_dim: int | None = None
     """Hidden size of each expert's MLP; defaults to ffn_dim."""
+    moe_dense_layers: int | None = None
+    """MoE models: the first n layers have a dense feed-forward of ffn_dim instead (Qwen3-MoE's
+    mlp_only_layers when they are the first n; DeepSeek's first_k_dense_replace). 0: none."""
+    moe_layer_step: int | None = None
+    """MoE models: of the layers after moe_dense_layers, layer i (from 0) is MoE when (i + 1) is a
+    multiple of n, the others dense of ffn_dim (Qwen3-MoE's decoder_sparse_step, Llama 4's
+    interleave_moe_layer_step). 1: every layer."""
     router_normalize_topk: bool | None = None
     """true: each token's top-k routing weights are renormalised to sum to 1 (Mixtral; Qwen3-MoE's
     norm_topk_prob); false: kept as the softmax over all experts gave them (OLMoE)."""

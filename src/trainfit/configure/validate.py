@@ -69,7 +69,7 @@ def _validate_model(m: ModelConfig) -> None:
                        ("final_softcap", "0 (none) or the positive cap c of c tanh(l / c), Gemma 2's 30")):
         if getattr(m, name) is None or getattr(m, name) < 0:
             raise field_error(f"model.{name}", getattr(m, name), f"must be {what}")
-    attention = describe(m).block.attention
+    attention = describe(m).attention
     if m.family == "gpt2":  # the features GPT-2's module tree (models/gpt2.py) does not have
         for name, value, fix in (("num_kv_heads", m.num_kv_heads, m.num_heads), ("head_dim", m.head_dim, 0),
                                  ("qk_norm", m.qk_norm, "none"), ("sliding_window", m.sliding_window, 0),
@@ -92,6 +92,19 @@ def _validate_model(m: ModelConfig) -> None:
         if not 1 <= m.experts_per_token <= m.num_experts:
             raise field_error("model.experts_per_token", m.experts_per_token,
                   f"must be between 1 and model.num_experts={m.num_experts}")
+        if not 0 <= m.moe_dense_layers < m.num_layers:
+            raise field_error("model.moe_dense_layers", m.moe_dense_layers,
+                              f"must be between 0 and model.num_layers - 1 = {m.num_layers - 1}")
+        if not 1 <= m.moe_layer_step <= m.num_layers:
+            raise field_error("model.moe_layer_step", m.moe_layer_step,
+                              f"must be between 1 (every layer MoE) and model.num_layers = {m.num_layers}")
+        if (m.moe_dense_layers or m.moe_layer_step > 1) and m.ffn_dim < 1:
+            raise field_error("model.ffn_dim", m.ffn_dim, "the dense layers of an MoE model need their width: set it")
+    elif (m.moe_dense_layers, m.moe_layer_step) != (0, 1):
+        name, value, fix = (("model.moe_dense_layers", m.moe_dense_layers, 0) if m.moe_dense_layers
+                            else ("model.moe_layer_step", m.moe_layer_step, 1))
+        raise field_error(name, value, f"a dense model (model.num_experts=0) has no MoE layers to place: "
+                                       f"set it to {fix}")
     if m.norm_eps <= 0:
         raise field_error("model.norm_eps", m.norm_eps, "must be > 0")
     _validate_rope_scaling(m)

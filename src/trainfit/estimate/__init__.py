@@ -56,7 +56,7 @@ class Estimate:
     def attention_note(self) -> str:
         """Which attention kernel the estimate assumes, and why, in one line."""
         backend = self.cfg.training.attention_backend
-        if describe(self.cfg.model).block.attention.softcap:
+        if describe(self.cfg.model).attention.softcap:
             if softcap_kernel(device_type(self.cfg.hardware)) == "flex":
                 return ("attention: soft-capped scores (model.attention_softcap) run FlexAttention, compiled: no seq "
                         "x seq term (not yet run on a GPU; priced at FlashAttention-2's rates)")

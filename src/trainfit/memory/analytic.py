@@ -109,7 +109,7 @@ class StageMemory:
         shape = (lay, pipe)
         if shape not in self._shapes:
             if lay not in self._layouts:
-                self._layouts[lay] = rank_breakdown(run, common, lay)
+                self._layouts[lay] = rank_breakdown(*common.at_moment(lay), lay)
             self._shapes[shape] = self._layouts[lay](pipe)
         return self._shapes[shape]
 
@@ -128,7 +128,9 @@ def _rank(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware
           optimizer: OptimizerConfig, stage: int) -> tuple[Run, LayoutCommon, StageStates]:
     run = Run(model, layout, training, hardware, optimizer)
     common = layout_common(run, SharedSizes(model))
-    return run, common, stage_states(run, common, rank_layout(run, common, layout.rank_placement(stage)))
+    lay = rank_layout(run, common, layout.rank_placement(stage))
+    run, common = common.at_moment(lay)
+    return run, common, stage_states(run, common, lay)
 
 
 def model_states(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
@@ -152,23 +154,25 @@ def forward_retained_bytes(model: ModelConfig, layout: Layout, training: Trainin
     root's). The measurable counterpart: (in use after forward + loss) - (in use before)."""
     run, common, st = _rank(model, layout, training, hardware, optimizer, stage)
     lay, act, mb = st.lay, st.prec.act, common.micro_batch
-    none_blocks = lay.blocks - lay.policy_blocks
-    total = none_blocks * mb.none + lay.policy_blocks * mb.policy + mb.positions - first_block_saving(run, lay, act)
+    total = int(common.per_kind(lay, lambda _, k: k.micro_batch.none, wrapped=False)
+                + common.per_kind(lay, lambda _, k: k.micro_batch.policy, wrapped=True)) + mb.positions
+    total -= first_block_saving(run, lay, act)
     chunked = run.layout.chunked_loss
     if lay.last:
         total += mb.final + mb.loss.saved
         total += mb.loss.output if mb.loss.keeps_output else 0
     if act.autocast:  # the chunked loss's output-weight cast is recomputed in backward, not saved
-        total += st.prec.compute * (none_blocks * (lay.block_matmul - lay.block_float8 - lay.block_nf4)
-                                     + (0 if chunked else lay.output_matmul) - first_block_casts_unsaved(run, lay, act))
+        blocks = common.per_kind(lay, lambda _, k: k.block.matmul - k.block.float8 - k.block.nf4, wrapped=False)
+        total += st.prec.compute * (int(blocks) + (0 if chunked else lay.output_matmul)
+                                    - first_block_casts_unsaved(run, lay, act))
     if st.fsdp:  # unsharded parameters gathered in the forward and kept for backward
         zero = run.layout.zero_stage
         kept = st.params if zero == 2 else lay.embedding + lay.head if zero == 3 else 0
         total += st.prec.compute * kept
         if zero == 2 and run.layout.fp8_gathers:  # the float8 weights gathered in fp8
-            total -= (st.prec.compute - 1) * lay.blocks * lay.block_float8
+            total -= (st.prec.compute - 1) * lay.summed.float8
         if zero == 2:  # QLoRA's weights gathered in NF4
-            total -= lay.blocks * (st.prec.compute * lay.block_nf4 - lay.block_nf4_bytes)
+            total -= st.prec.compute * lay.summed.nf4 - lay.summed.nf4_bytes
     return total
 
 

@@ -27,6 +27,7 @@ from trainfit.memory.stage_activations import (
     stage_boundary_terms,
     weight_pass_pending_terms,
 )
+from trainfit.models.architecture import layer_kinds
 from trainfit.models.params import param_counts
 
 
@@ -120,6 +121,9 @@ class SharedSizes:
         self.model = model
         self.counts = param_counts(model)
         self._micro_batches: dict[tuple[Precision, MicroBatchShape], MicroBatch] = {}
+        kinds = layer_kinds(model)
+        self.kinds: tuple[SharedSizes, ...] = (self,) if len(kinds) == 1 else tuple(SharedSizes(k) for k in kinds)
+        """Each kind of layer's (architecture.layer_kinds): the model's own where its layers are alike."""
 
     def micro_batch(self, prec: Precision, shape: MicroBatchShape) -> MicroBatch:
         if (prec, shape) not in self._micro_batches:

@@ -17,7 +17,7 @@ from trainfit.models.architecture import describe
 from trainfit.models.block_spec import block_linears
 
 if TYPE_CHECKING:  # annotations only: rank_layout imports this module
-    from trainfit.memory.rank_layout import RankLayout
+    from trainfit.memory.rank_layout import LayoutCommon, RankLayout
 
 
 ADAM_STEP_TENSOR_BYTES = 4
@@ -96,7 +96,7 @@ def _eight_bit_state_bytes(prec: Precision, n: int) -> int:
     return 2 * (n + FP32 * n // EIGHT_BIT_BLOCK + EIGHT_BIT_TABLE_BYTES)
 
 
-def matrix_shapes(run: Run, lay: RankLayout, shards: int) -> list[tuple[int, ...]]:
+def matrix_shapes(run: Run, common: LayoutCommon, lay: RankLayout, shards: int) -> list[tuple[int, ...]]:
     """The >= 2-D parameters of a rank (train/optim.param_groups' decay group), as local shapes: after
     tp (column-parallel: rows / tp; row-parallel: columns / tp; vocabulary-parallel embedding and
     output), ep (routed experts: their first dim / ep) and ZeRO sharding over `shards` ranks, which
@@ -106,12 +106,13 @@ def matrix_shapes(run: Run, lay: RankLayout, shards: int) -> list[tuple[int, ...
     m, tp, ep = run.model, run.layout.tp, run.layout.ep
     block: list[tuple[int, ...]] = []
     experts: list[tuple[int, ...]] = []
-    for linear in block_linears(m):  # each weight as tp splits it (models/block_spec.py), (out, in)
-        k, n = linear.local_shape(tp)
-        if linear.routed:
-            experts.append((max(1, linear.copies // ep), n, k))
-        else:
-            block.append((n, k))
+    for kind, blocks in zip(common.kinds, lay.kind_blocks, strict=True):
+        for linear in block_linears(kind.run.model):  # each weight as tp splits it (models/block_spec.py), (out, in)
+            k, n = linear.local_shape(tp)
+            if linear.routed:
+                experts += [(max(1, linear.copies // ep), n, k)] * blocks
+            else:
+                block += [(n, k)] * blocks
     vocab = (-(-m.vocab_size // tp), m.dim)
     ends = [vocab] * lay.first + [(m.max_seq_len, m.dim)] * (lay.first and describe(m).learned_positions)
     ends += [vocab] * (lay.last and not lay.tied_here)
@@ -120,8 +121,8 @@ def matrix_shapes(run: Run, lay: RankLayout, shards: int) -> list[tuple[int, ...
         return (-(-shape[0] // over), *shape[1:])
 
     edp = max(1, shards // ep) if ep > 1 else shards
-    return ([local(shape, shards) for shape in block] * lay.blocks + [local(shape, edp) for shape in experts]
-            * lay.blocks + [local(shape, shards) for shape in ends])
+    return [local(shape, shards) for shape in block] + [local(shape, edp) for shape in experts] + \
+        [local(shape, shards) for shape in ends]
 
 
 def on_zero_shard(n: int, experts: int, shards: int, ep: int) -> int:
@@ -133,30 +134,32 @@ def on_zero_shard(n: int, experts: int, shards: int, ep: int) -> int:
     return (n - experts) // shards + experts * ep // shards
 
 
-def largest_sharded_group(run: Run, lay: RankLayout, decay: int, experts: int, shards: int) -> int:
+def largest_sharded_group(run: Run, common: LayoutCommon, lay: RankLayout, decay: int, experts: int,
+                          shards: int) -> int:
     """The largest weight-decay layout group on a shard: _largest_layout_group's, and under expert
     parallelism the experts' (DTensors of their own mesh: a group apart)."""
     if run.layout.ep == 1:
-        return _largest_layout_group(run, lay, decay) // shards
-    dense = _largest_layout_group(run, lay, decay - experts) // shards
+        return _largest_layout_group(run, common, lay, decay) // shards
+    dense = _largest_layout_group(run, common, lay, decay - experts) // shards
     return max(dense, on_zero_shard(experts, experts, shards, run.layout.ep))
 
 
-def _largest_layout_group(run: Run, lay: RankLayout, decay: int) -> int:
+def _largest_layout_group(run: Run, common: LayoutCommon, lay: RankLayout, decay: int) -> int:
     """The largest of the optimizer's weight-decay groups (elements on the rank): one, unless tensor
     parallelism splits it by layout (train/optim.param_groups, data_parallel.group_by_layout), as
     torch's foreach kernels take one kind of tensor at a time: the column-parallel weights with the
     vocabulary-parallel embedding and output (Shard(0)), the row-parallel ones (Shard(1): wo, w2),
     and what no plan shards (an MoE feed-forward)."""
-    tp, m = run.layout.tp, run.model
+    tp = run.layout.tp
     if tp == 1:
         return decay
 
-    def weights(style: str) -> int:  # a block's weights of one tensor-parallel style, on the rank
-        return sum(math.prod(linear.local_shape(tp)) for linear in block_linears(m) if linear.tp == style)
+    def weights(style: str) -> int:  # the rank's blocks' weights of one tensor-parallel style
+        return int(common.per_kind(lay, lambda r, _: sum(math.prod(linear.local_shape(tp)) for linear in
+                                                         block_linears(r.model) if linear.tp == style)))
 
-    column = lay.blocks * weights("column") + lay.embedding + lay.output_matmul * (not lay.tied_here)
-    row = lay.blocks * weights("row")
+    column = weights("column") + lay.embedding + lay.output_matmul * (not lay.tied_here)
+    row = weights("row")
     return max(column, row, decay - column - row)
 
 

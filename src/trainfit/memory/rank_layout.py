@@ -6,6 +6,7 @@ a micro-batch's sizes), computed once per estimate. The inputs of every per-rank
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 from trainfit.hardware import device_type
@@ -20,12 +21,40 @@ from trainfit.memory.run_shape import (
     precision_of,
     rope_table_bytes,
 )
-from trainfit.models.architecture import describe, softcap_kernel
+from trainfit.models.architecture import describe, kind_of_layers, softcap_kernel
 from trainfit.models.block_spec import block_linears
 from trainfit.models.params import ParamCounts
 from trainfit.parallel.stage_split import RankPlacement, checkpointed
 from trainfit.peft.spec import adapter_magnitudes, adapter_params, nf4_bytes, routed_adapter_params
 from trainfit.perf.fp8_casts import float8_linears
+
+
+class BlockParams(NamedTuple):
+    """A block's parameters on a rank (elements after tp and ep), and what sizes a rank's ends: the
+    same on every pipeline rank of a layout (RankLayout's block_* fields)."""
+
+    params: int
+    matmul: int
+    float8: int
+    experts: int
+    routed_adapters: int
+    """PEFT: the adapters of the routed experts on the rank, part of experts and of adapters."""
+    no_decay: int
+    mlp_out: int
+    tensors: int
+    """Parameter tensors of a block."""
+    norm_tensors: int
+    """Of the final norm, and of the embeddings (GPT-2 also has its learned positions)."""
+    vocab: int
+    """The embedding's and the output projection's elements on the rank."""
+    largest: int
+    """The largest tensor but those two."""
+    adapters: int = 0
+    """PEFT's adapter parameters of a block (peft/spec.py), part of params and matmul."""
+    nf4: int = 0
+    """QLoRA: weights of the block held in NF4, part of matmul."""
+    nf4_bytes: int = 0
+    """Their bytes in NF4."""
 
 
 class RankLayout(NamedTuple):
@@ -70,34 +99,15 @@ class RankLayout(NamedTuple):
     autocast does not cast and FSDP2 gathers as NF4."""
     block_nf4_bytes: int = 0
     """Their bytes in NF4 (spec.nf4_bytes), whole."""
-
-
-class BlockParams(NamedTuple):
-    """A block's parameters on a rank (elements after tp and ep), and what sizes a rank's ends: the
-    same on every pipeline rank of a layout (RankLayout's block_* fields)."""
-
-    params: int
-    matmul: int
-    float8: int
-    experts: int
-    routed_adapters: int
-    """PEFT: the adapters of the routed experts on the rank, part of experts and of adapters."""
-    no_decay: int
-    mlp_out: int
-    tensors: int
-    """Parameter tensors of a block."""
-    norm_tensors: int
-    """Of the final norm, and of the embeddings (GPT-2 also has its learned positions)."""
-    vocab: int
-    """The embedding's and the output projection's elements on the rank."""
-    largest: int
-    """The largest tensor but those two."""
-    adapters: int = 0
-    """PEFT's adapter parameters of a block (peft/spec.py), part of params and matmul."""
-    nf4: int = 0
-    """QLoRA: weights of the block held in NF4, part of matmul."""
-    nf4_bytes: int = 0
-    """Their bytes in NF4."""
+    summed: BlockParams | None = None
+    """Every block of the rank's BlockParams added up, field by field: what a sum over its blocks reads
+    (the block_* fields are the block at the step's moments: the stage's last, the first backwarded)."""
+    kind_blocks: tuple[int, ...] = ()
+    """The rank's blocks of each kind of layer (LayoutCommon.kinds)..."""
+    kind_policy_blocks: tuple[int, ...] = ()
+    """...and of those, the blocks the checkpointing policy wraps."""
+    moment_kind: int = 0
+    """The kind of the stage's last block, whose sizes the block_* fields and the step's moments read."""
 
 
 def _block(run: Run, counts: ParamCounts) -> BlockParams:
@@ -135,19 +145,32 @@ def _block(run: Run, counts: ParamCounts) -> BlockParams:
         largest=max(m.dim * layer.attention.q_dim // tp, m.ffn_dim * m.dim // tp, experts_local))
 
 
+def _added(blocks: list[tuple[int, BlockParams]]) -> BlockParams:
+    """Count x BlockParams, added up field by field."""
+    return BlockParams(*(sum(n * getattr(b, f) for n, b in blocks) for f in BlockParams._fields))
+
+
 def rank_layout(run: Run, common: LayoutCommon, place: RankPlacement) -> RankLayout:
-    m, mem, b = run.model, run.layout, common.block
+    m, mem = run.model, run.layout
     first, last, blocks = place.first, place.last, place.blocks  # blocks: global indices, model order
     n = mem.ac_every_n_layers
-    policy_blocks = sum(checkpointed(i, n) for i in blocks) if mem.activation_checkpointing != "none" else 0
+    wraps = mem.activation_checkpointing != "none"
+    policy_blocks = sum(checkpointed(i, n) for i in blocks) if wraps else 0
+    kinds = range(len(common.kinds))
+    kind_blocks = tuple(sum(common.kind_of[i] == k for i in blocks) for k in kinds)
+    kind_policy = tuple(sum(common.kind_of[i] == k and checkpointed(i, n) for i in blocks) if wraps else 0
+                        for k in kinds)
+    moment = common.kind_of[blocks[-1]] if blocks else 0
+    b = common.kinds[moment].block
+    summed = _added([(kind_blocks[k], common.kinds[k].block) for k in kinds])
     tied_here = first and last and bool(m.tie_embeddings)
     head = common.counts.final_norm + (0 if tied_here else b.vocab) if last else 0
-    tensors = len(blocks) * b.tensors + b.norm_tensors * first  # + pos embedding (gpt2)
+    tensors = summed.tensors + b.norm_tensors * first  # + pos embedding (gpt2)
     tensors += (b.norm_tensors + (0 if tied_here else 1)) * last
     in_flight, head_in_flight = micro_batches_in_flight(run, place.rank)
     adaptation, embedding = mem.adaptation, common.counts.embedding // mem.tp if first else 0
     trainable = -1 if adaptation is None else (
-        len(blocks) * b.adapters + (embedding if adaptation.train_embeddings else 0)
+        summed.adapters + (embedding if adaptation.train_embeddings else 0)
         + (b.vocab if last and adaptation.train_output and not tied_here else 0))
     return RankLayout(
         blocks=len(blocks), policy_blocks=policy_blocks,
@@ -158,9 +181,20 @@ def rank_layout(run: Run, common: LayoutCommon, place: RankPlacement) -> RankLay
         block_float8=b.float8,
         block_no_decay=b.no_decay, mlp_out=b.mlp_out, embedding=common.counts.embedding // mem.tp if first else 0,
         head=head, output_matmul=b.vocab if last else 0, tied_here=tied_here, tensors=tensors,
-        largest_tensor=max(b.vocab if (first or last) else 0, b.largest), trainable=trainable,
-        block_nf4=b.nf4, block_nf4_bytes=b.nf4_bytes,
+        largest_tensor=max(b.vocab if (first or last) else 0, *(kind.block.largest for kind in common.kinds)),
+        trainable=trainable, block_nf4=b.nf4, block_nf4_bytes=b.nf4_bytes, summed=summed, kind_blocks=kind_blocks,
+        kind_policy_blocks=kind_policy, moment_kind=moment,
     )
+
+
+class KindSizes(NamedTuple):
+    """One kind of layer's sizes (architecture.layer_kinds): its run (the model of that kind of layer
+    only), a block's parameters and a micro-batch's activations."""
+
+    run: Run
+    counts: ParamCounts
+    block: BlockParams
+    micro_batch: MicroBatch
 
 
 class LayoutCommon(NamedTuple):
@@ -179,6 +213,25 @@ class LayoutCommon(NamedTuple):
     micro_batch: MicroBatch
     comm_buffers: int
     """NCCL's communicator buffers on any rank (memory/comm_buffers.py; 0 on the CPU)."""
+    kinds: tuple[KindSizes, ...] = ()
+    """Each kind of layer's sizes; block, micro_batch and counts above are the first kind's (the model's
+    own where its layers are alike; `at_moment` gives a rank's)."""
+    kind_of: tuple[int, ...] = ()
+    """Each layer's kind."""
+
+    def at_moment(self, lay: RankLayout) -> tuple[Run, LayoutCommon]:
+        """The run and sizes the step's moments on a rank of `lay` read: its last block's kind's."""
+        kind = self.kinds[lay.moment_kind]
+        return kind.run, self._replace(counts=kind.counts, block=kind.block, micro_batch=kind.micro_batch)
+
+    def per_kind(self, lay: RankLayout, size: Callable[[Run, KindSizes], float], wrapped: bool | None = None) -> float:
+        """A per-block size summed over the rank's blocks, each of its kind: all of them, or only those the
+        checkpointing policy wraps (wrapped=True) or leaves (False)."""
+        def blocks(k: int) -> int:
+            wraps = lay.kind_policy_blocks[k]
+            return lay.kind_blocks[k] if wrapped is None else wraps if wrapped else lay.kind_blocks[k] - wraps
+
+        return sum(blocks(k) * size(kind.run, kind) for k, kind in enumerate(self.kinds) if blocks(k))
 
 
 def layout_common(run: Run, shared: SharedSizes) -> LayoutCommon:
@@ -187,7 +240,7 @@ def layout_common(run: Run, shared: SharedSizes) -> LayoutCommon:
     prec = precision_of(layout.precision, not layout.autocast)
     if assumed_attention_kernel(run.model, layout, run.training, run.hardware) == "math":
         prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, math_attention=True))
-    if describe(run.model).block.attention.softcap and softcap_kernel(device_type(run.hardware)) == "eager":
+    if describe(run.model).attention.softcap and softcap_kernel(device_type(run.hardware)) == "eager":
         prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, eager_attention=True))
     if run.hardware.gpu == "cpu":
         prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, dropout_noise=True))
@@ -196,5 +249,8 @@ def layout_common(run: Run, shared: SharedSizes) -> LayoutCommon:
     shape = MicroBatchShape(tokens, seq, layout.tp, layout.cp, layout.ep, layout.sequence_parallel,
                    layout.activation_checkpointing, layout.moe_imbalance, layout.chunked_loss, layout.loss_chunk_tokens,
                    rope_table_bytes(run), layout.adaptation)
-    return LayoutCommon(shared.counts, prec, fsdp, tokens, seq, _block(run, shared.counts),
-                        shared.micro_batch(prec, shape), comm_buffer_bytes(run.model, run.layout, run.hardware))
+    kinds = tuple(KindSizes(kind_run, sizes.counts, _block(kind_run, sizes.counts), sizes.micro_batch(prec, shape))
+                  for sizes in shared.kinds for kind_run in [run._replace(model=sizes.model)])
+    first = kinds[0]
+    return LayoutCommon(first.counts, prec, fsdp, tokens, seq, first.block, first.micro_batch,
+                        comm_buffer_bytes(run.model, run.layout, run.hardware), kinds, kind_of_layers(run.model))

@@ -63,7 +63,7 @@ def assumed_attention_kernel(model: ModelConfig, layout: Layout, training: Train
     if hardware.gpu == "cpu":
         return "fused"
     arch = describe(model)
-    head_dim = arch.block.attention.head_dim
+    head_dim = arch.attention.head_dim
     half = layout.precision != "fp32"
     if half and layout.cp == 1 and not arch.masked_windows(training.seq_len) and head_dim <= 256:
         return "fused"

@@ -93,8 +93,9 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
 
     # ---- activations of one micro-batch
     routing, transient, a_none, a_policy, rebuild = mb.routing, mb.transient, mb.none, mb.policy, mb.rebuild
-    none_blocks = lay.blocks - lay.policy_blocks
-    a_blocks = none_blocks * a_none + lay.policy_blocks * a_policy + mb.positions
+    # each block's saved activations, of its own kind of layer (dense or MoE)
+    a_blocks = int(common.per_kind(lay, lambda _, k: k.micro_batch.none, wrapped=False)
+                   + common.per_kind(lay, lambda _, k: k.micro_batch.policy, wrapped=True)) + mb.positions
     a_blocks -= first_block_saving(run, lay, prec.act)  # PEFT: nothing before the first block trains
     chunked = run.layout.chunked_loss
     a_final = mb.final if lay.last else 0
@@ -113,7 +114,9 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     fp8_gathered = (lay.block_float8 * (c - 1) if run.layout.fp8_gathers else 0) + nf4_gathered
     # ZeRO-2, and ZeRO-3 under a split-backward schedule (train/parallelize.py): reshard_after_forward=False
     kept_unsharded = st.fsdp and (run.layout.zero_stage == 2 or run.layout.splits_backward)
-    held = c * st.params - lay.blocks * fp8_gathered if kept_unsharded else 0
+    all_fp8_gathered = (lay.summed.float8 * (c - 1) if run.layout.fp8_gathers else 0) + lay.summed.nf4 * c - \
+        lay.summed.nf4_bytes
+    held = c * st.params - all_fp8_gathered if kept_unsharded else 0
     # ZeRO-3: FSDP2 never reshards the root (embeddings, final norm, output); every block reshards
     # after its forward, so blocks are gathered only while one runs (with its prefetched neighbour).
     zero3 = st.fsdp and not kept_unsharded
@@ -125,7 +128,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     persistent_buffers = context_parallel_mask_bytes(st.seq, run.layout.cp, act.compute)
     arch = describe(run.model)
     persistent_buffers += len(arch.masked_windows(st.seq)) * st.seq * st.seq * act.compute
-    persistent_buffers += len(arch.rope_keys) * 2 * run.model.max_seq_len * arch.block.attention.head_dim * \
+    persistent_buffers += len(arch.rope_keys) * 2 * run.model.max_seq_len * arch.attention.head_dim * \
         rope_table_bytes(run)
     kind = run.layout.data_parallel
     if kind == "ddp" and not DDP_GRADIENT_AS_BUCKET_VIEW:
@@ -151,7 +154,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     # and its parameters stay gathered after each backward until its next forward reshards them.
     pp_fsdp = st.fsdp and run.layout.pp > 1
     if pp_fsdp:
-        first_comms = c * lay.blocks * lay.block if zero3 else 0  # every block backwarded: still gathered
+        first_comms = c * lay.summed.params if zero3 else 0  # every block backwarded: still gathered
 
     # ---- gradients present before this micro-batch's backward: accumulation or pipelining
     m = run.layout.num_microbatches
@@ -183,8 +186,8 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
         # The later blocks' sharded gradients: routed experts are sharded over fewer ranks (edp) than
         # the rest, so a block holds a larger share of the rank's gradients than of its parameters.
         shards, ep, experts = run.layout.zero_shards, run.layout.ep, lay.block_experts
-        on_shard = on_zero_shard(st.params, lay.blocks * experts, shards, ep)
-        later_sharded = st.grads * on_zero_shard(later, (lay.blocks - 1) * experts, shards, ep) // on_shard
+        on_shard = on_zero_shard(st.params, lay.summed.experts, shards, ep)
+        later_sharded = st.grads * on_zero_shard(later, lay.summed.experts - experts, shards, ep) // on_shard
     else:
         later_sharded = int(later * per_param) - tied_pending
 
@@ -261,7 +264,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     # own weight gradient (its input gradient is among _float8_backward_bytes's allocations).
     linears = {w.name: w.local_params(tp, run.layout.ep) for w in block_linears(run.model)}
     linears_in = {w.name: w.in_features for w in block_linears(run.model)}
-    attention_norm = describe(run.model).block.norm.params(run.model.dim)
+    attention_norm = describe(run.model).norm.params(run.model.dim)
     mlp_linears = () if routing is not None else ("w1", "w2", "w3") if "w3" in linears else ("w1", "w2")
     input_grad = c * run.model.dim * st.tokens  # the first linear's input gradient, in FirstLinears' *_new
 
@@ -364,8 +367,12 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     # micro-batch in one (TrainStep.pipeline_forward_backward): the other micro-batches add none.
     # Its backward runs inside the block too, where one process's runs after it: every cast stays.
     uncast = c * first_block_casts_unsaved(run, lay, act)
-    saved_casts = none_blocks * cast_block + cast_head - uncast
-    all_casts, pipelined = lay.blocks * cast_block + cast_head - uncast, run.layout.pp > 1
+    def casts(wrapped: bool | None) -> int:  # the blocks' casts (all, or of those the policy leaves), each its own
+        return int(common.per_kind(lay, lambda _, k: c * (k.block.matmul - k.block.float8 - k.block.nf4),
+                                   wrapped=wrapped)) if act.autocast else 0
+
+    saved_casts = casts(False) + cast_head - uncast
+    all_casts, pipelined = casts(None) + cast_head - uncast, run.layout.pp > 1
     states = st.persistent + st.optimizer + st.compute_params
 
     # A pipeline rank whose forwards all precede its backwards (m <= in_flight: GPipe, 1F1B's early

@@ -50,21 +50,22 @@ def stage_states(run: Run, common: LayoutCommon, lay: RankLayout) -> StageStates
     if run.layout.data_parallel == "zero1":
         return _zero1_stage(run, common, lay)
     offload = run.layout.offload != "none"
-    n = lay.blocks * lay.block + lay.embedding + lay.head
-    no_decay = lay.blocks * lay.block_no_decay + (counts.final_norm if lay.last else 0)
+    n = lay.summed.params + lay.embedding + lay.head
+    no_decay = lay.summed.no_decay + (counts.final_norm if lay.last else 0)
     param_shards = run.layout.zero_shards if fsdp else 1
     state_shards = run.layout.zero_shards if run.layout.zero_stage >= 1 else 1
-    experts, ep = lay.blocks * lay.block_experts, run.layout.ep
+    experts, ep = lay.summed.experts, run.layout.ep
     resident = 0 if offload else on_zero_shard(n, experts, param_shards, ep) * prec.param
-    if lay.block_nf4 and not offload:  # QLoRA: the base's block linears in NF4, not the parameters' dtype
-        resident -= lay.blocks * (lay.block_nf4 * prec.param - lay.block_nf4_bytes) // param_shards
-    matrices = matrix_shapes(run, lay, state_shards) if run.optimizer.name in PER_TENSOR_OPTIMIZERS else []
+    if lay.summed.nf4 and not offload:  # QLoRA: the base's block linears in NF4, not the parameters' dtype
+        resident -= (lay.summed.nf4 * prec.param - lay.summed.nf4_bytes) // param_shards
+    matrices = matrix_shapes(run, common, lay, state_shards) if run.optimizer.name in PER_TENSOR_OPTIMIZERS else []
     if lay.trainable >= 0:
         return _adapted_stage(run, common, lay, resident, param_shards, state_shards)
     optimizer = 0 if offload else optimizer_bytes(run.optimizer.name, prec, on_zero_shard(n, experts, state_shards, ep),
                                                    lay.tensors, no_decay // state_shards, matrices)
     temp = 0 if offload else optimizer_step_temporaries(
-        run, prec, largest_sharded_group(run, lay, n - no_decay, experts, state_shards), lay.largest_tensor, matrices)
+        run, prec, largest_sharded_group(run, common, lay, n - no_decay, experts, state_shards), lay.largest_tensor,
+        matrices)
     return StageStates(lay, prec, n, resident, resident, optimizer, temp, fsdp, common.tokens, common.seq)
 
 
@@ -73,18 +74,21 @@ def _adapted_stage(run: Run, common: LayoutCommon, lay: RankLayout, resident: in
     """PEFT (peft/spec.py): every parameter resident, gradients and optimizer states of what trains
     only (the adapters' matrices and DoRA's magnitudes; the embedding or output projection where
     asked). Not ZeRO-1 (Layout.untrainable_reason)."""
-    adaptation, m, prec = run.layout.adaptation, run.model, common.prec
+    adaptation, prec = run.layout.adaptation, common.prec
     assert adaptation is not None
     offload = run.layout.offload != "none"
-    magnitudes = lay.blocks * adapter_magnitudes(m, adaptation)
+    magnitudes = int(common.per_kind(lay, lambda r, _: adapter_magnitudes(r.model, adaptation)))
     full = [(lay.embedding,)] * (adaptation.train_embeddings and lay.embedding > 0) + \
         [(lay.output_matmul,)] * (adaptation.train_output and lay.output_matmul > 0 and not lay.tied_here)
     ep = run.layout.ep
-    shapes = lay.blocks * adapter_matrices(m, adaptation, ep) + full
+    shapes = [s for kind, blocks in zip(common.kinds, lay.kind_blocks, strict=True)
+              for s in blocks * adapter_matrices(kind.run.model, adaptation, ep)] + full
     matrices = [(math.prod(s) // state_shards,) for s in shapes] if run.optimizer.name in PER_TENSOR_OPTIMIZERS else []
-    sizes = adapter_tensor_sizes(m, adaptation, ep)  # a routed weight's stacked adapters: one tensor each
-    tensors = lay.blocks * (len(sizes) + len(adaptation.targets) * adaptation.dora) + len(full)
-    routed = lay.blocks * lay.block_routed_adapters  # sharded with their experts, over the edp ranks
+    # a routed weight's stacked adapters: one tensor each
+    sizes = [size for kind in common.kinds for size in adapter_tensor_sizes(kind.run.model, adaptation, ep)]
+    tensors = int(common.per_kind(lay, lambda r, _: len(adapter_tensor_sizes(r.model, adaptation, ep))
+                                  + len(adaptation.targets) * adaptation.dora)) + len(full)
+    routed = lay.summed.routed_adapters  # sharded with their experts, over the edp ranks
     grads = 0 if offload else on_zero_shard(lay.trainable, routed, param_shards, ep) * prec.param
     trained = on_zero_shard(lay.trainable, routed, state_shards, ep)
     optimizer = 0 if offload else optimizer_bytes(run.optimizer.name, prec, trained, tensors,
@@ -92,7 +96,7 @@ def _adapted_stage(run: Run, common: LayoutCommon, lay: RankLayout, resident: in
     largest = max([*sizes, *(math.prod(s) for s in full)], default=0)
     temp = 0 if offload else optimizer_step_temporaries(run, prec, (lay.trainable - magnitudes) // state_shards,
                                                         largest // state_shards, matrices)
-    return StageStates(lay, prec, lay.blocks * lay.block + lay.embedding + lay.head, resident, grads, optimizer, temp,
+    return StageStates(lay, prec, lay.summed.params + lay.embedding + lay.head, resident, grads, optimizer, temp,
                        common.fsdp, common.tokens, common.seq)
 
 
@@ -103,15 +107,15 @@ def _zero1_stage(run: Run, common: LayoutCommon, lay: RankLayout) -> StageStates
     Sharded terms are exact when N divides every dim 0 (the engine pads chunks to ceil(rows / N)).
     Its reduce-scatter and all-gather run in place in the gradient buffers: no bucket temporaries."""
     prec = common.prec
-    n = lay.blocks * lay.block + lay.embedding + lay.head
-    no_decay = lay.blocks * lay.block_no_decay + (common.counts.final_norm if lay.last else 0)
+    n = lay.summed.params + lay.embedding + lay.head
+    no_decay = lay.summed.no_decay + (common.counts.final_norm if lay.last else 0)
     shards = run.layout.zero_shards
     c = prec.act.compute  # the parameters' dtype: 16-bit under *-mixed and bf16-pure, else fp32
     grad = FP32 if run.layout.grad_accum_dtype == "fp32" else c
     master = prec.param  # fp32 masters under *-mixed; the parameters themselves otherwise
     params = n * c
-    on_shard = on_zero_shard(n, lay.blocks * lay.block_experts, shards, run.layout.ep)
-    matrices = matrix_shapes(run, lay, shards) if run.optimizer.name in PER_TENSOR_OPTIMIZERS else []
+    on_shard = on_zero_shard(n, lay.summed.experts, shards, run.layout.ep)
+    matrices = matrix_shapes(run, common, lay, shards) if run.optimizer.name in PER_TENSOR_OPTIMIZERS else []
     persistent = on_shard * master if prec.mixed else params
     return StageStates(lay, prec, n, persistent, n * grad,
                   optimizer_bytes(run.optimizer.name, prec, on_shard, lay.tensors, no_decay // shards, matrices),

@@ -6,11 +6,13 @@ the linears' list (block_spec.py), the parameter count (params.py), the FLOP cou
 and both memory estimators, so that a feature (QK-norm, a head width other than dim / heads, a
 LayerNorm) is a field read where it matters, not a model family branched on in each module. A
 model's layers are a tuple of `Layer`s, one per layer, so a model whose layers differ (dense layers
-before MoE ones, local and global attention) is data. `Architecture.block` is the layer whose tensors
-every layer has, which is what the estimators price per layer: the layers themselves when they are
-alike, or when they differ only in their attention's span (Gemma's windowed and global layers, each
-with its RoPE base) that layer with the span left unset, so that what depends on it (the attention's
-FLOPs, its masks, the RoPE tables) reads `Architecture.layers`.
+before MoE ones, local and global attention) is data. Layers that differ in their tensors (dense and
+MoE) are kinds (`layer_kinds`): what prices one block reads a kind, what prices a stage sums its
+blocks' kinds. `Architecture.block` is the layer whose tensors every layer has, which is what a kind
+prices per layer: the layers themselves when they are alike, or when they differ only in their
+attention's span (Gemma's windowed and global layers, each with its RoPE base) that layer with the
+span left unset, so that what depends on it (the attention's FLOPs, its masks, the RoPE tables)
+reads `Architecture.layers`.
 
 `model.family` is read here only, as a name for a bundle of features (llama: RMSNorm, RoPE, SwiGLU,
 no biases but optional q/k/v ones; gpt2: LayerNorm, learned positions, tanh-GELU MLP, biases
@@ -221,6 +223,20 @@ class Architecture:
             raise ValueError("the model's layers differ in their tensors; read Architecture.layers one by one")
         return unspanned.pop()
 
+    @property
+    def attention(self) -> Attention:
+        """The attention every layer has: its span unset (None) where the layers' spans differ; a ValueError
+        where its tensors differ."""
+        kinds = {_unspanned(layer).attention for layer in self.layers}
+        if len(kinds) > 1:
+            raise ValueError("the model's attention layers differ in their tensors; read Architecture.layers")
+        return self.layers[0].attention if len(set(la.attention for la in self.layers)) == 1 else kinds.pop()
+
+    @property
+    def norm(self) -> Norm:
+        """The norm of every layer's branches."""
+        return self.layers[0].norm
+
     def masked_windows(self, seq_len: int) -> tuple[int, ...]:
         """The distinct windows shorter than seq_len among the layers: one explicit mask each per forward."""
         return tuple(sorted({la.attention.window for la in self.layers if la.attention.masked(seq_len)}))
@@ -269,18 +285,50 @@ def _describe(fields: tuple) -> Architecture:
                     span.update(rope_theta=m.rope_local_theta, rope_scaled=False)
             else:
                 span["window"] = 0
-    ffn: DenseMlp | Moe
-    if m.num_experts:
-        ffn = Moe(m.num_experts, m.experts_per_token, m.expert_ffn_dim, m.num_shared_experts,
-                  normalize_topk=bool(m.router_normalize_topk))
-    else:
-        ffn = DenseMlp(m.ffn_dim, gated=not gpt2, activation="gelu_tanh" if gpt2 else m.mlp_activation, bias=gpt2)
+    dense = DenseMlp(m.ffn_dim, gated=not gpt2, activation="gelu_tanh" if gpt2 else m.mlp_activation, bias=gpt2)
+    moe = Moe(m.num_experts, m.experts_per_token, m.expert_ffn_dim, m.num_shared_experts,
+              normalize_topk=bool(m.router_normalize_topk)) if m.num_experts else None
     kinds: dict[tuple, Layer] = {}  # one Layer object per kind, shared by the layers of that kind
-    layers = tuple(kinds.setdefault(tuple(span.values()), Layer(Attention(**shapes, **span), ffn, norm,
-                                                                    m.norm_placement)) for span in spans)
+    routed = [moe_layer(m, i) for i in range(m.num_layers)]
+    layers = tuple(kinds.setdefault((*span.values(), r), Layer(Attention(**shapes, **span), moe if r else dense, norm,
+                                                               m.norm_placement))
+                   for span, r in zip(spans, routed, strict=True))
     return Architecture(dim=m.dim, vocab_size=m.vocab_size, max_seq_len=m.max_seq_len, learned_positions=gpt2,
                         layers=layers, final_norm=norm, tie_embeddings=bool(m.tie_embeddings),
                         embedding_scale=bool(m.embedding_scale), final_softcap=m.final_softcap)
+
+
+def moe_layer(m: ModelConfig, index: int) -> bool:
+    """Whether layer `index` (from 0) of `m` has the routed experts: past model.moe_dense_layers, every
+    model.moe_layer_step-th (Qwen3-MoE's rule: (index + 1) % decoder_sparse_step == 0)."""
+    return bool(m.num_experts) and index >= m.moe_dense_layers and (index + 1) % m.moe_layer_step == 0
+
+
+def layer_kinds(m: ModelConfig) -> tuple[ModelConfig, ...]:
+    """The kinds of layer tensors in `m`, in the order they first appear, each as the config of a model
+    whose layers are all of that kind (a dense kind: num_experts 0 and its width ffn_dim). A model whose
+    layers are alike, or differ only in their span, is its one kind. What prices one block (its
+    parameters, activations, FLOPs, tensor-parallel plan) reads a kind; what prices a stage sums its
+    blocks' kinds (`kind_of_layers`)."""
+    return _layer_kinds(dataclasses.astuple(m))[0]
+
+
+def kind_of_layers(m: ModelConfig) -> tuple[int, ...]:
+    """Each layer's index into layer_kinds(m)."""
+    return _layer_kinds(dataclasses.astuple(m))[1]
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_kinds(fields: tuple) -> tuple[tuple[ModelConfig, ...], tuple[int, ...]]:
+    m = ModelConfig(*fields)
+    if not m.num_experts or (m.moe_dense_layers, m.moe_layer_step) == (0, 1):
+        return (m,), (0,) * m.num_layers
+    routed = [moe_layer(m, i) for i in range(m.num_layers)]
+    uniform = {True: dataclasses.replace(m, moe_dense_layers=0, moe_layer_step=1),
+               False: dataclasses.replace(m, num_experts=0, num_shared_experts=0, moe_dense_layers=0,
+                                          moe_layer_step=1)}
+    order = list(dict.fromkeys(routed))
+    return tuple(uniform[r] for r in order), tuple(order.index(r) for r in routed)
 
 
 FLEX_DEVICES = ("cuda",)

@@ -47,7 +47,7 @@ def block_attention_kernel_flops(m: ModelConfig, seq_len: int, *, eager_softcap:
     the eager soft-capped attention does (Gemma 2, `eager_softcap`: on the CPU); FlexAttention's block mask
     (its CUDA form) skips the blocks outside the causal window: the useful work."""
     layers = describe(m).layers
-    if describe(m).block.attention.softcap:
+    if describe(m).attention.softcap:
         return block_attention_flops(m, seq_len, causal=not eager_softcap) if eager_softcap else \
             block_attention_flops(m, seq_len)
     whole = [la.attention.masked(seq_len) for la in layers]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainfit.config.schema import ConfigError, ModelConfig
-from trainfit.models.architecture import describe
+from trainfit.models.architecture import describe, moe_layer
 
 if TYPE_CHECKING:
     import torch
@@ -230,18 +230,19 @@ def _llama_fields(hf: dict[str, Any], file: Path, model_type: str) -> dict[str, 
 
 
 def _qwen3_moe_fields(hf: dict[str, Any], file: Path) -> dict[str, Any]:
-    """Qwen3-MoE's experts: every layer routed (decoder_sparse_step 1, no mlp_only_layers), top-k
-    probabilities renormalised or not (norm_topk_prob)."""
-    if _get(hf, "decoder_sparse_step", file, 1) != 1:
-        raise _unsupported(file, "decoder_sparse_step", hf["decoder_sparse_step"],
-                           "only 1 (every layer MoE) is supported")
-    if hf.get("mlp_only_layers"):
-        raise _unsupported(file, "mlp_only_layers", hf["mlp_only_layers"],
-                           "dense layers among MoE ones are not supported yet; only [] is")
+    """Qwen3-MoE's experts: which layers are routed (decoder_sparse_step: every n-th; mlp_only_layers:
+    dense, where they are the first n), top-k probabilities renormalised or not (norm_topk_prob)."""
+    step = _get(hf, "decoder_sparse_step", file, 1)
+    if not isinstance(step, int) or step < 1:
+        raise _unsupported(file, "decoder_sparse_step", step, "must be a positive integer")
+    dense = hf.get("mlp_only_layers") or []
+    if list(dense) != list(range(len(dense))):
+        raise _unsupported(file, "mlp_only_layers", dense,
+                           "dense layers are supported as the first n layers ([0, 1, ..., n - 1]) only")
     experts = _get(hf, "num_experts", file, None) or _get(hf, "num_local_experts", file)  # hub's key, transformers 5's
     return dict(num_experts=experts, experts_per_token=_get(hf, "num_experts_per_tok", file),
-                expert_ffn_dim=_get(hf, "moe_intermediate_size", file),
-                router_normalize_topk=bool(_get(hf, "norm_topk_prob", file, False)),
+                expert_ffn_dim=_get(hf, "moe_intermediate_size", file), moe_dense_layers=len(dense),
+                moe_layer_step=step, router_normalize_topk=bool(_get(hf, "norm_topk_prob", file, False)),
                 router_aux_loss_coef=float(_get(hf, "router_aux_loss_coef", file, 0.001)))
 
 
@@ -394,14 +395,14 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     out = dict(architectures=[kind.architecture], model_type=model_type, hidden_size=cfg.dim,
                intermediate_size=cfg.expert_ffn_dim if kind.experts == "mixtral" else cfg.ffn_dim,
                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-               num_key_value_heads=cfg.num_kv_heads, head_dim=describe(cfg).block.attention.head_dim,
+               num_key_value_heads=cfg.num_kv_heads, head_dim=describe(cfg).attention.head_dim,
                vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
                rope_theta=cfg.rope_theta, rope_scaling=_hf_rope_scaling(cfg),
                hidden_act={v: k for k, v in ACTIVATIONS.items()}[cfg.mlp_activation],
                tie_word_embeddings=cfg.tie_embeddings, torch_dtype=dtype)
     if kind.gemma:  # transformers 5's schema: each layer's kind listed (Gemma 3: RoPE per kind)
         windowed = [la.attention.window != 0 for la in describe(cfg).layers]
-        scalar = cfg.query_pre_attn_scalar or describe(cfg).block.attention.head_dim
+        scalar = cfg.query_pre_attn_scalar or describe(cfg).attention.head_dim
         out.update(hidden_activation=out.pop("hidden_act"), sliding_window=cfg.sliding_window or None,
                    query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,  # transformers: an int
                    layer_types=["sliding_attention" if w else "full_attention" for w in windowed],
@@ -420,7 +421,8 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     if kind.experts == "qwen3_moe":
         out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                    moe_intermediate_size=cfg.expert_ffn_dim, norm_topk_prob=bool(cfg.router_normalize_topk),
-                   decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=cfg.router_aux_loss_coef)
+                   decoder_sparse_step=cfg.moe_layer_step, mlp_only_layers=list(range(cfg.moe_dense_layers)),
+                   router_aux_loss_coef=cfg.router_aux_loss_coef)
     if kind.experts == "olmoe":
         out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                    intermediate_size=cfg.expert_ffn_dim, norm_topk_prob=bool(cfg.router_normalize_topk),
@@ -476,6 +478,11 @@ def _llama_model_type(cfg: ModelConfig) -> str:
     if cfg.num_shared_experts:
         raise ConfigError(f"model.num_shared_experts={cfg.num_shared_experts}: shared experts have no equivalent "
                           f"among the supported HF types ({', '.join(SUPPORTED_TYPES)})")
+    if (cfg.moe_dense_layers or cfg.moe_layer_step > 1) and kind.experts != "qwen3_moe":
+        field, value = ("moe_dense_layers", cfg.moe_dense_layers) if cfg.moe_dense_layers else \
+            ("moe_layer_step", cfg.moe_layer_step)
+        raise ConfigError(f"model.{field}={value}: model.hf_model_type={model_type!r} has MoE in every layer; "
+                          "set it to its default, or use qwen3_moe (mlp_only_layers, decoder_sparse_step)")
     if cfg.num_experts and not cfg.router_normalize_topk and kind.experts == "mixtral":
         raise ConfigError(f"model.router_normalize_topk=False: model.hf_model_type={model_type!r} always "
                           "renormalises the top-k routing weights; set it to true, or use qwen3_moe or olmoe")
@@ -523,7 +530,7 @@ def _groups(cfg: ModelConfig) -> list[_Group]:
 def _llama_groups(cfg: ModelConfig) -> list[_Group]:
     import torch
 
-    kind, a = LLAMA_LIKE_TYPES[_llama_model_type(cfg)], describe(cfg).block.attention
+    kind, a = LLAMA_LIKE_TYPES[_llama_model_type(cfg)], describe(cfg).attention
     top = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not cfg.tie_embeddings:
         top["output.weight"] = "lm_head.weight"
@@ -555,7 +562,7 @@ def _llama_groups(cfg: ModelConfig) -> list[_Group]:
         if cfg.qk_norm != "none":
             layer.update({"attention.q_norm.weight": "self_attn.q_norm.weight",
                           "attention.k_norm.weight": "self_attn.k_norm.weight"})
-        if kind.experts:
+        if kind.experts and moe_layer(cfg, i):
             moe, names = (("block_sparse_moe", ("w1", "w2", "w3")) if kind.experts == "mixtral" else
                           ("mlp", ("gate_proj", "down_proj", "up_proj")))
             layer["feed_forward.router.weight"] = f"{moe}.gate.weight"

@@ -54,7 +54,7 @@ def rope_tables(cfg: ModelConfig, key: tuple[float, bool], device: torch.device 
     """cos/sin tables [max_seq_len, head_dim] in fp32 for the layers of RoPE `key` (Attention.rope_key:
     base, scaled), frequencies repeated twice (rotate_half layout), scaled as model.rope_scaling_type
     says when the key is: Llama 3.1's, or linear."""
-    head_dim = describe(cfg).block.attention.head_dim
+    head_dim = describe(cfg).attention.head_dim
     theta, scaled = key
     inv_freq_K2 = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
     if scaled and cfg.rope_scaling_type == "linear":
@@ -143,7 +143,7 @@ class TransformerBlock(nn.Module):
             self.attention_post_norm = rms_norm(D, layer.norm)
         if self.pre_norms:
             self.ffn_norm = rms_norm(D, layer.norm)
-        if cfg.num_experts:
+        if layer.moe:
             self.feed_forward: nn.Module = MoE(cfg)
         else:
             self.feed_forward = FeedForward(D, cfg.ffn_dim, layer.mlp.activation)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from trainfit.config.schema import ModelConfig
-from trainfit.models.architecture import describe
+from trainfit.models.architecture import Layer, describe
 
 
 class ParamCounts(NamedTuple):
@@ -29,6 +29,11 @@ class ParamCounts(NamedTuple):
     output: int
     """Output projection; 0 when tied to the embedding."""
     num_layers: int
+    blocks: int
+    """Every block's parameters together. The per-block fields above are the last layer's: where layers
+    differ in their tensors (dense and MoE), each kind's are param_counts of it (architecture.layer_kinds)."""
+    blocks_active: int
+    """What one token uses of `blocks`."""
 
     @property
     def per_layer(self) -> int:
@@ -36,19 +41,24 @@ class ParamCounts(NamedTuple):
 
     @property
     def total(self) -> int:
-        return self.embedding + self.num_layers * self.per_layer + self.final_norm + self.output
+        return self.embedding + self.blocks + self.final_norm + self.output
 
     @property
     def active(self) -> int:
         """Parameters one token passes through (MoE: only its top-k experts)."""
-        return self.total - self.num_layers * (self.mlp - self.mlp_active)
+        return self.total - self.blocks + self.blocks_active
 
 
 def param_counts(m: ModelConfig) -> ParamCounts:
     arch = describe(m)
-    layer, d = arch.block, arch.dim
+    d = arch.dim
+    layer = arch.layers[-1]
     moe = layer.moe
     mlp = layer.ffn.params(d)
+
+    def active(la: Layer) -> int:
+        return la.attention.params(d) + la.norm_params(d) + (la.moe.active_params(d) if la.moe else la.ffn.params(d))
+
     return ParamCounts(
         embedding=arch.embedding_params,
         attention=layer.attention.params(d),
@@ -59,6 +69,8 @@ def param_counts(m: ModelConfig) -> ParamCounts:
         final_norm=arch.final_norm.params(d),
         output=0 if arch.tie_embeddings else arch.vocab_size * d,
         num_layers=len(arch.layers),
+        blocks=sum(la.attention.params(d) + la.ffn.params(d) + la.norm_params(d) for la in arch.layers),
+        blocks_active=sum(active(la) for la in arch.layers),
     )
 
 

@@ -40,6 +40,8 @@ DEFAULTS: dict[str, Any] = {
     "router_aux_loss_coef": 0.01,
     "capacity_factor": 0.0,
     "router_normalize_topk": True,
+    "moe_dense_layers": 0,
+    "moe_layer_step": 1,
 }
 
 

@@ -13,8 +13,7 @@ from trainfit.models.presets import PRESETS, resolve_model_config
 
 def _features(m: ModelConfig) -> str:
     arch = describe(m)
-    layer = arch.block
-    a = layer.attention
+    layer, a = arch.layers[-1], arch.attention
     parts = ["LayerNorm" if layer.norm.kind == "layer" else "RMSNorm (1 + w)" if layer.norm.offset else "RMSNorm",
              "learned positions" if arch.learned_positions else "RoPE"]
     if a.num_kv_heads != a.num_heads:
@@ -37,6 +36,8 @@ def _features(m: ModelConfig) -> str:
     moe = layer.moe
     parts.append(f"MoE {moe.experts} experts top-{moe.top_k}" + (f" + {moe.shared} shared" if moe.shared else "")
                  + ("" if moe.normalize_topk else " (weights not renormalised)")
+                 + (f" in {sum(bool(la.moe) for la in arch.layers)} of {len(arch.layers)} layers"
+                    if not all(la.moe for la in arch.layers) else "")
                  if moe else ("GeGLU" if layer.mlp.activation == "gelu_tanh" else "SwiGLU") if layer.mlp.gated
                  else "GELU MLP")
     if arch.tie_embeddings:

@@ -65,12 +65,13 @@ the default group (stop signals, barriers, broadcasts), padding.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
 
 from trainfit.config.schema import ModelConfig
-from trainfit.models.architecture import describe
+from trainfit.models.architecture import describe, kind_of_layers, layer_kinds
 from trainfit.models.block_spec import block_linears
 from trainfit.models.checkpoint_policy import POLICIES
 from trainfit.parallel.layout import AXES, Layout
@@ -153,7 +154,7 @@ REPLICAS = ("dp_replicate",)
 """HSDP's replicas of a shard group."""
 
 
-def _data_parallel(layout: Layout, layers: int) -> list[CollectiveCall]:
+def _data_parallel(layout: Layout, layers: int, routed: bool = True) -> list[CollectiveCall]:
     if layout.zero_stage == 0:
         return [CollectiveCall("ddp", "all_reduce", ("dp_replicate", "dp_shard", "cp"), "bucket_grads",
                                "every gradient, in DDP buckets", "backward", 1, False, "buckets", True)]
@@ -167,7 +168,7 @@ def _data_parallel(layout: Layout, layers: int) -> list[CollectiveCall]:
     blocks = "block_params_fp8" if layout.fp8_gathers else "block_params"
     out = [CollectiveCall("fsdp", "all_gather", SHARD, "root_params", "the root unit", "forward", 1, unit="root")]
     for tensor, axes, what in ((blocks, SHARD, "blocks"), ("expert_params", ("edp",), "experts")):
-        if what == "experts" and layout.ep == 1:
+        if what == "experts" and (layout.ep == 1 or not routed):
             continue
         site = "a block's unit" if what == "blocks" else "a block's routed experts"
         out.append(CollectiveCall("fsdp", "all_gather", axes, tensor, site, "forward", layers, unit=what))
@@ -284,13 +285,50 @@ def _train(model: ModelConfig, layout: Layout) -> list[CollectiveCall]:
 
 def collective_calls(model: ModelConfig, layout: Layout) -> tuple[CollectiveCall, ...]:
     """Every collective one rank of the busiest pipeline stage issues per step (module docstring),
-    in the order perf/comms.py lists them; none over a group of one rank, none of count 0."""
+    in the order perf/comms.py lists them; none over a group of one rank, none of count 0. A model whose
+    layers differ in their tensors (architecture.layer_kinds): each kind's calls over its blocks on that
+    rank, and the model's own (its ends, the step's) once."""
     # The rank with the most blocks, and how many of them are checkpointed (global indices: a stage
     # that starts at an odd block wraps other ones than its count alone says).
     layers, wrapped = max((blocks, wrapped) for blocks, wrapped, _ in layout.rank_shapes())
     policy = POLICIES[layout.activation_checkpointing]
     wrapped = wrapped if policy.wraps else 0
-    calls = _data_parallel(layout, layers) + _tp(model, layout, layers, wrapped)
+    kinds = layer_kinds(model)
+    if len(kinds) == 1:
+        return rank_calls(model, layout, layers, wrapped)
+    counts: dict[CollectiveCall, int] = {}
+
+    def add(calls: tuple[CollectiveCall, ...], sign: int) -> None:
+        for c in calls:
+            key = dataclasses.replace(c, count=0)
+            counts[key] = counts.get(key, 0) + sign * c.count
+
+    for kind, own, own_wrapped, sign in kind_parts(model, layout):
+        add(rank_calls(kind, layout, own, own_wrapped), sign)
+    return tuple(dataclasses.replace(key, count=n) for key, n in counts.items() if n > 0)
+
+
+def kind_parts(model: ModelConfig, layout: Layout) -> list[tuple[ModelConfig, int, int, int]]:
+    """A model whose layers differ in their tensors as parts whose calls add up (with their sign) to its
+    busiest rank's: (kind, its blocks there, of them checkpointed, +1 or -1). The model's own calls (its
+    ends, the step's) are those of a rank of no blocks; each kind's blocks add its calls with blocks over
+    its calls without."""
+    kinds, of = layer_kinds(model), kind_of_layers(model)
+    blocks = max((place.blocks for place in (layout.rank_placement(r) for r in range(layout.pp))), key=len)
+    wraps = POLICIES[layout.activation_checkpointing].wraps
+    parts = [(next(k for k in kinds if k.num_experts), 0, 0, 1)]  # the grad-norm's expert axes: the model's
+    for k, kind in enumerate(kinds):
+        own = [i for i in blocks if of[i] == k]
+        wrapped = sum(i % layout.ac_every_n_layers == 0 for i in own) if wraps else 0
+        parts += [(kind, len(own), wrapped, 1), (kind, 0, 0, -1)]
+    return parts
+
+
+def rank_calls(model: ModelConfig, layout: Layout, layers: int, wrapped: int) -> tuple[CollectiveCall, ...]:
+    """collective_calls of a rank running `layers` blocks of `model` (its layers alike), `wrapped` of them
+    checkpointed."""
+    policy = POLICIES[layout.activation_checkpointing]
+    calls = _data_parallel(layout, layers, bool(model.num_experts)) + _tp(model, layout, layers, wrapped)
     for name in ("K", "V"):
         calls.append(CollectiveCall("cp", "all_gather", ("cp",), "kv", f"attention {name}", "forward", layers))
     for name in ("K", "V"):

@@ -23,6 +23,7 @@ from functools import cache
 from typing import NamedTuple
 
 from trainfit.config.schema import ModelConfig
+from trainfit.models.architecture import kind_of_layers, layer_kinds
 from trainfit.models.block_cost import block_attention_flops, block_matmul_params, head_matmul_params
 from trainfit.models.params import param_counts
 
@@ -131,44 +132,45 @@ def rank_shapes(layers_per_stage: tuple[int, ...], pp: int, virtual_stages: int,
 
 
 def balanced_split(m: ModelConfig, seq_len: int, num_stages: int) -> tuple[int, ...]:
-    """Blocks per stage minimizing the largest stage's share (the module docstring's cost)."""
-    counts = param_counts(m)
-    block = (2 * block_matmul_params(m) + block_attention_flops(m, seq_len), counts.per_layer)
+    """Blocks per stage minimizing the largest stage's share (the module docstring's cost), each block
+    weighed as its kind of layer (architecture.layer_kinds: a dense layer among MoE ones weighs less)."""
+    counts, kinds = param_counts(m), layer_kinds(m)
+    cost = [(2 * block_matmul_params(k) + block_attention_flops(k, seq_len), param_counts(k).per_layer) for k in kinds]
+    blocks = tuple(cost[k] for k in kind_of_layers(m))
     first = (0, counts.embedding)
     last = (2 * head_matmul_params(m), counts.final_norm + counts.output)
-    return _split_solver(m.num_layers, block, first, last)(0, num_stages)[1]
+    return _split_solver(blocks, first, last)(0, num_stages)[1]
 
 
 @functools.lru_cache(maxsize=16)
-def _split_solver(num_layers: int, block: tuple[int, int], first: tuple[int, int], last: tuple[int, int]
+def _split_solver(blocks: tuple[tuple[int, int], ...], first: tuple[int, int], last: tuple[int, int]
                   ) -> Callable[[int, int], tuple[float, tuple[int, ...]]]:
     """best(start, stages): (largest share, split) of blocks start.. over `stages` stages, memoized
-    across stage counts of one model (the planner asks for many)."""
-    total = tuple(num_layers * b + f + h for b, f, h in zip(block, first, last, strict=True))
+    across stage counts of one model (the planner asks for many). `blocks`: each block's (FLOPs,
+    parameters)."""
+    num_layers = len(blocks)
+    before = [tuple(itertools.accumulate((b[i] for b in blocks), initial=0)) for i in range(2)]  # prefix sums
+    total = tuple(before[i][-1] + first[i] + last[i] for i in range(2))
 
-    def shares(head: tuple[int, int], tail: tuple[int, int]) -> list[float]:
-        """The share of a stage of n blocks (at index n) that also holds `head` and `tail`."""
-        return [max((n * block[i] + head[i] + tail[i]) / total[i] for i in range(2)) for n in range(num_layers + 1)]
-
-    # A stage's share depends only on its blocks and on whether it is the first or the last.
-    nothing = (0, 0)
-    middle, opening, closing, whole = shares(nothing, nothing), shares(first, nothing), shares(nothing, last), \
-        shares(first, last)
+    def share(start: int, stop: int) -> float:
+        """The share of a stage of blocks start..stop - 1, with the embedding if it starts the model
+        and the head if it ends it."""
+        return max((before[i][stop] - before[i][start] + first[i] * (start == 0) + last[i] * (stop == num_layers))
+                   / total[i] for i in range(2))
 
     @cache
     def best(start: int, stages: int) -> tuple[float, tuple[int, ...]]:
         if stages == 1:
-            return (whole if start == 0 else closing)[num_layers - start], (num_layers - start,)
-        own = opening if start == 0 else middle
+            return share(start, num_layers), (num_layers - start,)
         # The first stage's share grows with its end and the rest's best never does (fewer blocks
         # over as many stages), so once the first is the larger, every later end costs at least as
         # much. Ties: the split with fewer blocks early (the smallest end).
         cost, end = float("inf"), start
         for stop in range(start + 1, num_layers - stages + 2):
-            share, rest = own[stop - start], best(stop, stages - 1)[0]
-            if max(share, rest) < cost:
-                cost, end = max(share, rest), stop
-            if share >= rest:
+            own, rest = share(start, stop), best(stop, stages - 1)[0]
+            if max(own, rest) < cost:
+                cost, end = max(own, rest), stop
+            if own >= rest:
                 break
         return cost, (end - start, *best(end, stages - 1)[1])
 

@@ -47,7 +47,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from trainfit.config.schema import ModelConfig
-from trainfit.models.architecture import describe
+from trainfit.models.architecture import describe, kind_of_layers, layer_kinds
 from trainfit.models.block_spec import tp_split_linears
 
 
@@ -57,8 +57,9 @@ def _between_blocks(sequence_parallel: bool) -> Shard | Replicate:
 
 
 def block_plan(cfg: ModelConfig, block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The plan of one transformer block (llama dense or MoE, gpt2), keyed by submodule name: each
-    linear as models/block_spec.py splits it (the estimators read the same list)."""
+    """The plan of one transformer block (llama dense or MoE, gpt2) of a model whose layers are all of its
+    kind (`cfg`: architecture.layer_kinds), keyed by submodule name: each linear as models/block_spec.py
+    splits it (the estimators read the same list)."""
     stream = _between_blocks(sequence_parallel)
     attention_inputs = len(_forward_inputs(block.attention))  # llama: (x, cos, sin); gpt2: (x,)
     plan: dict[str, ParallelStyle] = {
@@ -116,8 +117,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     (both are sharded by vocabulary rows, Shard(0), so one DTensor serves both)."""
     tied = model.output is not None and model.tok_embeddings is not None and \
         model.output.weight is model.tok_embeddings.weight
-    for block in model.layers:
-        parallelize_module(block, tp_mesh, block_plan(model.cfg, block, sequence_parallel))
+    kinds, of = layer_kinds(model.cfg), kind_of_layers(model.cfg)
+    for i, block in model.layers.indexed():  # each block by its kind of layer (dense or MoE)
+        parallelize_module(block, tp_mesh, block_plan(kinds[of[i]], block, sequence_parallel))
     parallelize_module(model, tp_mesh, root_plan(model, sequence_parallel))
     if tied:
         model.output.weight = model.tok_embeddings.weight

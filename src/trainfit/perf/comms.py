@@ -35,11 +35,11 @@ from typing import NamedTuple
 
 from trainfit.config import ModelConfig, TrainingConfig
 from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link
-from trainfit.models.architecture import describe
+from trainfit.models.architecture import describe, layer_kinds
 from trainfit.models.block_spec import block_linears
 from trainfit.models.params import param_counts
 from trainfit.models.routing import expert_capacity
-from trainfit.parallel.collectives import SHARD, CollectiveCall, collective_calls, group_size
+from trainfit.parallel.collectives import SHARD, CollectiveCall, collective_calls, group_size, kind_parts, rank_calls
 from trainfit.parallel.engine import DDP_BUCKET_BYTES, ZERO1_BUCKET_BYTES
 from trainfit.parallel.layout import AXES, Layout
 from trainfit.perf.fp8_casts import FP8_BYTES, float8_linears
@@ -269,8 +269,8 @@ def tensor_bytes(model: ModelConfig, layout: Layout, training: TrainingConfig) -
     stream_b = layout.stream_bytes
     out.update(row_output=act, stream=act / act_b * stream_b, loss_stats=tokens * FP32_BYTES,
                positions=t.seq_len / layout.cp * m.dim * stream_b, norm_gain=m.dim * param_b,
-               qk_norm_gain=describe(m).block.attention.head_dim * param_b,
-               kv=int(seqs * t.seq_len * describe(m).block.attention.kv_dim / layout.tp * act_b),
+               qk_norm_gain=describe(m).attention.head_dim * param_b,
+               kv=int(seqs * t.seq_len * describe(m).attention.kv_dim / layout.tp * act_b),
                boundary=act / layout.tp if layout.sequence_parallel else act)
     if m.num_experts:
         out.update(routed_tokens=expert_rows(m, int(tokens)) * m.dim * act_b,
@@ -291,10 +291,21 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
     into them stay fp32 (Layout.stream_bytes) and only the row-parallel outputs and their gradients
     are 16-bit; expert parallelism's rows as expert_rows says.
     """
+    merged: dict[tuple, int] = {}
+    if len(layer_kinds(model)) == 1:
+        _price(model, layout, training, collective_calls(model, layout), merged, 1)
+    else:  # each kind's blocks with their own sizes (parallel/collectives.kind_parts)
+        for kind, blocks, wrapped, sign in kind_parts(model, layout):
+            _price(kind, layout, training, rank_calls(kind, layout, blocks, wrapped), merged, sign)
+    return [Collective(*key[:5], count, *key[5:9]) for key, count in merged.items() if count > 0]
+
+
+def _price(model: ModelConfig, layout: Layout, training: TrainingConfig, calls: tuple[CollectiveCall, ...],
+           merged: dict[tuple, int], sign: int) -> None:
+    """Add `calls` of `model` (its layers alike), each of tensor_bytes' size, to `merged`'s counts (times
+    `sign`)."""
     sizes = tensor_bytes(model, layout, training)
     n_mb = layout.num_microbatches
-    merged: dict[tuple, int] = {}
-    calls = collective_calls(model, layout)
     ranks = {axes: group_size(layout, axes) for axes in {c.axes for c in calls}}  # a few distinct axes
     for call in calls:
         if not call.timed:
@@ -304,5 +315,4 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
         if nbytes > 0:
             key = (call.kind, _purpose(call), call.axes, ranks[call.axes], int(nbytes), call.phase,
                    call.unit, call.per_microbatch, call.overlaps if layout.async_tp else (), call.tensor)
-            merged[key] = merged.get(key, 0) + int(count)
-    return [Collective(*key[:5], count, *key[5:9]) for key, count in merged.items()]
+            merged[key] = merged.get(key, 0) + sign * int(count)

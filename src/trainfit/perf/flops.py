@@ -31,8 +31,10 @@ models (tests/estimator/test_flops.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from trainfit.config import ModelConfig
-from trainfit.models.architecture import describe
+from trainfit.models.architecture import describe, kind_of_layers, layer_kinds
 from trainfit.models.block_cost import block_attention_flops, block_matmul_params, head_matmul_params
 from trainfit.models.block_spec import block_linears
 from trainfit.models.checkpoint_policy import odd_expert_share, shared_experts_first_matmul
@@ -46,8 +48,15 @@ FLASH_ATTENTION_BWD_FACTOR = 2.5
 
 
 def matmul_params_per_token(m: ModelConfig) -> int:
-    """Weights each token multiplies through (MoE: router + shared + top-k routed experts only)."""
-    return m.num_layers * block_matmul_params(m) + head_matmul_params(m)
+    """Weights each token multiplies through (MoE: router + shared + top-k routed experts only), each block
+    its own kind's (architecture.layer_kinds)."""
+    return _over_layers(m, block_matmul_params) + head_matmul_params(m)
+
+
+def _over_layers(m: ModelConfig, per_block: Callable[[ModelConfig], int]) -> int:
+    """A per-block count summed over the layers, each of its kind (dense or MoE)."""
+    kinds, of = layer_kinds(m), kind_of_layers(m)
+    return sum(of.count(k) * per_block(kind) for k, kind in enumerate(kinds))
 
 
 
@@ -61,7 +70,7 @@ def adapter_params_per_token(m: ModelConfig, adaptation: Adaptation | None) -> i
     routed expert weight's, its top-k experts')."""
     if adaptation is None:
         return 0
-    return m.num_layers * adapter_flop_params(m, adaptation)
+    return _over_layers(m, lambda kind: adapter_flop_params(kind, adaptation))
 
 
 def training_flops_per_token(m: ModelConfig, seq_len: int, adaptation: Adaptation | None = None) -> int:
@@ -86,7 +95,7 @@ def first_block_input_grad_params(m: ModelConfig, adaptation: Adaptation) -> int
         return 0
     first = ("wq", "wk", "wv")
     return sum(linear.in_features * (linear.out_features + adaptation.rank * (linear.name in adaptation.targets))
-               for linear in block_linears(m) if linear.name in first)
+               for linear in block_linears(layer_kinds(m)[kind_of_layers(m)[0]]) if linear.name in first)
 
 
 def skipped_recompute_params(m: ModelConfig) -> int:
@@ -140,8 +149,9 @@ def block_recompute_flops(m: ModelConfig, seq_len: int, policy: str, ep: int = 1
 def recompute_flops_per_token(m: ModelConfig, seq_len: int, policy: str, every_n_layers: int = 1,
                               ep: int = 1) -> int:
     """Extra forward FLOPs per token that activation checkpointing reruns during backward."""
-    matmul, attention = block_recompute_flops(m, seq_len, policy, ep)
-    return num_checkpointed_blocks(m.num_layers, every_n_layers) * (matmul + attention)
+    kinds, of = layer_kinds(m), kind_of_layers(m)
+    wrapped = [i for i in range(m.num_layers) if i % every_n_layers == 0]  # stage_split.checkpointed's
+    return sum(sum(block_recompute_flops(kinds[of[i]], seq_len, policy, ep)) for i in wrapped)
 
 
 def loss_recompute_flops_per_token(m: ModelConfig, chunked_loss: bool) -> int:
@@ -153,7 +163,7 @@ def attention_backward_factor(m: ModelConfig, eager_softcap: bool) -> float:
     """The attention backward's FLOPs over its forward's: a fused kernel's 2.5 (module docstring; so is
     FlexAttention's, on CUDA); the eager soft-capped attention's (Gemma 2, `eager_softcap`: on the CPU) 2,
     the gradients of its two products from what it saved."""
-    return 2.0 if eager_softcap and describe(m).block.attention.softcap else FLASH_ATTENTION_BWD_FACTOR
+    return 2.0 if eager_softcap and describe(m).attention.softcap else FLASH_ATTENTION_BWD_FACTOR
 
 
 def flash_backward_extra_flops_per_token(m: ModelConfig, seq_len: int) -> int:

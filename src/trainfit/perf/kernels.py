@@ -170,7 +170,7 @@ def matmul_rate(profile: HardwareProfile, dtype: str, m: ModelConfig, layout: La
 def attention_rate(profile: HardwareProfile, dtype: str, m: ModelConfig, seq_len: int) -> float | None:
     """The causal attention rate measured nearest (sequence, head dim), or None when it was not measured."""
     measured = [((a.seq_len, a.head_dim), a.flops_per_s) for a in profile.attention if a.dtype == dtype]
-    return _nearest_rate(measured, (seq_len, describe(m).block.attention.head_dim)) if measured else None
+    return _nearest_rate(measured, (seq_len, describe(m).attention.head_dim)) if measured else None
 
 
 def elementwise_bytes(m: ModelConfig, layout: Layout, t: TrainingConfig) -> tuple[float, float]:
@@ -178,7 +178,7 @@ def elementwise_bytes(m: ModelConfig, layout: Layout, t: TrainingConfig) -> tupl
     tp, sp = layout.tp, layout.tp if layout.sequence_parallel else 1
     stream, autocast = layout.stream_bytes, layout.autocast  # the residual stream's and the norms' element
     inner = 4 if layout.precision == "fp32" else 2  # what matmuls output: RoPE's and the MLP's elements
-    attention = describe(m).block.attention
+    attention = describe(m).attention
     ffn = m.ffn_dim if not m.num_experts else m.expert_ffn_dim * (m.experts_per_token + m.num_shared_experts)
     per_d, per_rope, per_ffn = ((ELEMENTWISE_D_COMPILED, ELEMENTWISE_ROPE_COMPILED, ELEMENTWISE_FFN_COMPILED)
                                 if layout.compile else (ELEMENTWISE_D, ELEMENTWISE_ROPE, ELEMENTWISE_FFN))

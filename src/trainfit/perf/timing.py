@@ -72,6 +72,7 @@ on two cores: its stage waiting for the first micro-batch leaves both cores to t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -91,7 +92,7 @@ from trainfit.hardware import (
     peak_flops,
 )
 from trainfit.models import block_cost as B
-from trainfit.models.architecture import describe, softcap_kernel
+from trainfit.models.architecture import describe, kind_of_layers, layer_kinds, softcap_kernel
 from trainfit.models.block_spec import block_linears
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES
@@ -215,7 +216,35 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig, device: str) 
     """The busiest rank's hardware FLOPs per step on a `device` ("cpu", "cuda": the soft-capped attention's
     kernel, models/architecture.softcap_kernel): forward, backward incl. recomputation, the attention
     kernel's part of each, and the float8 linears' (a checkpointed block reruns them in proportion to its
-    matmul FLOPs)."""
+    matmul FLOPs). A model whose layers differ in their tensors: each rank's blocks of each kind, its ends
+    once (parallel/collectives.kind_parts' sums)."""
+    if len(layer_kinds(m)) == 1:
+        rank = _rank_of(m, layout, t, device)
+        busiest = max((rank(*shape) for shape in layout.rank_shapes()), key=lambda f: f.forward + f.backward)
+    else:
+        kinds, of = layer_kinds(m), kind_of_layers(m)
+        ranks = [_rank_of(kind, layout, t, device) for kind in kinds]
+        wraps = layout.activation_checkpointing != "none"
+
+        def of_rank(r: int) -> RankFlops:
+            place = layout.rank_placement(r)
+            parts = [ranks[0](0, 0, place.last)]  # the rank's ends
+            for k, rank in enumerate(ranks):
+                own = [i for i in place.blocks if of[i] == k]
+                wrapped = sum(i % layout.ac_every_n_layers == 0 for i in own) if wraps else 0
+                parts += [rank(len(own), wrapped, place.last), rank(0, 0, place.last)]
+            signs = [1] + [1, -1] * len(ranks)
+            return RankFlops(*(sum(sg * p[i] for sg, p in zip(signs, parts, strict=True)) for i in range(8)),
+                             place.last)
+
+        busiest = max((of_rank(r) for r in range(layout.pp)), key=lambda f: f.forward + f.backward)
+    tokens = layout.global_batch_size * t.seq_len / (layout.dp * layout.cp)  # per rank; tp ranks split its FLOPs
+    return RankFlops(*(f * tokens / layout.tp for f in busiest[:6]), busiest.blocks, busiest.wrapped,
+                     busiest.last_stage)
+
+
+def _rank_of(m: ModelConfig, layout: Layout, t: TrainingConfig, device: str) -> Callable[[int, int, bool], RankFlops]:
+    """A rank's FLOPs per token of `m` (its layers alike) by (blocks, of them wrapped, runs the last stage)."""
     eager = softcap_kernel(device) == "eager"
     mm, at = 2 * B.block_matmul_params(m), B.block_attention_kernel_flops(m, t.seq_len, eager_softcap=eager)
     rc_mm, rc_at = F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing, layout.ep)
@@ -248,10 +277,7 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig, device: str) 
         return RankFlops(forward, backward, layers * at, layers * at * attention_bwd + wrapped * rc_at,
                          fp8 * layers * mm, fp8 * (2 * layers * mm + wrapped * rc_mm), layers, wrapped, last_stage)
 
-    busiest = max((rank(*shape) for shape in layout.rank_shapes()), key=lambda f: f.forward + f.backward)
-    tokens = layout.global_batch_size * t.seq_len / (layout.dp * layout.cp)  # per rank; tp ranks split its FLOPs
-    return RankFlops(*(f * tokens / layout.tp for f in busiest[:6]), busiest.blocks, busiest.wrapped,
-                     busiest.last_stage)
+    return rank
 
 
 def _fp8_cast_bytes(m: ModelConfig, layout: Layout, t: TrainingConfig, flops: RankFlops) -> tuple[float, float]:
@@ -425,7 +451,7 @@ def _gpu_compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rate
     matmul_fp8 = rate([(g, 1) for g in fp8_gemms], "fp8") * efficiency if fp8_gemms else 1.0
     # soft-capped scores (Gemma 2) run FlexAttention on a GPU (models/architecture.softcap_kernel), a fused
     # kernel that is priced as FlashAttention-2 (FlexAttention's own rate is not measured here)
-    kernel = "flash" if describe(m).block.attention.softcap else attention_kernel(t.attention_backend, device)
+    kernel = "flash" if describe(m).attention.softcap else attention_kernel(t.attention_backend, device)
     att_fwd, att_bwd = GK.attention_rates(kernel, t.seq_len // layout.cp, GK.mamf(device, "bf16", peaks))
     ew_fwd, ew_bwd = K.elementwise_bytes(m, layout, t)
 
@@ -587,6 +613,8 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
     timed_collectives of a layout that differs from this one in memory knobs only, with the same
     collectives_key."""
     rates = rates or Rates.of(hw)
+    if len(layer_kinds(m)) > 1:
+        return _mixed_perf(m, layout, t, hw, rates)
     tokens_per_step = layout.global_batch_size * t.seq_len
     model_tok = F.training_flops_per_token(m, t.seq_len, layout.adaptation)
     hardware_tok = F.hardware_flops_per_token(m, t.seq_len, layout.activation_checkpointing, layout.ac_every_n_layers,
@@ -652,3 +680,30 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
         "hfu": flops["hardware_flops_per_step"] / (step_s * layout.world_size * peak),
     }
     return PerfEstimate(flops=flops, time=time, collectives=tuple(timed))
+
+
+def _mixed_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig, rates: Rates) -> PerfEstimate:
+    """A model whose layers differ in their tensors (dense and MoE) timed as its layers' mix: each kind's
+    model (architecture.layer_kinds, every layer of that kind) estimated, and every FLOP count, time and
+    collective weighted by the kind's share of the layers. Exact for what adds up over blocks (FLOPs,
+    traffic, a block's collectives); the overlaps (communication behind compute, the busiest pipeline
+    stage) taken per kind. Tokens/s, MFU and HFU follow from the mixed step time."""
+    kinds, of = layer_kinds(m), kind_of_layers(m)
+    shares = [of.count(k) / len(of) for k in range(len(kinds))]
+    parts = [estimate_perf(kind, layout, t, hw, rates) for kind in kinds]
+
+    def mixed(values: list[Any]) -> Any:
+        if isinstance(values[0], dict):
+            return {key: mixed([v.get(key, 0.0) for v in values]) for key in values[0]}
+        if isinstance(values[0], float):
+            return sum(w * v for w, v in zip(shares, values, strict=True))
+        return values[0]  # counts alike for every kind (num_microbatches)
+
+    flops, time = mixed([p.flops for p in parts]), mixed([p.time for p in parts])
+    step_s, peak = time["step_time_s"], rates.peak(layout.precision)
+    time.update(tokens_per_second=layout.global_batch_size * t.seq_len / step_s,
+                mfu=flops["model_flops_per_step"] / (step_s * layout.world_size * peak),
+                hfu=flops["hardware_flops_per_step"] / (step_s * layout.world_size * peak))
+    collectives = tuple((c._replace(count=c.count * w), one) for part, w in zip(parts, shares, strict=True)
+                        for c, one in part.collectives)
+    return PerfEstimate(flops=flops, time=time, collectives=collectives)

@@ -185,7 +185,7 @@ class Trainer:
         dtype = self.policy.autocast_dtype or self.policy.param_dtype
         arch = describe(m)
         return probe_attention_kernel(cfg.training.attention_backend, self.device, dtype, m.num_heads // layout.tp,
-                                      m.num_kv_heads // layout.tp, arch.block.attention.head_dim,
+                                      m.num_kv_heads // layout.tp, arch.attention.head_dim,
                                       masked=layout.cp > 1 or bool(arch.masked_windows(cfg.training.seq_len)))
 
     def _load_data(self) -> TokenData:
@@ -353,8 +353,8 @@ def measure_step(cfg: Config, steps: int = 2, *, cuda_snapshot: str | Path | Non
 def attention_layers_note(arch: Architecture, seq_len: int) -> str | None:
     """Which attention each kind of layer runs, where the layers differ from plain causal SDPA: the eager
     soft-capped attention (Gemma 2), or windowed layers (an explicit mask) beside global ones."""
-    if arch.block.attention.softcap:
-        return (f"attention: soft-capped scores (model.attention_softcap={arch.block.attention.softcap:g}) in every "
+    if arch.attention.softcap:
+        return (f"attention: soft-capped scores (model.attention_softcap={arch.attention.softcap:g}) in every "
                 "layer: the eager attention (its scores and fp32 probabilities kept for backward), not SDPA")
     windowed = [la.attention.window for la in arch.layers if la.attention.masked(seq_len)]
     if not windowed:

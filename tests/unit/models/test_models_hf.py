@@ -33,8 +33,11 @@ HF_CONFIGS = {
     "qwen2": ("Qwen2Config", dict(_LLAMA_DIMS, tie_word_embeddings=True, rope_theta=1e6)),
     # Qwen3: QK-norm, and a head width (24) that is not hidden_size / heads (16).
     "qwen3": ("Qwen3Config", dict(_LLAMA_DIMS, head_dim=24, rope_theta=1e6, tie_word_embeddings=True)),
-    "qwen3-moe": ("Qwen3MoeConfig", dict(_LLAMA_DIMS, head_dim=24, num_experts=4, num_experts_per_tok=2,
-                                         moe_intermediate_size=40, norm_topk_prob=True)),
+    # Qwen3-MoE with dense layers among the routed ones: the first dense (mlp_only_layers), then every
+    # second routed (decoder_sparse_step 2), the dense ones of intermediate_size.
+    "qwen3-moe": ("Qwen3MoeConfig", dict(_LLAMA_DIMS, num_hidden_layers=4, head_dim=24, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True,
+                                         mlp_only_layers=[0], decoder_sparse_step=2)),
     # Mistral Small 3's shape: num_heads x head_dim (4 x 32) wider than hidden_size.
     "mistral-head-dim": ("MistralConfig", dict(_LLAMA_DIMS, head_dim=32, sliding_window=None)),
     # Phi-3 / Phi-4: q, k, v fused in one qkv_proj, gate and up in one gate_up_proj; Phi-3-mini's sliding
@@ -157,7 +160,7 @@ def write_config(tmp_path: Path, **changes: object) -> Path:
         (dict(hidden_size="<drop>"), "key 'hidden_size' is missing"),
         (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
         (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
-              norm_topk_prob=True, mlp_only_layers=[0]), r"mlp_only_layers=[0]"),
+              norm_topk_prob=True, mlp_only_layers=[1]), r"mlp_only_layers=[1]"),
         (dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, clip_qkv=8.0), "clip_qkv=8.0"),
         (dict(attention_bias=True), "attention_bias=True"),
         (dict(model_type="gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention=True"),
