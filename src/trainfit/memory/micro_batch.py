@@ -122,8 +122,13 @@ class SharedSizes:
         self.counts = param_counts(model)
         self._micro_batches: dict[tuple[Precision, MicroBatchShape], MicroBatch] = {}
         kinds = layer_kinds(model)
-        self.kinds: tuple[SharedSizes, ...] = (self,) if len(kinds) == 1 else tuple(SharedSizes(k) for k in kinds)
-        """Each kind of layer's (architecture.layer_kinds): the model's own where its layers are alike."""
+        self._kinds = tuple(SharedSizes(k) for k in kinds) if len(kinds) > 1 else None
+
+    @property
+    def kinds(self) -> tuple[SharedSizes, ...]:
+        """Each kind of layer's (architecture.layer_kinds): the model's own where its layers are alike (made
+        on each call: a tuple of itself kept would be a reference cycle, which the planner must not leave)."""
+        return self._kinds or (self,)
 
     def micro_batch(self, prec: Precision, shape: MicroBatchShape) -> MicroBatch:
         if (prec, shape) not in self._micro_batches:
