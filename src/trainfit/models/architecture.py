@@ -301,7 +301,8 @@ def _describe(fields: tuple) -> Architecture:
 def moe_layer(m: ModelConfig, index: int) -> bool:
     """Whether layer `index` (from 0) of `m` has the routed experts: past model.moe_dense_layers, every
     model.moe_layer_step-th (Qwen3-MoE's rule: (index + 1) % decoder_sparse_step == 0)."""
-    return bool(m.num_experts) and index >= m.moe_dense_layers and (index + 1) % m.moe_layer_step == 0
+    step = max(1, m.moe_layer_step)  # < 1 is configure/validate.py's error, which describes the model first
+    return bool(m.num_experts) and index >= m.moe_dense_layers and (index + 1) % step == 0
 
 
 def layer_kinds(m: ModelConfig) -> tuple[ModelConfig, ...]:

@@ -493,8 +493,13 @@ def _exposed_host_seconds(layout: Layout, rates: Rates, compute_s: float, share:
 def compute_time_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig,
                    rates: Rates | None = None) -> float:
     """The busiest rank's forward and backward compute per step (estimate_perf's compute_s), alone:
-    part of the lower bounds plan/search.py computes before whole estimates."""
-    compute = _compute_seconds(m, layout, t, rates or Rates.of(hw), _rank_flops(m, layout, t, device_type(hw)))
+    part of the lower bounds plan/search.py computes before whole estimates. A model whose layers differ in
+    their tensors: its kinds' weighted by their share of the layers, as estimate_perf's."""
+    rates = rates or Rates.of(hw)
+    kinds, of = layer_kinds(m), kind_of_layers(m)
+    if len(kinds) > 1:
+        return sum(of.count(k) / len(of) * compute_time_s(kind, layout, t, hw, rates) for k, kind in enumerate(kinds))
+    compute = _compute_seconds(m, layout, t, rates, _rank_flops(m, layout, t, device_type(hw)))
     return compute.forward + compute.backward
 
 

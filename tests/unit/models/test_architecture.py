@@ -57,3 +57,33 @@ def test_the_run_log_names_what_each_kind_of_layer_runs() -> None:
     assert attention_layers_note(describe(_gemma3()), 256) is None
     gemma2 = resolve_model_config(ModelConfig(preset="gemma-2-2b"))
     assert "eager attention" in attention_layers_note(describe(gemma2), 4096)
+
+
+def test_dense_and_moe_layers_are_kinds_each_priced_as_its_own_block() -> None:
+    """The first layer dense, then every second MoE: each kind a model of its own; the count, the FLOPs and the
+    compute time add the layers up kind by kind."""
+    from trainfit.configure import load_config
+    from trainfit.models.architecture import kind_of_layers, layer_kinds
+    from trainfit.models.params import param_counts
+    from trainfit.parallel.resolve import build_layout
+    from trainfit.perf import flops
+    from trainfit.perf.timing import compute_time_s
+
+    cfg = load_config(None, ["--model.preset=debug-moe", "--model.num_layers=5", "--model.moe_dense_layers=1",
+                             "--model.moe_layer_step=2"])
+    m = cfg.model
+    assert [bool(la.moe) for la in describe(m).layers] == [False, True, False, True, False]
+    dense, moe = layer_kinds(m)
+    assert (dense.num_experts, moe.num_experts) == (0, 4) and kind_of_layers(m) == (0, 1, 0, 1, 0)
+    with pytest.raises(ValueError, match="differ in their tensors"):
+        _ = describe(m).block
+    whole, d, e = param_counts(m), param_counts(dense), param_counts(moe)
+    assert whole.total == d.embedding + 3 * d.per_layer + 2 * e.per_layer + d.final_norm + d.output
+    assert whole.active == whole.total - 2 * (e.mlp - e.mlp_active)
+    head = flops.head_matmul_params(m)
+    assert flops.matmul_params_per_token(m) - head == (3 * (flops.matmul_params_per_token(dense) - head)
+                                                       + 2 * (flops.matmul_params_per_token(moe) - head)) // 5
+    layout = build_layout(cfg)
+    assert compute_time_s(m, layout, cfg.training, cfg.hardware) == pytest.approx(
+        0.6 * compute_time_s(dense, layout, cfg.training, cfg.hardware)
+        + 0.4 * compute_time_s(moe, layout, cfg.training, cfg.hardware))
