@@ -75,6 +75,7 @@ from trainfit.models.architecture import describe, kind_of_layers, layer_kinds
 from trainfit.models.block_spec import block_linears
 from trainfit.models.checkpoint_policy import POLICIES
 from trainfit.parallel.layout import AXES, Layout
+from trainfit.parallel.stage_split import checkpointed
 
 Technique = Literal["ddp", "zero1", "fsdp", "tp", "cp", "ep", "pp", "train"]
 Kind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p"]
@@ -319,7 +320,7 @@ def kind_parts(model: ModelConfig, layout: Layout) -> list[tuple[ModelConfig, in
     parts = [(next(k for k in kinds if k.num_experts), 0, 0, 1)]  # the grad-norm's expert axes: the model's
     for k, kind in enumerate(kinds):
         own = [i for i in blocks if of[i] == k]
-        wrapped = sum(i % layout.ac_every_n_layers == 0 for i in own) if wraps else 0
+        wrapped = sum(checkpointed(i, layout.ac_every_n_layers) for i in own) if wraps else 0
         parts += [(kind, len(own), wrapped, 1), (kind, 0, 0, -1)]
     return parts
 

@@ -38,6 +38,7 @@ from trainfit.models.architecture import describe, kind_of_layers, layer_kinds
 from trainfit.models.block_cost import block_attention_flops, block_matmul_params, head_matmul_params
 from trainfit.models.block_spec import block_linears
 from trainfit.models.checkpoint_policy import odd_expert_share, shared_experts_first_matmul
+from trainfit.parallel.stage_split import checkpointed
 from trainfit.peft.spec import Adaptation, adapter_flop_params
 
 FWD_BWD_FACTOR = 3  # backward = 2x forward (grad wrt inputs + grad wrt weights)
@@ -150,7 +151,7 @@ def recompute_flops_per_token(m: ModelConfig, seq_len: int, policy: str, every_n
                               ep: int = 1) -> int:
     """Extra forward FLOPs per token that activation checkpointing reruns during backward."""
     kinds, of = layer_kinds(m), kind_of_layers(m)
-    wrapped = [i for i in range(m.num_layers) if i % every_n_layers == 0]  # stage_split.checkpointed's
+    wrapped = [i for i in range(m.num_layers) if checkpointed(i, every_n_layers)]
     return sum(sum(block_recompute_flops(kinds[of[i]], seq_len, policy, ep)) for i in wrapped)
 
 

@@ -95,7 +95,7 @@ from trainfit.models import block_cost as B
 from trainfit.models.architecture import describe, kind_of_layers, layer_kinds, softcap_kernel
 from trainfit.models.block_spec import block_linears
 from trainfit.parallel.layout import Layout
-from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES
+from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES, checkpointed
 from trainfit.peft.spec import adapter_flop_params
 from trainfit.perf import flops as F
 from trainfit.perf import gpu_kernels as GK
@@ -231,7 +231,7 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig, device: str) 
             parts = [ranks[0](0, 0, place.last)]  # the rank's ends
             for k, rank in enumerate(ranks):
                 own = [i for i in place.blocks if of[i] == k]
-                wrapped = sum(i % layout.ac_every_n_layers == 0 for i in own) if wraps else 0
+                wrapped = sum(checkpointed(i, layout.ac_every_n_layers) for i in own) if wraps else 0
                 parts += [rank(len(own), wrapped, place.last), rank(0, 0, place.last)]
             signs = [1] + [1, -1] * len(ranks)
             return RankFlops(*(sum(sg * p[i] for sg, p in zip(signs, parts, strict=True)) for i in range(8)),
