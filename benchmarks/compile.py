@@ -1,7 +1,7 @@
 """Eager vs torch.compile'd blocks (training.compile) on this machine: tokens/s without the
 compiling step, the compile time apart, and the peak measured at the allocator (the tensors' peak
 + non_tensor: what a compiled block allocates inside is no tensor the memory meter sees) against both
-estimators, which model the eager step (traced.py traces it; memory/analytic.py counts
+estimators, which model the eager step (traced.py traces it; memory/closed_form/analytic.py counts
 eager's saved tensors), so a compiled row's estimate gaps are what fusion saves.
 
 Inductor's partitioner (torch/_functorch/partitioners.py, min_cut_rematerialization_partition)
@@ -11,7 +11,7 @@ and its fused backward frees temporaries eager keeps between separate kernels. W
 cut depends on the graph and inductor's heuristics (fusibility, a recompute cost model), which the
 estimators do not model.
 
-fp8-mixed: the analytic estimate prices a compiled step's casts to fp8 fused (memory/analytic.py,
+fp8-mixed: the analytic estimate prices a compiled step's casts to fp8 fused (memory/closed_form/analytic.py,
 FLOAT8_CAST_BYTES_COMPILED) and its other tensors as eager's; the traced one traces the eager step.
 
     PYTHONPATH=src python benchmarks/compile.py [--steps 8] [--quick] [--precision MODE ...]

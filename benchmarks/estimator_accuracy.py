@@ -57,8 +57,8 @@ from accuracy_grid import (  # noqa: E402
 
 from trainfit.config import write_atomic  # noqa: E402
 from trainfit.configure import load_config  # noqa: E402
-from trainfit.memory.analytic import estimate_memory  # noqa: E402
-from trainfit.memory.breakdown import MemoryBreakdown  # noqa: E402
+from trainfit.memory import MemoryBreakdown  # noqa: E402
+from trainfit.memory.closed_form import estimate_memory  # noqa: E402
 from trainfit.parallel.resolve import build_layout  # noqa: E402
 
 COLUMNS = {  # key: (header, right-aligned)

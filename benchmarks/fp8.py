@@ -1,5 +1,5 @@
 """fp8-mixed against bf16-mixed on this machine: peak memory of one training step, measured at the
-allocator (memory/attribution.py) against the traced and analytic estimates, and training tokens/s.
+allocator (memory/measured/attribution.py) against the traced and analytic estimates, and training tokens/s.
 
 This is a CPU: it has no fp8 units. torch._scaled_mm's CPU kernel computes fp8 operands its own way,
 every float8 Linear adds its dynamic-scale casts (abs, amax, scale, clamp, convert: two casts per
@@ -26,7 +26,7 @@ from rich.table import Table
 from techniques import tokens_per_s  # beside this script
 from trainfit.config import Config
 from trainfit.configure import load_config
-from trainfit.memory.analytic import estimate_memory
+from trainfit.memory.closed_form import estimate_memory
 from trainfit.parallel.resolve import build_layout
 from trainfit.traced import trace_step
 from trainfit.train.trainer import measure_step

@@ -8,10 +8,10 @@
 
 For each layout, every rank runs a watched warm-up step, one measured step as `trainfit train` does
 (Trainer.measured_step: the live tensors' peak, counted after every operator with glibc's in-use
-bytes read beside them, memory/attribution.py; the largest over the ranks), then timed steps; and this
+bytes read beside them, memory/measured/attribution.py; the largest over the ranks), then timed steps; and this
 rank's model-state tensors once the optimizer is about to step (params, master weights, grads,
 optimizer: local shard bytes, rank 0; ZeRO-1's grads are its flat buffers plus its master shards'
-gradients). "estimate" is memory/analytic.py's model states at that moment (model_states) and
+gradients). "estimate" is memory/closed_form/analytic.py's model states at that moment (model_states) and
 peak (estimate_memory) for the same config. On a CPU "offload" moves nothing (host and device are
 the same memory): its row shows the cost of the offload code path, not its saving.
 
@@ -66,7 +66,7 @@ def overrides(run_dir: Path, nproc: int, layout: list[str]) -> list[str]:
 
 def estimate(cfg) -> tuple[int, int]:
     """(peak, model states once the optimizer is about to step) of the analytic estimate."""
-    from trainfit.memory.analytic import estimate_memory, model_states
+    from trainfit.memory.closed_form import estimate_memory, model_states
     from trainfit.parallel.resolve import build_layout
 
     args = (cfg.model, build_layout(cfg), cfg.training, cfg.hardware, cfg.optimizer)

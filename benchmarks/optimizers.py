@@ -1,4 +1,4 @@
-"""Optimizers on this machine: state bytes (measured from the tensors vs memory/analytic.py) and step
+"""Optimizers on this machine: state bytes (measured from the tensors vs memory/closed_form/analytic.py) and step
 time, on one small model (the tiny preset, 3.3M parameters, fp32, one process).
 
 Measured states: parallel/data_parallel.local_state_bytes after a first step (tensor subclasses
@@ -17,7 +17,7 @@ import time
 import torch
 
 from trainfit.configure import load_config
-from trainfit.memory.analytic import model_states
+from trainfit.memory.closed_form import model_states
 from trainfit.models import build_model, materialize
 from trainfit.parallel.data_parallel import local_state_bytes
 from trainfit.parallel.resolve import build_layout

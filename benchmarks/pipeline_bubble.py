@@ -4,7 +4,7 @@ For every schedule and micro-batch count, each rank times its own compute inside
 step (torch's PipelineStage forward_one_chunk, backward_one_chunk and backward_weight_one_chunk,
 wrapped) and the step's wall time (Trainer.pipeline.run). What is not compute is waiting: for the
 neighbour's activations or gradients (the bubble) and for gloo's send/recv. The table gives
-idle / compute, the quantity perf/timing.bubble_fraction models ((pp - 1) / m for gpipe and 1f1b,
+idle / compute, the quantity parallel/schedules.bubble_fraction models ((pp - 1) / m for gpipe and 1f1b,
 divided by the virtual stages for interleaved-1f1b and looped-bfs, 0 for the zero-bubble family),
 averaged over the ranks and for the most idle one, and the job's tokens/s.
 
@@ -78,7 +78,7 @@ def run_rank(args: argparse.Namespace) -> None:
     import torch
 
     from trainfit.configure import load_config
-    from trainfit.perf.timing import bubble_fraction
+    from trainfit.parallel.schedules import bubble_fraction
     from trainfit.train.trainer import Trainer
 
     warnings.filterwarnings("ignore")

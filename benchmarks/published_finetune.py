@@ -44,8 +44,8 @@ from rich.table import Table
 from trainfit.config import Config, ConfigError
 from trainfit.configure import load_config
 from trainfit.estimate import Estimate, estimate
-from trainfit.memory.caching_allocator import CachingAllocator
-from trainfit.memory.margin import ALLOCATOR_FRAGMENTATION
+from trainfit.memory import ALLOCATOR_FRAGMENTATION
+from trainfit.memory.traced import CachingAllocator
 from trainfit.peft.spec import nf4_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

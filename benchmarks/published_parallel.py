@@ -11,7 +11,7 @@ Memory. torchtitan logs `max_reserved` (torch.cuda.memory_stats()["reserved_byte
 torchtitan/metrics.py at 9dec370): the caching allocator's pool, which holds the tensors alive at the peak
 plus the allocator's slack. It excludes the CUDA context and NCCL's buffers, which live outside the pool.
 trainfit's analytic `peak` is the bytes allocated at the step's peak, and its `reserved_margin` is
-CUDA_CONTEXT_BYTES + ALLOCATOR_FRAGMENTATION x peak + NCCL's buffers (memory/comm_buffers.py). So a
+CUDA_CONTEXT_BYTES + ALLOCATOR_FRAGMENTATION x peak + NCCL's buffers (memory/closed_form/comm_buffers.py). So a
 "reserved" figure is compared with peak x (1 + ALLOCATOR_FRAGMENTATION), and an "allocated" one with the
 peak itself. Sources that do not say which statistic they report are not compared. Pipeline rows use the
 worst stage, since the published figures are the maximum over pipeline ranks.
@@ -47,9 +47,9 @@ from trainfit.config import Config
 from trainfit.configure import load_config
 from trainfit.estimate import Estimate, estimate
 from trainfit.hardware import device_spec
-from trainfit.memory.margin import ALLOCATOR_FRAGMENTATION
+from trainfit.memory import ALLOCATOR_FRAGMENTATION
+from trainfit.parallel.schedules import bubble_fraction
 from trainfit.perf import flops as F
-from trainfit.perf.timing import bubble_fraction
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import published_record as record  # noqa: E402 (beside this script)
@@ -122,7 +122,8 @@ NOTES: dict[str, str] = {
     # assumptions and approximations of estimated rows
     "seq?": "seq 8192 from torchtitan's train_configs at the cited commit [inferred]",
     "compile": "torch.compile: training.compile, which the estimates price only where it changes fp8-mixed: "
-               "its casts to fp8 fused (perf/fp8_casts.py's traffic, memory/analytic.py's backward temporaries)",
+               "its casts to fp8 fused (perf/fp8_casts.py's traffic, memory/closed_form/analytic.py's backward "
+               "temporaries)",
     "fp8": "Float8 linears: trainfit's fp8-mixed (block linears at the fp8 peak plus torchao's casts to fp8; memory "
            "bf16-mixed's, less the float8 linears' bf16 weight copies, plus their backward's casts)",
     "async": "AsyncTP: parallel.async_tp (torch's micro-pipeline TP: each TP collective split over its GEMMs)",

@@ -5,7 +5,7 @@
 torchtitan publishes torch.cuda.max_memory_reserved. For each published memory row the traced
 estimator can run (trainfit trains the layout), this traces the row's config as `trainfit estimate
 --traced` does and prints the tensors' peak, the reserved peak the allocator's rules reach over the
-step's allocations (memory/caching_allocator.py; the traced estimate's `reserved_peak`), its error
+step's allocations (memory/traced/caching_allocator.py; the traced estimate's `reserved_peak`), its error
 against the published figure, and the analytic peak x (1 + the assumed fragmentation) beside it.
 About 10-20 s a row on 2 cores; rows that cannot be traced say why.
 """
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import published_parallel as published  # noqa: E402 (beside this script)
 from trainfit.config import ConfigError  # noqa: E402
 from trainfit.estimate import estimate  # noqa: E402
-from trainfit.memory.margin import ALLOCATOR_FRAGMENTATION  # noqa: E402
+from trainfit.memory import ALLOCATOR_FRAGMENTATION  # noqa: E402
 from trainfit.traced import trace_step  # noqa: E402
 
 GIB = 1024**3

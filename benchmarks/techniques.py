@@ -1,7 +1,7 @@
 """Each memory/compute technique's measured effect on this machine against its estimate: one baseline
 (the accuracy grid's Llama shape with a 4,096-word vocabulary, bf16-mixed, AdamW, one process) and the
 same run with one technique switched on. Per row: the peak measured at the allocator (a watched step,
-then a measured one: memory/attribution.py), both estimators' peaks and their errors, the change
+then a measured one: memory/measured/attribution.py), both estimators' peaks and their errors, the change
 against the baseline, and tokens/s over timed steps after two warm-up steps (compilation, where there
 is any, happens in the warm-up and is left out).
 

@@ -4,8 +4,8 @@ functions take the sections and a Layout, so that the planner can call them with
 from __future__ import annotations
 
 from trainfit.config import Config
-from trainfit.memory import analytic
-from trainfit.memory.breakdown import MemoryBreakdown
+from trainfit.memory import MemoryBreakdown
+from trainfit.memory.closed_form import analytic
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.resolve import build_layout
 

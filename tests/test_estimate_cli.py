@@ -47,7 +47,7 @@ def test_json_schema_for_the_gpu_example() -> None:
 def test_the_reserved_margin_shows_its_terms_nccls_buffers_among_them(capsys: pytest.CaptureFixture,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU the margin is the CUDA context, the allocator's fragmentation and NCCL's buffers
-    (memory/comm_buffers.py), each a row under it and a key of margin_terms, summing to it; on the
+    (memory/closed_form/comm_buffers.py), each a row under it and a key of margin_terms, summing to it; on the
     CPU it is 0 with no terms, as before NCCL's buffers were estimated."""
     monkeypatch.setenv("COLUMNS", "200")
     gpu = ["--model.preset=llama3-8b", "--hardware.gpu=H100", "--hardware.num_gpus=8", "--parallel.tp=2",

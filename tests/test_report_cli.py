@@ -35,7 +35,7 @@ def test_traced_estimate_has_the_analytic_schema_plus_a_timeline(small: list[str
     traced = json.loads(trainfit("estimate", *on_h100, "--traced").stdout)["per_rank"]
     analytic = json.loads(trainfit("estimate", *on_h100).stdout)["per_rank"]
     # the CUDA context and NCCL's buffers (none on one rank), which tracing cannot see, are the analytic's;
-    # the caching allocator's fragmentation is the trace's own replay (memory/caching_allocator.py)
+    # the caching allocator's fragmentation is the trace's own replay (memory/traced/caching_allocator.py)
     terms, analytic_terms = traced["margin_terms"], analytic["margin_terms"]
     assert set(terms) == set(analytic_terms) == {"cuda_context", "allocator_fragmentation", "comm_buffers"}
     assert terms["cuda_context"] == analytic_terms["cuda_context"] > 0 and terms["comm_buffers"] == 0

@@ -10,7 +10,7 @@ optimizer states (one optimizer step on zero gradients) and traces the trainer's
 (train/step.TrainStep): forward + loss per micro-batch, backward, unscale / clip / optimizer step /
 zero_grad.
 
-The tracer is memory/ledger.py's `StorageLedger`, which attributes every storage to a component.
+The tracer is memory/traced/ledger.py's `StorageLedger`, which attributes every storage to a component.
 
 Fake execution needs a few stand-ins, each at one place (here, or in the ledger's fake overrides):
 Dropless MoE routing is data-dependent (`torch.nonzero`): `nonzero` returns a skewed routing, the
@@ -63,10 +63,8 @@ from torch.distributed.tensor import DTensor
 
 from trainfit.config import Config
 from trainfit.hardware import device_spec, device_type
-from trainfit.memory.breakdown import MemoryBreakdown
-from trainfit.memory.caching_allocator import CachingAllocator
-from trainfit.memory.ledger import StorageLedger, TimelinePoint, phase_listener, unsharded_component
-from trainfit.memory.margin import CUDA_CONTEXT_BYTES
+from trainfit.memory import CUDA_CONTEXT_BYTES, MemoryBreakdown
+from trainfit.memory.traced import CachingAllocator, StorageLedger, TimelinePoint, phase_listener, unsharded_component
 from trainfit.models import materialize
 from trainfit.models.moe import GroupedExperts
 from trainfit.models.routing import dropless_loads, expert_parallel_loads
@@ -77,6 +75,7 @@ from trainfit.parallel.layout import Layout
 from trainfit.parallel.mesh import build_mesh
 from trainfit.parallel.pipeline import PipelineStep
 from trainfit.parallel.resolve import build_layout
+from trainfit.parallel.schedules import SCHEDULES
 from trainfit.parallel.stage_split import checkpointed
 from trainfit.train.build import build_parallel_model, run_precision
 from trainfit.train.distributed import World, trainable
@@ -248,7 +247,7 @@ def _create_optimizer_states(step: TrainStep) -> None:
 
 def _state_counter(step: TrainStep, out: dict[str, int]) -> Any:
     """A step listener filling `out` with the model states at the 'update' moment, as a measured
-    step counts them (memory/attribution.py)."""
+    step counts them (memory/measured/attribution.py)."""
 
     def listen(moment: str) -> None:
         if moment == "update":
@@ -304,7 +303,7 @@ def _eight_bit_update_as_compiled(active: bool, device_type: str) -> Iterator[No
     code, TORCH_LOGS=output_code): for a parameter with 8-bit states, two fp32 buffers of its (local)
     shape and two of one value per block, alive while the kernel runs; for plain states nothing. On
     CPU the kernel is one call whose buffers no operator boundary sees (a measured CPU step cannot,
-    memory/measure.py), so the stand-in holds them for a CUDA target only (`device_type`), where
+    memory/measured/measure.py), so the stand-in holds them for a CUDA target only (`device_type`), where
     max_memory_allocated counts them (CUDA's triton kernel assumed to hold what the CPU one does).
     Values are not computed: fake tensors have none. Private: torchao.optim.adam.single_param_adam
     (an API move breaks this one function). Inactive (another optimizer) it does nothing."""
@@ -382,14 +381,6 @@ def trace_step(cfg: Config, layout: Layout | None = None) -> TracedEstimate:
                           state_bytes=traces[0].state_bytes)
 
 
-FILL_DRAIN_SCHEDULES = frozenset({"gpipe"})
-"""Schedules whose every rank runs the same actions wherever it sits: all its micro-batches'
-forwards, then all their backwards (torch's ScheduleGPipe reads its stage's index only to know
-whether it is the first or the last). Under the others a rank's place in the pipeline decides how
-many micro-batches it holds at once (1F1B's warm-up of pp - rank - 1 forwards, the interleaved and
-zero-bubble orders), and every rank is traced."""
-
-
 def _trace_key(layout: Layout, pp_rank: int) -> tuple[Any, ...]:
     """What pipeline rank `pp_rank`'s trace depends on: ranks of one key allocate alike, byte for
     byte, and only the first of them is traced. Under a fill-drain schedule: whether it runs the
@@ -400,7 +391,7 @@ def _trace_key(layout: Layout, pp_rank: int) -> tuple[Any, ...]:
     Not traced, a rank warms none of torch's caches for the next: a later rank's timeline can then
     hold an extra `.device` query (an operator that allocates nothing, the same bytes on either
     side), so a timeline and `num_ops` are exact to such operators, the figures to the byte."""
-    if layout.pp_schedule not in FILL_DRAIN_SCHEDULES:
+    if not SCHEDULES[layout.pp_schedule].fill_drain:
         return ("rank", pp_rank)
     placement = layout.rank_placement(pp_rank)
     return (placement.first, placement.last,

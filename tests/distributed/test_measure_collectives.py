@@ -1,4 +1,4 @@
-"""A CPU measurement and gloo's threads (memory/measure.py): gloo runs every collective on a worker
+"""A CPU measurement and gloo's threads (memory/measured/measure.py): gloo runs every collective on a worker
 thread of its own, with scratch in the process's C heap (a ring all-reduce holds two segments),
 while the calling thread goes on. Measured, each collective is waited for as it is issued, so the
 next sample comes after the scratch is gone, whatever the scheduling: before, a 2-rank ZeRO-1 step
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import GlooTestCase, with_comms
-from trainfit.memory.measure import collectives_completed, measure_peak
+from trainfit.memory.measured import collectives_completed, measure_peak
 
 
 class CollectivesUnderMeasurement(GlooTestCase):

@@ -1,5 +1,5 @@
 """parallel/groups.py's count of the process groups a rank belongs to, against the groups torch
-creates for the real mesh (gloo, 4 ranks): memory/comm_buffers.py prices one set of NCCL buffers
+creates for the real mesh (gloo, 4 ranks): memory/closed_form/comm_buffers.py prices one set of NCCL buffers
 per group, so the count is the estimate's multiplier."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class ProcessGroupsOnFourRanks(FourRankGlooTestCase):
         # Every group torch created for the mesh, size 1 ones aside, and the default group it reused.
         assert len(groups) == 1 + sum(pg.size() > 1 for pg in created), (overrides, groups)
         # A collective over data-parallel axes (parallel/collectives.py) runs on the group mesh.py gives
-        # the engine: memory/comm_buffers.py counts that one, not its twins over the same ranks.
+        # the engine: memory/closed_form/comm_buffers.py counts that one, not its twins over the same ranks.
         def over(axes: tuple[str, ...]) -> dist.ProcessGroup:
             group = group_of(layout, axes)
             return default if group.name == "world" else torch_group(group.name)

@@ -1,6 +1,6 @@
 """The estimator accuracy grid, shared by tests/estimator/test_accuracy.py and
 benchmarks/estimator_accuracy.py: configurations on 1, 2 and 4 CPU processes, each measured
-(memory/attribution.py), traced (traced.py) and estimated (memory/analytic.py).
+(memory/measured/attribution.py), traced (traced.py) and estimated (memory/closed_form/analytic.py).
 
 Ground truth on CPU: the live tensors of a real step, counted per component at every aten
 operator, and beside them glibc's in-use bytes read at the same moments. The estimators are held
@@ -34,9 +34,9 @@ from _analytic import memory_of, retained_of, states_of
 from _ranks import start_ranks
 from _runs import run_config
 from trainfit.config import Config
-from trainfit.memory.attribution import Measurement
-from trainfit.memory.breakdown import COMPONENTS, MemoryBreakdown
-from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES
+from trainfit.memory import COMPONENTS, MemoryBreakdown
+from trainfit.memory.measured import Measurement
+from trainfit.parallel.schedules import SCHEDULES
 from trainfit.traced import trace_step
 from trainfit.train.trainer import measure_step
 
@@ -546,7 +546,7 @@ def per_shape_library_cache(row: Row) -> bool:
 
 def splits_backward(row: Row) -> bool:
     """A zero-bubble pipeline schedule (input and weight gradients apart)."""
-    return any(SCHEDULE[name] in row.overrides for name in ZERO_BUBBLE_SCHEDULES)
+    return any(SCHEDULE[name] in row.overrides for name, s in SCHEDULES.items() if s.split_backward)
 
 
 def peak_bounds(row: Row) -> tuple[tuple[float, float], tuple[float, float]]:

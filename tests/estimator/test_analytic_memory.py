@@ -9,20 +9,18 @@ import subprocess
 import sys
 
 import pytest
+from korthikanti import korthikanti_layer_bytes
 
 from _analytic import memory_of as estimate_memory
 from _analytic import retained_of as forward_retained_bytes
 from _analytic import states_of as model_states
 from trainfit.configure import load_config
 from trainfit.estimate import estimate
-from trainfit.memory import margin
-from trainfit.memory.activation_terms import FP32, ActDtypes
-from trainfit.memory.activations import block_terms
-from trainfit.memory.analytic import zero_model_state_bytes
-from trainfit.memory.breakdown import COMPONENTS, PHASES
-from trainfit.memory.korthikanti import korthikanti_layer_bytes
-from trainfit.memory.pipeline_held import micro_batches_in_flight
-from trainfit.memory.run_shape import Run
+from trainfit.memory import COMPONENTS, PHASES, margin
+from trainfit.memory.closed_form.analytic import zero_model_state_bytes
+from trainfit.memory.closed_form.block.activation_terms import FP32, ActDtypes
+from trainfit.memory.closed_form.block.activations import block_terms
+from trainfit.memory.closed_form.run_shape import Run
 from trainfit.models.params import param_counts
 from trainfit.parallel.resolve import build_layout
 
@@ -35,7 +33,7 @@ def cfg_of(*overrides: str):
 
 
 def test_the_analytic_path_imports_no_torch():
-    code = ("import sys, trainfit.memory.analytic as a, trainfit.configure as c\n"
+    code = ("import sys, trainfit.memory.closed_form.analytic as a, trainfit.configure as c\n"
             "import trainfit.parallel.resolve as l\n"
             "cfg = c.load_config(None, ['--model.preset=llama3-8b', '--hardware.num_gpus=8',\n"
             "    '--parallel.zero_stage=3', '--training.micro_batch_size=1', '--training.global_batch_size=8'])\n"
@@ -220,7 +218,7 @@ def test_pipeline_stages_hold_their_layers_and_in_flight_micro_batches():
     gpipe_cfg = cfg_of(*base, "--parallel.pp_schedule=gpipe")
     gpipe_run = Run(gpipe_cfg.model, build_layout(gpipe_cfg), gpipe_cfg.training, gpipe_cfg.hardware,
                     gpipe_cfg.optimizer)
-    assert micro_batches_in_flight(gpipe_run, 0) == (16.0, 16)  # all 16 micro-batches
+    assert gpipe_run.layout.micro_batches_in_flight(0) == (16.0, 16)  # all 16 micro-batches
     assert estimate_memory(gpipe_cfg).per_stage[0].activations > 3.5 * acts[0]
     # Embeddings on the first stage, the output projection on the last.
     states = [model_states(cfg_of(*base), stage=i) for i in range(4)]
@@ -231,7 +229,7 @@ def test_pipeline_stages_hold_their_layers_and_in_flight_micro_batches():
     cfg = cfg_of(*base, "--parallel.pp_schedule=interleaved-1f1b", "--parallel.pp_virtual_stages=2",
                  "--parallel.num_microbatches=16", "--parallel.pp_layers_per_stage=" + ",".join(["4"] * 8))
     run = Run(cfg.model, build_layout(cfg), cfg.training, cfg.hardware, cfg.optimizer)
-    in_flight, _ = micro_batches_in_flight(run, 0)
+    in_flight, _ = run.layout.micro_batches_in_flight(0)
     assert in_flight * (32 / 4) == pytest.approx(32 * (1 + 3 / 8))
 
 

@@ -1,4 +1,4 @@
-"""Measurement of a real training step attributed to components (memory/attribution.py): the
+"""Measurement of a real training step attributed to components (memory/measured/attribution.py): the
 components add up to the tensors' peak and agree with figures computed independently; what the
 allocator holds beyond the tensors is non_tensor, never a component."""
 
@@ -16,7 +16,7 @@ from accuracy_grid import LLAMA, join_world
 from _analytic import memory_of
 from _ranks import start_ranks
 from _runs import run_config
-from trainfit.memory.breakdown import PHASES
+from trainfit.memory import PHASES
 from trainfit.traced import trace_step
 from trainfit.train.distributed import World
 from trainfit.train.trainer import Trainer, measure_step, measure_trainer_step

@@ -17,7 +17,7 @@ stage; no real processes), and three models checked against it:
     perf/timing.py's busiest rank's FLOPs per step, exactly, without attention: FlopCounterMode has
     no formula for the CPU flash-attention kernel (tests/estimator/test_flops.py checks attention
     apart), so the comparison is of matmuls: forward, backward and checkpointing's recomputation.
-(c) memory: analytic (memory/analytic.py) against traced, per component, per pipeline stage, with
+(c) memory: analytic (memory/closed_form/analytic.py) against traced, per component, per pipeline stage, with
     accuracy_grid.component_gaps' tolerance: 10% of the traced component or 1% of the traced peak,
     whichever is larger (2% of the peak for pipeline stages: accuracy_grid.PIPELINE_COMPONENT_FLOOR).
 

@@ -1,4 +1,4 @@
-"""The analytic estimator's pipeline terms (memory/pipeline_held.py `PipelineHeld`), each checked against
+"""The analytic estimator's pipeline terms (memory/closed_form/pipeline_held.py `PipelineHeld`), each checked against
 the tensor torch.distributed.pipelining holds (stage.py, schedules.py, _backward.py of torch 2.13).
 Every stage against measured steps: the pipeline rows of the accuracy grid
 (tests/estimator/test_accuracy.py)."""
@@ -13,11 +13,11 @@ from accuracy_grid import LLAMA, _row, row_config
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from _runs import run_config
-from trainfit.memory.activation_terms import FP32
-from trainfit.memory.micro_batch import SharedSizes
-from trainfit.memory.pipeline_held import PipelineHeld, micro_batches_in_flight, pipeline_held
-from trainfit.memory.rank_layout import layout_common, rank_layout
-from trainfit.memory.run_shape import Run
+from trainfit.memory.closed_form import SharedSizes
+from trainfit.memory.closed_form.block.activation_terms import FP32
+from trainfit.memory.closed_form.pipeline_held import PipelineHeld, pipeline_held
+from trainfit.memory.closed_form.rank_layout import layout_common, rank_layout
+from trainfit.memory.closed_form.run_shape import Run
 from trainfit.parallel.resolve import build_layout
 
 MB, T, D, V, F, M = 2, 256, 128, 512, 384, 4
@@ -118,7 +118,7 @@ def test_in_flight_from_torch_orders(name: str, p: int, m: int) -> None:
                 elif kind == "I":
                     pending.add(key)
                 worst = max(worst, (len(alive), len(pending)))
-        in_flight, _ = micro_batches_in_flight(run, rank)
+        in_flight, _ = run.layout.micro_batches_in_flight(rank)
         assert worst[0] == in_flight * 2, (rank, worst)
         expected_pending = {"interleaved-zero-bubble": rank + 1, "zbv-zero-bubble": 1, "dualpipev": 0}[name]
         assert worst[1] == expected_pending, (rank, worst)

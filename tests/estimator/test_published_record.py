@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from _runs import load_benchmark
-from trainfit.memory import step_peak
+from trainfit.memory.closed_form import step_peak
 from trainfit.perf import fp8_casts
 
 published = load_benchmark("published_parallel")

@@ -10,9 +10,10 @@ from trainfit.configure import load_config
 from trainfit.hardware import device_type, peak_flops
 from trainfit.models.params import param_counts
 from trainfit.parallel.resolve import build_layout
+from trainfit.parallel.schedules import bubble_fraction
 from trainfit.perf import comms
 from trainfit.perf import gpu_kernels as GK
-from trainfit.perf.timing import bubble_fraction, estimate_perf
+from trainfit.perf.timing import estimate_perf
 
 H100 = ("--hardware.gpu=H100-SXM-80GB", "--precision.mode=bf16-mixed")
 LLAMA70B_64 = (*H100, "--model.preset=llama3-70b", "--hardware.num_gpus=64", "--parallel.tp=8",

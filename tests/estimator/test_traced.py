@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from trainfit.config import Config
 from trainfit.configure import load_config
-from trainfit.memory.breakdown import PHASES
-from trainfit.memory.ledger import TimelinePoint
+from trainfit.memory import PHASES
+from trainfit.memory.traced import TimelinePoint
 from trainfit.traced import TracedEstimate, trace_step
 
 

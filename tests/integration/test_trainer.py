@@ -13,7 +13,7 @@ import torch
 from _analytic import memory_of
 from _runs import run_config
 from trainfit.config import ConfigError
-from trainfit.memory.breakdown import COMPONENTS, PHASES
+from trainfit.memory import COMPONENTS, PHASES
 from trainfit.traced import trace_step
 from trainfit.train import checkpoint as ckpt
 from trainfit.train.metrics import ThroughputWindow, read_metrics
@@ -120,9 +120,9 @@ def test_measured_steps_log_their_memory_per_component(tmp_path: Path) -> None:
 
 
 def test_cuda_device_figures_of_a_measured_step_reach_its_record(tmp_path: Path, monkeypatch) -> None:
-    """The CUDA readings (memory/measure.device_readings, read at the measured step's end) flow into
+    """The CUDA readings (memory/measured/measure.device_readings, read at the measured step's end) flow into
     the Measurement's breakdown, the step's metrics record and the run's result: here given on a CPU."""
-    from trainfit.memory import measure
+    from trainfit.memory.measured import measure
 
     readings = measure.DeviceReadings(reserved_peak_bytes=300 * 2**20, device_used_bytes=1200 * 2**20)
     monkeypatch.setattr(measure, "device_readings", lambda device: readings)

@@ -15,7 +15,7 @@ from _runs import run_config
 from trainfit.attention import MATH_OP, probe_attention_kernel
 from trainfit.config import ConfigError
 from trainfit.configure import load_config
-from trainfit.memory.run_shape import assumed_attention_kernel
+from trainfit.memory.closed_form import assumed_attention_kernel
 from trainfit.parallel.resolve import build_layout
 from trainfit.train.distributed import World
 from trainfit.train.trainer import Trainer

@@ -1,8 +1,9 @@
 """The import graph of trainfit has no cycles, between modules or between the package's parts.
 
 Read from the source with `ast`, like shared/tools/import_cycles.py: an import inside a function
-counts (a lazy import that closes a cycle is still a cycle); one under `if TYPE_CHECKING:` does not;
-a package's __init__ importing its own submodules (and they it) is not a cycle. The parts are the
+counts (a lazy import that closes a cycle is still a cycle), and so does one under `if TYPE_CHECKING:`
+(a cycle only annotations close is a type in the wrong module); a package's __init__ importing its own
+submodules (and they it) is not a cycle. The parts are the
 top-level entries of src/trainfit (config, models, memory, ..., units.py, traced.py): they form
 layers, each importing only parts below it (docs/contributing/architecture.md gives the order).
 """
@@ -25,12 +26,13 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
-def _imported(module: str, file: Path, mods: dict[str, Path]) -> set[str]:
-    """The trainfit modules `module` imports, anywhere in its body except under TYPE_CHECKING."""
+def _imported(module: str, file: Path, mods: dict[str, Path], annotations: bool = True) -> set[str]:
+    """The trainfit modules `module` imports, anywhere in its body; under TYPE_CHECKING only with
+    `annotations`."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if not annotations and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             return
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
@@ -75,19 +77,20 @@ def test_no_import_cycles() -> None:
     assert not found, f"import cycles: {sorted(found)}"
 
 
-def test_the_finder_counts_lazy_imports_and_skips_type_checking(tmp_path: Path) -> None:
+def test_the_finder_counts_lazy_and_type_checking_imports(tmp_path: Path) -> None:
     file = tmp_path / "a.py"
     file.write_text("from typing import TYPE_CHECKING\n"
                     "if TYPE_CHECKING:\n    from trainfit.b import B\n"
                     "def f():\n    from trainfit.c import C\n    from . import d\n")
     mods = {name: file for name in ("trainfit.a", "trainfit.b", "trainfit.c", "trainfit.d")}
-    assert _imported("trainfit.a", file, mods) == {"trainfit.c", "trainfit.d"}
+    assert _imported("trainfit.a", file, mods) == {"trainfit.b", "trainfit.c", "trainfit.d"}
+    assert _imported("trainfit.a", file, mods, annotations=False) == {"trainfit.c", "trainfit.d"}
     graph = {"trainfit.a": {"trainfit.c"}, "trainfit.c": {"trainfit.a"}, "trainfit.d": {"trainfit.a"}}
     assert cycles(graph) == {("a", "c")}
 
 
 def part_of(module: str) -> str:
-    """The top-level part a module belongs to: trainfit.memory.analytic -> memory, trainfit.units ->
+    """The top-level part a module belongs to: trainfit.memory.closed_form.analytic -> memory, trainfit.units ->
     units; the package itself -> ""."""
     return module.split(".")[1] if "." in module else ""
 
@@ -169,3 +172,28 @@ def test_memory_never_imports_the_trainer() -> None:
         names |= {alias.name for node in ast.walk(ast.parse(file.read_text())) if isinstance(node, ast.Import)
                   for alias in node.names}
         assert not names & {"trainfit.train.trainer", "trainfit.train.loop"}, file
+
+
+MEMORY_FACES = ("trainfit.memory", "trainfit.memory.closed_form", "trainfit.memory.traced", "trainfit.memory.measured")
+
+
+def test_outside_memory_only_its_public_faces_are_imported() -> None:
+    """memory/ is organised by job (memory/__init__.py): the rest of the package imports its four faces,
+    never a module inside them, so a module there can move or split without touching its users."""
+    inside = {m: sorted(t for t in targets if t.startswith("trainfit.memory") and t not in MEMORY_FACES)
+              for m, targets in import_graph().items() if not m.startswith("trainfit.memory")}
+    assert not any(inside.values()), {m: t for m, t in inside.items() if t}
+
+
+def test_each_memory_face_names_only_what_it_holds() -> None:
+    """Every name a face lists in __all__ resolves, and its classes and functions come from the face's own
+    package (`trainfit.memory`'s from its top modules)."""
+    import importlib
+
+    for face in MEMORY_FACES:
+        module = importlib.import_module(face)
+        for name in module.__all__:
+            origin = getattr(getattr(module, name), "__module__", "builtins")
+            if origin not in ("builtins", "typing"):  # constants and type aliases name no module
+                assert origin.startswith(face + "."), (face, name, origin)
+                assert face != "trainfit.memory" or origin.count(".") == 2, (name, origin)

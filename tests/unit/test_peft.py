@@ -200,8 +200,9 @@ def test_exported_adapters_load_in_peft_with_the_same_logits(tmp_path, args: tup
     ("--precision.mode=bf16-mixed", "--peft.targets=all-linear", *GEMMA3),
 ])
 def test_analytic_peak_of_an_adapted_step_is_within_10_percent_of_the_traced(args: tuple[str, ...]) -> None:
-    """What autograd keeps through a frozen base (memory/adapter_activations.py) against the traced step:
-    measured within 6% on these (counting a full fine-tuning's activations put the peak 11% to 30% high)."""
+    """What autograd keeps through a frozen base (memory/closed_form/block/adapter_activations.py) against the
+    traced step: measured within 6% on these (counting a full fine-tuning's activations put the peak 11% to 30%
+    high)."""
     cfg = load_config(None, ["--model.preset=debug", "--training.seq_len=32", "--training.micro_batch_size=4",
                              "--training.global_batch_size=4", "--peft.method=lora", *args])
     analytic, traced = estimate(cfg).worst, trace_step(cfg).worst
@@ -307,8 +308,8 @@ def test_dropout_keeps_a_bool_mask_on_cuda_and_a_noise_tensor_on_the_cpu() -> No
     tensor of its input's dtype and keeps that (read here off autograd's saved tensors). The analytic
     terms follow the device: a q, v adapter's dropout on the block input, in fp32, keeps 3 more bytes
     per element on the CPU."""
-    from trainfit.memory.activation_terms import ActDtypes
-    from trainfit.memory.adapter_activations import adapter_terms
+    from trainfit.memory.closed_form.block.activation_terms import ActDtypes
+    from trainfit.memory.closed_form.block.adapter_activations import adapter_terms
 
     saved: list[torch.dtype] = []
     x = torch.randn(4, 8, requires_grad=True)

@@ -120,7 +120,7 @@ def test_a_trained_moe_adapter_exports_merged_and_refuses_peft_format(tmp_path) 
      "--training.global_batch_size=8"),
 ])
 def test_analytic_estimate_of_adapted_experts_is_the_traced_step(args: tuple[str, ...]) -> None:
-    """The routed rows' saved tensors under adapters (memory/adapter_activations.py) and the experts'
+    """The routed rows' saved tensors under adapters (memory/closed_form/block/adapter_activations.py) and the experts'
     adapters' states, split with their experts, against the traced step (benchmarks/README.md has the
     measured gaps): peak and activations within 8%, the optimizer states exact."""
     cfg = load_config(None, [*MOE, *SMALL, "--peft.method=lora", *args])

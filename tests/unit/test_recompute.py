@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from _toy import Net
 from trainfit.config import ConfigError
-from trainfit.memory.measure import current_allocated_bytes
+from trainfit.memory.measured import current_allocated_bytes
 from trainfit.recompute import apply_activation_checkpointing
 
 aten = torch.ops.aten

@@ -74,7 +74,7 @@ from trainfit.hardware_profile import (
     MatmulShape,
     OptimizerFit,
 )
-from trainfit.memory.optimizer_memory import FUSED_DEVICES
+from trainfit.optimizer_spec import FUSED_DEVICES
 from trainfit.perf.flops import FLASH_ATTENTION_BWD_FACTOR
 from trainfit.units import fmt_bytes
 

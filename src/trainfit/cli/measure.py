@@ -12,7 +12,7 @@ def cmd_measure(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
     from trainfit.estimate import as_json, estimate
-    from trainfit.memory.compare import Comparison, comparison_table
+    from trainfit.memory import Comparison, comparison_table
     from trainfit.tables import print_table
     from trainfit.train.trainer import measure_step
 

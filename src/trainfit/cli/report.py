@@ -19,7 +19,7 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from trainfit.estimate import estimate
     from trainfit.figures import check_figure_path
-    from trainfit.memory.compare import Comparison, comparison_table, plot_comparison
+    from trainfit.memory import Comparison, comparison_table, plot_comparison
     from trainfit.traced import trace_step
     from trainfit.train.trainer import measure_step
 

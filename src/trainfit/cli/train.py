@@ -10,7 +10,7 @@ import sys
 
 from trainfit.config import Config
 from trainfit.configure import read_config
-from trainfit.memory.breakdown import MemoryBreakdown
+from trainfit.memory import MemoryBreakdown
 from trainfit.parallel.layout import Layout
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainfit.config import Config
+from trainfit.parallel.schedules import SCHEDULES
 
 LARGE_MODEL_PARAMS = 10**9
 """From here on a model is not trained like the tiny default: its defaults follow it."""
@@ -41,7 +42,7 @@ def follow_model(raw: dict[str, dict[str, Any]], cfg: Config) -> list[str]:
     model_parallel = p.tp * p.pp * p.cp
     if p.pp > 1 and not t.global_batch_size and cfg.hardware.num_gpus % model_parallel == 0:
         # a pipeline needs a micro-batch per stage at least: micro_batch_size x dp alone would leave it idle
-        least = 2 * p.pp if p.pp_schedule == "dualpipev" else p.pp
+        least = SCHEDULES[p.pp_schedule].least_microbatches(p.pp, 2)
         derive("training.global_batch_size", t.micro_batch_size * least * (cfg.hardware.num_gpus // model_parallel),
                f"{least} micro-batches of {t.micro_batch_size} per data-parallel rank, the fewest the "
                f"{p.pp} pipeline stages take")

@@ -15,9 +15,8 @@ from typing import Any
 
 from trainfit.config import Config
 from trainfit.hardware import device_spec, device_type
-from trainfit.memory.analytic import MemoryEstimate, estimate_memory
-from trainfit.memory.breakdown import MemoryBreakdown
-from trainfit.memory.run_shape import assumed_attention_kernel
+from trainfit.memory import MemoryBreakdown
+from trainfit.memory.closed_form import MemoryEstimate, assumed_attention_kernel, estimate_memory
 from trainfit.models.architecture import describe, softcap_kernel
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import Layout
@@ -76,7 +75,7 @@ class Estimate:
             return None
         return (f"{adaptation.method}: rank {adaptation.rank} adapters on {', '.join(adaptation.targets)} of every "
                 "block train, the base is frozen (no gradients or optimizer states; autograd keeps what the "
-                "adapters need of its activations: memory/adapter_activations.py)")
+                "adapters need of its activations: memory/closed_form/block/adapter_activations.py)")
 
     def fp8_note(self) -> str | None:
         """Under fp8-mixed, how its float8 casts are priced (perf/fp8_casts.py), in one line; else None.
@@ -118,7 +117,7 @@ def with_traced_memory(est: Estimate, traced: Any) -> Estimate:
     """`est` with the traced step's breakdowns (traced.TracedEstimate), each keeping the
     analytic reserved margin's terms but those the trace found itself: tracing sees tensors, not the
     CUDA context or NCCL's buffers, so without them `fits` would promise memory the device does not
-    have; the caching allocator's fragmentation it replays (memory/caching_allocator.py)."""
+    have; the caching allocator's fragmentation it replays (memory/traced/caching_allocator.py)."""
 
     def margin(t: MemoryBreakdown, a: MemoryBreakdown) -> MemoryBreakdown:
         terms = {**a.margin_terms, **t.margin_terms} if a.margin_terms else {}

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainfit.estimate import Estimate, advice
 from trainfit.figures import pyplot, save_figure, stack_bars
-from trainfit.memory.breakdown import COMPONENTS
+from trainfit.memory import COMPONENTS
 from trainfit.models.params import format_count, param_counts
 from trainfit.units import GIB, fmt_bytes, fmt_seconds
 

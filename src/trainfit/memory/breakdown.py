@@ -18,9 +18,9 @@ Components (bytes, ints):
   caches such as oneDNN's per-shape primitives on CPU, allocator overhead), shown apart; no estimator
   models it (0 in estimates)
 - reserved_peak, device_used: measured on CUDA only (None elsewhere): the caching allocator's
-  reserved peak and the device's used bytes at the step's end (memory/measure.device_readings),
+  reserved peak and the device's used bytes at the step's end (memory/measured/measure.device_readings),
   absolute figures to hold against the device's memory, not components; the traced estimate on a
-  GPU predicts reserved_peak by replaying the allocator's rules (memory/caching_allocator.py)
+  GPU predicts reserved_peak by replaying the allocator's rules (memory/traced/caching_allocator.py)
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class MemoryBreakdown:
     comm_buffers), summing to it; empty on the CPU and in measurements, whose margin is one figure."""
     non_tensor: int = 0
     """Measured steps: the allocator's peak above `peak` (the tensors'), so the process's own peak is
-    `peak + non_tensor`; memory/attribution.py says what it holds. Estimates leave it 0."""
+    `peak + non_tensor`; memory/measured/attribution.py says what it holds. Estimates leave it 0."""
     reserved_peak: int | None = None
     """Measured on CUDA: torch.cuda.max_memory_reserved over the step (the allocator's segments, its
     fragmentation included); the traced estimate on a GPU: the same, its allocations replayed through the

@@ -1,5 +1,5 @@
 """The reserved margin beside the tensors' peak on a GPU: the CUDA context, the caching allocator's
-fragmentation and NCCL's communicator buffers (memory/comm_buffers.py). Assumptions, named once, that the
+fragmentation and NCCL's communicator buffers (memory/closed_form/comm_buffers.py). Assumptions, named once, that the
 analytic and traced estimates both add (memory/breakdown.py shows them apart from the peak)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ training memory snapshots. An assumption; 0 on CPU, where glibc's in-use bytes a
 
 def reserved_margin_terms(hardware: HardwareConfig, peak: int, comm_buffers: int) -> dict[str, int]:
     """The reserved margin's terms on a GPU, bytes: the CUDA context, the caching allocator's
-    fragmentation at `peak`, NCCL's communicator buffers (memory/comm_buffers.comm_buffer_bytes).
+    fragmentation at `peak`, NCCL's communicator buffers (memory/closed_form/comm_buffers.comm_buffer_bytes).
     None on the CPU ({})."""
     if hardware.gpu == "cpu":
         return {}

@@ -3,7 +3,7 @@
 A policy wraps a block (or not) and, inside a wrapped block, keeps the outputs of some kinds of
 operator and recomputes the rest in backward. The kinds are named here, not as torch operators:
 trainfit.recompute maps each aten / c10d operator to its kind and asks `CheckpointPolicy.keeps`;
-the memory estimate (memory/activations.py) and the recompute FLOPs (perf/flops.py) read the same
+the memory estimate (memory/closed_form/block/activations.py) and the recompute FLOPs (perf/flops.py) read the same
 answers per linear of models/block_spec.py (`kept_linear_shares`), so none of them can keep a
 different tensor from the others.
 

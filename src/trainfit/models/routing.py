@@ -1,5 +1,5 @@
 """How many tokens each routed expert processes: the one place the model (moe.py), the analytic
-estimator (memory/activations.py) and the traced one (traced.py) get it from. Torch-free.
+estimator (memory/closed_form/block/activations.py) and the traced one (traced.py) get it from. Torch-free.
 
 - Capacity (model.capacity_factor > 0): every expert runs on a buffer of exactly `capacity` rows,
   the tokens routed to it up to that many, padded when fewer arrive; memory is fixed by the config.

@@ -57,7 +57,7 @@ What each technique issues (the modules that build it say why):
   norms over pp. ZeRO-1's engine reduces over its shard ranks only: it composes with no tp, ep or
   pp (Layout.untrainable_reason), where a global norm would need them too, as declared here.
   Declared untimed (CollectiveCall.timed): perf/comms.py leaves them out, but they open their
-  groups' connections (memory/comm_buffers.py).
+  groups' connections (memory/closed_form/comm_buffers.py).
 Not described: without data parallelism the sequence-parallel gains' gradients DTensor all-reduces
 at each later use, fp16 loss scaling's inf/nan flag, the loop's and checkpointing's collectives on
 the default group (stop signals, barriers, broadcasts), padding.

@@ -1,7 +1,7 @@
 """Data parallelism: DDP, ZeRO-1/2/3 and HSDP, with CPU offload, built on PyTorch's own pieces.
 
 Model states per rank (Ψ parameters, N = dp_shard ranks, AdamW; *-mixed = bf16/fp16 compute with
-fp32 masters), the forms memory/analytic.py follows:
+fp32 masters), the forms memory/closed_form/analytic.py follows:
 
 | zero_stage | engine                                      | *-mixed                    | fp32          |
 | ---------- | ------------------------------------------- | -------------------------- | ------------- |
@@ -326,9 +326,9 @@ def state_dict_options(model: nn.Module) -> StateDictOptions:
 def model_state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer,
                         policy: PrecisionPolicy) -> dict[str, list[torch.Tensor]]:
     """This rank's model-state tensors by memory component (memory/breakdown.py's names), each
-    storage in one component: what memory/ledger.py tags and local_state_bytes counts. ZeRO-1's
+    storage in one component: what memory/traced/ledger.py tags and local_state_bytes counts. ZeRO-1's
     flat gradient buffers and its master shards' gradients are grads; its replicated compute-dtype
-    parameters params, its master shards master_params (memory/analytic.py's forms). Elsewhere the
+    parameters params, its master shards master_params (memory/closed_form/analytic.py's forms). Elsewhere the
     parameters are the masters under *-mixed (fp32, autocast casts them per op)."""
     if isinstance(optimizer, ZeroOptimizer):
         tensors = optimizer.state_tensors()

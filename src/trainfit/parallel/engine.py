@@ -1,6 +1,6 @@
 """The data-parallel engines' settings that the estimators must price, written once. Torch-free:
 parallel/data_parallel.py and parallel/zero.py build the engines with these values; perf/comms.py
-counts their collectives and memory/analytic.py their buffers from the same ones.
+counts their collectives and memory/closed_form/analytic.py their buffers from the same ones.
 """
 
 from __future__ import annotations

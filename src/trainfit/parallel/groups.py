@@ -1,6 +1,6 @@
 """The process groups one rank of a Layout belongs to, as parallel/mesh.py has torch build them. Torch-free.
 
-Each group is a communicator of its own on NCCL, with buffers of its own (memory/comm_buffers.py
+Each group is a communicator of its own on NCCL, with buffers of its own (memory/closed_form/comm_buffers.py
 prices them), so the count matters to memory. What torch 2.13 does (torch/distributed/device_mesh.py,
 DeviceMesh._init_one_process_group), for each mesh axis, each flattened axis (`_flatten`: dp,
 dp_shard_cp, dp_cp) and each axis of the expert mesh (`_unflatten`: edp, ep):

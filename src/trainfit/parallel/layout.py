@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from trainfit.parallel.schedules import SCHEDULES, micro_batches_in_flight
 from trainfit.parallel.stage_split import (
-    ZERO_BUBBLE_SCHEDULES,
     RankPlacement,
     rank_blocks,
     rank_placements,
@@ -147,6 +147,12 @@ class Layout:
         """Where rank `pp_rank` of the pp axis sits: its stages and blocks, its neighbours on other ranks."""
         return rank_placements(self.pp_layers, self.pp, self.pp_virtual_stages, self.pp_schedule)[pp_rank]
 
+    def micro_batches_in_flight(self, pp_rank: int) -> tuple[float, int]:
+        """Micro-batches of activations alive on rank `pp_rank` of the pp axis at its peak, and of the head
+        (parallel/schedules.py)."""
+        return micro_batches_in_flight(self.pp, self.pp_virtual_stages, self.num_microbatches, self.pp_schedule,
+                                       pp_rank)
+
     def rank_shapes(self) -> frozenset[tuple[int, int, bool]]:
         """The pipeline ranks' distinct (blocks, checkpointed blocks, runs the last stage)."""
         return rank_shapes(self.pp_layers, self.pp, self.pp_virtual_stages, self.pp_schedule, self.ac_every_n_layers)
@@ -181,7 +187,7 @@ class Layout:
     @property
     def splits_backward(self) -> bool:
         """The pipeline schedule runs each micro-batch's input and weight gradients apart."""
-        return self.pp > 1 and self.pp_schedule in ZERO_BUBBLE_SCHEDULES
+        return self.pp > 1 and SCHEDULES[self.pp_schedule].split_backward
 
     @property
     def sharded_loss_scaling(self) -> bool:
@@ -254,8 +260,8 @@ class Layout:
             return (f"memory.activation_checkpointing={self.activation_checkpointing!r} with parallel.pp_schedule="
                     f"{self.pp_schedule!r}: torch's selective checkpointing allows one backward through each region, "
                     "and zero-bubble schedules run two (input gradients, then weight gradients); use "
-                    "activation_checkpointing='full' or 'none', or a schedule without split backward (1f1b, "
-                    "interleaved-1f1b, gpipe, looped-bfs)")
+                    "activation_checkpointing='full' or 'none', or a schedule without split backward ("
+                    + ", ".join(name for name, s in SCHEDULES.items() if not s.split_backward) + ")")
         if self.adaptation is not None and (self.tp > 1 or self.pp > 1 or self.cp > 1):
             degrees = ", ".join(f"parallel.{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp))
                                 if v > 1)

@@ -26,34 +26,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from trainfit.config import ModelConfig
 from trainfit.models.common import LayerStack
 from trainfit.parallel.layout import Layout
+from trainfit.parallel.schedules import SCHEDULES
 from trainfit.parallel.stage_split import stage_ranges
 from trainfit.precision import PrecisionPolicy
 
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
-    "looped-bfs": ScheduleLoopedBFS,
-    "interleaved-zero-bubble": ScheduleInterleavedZeroBubble,
-    "zbv-zero-bubble": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
-}
-"""parallel.pp_schedule -> torch's schedule class."""
+SCHEDULE_CLASSES = {name: getattr(torch_schedules, s.torch_class) for name, s in SCHEDULES.items()}
+"""parallel.pp_schedule -> torch's schedule class (parallel/schedules.py names it)."""
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """What a stage's activations may be (the evaluation's header names one by its index)."""
@@ -229,7 +214,7 @@ class PipelineStep:
                                              output_args=outputs, group=group))
         self.has_first = any(stage.is_first for stage in self.stages)
         self.has_last = any(stage.is_last for stage in self.stages)
-        schedule_class = SCHEDULES[layout.pp_schedule]
+        schedule_class = SCHEDULE_CLASSES[layout.pp_schedule]
         single = issubclass(schedule_class, PipelineScheduleSingle)
         # scale_grads=False: loss_fn divides by the micro-batches itself (and scales fp16 losses).
         self.schedule = schedule_class(self.stages[0] if single else self.stages,

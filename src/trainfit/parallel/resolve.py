@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 
 from trainfit.config import Config, ConfigError
 from trainfit.parallel.layout import Layout, offload_refusal
-from trainfit.parallel.stage_split import V_SCHEDULES, balanced_split, default_virtual_stages
+from trainfit.parallel.schedules import SCHEDULES, default_virtual_stages, refuses
+from trainfit.parallel.stage_split import balanced_split
 from trainfit.peft.spec import adaptation_of
 
 
@@ -241,12 +242,13 @@ def _check_model_split(cfg: Config) -> None:
 def _stage_layers(cfg: Config, virtual: int) -> tuple[int, ...]:
     """Blocks per pipeline stage: parallel.pp_layers_per_stage checked, or the balanced split."""
     p, m = cfg.parallel, cfg.model
-    if p.pp_schedule in V_SCHEDULES and virtual != 2:
-        raise _fail("parallel.pp_virtual_stages", p.pp_virtual_stages, f"{p.pp_schedule} runs exactly two stages "
-                    "per rank (a V)", "set it to 2 or 0")
-    if p.pp_schedule in ("gpipe", "1f1b") and virtual != 1:
-        raise _fail("parallel.pp_virtual_stages", p.pp_virtual_stages, f"{p.pp_schedule} runs one stage per rank",
-                    "set it to 1 or 0, or use parallel.pp_schedule='interleaved-1f1b' for several")
+    schedule = SCHEDULES[p.pp_schedule]
+    if schedule.fixed_stages and virtual != schedule.stages_per_rank:
+        what = "one stage per rank" if schedule.single_stage else f"exactly {schedule.stages_per_rank} stages per " \
+            "rank" + (" (a V)" if schedule.v_shape else "")
+        fix = f"set it to {schedule.stages_per_rank} or 0" + (
+            ", or use parallel.pp_schedule='interleaved-1f1b' for several" if schedule.single_stage else "")
+        raise _fail("parallel.pp_virtual_stages", p.pp_virtual_stages, f"{p.pp_schedule} runs {what}", fix)
     stages = p.pp * virtual
     if p.pp_layers_per_stage:
         given = list(p.pp_layers_per_stage)
@@ -262,19 +264,6 @@ def _stage_layers(cfg: Config, virtual: int) -> tuple[int, ...]:
     return balanced_split(m, cfg.training.seq_len, stages)
 
 
-def _schedule_takes(schedule: str, pp: int, virtual: int, m: int) -> str | None:
-    """Why torch's `schedule` refuses m micro-batches on pp ranks, or None: every schedule needs
-    m >= pp; dualpipev m >= its 2 pp stages; the interleaved ones whole rounds (m a multiple of
-    m // pp)."""
-    if m < pp:
-        return f"fewer micro-batches than the {pp} pipeline ranks leaves one idle the whole step"
-    if schedule == "dualpipev" and m < pp * virtual:
-        return f"dualpipev needs at least one micro-batch per stage ({pp * virtual})"
-    if schedule in ("interleaved-1f1b", "interleaved-zero-bubble") and m % (m // pp):
-        return f"{schedule} runs whole rounds: a multiple of m // pp = {m // pp} micro-batches"
-    return None
-
-
 def _pipeline_microbatches(schedule: str, pp: int, virtual: int, wanted: int, accum: int, global_batch: int,
                            dp: int) -> int:
     """Pipeline micro-batches per step: parallel.num_microbatches (it must split the sequences each
@@ -283,17 +272,17 @@ def _pipeline_microbatches(schedule: str, pp: int, virtual: int, wanted: int, ac
     rows = global_batch // dp
     if wanted:
         why = (f"must divide the {rows} sequences each data-parallel rank runs per step (training.global_batch_size "
-               "/ dp)") if rows % wanted else _schedule_takes(schedule, pp, virtual, wanted)
+               "/ dp)") if rows % wanted else refuses(schedule, pp, virtual, wanted)
         if why:
             valid = _taken(schedule, pp, virtual, rows)
             raise _fail("parallel.num_microbatches", wanted, why, f"try {nearest(wanted, valid)}" if valid else
                         "raise training.global_batch_size")
         return wanted
-    if _schedule_takes(schedule, pp, virtual, accum) is None:
+    if refuses(schedule, pp, virtual, accum) is None:
         return accum
     valid = _taken(schedule, pp, virtual, rows)
     if not valid:
-        least = pp * virtual if schedule == "dualpipev" else pp
+        least = SCHEDULES[schedule].least_microbatches(pp, virtual)
         raise _fail("training.global_batch_size", global_batch, f"each of the {dp} data-parallel ranks runs {rows} "
                     f"sequences per step, fewer than the {least} micro-batches parallel.pp_schedule={schedule!r} "
                     f"needs on {pp} pipeline ranks", f"set it to at least {least * dp}")
@@ -302,7 +291,7 @@ def _pipeline_microbatches(schedule: str, pp: int, virtual: int, wanted: int, ac
 
 def _taken(schedule: str, pp: int, virtual: int, rows: int) -> list[int]:
     """The micro-batch counts `schedule` takes for `rows` sequences per data-parallel rank."""
-    return [d for d in _divisors(rows) if _schedule_takes(schedule, pp, virtual, d) is None]
+    return [d for d in _divisors(rows) if refuses(schedule, pp, virtual, d) is None]
 
 
 def _check_memory(cfg: Config) -> None:

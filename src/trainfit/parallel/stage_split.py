@@ -26,18 +26,7 @@ from trainfit.config.schema import ModelConfig
 from trainfit.models.architecture import kind_of_layers, layer_kinds
 from trainfit.models.block_cost import block_attention_flops, block_matmul_params, head_matmul_params
 from trainfit.models.params import param_counts
-
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
-V_SCHEDULES = ("zbv-zero-bubble", "dualpipev")
-"""Two stages per rank in a V: rank r runs stages r and 2 pp - 1 - r."""
-ZERO_BUBBLE_SCHEDULES = ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
-"""Schedules that split backward into input and weight gradients (run apart)."""
-
-
-def default_virtual_stages(schedule: str) -> int:
-    """Stages per rank when parallel.pp_virtual_stages is 0: 1 for gpipe and 1f1b, else 2."""
-    return 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
-
+from trainfit.parallel.schedules import SCHEDULES
 
 # The functions below are cached: the estimators ask them per stage of thousands of layouts (plan/search.py).
 
@@ -46,7 +35,7 @@ def default_virtual_stages(schedule: str) -> int:
 def rank_stages(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> tuple[int, ...]:
     """The stages pipeline rank `pp_rank` runs, in model order: r, r + pp, ... (looped), or r and
     2 pp - 1 - r (V schedules; without pipeline parallelism the one stage, whatever the schedule)."""
-    if schedule in V_SCHEDULES and virtual_stages == 2:
+    if SCHEDULES[schedule].v_shape and virtual_stages == 2:
         return (pp_rank, 2 * pp - 1 - pp_rank)
     return tuple(pp_rank + k * pp for k in range(virtual_stages))
 

@@ -174,7 +174,7 @@ def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
 
 def _storage_key(t: torch.Tensor) -> int:
     """One key per storage, also for fake tensors (whose data_ptr is 0): torch keeps one Python
-    object per live storage, as memory/ledger.py relies on too."""
+    object per live storage, as memory/traced/ledger.py relies on too."""
     return id(t.untyped_storage())
 
 

@@ -134,7 +134,7 @@ def float8_gemms(m: ModelConfig, layout: Layout) -> list[Gemm]:
     """The float8 linears' GEMMs of one block on one rank: block_gemms' shapes (after
     tensor parallelism: a column-parallel linear's n and a row-parallel one's k over tp), of the
     Linears float8_linears names; none outside fp8-mixed. The time model prices their casts, the
-    analytic memory their backward's (memory/analytic.py)."""
+    analytic memory their backward's (memory/closed_form/analytic.py)."""
     if layout.precision != "fp8-mixed":
         return []
     converted = float8_linears(m)

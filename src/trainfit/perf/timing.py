@@ -57,12 +57,8 @@ Overlapped traffic is assumed not to slow the compute it hides behind, and colle
 links not to contend. On a CPU nothing overlaps: gloo reduces and copies on the cores that compute.
 
 Pipeline bubble: the fraction of an ideal step each rank idles, times its
-compute plus its per-micro-batch exposed communication:
-(pp - 1) / num_microbatches for gpipe and 1f1b (Narayanan et al. 2021), divided by the virtual
-stages for interleaved-1f1b and looped-bfs (Lamy-Poirier 2023), and 0 for the zero-bubble family
-(interleaved-zero-bubble, zbv-zero-bubble, dualpipev; Qi et al. 2024: no bubble when forward,
-input-gradient and weight-gradient passes take equal time; the residual from unequal passes is
-not modelled). The busiest pipeline rank (most blocks, plus the output projection on the last
+compute plus its per-micro-batch exposed communication, per schedule as parallel/schedules.py
+gives it. The busiest pipeline rank (most blocks, plus the output projection on the last
 stage) sets the step. Where ranks time-share a CPU's cores (trainfit.perf.kernels.time_share: s
 times over), a rank idle in the bubble leaves its core to the others, so the machine's work, s times
 a rank's own compute, bounds the step as well as the rank's own path, its compute at the cores'
@@ -95,7 +91,8 @@ from trainfit.models import block_cost as B
 from trainfit.models.architecture import describe, kind_of_layers, layer_kinds, softcap_kernel
 from trainfit.models.block_spec import block_linears
 from trainfit.parallel.layout import Layout
-from trainfit.parallel.stage_split import ZERO_BUBBLE_SCHEDULES, checkpointed
+from trainfit.parallel.schedules import bubble_fraction
+from trainfit.parallel.stage_split import checkpointed
 from trainfit.peft.spec import adapter_flop_params
 from trainfit.perf import flops as F
 from trainfit.perf import gpu_kernels as GK
@@ -115,8 +112,6 @@ from trainfit.perf.kernels import float8_gemms
 if TYPE_CHECKING:
     from trainfit.hardware_profile import HardwareProfile
 
-# Bubble of zero-bubble schedules as a fraction of 1F1B's (ZB-V with equal F, B, W passes).
-ZERO_BUBBLE_FRACTION = 0.0
 # AdamW's step per parameter: the fp32 parameter, exp_avg and exp_avg_sq read and written, the gradient read.
 ADAMW_BYTES_PER_PARAM = 3 * 2 * 4 + 4
 # Collectives whose every call waits on the critical path.
@@ -179,18 +174,6 @@ class Rates:
     def link(self, layout: Layout, axes: tuple[str, ...]) -> Link:
         """The link a group over these mesh axes runs on (perf/comms.py: its slowest hop)."""
         return self.intra if group_is_intra_node(layout, axes, self.hw.gpus_per_node) else self.inter
-
-
-def bubble_fraction(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle share of an ideal step per pipeline schedule (see the module docstring)."""
-    if pp <= 1:
-        return 0.0
-    base = (pp - 1) / num_microbatches
-    if schedule in ("interleaved-1f1b", "looped-bfs"):
-        return base / virtual_stages
-    if schedule in ZERO_BUBBLE_SCHEDULES:
-        return base * ZERO_BUBBLE_FRACTION
-    return base
 
 
 class RankFlops(NamedTuple):

@@ -23,7 +23,7 @@ from typing import Any
 
 from trainfit.config import Config, ConfigError
 from trainfit.hardware import device_spec
-from trainfit.memory.analytic import estimate_memory
+from trainfit.memory.closed_form import estimate_memory
 from trainfit.parallel.resolve import build_layout
 from trainfit.perf.timing import estimate_perf
 from trainfit.plan.search import Candidate, search

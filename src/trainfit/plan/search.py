@@ -4,7 +4,7 @@ The user's config fixes what it names (model, hardware, global batch, sequence l
 field written in the file or on the command line; a global batch of 0 is the one `trainfit train`
 derives from the config as given, micro_batch_size x its data-parallel ranks); every other choice
 (plan/space.py's table) is searched, each candidate judged by the analytic estimators
-(memory/analytic.py for the fit, perf/timing.py for the time) on its own Layout, so a candidate
+(memory/closed_form/analytic.py for the fit, perf/timing.py for the time) on its own Layout, so a candidate
 is exactly what `trainfit estimate` would say of it.
 
 Only layouts `trainfit train` runs are kept (Layout.untrainable_reason, asked of each group and of
@@ -46,19 +46,18 @@ from typing import Any, ParamSpec, TypeVar
 
 from trainfit.config import Config, ConfigError
 from trainfit.estimate import Estimate
-from trainfit.memory.analytic import MemoryEstimate, StageMemory
-from trainfit.memory.breakdown import MemoryBreakdown
-from trainfit.memory.micro_batch import SharedSizes
+from trainfit.memory import MemoryBreakdown
+from trainfit.memory.closed_form import MemoryEstimate, SharedSizes, StageMemory
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import Layout, offload_refusal
 from trainfit.parallel.resolve import GlobalBatch, build_layout
-from trainfit.parallel.stage_split import balanced_split, default_virtual_stages
+from trainfit.parallel.schedules import bubble_fraction, default_virtual_stages
+from trainfit.parallel.stage_split import balanced_split
 from trainfit.perf import flops as F
 from trainfit.perf.comms import Collective, collectives_key
 from trainfit.perf.timing import (
     PerfEstimate,
     Rates,
-    bubble_fraction,
     compute_time_s,
     estimate_perf,
     model_parallel_comm_s,

@@ -5,7 +5,7 @@ Every rank runs this same loop on its own rows of each global batch. Rank 0 alon
 metrics; the ranks stay in step through collectives (the loss and the stop flag are all-reduced
 every step, every rank writes its shards of each checkpoint).
 
-Memory is measured on a few steps, per component, on every rank (memory/attribution.py): the
+Memory is measured on a few steps, per component, on every rank (memory/measured/attribution.py): the
 second step this process runs (its first is watched, so every tensor that outlives a step is
 known), then every `logging.memory_interval` steps.
 """
@@ -14,22 +14,63 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from trainfit.memory.breakdown import MemoryBreakdown
+from trainfit.attention import AttentionKernel
+from trainfit.config import Config
+from trainfit.fp8_matmul import Fp8MatmulRates
+from trainfit.memory import MemoryBreakdown
 from trainfit.parallel.layout import Layout
 from trainfit.perf.flops import mfu
+from trainfit.precision import PrecisionPolicy
 from trainfit.train.data import eval_batches
+from trainfit.train.distributed import World
 from trainfit.train.metrics import MetricsWriter, ThroughputWindow
 from trainfit.train.profile import StepProfiler
 from trainfit.train.progress import TrainProgress
+from trainfit.train.run_device import RunDevice
 from trainfit.train.signals import StopOnSignal
 from trainfit.train.step import StepStats, TrainStep
 
-if TYPE_CHECKING:  # the trainer runs this loop on itself
-    from trainfit.train.trainer import Trainer
+
+class Trainer(Protocol):
+    """What the loop reads of the trainer that runs it (train/trainer.py's Trainer): its run, its state,
+    and its steps. A protocol rather than the class, so that the trainer imports the loop and not back."""
+
+    cfg: Config
+    world: World
+    layout: Layout
+    device: torch.device
+    policy: PrecisionPolicy
+    run_device: RunDevice
+    num_params: int
+    notes: list[str]
+    attention_kernel: AttentionKernel
+    fp8_matmul: Fp8MatmulRates | None
+    flops_per_token: float
+    peak_flops: float | None
+    resumed_from: Path | None
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def skipped_steps(self) -> int: ...
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler: ...
+
+    def train_step(self) -> StepStats: ...
+
+    def watched_step(self) -> StepStats: ...
+
+    def measured_step(self) -> StepStats: ...
+
+    def save(self) -> Path: ...
+
+    def evaluate(self) -> float: ...
 
 
 @dataclass

@@ -6,7 +6,7 @@ The chunked form runs each chunk (output projection, fp32 cast, cross-entropy su
 tokens) under non-reentrant activation checkpointing: the forward keeps nothing of a chunk but its
 inputs (the hidden rows, already alive, and the weight), and the backward recomputes one chunk's
 logits at a time. Its peak is one chunk's logits and their gradients instead of the whole micro-
-batch's (memory/logits.py's loss_bytes prices both). Liger-Kernel's fused linear cross-entropy does
+batch's (memory/closed_form/logits.py's loss_bytes prices both). Liger-Kernel's fused linear cross-entropy does
 the same in one Triton kernel on GPUs; it is not used: it cannot run here (no Triton on CPU), and
 it takes plain tensors, where tensor parallelism's vocabulary-sharded weight is a DTensor whose
 cross-entropy torch's loss_parallel computes without gathering the vocabulary.

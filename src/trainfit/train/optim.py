@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainfit.config import ConfigError, OptimizerConfig, TrainingConfig
-from trainfit.memory.optimizer_memory import EIGHT_BIT_BLOCK, uses_fused_adam
+from trainfit.optimizer_spec import EIGHT_BIT_BLOCK, uses_fused_adam
 from trainfit.parallel.data_parallel import group_by_layout
 
 
@@ -66,7 +66,7 @@ def build_optimizer(model: nn.Module, opt: OptimizerConfig, train: TrainingConfi
 def make_optimizer(groups: list[dict], opt: OptimizerConfig, train: TrainingConfig,
                    device_type: str, sharded_loss_scaling: bool = False) -> torch.optim.Optimizer:
     """The configured optimizer over `groups` (model parameters, or ZeRO-1's master shards of them).
-    `sharded_loss_scaling`: Layout.sharded_loss_scaling (memory/optimizer_memory.uses_fused_adam says why it
+    `sharded_loss_scaling`: Layout.sharded_loss_scaling (optimizer_spec.uses_fused_adam says why it
     matters)."""
     fused = uses_fused_adam(opt, device_type, sharded_loss_scaling)
     impl = {"fused": True} if fused else {"foreach": opt.foreach}

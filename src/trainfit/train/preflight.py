@@ -16,8 +16,8 @@ from pathlib import Path
 
 from trainfit.config import Config, ConfigError
 from trainfit.estimate import Estimate, estimate, fitting_changes
-from trainfit.memory.optimizer_memory import OPTIMIZER_STATES
 from trainfit.models.params import param_counts
+from trainfit.optimizer_spec import OPTIMIZER_STATES
 from trainfit.parallel.layout import Layout
 
 GIB = 1024**3

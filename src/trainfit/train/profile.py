@@ -12,7 +12,7 @@ and free (profile_memory); no Python stacks (with_stack makes traces several tim
 profiler starts before the first chosen step and stops after the last, rather than following a
 wait/warmup/active schedule: the window is given in steps, and no other step pays for the profiler.
 On CUDA the allocator's history over the same steps is also dumped, by the code `trainfit measure`
-uses (memory/attribution.cuda_history), to rank<r>.memory_snapshot.pickle for pytorch.org/memory_viz.
+uses (memory/measured/attribution.cuda_history), to rank<r>.memory_snapshot.pickle for pytorch.org/memory_viz.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from trainfit.config import Config
 from trainfit.configure.validate import profile_window
-from trainfit.memory.attribution import cuda_history
+from trainfit.memory.measured import cuda_history
 
 TRACE_SUFFIX = ".pt.trace.json"
 SNAPSHOT_SUFFIX = ".memory_snapshot.pickle"

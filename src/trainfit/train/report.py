@@ -7,8 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trainfit.config import Config
-from trainfit.memory.breakdown import MemoryBreakdown
-from trainfit.memory.compare import Comparison, comparison_table
+from trainfit.memory import Comparison, MemoryBreakdown, comparison_table
 from trainfit.models.params import format_count
 from trainfit.parallel.layout import Layout
 from trainfit.train.metrics import METRICS_FILE

@@ -4,7 +4,7 @@ reduction, unscaling, clipping, the optimizer, the LR schedule).
 
 A `TrainStep` is called once per optimizer step. Listeners (`listening`) hear its moments (MOMENTS):
 the hooks that instruments attach to without knowing who built the step: the memory meter
-(memory/attribution.py), the traced estimator (traced.py), a benchmark's timer. The trainer
+(memory/measured/attribution.py), the traced estimator (traced.py), a benchmark's timer. The trainer
 (train/trainer.py) and the traced estimator build their steps through this one class, so the step
 that is traced is the step that trains.
 """
@@ -24,7 +24,7 @@ from torch import nn
 
 from trainfit.attention import set_attention_backend
 from trainfit.config import Config
-from trainfit.memory.breakdown import MemoryBreakdown
+from trainfit.memory import MemoryBreakdown
 from trainfit.parallel.data_parallel import clip_grad_norm_, grad_scaler, reduce_gradients, set_gradient_sync
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.pipeline import PipelineStep, carry_aux_loss, stage_boundary

@@ -3,7 +3,7 @@
 Build: the data, the model (train/build.py, shared with the traced estimator) materialized and
 initialized on this rank's device, then the run's TrainStep around it (train/step.py: optimizer,
 LR schedule, loss scaler, pipeline schedule), then resume from a checkpoint. Loop: `train()` runs
-train/loop.py on it, which decides which steps the memory meter (memory/attribution.py) watches
+train/loop.py on it, which decides which steps the memory meter (memory/measured/attribution.py) watches
 and measures; the meter wraps the same TrainStep that plain steps call.
 
 One process, or one per rank under torchrun (train/distributed.py); every rank runs the same loop.
@@ -26,8 +26,7 @@ from trainfit.attention import AttentionKernel, probe_attention_kernel
 from trainfit.config import Config, ConfigError
 from trainfit.configure import config_to_dict
 from trainfit.fp8_matmul import Fp8MatmulRates, probe_fp8_matmul
-from trainfit.memory.attribution import Measurement, MemoryMeter
-from trainfit.memory.measure import current_allocated_bytes
+from trainfit.memory.measured import Measurement, MemoryMeter, current_allocated_bytes
 from trainfit.models import materialize
 from trainfit.models.architecture import Architecture, describe
 from trainfit.models.hf import load_hf_weights
@@ -296,7 +295,7 @@ class Trainer:
 
     @functools.cached_property
     def memory_meter(self) -> MemoryMeter:
-        """Measures this trainer's steps per component (memory/attribution.py), made on first use."""
+        """Measures this trainer's steps per component (memory/measured/attribution.py), made on first use."""
         return MemoryMeter(self.device, self.layout, rank=self.world.rank, world_size=self.world.size,
                            memory_floor=self.memory_floor)
 

@@ -1,10 +1,10 @@
-"""memory/caching_allocator.py: the CUDA caching allocator's rules, replayed on hand-made sequences."""
+"""memory/traced/caching_allocator.py: the CUDA caching allocator's rules, replayed on hand-made sequences."""
 
 from __future__ import annotations
 
 import random
 
-from trainfit.memory.caching_allocator import CachingAllocator, round_size, segment_size
+from trainfit.memory.traced.caching_allocator import CachingAllocator, round_size, segment_size
 
 MIB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""NCCL's communicator buffers (memory/comm_buffers.py) against a hand computation from NCCL's
+"""NCCL's communicator buffers (memory/closed_form/comm_buffers.py) against a hand computation from NCCL's
 constants, only for the groups that communicate (parallel/collectives.py's declaration), and their
 place in the reserved margin: a term of it on GPUs, nothing on the CPU. The group count itself is
 checked against a real mesh in tests/distributed/test_process_groups.py."""
@@ -8,10 +8,14 @@ from __future__ import annotations
 import pytest
 
 from trainfit.configure import load_config
-from trainfit.memory import comm_buffers
-from trainfit.memory.analytic import estimate_memory
-from trainfit.memory.comm_buffers import RING_KINDS, comm_buffer_bytes, communicating_groups, group_buffer_bytes
-from trainfit.memory.margin import ALLOCATOR_FRAGMENTATION, CUDA_CONTEXT_BYTES
+from trainfit.memory import ALLOCATOR_FRAGMENTATION, CUDA_CONTEXT_BYTES
+from trainfit.memory.closed_form import comm_buffers, estimate_memory
+from trainfit.memory.closed_form.comm_buffers import (
+    RING_KINDS,
+    comm_buffer_bytes,
+    communicating_groups,
+    group_buffer_bytes,
+)
 from trainfit.parallel.collectives import collective_calls, group_size
 from trainfit.parallel.groups import group_of, process_groups
 from trainfit.parallel.resolve import build_layout
@@ -133,7 +137,7 @@ def test_every_nccl_device_of_the_catalog_has_a_channel_count() -> None:
     """A device whose link NCCL runs on never counts its groups as holding no buffers (RCCL's
     infinity-fabric is not NCCL: 0 by the module's statement)."""
     from trainfit.hardware import GPUS
-    from trainfit.memory.comm_buffers import INTRA_NODE_CHANNELS
+    from trainfit.memory.closed_form.comm_buffers import INTRA_NODE_CHANNELS
 
     missing = {name: spec.default_link for name, spec in GPUS.items()
                if spec.default_link != "infinity-fabric" and spec.default_link not in INTRA_NODE_CHANNELS}

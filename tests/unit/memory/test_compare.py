@@ -8,7 +8,7 @@ import io
 import pytest
 from rich.console import Console
 
-from trainfit.memory.breakdown import MemoryBreakdown
+from trainfit.memory import MemoryBreakdown
 from trainfit.memory.compare import NON_TENSOR_NOTE_SHARE, Comparison, comparison_table
 
 MiB = 2**20

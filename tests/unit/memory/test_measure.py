@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from _toy import Net
-from trainfit.memory import measure
-from trainfit.memory.measure import current_allocated_bytes, measure_peak
+from trainfit.memory.measured import current_allocated_bytes, measure, measure_peak
 from trainfit.recompute import apply_activation_checkpointing
 
 MiB = 2**20
@@ -62,7 +61,7 @@ def test_first_measurement_of_a_process_is_not_inflated():
     # is needed to see it, since this one has run dispatch modes already.
     code = (
         "import torch\n"
-        "from trainfit.memory.measure import measure_peak\n"
+        "from trainfit.memory.measured.measure import measure_peak\n"
         "a = torch.randn(64, 64, requires_grad=True)\n"
         "(a @ a).sum().backward()\n"
         "with measure_peak('cpu') as result:\n"

@@ -1,4 +1,4 @@
-"""The memory meter (memory/attribution.py) wraps a step it did not build: any callable with the
+"""The memory meter (memory/measured/attribution.py) wraps a step it did not build: any callable with the
 step's listener hooks, here a hand-written step of a small MLP; on a trainer's own step it is the
 same meter the trainer's loop uses."""
 
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from _runs import run_config
-from trainfit.memory.attribution import MemoryMeter
-from trainfit.memory.breakdown import PHASES
+from trainfit.memory import PHASES
+from trainfit.memory.measured import MemoryMeter
 from trainfit.precision import precision_policy
 from trainfit.train.distributed import World
 from trainfit.train.trainer import Trainer

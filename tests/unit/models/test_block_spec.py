@@ -101,7 +101,7 @@ def test_an_moe_feed_forward_is_priced_whole_on_each_tp_rank(tmp_path) -> None:
 def test_selective_alternate_counts_the_parity_of_a_ranks_own_experts() -> None:
     """Expert e of a rank runs its matmuls 6 + 3e to 8 + 3e, numbered from the rank's first expert,
     so the parity of what selective-alternate reruns depends on E / ep, not E (6 experts: 3 per rank
-    at ep 2). The memory estimate reads the same two facts (memory/activations.py)."""
+    at ep 2). The memory estimate reads the same two facts (memory/closed_form/block/activations.py)."""
     m = _model("--model.preset=debug-moe", "--model.num_experts=6", "--model.num_shared_experts=1")
     from trainfit.models.checkpoint_policy import odd_expert_share, shared_experts_first_matmul
     from trainfit.perf import flops

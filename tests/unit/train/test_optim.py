@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainfit.configure import load_config
-from trainfit.memory.optimizer_memory import uses_fused_adam
+from trainfit.optimizer_spec import uses_fused_adam
 from trainfit.train.optim import build_optimizer, build_scheduler, lr_at, param_groups
 
 

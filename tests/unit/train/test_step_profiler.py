@@ -59,7 +59,7 @@ def test_on_cuda_the_window_gets_a_trace_and_a_memory_snapshot(tmp_path: Path, m
 
 
 def test_the_cuda_memory_history_keeps_python_stacks_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The snapshot's history (memory/attribution.cuda_history, which `trainfit measure` uses too) is
+    """The snapshot's history (memory/measured/attribution.cuda_history, which `trainfit measure` uses too) is
     recorded with Python stacks, not torch's default C++ ones (slow to dump), in arguments torch's
     own signature accepts; recording stops once the snapshot is dumped."""
     calls: list = []

@@ -20,10 +20,8 @@ row).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from trainfit.config import ModelConfig
-from trainfit.memory.activation_terms import (
+from trainfit.memory.closed_form.block.activation_terms import (
     FP32,
     ActDtypes,
     Terms,
@@ -33,15 +31,10 @@ from trainfit.memory.activation_terms import (
     scores_kept,
     ungated_mlp,
 )
-from trainfit.memory.attention_activations import attention_saved
-from trainfit.memory.moe_activations import Routing, balanced_routing
+from trainfit.memory.closed_form.block.attention_activations import attention_saved
+from trainfit.memory.closed_form.block.moe_activations import Routing, balanced_routing
 from trainfit.models.block_spec import block_linears
 from trainfit.peft.spec import Adaptation
-
-if TYPE_CHECKING:
-    from trainfit.memory.rank_layout import RankLayout
-    from trainfit.memory.run_shape import Run
-    from trainfit.parallel.layout import Layout
 
 
 def adapter_terms(m: ModelConfig, d: ActDtypes, adaptation: Adaptation, routing: Routing | None = None) -> Terms:
@@ -178,33 +171,6 @@ def selective_adapter_terms(m: ModelConfig, d: ActDtypes, adaptation: Adaptation
     rows = (routing or balanced_routing(m)).rows if m.num_experts else 1.0
     return Terms(gathered=sum(d.compute * (adaptation.rank + linears[n].out_features) * (rows if n in ROUTED else 1)
                               for n in adaptation.targets))
-
-
-def _frozen_first_block(layout: Layout, lay: RankLayout) -> Adaptation | None:
-    """The Adaptation when the rank holds the first block unwrapped and the embedding is frozen."""
-    adaptation = layout.adaptation
-    if adaptation is None or adaptation.train_embeddings or not lay.first or lay.first_wrapped:
-        return None
-    return adaptation
-
-
-def first_block_saving(run: Run, lay: RankLayout, d: ActDtypes) -> int:
-    """Bytes of one micro-batch the rank's first block does not save under PEFT (first_block_terms)."""
-    adaptation = _frozen_first_block(run.layout, lay)
-    if adaptation is None:
-        return 0
-    terms = first_block_terms(run.model, d, adaptation)
-    return terms.bytes(lay_tokens(run), run.training.seq_len // run.layout.cp)
-
-
-def first_block_casts_unsaved(run: Run, lay: RankLayout, d: ActDtypes) -> int:
-    """Elements of the rank's first block whose autocast casts are not saved (first_block_unsaved_casts)."""
-    adaptation = _frozen_first_block(run.layout, lay)
-    return first_block_unsaved_casts(run.model, adaptation) if adaptation is not None and d.autocast else 0
-
-
-def lay_tokens(run: Run) -> int:
-    return run.layout.micro_batch_size * run.training.seq_len // run.layout.cp
 
 
 NF4_DEQUANT_BYTES_PER_WEIGHT = 14

@@ -1,6 +1,6 @@
 """What one block keeps from its forward to its backward under each activation-checkpointing policy
 (`block_terms`), and what a checkpointed block keeps that an unwrapped one does not (`policy_only_terms`),
-so that its recompute's size follows. The pieces: memory/activation_terms.py (the vocabulary and the
+so that its recompute's size follows. The pieces: memory/closed_form/block/activation_terms.py (the vocabulary and the
 conventions), attention_activations.py, moe_activations.py; the backward's own tensors are
 backward_transients.py's, a stage's ends stage_activations.py's. Torch-free."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainfit.config import ModelConfig
-from trainfit.memory.activation_terms import (
+from trainfit.memory.closed_form.block.activation_terms import (
     FP32,
     ActDtypes,
     Terms,
@@ -24,8 +24,8 @@ from trainfit.memory.activation_terms import (
     swiglu_saved,
     ungated_mlp,
 )
-from trainfit.memory.attention_activations import attention_kept, attention_saved
-from trainfit.memory.moe_activations import Routing, balanced_routing, moe_saved
+from trainfit.memory.closed_form.block.attention_activations import attention_kept, attention_saved
+from trainfit.memory.closed_form.block.moe_activations import Routing, balanced_routing, moe_saved
 from trainfit.models.block_spec import block_linears
 from trainfit.models.checkpoint_policy import kept_linear_shares
 

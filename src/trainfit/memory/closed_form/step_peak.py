@@ -1,4 +1,4 @@
-"""A rank's memory at the step's peak moment (`rank_breakdown`): its model states (memory/zero_states.py)
+"""A rank's memory at the step's peak moment (`rank_breakdown`): its model states (memory/closed_form/zero_states.py)
 plus what each moment of the step adds (the end of the forward, the loss, the backward of the stage's last and
 first block: its MLP's, its attention's, each branch's first linears'; the optimizer step): compute copies,
 FSDP's gathered parameters and reduce buffers, gradients accumulated so far, the activations alive, fp8's
@@ -10,19 +10,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from trainfit.memory.activation_terms import Terms, scores_kept, ungated_mlp
-from trainfit.memory.activations import shared_experts_saved
-from trainfit.memory.adapter_activations import first_block_casts_unsaved, first_block_saving, nf4_dequant_bytes
-from trainfit.memory.attention_activations import context_parallel_mask_bytes
 from trainfit.memory.breakdown import MemoryBreakdown
-from trainfit.memory.logits import LossBytes
+from trainfit.memory.closed_form.block.activation_terms import Terms, scores_kept, ungated_mlp
+from trainfit.memory.closed_form.block.activations import shared_experts_saved
+from trainfit.memory.closed_form.block.adapter_activations import nf4_dequant_bytes
+from trainfit.memory.closed_form.block.attention_activations import context_parallel_mask_bytes
+from trainfit.memory.closed_form.block.moe_activations import RoutedMoment, routed_backward_moments
+from trainfit.memory.closed_form.logits import LossBytes
+from trainfit.memory.closed_form.optimizer_memory import on_zero_shard
+from trainfit.memory.closed_form.pipeline_held import PipelineHeld
+from trainfit.memory.closed_form.rank_layout import (
+    LayoutCommon,
+    RankLayout,
+    first_block_casts_unsaved,
+    first_block_saving,
+)
+from trainfit.memory.closed_form.run_shape import Run, rope_table_bytes
+from trainfit.memory.closed_form.zero_states import stage_states
 from trainfit.memory.margin import reserved_margin_terms
-from trainfit.memory.moe_activations import RoutedMoment, routed_backward_moments
-from trainfit.memory.optimizer_memory import on_zero_shard
-from trainfit.memory.pipeline_held import PipelineHeld
-from trainfit.memory.rank_layout import LayoutCommon, RankLayout
-from trainfit.memory.run_shape import Run, rope_table_bytes
-from trainfit.memory.zero_states import stage_states
 from trainfit.models.architecture import describe
 from trainfit.models.block_spec import block_linears
 from trainfit.parallel.engine import DDP_GRADIENT_AS_BUCKET_VIEW, FSDP_PREFETCH_BLOCKS, FSDP_REDUCE_BYTES_MIXED
@@ -58,6 +63,48 @@ def _float8_backward_bytes(k: int, n: int, tokens: int, casts_weight: bool, cast
     return max(tokens * n + cast_bytes * w,
                tokens * (n + 2 * k + cast_bytes * n) + w,
                tokens * (2 * n + 2 * k + cast_bytes * k) + w)
+
+
+class BlockMoment(NamedTuple):
+    """What one block adds at a moment of its backward, beyond the step's states (bytes)."""
+
+    what: str
+    """Which moment: "mlp", "attention", "fp8 casts", "wq", "w1", ... (in_backward says when each falls)."""
+    grads: int
+    buffers: int
+    activations: int
+    casts: int = 0
+    """16-bit weight casts beyond the blocks' (negative: a routed expert's that autocast never made)."""
+
+
+class Moment(NamedTuple):
+    """One moment of the step: what is live then beyond the model states, by component (bytes). The
+    largest is the peak."""
+
+    phase: str
+    """forward | backward | optimizer."""
+    what: str
+    """Which moment of the phase (the step's end of forward, the loss, a block's backward moment, ...)."""
+    params: float
+    """Compute copies of the parameters (gathered, kept, autocast's casts)."""
+    activations: float
+    logits: float
+    grads: float
+    buffers: float
+
+    def total(self) -> float:
+        return self.params + self.activations + self.logits + self.grads + self.buffers
+
+
+class OutputGradient(NamedTuple):
+    """Where the MLP's output matmul's weight gradient sits at the MLP's backward peak (bytes)."""
+
+    grads: int = 0
+    """In `.grad`."""
+    buffers: int = 0
+    """FSDP's unsharded copy, until the block's reduce-scatter."""
+    in_flight: int = 0
+    """Just made, an activation until its cast back or its bucket's hook takes it."""
 
 
 class Earlier(NamedTuple):
@@ -220,8 +267,16 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     # yet cast and accumulated. Bucketed, the peak is w2's own backward: its weight gradient, just
     # made (an activation gradient until the bucket's hook takes it), beside its input's gradient.
     w2_in_flight = ungated_mlp(run.model) and act.autocast
-    w2 = (0, 0, c * lay.mlp_out) if w2_in_flight else (0, c * lay.mlp_out, 0) if st.fsdp else \
-        (0, 0, int(autograd_bytes * lay.mlp_out)) if bucketed else (int(lay.mlp_out * per_param), 0, 0)
+    def output_gradient(elements: int, in_flight: bool = False) -> OutputGradient:
+        if in_flight:
+            return OutputGradient(in_flight=c * elements)
+        if st.fsdp:
+            return OutputGradient(buffers=c * elements)
+        if bucketed:
+            return OutputGradient(in_flight=int(autograd_bytes * elements))
+        return OutputGradient(grads=int(elements * per_param))
+
+    w2 = output_gradient(lay.mlp_out, w2_in_flight)
     # MoE: the shared experts' backward runs first (mlp_* of `transient`; their w2 for w2), then the
     # routed experts' (moe_activations.routed_backward_moments); the routed output is in the stream's
     # dtype, so no grad_cast then.
@@ -235,8 +290,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
             shared_w2 = adapter_params_of(m, adaptation, ["shared_w2"])
             shared_weights = adapter_params_of(m, adaptation, ["shared_w1", "shared_w2", "shared_w3"])
             expert_weight = routed_adapter_params(m, adaptation, ep) // 3
-        w2 = (0, c * shared_w2, 0) if st.fsdp else (0, 0, int(autograd_bytes * shared_w2)) if bucketed else \
-            (int(shared_w2 * per_param), 0, 0)
+        w2 = output_gradient(shared_w2)
         routed_moments = routed_backward_moments(
             m, act, transient, routing, size, expert_weight=expert_weight,
             grad_bytes=c if st.fsdp else autograd_bytes, num_local_experts=m.num_experts // ep,
@@ -279,7 +333,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
         flight = c * own if act.autocast else int(autograd_bytes * own) if bucketed else 0
         return int((done - (own if act.autocast else 0)) * per_param), 0, flight
 
-    def first_linear_moments(stream: int, kept: int | None = None) -> list[tuple[int, int, int, int]]:
+    def first_linear_moments(stream: int, kept: int | None = None) -> list[BlockMoment]:
         """The moments of FirstLinears beside the stream's gradient (`stream`), for a block that saved its
         tensors, or for a checkpointed one (`kept`: its kept tensors with the stream's gradient; at the
         MLP's first linears a bound, some are freed by then) that keeps its input and holds what its
@@ -294,19 +348,20 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
         moments = []
         for name, own, done, (rebuilt, held), new in branches:
             grads, buffers, flight = made(done, own)
-            moments.append((grads, buffers + rebuilt, held + new + flight, 0))
+            moments.append(BlockMoment(name, grads, buffers + rebuilt, held + new + flight))
             if name in float8:
                 grads, buffers, _ = made(done - own, 0)
                 casts = _float8_backward_bytes(float8[name].k, float8[name].n, st.tokens, not run.layout.fp8_gathers,
                                                cast_bytes)
-                moments.append((grads, buffers + rebuilt, held + new - input_grad + casts, 0))
+                moments.append(BlockMoment(f"{name} fp8 casts", grads, buffers + rebuilt,
+                                           held + new - input_grad + casts))
         return moments
 
     # QLoRA: each NF4 linear's forward and input-gradient matmul dequantize its weight beside them
     dequant = nf4_dequant_bytes(run.model, run.layout.adaptation) if lay.blocks else 0
 
-    def in_backward(wrapped: bool) -> list[tuple[int, int, int, int]]:
-        """(grads, buffers, activations, 16-bit casts) a block adds at each moment of its backward.
+    def in_backward(wrapped: bool) -> list[BlockMoment]:
+        """What a block adds at each moment of its backward.
         Unwrapped: its saved activations with the attention's or the MLP's gradients. Checkpointed:
         the recompute just done, or the MLP's gradients (by the attention's turn the MLP's recompute
         is freed). Either: or the backward of a branch's first linears (first_linear_moments). MoE: or
@@ -317,39 +372,45 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
         # The math attention kernel's backward, or the eager soft-capped one's (S²-sized gradients), comes
         # after the MLP's and the output projection's, whose saved (or rebuilt) tensors are freed by then.
         freed, scores = mb.attention_freed, scores_kept(run.model, act)
-        attention = (w2[0], w2[1], a_none - freed + stream + cast + mb.attention, 0)
+        attention = BlockMoment("attention", w2.grads, w2.buffers, a_none - freed + stream + cast + mb.attention)
         if not wrapped:
             mlp = mb.mlp_new - mb.mlp_freed
             fused_attention = 0 if scores else mb.attention
-            moments = [(w2[0], w2[1], a_none + stream + cast + max(fused_attention, mlp + w2[2]), 0)]
+            moments = [BlockMoment("mlp", w2.grads, w2.buffers,
+                                   a_none + stream + cast + max(fused_attention, mlp + w2.in_flight))]
             moments += [attention] if scores else []
             if fp8_backward:  # before any of the block's weight gradients exists
-                moments.append((0, 0, a_none + stream + incoming + fp8_backward, 0))
+                moments.append(BlockMoment("fp8 casts", 0, 0, a_none + stream + incoming + fp8_backward))
             moments += first_linear_moments(stream)
             if dequant:  # the block's first backward matmul (the MLP's output linear), before its gradients
-                moments.append((0, 0, a_none + stream + cast + dequant, 0))
+                moments.append(BlockMoment("nf4 dequant", 0, 0, a_none + stream + cast + dequant))
             for r in routed_moments:
+                grads, buffers = routed(r.done)
                 acts = a_none - shared_kept - shared_rebuilt - r.freed + stream + r.added
-                moments.append((*routed(r.done), acts, -r.uncast))
+                moments.append(BlockMoment("routed experts", grads, buffers, acts, -r.uncast))
             return moments
         kept = a_policy - mb.released + stream
-        recomputed = (0, rebuild + mb.recompute_tail, kept + mb.branch_grad + mb.released_last, 0)
-        mlp_moment = (w2[0], w2[1] + rebuild - mb.mlp_freed, kept + cast + mb.mlp_new + w2[2], 0)
-        moments = [recomputed, mlp_moment]
+        moments = [
+            BlockMoment("recomputed", 0, rebuild + mb.recompute_tail, kept + mb.branch_grad + mb.released_last),
+            BlockMoment("mlp", w2.grads, w2.buffers + rebuild - mb.mlp_freed, kept + cast + mb.mlp_new + w2.in_flight),
+        ]
         if fp8_backward:
-            moments.append((0, rebuild, kept + incoming + fp8_backward, 0))
+            moments.append(BlockMoment("fp8 casts", 0, rebuild, kept + incoming + fp8_backward))
         moments += first_linear_moments(stream, kept)
         if dequant and policy == "full":  # the recompute's last NF4 linear (its input, saved by none)
             recompute_input = c * st.tokens * max(linears_in[name] for name in run.layout.adaptation.quantized)
-            moments.append((0, rebuild + dequant + recompute_input, kept + max(cast, mb.branch_grad), 0))
+            moments.append(BlockMoment("nf4 dequant", 0, rebuild + dequant + recompute_input,
+                                       kept + max(cast, mb.branch_grad)))
         elif dequant:  # selective: the linears are not recomputed; the first backward matmul
-            moments.append((0, rebuild, kept + cast + dequant, 0))
+            moments.append(BlockMoment("nf4 dequant", 0, rebuild, kept + cast + dequant))
         if scores:  # the kept tensors and the recompute's, less what the MLP's backward freed
-            moments.append((w2[0], w2[1] + max(0, rebuild - freed), kept + cast + mb.attention, 0))
+            moments.append(BlockMoment("attention", w2.grads, w2.buffers + max(0, rebuild - freed),
+                                       kept + cast + mb.attention))
         for r in routed_moments:
             grads, buffers = routed(r.done)
             acts = kept - shared_kept + r.added - r.freed_kept
-            moments.append((grads, buffers + rebuild - shared_rebuilt - (r.freed - r.freed_kept), acts, -r.uncast))
+            moments.append(BlockMoment("routed experts", grads, buffers + rebuild - shared_rebuilt
+                                       - (r.freed - r.freed_kept), acts, -r.uncast))
         return moments
 
     # Each moment is weighed in the step's: gradients made in the block may count less there (those
@@ -402,12 +463,13 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
         sends = pipe.slots + pipe.sent
         fwd = fwd_buffers + g.staged + sends
         ahead = g.before + g.pending(st.params)  # every gradient before the backward's first
-        moments = [  # (phase, params: compute copies, activations, logits, grads, buffers)
+        moments = [
             # End of the model's forward: autocast's cache still holds checkpointed blocks' casts.
-            ("forward", held + all_casts, acts, older_logits + loss.output, ahead, fwd),
-            ("forward", held + saved_casts, acts, older_logits + loss.forward, ahead, fwd),
+            Moment("forward", "end of forward", held + all_casts, acts, older_logits + loss.output, ahead, fwd),
+            Moment("forward", "loss", held + saved_casts, acts, older_logits + loss.forward, ahead, fwd),
             # (QLoRA: the last block's forward, dequantizing its largest NF4 weight; a bound: the whole block saved)
-            *([("forward", held + all_casts, acts - a_final + dequant, older_logits, ahead, fwd)] if dequant else []),
+            *([Moment("forward", "last block's nf4 dequant", held + all_casts, acts - a_final + dequant, older_logits,
+                      ahead, fwd)] if dequant else []),
         ]
         for g, chunks_done, heads_done in backwards:
             older = older_own - chunks_done * a_blocks - heads_done * a_final + pipe.pending
@@ -416,55 +478,58 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
             fwd, bwd = fwd_buffers + g.staged + sends, bwd_buffers + g.staged + sends
             ahead = g.before + g.pending(st.params)
             moments += [
-                ("backward", held + saved_casts, acts, older_logits + own_logits + loss_bwd, ahead, fwd),
+                Moment("backward", "loss", held + saved_casts, acts, older_logits + own_logits + loss_bwd, ahead, fwd),
                 # The output projection's backward (head_grad), its weight gradient just made (under
                 # autocast also its 16-bit form) beside the logits' gradient in the compute dtype, until
                 # the bucket's hook or the accumulation takes it (a large vocabulary makes this the
                 # backward's peak).
-                *([("backward", held + saved_casts, acts + g.head_grad,
-                    older_logits + max(own_logits, loss.output), ahead, fwd)] if g.head_grad else []),
+                *([Moment("backward", "output projection", held + saved_casts, acts + g.head_grad,
+                          older_logits + max(own_logits, loss.output), ahead, fwd)] if g.head_grad else []),
             ]
             moments += [
-                ("backward", held + (all_casts if pipelined else saved_casts - cast_head
-                                     + (cast_block if lay.last_wrapped else 0)) + last_casts,
-                 older + a_blocks - (a_policy if lay.last_wrapped else a_none) + last_acts, older_logits + own_logits,
-                 max(g.before, output_grads + last_grads) + g.pending(st.params - lay.head),
-                 bwd + last_comms + last_buffers)
-                for last_grads, last_buffers, last_acts, last_casts in last_moments]
+                Moment("backward", f"last block: {b.what}",
+                       held + (all_casts if pipelined else saved_casts - cast_head
+                               + (cast_block if lay.last_wrapped else 0)) + b.casts,
+                       older + a_blocks - (a_policy if lay.last_wrapped else a_none) + b.activations,
+                       older_logits + own_logits,
+                       max(g.before, output_grads + b.grads) + g.pending(st.params - lay.head),
+                       bwd + last_comms + b.buffers)
+                for b in last_moments]
             # (under a pipeline schedule FSDP keeps every backwarded block gathered: all of them, held;
             # accumulating, autograd adds the block's new weight gradients into the `.grad` there)
             moments += [
-                ("backward", (held if pp_fsdp else c * (lay.block + lay.embedding + lay.head) - nf4_gathered
-                              if held else 0)
-                 + (all_casts if pipelined else cast_block) + first_casts,
-                 older + first_acts, older_logits + own_logits,
-                 max(g.before, g.later_grads + first_grads) + g.pending(lay.block + lay.embedding),
-                 bwd + g.first_comms + first_buffers)
-                for first_grads, first_buffers, first_acts, first_casts in first_moments]
+                Moment("backward", f"first block: {b.what}",
+                       (held if pp_fsdp else c * (lay.block + lay.embedding + lay.head) - nf4_gathered if held else 0)
+                       + (all_casts if pipelined else cast_block) + b.casts,
+                       older + b.activations, older_logits + own_logits,
+                       max(g.before, g.later_grads + b.grads) + g.pending(lay.block + lay.embedding),
+                       bwd + g.first_comms + b.buffers)
+                for b in first_moments]
             if tied_embedding_grad:
                 # The embedding's backward, the step's last: a tied weight's gradient already holds the
                 # output projection's, every other gradient is made, and the embedding's own [V, D]
                 # gradient is summed into it (the incoming and the sum, until the sum replaces it).
-                moments.append(("backward", 0, older + tied_embedding_grad, older_logits, max(g.before, st.grads),
-                                bwd))
+                moments.append(Moment("backward", "tied embedding", 0, older + tied_embedding_grad, older_logits,
+                                      max(g.before, st.grads), bwd))
         moments += [
             # The step: every gradient (ZeRO-1's master gradients too) and the optimizer's temporaries.
-            ("optimizer", 0, 0, 0, st.grads + st.master_grads, persistent_buffers + pipe.slots + st.optimizer_temp),
+            Moment("optimizer", "step", 0, 0, 0, st.grads + st.master_grads,
+                   persistent_buffers + pipe.slots + st.optimizer_temp),
         ]
         phase_peaks: dict[str, int] = {}
         at, peak = moments[0], -1
         for moment in moments:
-            total = states + int(sum(moment[1:]))
-            phase_peaks[moment[0]] = max(phase_peaks.get(moment[0], 0), total)
+            total = states + int(moment.total())
+            phase_peaks[moment.phase] = max(phase_peaks.get(moment.phase, 0), total)
             if total > peak:
                 at, peak = moment, total
-        phase, copies, activations, logits, grads, buffers = at
         terms = reserved_margin_terms(run.hardware, peak, common.comm_buffers)
         return MemoryBreakdown(
-            params=int(copies) + st.compute_params + (0 if prec.mixed else st.persistent),
+            params=int(at.params) + st.compute_params + (0 if prec.mixed else st.persistent),
             master_params=st.persistent if prec.mixed else 0,
-            grads=int(grads), optimizer=st.optimizer, activations=int(activations), logits=int(logits),
-            buffers=int(buffers), peak=peak, peak_phase=phase, reserved_margin=sum(terms.values()), margin_terms=terms,
+            grads=int(at.grads), optimizer=st.optimizer, activations=int(at.activations), logits=int(at.logits),
+            buffers=int(at.buffers), peak=peak, peak_phase=at.phase, reserved_margin=sum(terms.values()),
+            margin_terms=terms,
             phase_peaks=phase_peaks,
         )
 

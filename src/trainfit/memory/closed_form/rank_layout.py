@@ -10,10 +10,11 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from trainfit.hardware import device_type
-from trainfit.memory.comm_buffers import comm_buffer_bytes
-from trainfit.memory.micro_batch import MicroBatch, SharedSizes
-from trainfit.memory.pipeline_held import micro_batches_in_flight
-from trainfit.memory.run_shape import (
+from trainfit.memory.closed_form.block.activation_terms import ActDtypes
+from trainfit.memory.closed_form.block.adapter_activations import first_block_terms, first_block_unsaved_casts
+from trainfit.memory.closed_form.comm_buffers import comm_buffer_bytes
+from trainfit.memory.closed_form.micro_batch import MicroBatch, SharedSizes
+from trainfit.memory.closed_form.run_shape import (
     MicroBatchShape,
     Precision,
     Run,
@@ -24,8 +25,9 @@ from trainfit.memory.run_shape import (
 from trainfit.models.architecture import describe, kind_of_layers, softcap_kernel
 from trainfit.models.block_spec import block_linears
 from trainfit.models.params import ParamCounts
+from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import RankPlacement, checkpointed
-from trainfit.peft.spec import adapter_magnitudes, adapter_params, nf4_bytes, routed_adapter_params
+from trainfit.peft.spec import Adaptation, adapter_magnitudes, adapter_params, nf4_bytes, routed_adapter_params
 from trainfit.perf.fp8_casts import float8_linears
 
 
@@ -167,7 +169,7 @@ def rank_layout(run: Run, common: LayoutCommon, place: RankPlacement) -> RankLay
     head = common.counts.final_norm + (0 if tied_here else b.vocab) if last else 0
     tensors = summed.tensors + b.norm_tensors * first  # + pos embedding (gpt2)
     tensors += (b.norm_tensors + (0 if tied_here else 1)) * last
-    in_flight, head_in_flight = micro_batches_in_flight(run, place.rank)
+    in_flight, head_in_flight = mem.micro_batches_in_flight(place.rank)
     adaptation, embedding = mem.adaptation, common.counts.embedding // mem.tp if first else 0
     trainable = -1 if adaptation is None else (
         summed.adapters + (embedding if adaptation.train_embeddings else 0)
@@ -212,7 +214,7 @@ class LayoutCommon(NamedTuple):
     block: BlockParams
     micro_batch: MicroBatch
     comm_buffers: int
-    """NCCL's communicator buffers on any rank (memory/comm_buffers.py; 0 on the CPU)."""
+    """NCCL's communicator buffers on any rank (memory/closed_form/comm_buffers.py; 0 on the CPU)."""
     kinds: tuple[KindSizes, ...] = ()
     """Each kind of layer's sizes; block, micro_batch and counts above are the first kind's (the model's
     own where its layers are alike; `at_moment` gives a rank's)."""
@@ -254,3 +256,30 @@ def layout_common(run: Run, shared: SharedSizes) -> LayoutCommon:
     first = kinds[0]
     return LayoutCommon(first.counts, prec, fsdp, tokens, seq, first.block, first.micro_batch,
                         comm_buffer_bytes(run.model, run.layout, run.hardware), kinds, kind_of_layers(run.model))
+
+
+def _frozen_first_block(layout: Layout, lay: RankLayout) -> Adaptation | None:
+    """The Adaptation when the rank holds the first block unwrapped and the embedding is frozen."""
+    adaptation = layout.adaptation
+    if adaptation is None or adaptation.train_embeddings or not lay.first or lay.first_wrapped:
+        return None
+    return adaptation
+
+
+def first_block_saving(run: Run, lay: RankLayout, d: ActDtypes) -> int:
+    """Bytes of one micro-batch the rank's first block does not save under PEFT (first_block_terms)."""
+    adaptation = _frozen_first_block(run.layout, lay)
+    if adaptation is None:
+        return 0
+    terms = first_block_terms(run.model, d, adaptation)
+    return terms.bytes(_tokens(run), run.training.seq_len // run.layout.cp)
+
+
+def first_block_casts_unsaved(run: Run, lay: RankLayout, d: ActDtypes) -> int:
+    """Elements of the rank's first block whose autocast casts are not saved (first_block_unsaved_casts)."""
+    adaptation = _frozen_first_block(run.layout, lay)
+    return first_block_unsaved_casts(run.model, adaptation) if adaptation is not None and d.autocast else 0
+
+
+def _tokens(run: Run) -> int:
+    return run.layout.micro_batch_size * run.training.seq_len // run.layout.cp

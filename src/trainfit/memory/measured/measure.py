@@ -9,7 +9,7 @@ thread, inside the mode) and the optimizer step. Cost: ~5-10 us per operator (+2
 ~25 ms step of ~1000 ops, +3-10% on a 150 ms one): half the Python dispatch round trip, half
 mallinfo2, which walks malloc's free lists.
 
-A training step is measured by memory/attribution.py (what `trainfit train`, `measure` and
+A training step is measured by memory/measured/attribution.py (what `trainfit train`, `measure` and
 `report` show): it reads `current_allocated_bytes` after every operator and counts the tensors
 alive at the step's start itself, so that memory in use before the step that is no tensor
 (library caches, this module's first dispatch mode) stays out of the peak. `measure_peak` is the
@@ -164,7 +164,7 @@ class _CollectivesCompleted(TorchDispatchMode):
     them as any operator, their outputs tracked, their insides unseen."""
 
     @classmethod
-    def ignore_compile_internals(cls) -> bool:  # compiled code runs compiled (memory/ledger.py)
+    def ignore_compile_internals(cls) -> bool:  # compiled code runs compiled (memory/traced/ledger.py)
         return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -5,7 +5,7 @@ and head for the weight pass. Torch-free."""
 from __future__ import annotations
 
 from trainfit.config import ModelConfig
-from trainfit.memory.activation_terms import (
+from trainfit.memory.closed_form.block.activation_terms import (
     ActDtypes,
     Terms,
     block_shapes,

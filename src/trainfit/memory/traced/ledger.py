@@ -1,7 +1,7 @@
 """The storage ledger, `StorageLedger`: a TorchDispatchMode holding every live tensor storage with
 its bytes and its component, the total sampled after every aten operator with the phase and the
 innermost module (torch's ModTracker). The traced estimator (traced.py) runs it on fake
-tensors, measurement (memory/attribution.py) on real ones, so both attribute by the same rules.
+tensors, measurement (memory/measured/attribution.py) on real ones, so both attribute by the same rules.
 Not torch's MemTracker / FSDPMemTracker: their categories (parameter, activation, temp, ...)
 cannot tell logits, autocast's 16-bit weight copies or recomputation apart, and they snapshot
 every module after every operator, which is slow on 32+ layers.
@@ -60,7 +60,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from trainfit.memory.breakdown import COMPONENTS, PHASES, MemoryBreakdown
-from trainfit.memory.caching_allocator import CachingAllocator
+from trainfit.memory.traced.caching_allocator import CachingAllocator
 from trainfit.parallel.data_parallel import model_state_tensors
 from trainfit.parallel.layout import Layout
 from trainfit.precision import PrecisionPolicy
@@ -252,8 +252,8 @@ class StorageLedger(TorchDispatchMode):
         8-bit optimizer update, compiled with fullgraph=True, refuses to). Compiled blocks
         (training.compile) then show the ledger their dispatcher calls only (extern kernels: matmuls,
         attention): what a fused kernel allocates it never sees created (a measurement counts it in
-        non_tensor, memory/attribution.py); the 8-bit update's buffers live and die inside one call,
-        unseen like any operator's workspace (memory/measure.py). Fake tensors cannot run compiled
+        non_tensor, memory/measured/attribution.py); the 8-bit update's buffers live and die inside one call,
+        unseen like any operator's workspace (memory/measured/measure.py). Fake tensors cannot run compiled
         code (traced.py traces the eager step)."""
         return not self.fake
 

@@ -6,7 +6,7 @@ with the sequence (per key) and depend on the kernel chosen. Torch-free."""
 from __future__ import annotations
 
 from trainfit.config import ModelConfig
-from trainfit.memory.activation_terms import (
+from trainfit.memory.closed_form.block.activation_terms import (
     FP32,
     ActDtypes,
     Terms,

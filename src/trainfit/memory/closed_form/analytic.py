@@ -27,7 +27,7 @@ of model-state forms per ZeRO stage):
   buckets (DDP's, as `.grad` views: gradient_as_bucket_view; ZeRO-1's) they exist all step long.
 - logits: logits, their fp32 copy, log-softmax and the logits' gradient (train/loss.py:
   `F.cross_entropy(logits.float(), ...)`), on the last stage; under memory.chunked_loss the model's
-  output (the final hidden states) and one chunk's logits, log-softmax and gradients (memory/logits.py).
+  output (the final hidden states) and one chunk's logits, log-softmax and gradients (memory/closed_form/logits.py).
 - buffers: FSDP all-gather / reduce-scatter buffers (ZeRO-1's collectives run in place in its
   gradient buffers: none), expert-parallel all-to-all buffers (in backward: moe_activations.py's
   routed moments), optimizer-step temporaries, the
@@ -61,14 +61,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainfit.config import HardwareConfig, ModelConfig, OptimizerConfig, TrainingConfig
-from trainfit.memory.adapter_activations import first_block_casts_unsaved, first_block_saving
 from trainfit.memory.breakdown import MemoryBreakdown
-from trainfit.memory.micro_batch import SharedSizes
-from trainfit.memory.pipeline_held import PipelineHeld, pipeline_held
-from trainfit.memory.rank_layout import LayoutCommon, RankLayout, layout_common, rank_layout
-from trainfit.memory.run_shape import Run
-from trainfit.memory.step_peak import rank_breakdown
-from trainfit.memory.zero_states import StageStates, stage_states
+from trainfit.memory.closed_form.micro_batch import SharedSizes
+from trainfit.memory.closed_form.pipeline_held import PipelineHeld, pipeline_held
+from trainfit.memory.closed_form.rank_layout import (
+    LayoutCommon,
+    RankLayout,
+    first_block_casts_unsaved,
+    first_block_saving,
+    layout_common,
+    rank_layout,
+)
+from trainfit.memory.closed_form.run_shape import Run
+from trainfit.memory.closed_form.step_peak import rank_breakdown
+from trainfit.memory.closed_form.zero_states import StageStates, stage_states
 from trainfit.parallel.layout import Layout
 
 

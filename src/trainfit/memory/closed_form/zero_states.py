@@ -1,24 +1,24 @@
 """A rank's model states per data-parallel engine: parameters, gradients, master weights and optimizer
 states under DDP (ZeRO-0), parallel/zero.py's ZeRO-1 and FSDP2 (ZeRO-2/3, CPU offload), in each precision
 (parallel/data_parallel.py's table of model-state forms). What is resident all step long, before the step's
-moments add what comes and goes (memory/step_peak.py). Torch-free."""
+moments add what comes and goes (memory/closed_form/step_peak.py). Torch-free."""
 
 from __future__ import annotations
 
 import math
 from typing import NamedTuple
 
-from trainfit.memory.activation_terms import FP32
-from trainfit.memory.optimizer_memory import (
-    PER_TENSOR_OPTIMIZERS,
+from trainfit.memory.closed_form.block.activation_terms import FP32
+from trainfit.memory.closed_form.optimizer_memory import (
     largest_sharded_group,
     matrix_shapes,
     on_zero_shard,
     optimizer_bytes,
     optimizer_step_temporaries,
 )
-from trainfit.memory.rank_layout import LayoutCommon, RankLayout
-from trainfit.memory.run_shape import Precision, Run
+from trainfit.memory.closed_form.rank_layout import LayoutCommon, RankLayout
+from trainfit.memory.closed_form.run_shape import Precision, Run
+from trainfit.optimizer_spec import PER_TENSOR_OPTIMIZERS
 from trainfit.peft.spec import adapter_magnitudes, adapter_matrices, adapter_tensor_sizes
 
 

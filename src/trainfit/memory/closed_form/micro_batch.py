@@ -1,5 +1,5 @@
 """One micro-batch's activation sizes on a rank (`MicroBatch`): a block's saved, rebuilt and backward tensors,
-the head's, the loss's and a stage boundary's, from the terms of memory/activations.py and its siblings. They
+the head's, the loss's and a stage boundary's, from the terms of block/activations.py and its siblings. They
 depend only on the model, the dtypes and the micro-batch's shape, so `SharedSizes` computes each once for all
 the layouts the planner tries of one model. Torch-free."""
 
@@ -8,20 +8,23 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from trainfit.config import ModelConfig
-from trainfit.memory.activation_terms import Terms, scores_kept
-from trainfit.memory.activations import block_terms, policy_only_terms
-from trainfit.memory.adapter_activations import adapter_terms, final_norm_adapter_terms, selective_adapter_terms
-from trainfit.memory.attention_activations import context_parallel_positions
-from trainfit.memory.backward_transients import (
-    Transient,
+from trainfit.memory.closed_form.block.activation_terms import Terms, Transient, scores_kept
+from trainfit.memory.closed_form.block.activations import block_terms, policy_only_terms
+from trainfit.memory.closed_form.block.adapter_activations import (
+    adapter_terms,
+    final_norm_adapter_terms,
+    selective_adapter_terms,
+)
+from trainfit.memory.closed_form.block.attention_activations import context_parallel_positions
+from trainfit.memory.closed_form.block.backward_transients import (
     attention_backward_freed,
     backward_transient_terms,
     first_linears,
 )
-from trainfit.memory.logits import LossBytes, loss_bytes
-from trainfit.memory.moe_activations import Routing, moe_routing
-from trainfit.memory.run_shape import MicroBatchShape, Precision
-from trainfit.memory.stage_activations import (
+from trainfit.memory.closed_form.block.moe_activations import Routing, moe_routing
+from trainfit.memory.closed_form.logits import LossBytes, loss_bytes
+from trainfit.memory.closed_form.run_shape import MicroBatchShape, Precision
+from trainfit.memory.closed_form.stage_activations import (
     final_norm_terms,
     head_weight_pass_pending_terms,
     stage_boundary_terms,

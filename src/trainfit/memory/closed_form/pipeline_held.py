@@ -1,58 +1,17 @@
-"""What a pipeline schedule holds on one rank: the micro-batches of activations in flight at its peak
-(`micro_batches_in_flight`, per schedule, with the papers each count follows), and what
-torch.distributed.pipelining keeps beyond them (`PipelineHeld`: receive slots, sent tensors, the zero-bubble
-weight pass's pending gradients, the last stage's logits). tests/estimator/test_pipeline_memory.py walks torch's
-own orders against it. Torch-free."""
+"""What a pipeline schedule holds on one rank beyond its micro-batches' activations in flight (those are
+parallel/schedules.py's): what torch.distributed.pipelining keeps (`PipelineHeld`: receive slots, sent tensors,
+the zero-bubble weight pass's pending gradients, the last stage's logits). tests/estimator/test_pipeline_memory.py
+walks torch's own orders against it. Torch-free."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-from trainfit.memory.micro_batch import MicroBatch
-from trainfit.memory.run_shape import Run
-from trainfit.parallel.stage_split import SINGLE_STAGE_SCHEDULES, RankPlacement
-
-if TYPE_CHECKING:  # annotations only: rank_layout imports this module
-    from trainfit.memory.rank_layout import RankLayout
-
-
-WEIGHT_PASS_SCHEDULES = frozenset({"interleaved-zero-bubble", "zbv-zero-bubble"})
-"""Schedules whose backward is split into an input pass (I) and a later weight pass (W) at their
-peak (torch's ScheduleDualPipeV splits only its cooldown, after its peak)."""
-
-
-def micro_batches_in_flight(run: Run, stage: int) -> tuple[float, int]:
-    """Micro-batches of activations alive on pipeline rank `stage` at its peak (in units of one
-    micro-batch through all of the rank's blocks), and of the head.
-
-    gpipe runs every forward before any backward: m; looped-bfs too, one local stage after the
-    other (Lamy-Poirier 2023, arXiv 2211.05953). 1F1B (Narayanan et al., arXiv 2104.04473): rank i
-    keeps p - i. Interleaved 1F1B (Megatron's and torch.distributed.pipelining's warm-up): rank i
-    runs (v - 1) p + 2 (p - 1 - i) chunk forwards before its first backward, so keeps that plus
-    one chunk of its v: for rank 0, Korthikanti's L (1 + (p - 1)/(pv)) layers (arXiv 2205.05198,
-    Sec. 4.2.3). Interleaved zero-bubble (torch's): a warm-up of (v - 1) p + (p - 1 - i) chunk
-    forwards plus one, and i micro-batches whose weight gradients wait with their inputs saved:
-    v p chunks, p micro-batches, on every rank. ZB-V (Qi et al., arXiv 2401.10241, Sec. 6): 1F1B's
-    first-rank peak, p, on every rank (the V balances it). DualPipeV: torch's ScheduleDualPipeV
-    order reaches 2p + 1 of the rank's chunks (its two stages) before its first backward, on every
-    rank: p + 1/2 micro-batches (the DeepSeek-V3 report's "PP + 1" counts chunks of a DualPipe
-    device, arXiv 2412.19437, Table 2). Zero-bubble micro-batches whose input pass has run keep
-    their activations (retain_graph) until their weight pass: counted here, as the chunk orders
-    show (tests/estimator/test_pipeline_memory.py walks torch's own orders).
-    """
-    layout = run.layout
-    p, v, m, schedule = layout.pp, layout.pp_virtual_stages, layout.num_microbatches, layout.pp_schedule
-    if p == 1:
-        return 1.0, 1
-    if schedule in ("gpipe", "looped-bfs"):
-        return float(m), m
-    if schedule == "interleaved-1f1b":
-        return min(m * v, (v - 1) * p + 2 * (p - 1 - stage) + 1) / v, 1
-    if schedule in ("interleaved-zero-bubble", "zbv-zero-bubble"):
-        return float(min(p, m)), 1
-    if schedule == "dualpipev":
-        return min(2 * p + 1, 2 * m) / 2, 1
-    return float(min(p - stage, m)), 1
+from trainfit.memory.closed_form.micro_batch import MicroBatch
+from trainfit.memory.closed_form.rank_layout import RankLayout
+from trainfit.memory.closed_form.run_shape import Run
+from trainfit.parallel.schedules import SCHEDULES
+from trainfit.parallel.stage_split import RankPlacement
 
 
 class PipelineHeld(NamedTuple):
@@ -71,7 +30,7 @@ class PipelineHeld(NamedTuple):
     the in-flight micro-batches (`fwd_cache`, until their backward); Schedule1F1B's `send_work`,
     which keeps its next-to-last warm-up forward's send (and so that output) until the cooldown;
     Schedule1F1B's last input gradient sent (its `bwd_sends` ops list); the runtime schedules'
-    sent tensors (every schedule but stage_split.SINGLE_STAGE_SCHEDULES: torch runs them through
+    sent tensors (every schedule but torch's PipelineScheduleSingle ones: torch runs them through
     _PipelineScheduleRuntime._step_microbatches, which keeps every SEND_F / SEND_B Work in one
     `send_ops` list until the step ends), at the end of the
     activation plateau: every forward sent, and the input gradients of the backwards done. The
@@ -100,9 +59,9 @@ def pipeline_held(run: Run, lay: RankLayout, place: RankPlacement, mb: MicroBatc
     # torch's orders: interleaved zero-bubble rank i, i + 1; ZB-V, 1; they are the rank's later
     # stage's (its backward runs first).
     pending_chunks = 0
-    if schedule in WEIGHT_PASS_SCHEDULES:
+    if SCHEDULES[schedule].weight_pass_at_peak:
         pending_chunks = min(m, stage + 1 if schedule == "interleaved-zero-bubble" else 1)
-    if schedule not in SINGLE_STAGE_SCHEDULES:  # torch's runtime schedules
+    if not SCHEDULES[schedule].single_stage:  # torch's runtime schedules
         # At the end of the plateau every forward is done, and every backward (input pass) but
         # those of the chunks still alive.
         chunks_alive = lay.in_flight * v

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from trainfit.config import HardwareConfig, ModelConfig, OptimizerConfig, TrainingConfig
-from trainfit.memory.activation_terms import FP32, ActDtypes
+from trainfit.memory.closed_form.block.activation_terms import FP32, ActDtypes
 from trainfit.models.architecture import describe
 from trainfit.parallel.layout import Layout
 from trainfit.peft.spec import Adaptation

@@ -7,22 +7,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from trainfit.config import ModelConfig
-from trainfit.memory.activation_terms import (
+from trainfit.memory.closed_form.block.activation_terms import (
     FP32,
     INDEX,
     ActDtypes,
     Terms,
+    Transient,
     swiglu_saved,
 )
 from trainfit.models.checkpoint_policy import kept_linear_shares
 from trainfit.models.routing import dropless_loads, expert_capacity, expert_parallel_loads
-
-if TYPE_CHECKING:  # annotations only: backward_transients imports this module
-    from trainfit.memory.backward_transients import Transient
-
 
 # torch.nonzero(as_tuple=True) returns views of one (M, 2) int64 result, which both the
 # index_select and the gather of routing weights save: 16 bytes per routed token.

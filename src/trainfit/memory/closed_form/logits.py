@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from trainfit.config import ModelConfig
-from trainfit.memory.activation_terms import FP32, Terms
-from trainfit.memory.run_shape import MicroBatchShape, Precision
+from trainfit.memory.closed_form.block.activation_terms import FP32, Terms
+from trainfit.memory.closed_form.run_shape import MicroBatchShape, Precision
 
 LOSS_PARALLEL_FP32_COPIES = (2, 4)
 """Under tp the logits stay sharded over the vocabulary into torch's loss_parallel (a rank holds

@@ -6,14 +6,14 @@ the moments of train/step.TrainStep.MOMENTS), marks the phases as in the traced 
 built the step and when to meter it is the caller's business (the trainer's loop,
 train/trainer.py); the meter reports, for this rank:
 
-- peak, phase_peaks, the components and the timeline: the tensors. `StorageLedger` (memory/ledger.py),
+- peak, phase_peaks, the components and the timeline: the tensors. `StorageLedger` (memory/traced/ledger.py),
   run on the real tensors, holds every live storage once with its bytes and its component (the
   same rules as the traced estimate), sampled after every aten operator; `peak` is the largest
   sum, with params, master_params, grads, optimizer, activations, logits and buffers at that
   sample. This is what the estimators model and what `trainfit report` compares them with.
 - non_tensor: the allocator's peak above the tensors' peak. The allocator is read at every one of
   the ledger's samples (CPU: glibc's in-use bytes, every collective waited for first so that
-  gloo's threads' scratch is gone, memory/measure.py; CUDA: `memory_allocated` per operator and
+  gloo's threads' scratch is gone, memory/measured/measure.py; CUDA: `memory_allocated` per operator and
   `max_memory_allocated` for the peak), as its growth since the step's start on top of the
   tensors alive then; what it holds beyond the tensors is what they do not explain. On CPU:
   math libraries' caches that grow during the step (oneDNN caches a primitive, with its weight
@@ -64,9 +64,9 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import nn
 
-from trainfit.memory import measure
 from trainfit.memory.breakdown import MemoryBreakdown
-from trainfit.memory.ledger import StorageLedger, TimelinePoint, phase_listener, unsharded_component
+from trainfit.memory.measured import measure
+from trainfit.memory.traced.ledger import StorageLedger, TimelinePoint, phase_listener, unsharded_component
 from trainfit.parallel.data_parallel import local_state_bytes
 from trainfit.parallel.layout import Layout
 from trainfit.precision import PrecisionPolicy

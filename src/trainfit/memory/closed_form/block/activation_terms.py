@@ -1,7 +1,7 @@
 """The vocabulary of the activation estimate: bytes per token by how tensor parallelism divides them
 (`Terms`), the dtypes they are saved in (`ActDtypes`), and the pieces every block shares (its shapes, a
 pre-norm, a SwiGLU). The modules beside it count what autograd saves for backward in OUR blocks with these
-(memory/activations.py lists them). Torch-free.
+(memory/closed_form/block/activations.py lists them). Torch-free.
 
 Each figure below was read off the real modules (llama.TransformerBlock, moe.MoE, gpt2.Block)
 by recording every tensor autograd packs (`torch.autograd.graph.saved_tensors_hooks`) and the
@@ -192,3 +192,50 @@ def qk_norm_saved(m: ModelConfig, d: ActDtypes) -> Terms:
     if not a.qk_norm:
         return Terms()
     return Terms(tp=(FP32 + normed_bytes(m, d.compute)) * (a.q_dim + a.kv_dim) + FP32 * a.qk_norm_rows())
+
+
+@dataclass(frozen=True)
+class Transient:
+    """What one block's backward creates beyond its saved activations, by moment."""
+
+    grad_stream: Terms
+    """The incoming gradient of the residual stream."""
+    grad_cast: Terms
+    """Under autocast, its low-precision cast for the block's branch (once the branch's backward runs)."""
+    branch_grad: Terms
+    """The gradient of the MLP's output when its backward starts (and a checkpointed block's
+    recompute with it): the stream's gradient's cast under autocast (an MoE's output is in the
+    stream's dtype: none); with sequence parallelism, its all-gather over the sequence (the
+    reduce-scatter's backward), which frees the local one. It is freed by the output matmul's
+    backward, before the MLP's peak."""
+    attention: Terms
+    """The attention's gradients of q, k, v and out."""
+    mlp_new: Terms
+    """The MLP's intermediate gradients at their peak..."""
+    mlp_freed: Terms
+    """...when this saved forward tensor (activation, or recompute buffer) is already released."""
+    recompute_tail: Terms
+    """What a checkpointed block's recompute holds at its end beyond what it rebuilds. Dense: it
+    stops when the MLP's output matmul saves its inputs (before its kernel runs), inside the MLP's
+    forward, whose input (the norm's output, in the stream's dtype) is still referenced there; under
+    sequence parallelism its all-gathered copy too (under autocast: otherwise the matmuls save
+    them, and they are rebuilt). MoE: the same input, and as the block saves
+    something after its output (the load-balancing loss), the recompute runs to the end: the routed
+    output, the shared experts' output (unless the policy kept it) and their sum exist until it
+    returns."""
+    expert_output: Terms = Terms()
+    """MoE, the largest routed computation (`Routing.busiest` rows): its backward starts with its
+    rows of the layer's output gradient (index_select), their product with the routing weights (the
+    gradient of the w2 output) and with the w2 output (for the routing weights' gradient), each in
+    the dtype of the weighted output (the stream's: the fp32 routing weight promotes it under
+    autocast)..."""
+    expert_output_freed: Terms = Terms()
+    """...when the weighted output, saved by index_add_, is freed (from then on)."""
+    expert_hidden: Terms = Terms()
+    """MoE: its SwiGLU's gradients (as mlp_new - mlp_freed for a dense MLP)."""
+    expert_accumulation: Terms = Terms()
+    """Dropless MoE: what the busiest expert holds while its slice gradients are summed into the
+    stacked weights' (ROUTED_WEIGHT_GRAD_COPIES): the gradient of its w2 input."""
+    expert_input_grad: Terms = Terms()
+    """MoE: the layer input's gradient, summed over the shared experts', the routed experts' (each
+    dropless expert's index_select backward a full-size scatter of its rows) and the router's."""
