@@ -71,11 +71,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainfit.config.schema import ModelConfig
-from trainfit.models.architecture import describe, kind_of_layers, layer_kinds
+from trainfit.models.architecture import kind_of_layers, layer_kinds
 from trainfit.models.block_spec import block_linears
 from trainfit.models.checkpoint_policy import POLICIES
 from trainfit.parallel.layout import AXES, Layout
 from trainfit.parallel.stage_split import checkpointed
+from trainfit.parallel.tp_sites import TpSite, block_sites, root_sites
 
 Technique = Literal["ddp", "zero1", "fsdp", "tp", "cp", "ep", "pp", "train"]
 Kind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p"]
@@ -192,85 +193,69 @@ TpCall = tuple[Kind, str, str, tuple[str, ...]]
 """(kind, tensor, site, the GEMMs it overlaps under async TP)."""
 
 
-def _tp_block(model: ModelConfig, sp: bool) -> tuple[list[TpCall], list[TpCall]]:
-    """One block's tensor-parallel calls in forward order, and the backward ones. With sequence
-    parallelism a column group's input all-gather feeds its column GEMMs (and its backward
-    reduce-scatter follows their input gradients), a row output's reduce-scatter follows its GEMM
-    (its backward all-gather feeds that GEMM's input gradient): async TP's pairs."""
-    linears = block_linears(model)
-    rows = [linear for linear in linears if linear.tp == "row"]
-    groups = list(dict.fromkeys(linear.path.split(".")[0] for linear in linears if linear.tp == "column"))
-    fwd: list[TpCall] = []
-    bwd: list[TpCall] = []
-    for group in groups:  # forward order: each group's input, then its row-parallel output
-        columns = tuple(linear.name for linear in linears if linear.tp == "column" and linear.path.startswith(group))
-        if sp:
-            fwd.append(("all_gather", "stream", f"{group} input", columns))
-        bwd.append(("reduce_scatter" if sp else "all_reduce", "stream", f"{group} input", columns if sp else ()))
-        for row in rows:
-            if row.path.startswith(group + "."):
-                fwd.append(("reduce_scatter" if sp else "all_reduce", "row_output", f"{row.path} output",
-                            (row.name,) if sp else ()))
-                if sp:
-                    bwd.append(("all_gather", "row_output", f"{row.path} output", (row.name,)))
-    if model.num_experts and sp:  # the replicated MoE: its input gathered, its output sliced
-        fwd.append(("all_gather", "stream", "feed_forward input", ()))
-        bwd.append(("all_gather", "stream", "feed_forward output", ()))
-    return fwd, bwd
+def _moves(sites: list[TpSite], phase: str) -> list[TpCall]:
+    return [(m.kind, m.tensor, m.site, m.overlaps) for site in sites for m in site.moves if m.phase == phase
+            for _ in range(m.count)]
 
 
 def _tp(model: ModelConfig, layout: Layout, layers: int, wrapped: int) -> list[CollectiveCall]:
+    """Tensor parallelism's calls, from parallel/tp_sites.py's sites: a block's on each of the rank's blocks,
+    a checkpointed block's forward ones again in its recomputation, the ends' on their stage."""
     sp = layout.sequence_parallel
     output = 1  # the busiest stage is the last: the output projection and the loss ...
     embedding = int(layout.pp == 1)  # ... and the embedding when there is one stage
-    fwd, bwd = _tp_block(model, sp)
+    block, root = block_sites(model, sp), root_sites(model, sp)
+    fwd, bwd = _moves(block, "forward"), _moves(block, "backward")
     rerun = fwd[:-1] if block_linears(model)[-1].tp == "row" else fwd  # a trailing reduction ends the block
     if POLICIES[layout.activation_checkpointing].keeps("tp_reduction"):
         rerun = [call for call in rerun if call[0] == "all_gather"]
-    reduce = "reduce_scatter" if sp else "all_reduce"
-    head = ("output",) if sp else ()
+    on_stage = {"first": embedding, "last": output}
+
+    def ends(phase: str, where: str) -> list[tuple[Kind, Phase, str, str, int, tuple[str, ...]]]:
+        """The root sites' moves at `where` (a Move.site), on the stage that holds them."""
+        return [(m.kind, m.phase, m.tensor, m.site, on_stage[site.stage] * m.count, m.overlaps)
+                for site in root for m in site.moves if m.phase == phase and m.site == where]
+
     calls: list[tuple[Kind, Phase, str, str, int, tuple[str, ...]]] = [
-        ("all_reduce", "forward", "loss_stats", "loss_parallel's statistics", 3 * output, ()),
+        *ends("forward", "loss_parallel's statistics"),
         *[(kind, "forward", tensor, site, layers, gemms) for kind, tensor, site, gemms in fwd if kind == "all_gather"],
-        ("all_gather", "forward", "stream", "output input", output * sp, head),
+        *ends("forward", "output input"),
         *[(kind, "forward", tensor, site, layers, gemms) for kind, tensor, site, gemms in fwd if kind != "all_gather"],
-        (reduce, "forward", "stream", "tok_embeddings output", embedding, ()),
+        *ends("forward", "tok_embeddings output"),
         *[(kind, "backward", tensor, site, layers, gemms) for kind, tensor, site, gemms in bwd
           if tensor == "row_output"],
         *[(kind, "backward", tensor, site, layers, gemms) for kind, tensor, site, gemms in bwd
           if kind == "all_gather" and tensor == "stream"],
-        ("all_gather", "backward", "stream", "tok_embeddings output", embedding * sp, ()),
+        *ends("backward", "tok_embeddings output"),
         *[(kind, "backward", tensor, f"{site} (recomputed)", wrapped, gemms) for kind, tensor, site, gemms in rerun
           if kind == "all_gather"],
         *[(kind, "backward", tensor, site, layers, gemms) for kind, tensor, site, gemms in bwd
           if kind != "all_gather" and tensor == "stream"],
-        (reduce, "backward", "stream", "output input", output, head),
+        *ends("backward", "output input"),
         *[(kind, "backward", tensor, f"{site} (recomputed)", wrapped, gemms) for kind, tensor, site, gemms in rerun
           if kind != "all_gather"],
-        ("all_gather", "backward", "positions", "pos_embeddings output",
-         embedding * sp * describe(model).learned_positions, ()),
+        *ends("backward", "pos_embeddings output"),
     ]
     out = [CollectiveCall("tp", kind, ("tp",), tensor, site, phase, count, overlaps=gemms)
            for kind, phase, tensor, site, count, gemms in calls]
-    return out + _partial_gains(model, layout, layers, output)
+    return out + _partial_gains(layout, block, root, layers, on_stage)
 
 
-def _partial_gains(model: ModelConfig, layout: Layout, layers: int, output: int) -> list[CollectiveCall]:
-    """The gains whose gradient each tp rank holds a partial sum of, one all-reduce per tensor: under
-    sequence parallelism the norms' (gain and bias, dim elements each: each rank normed its tokens; two
-    per layer, four when sandwiched),
-    with QK-norm its two gains (head_dim: each rank normed its heads). FSDP2 reduces them in every
-    backward, before its reduce-scatter; otherwise they stay partial through accumulation and are
-    reduced once, where the step first reads them (clipping's norm)."""
-    layer = describe(model).block
-    per_norm = layer.norm.params(model.dim) // model.dim  # tensors of dim elements in one norm
-    dims = (layer.stream_norms * layers + output) * per_norm if layout.sequence_parallel else 0
-    heads = 2 * layers if layer.attention.qk_norm else 0  # per head (whole: refused under tp)
+def _partial_gains(layout: Layout, block: list[TpSite], root: list[TpSite], layers: int, on_stage: dict[str, int]
+                   ) -> list[CollectiveCall]:
+    """The gains whose gradient each tp rank holds a partial sum of (tp_sites.TpSite.partial_gains), one
+    all-reduce per tensor. FSDP2 reduces them in every backward, before its reduce-scatter; otherwise they
+    stay partial through accumulation and are reduced once, where the step first reads them (clipping's
+    norm)."""
+    def tensors(gain: str) -> int:
+        return sum(s.partial_gains for s in block if s.gain_tensor == gain) * layers + \
+            sum(s.partial_gains * on_stage[s.stage] for s in root if s.gain_tensor == gain)
+
     fsdp = layout.data_parallel == "fsdp"
     phase: Phase = "backward" if fsdp else "step"
     return [CollectiveCall("tp", "all_reduce", ("tp",), tensor, site, phase, count, per_microbatch=fsdp)
-            for tensor, site, count in (("norm_gain", "norm gains", dims), ("qk_norm_gain", "QK-norm gains", heads))
-            if count]
+            for tensor, site in (("norm_gain", "norm gains"), ("qk_norm_gain", "QK-norm gains"))
+            for count in [tensors(tensor)] if count]
 
 
 def _train(model: ModelConfig, layout: Layout) -> list[CollectiveCall]:

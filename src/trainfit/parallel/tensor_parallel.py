@@ -1,5 +1,6 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism (Korthikanti et
-al. 2022) as DTensor `parallelize_module` plans, one per model family, on the mesh's tp axis.
+al. 2022) as DTensor `parallelize_module` plans on the mesh's tp axis, built from parallel/tp_sites.py's
+description of every module it touches (which parallel/collectives.py prices from too).
 
 Per block:
 - attention: wq, wk, wv column-parallel (each rank computes whole heads: its slice of the query
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -47,8 +48,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from trainfit.config.schema import ModelConfig
-from trainfit.models.architecture import describe, kind_of_layers, layer_kinds
-from trainfit.models.block_spec import tp_split_linears
+from trainfit.models.architecture import kind_of_layers, layer_kinds
+from trainfit.parallel.tp_sites import TpSite, block_sites, root_sites
 
 
 def _between_blocks(sequence_parallel: bool) -> Shard | Replicate:
@@ -56,59 +57,48 @@ def _between_blocks(sequence_parallel: bool) -> Shard | Replicate:
     return Shard(1) if sequence_parallel else Replicate()
 
 
+def _style(site: TpSite, sequence_parallel: bool, inputs: int = 1) -> ParallelStyle:
+    """The torch style that lays `site` out (parallel/tp_sites.py says what each costs); `inputs`: the
+    positional inputs of a branch (llama's attention: x, cos, sin; gpt2's: x)."""
+    stream, rest = _between_blocks(sequence_parallel), [None] * (inputs - 1)
+    styles: dict[str, Callable[[], ParallelStyle]] = {
+        "colwise": ColwiseParallel,
+        "rowwise": lambda: RowwiseParallel(output_layouts=stream),
+        # one replicated DTensor for all of a branch's column-parallel projections (all-gathered first
+        # under SP): backward sums their partial input gradients locally and reduces once
+        "branch_input": lambda: PrepareModuleInput(input_layouts=(stream, *rest),
+                                                   desired_input_layouts=(Replicate(), *rest)),
+        "replicated_moe": lambda: PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),)),
+        "stream_norm": SequenceParallel,
+        # after a branch, whose output joins the residual stream (a local tensor): it leaves as one
+        "branch_norm": lambda: SequenceParallel(use_local_output=True),
+        # QK-norm on the rank's heads of [B, T, H, K] (dim 2 sharded, K whole)
+        "head_norm": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
+        "embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        # GPT-2's learned positions [T, D], added to the sequence-sharded token embeddings: each rank
+        # keeps the rows of its own positions (a slice; the backward all-gathers)
+        "positions": lambda: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0)),
+        # the logits left sharded over the vocabulary into loss_parallel's cross-entropy
+        "output": lambda: ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),
+    }
+    return styles[site.style]()
+
+
 def block_plan(cfg: ModelConfig, block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """The plan of one transformer block (llama dense or MoE, gpt2) of a model whose layers are all of its
-    kind (`cfg`: architecture.layer_kinds), keyed by submodule name: each linear as models/block_spec.py
-    splits it (the estimators read the same list)."""
-    stream = _between_blocks(sequence_parallel)
-    attention_inputs = len(_forward_inputs(block.attention))  # llama: (x, cos, sin); gpt2: (x,)
-    plan: dict[str, ParallelStyle] = {
-        linear.path: ColwiseParallel() if linear.tp == "column" else RowwiseParallel(output_layouts=stream)
-        for linear in tp_split_linears(cfg)}
-    layer = describe(cfg).block
-    if sequence_parallel:  # the norms on the stream: before the branches, or after them (whose output
-        # joins the residual stream, a local tensor, so it leaves as one), or both (sandwich)
-        if layer.norm_placement != "post":
-            plan.update(attention_norm=SequenceParallel(), ffn_norm=SequenceParallel())
-        if layer.norm_placement != "pre":
-            plan.update(attention_post_norm=SequenceParallel(use_local_output=True),
-                        ffn_post_norm=SequenceParallel(use_local_output=True))
-    if layer.attention.qk_norm:
-        # QK-norm runs on the rank's heads of [B, T, H, K] (dim 2 sharded, K whole): its gain is a
-        # replicated DTensor whose gradient, a partial sum over each rank's heads, DTensor sums over tp.
-        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    # The attention's and the MLP's input becomes one replicated DTensor for all of their
-    # column-parallel projections (all-gathered first under SP): backward then sums their partial
-    # input gradients locally and reduces once, not once per projection.
-    plan["attention"] = PrepareModuleInput(
-        input_layouts=(stream, *[None] * (attention_inputs - 1)),
-        desired_input_layouts=(Replicate(), *[None] * (attention_inputs - 1)))
-    if cfg.num_experts:  # MoE: replicated, on the whole sequence (module docstring)
-        if sequence_parallel:
-            plan["feed_forward"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),))
-        return plan
-    plan["feed_forward"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
-    return plan
+    kind (`cfg`: architecture.layer_kinds), keyed by submodule name: parallel/tp_sites.block_sites, each
+    linear as models/block_spec.py splits it (the estimators read the same sites)."""
+    inputs = len(_forward_inputs(block.attention))
+    return {site.path: _style(site, sequence_parallel, inputs if site.path == "attention" else 1)
+            for site in block_sites(cfg, sequence_parallel)}
 
 
 def root_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Embeddings, final norm and output projection (whichever this model or pipeline stage has)."""
-    stream = _between_blocks(sequence_parallel)
-    plan: dict[str, ParallelStyle] = {}
-    if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
-    if getattr(model, "pos_embeddings", None) is not None and sequence_parallel:
-        # GPT-2's learned positions [T, D] are added to the sequence-sharded token embeddings:
-        # each rank keeps the rows of its own positions (a slice; the backward all-gathers).
-        plan["pos_embeddings"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
-    if model.norm is not None and sequence_parallel:
-        plan["norm"] = SequenceParallel()
-    if model.output is not None:
-        plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
-    return plan
+    return {site.path: _style(site, sequence_parallel) for site in root_sites(model.cfg, sequence_parallel)
+            if site.style != "loss" and getattr(model, site.path, None) is not None}
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
