@@ -57,7 +57,7 @@ def test_targets_name_block_linears(preset: str, targets: str, names: list[str])
     (("--peft.rank=0",), "peft.rank=0: must be >= 1"),
     (("--peft.alpha=0",), "peft.alpha=0.0: must be > 0"),
     (("--peft.dropout=1",), "peft.dropout=1.0: must be in [0, 1)"),
-    (("--peft.targets=q,gate_proj",), "'gate_proj' is no linear of a llama block"),
+    (("--peft.targets=q,gate_proj",), "'gate_proj' is no linear of a block of this model"),
     (("--model.preset=debug-moe", "--peft.targets=mlp", "--peft.method=dora"), "DoRA's magnitude on routed experts"),
     (("--model.init_from=/nonexistent",), "model.init_from='/nonexistent': must be a folder holding config.json"),
 ])
@@ -321,3 +321,15 @@ def test_dropout_keeps_a_bool_mask_on_cuda_and_a_noise_tensor_on_the_cpu() -> No
     cpu, cuda = (adapter_terms(cfg.model, ActDtypes(4, 4, False, dropout_noise=noise), adaptation)
                  for noise in (True, False))
     assert cpu.gathered - cuda.gathered == 2 * (4 - 1) * cfg.model.dim
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "up,down"])
+def test_gpt2_adapters_are_refused_in_peft_format_naming_why(targets: str) -> None:
+    """GPT-2's checkpoint fuses q, k and v into c_attn and stores its Conv1D weights transposed, so PEFT
+    lays its adapters out otherwise: the export names the linear and the merged export as the fix."""
+    from trainfit.peft.export import adapter_tensors
+
+    cfg = load_config(None, ["--model.preset=debug-gpt2", "--peft.method=lora", f"--peft.targets={targets}"])
+    model = materialize(apply_adapters(build_model(cfg.model), cfg.model, cfg.peft), "cpu", 0)
+    with pytest.raises(ConfigError, match="stored fused with other linears or transposed.*--merge"):
+        adapter_tensors(model, cfg.model, cfg.peft)

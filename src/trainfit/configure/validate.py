@@ -80,15 +80,15 @@ def _validate_model(m: ModelConfig) -> None:
                                  ("sliding_window_pattern", m.sliding_window_pattern, 0),
                                  ("rope_local_theta", m.rope_local_theta, 0.0),
                                  ("attention_softcap", m.attention_softcap, 0.0),
-                                 ("final_softcap", m.final_softcap, 0.0)):
+                                 ("final_softcap", m.final_softcap, 0.0),
+                                 ("num_experts", m.num_experts, 0),  # its MLP is dense
+                                 ("rope_scaling_factor", m.rope_scaling_factor, 0.0)):  # learned positions
             if value != fix:
                 raise field_error(f"model.{name}", value, f"model.family=gpt2 does not have it: set it to {fix}")
     if attention.rope and attention.head_dim % 2:
         raise field_error("model.head_dim" if m.head_dim else "model.num_heads", m.head_dim or m.num_heads,
                           f"the head width {attention.head_dim} must be even for RoPE")
     if m.num_experts:
-        if m.family != "llama":  # GPT-2's module tree (models/gpt2.py) has a dense MLP only
-            raise field_error("model.num_experts", m.num_experts, "MoE is supported for family=llama only")
         if not 1 <= m.experts_per_token <= m.num_experts:
             raise field_error("model.experts_per_token", m.experts_per_token,
                   f"must be between 1 and model.num_experts={m.num_experts}")
@@ -121,8 +121,6 @@ def _validate_rope_scaling(m: ModelConfig) -> None:
                           "must be 0 (plain RoPE) or >= 1 (Llama 3.1 scaling; its factor is 8)")
     if m.rope_scaling_type == "linear":
         return
-    if m.family != "llama":  # GPT-2 has learned positions, no RoPE
-        raise field_error("model.rope_scaling_factor", m.rope_scaling_factor, "RoPE is the llama family's; set it to 0")
     if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
         raise field_error("model.rope_high_freq_factor", m.rope_high_freq_factor,
                           f"must be above model.rope_low_freq_factor={m.rope_low_freq_factor} > 0 (Llama 3.1: 4 and 1)")

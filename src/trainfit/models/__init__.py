@@ -26,6 +26,7 @@ def build_model(cfg: ModelConfig) -> nn.Module:
 
     cfg = resolve_model_config(dataclasses.replace(cfg))
     with torch.device("meta"):
+        # model.family picks the module tree (one of the few places it is read: docs/contributing/adding.md)
         if cfg.family == "llama":
             from trainfit.models.llama import Transformer
 

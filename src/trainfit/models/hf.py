@@ -384,12 +384,18 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """A config.json that transformers loads for `cfg`: as model.hf_model_type when set (the type it
     was read from), else the simplest llama-family type with its features (llama, qwen2 when qkv_bias,
     qwen3 with QK-norm, mixtral or qwen3_moe with experts), or gpt2."""
-    if cfg.family == "gpt2":  # GPT-2's config.json is a schema of its own (n_embd, n_layer, ...)
-        return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=cfg.dim,
-                    n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.ffn_dim,
-                    vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, layer_norm_epsilon=cfg.norm_eps,
-                    activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                    tie_word_embeddings=cfg.tie_embeddings, torch_dtype=dtype)
+    return _schema(cfg).config(cfg, dtype)
+
+
+def _gpt2_config_dict(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
+    return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=cfg.dim,
+                n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.ffn_dim,
+                vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, layer_norm_epsilon=cfg.norm_eps,
+                activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                tie_word_embeddings=cfg.tie_embeddings, torch_dtype=dtype)
+
+
+def _llama_config_dict(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     model_type = _llama_model_type(cfg)
     kind = LLAMA_LIKE_TYPES[model_type]
     out = dict(architectures=[kind.architecture], model_type=model_type, hidden_size=cfg.dim,
@@ -523,8 +529,7 @@ def hf_names(cfg: ModelConfig) -> dict[str, str]:
 
 
 def _groups(cfg: ModelConfig) -> list[_Group]:
-    # GPT-2's checkpoint names and lays out its weights its own way (Conv1D's [in, out], one c_attn)
-    return _gpt2_groups(cfg) if cfg.family == "gpt2" else _llama_groups(cfg)
+    return _schema(cfg).groups(cfg)
 
 
 def _llama_groups(cfg: ModelConfig) -> list[_Group]:
@@ -655,8 +660,8 @@ def load_hf_weights(model: nn.Module, cfg: ModelConfig, path: str | Path) -> Non
     theirs: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(Path(path)):
         theirs.update(load_file(file))
-    if cfg.family == "gpt2":  # hub files omit GPT2LMHeadModel's "transformer." prefix, save_pretrained writes it
-        theirs = {name.removeprefix("transformer."): t for name, t in theirs.items()}
+    prefix = _schema(cfg).prefix  # hub files omit it, save_pretrained writes it
+    theirs = {name.removeprefix(prefix): t for name, t in theirs.items()}
     theirs = _text_model_tensors(theirs, path)
     groups = _groups(cfg)
     tied_output = {"output.weight"} if cfg.tie_embeddings else set()
@@ -720,7 +725,7 @@ def save_hf_weights(model: nn.Module, cfg: ModelConfig, out_dir: str | Path) -> 
     out.mkdir(parents=True, exist_ok=True)
     params = {name: p for name, p in model.named_parameters(remove_duplicate=False)
               if not name.rsplit(".", 1)[-1].startswith("lora_")}  # adapters: merged in first, or exported apart
-    prefix = "transformer." if cfg.family == "gpt2" else ""  # what from_pretrained's GPT2LMHeadModel names
+    prefix = _schema(cfg).prefix  # what from_pretrained's class names its body
     tensors = {}
     for group in _groups(cfg):
         values = group.to_theirs([params[n].detach() for n in group.ours])
@@ -728,3 +733,28 @@ def save_hf_weights(model: nn.Module, cfg: ModelConfig, out_dir: str | Path) -> 
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     dtype = str(params["tok_embeddings.weight"].dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype), indent=2) + "\n")
+
+
+@dataclass(frozen=True)
+class _Schema:
+    """How a module tree's config and weights are written in a checkpoint."""
+
+    config: Callable[[ModelConfig, str], dict[str, Any]]
+    """config.json for the model (and the dtype its weights are saved in)."""
+    groups: Callable[[ModelConfig], list[_Group]]
+    """Our parameters and the checkpoint's tensors they are."""
+    prefix: str = ""
+    """What from_pretrained's class puts before the body's tensor names."""
+
+
+_SCHEMAS = {
+    "llama": _Schema(_llama_config_dict, _llama_groups),
+    # GPT-2's config.json (n_embd, n_layer, ...) and checkpoint (Conv1D's [in, out], one c_attn, the
+    # "transformer." body) are schemas of their own
+    "gpt2": _Schema(_gpt2_config_dict, _gpt2_groups, prefix="transformer."),
+}
+
+
+def _schema(cfg: ModelConfig) -> _Schema:
+    """The checkpoint schema of the module tree model.family picks (models/__init__.build_model)."""
+    return _SCHEMAS[cfg.family]

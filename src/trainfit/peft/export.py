@@ -24,18 +24,20 @@ MODULES_TO_SAVE = {"tok_embeddings.weight": "embed_tokens", "output.weight": "lm
 
 def adapter_tensors(model: nn.Module, cfg: ModelConfig, peft: PeftConfig) -> dict[str, torch.Tensor]:
     """The adapters (and fully trained modules) of a plain adapted model, named as PEFT saves them."""
-    if cfg.family != "llama" or cfg.num_experts:  # PEFT's GPT-2 names its fused c_attn; experts are stacked here
-        raise ConfigError(f"model.family={cfg.family!r}{' (MoE)' if cfg.num_experts else ''}: adapters export in "
-                          "PEFT's format for dense llama-family models; export them merged (trainfit export --merge), "
-                          "which folds every adapter, routed experts' too, into the base's weights")
+    if cfg.num_experts:  # the routed experts are stacked here, one linear per expert in the checkpoint
+        raise ConfigError(f"model.num_experts={cfg.num_experts}: adapters export in PEFT's format for dense models; "
+                          "export them merged (trainfit export --merge), which folds every adapter, routed experts' "
+                          "too, into the base's weights")
     names = hf_names(cfg)
     out: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
-            if f"{name}.weight" not in names:  # Phi-3's fused qkv_proj / gate_up_proj hold several of ours
-                raise ConfigError(f"model.hf_model_type={cfg.hf_model_type!r}: {name} is stored fused with other "
-                                  "linears in its checkpoint, where PEFT puts one adapter on the fused weight; "
-                                  "export the adapters merged (trainfit export --merge)")
+            # Phi-3's fused qkv_proj / gate_up_proj hold several of ours; GPT-2's c_attn too, and its Conv1D
+            # weights are stored transposed
+            if f"{name}.weight" not in names:
+                raise ConfigError(f"model.hf_model_type={cfg.hf_model_type or cfg.family!r}: {name} is stored fused "
+                                  "with other linears or transposed in its checkpoint, where PEFT lays an adapter "
+                                  "out otherwise; export the adapters merged (trainfit export --merge)")
             theirs = PEFT_PREFIX + names[f"{name}.weight"].removesuffix(".weight")
             out[f"{theirs}.lora_A.weight"] = module.lora_a.detach()
             out[f"{theirs}.lora_B.weight"] = module.lora_b.detach()

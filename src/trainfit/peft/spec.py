@@ -15,19 +15,21 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from trainfit.config import ConfigError, ModelConfig, PeftConfig
+from trainfit.models.architecture import describe
 from trainfit.models.block_spec import BlockLinear, block_linears
 
-TARGETS: dict[str, dict[str, str]] = {  # on an MoE block, gate/up/down adapt routed and shared experts
-    "llama": {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w1", "up": "w3", "down": "w2"},
-    "gpt2": {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "up": "w1", "down": "w2"},
+TARGETS: dict[bool, dict[str, str]] = {  # on an MoE block, gate/up/down adapt routed and shared experts
+    True: {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w1", "up": "w3", "down": "w2"},
+    False: {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "up": "w1", "down": "w2"},
 }
-"""PEFT's target names (q_proj, gate_proj, ...) -> the block linears' short names, per family."""
+"""PEFT's target names (q_proj, gate_proj, ...) -> the block linears' short names, for a gated MLP (a gate
+w1 beside the up projection w3) and an ungated one (GPT-2's: up w1, down w2)."""
 GROUPS: dict[str, tuple[str, ...]] = {
     "attention": ("q", "k", "v", "o"),
     "mlp": ("gate", "up", "down"),
     "all-linear": ("q", "k", "v", "o", "gate", "up", "down"),
 }
-"""Target groups; a group takes the members the family has (GPT-2 has no gate)."""
+"""Target groups; a group takes the members the block has (GPT-2 has no gate)."""
 ADAPTER_SUFFIXES = ("lora_a", "lora_b", "lora_magnitude")
 """Names of the adapter parameters on an adapted linear (peft/adapters.py registers them)."""
 
@@ -135,18 +137,19 @@ def enabled(peft: PeftConfig) -> bool:
 def target_names(model: ModelConfig, peft: PeftConfig) -> list[str]:
     """The block linears' short names peft.targets adapts (in block order), or a ConfigError naming the
     field, the value and the fix."""
-    family = TARGETS[model.family or "llama"]  # PEFT names GPT-2's fused c_attn and its MLP its own way
+    # the feed-forward's gate beside its up projection (SwiGLU, GeGLU, the routed experts'), or none (GPT-2)
+    ours = TARGETS[all(layer.mlp is None or layer.mlp.gated for layer in describe(model).layers)]
     wanted: list[str] = []
     for target in peft.targets:
         if target in GROUPS:
-            wanted += [t for t in GROUPS[target] if t in family]
-        elif target in family:
+            wanted += [t for t in GROUPS[target] if t in ours]
+        elif target in ours:
             wanted.append(target)
         else:
-            known = ", ".join([*family, *GROUPS])
+            known = ", ".join([*ours, *GROUPS])
             raise ConfigError(f"peft.targets={','.join(peft.targets)!r}: {target!r} is no linear of a "
-                              f"{model.family} block; use some of {known}")
-    names = {family[t] for t in wanted}
+                              f"block of this model; use some of {known}")
+    names = {ours[t] for t in wanted}
     chosen = [linear for linear in block_linears(model) if base_name(linear.name) in names]
     if peft.method == "dora" and any(linear.routed for linear in chosen):
         raise ConfigError(f"peft.targets={','.join(peft.targets)!r}: DoRA's magnitude on routed experts is not "
