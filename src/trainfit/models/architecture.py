@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -210,7 +211,7 @@ class Architecture:
     final_softcap: float = 0.0
     """The logits l become c tanh(l / c) (Gemma 2; 0: none)."""
 
-    @property
+    @functools.cached_property
     def block(self) -> Layer:
         """The layer whose tensors every layer has (module docstring): the layer itself when all are alike;
         when they differ only in their attention's span (window, RoPE base and scaling), that layer with
@@ -218,16 +219,16 @@ class Architecture:
         first = self.layers[0]
         if all(layer == first for layer in self.layers[1:]):
             return first
-        unspanned = {_unspanned(layer) for layer in self.layers}
+        unspanned = {_unspanned(layer) for layer in set(self.layers)}
         if len(unspanned) > 1:
             raise ValueError("the model's layers differ in their tensors; read Architecture.layers one by one")
         return unspanned.pop()
 
-    @property
+    @functools.cached_property
     def attention(self) -> Attention:
         """The attention every layer has: its span unset (None) where the layers' spans differ; a ValueError
         where its tensors differ."""
-        kinds = {_unspanned(layer).attention for layer in self.layers}
+        kinds = {_unspanned(layer).attention for layer in set(self.layers)}  # (cached: the planner asks often)
         if len(kinds) > 1:
             raise ValueError("the model's attention layers differ in their tensors; read Architecture.layers")
         return self.layers[0].attention if len(set(la.attention for la in self.layers)) == 1 else kinds.pop()
@@ -256,9 +257,19 @@ def _unspanned(layer: Layer) -> Layer:
                                                                     rope_scaled=None))
 
 
+_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(ModelConfig)))
+"""A ModelConfig's field values, in order (scalars and tuples): the key of the caches below, as
+ModelConfig itself is mutable. dataclasses.astuple would deep-copy them, some 15 times slower, which the
+planner's hot path felt (it describes each candidate's model many times)."""
+
+
+def _key(m: ModelConfig) -> tuple:
+    return _FIELDS(m)
+
+
 def describe(m: ModelConfig) -> Architecture:
     """The architecture of a resolved ModelConfig (every field set; see presets.resolve_model_config)."""
-    return _describe(dataclasses.astuple(m))
+    return _describe(_key(m))
 
 
 @functools.lru_cache(maxsize=256)
@@ -311,12 +322,12 @@ def layer_kinds(m: ModelConfig) -> tuple[ModelConfig, ...]:
     layers are alike, or differ only in their span, is its one kind. What prices one block (its
     parameters, activations, FLOPs, tensor-parallel plan) reads a kind; what prices a stage sums its
     blocks' kinds (`kind_of_layers`)."""
-    return _layer_kinds(dataclasses.astuple(m))[0]
+    return _layer_kinds(_key(m))[0]
 
 
 def kind_of_layers(m: ModelConfig) -> tuple[int, ...]:
     """Each layer's index into layer_kinds(m)."""
-    return _layer_kinds(dataclasses.astuple(m))[1]
+    return _layer_kinds(_key(m))[1]
 
 
 @functools.lru_cache(maxsize=256)
