@@ -259,8 +259,8 @@ def _unspanned(layer: Layer) -> Layer:
 
 _FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(ModelConfig)))
 """A ModelConfig's field values, in order (scalars and tuples): the key of the caches below, as
-ModelConfig itself is mutable. dataclasses.astuple would deep-copy them, some 15 times slower, which the
-planner's hot path felt (it describes each candidate's model many times)."""
+ModelConfig itself is mutable. Shallow: dataclasses.astuple would deep-copy them, on the planner's hot
+path (it describes each candidate's model many times)."""
 
 
 def _key(m: ModelConfig) -> tuple:
