@@ -2,7 +2,8 @@
 
     python benchmarks/plan_speed.py
 
-Targets (issue 15): llama3.1-405b on 16,384 H100s under 2 s; llama3-8b on 8 H100s under 0.5 s.
+Targets (issue 15): llama3.1-405b on 16,384 H100s under 2 s; llama3-8b on 8 H100s under 0.5 s. An MoE model
+with dense layers among its MoE ones is timed beside the same model whose layers are all MoE.
 The in-process search time and the search's counts come from `--json`.
 """
 
@@ -25,6 +26,11 @@ CASES = {
     "llama3.1-405b, 16,384 x H100": (["--model.preset=llama3.1-405b", "--hardware.gpu=H100-SXM-80GB",
                                       "--hardware.num_gpus=16384", "--training.seq_len=8192",
                                       "--training.global_batch_size=2048"], 2.0),
+    "qwen3-30b-a3b, 8 x H100": (_QWEN3_MOE := ["--model.preset=qwen3-30b-a3b", "--hardware.gpu=H100-SXM-80GB",
+                                               "--hardware.num_gpus=8", "--training.seq_len=4096",
+                                               "--training.global_batch_size=64"], None),
+    # layers that differ in their tensors: each kind of layer priced on its own
+    "qwen3-30b-a3b, first 2 layers dense": ([*_QWEN3_MOE, "--model.moe_dense_layers=2"], None),
 }
 
 

@@ -244,8 +244,9 @@ def _stage_layers(cfg: Config, virtual: int) -> tuple[int, ...]:
     p, m = cfg.parallel, cfg.model
     schedule = SCHEDULES[p.pp_schedule]
     if schedule.fixed_stages and virtual != schedule.stages_per_rank:
-        what = "one stage per rank" if schedule.single_stage else f"exactly {schedule.stages_per_rank} stages per " \
-            "rank" + (" (a V)" if schedule.v_shape else "")
+        count = {1: "one", 2: "two"}.get(schedule.stages_per_rank, str(schedule.stages_per_rank))
+        what = "one stage per rank" if schedule.single_stage else f"exactly {count} stages per rank" + (
+            " (a V)" if schedule.v_shape else "")
         fix = f"set it to {schedule.stages_per_rank} or 0" + (
             ", or use parallel.pp_schedule='interleaved-1f1b' for several" if schedule.single_stage else "")
         raise _fail("parallel.pp_virtual_stages", p.pp_virtual_stages, f"{p.pp_schedule} runs {what}", fix)

@@ -3,6 +3,8 @@ each with its RoPE, are one block of tensors whose span is read layer by layer."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -31,9 +33,9 @@ def test_gemma3s_pattern_is_five_windowed_layers_to_one_global_each_with_its_rop
 
 def test_layers_that_differ_in_their_tensors_have_no_common_block() -> None:
     arch = describe(_gemma3())
-    changed = type(arch)(**{**vars(arch), "layers": (arch.layers[0], type(arch.layers[0])(
-        arch.layers[0].attention, type(arch.layers[0].ffn)(**{**vars(arch.layers[0].ffn), "hidden": 8}),
-        arch.layers[0].norm, arch.layers[0].norm_placement))})
+    first = arch.layers[0]
+    changed = dataclasses.replace(arch, layers=(first, dataclasses.replace(first, ffn=dataclasses.replace(
+        first.ffn, hidden=8))))
     with pytest.raises(ValueError, match="differ in their tensors"):
         _ = changed.block
 
