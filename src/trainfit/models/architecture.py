@@ -263,13 +263,14 @@ ModelConfig itself is mutable. Shallow: dataclasses.astuple would deep-copy them
 path (it describes each candidate's model many times)."""
 
 
-def _key(m: ModelConfig) -> tuple:
+def config_key(m: ModelConfig) -> tuple:
+    """What a ModelConfig is, hashable: the key of every cache of what depends on the model alone."""
     return _FIELDS(m)
 
 
 def describe(m: ModelConfig) -> Architecture:
     """The architecture of a resolved ModelConfig (every field set; see presets.resolve_model_config)."""
-    return _describe(_key(m))
+    return _describe(config_key(m))
 
 
 @functools.lru_cache(maxsize=256)
@@ -322,12 +323,12 @@ def layer_kinds(m: ModelConfig) -> tuple[ModelConfig, ...]:
     layers are alike, or differ only in their span, is its one kind. What prices one block (its
     parameters, activations, FLOPs, tensor-parallel plan) reads a kind; what prices a stage sums its
     blocks' kinds (`kind_of_layers`)."""
-    return _layer_kinds(_key(m))[0]
+    return _layer_kinds(config_key(m))[0]
 
 
 def kind_of_layers(m: ModelConfig) -> tuple[int, ...]:
     """Each layer's index into layer_kinds(m)."""
-    return _layer_kinds(_key(m))[1]
+    return _layer_kinds(config_key(m))[1]
 
 
 @functools.lru_cache(maxsize=256)

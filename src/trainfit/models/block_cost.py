@@ -9,8 +9,10 @@ training and hardware FLOPs on these; parallel/stage_split.py weighs pipeline st
 
 from __future__ import annotations
 
+import functools
+
 from trainfit.config.schema import ModelConfig
-from trainfit.models.architecture import Attention, describe
+from trainfit.models.architecture import Attention, config_key, describe
 from trainfit.models.block_spec import block_linears
 
 
@@ -29,7 +31,13 @@ def block_attention_flops(m: ModelConfig, seq_len: int, *, causal: bool = True) 
     """Forward FLOPs of QK^T and AV per token in one block, the mean over the layers (Gemma's windowed and
     global layers differ); causal halves the average context, and a sliding window shorter than the
     sequence bounds it (the keys each query attends: the useful work)."""
-    layers = describe(m).layers
+    return _mean_attention_flops(config_key(m), seq_len, causal)
+
+
+@functools.lru_cache(maxsize=4096)
+def _mean_attention_flops(key: tuple, seq_len: int, causal: bool) -> int:
+    """block_attention_flops, once per config and sequence (a mean over the layers, asked per candidate)."""
+    layers = describe(ModelConfig(*key)).layers
     return round(sum(_attention_flops(la.attention, seq_len, causal) for la in layers) / len(layers))
 
 
@@ -46,6 +54,12 @@ def block_attention_kernel_flops(m: ModelConfig, seq_len: int, *, eager_softcap:
     CUDA memory-efficient) compute every query-key block and mask afterwards, the whole sequence, as
     the eager soft-capped attention does (Gemma 2, `eager_softcap`: on the CPU); FlexAttention's block mask
     (its CUDA form) skips the blocks outside the causal window: the useful work."""
+    return _attention_kernel_flops(config_key(m), seq_len, eager_softcap)
+
+
+@functools.lru_cache(maxsize=4096)
+def _attention_kernel_flops(key: tuple, seq_len: int, eager_softcap: bool) -> int:
+    m = ModelConfig(*key)
     layers = describe(m).layers
     if describe(m).attention.softcap:
         return block_attention_flops(m, seq_len, causal=not eager_softcap) if eager_softcap else \

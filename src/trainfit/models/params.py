@@ -6,10 +6,11 @@ A test builds every preset and HF family on the meta device and checks these num
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 from trainfit.config.schema import ModelConfig
-from trainfit.models.architecture import Layer, describe
+from trainfit.models.architecture import Layer, config_key, describe
 
 
 class ParamCounts(NamedTuple):
@@ -50,7 +51,13 @@ class ParamCounts(NamedTuple):
 
 
 def param_counts(m: ModelConfig) -> ParamCounts:
-    arch = describe(m)
+    return _param_counts(config_key(m))
+
+
+@functools.lru_cache(maxsize=1024)
+def _param_counts(key: tuple) -> ParamCounts:
+    """param_counts, once per config (a sum over the layers, which the planner asks for per candidate)."""
+    arch = describe(ModelConfig(*key))
     d = arch.dim
     layer = arch.layers[-1]
     moe = layer.moe

@@ -193,7 +193,7 @@ TpCall = tuple[Kind, str, str, tuple[str, ...]]
 """(kind, tensor, site, the GEMMs it overlaps under async TP)."""
 
 
-def _moves(sites: list[TpSite], phase: str) -> list[TpCall]:
+def _moves(sites: tuple[TpSite, ...], phase: str) -> list[TpCall]:
     return [(m.kind, m.tensor, m.site, m.overlaps) for site in sites for m in site.moves if m.phase == phase
             for _ in range(m.count)]
 
@@ -241,8 +241,8 @@ def _tp(model: ModelConfig, layout: Layout, layers: int, wrapped: int) -> list[C
     return out + _partial_gains(layout, block, root, layers, on_stage)
 
 
-def _partial_gains(layout: Layout, block: list[TpSite], root: list[TpSite], layers: int, on_stage: dict[str, int]
-                   ) -> list[CollectiveCall]:
+def _partial_gains(layout: Layout, block: tuple[TpSite, ...], root: tuple[TpSite, ...], layers: int,
+                   on_stage: dict[str, int]) -> list[CollectiveCall]:
     """The gains whose gradient each tp rank holds a partial sum of (tp_sites.TpSite.partial_gains), one
     all-reduce per tensor. FSDP2 reduces them in every backward, before its reduce-scatter; otherwise they
     stay partial through accumulation and are reduced once, where the step first reads them (clipping's

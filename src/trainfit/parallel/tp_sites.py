@@ -20,11 +20,12 @@ replicated gain whose gradient is a partial sum: one all-reduce per gain tensor 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
 from trainfit.config.schema import ModelConfig
-from trainfit.models.architecture import describe
+from trainfit.models.architecture import config_key, describe
 from trainfit.models.block_spec import block_linears
 
 Style = Literal["colwise", "rowwise", "branch_input", "replicated_moe", "stream_norm", "branch_norm", "head_norm",
@@ -67,9 +68,16 @@ def _reduce(sp: bool) -> Collective:
     return "reduce_scatter" if sp else "all_reduce"
 
 
-def block_sites(model: ModelConfig, sp: bool) -> list[TpSite]:
+def block_sites(model: ModelConfig, sp: bool) -> tuple[TpSite, ...]:
     """One block's sites of a model whose layers are alike (architecture.layer_kinds), in forward order:
     each column group's input and linears, then its row-parallel output; the norms; QK-norm."""
+    return _block_sites(config_key(model), sp)
+
+
+@functools.lru_cache(maxsize=1024)
+def _block_sites(key: tuple, sp: bool) -> tuple[TpSite, ...]:
+    """block_sites, once per config (the planner prices thousands of layouts of one)."""
+    model = ModelConfig(*key)
     linears = block_linears(model)
     sites: list[TpSite] = []
     groups = list(dict.fromkeys(linear.path.split(".")[0] for linear in linears if linear.tp == "column"))
@@ -102,12 +110,18 @@ def block_sites(model: ModelConfig, sp: bool) -> list[TpSite]:
     if layer.attention.qk_norm:  # on the rank's heads, whatever SP does
         sites += [TpSite(f"attention.{name}", "head_norm", partial_gains=1, gain_tensor="qk_norm_gain")
                   for name in ("q_norm", "k_norm")]
-    return sites
+    return tuple(sites)
 
 
-def root_sites(model: ModelConfig, sp: bool) -> list[TpSite]:
+def root_sites(model: ModelConfig, sp: bool) -> tuple[TpSite, ...]:
     """The sites around the blocks: the embeddings on the first stage, the final norm, the output
     projection and the loss on the last."""
+    return _root_sites(config_key(model), sp)
+
+
+@functools.lru_cache(maxsize=1024)
+def _root_sites(key: tuple, sp: bool) -> tuple[TpSite, ...]:
+    model = ModelConfig(*key)
     arch = describe(model)
     gathered = ("output",) if sp else ()
     sites = [
@@ -126,4 +140,4 @@ def root_sites(model: ModelConfig, sp: bool) -> list[TpSite]:
         if arch.learned_positions:
             sites.append(TpSite("pos_embeddings", "positions", (
                 Move("backward", "all_gather", "positions", "pos_embeddings output"),), stage="first"))
-    return sites
+    return tuple(sites)

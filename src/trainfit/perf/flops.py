@@ -151,8 +151,8 @@ def recompute_flops_per_token(m: ModelConfig, seq_len: int, policy: str, every_n
                               ep: int = 1) -> int:
     """Extra forward FLOPs per token that activation checkpointing reruns during backward."""
     kinds, of = layer_kinds(m), kind_of_layers(m)
-    wrapped = [i for i in range(m.num_layers) if checkpointed(i, every_n_layers)]
-    return sum(sum(block_recompute_flops(kinds[of[i]], seq_len, policy, ep)) for i in wrapped)
+    wrapped = [of[i] for i in range(m.num_layers) if checkpointed(i, every_n_layers)]  # their kinds
+    return sum(wrapped.count(k) * sum(block_recompute_flops(kind, seq_len, policy, ep)) for k, kind in enumerate(kinds))
 
 
 def loss_recompute_flops_per_token(m: ModelConfig, chunked_loss: bool) -> int:
