@@ -3,7 +3,7 @@
 `estimate_memory(model, layout, training, hardware, optimizer)` returns one `MemoryBreakdown` per
 pipeline stage (the figures of one rank of that stage) and the worst stage. The components are
 their values at the step's peak moment, the largest of: the end of the model's forward, the loss,
-the start of the backward, the backward of the stage's last and first block, and the optimizer
+the start of the backward, the backward of the stage's last, first and middle blocks, and the optimizer
 step (`phase_peaks` keeps the largest of each phase). tests/estimator/ checks them against measured steps of our models.
 `StageMemory` gives them rank by rank (the planner stops at the first that does not fit), each
 distinct rank once; `SharedSizes` keeps what the layouts of one model share.

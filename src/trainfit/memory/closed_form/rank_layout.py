@@ -110,6 +110,20 @@ class RankLayout(NamedTuple):
     """...and of those, the blocks the checkpointing policy wraps."""
     moment_kind: int = 0
     """The kind of the stage's last block, whose sizes the block_* fields and the step's moments read."""
+    block_order: tuple[tuple[int, bool], ...] = ()
+    """Each of the rank's blocks in model order: its kind and whether the checkpointing policy wraps it
+    (where a backward moment of a block in the middle of the stage falls: step_peak.py)."""
+
+    def of_kind(self, block: BlockParams, kind: int) -> RankLayout:
+        """The same rank with the block_* fields of a block of `kind` (sizes `block`)."""
+        return self._replace(moment_kind=kind, **_block_fields(block))
+
+
+def _block_fields(b: BlockParams) -> dict[str, int]:
+    """RankLayout's fields of one block, from its BlockParams."""
+    return dict(block=b.params, block_matmul=b.matmul, block_experts=b.experts, block_routed_adapters=b.routed_adapters,
+                block_float8=b.float8, block_no_decay=b.no_decay, mlp_out=b.mlp_out, block_nf4=b.nf4,
+                block_nf4_bytes=b.nf4_bytes)
 
 
 def _block(run: Run, counts: ParamCounts) -> BlockParams:
@@ -157,11 +171,11 @@ def rank_layout(run: Run, common: LayoutCommon, place: RankPlacement) -> RankLay
     first, last, blocks = place.first, place.last, place.blocks  # blocks: global indices, model order
     n = mem.ac_every_n_layers
     wraps = mem.activation_checkpointing != "none"
-    policy_blocks = sum(checkpointed(i, n) for i in blocks) if wraps else 0
+    order = tuple((common.kind_of[i], wraps and checkpointed(i, n)) for i in blocks)
+    policy_blocks = sum(wrapped for _, wrapped in order)
     kinds = range(len(common.kinds))
-    kind_blocks = tuple(sum(common.kind_of[i] == k for i in blocks) for k in kinds)
-    kind_policy = tuple(sum(common.kind_of[i] == k and checkpointed(i, n) for i in blocks) if wraps else 0
-                        for k in kinds)
+    kind_blocks = tuple(sum(kind == k for kind, _ in order) for k in kinds)
+    kind_policy = tuple(sum(kind == k and wrapped for kind, wrapped in order) for k in kinds)
     moment = common.kind_of[blocks[-1]] if blocks else 0
     b = common.kinds[moment].block
     summed = _added([(kind_blocks[k], common.kinds[k].block) for k in kinds])
@@ -179,13 +193,12 @@ def rank_layout(run: Run, common: LayoutCommon, place: RankPlacement) -> RankLay
         last_wrapped=policy_blocks > 0 and checkpointed(blocks[-1], n),
         first_wrapped=policy_blocks > 0 and checkpointed(blocks[0], n),
         in_flight=in_flight, head_in_flight=head_in_flight, first=first, last=last,
-        block=b.params, block_matmul=b.matmul, block_experts=b.experts, block_routed_adapters=b.routed_adapters,
-        block_float8=b.float8,
-        block_no_decay=b.no_decay, mlp_out=b.mlp_out, embedding=common.counts.embedding // mem.tp if first else 0,
+        embedding=common.counts.embedding // mem.tp if first else 0,
         head=head, output_matmul=b.vocab if last else 0, tied_here=tied_here, tensors=tensors,
         largest_tensor=max(b.vocab if (first or last) else 0, *(kind.block.largest for kind in common.kinds)),
-        trainable=trainable, block_nf4=b.nf4, block_nf4_bytes=b.nf4_bytes, summed=summed, kind_blocks=kind_blocks,
+        trainable=trainable, summed=summed, kind_blocks=kind_blocks,
         kind_policy_blocks=kind_policy, moment_kind=moment,
+        block_order=order, **_block_fields(b),
     )
 
 
@@ -223,8 +236,14 @@ class LayoutCommon(NamedTuple):
 
     def at_moment(self, lay: RankLayout) -> tuple[Run, LayoutCommon]:
         """The run and sizes the step's moments on a rank of `lay` read: its last block's kind's."""
-        kind = self.kinds[lay.moment_kind]
-        return kind.run, self._replace(counts=kind.counts, block=kind.block, micro_batch=kind.micro_batch)
+        run, common, _ = self.at_kind(lay, lay.moment_kind)
+        return run, common
+
+    def at_kind(self, lay: RankLayout, k: int) -> tuple[Run, LayoutCommon, RankLayout]:
+        """The run, sizes and rank a block of kind `k` on a rank of `lay` reads."""
+        kind = self.kinds[k]
+        common = self._replace(counts=kind.counts, block=kind.block, micro_batch=kind.micro_batch)
+        return kind.run, common, lay if k == lay.moment_kind else lay.of_kind(kind.block, k)
 
     def per_kind(self, lay: RankLayout, size: Callable[[Run, KindSizes], float], wrapped: bool | None = None) -> float:
         """A per-block size summed over the rank's blocks, each of its kind: all of them, or only those the

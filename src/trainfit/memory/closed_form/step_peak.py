@@ -1,12 +1,15 @@
 """A rank's memory at the step's peak moment (`rank_breakdown`): its model states (memory/closed_form/zero_states.py)
 plus what each moment of the step adds (the end of the forward, the loss, the backward of the stage's last and
-first block: its MLP's, its attention's, each branch's first linears'; the optimizer step): compute copies,
+first block and of the blocks between them where one can be larger, each of its own kind of layer: its MLP's,
+its attention's, each branch's first linears'; the optimizer step): compute copies,
 FSDP's gathered parameters and reduce buffers, gradients accumulated so far, the activations alive, fp8's
 backward casts; the largest moment is the peak and each phase's largest is kept. The one place that decides
 what coexists when. Torch-free."""
 
 from __future__ import annotations
 
+import collections
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -26,7 +29,7 @@ from trainfit.memory.closed_form.rank_layout import (
     first_block_saving,
 )
 from trainfit.memory.closed_form.run_shape import Run, rope_table_bytes
-from trainfit.memory.closed_form.zero_states import stage_states
+from trainfit.memory.closed_form.zero_states import StageStates, stage_states
 from trainfit.memory.margin import reserved_margin_terms
 from trainfit.models.architecture import describe
 from trainfit.models.block_spec import block_linears
@@ -123,150 +126,85 @@ class Earlier(NamedTuple):
     """FSDP's gathered blocks and reduce staging at the first block's backward."""
     head_grad: int
     """The output projection's weight and input gradients in flight (0: no such moment)."""
+    acc: bool
+    """Some backwards ran before this one (accumulation, or a pipeline's earlier micro-batches)."""
 
     def pending(self, elements: int) -> int:
         return int(self.separate * elements)
 
 
-def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[[PipelineHeld], MemoryBreakdown]:
-    """A rank's breakdown, a pure function of what the ranks share and of its own (lay, pipe), as a
-    function of what its pipeline schedule holds (pipe): ranks of one RankLayout share all the rest."""
-    st = stage_states(run, common, lay)
+class GradientHolding(NamedTuple):
+    """How a rank holds the gradients its blocks make, alike for every kind of block."""
+
+    autograd_bytes: float
+    """Bytes per element of the gradients autograd makes (the module's parameters' dtype)."""
+    per_param: float
+    """Bytes per parameter element held in `.grad` until the step (0: none beyond the buckets)."""
+    bucketed: bool
+    """Gradients are buckets that exist from the step's start (DDP's gradient_as_bucket_view, ZeRO-1)."""
+    tied_pending: int
+    """A tied weight's gradient waiting in autograd's accumulation buffer for the embedding's share."""
+
+
+class BlockSide(NamedTuple):
+    """One kind of block on a rank, as the step's backward moments read it (bytes, elements where said)."""
+
+    moments: Callable[[bool], list[BlockMoment]]
+    """What the block adds at each moment of its backward: left by the policy (False) or checkpointed (True)."""
+    saved: int
+    """What it saves for backward, unwrapped (one micro-batch)."""
+    kept: int
+    """What it keeps, checkpointed."""
+    cast: int
+    """Autocast's casts of its linears."""
+    copy: int
+    """Its compute copy as FSDP gathers it (fp8 and NF4 weights in their own bytes)."""
+    gather: int
+    """ZeRO-3's gathered copy of it in its backward (copy; 0 where nothing is gathered per block)..."""
+    prefetched: int
+    """...and of that, what exists while the block after it runs (FSDP_PREFETCH_BLOCKS)."""
+    grad_elements: int
+    """Gradient elements it makes (PEFT: its adapters')."""
+    params: int
+    """Its parameters on the rank (elements)."""
+    experts: int
+    """Of those, routed-expert weights (elements)."""
+    nf4_gathered: int
+    """QLoRA: the compute copy's bytes that NF4 saves."""
+    dequant: int
+    """QLoRA: its largest NF4 weight dequantized beside a matmul."""
+
+
+def _block_side(run: Run, common: LayoutCommon, lay: RankLayout, st: StageStates,
+                holding: GradientHolding) -> BlockSide:
+    """A block of the kind `run`, `common` and `lay` describe, on a rank whose stage states are `st`."""
     mb, prec, act, tp = common.micro_batch, st.prec, st.prec.act, run.layout.tp
     policy = run.layout.activation_checkpointing
+    autograd_bytes, per_param, bucketed, tied_pending = holding
 
     def size(terms: Terms) -> int:
         return terms.bytes(st.tokens, st.seq, tp, run.layout.sequence_parallel)
 
-    # ---- activations of one micro-batch
     routing, transient, a_none, a_policy, rebuild = mb.routing, mb.transient, mb.none, mb.policy, mb.rebuild
-    # each block's saved activations, of its own kind of layer (dense or MoE)
-    a_blocks = int(common.per_kind(lay, lambda _, k: k.micro_batch.none, wrapped=False)
-                   + common.per_kind(lay, lambda _, k: k.micro_batch.policy, wrapped=True)) + mb.positions
-    a_blocks -= first_block_saving(run, lay, prec.act)  # PEFT: nothing before the first block trains
-    chunked = run.layout.chunked_loss
-    a_final = mb.final if lay.last else 0
-    loss = mb.loss if lay.last else LossBytes(0, 0, 0, 0)
-
-    # ---- compute copies, communication and module buffers
     c = prec.compute
     cast_block = c * (lay.block_matmul - lay.block_float8 - lay.block_nf4) if act.autocast else 0
-    cast_head = c * lay.output_matmul if act.autocast else 0  # fp8-mixed: the output projection stays bf16
-    # (PEFT: autocast caches the casts of leaves that require grad only, but autograd saves a frozen
-    # weight's cast for its input's gradient: the base's casts are held as long, freed as its backward
-    # passes them; counted whole, as cached casts are)
     # FSDP2 float8 all-gather: a block's float8 weights are gathered (and kept) in fp8, 1 byte each.
     # QLoRA: a block's NF4 weights are gathered (and kept) as NF4 (peft/nf4.py).
     nf4_gathered = lay.block_nf4 * c - lay.block_nf4_bytes
     fp8_gathered = (lay.block_float8 * (c - 1) if run.layout.fp8_gathers else 0) + nf4_gathered
-    # ZeRO-2, and ZeRO-3 under a split-backward schedule (train/parallelize.py): reshard_after_forward=False
     kept_unsharded = st.fsdp and (run.layout.zero_stage == 2 or run.layout.splits_backward)
-    all_fp8_gathered = (lay.summed.float8 * (c - 1) if run.layout.fp8_gathers else 0) + lay.summed.nf4 * c - \
-        lay.summed.nf4_bytes
-    held = c * st.params - all_fp8_gathered if kept_unsharded else 0
-    # ZeRO-3: FSDP2 never reshards the root (embeddings, final norm, output); every block reshards
-    # after its forward, so blocks are gathered only while one runs (with its prefetched neighbour).
-    zero3 = st.fsdp and not kept_unsharded
-    root_gather = c * (lay.embedding + lay.head) if zero3 else 0
-    block_gather = c * lay.block - fp8_gathered if zero3 else 0
-    reduce = (FSDP_REDUCE_BYTES_MIXED if prec.mixed else prec.param) if st.fsdp else 0
-    # Context parallelism's causal masks, each sliding window's mask (one in the queries' dtype, shared by
-    # the layers of that window: models/common.window_mask), and each RoPE setting's cos/sin tables
-    persistent_buffers = context_parallel_mask_bytes(st.seq, run.layout.cp, act.compute)
-    arch = describe(run.model)
-    persistent_buffers += len(arch.masked_windows(st.seq)) * st.seq * st.seq * act.compute
-    persistent_buffers += len(arch.rope_keys) * 2 * run.model.max_seq_len * arch.attention.head_dim * \
-        rope_table_bytes(run)
-    kind = run.layout.data_parallel
-    if kind == "ddp" and not DDP_GRADIENT_AS_BUCKET_VIEW:
-        persistent_buffers += st.grads  # DDP's gradient buckets, beside the gradients
-    # (and the pipeline's receive slots, all step long; the forward and backward buffers: its sends)
-    fwd_buffers = persistent_buffers + root_gather
-    # FSDP's unsharded gradients of the root (output projection, final norm; a tied embedding's
-    # too), reduce-scattered when the backward ends; a block's own are in in_backward below.
-    root_grads = lay.head + (lay.embedding if lay.tied_here else 0)
-    bwd_buffers = persistent_buffers + root_gather + (c * root_grads if st.fsdp else 0)
-    # ZeRO-3 in a block's backward: the block gathered, and the next one prefetched unless this is
-    # the first block (the last to run); FSDP2 also holds the previous block's reduce-scatter input
-    # until it issues the next one.
-    last_comms = block_gather * (1 + FSDP_PREFETCH_BLOCKS)
+    copy = c * lay.block - fp8_gathered
     # (PEFT: the block's gradients are its adapters')
     block_grads = lay.block if run.layout.adaptation is None else adapter_params(run.model, run.layout.adaptation,
                                                                                    run.layout.ep)
-    first_comms = block_gather + (reduce * block_grads if st.fsdp and lay.blocks > 1 else 0)
-    # FSDP under a pipeline schedule: torch's stage runs every backward with gradient sync and
-    # resharding after backward off (stage.py backward_maybe_with_nosync) and reduce-scatters once,
-    # after the step's last micro-batch (perform_reduce_grad). Each unit's gradients accumulate
-    # unsharded in the reduce dtype (FSDP2's unsharded_accumulated_grad) from its first backward,
-    # and its parameters stay gathered after each backward until its next forward reshards them.
-    pp_fsdp = st.fsdp and run.layout.pp > 1
-    if pp_fsdp:
-        first_comms = c * lay.summed.params if zero3 else 0  # every block backwarded: still gathered
 
-    # ---- gradients present before this micro-batch's backward: accumulation or pipelining
-    m = run.layout.num_microbatches
-    accumulating = run.layout.grad_accum_steps > 1 if run.layout.pp == 1 else m > lay.in_flight
-    # Gradients that are buckets (DDP's gradient_as_bucket_view, ZeRO-1's buffers) exist from the
-    # step's start; autograd's gradient is moved into its bucket as soon as it is made, so nothing
-    # else of a parameter's gradient outlives its own backward.
-    bucketed = kind == "zero1" or (kind == "ddp" and DDP_GRADIENT_AS_BUCKET_VIEW)
-    # DDP accumulating: the micro-batches before the last run without gradient sync, when DDP's hook
-    # does nothing and autograd accumulates into new `.grad` tensors (set_to_none dropped the views);
-    # the last one's hook copies each into its bucket slot as the parameter's backward finishes and
-    # makes `.grad` the slot's view. Until then both exist: all of them up to the head's backward,
-    # then those of the parameters still ahead (`pending`, in elements).
-    # FSDP under a pipeline schedule: no sharded gradient exists before the step's reduce-scatter;
-    # the accumulated unsharded ones do, those of the blocks already backwarded in this micro-batch,
-    # or of all of them once a micro-batch is done: the parameters' own `.grad` (grads) when they
-    # are in the reduce dtype, else FSDP2's reduce-dtype copy (buffers, as its other staging).
-    # Bytes per element of the gradients autograd makes (the module's parameters' dtype) and of
-    # those held in `.grad` until the step (none beyond the buckets when bucketed).
-    autograd_bytes = c if st.fsdp or kind == "zero1" else st.grads / st.params if st.params else 0
-    per_param = 0 if bucketed else st.grads / st.params if st.params else 0
-    # A tied weight's gradient stays in autograd's accumulation buffer until the embedding's
-    # backward adds its share (FSDP2 reduces it as an unsharded gradient, in bwd_buffers).
-    tied_pending = int(lay.embedding * autograd_bytes) if lay.tied_here and not st.fsdp else 0
-    # Sharded gradients (FSDP) exist once reduce-scattered: the root's after the whole backward.
-    output_grads = 0 if st.fsdp or bucketed else int(root_grads * per_param) - tied_pending
-    later = st.params - lay.block - (0 if lay.tied_here else lay.embedding) - (root_grads if st.fsdp else 0)
-    if st.fsdp and st.params:
-        # The later blocks' sharded gradients: routed experts are sharded over fewer ranks (edp) than
-        # the rest, so a block holds a larger share of the rank's gradients than of its parameters.
-        shards, ep, experts = run.layout.zero_shards, run.layout.ep, lay.block_experts
-        on_shard = on_zero_shard(st.params, lay.summed.experts, shards, ep)
-        later_sharded = st.grads * on_zero_shard(later, lay.summed.experts - experts, shards, ep) // on_shard
-    else:
-        later_sharded = int(later * per_param) - tied_pending
-
-    def earlier(acc: bool, share: float) -> Earlier:
-        """The gradients of earlier backwards as one backward sees them: `acc`, some ran before it,
-        making `share` of the rank's gradients (a pipeline rank's local stages: one of them)."""
-        separate = st.grads / st.params if kind == "ddp" and bucketed and acc and st.params else 0
-        before = int(share * st.grads) if acc or bucketed else 0
-        accumulated = int(share * reduce * st.params) if pp_fsdp and acc else 0
-        staged, comms, later_grads = 0, first_comms, 0 if bucketed else later_sharded
-        if pp_fsdp:
-            before = 0 if prec.mixed else accumulated
-            staged = accumulated if prec.mixed else 0
-            if not acc and prec.mixed:
-                comms += reduce * (later + root_grads)
-            elif not acc:
-                later_grads = reduce * (later + root_grads)
-        # The output projection's weight gradient in flight: bucketed, until the bucket's hook takes
-        # it; accumulating, until autograd adds it to the `.grad` already there
-        head_grad = 0
-        if (bucketed or acc and not st.fsdp) and lay.last and not chunked:
-            # and the projection's input gradient (grad_logits @ W: [tokens, dim], the matmul's
-            # dtype), made by the same autograd node; under tensor parallelism a whole partial sum
-            head_grad = int(autograd_bytes * lay.output_matmul) + (c * lay.output_matmul if act.autocast else 0) \
-                + c * run.model.dim * st.tokens
-        return Earlier(before, separate, staged, later_grads, comms, head_grad)
     # The MLP's output matmul (w2 / fc2) has its weight gradient by the MLP's backward peak: in
     # .grad after SwiGLU's w2 (under FSDP an unsharded gradient, until the block's reduce-scatter);
     # GELU's peak is inside fc2's backward, where under autocast the 16-bit weight gradient is not
     # yet cast and accumulated. Bucketed, the peak is w2's own backward: its weight gradient, just
     # made (an activation gradient until the bucket's hook takes it), beside its input's gradient.
     w2_in_flight = ungated_mlp(run.model) and act.autocast
+
     def output_gradient(elements: int, in_flight: bool = False) -> OutputGradient:
         if in_flight:
             return OutputGradient(in_flight=c * elements)
@@ -413,9 +351,188 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
                                        - (r.freed - r.freed_kept), acts, -r.uncast))
         return moments
 
+    # ZeRO-3 (not ZeRO-2, nor ZeRO-3 under a split-backward schedule: train/parallelize.py's
+    # reshard_after_forward=False): every block reshards after its forward and is gathered again for its
+    # backward. Prefetched, its all-gathers' outputs exist before it runs, but for routed experts on one
+    # edp rank: their "all-gather" over one rank is the copy-out, made only once the block waits for it.
+    gather = copy if st.fsdp and not kept_unsharded else 0
+    whole_experts = c * lay.block_experts if gather and run.layout.zero_shards <= run.layout.ep else 0
+    computed: dict[bool, list[BlockMoment]] = {}
+
+    def moments(wrapped: bool) -> list[BlockMoment]:  # the stage's first, last and middle blocks ask alike
+        if wrapped not in computed:
+            computed[wrapped] = in_backward(wrapped)
+        return computed[wrapped]
+
+    return BlockSide(moments, a_none, a_policy, cast_block, copy, gather, gather - whole_experts, block_grads,
+                     lay.block, lay.block_experts, nf4_gathered, dequant)
+
+
+@functools.lru_cache(maxsize=1024)
+def _middle_blocks(order: tuple[tuple[int, bool], ...]) -> tuple[tuple[int, tuple[tuple[tuple[int, bool], int], ...]],
+                                                                 ...]:
+    """The stage's blocks between its first and its last whose backward moments can be the largest, each with
+    the blocks after it counted by (kind, wrapped). From one block of a kind and policy to the next of the
+    same, the held state changes by the activations of the blocks between and the gradients of those after:
+    the same amount each time where the layers repeat a pattern, so a kind's largest is at its first or its
+    last; its first two and last two are weighed, for a pattern that starts otherwise (the first k layers
+    dense). Cached: the stages of a plan's layouts repeat."""
+    positions: dict[tuple[int, bool], list[int]] = {}
+    for i in range(1, len(order) - 1):
+        positions.setdefault(order[i], []).append(i)
+    chosen = sorted({i for at in positions.values() for i in (*at[:2], *at[-2:])})
+    return tuple((i, tuple(collections.Counter(order[i + 1:]).items())) for i in chosen)
+
+
+def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[[PipelineHeld], MemoryBreakdown]:
+    """A rank's breakdown, a pure function of what the ranks share and of its own (lay, pipe), as a
+    function of what its pipeline schedule holds (pipe): ranks of one RankLayout share all the rest."""
+    st = stage_states(run, common, lay)
+    mb, prec, act = common.micro_batch, st.prec, st.prec.act
+
+    # ---- activations of one micro-batch
+    # each block's saved activations, of its own kind of layer (dense or MoE)
+    a_blocks = int(common.per_kind(lay, lambda _, k: k.micro_batch.none, wrapped=False)
+                   + common.per_kind(lay, lambda _, k: k.micro_batch.policy, wrapped=True)) + mb.positions
+    a_blocks -= first_block_saving(run, lay, prec.act)  # PEFT: nothing before the first block trains
+    chunked = run.layout.chunked_loss
+    a_final = mb.final if lay.last else 0
+    loss = mb.loss if lay.last else LossBytes(0, 0, 0, 0)
+
+    # ---- compute copies, communication and module buffers
+    c = prec.compute
+    cast_head = c * lay.output_matmul if act.autocast else 0  # fp8-mixed: the output projection stays bf16
+    # (PEFT: autocast caches the casts of leaves that require grad only, but autograd saves a frozen
+    # weight's cast for its input's gradient: the base's casts are held as long, freed as its backward
+    # passes them; counted whole, as cached casts are)
+    # ZeRO-2, and ZeRO-3 under a split-backward schedule (train/parallelize.py): reshard_after_forward=False
+    kept_unsharded = st.fsdp and (run.layout.zero_stage == 2 or run.layout.splits_backward)
+    all_fp8_gathered = (lay.summed.float8 * (c - 1) if run.layout.fp8_gathers else 0) + lay.summed.nf4 * c - \
+        lay.summed.nf4_bytes
+    held = c * st.params - all_fp8_gathered if kept_unsharded else 0
+    # ZeRO-3: FSDP2 never reshards the root (embeddings, final norm, output); every block reshards
+    # after its forward, so blocks are gathered only while one runs (with its prefetched neighbour).
+    zero3 = st.fsdp and not kept_unsharded
+    root_gather = c * (lay.embedding + lay.head) if zero3 else 0
+    reduce = (FSDP_REDUCE_BYTES_MIXED if prec.mixed else prec.param) if st.fsdp else 0
+    # Context parallelism's causal masks, each sliding window's mask (one in the queries' dtype, shared by
+    # the layers of that window: models/common.window_mask), and each RoPE setting's cos/sin tables
+    persistent_buffers = context_parallel_mask_bytes(st.seq, run.layout.cp, act.compute)
+    arch = describe(run.model)
+    persistent_buffers += len(arch.masked_windows(st.seq)) * st.seq * st.seq * act.compute
+    persistent_buffers += len(arch.rope_keys) * 2 * run.model.max_seq_len * arch.attention.head_dim * \
+        rope_table_bytes(run)
+    kind = run.layout.data_parallel
+    if kind == "ddp" and not DDP_GRADIENT_AS_BUCKET_VIEW:
+        persistent_buffers += st.grads  # DDP's gradient buckets, beside the gradients
+    # (and the pipeline's receive slots, all step long; the forward and backward buffers: its sends)
+    fwd_buffers = persistent_buffers + root_gather
+    # FSDP's unsharded gradients of the root (output projection, final norm; a tied embedding's
+    # too), reduce-scattered when the backward ends; a block's own are in its side's moments.
+    root_grads = lay.head + (lay.embedding if lay.tied_here else 0)
+    bwd_buffers = persistent_buffers + root_gather + (c * root_grads if st.fsdp else 0)
+
+    # ---- gradients present before this micro-batch's backward: accumulation or pipelining
+    m = run.layout.num_microbatches
+    accumulating = run.layout.grad_accum_steps > 1 if run.layout.pp == 1 else m > lay.in_flight
+    # Gradients that are buckets (DDP's gradient_as_bucket_view, ZeRO-1's buffers) exist from the
+    # step's start; autograd's gradient is moved into its bucket as soon as it is made, so nothing
+    # else of a parameter's gradient outlives its own backward.
+    bucketed = kind == "zero1" or (kind == "ddp" and DDP_GRADIENT_AS_BUCKET_VIEW)
+    # DDP accumulating: the micro-batches before the last run without gradient sync, when DDP's hook
+    # does nothing and autograd accumulates into new `.grad` tensors (set_to_none dropped the views);
+    # the last one's hook copies each into its bucket slot as the parameter's backward finishes and
+    # makes `.grad` the slot's view. Until then both exist: all of them up to the head's backward,
+    # then those of the parameters still ahead (`pending`, in elements).
+    # FSDP under a pipeline schedule: no sharded gradient exists before the step's reduce-scatter;
+    # the accumulated unsharded ones do, those of the blocks already backwarded in this micro-batch,
+    # or of all of them once a micro-batch is done: the parameters' own `.grad` (grads) when they
+    # are in the reduce dtype, else FSDP2's reduce-dtype copy (buffers, as its other staging).
+    # Bytes per element of the gradients autograd makes (the module's parameters' dtype) and of
+    # those held in `.grad` until the step (none beyond the buckets when bucketed).
+    autograd_bytes = c if st.fsdp or kind == "zero1" else st.grads / st.params if st.params else 0
+    per_param = 0 if bucketed else st.grads / st.params if st.params else 0
+    # A tied weight's gradient stays in autograd's accumulation buffer until the embedding's
+    # backward adds its share (FSDP2 reduces it as an unsharded gradient, in bwd_buffers).
+    tied_pending = int(lay.embedding * autograd_bytes) if lay.tied_here and not st.fsdp else 0
+    holding = GradientHolding(autograd_bytes, per_param, bucketed, tied_pending)
+
+    # ---- the blocks whose backward moments are weighed: the stage's last, its first and, where they can
+    # be larger, some between them (each sized by its own kind of layer)
+    sides: dict[int, BlockSide] = {}
+
+    def side(k: int) -> BlockSide:
+        if k not in sides:
+            sides[k] = _block_side(*common.at_kind(lay, k), st, holding)
+        return sides[k]
+
+    order = lay.block_order
+    last = side(lay.moment_kind)
+    first = side(order[0][0]) if order else last
+    # ZeRO-3 in a block's backward: the block gathered, and the next one prefetched unless this is
+    # the first block (the last to run); FSDP2 also holds the previous block's reduce-scatter input
+    # until it issues the next one.
+    def gathered(i: int) -> int:
+        """The gathered blocks at the backward of the stage's block i: its own, and the next ones to run
+        backward prefetched (the blocks before it)."""
+        return side(order[i][0]).gather + sum(side(k).prefetched for k, _ in order[max(0, i - FSDP_PREFETCH_BLOCKS):i])
+
+    last_comms = gathered(len(order) - 1) if order else 0
+    after_first = side(order[1][0]).grad_elements if len(order) > 1 else first.grad_elements
+    first_comms = first.gather + (reduce * after_first if st.fsdp and lay.blocks > 1 else 0)
+    # FSDP under a pipeline schedule: torch's stage runs every backward with gradient sync and
+    # resharding after backward off (stage.py backward_maybe_with_nosync) and reduce-scatters once,
+    # after the step's last micro-batch (perform_reduce_grad). Each unit's gradients accumulate
+    # unsharded in the reduce dtype (FSDP2's unsharded_accumulated_grad) from its first backward,
+    # and its parameters stay gathered after each backward until its next forward reshards them.
+    pp_fsdp = st.fsdp and run.layout.pp > 1
+    if pp_fsdp:
+        first_comms = c * lay.summed.params if zero3 else 0  # every block backwarded: still gathered
+
+    # Sharded gradients (FSDP) exist once reduce-scattered: the root's after the whole backward.
+    output_grads = 0 if st.fsdp or bucketed else int(root_grads * per_param) - tied_pending
+    shards, ep = run.layout.zero_shards, run.layout.ep
+    on_shard = on_zero_shard(st.params, lay.summed.experts, shards, ep) if st.fsdp and st.params else 0
+
+    def sharded_grads(params: int, experts: int) -> int:
+        """The gradients (bytes) on the rank of `params` elements backwarded (`experts` of them routed
+        experts' weights), as the step holds them: FSDP's sharded ones (routed experts are sharded over
+        fewer ranks, edp, than the rest, so a block holds a larger share of the rank's gradients than of
+        its parameters), else `.grad`."""
+        if on_shard:
+            return st.grads * on_zero_shard(params, experts, shards, ep) // on_shard
+        return int(params * per_param)
+
+    later = st.params - first.params - (0 if lay.tied_here else lay.embedding) - (root_grads if st.fsdp else 0)
+    later_sharded = sharded_grads(later, lay.summed.experts - first.experts) - (0 if on_shard else tied_pending)
+
+    def earlier(acc: bool, share: float) -> Earlier:
+        """The gradients of earlier backwards as one backward sees them: `acc`, some ran before it,
+        making `share` of the rank's gradients (a pipeline rank's local stages: one of them)."""
+        separate = st.grads / st.params if kind == "ddp" and bucketed and acc and st.params else 0
+        before = int(share * st.grads) if acc or bucketed else 0
+        accumulated = int(share * reduce * st.params) if pp_fsdp and acc else 0
+        staged, comms, later_grads = 0, first_comms, 0 if bucketed else later_sharded
+        if pp_fsdp:
+            before = 0 if prec.mixed else accumulated
+            staged = accumulated if prec.mixed else 0
+            if not acc and prec.mixed:
+                comms += reduce * (later + root_grads)
+            elif not acc:
+                later_grads = reduce * (later + root_grads)
+        # The output projection's weight gradient in flight: bucketed, until the bucket's hook takes
+        # it; accumulating, until autograd adds it to the `.grad` already there
+        head_grad = 0
+        if (bucketed or acc and not st.fsdp) and lay.last and not chunked:
+            # and the projection's input gradient (grad_logits @ W: [tokens, dim], the matmul's
+            # dtype), made by the same autograd node; under tensor parallelism a whole partial sum
+            head_grad = int(autograd_bytes * lay.output_matmul) + (c * lay.output_matmul if act.autocast else 0) \
+                + c * run.model.dim * st.tokens
+        return Earlier(before, separate, staged, later_grads, comms, head_grad, acc)
+
     # Each moment is weighed in the step's: gradients made in the block may count less there (those
     # accumulated before already hold them: max(g.before, ...) below).
-    last_moments, first_moments = in_backward(lay.last_wrapped), in_backward(lay.first_wrapped)
+    last_moments, first_moments = last.moments(lay.last_wrapped), first.moments(lay.first_wrapped)
 
     # A tied embedding and output projection trained in full, on a rank that holds whole gradients
     # (FSDP2 reduce-scatters the root's as its backward ends): see the moment below.
@@ -435,6 +552,55 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     saved_casts = casts(False) + cast_head - uncast
     all_casts, pipelined = casts(None) + cast_head - uncast, run.layout.pp > 1
     states = st.persistent + st.optimizer + st.compute_params
+
+    # A block between the stage's first and last, at its backward: the blocks before it still hold what
+    # they saved (and the casts autocast made for them), those after it have made their gradients and
+    # freed their activations, its own moments are its kind's (BlockSide.moments); under FSDP it is
+    # gathered beside the next one prefetched and the previous one's reduce-scatter input (ZeRO-2: the
+    # blocks after it are resharded after their backward). Sums over the blocks after it (`after_*`).
+    unwrapped_casts = casts(False)
+    middle = []  # (position, its side, its saved bytes, sums over the blocks after it)
+    for i, after in _middle_blocks(order):
+        s, wrapped = side(order[i][0]), order[i][1]
+        sums = [0, 0, 0, 0, 0]  # saved, parameters, experts' weights, compute copies, unwrapped casts
+        for (k, w), n in after:
+            b = side(k)
+            for j, value in enumerate((b.kept if w else b.saved, b.params, b.experts, b.copy, 0 if w else b.cast)):
+                sums[j] += n * value
+        middle.append((i, s, s.kept if wrapped else s.saved, *sums))
+    kind_moments = {order[i]: s.moments(order[i][1]) for i, s, *_ in middle}
+
+    def middle_moments(g: Earlier, older: float, logits: float, bwd: int) -> list[Moment]:
+        """The moments of the middle blocks (`middle`), of each kind and policy at its block whose held
+        state (with its own largest gradients) is the largest."""
+        best: dict[tuple[int, bool], tuple[float, int, float, float, int, int, int]] = {}
+        for i, s, own_saved, a_after, p_after, e_after, copy_after, casts_after in middle:
+            wrapped = order[i][1]
+            params = (held if pp_fsdp else held - copy_after if held else 0) + (all_casts if pipelined else
+                unwrapped_casts - casts_after - (0 if wrapped else s.cast) - uncast + s.cast)
+            acts = older + a_blocks - a_after - own_saved
+            comms = gathered(i)
+            if pp_fsdp:  # the blocks after it still gathered, their unsharded accumulations
+                comms += c * p_after if zero3 else 0
+                accumulations = reduce * (p_after + root_grads)
+                grads = sharded_grads(p_after, e_after) if g.acc else 0 if prec.mixed else accumulations
+                comms += accumulations if not g.acc and prec.mixed else 0
+            else:
+                comms += reduce * side(order[i + 1][0]).grad_elements
+                grads = output_grads + (0 if bucketed else sharded_grads(p_after, e_after))
+            pending = g.pending(st.params - lay.head - p_after)
+            own = max((b.grads for b in kind_moments[order[i]]), default=0)
+            weight = params + acts + max(g.before, grads + own) + pending + comms
+            if order[i] not in best or weight > best[order[i]][0]:
+                best[order[i]] = (weight, i, params, acts, grads, comms, p_after)
+        moments = []
+        for key, (_, i, params, acts, grads, comms, p_after) in best.items():
+            pending = g.pending(st.params - lay.head - p_after)
+            moments += [Moment("backward", f"block {i + 1} of {len(order)}: {b.what}", params + b.casts,
+                               acts + b.activations, logits, max(g.before, grads + b.grads) + pending,
+                               bwd + comms + b.buffers)
+                        for b in kind_moments[key]]
+        return moments
 
     # A pipeline rank whose forwards all precede its backwards (m <= in_flight: GPipe, 1F1B's early
     # ranks, a short step) backwards its micro-batches one after the other: the first with every
@@ -468,8 +634,8 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
             Moment("forward", "end of forward", held + all_casts, acts, older_logits + loss.output, ahead, fwd),
             Moment("forward", "loss", held + saved_casts, acts, older_logits + loss.forward, ahead, fwd),
             # (QLoRA: the last block's forward, dequantizing its largest NF4 weight; a bound: the whole block saved)
-            *([Moment("forward", "last block's nf4 dequant", held + all_casts, acts - a_final + dequant, older_logits,
-                      ahead, fwd)] if dequant else []),
+            *([Moment("forward", "last block's nf4 dequant", held + all_casts, acts - a_final + last.dequant,
+                      older_logits, ahead, fwd)] if last.dequant else []),
         ]
         for g, chunks_done, heads_done in backwards:
             older = older_own - chunks_done * a_blocks - heads_done * a_final + pipe.pending
@@ -489,20 +655,22 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
             moments += [
                 Moment("backward", f"last block: {b.what}",
                        held + (all_casts if pipelined else saved_casts - cast_head
-                               + (cast_block if lay.last_wrapped else 0)) + b.casts,
-                       older + a_blocks - (a_policy if lay.last_wrapped else a_none) + b.activations,
+                               + (last.cast if lay.last_wrapped else 0)) + b.casts,
+                       older + a_blocks - (last.kept if lay.last_wrapped else last.saved) + b.activations,
                        older_logits + own_logits,
                        max(g.before, output_grads + b.grads) + g.pending(st.params - lay.head),
                        bwd + last_comms + b.buffers)
                 for b in last_moments]
+            moments += middle_moments(g, older, older_logits + own_logits, bwd)
             # (under a pipeline schedule FSDP keeps every backwarded block gathered: all of them, held;
             # accumulating, autograd adds the block's new weight gradients into the `.grad` there)
             moments += [
                 Moment("backward", f"first block: {b.what}",
-                       (held if pp_fsdp else c * (lay.block + lay.embedding + lay.head) - nf4_gathered if held else 0)
-                       + (all_casts if pipelined else cast_block) + b.casts,
+                       (held if pp_fsdp else c * (first.params + lay.embedding + lay.head) - first.nf4_gathered
+                        if held else 0)
+                       + (all_casts if pipelined else first.cast) + b.casts,
                        older + b.activations, older_logits + own_logits,
-                       max(g.before, g.later_grads + b.grads) + g.pending(lay.block + lay.embedding),
+                       max(g.before, g.later_grads + b.grads) + g.pending(first.params + lay.embedding),
                        bwd + g.first_comms + b.buffers)
                 for b in first_moments]
             if tied_embedding_grad:
