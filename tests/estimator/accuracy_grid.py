@@ -400,6 +400,7 @@ ARCHITECTURE_GRID: list[Row] = [
     _row("olmoe-fp32", 1, [*moe(4, 2), "--model.qk_norm=whole", "--model.router_normalize_topk=false"]),
     _row("mixed-moe-fp32", 1, MIXED_MOE),
     _row("mixed-moe-bf16-pure-selective", 1, MIXED_MOE, BF16_PURE, SELECTIVE),
+    _row("mixed-moe-bf16-mixed-full", 1, MIXED_MOE, BF16_MIXED, FULL),
     _row("mixed-moe-z3-bf16-mixed", 2, MIXED_MOE, Z3, BF16_MIXED),
     _row("mixed-moe-ep2-z3-fp32", 2, MIXED_MOE, EP2, Z3),
     _row("mixed-moe-tp2-sp-fp32", 2, MIXED_MOE, TP2, SP, micro=8),
@@ -433,11 +434,10 @@ ARCHITECTURE_GRID: list[Row] = [
 width other than dim / heads, a sliding window, norms after the branches; part of GRID. Not here yet:
 post-norm blocks under the selective policies, their peak within 6% but the backward's buffers 0.5-1.5
 MiB (12-37% of that component) off: the recompute's released tensors are modelled on a pre-norm
-block's; Gemma 2's soft-capped (eager) attention under selective checkpointing, its peak 2.0% low but
-the backward's buffers 4.2 MiB (22%) low, about one fp32 [heads, queries, keys] tensor that the
-recompute holds and the estimate does not. Dense and MoE layers mixed under full checkpointing in bf16-mixed:
-the peak 0.2% low, but its gradients 0.47 MiB (1.8% of the peak) above the traced ones at the backward's peak
-moment, which for a mixed stage is sized by one block's kind."""
+block's; Gemma 2's soft-capped (eager) attention under selective checkpointing in bf16-mixed, its peak
+2.2% low and the backward's buffers 2.4 MiB (14%) low: the recompute's largest moment is inside the
+soft-capped softmax (its fp32 copy of the masked scores, its fp32 output, the capped and the masked scores
+in bf16, each [heads, queries, keys]), where the estimate takes the recompute's end."""
 
 GRID: list[Row] = [
     # one process: precision x optimizer x checkpointing x batch shape x model
