@@ -113,7 +113,7 @@ def print_estimate(est: Estimate, console: Console | None = None, fixes: Sequenc
     cfg, d = est.cfg, est.layout
     counts = param_counts(cfg.model)
     active = f", {format_count(counts.active)} active" if counts.active != counts.total else ""
-    console.print(f"[bold]{cfg.model.preset or 'custom'}[/bold] ({cfg.model.family}): "
+    console.print(f"[bold]{cfg.model.preset or 'custom'}[/bold] ({cfg.model.hf_model_type or cfg.model.family}): "
                   f"{format_count(counts.total)} params{active} on {d.world_size} x {cfg.hardware.gpu} | "
                   f"dp {d.dp_replicate}x{d.dp_shard} (ZeRO-{d.zero_stage}) tp {d.tp} pp {d.pp} cp {d.cp} "
                   f"ep {d.ep} | {cfg.precision.mode}, {cfg.optimizer.name}, AC {cfg.memory.activation_checkpointing}"
