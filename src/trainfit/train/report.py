@@ -18,7 +18,8 @@ MIB = 1024**2
 
 def summary_rows(cfg: Config, result: TrainResult) -> list[tuple[str, str]]:
     rows = [
-        ("model", f"{cfg.model.preset or 'custom'} ({cfg.model.hf_model_type or cfg.model.family}), {format_count(result.num_params)} params"),
+        ("model", f"{cfg.model.preset or 'custom'} ({cfg.model.hf_model_type or cfg.model.family}), "
+                  f"{format_count(result.num_params)} params"),
         ("steps", f"{result.steps_done} / {cfg.training.steps}"
                   + (f" (resumed at step {result.started_at})" if result.started_at else "")),
         ("precision", f"{cfg.precision.mode}, activation checkpointing {cfg.memory.activation_checkpointing}"),
