@@ -157,11 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "with the adapters merged in, as full HF weights, instead of the adapters in PEFT's format")
 
     prep = sub.add_parser("prepare-data", help="tokenize text into memmap token shards with a manifest")
-    prep.add_argument("input", help="a text file or a folder of .txt/.jsonl files ('' = packaged corpus)")
+    prep.add_argument("input", help="a text file or a folder of .txt/.jsonl/.json files ('' = packaged corpus)")
     prep.add_argument("--out", required=True, help="output folder")
-    prep.add_argument("--tokenizer", default="bytes", help="bytes | a tokenizer.json path | train")
+    prep.add_argument("--tokenizer", default="bytes", help="bytes | a tokenizer.json path (or its folder) | train")
     prep.add_argument("--bpe-vocab-size", type=int, default=4096)
     prep.add_argument("--val-fraction", type=float, default=0.05)
+    prep.add_argument("--format", default="auto", choices=("auto", "text", "chat", "prompt-completion", "alpaca"),
+                      help="the records' format (data.format; auto: each file's, from its first record)")
+    prep.add_argument("--chat-template", default="", metavar="NAME_OR_FILE",
+                      help="chatml | llama3 | a Jinja file (data.chat_template; default: the tokenizer's or "
+                      "--model-folder's own)")
+    prep.add_argument("--loss-on", default="completion", choices=("completion", "all"),
+                      help="what fine-tuning samples train on (data.loss_on)")
+    prep.add_argument("--model-folder", default="", metavar="DIR",
+                      help="a Hugging Face model folder whose chat template to use (model.init_from)")
 
     calib = sub.add_parser("calibrate", help="measure this machine into a hardware profile (TOML) for "
                            "--hardware.profile", description="measure matmul FLOP/s per dtype and shape, memory "

@@ -17,6 +17,8 @@ OptimizerName = Literal["adamw", "adam", "sgd", "adamw-8bit", "adafactor"]
 LRSchedule = Literal["cosine", "linear", "constant"]
 ACPolicy = Literal["none", "selective", "selective-alternate", "full"]
 Fp8Scaling = Literal["tensorwise", "rowwise"]
+DataFormat = Literal["auto", "text", "chat", "prompt-completion", "alpaca"]
+LossOn = Literal["completion", "all"]
 Device = Literal["auto", "cpu", "cuda"]
 AttentionBackend = Literal["auto", "flash", "efficient", "cudnn", "math"]
 
@@ -416,7 +418,18 @@ class DataConfig:
     bpe_vocab_size: int = 4096
     """Vocabulary of the BPE trained when tokenizer=train."""
     val_fraction: float = 0.05
-    """Fraction of the tokens held out for validation (the tail of the corpus)."""
+    """Fraction held out for validation: of the tokens (the tail of a text corpus), or of the samples
+    (fine-tuning records: every k-th, k = round(1 / val_fraction))."""
+    format: DataFormat = "auto"
+    """Records' format: auto (each file's, from its first record) | text | chat ({"messages": [...]}) |
+    prompt-completion | alpaca (instruction, input, output). Text trains as one token stream; the
+    others as samples, one a row, through the chat template."""
+    chat_template: str = ""
+    """The chat template of conversations: "" = the tokenizer's or model.init_from's folder's own
+    (chat_template.jinja or tokenizer_config.json) | chatml | llama3 (built-ins) | a Jinja file."""
+    loss_on: LossOn = "completion"
+    """What fine-tuning samples train on: completion (the assistant turns, or the completion: the
+    prompt and padding are masked) | all (every token of the sample)."""
 
 
 @dataclass

@@ -25,6 +25,17 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from trainfit.config import ConfigError, DataConfig
+from trainfit.train.chat_template import find_chat_template
+from trainfit.train.records import detect_format, read_records, record_files
+from trainfit.train.samples import (
+    LAYOUT,
+    SampleSplit,
+    encode_record,
+    load_samples,
+    sample_eval_batches,
+    template_folders,
+    write_samples,
+)
 from trainfit.train.tokenizer import HF_FILE, Tokenizer, load_tokenizer_from_dir, resolve_tokenizer
 
 if TYPE_CHECKING:
@@ -61,11 +72,29 @@ def _input_files(input_path: str) -> list[Path]:
     if not path.is_dir():
         raise ConfigError(f"data.path={input_path!r}: no such file or folder; give a text file, a "
                           'folder of .txt/.jsonl files, prepared data, or "" for the packaged Shakespeare')
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".txt", ".jsonl"))
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".txt", ".jsonl", ".json"))
     if not files:
-        raise ConfigError(f"data.path={input_path!r}: the folder holds no .txt or .jsonl files; add some "
+        raise ConfigError(f"data.path={input_path!r}: the folder holds no .txt, .jsonl or .json files; add some "
                           "or point data.path to a text file")
     return files
+
+
+def fine_tuning_files(files: list[Path], fmt: str) -> bool:
+    """Whether `files` are fine-tuning samples (train/samples.py) rather than a text stream: data.format
+    names a fine-tuning format, or (auto) a record file's first record has one."""
+    if fmt != "auto":
+        return fmt != "text"
+    for path in record_files(files):
+        first = next(_first_records(path), None)
+        if first is not None and detect_format(first[1], first[0]) != "text":
+            return True
+    return False
+
+
+def _first_records(path: Path) -> Iterator[tuple[str, Any]]:
+    from trainfit.train.records import _raw_records
+
+    yield from islice(_raw_records(path), 1)
 
 
 def _documents(files: list[Path]) -> Iterator[Iterator[str]]:
@@ -75,6 +104,8 @@ def _documents(files: list[Path]) -> Iterator[Iterator[str]]:
     for path in files:
         if path.suffix == ".jsonl":
             yield from _jsonl_documents(path)
+        elif path.suffix == ".json":
+            yield from (iter([record.text or ""]) for record in read_records(path, "text"))
         else:
             yield _file_pieces(path)
 
@@ -143,8 +174,11 @@ def _not_text(label: str, problem: str) -> ConfigError:
 
 
 def prepare_data(input_path: str, out_dir: str, tokenizer: str = "bytes", bpe_vocab_size: int = 4096,
-                 val_fraction: float = 0.05, *, replace: bool = True) -> dict[str, Any]:
+                 val_fraction: float = 0.05, *, replace: bool = True, fmt: str = "auto", chat_template: str = "",
+                 loss_on: str = "completion", template_folders: list[str] | None = None) -> dict[str, Any]:
     """Tokenize a corpus once into train.bin/val.bin + tokenizer + manifest.json; returns the manifest.
+    Fine-tuning records (data.format, train/samples.py) are prepared as samples, through the chat template
+    `chat_template` (or the first of `template_folders` that has one).
 
     The folder is built in a temporary sibling and renamed, so it appears complete or not at all.
     An existing prepared out_dir is replaced, or kept as it is with replace=False (a concurrent
@@ -152,13 +186,21 @@ def prepare_data(input_path: str, out_dir: str, tokenizer: str = "bytes", bpe_vo
     if not 0 < val_fraction < 1:
         raise ConfigError(f"data.val_fraction={val_fraction!r}: must be between 0 and 1 (exclusive)")
     files = _input_files(input_path)
+    samples = fine_tuning_files(files, fmt)
+    if samples and tokenizer == "train":
+        raise ConfigError("data.tokenizer='train': fine-tuning records are tokenized with the model's own tokenizer; "
+                          "set data.tokenizer to its tokenizer.json (or folder), or 'bytes'")
     tok = resolve_tokenizer(tokenizer, (p for doc in _documents(files) for p in doc), bpe_vocab_size)
     dtype = _token_dtype(tok.vocab_size, tokenizer)
     out = Path(out_dir).expanduser().absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        num_tokens = _write_splits(tmp, tok, files, dtype, val_fraction, input_path)
+        if samples:
+            counts = _write_samples(tmp, tok, files, dtype, val_fraction, input_path, fmt, chat_template, loss_on,
+                                    template_folders or [])
+        else:
+            counts = {"num_tokens": _write_splits(tmp, tok, files, dtype, val_fraction, input_path)}
         tok.save(tmp)
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -167,7 +209,7 @@ def prepare_data(input_path: str, out_dir: str, tokenizer: str = "bytes", bpe_vo
             "vocab_size": tok.vocab_size,
             "dtype": dtype.name,
             "val_fraction": val_fraction,
-            "num_tokens": num_tokens,
+            **counts,
             "sha256": {split: _sha256(tmp / f"{split}.bin") for split in SPLITS},
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -175,6 +217,29 @@ def prepare_data(input_path: str, out_dir: str, tokenizer: str = "bytes", bpe_vo
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest
+
+
+def _write_samples(tmp: Path, tok: Tokenizer, files: list[Path], dtype: np.dtype, val_fraction: float,
+                   input_path: str, fmt: str, chat_template: str, loss_on: str,
+                   template_folders: list[str]) -> dict[str, Any]:
+    """Every record of `files` encoded (train/samples.py); plain .txt files are refused beside records."""
+    text_files = [p.name for p in files if p not in record_files(files)]
+    if text_files:
+        raise ConfigError(f"data.path={input_path!r}: holds fine-tuning records and plain text "
+                          f"({', '.join(text_files)}); put the text in {{\"text\": ...}} records, or keep it in "
+                          "another folder")
+    template = None
+
+    def encoded() -> Iterator[Any]:
+        nonlocal template
+        for path in files:
+            for record in read_records(path, fmt):
+                if record.text is None and template is None:
+                    template = find_chat_template(chat_template, template_folders)
+                yield encode_record(record, tok, template, loss_on)
+
+    counts = write_samples(tmp, encoded(), dtype, val_fraction, input_path)
+    return {**counts, "loss_on": loss_on, "chat_template": template.origin if template else None}
 
 
 def _token_dtype(vocab_size: int, tokenizer: str) -> np.dtype:
@@ -254,10 +319,15 @@ def _sha256(path: Path) -> str:
 class TokenData:
     """Memory-mapped token splits with the tokenizer that produced them."""
 
-    train: np.ndarray
-    val: np.ndarray
+    train: np.ndarray | SampleSplit
+    val: np.ndarray | SampleSplit
+    """A text corpus's token streams, or fine-tuning samples (train/samples.py)."""
     tokenizer: Tokenizer
     manifest: dict[str, Any]
+
+    @property
+    def samples(self) -> bool:
+        return isinstance(self.train, SampleSplit)
 
 
 def load_prepared(directory: str | os.PathLike[str], verify: bool | None = None) -> TokenData:
@@ -280,6 +350,10 @@ def load_prepared(directory: str | os.PathLike[str], verify: bool | None = None)
     if missing:
         raise _damaged(root, f"its {MANIFEST} lacks {', '.join(missing)}")
     dtype = np.dtype(manifest["dtype"])
+    if manifest.get("layout") == LAYOUT:
+        splits = load_samples(root, manifest, dtype)
+        tokenizer = load_tokenizer_from_dir(root)
+        return TokenData(splits["train"], splits["val"], tokenizer, manifest)
     paths = {split: root / f"{split}.bin" for split in SPLITS}
     sizes = {split: path.stat().st_size if path.is_file() else -1 for split, path in paths.items()}
     if verify is None:
@@ -301,21 +375,24 @@ def _damaged(root: Path, problem: str) -> ConfigError:
                        "the data again (a cache folder is rebuilt on the next run)")
 
 
-def resolve_data(cfg: DataConfig, cache_dir: str) -> TokenData:
+def resolve_data(cfg: DataConfig, cache_dir: str, model_folder: str = "") -> TokenData:
     """The run's tokens: data.path itself when it holds prepared data, else a cache entry keyed by
-    everything that changes the tokens, prepared by the first run and reused by the next ones."""
+    everything that changes the tokens, prepared by the first run and reused by the next ones.
+    `model_folder` (model.init_from): where a chat template is looked for after the tokenizer's folder."""
     if cfg.path and (Path(cfg.path).expanduser() / MANIFEST).is_file():
         data = load_prepared(cfg.path)
         _warn_ignored(cfg, data.manifest)
         return data
-    target = Path(cache_dir).expanduser() / _cache_key(cfg)
+    folders = template_folders(cfg.tokenizer, model_folder)
+    target = Path(cache_dir).expanduser() / _cache_key(cfg, folders)
     if not (target / MANIFEST).is_file():
         prepare_data(cfg.path, str(target), cfg.tokenizer, cfg.bpe_vocab_size, cfg.val_fraction,
-                     replace=False)
+                     replace=False, fmt=cfg.format, chat_template=cfg.chat_template, loss_on=cfg.loss_on,
+                     template_folders=folders)
     return load_prepared(target)
 
 
-def _cache_key(cfg: DataConfig) -> str:
+def _cache_key(cfg: DataConfig, folders: list[str] | None = None) -> str:
     """<name>-<hash of the input files' paths, sizes and mtimes and of the tokenizer settings>."""
     files = _input_files(cfg.path)
     if files:
@@ -330,10 +407,19 @@ def _cache_key(cfg: DataConfig) -> str:
         path = path / HF_FILE if path.is_dir() else path
         if path.is_file():
             tokenizer = [str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns]
-    key = [FORMAT_VERSION, inputs, tokenizer, cfg.val_fraction]
+    key: list[Any] = [FORMAT_VERSION, inputs, tokenizer, cfg.val_fraction]
+    if files and fine_tuning_files(files, cfg.format):  # what renders and masks the samples
+        templates = [_file_stamp(Path(cfg.chat_template).expanduser())] if cfg.chat_template else \
+            [_file_stamp(Path(folder) / name) for folder in folders or []
+             for name in ("chat_template.jinja", "tokenizer_config.json")]
+        key += [cfg.format, cfg.chat_template, cfg.loss_on, templates]
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     name = Path(cfg.path).expanduser().absolute().stem if cfg.path else "shakespeare"
     return f"{name}-{digest}"
+
+
+def _file_stamp(path: Path) -> list[Any]:
+    return [str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns] if path.is_file() else [str(path)]
 
 
 def _warn_ignored(cfg: DataConfig, manifest: dict[str, Any]) -> None:
@@ -386,10 +472,13 @@ class BatchSampler:
         self.position = int(state["position"])
 
 
-def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
-                 num_batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Evenly spaced fixed windows over the validation split: the same batches at every
-    evaluation, so successive validation losses differ only because the model changed."""
+def eval_batches(tokens: np.ndarray | SampleSplit, seq_len: int, batch_size: int, num_batches: int,
+                 pad_id: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Evenly spaced fixed windows over the validation split (fine-tuning samples: the validation samples,
+    train/samples.py): the same batches at every evaluation, so successive validation losses differ only
+    because the model changed."""
+    if isinstance(tokens, SampleSplit):
+        return sample_eval_batches(tokens, seq_len, batch_size, num_batches, pad_id)
     _check_length(tokens, seq_len, "validation")
     starts = np.linspace(0, len(tokens) - seq_len - 1, num_batches * batch_size).round().astype(np.int64)
     return (_gather(tokens, starts[i:i + batch_size], seq_len) for i in range(0, len(starts), batch_size))

@@ -29,14 +29,23 @@ from torch.utils.checkpoint import checkpoint
 
 from trainfit.models.common import softcapped
 
+IGNORE = -100
+"""A target the loss leaves out (a fine-tuning prompt's, padding's: train/samples.py); torch's ignore_index."""
+
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of [B, T, V] logits (or [N, V]) against their targets, in fp32."""
+    """Mean cross-entropy of [B, T, V] logits (or [N, V]) against their targets, in fp32, over the targets
+    that are not IGNORE (0 where every one is: a rank's shard of a prompt)."""
     # Not .float() on fp32 logits: on a DTensor (vocabulary-parallel logits) that copies the
     # logits shard instead of returning it.
     logits = logits if logits.dtype == torch.float32 else logits.float()
-    loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())
-    return _local(loss)
+    loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    return _local(loss) / _trained(targets)
+
+
+def _trained(targets: torch.Tensor) -> torch.Tensor:
+    """The targets a mean divides by: those not IGNORE, at least 1."""
+    return (targets != IGNORE).sum().clamp(min=1)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, output: nn.Linear,
@@ -64,14 +73,14 @@ def chunked_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, output
             part = _chunk_loss_sum(rows[chunk], weight, labels[chunk], softcap)
         total = part if total is None else total + part
     assert total is not None, "an empty micro-batch"
-    return _local(total) / labels.numel()
+    return _local(total) / _trained(labels)
 
 
 def _chunk_loss_sum(rows: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, softcap: float) -> torch.Tensor:
     """Summed fp32 cross-entropy of one chunk of rows."""
     logits = softcapped(F.linear(rows, weight), softcap)
     logits = logits if logits.dtype == torch.float32 else logits.float()
-    return F.cross_entropy(logits, labels, reduction="sum")
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
 
 
 def loss_function(chunk_tokens: int, output: Callable[[], nn.Linear | None], softcap: float = 0.0

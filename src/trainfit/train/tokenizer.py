@@ -36,6 +36,11 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def encode_rendered(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """A chat template's text: its special tokens' text as the special tokens (as transformers'
+        apply_chat_template tokenizes it), with each token's [start, end) characters."""
+        ...
+
     def spec(self) -> dict[str, Any]: ...
 
     def save(self, directory: str | os.PathLike[str]) -> None: ...
@@ -57,6 +62,14 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         # A model can emit a cut multi-byte sequence; show it as U+FFFD instead of failing.
         return bytes(ids).decode("utf-8", errors="replace")
+
+    def encode_rendered(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        ids, offsets = [], []
+        for i, char in enumerate(text):
+            encoded = char.encode("utf-8")
+            ids.extend(encoded)
+            offsets.extend([(i, i + 1)] * len(encoded))
+        return ids, offsets
 
     def spec(self) -> dict[str, Any]:
         return {"kind": "bytes", "name": self.name, "vocab_size": self.vocab_size}
@@ -97,6 +110,14 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def encode_rendered(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        self.tokenizer.encode_special_tokens = False
+        try:
+            encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        finally:
+            self.tokenizer.encode_special_tokens = True
+        return encoding.ids, list(encoding.offsets)
 
     def spec(self) -> dict[str, Any]:
         return {"kind": "hf", "name": self.name, "vocab_size": self.vocab_size, "file": HF_FILE}

@@ -45,6 +45,7 @@ from trainfit.train.distributed import World, init_world, run_layout
 from trainfit.train.loop import TrainResult
 from trainfit.train.optim import lr_at
 from trainfit.train.run_device import this_run_device
+from trainfit.train.samples import SampleSampler, SampleSplit
 from trainfit.train.step import StepListener, StepStats, TrainingDiverged, TrainStep
 
 __all__ = ["StepStats", "TrainResult", "Trainer", "TrainingDiverged", "data_cache_dir", "measure_step",
@@ -85,9 +86,14 @@ class Trainer:
         """In use before the model exists: what a measured step's reserved_margin counts from."""
         model, self.num_params = self._build_model()
         t = cfg.training
-        sampler = BatchSampler(self.data.train, t.seq_len, self.layout.micro_batch_size, t.seed,
-                               rank=self.world.dp_rank, world_size=self.world.dp_size,
-                               grad_accum_steps=self.layout.grad_accum_steps)
+        if isinstance(self.data.train, SampleSplit):  # fine-tuning samples, one a row (train/samples.py)
+            sampler: BatchSampler | SampleSampler = SampleSampler(
+                self.data.train, t.seq_len, self.layout.micro_batch_size, t.seed, pad_id=self.pad_id,
+                rank=self.world.dp_rank, world_size=self.world.dp_size, grad_accum_steps=self.layout.grad_accum_steps)
+        else:
+            sampler = BatchSampler(self.data.train, t.seq_len, self.layout.micro_batch_size, t.seed,
+                                   rank=self.world.dp_rank, world_size=self.world.dp_size,
+                                   grad_accum_steps=self.layout.grad_accum_steps)
         self.stepper = TrainStep(cfg, self.layout, self.world, self.policy, model, sampler,
                                  optimizer_device_type=self.device.type)
         """The run's training step (train/step.py): what train_step calls and the memory meter wraps."""
@@ -192,12 +198,19 @@ class Trainer:
         data, error = None, None
         if self.world.local_rank == 0:
             try:
-                data = resolve_data(self.cfg.data, str(data_cache_dir()))
+                data = resolve_data(self.cfg.data, str(data_cache_dir()), self.cfg.model.init_from)
             except Exception as err:  # the other ranks must not wait for it forever
                 error = err
         if self.world.any(error is not None):
             raise error or RuntimeError("preparing the data failed on another rank (see its error)")
-        return data if data is not None else resolve_data(self.cfg.data, str(data_cache_dir()))
+        return data if data is not None else resolve_data(self.cfg.data, str(data_cache_dir()),
+                                                          self.cfg.model.init_from)
+
+    @property
+    def pad_id(self) -> int:
+        """The input id of a fine-tuning row's padding (its targets are ignored): end-of-text, else 0."""
+        eot = self.data.tokenizer.eot_id
+        return eot if eot is not None else 0
 
     def _build_model(self) -> tuple[nn.Module, int]:
         """Meta-device build -> parallelize -> this rank allocates and initializes only what it

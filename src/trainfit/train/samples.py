@@ -1,0 +1,228 @@
+"""Fine-tuning samples: each record (train/records.py) as token ids and the tokens its loss trains on,
+prepared once into memory-mappable files, and batched one sample a row.
+
+A sample's text is its chat template's (train/chat_template.py) or its own (text, string prompt-
+completion), tokenized as transformers' apply_chat_template tokenizes a template's text (special
+tokens recognised, none added). `data.loss_on=completion` trains on the assistant turns (their
+content and end-of-turn token) or the completion; `all` on every token. A prepared folder of samples
+holds, per split, the ids (`<split>.bin`), one byte a token saying whether the loss predicts it
+(`<split>.mask`) and the samples' boundaries (`<split>.idx`, int64 offsets). Validation is a held-out
+set of whole samples: every k-th, k = round(1 / data.val_fraction).
+
+Batches: a row is one sample, cut at seq_len + 1 tokens and padded; a target the loss does not train
+on (the prompt, padding) is IGNORE, which the loss leaves out of its mean. The rows of optimizer step k
+are drawn from default_rng([seed, k]) as BatchSampler draws its windows, so resume is exact and the
+data of a step does not depend on the micro-batch size, accumulation or world size. Torch-free but for
+the batches' tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from trainfit.config import ConfigError
+from trainfit.train.chat_template import ChatTemplate
+from trainfit.train.records import Record
+from trainfit.train.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+IGNORE = -100
+"""The target the loss skips (torch's cross_entropy default ignore_index)."""
+LAYOUT = "samples"
+LOSS_ON = ("completion", "all")
+
+
+@dataclass(frozen=True)
+class Encoded:
+    ids: np.ndarray
+    trained: np.ndarray
+    """bool per token: the loss predicts it (it is a target)."""
+
+
+def encode_record(record: Record, tok: Tokenizer, template: ChatTemplate | None, loss_on: str) -> Encoded:
+    """A record's token ids and trained tokens (module docstring). A text ends with the tokenizer's
+    end-of-text token where it has one (trained), so the model learns where a sample stops."""
+    if record.text is not None:
+        ids, offsets = tok.encode_rendered(record.text)
+        start = 0 if loss_on == "all" else record.text_trained_from
+        trained = [begin >= start for begin, _ in offsets]
+        if tok.eot_id is not None:
+            ids, trained = [*ids, tok.eot_id], [*trained, True]
+    else:
+        if template is None:
+            raise ConfigError(f"data.chat_template: {record.where!r} is a conversation, and no chat template was "
+                              "found; set data.chat_template")
+        rendered = template.render_trained(record.messages, record.where)
+        spans = rendered.trained
+        if record.trained_from:  # a conversational prompt-completion: the completion's turns only
+            asked = len(template.render(record.messages[:record.trained_from], add_generation_prompt=True,
+                                        where=record.where))
+            spans = tuple(span for span in spans if span[0] >= asked)
+        ids, offsets = tok.encode_rendered(rendered.text)
+        trained = [loss_on == "all" or any(begin < stop and start < end for start, stop in spans)
+                   for begin, end in offsets]  # a token with any character of an assistant span
+    out = Encoded(np.asarray(ids, dtype=np.int64), np.asarray(trained, dtype=bool))
+    if len(out.ids) < 2 or not out.trained[1:].any():
+        raise ConfigError(f"data.path: {record.where!r} has no token to train on (data.loss_on={loss_on}); give "
+                          "the record an answer, or remove it")
+    return out
+
+
+def write_samples(directory: Path, encoded: Iterable[Encoded], dtype: np.dtype, val_fraction: float,
+                  where: str) -> dict[str, Any]:
+    """Write the splits (module docstring); returns the manifest's counts."""
+    every = max(2, round(1 / val_fraction))
+    files = {split: {kind: (directory / f"{split}.{kind}").open("wb") for kind in ("bin", "mask")}
+             for split in ("train", "val")}
+    offsets: dict[str, list[int]] = {"train": [0], "val": [0]}
+    trained = {"train": 0, "val": 0}
+    longest = 0
+    try:
+        for i, sample in enumerate(encoded):
+            split = "val" if i % every == every - 1 else "train"
+            sample.ids.astype(dtype).tofile(files[split]["bin"])
+            sample.trained.astype(np.uint8).tofile(files[split]["mask"])
+            offsets[split].append(offsets[split][-1] + len(sample.ids))
+            trained[split] += int(sample.trained.sum())
+            longest = max(longest, len(sample.ids))
+    finally:
+        for handles in files.values():
+            for handle in handles.values():
+                handle.close()
+    counts = {split: len(offsets[split]) - 1 for split in offsets}
+    if min(counts.values()) < 1:
+        raise ConfigError(f"data.path={where!r}: {sum(counts.values())} samples split into {counts['train']} "
+                          f"train / {counts['val']} validation (every {every}th held out, data.val_fraction="
+                          f"{val_fraction}); each split needs one: use more records or a larger data.val_fraction")
+    for split, bounds in offsets.items():
+        np.asarray(bounds, dtype=np.int64).tofile(directory / f"{split}.idx")
+    return {"layout": LAYOUT, "num_samples": counts, "num_tokens": {s: offsets[s][-1] for s in offsets},
+            "trained_tokens": trained, "longest_sample": longest}
+
+
+@dataclass
+class SampleSplit:
+    """One split of prepared samples, memory-mapped."""
+
+    ids: np.ndarray
+    trained: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def row(self, index: int, seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, targets) of sample `index` in a row of seq_len: cut at seq_len + 1 tokens, padded."""
+        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        end = min(end, start + seq_len + 1)
+        ids = np.asarray(self.ids[start:end], dtype=np.int64)
+        targets = np.where(np.asarray(self.trained[start + 1:end], dtype=bool), ids[1:], IGNORE)
+        inputs = np.full(seq_len, pad_id, dtype=np.int64)
+        out = np.full(seq_len, IGNORE, dtype=np.int64)
+        inputs[:len(ids) - 1], out[:len(targets)] = ids[:-1], targets
+        return inputs, out
+
+    def usable(self, seq_len: int) -> tuple[np.ndarray, int]:
+        """(the samples with a trained token within seq_len + 1 tokens, how many of them are cut)."""
+        starts, lengths = self.offsets[:-1], np.diff(self.offsets)
+        keep = [i for i in range(len(self))
+                if self.trained[starts[i] + 1:starts[i] + min(lengths[i], seq_len + 1)].any()]
+        return np.asarray(keep, dtype=np.int64), int((lengths > seq_len + 1).sum())
+
+
+def load_samples(root: Path, manifest: dict[str, Any], dtype: np.dtype) -> dict[str, SampleSplit]:
+    """The prepared splits of `root`, checked against the manifest's counts."""
+    splits = {}
+    for split in ("train", "val"):
+        paths = {kind: root / f"{split}.{kind}" for kind in ("bin", "mask", "idx")}
+        missing = [p.name for p in paths.values() if not p.is_file()]
+        if missing:
+            raise ConfigError(f"data.path={str(root)!r}: {', '.join(missing)} missing; the folder is damaged: "
+                              "delete it and prepare the data again")
+        ids = np.memmap(paths["bin"], dtype=dtype, mode="r")
+        trained = np.memmap(paths["mask"], dtype=np.uint8, mode="r")
+        offsets = np.fromfile(paths["idx"], dtype=np.int64)
+        if len(ids) != manifest["num_tokens"][split] or len(trained) != len(ids) or \
+                len(offsets) != manifest["num_samples"][split] + 1 or int(offsets[-1]) != len(ids):
+            raise ConfigError(f"data.path={str(root)!r}: the {split} split's files disagree with {split}'s counts "
+                              "in manifest.json; the folder is damaged: delete it and prepare the data again")
+        splits[split] = SampleSplit(ids, trained, offsets)
+    return splits
+
+
+class SampleSampler:
+    """BatchSampler's contract (next_batch, state_dict, load_state_dict) over samples: the global batch of
+    optimizer step k is drawn from default_rng([seed, k]), each (micro-batch, rank) its own rows."""
+
+    def __init__(self, split: SampleSplit, seq_len: int, batch_size: int, seed: int, pad_id: int,
+                 rank: int = 0, world_size: int = 1, grad_accum_steps: int = 1) -> None:
+        if seed < 0:
+            raise ConfigError(f"training.seed={seed}: must be >= 0 (it seeds the data order)")
+        self.usable, cut = split.usable(seq_len)
+        if not len(self.usable):
+            raise ConfigError(f"training.seq_len={seq_len}: no sample has a token to train on within its first "
+                              f"{seq_len + 1} tokens; use a longer training.seq_len")
+        dropped = len(split) - len(self.usable)
+        if cut or dropped:
+            warnings.warn(f"data: {cut} of {len(split)} training samples are longer than training.seq_len + 1 = "
+                          f"{seq_len + 1} tokens and are cut there; {dropped} of them keep no token to train on and "
+                          "are left out", stacklevel=2)
+        self.split, self.seq_len, self.batch_size, self.seed, self.pad_id = split, seq_len, batch_size, seed, pad_id
+        self.rank, self.world_size, self.grad_accum_steps = rank, world_size, grad_accum_steps
+        self.position = 0
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        step, micro = divmod(self.position, self.grad_accum_steps)
+        global_rows = self.grad_accum_steps * self.world_size * self.batch_size
+        picks = np.random.default_rng([self.seed, step]).integers(0, len(self.usable), size=global_rows)
+        first = (micro * self.world_size + self.rank) * self.batch_size
+        self.position += 1
+        return _stack(self.split, self.usable[picks[first:first + self.batch_size]], self.seq_len, self.pad_id)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["seed"] != self.seed:
+            raise ConfigError(f"training.seed={self.seed}: the checkpoint's data stream used seed "
+                              f"{state['seed']}; resume with training.seed={state['seed']} or start a "
+                              "fresh run (checkpoint.resume=never)")
+        self.position = int(state["position"])
+
+
+def sample_eval_batches(split: SampleSplit, seq_len: int, batch_size: int, num_batches: int,
+                        pad_id: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The validation samples in order (repeated when fewer than asked): the same batches at every evaluation."""
+    usable, _ = split.usable(seq_len)
+    if not len(usable):
+        raise ConfigError(f"training.seq_len={seq_len}: no validation sample has a token to train on within "
+                          f"its first {seq_len + 1} tokens; use a longer training.seq_len")
+    rows = np.resize(usable, num_batches * batch_size)
+    return (_stack(split, rows[i:i + batch_size], seq_len, pad_id) for i in range(0, len(rows), batch_size))
+
+
+def _stack(split: SampleSplit, indices: np.ndarray, seq_len: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
+    rows = [split.row(int(i), seq_len, pad_id) for i in indices]
+    return (torch.from_numpy(np.stack([r[0] for r in rows])), torch.from_numpy(np.stack([r[1] for r in rows])))
+
+
+def template_folders(tokenizer: str, init_from: str) -> list[str]:
+    """The folders a run's chat template is looked for in: the tokenizer's, then the model's."""
+    folders = []
+    if tokenizer not in ("bytes", "train", ""):
+        path = Path(tokenizer).expanduser()
+        folders.append(str(path if path.is_dir() else path.parent))
+    if init_from:
+        folders.append(os.fspath(Path(init_from).expanduser()))
+    return folders
