@@ -57,3 +57,39 @@ def test_a_masked_target_changes_nothing(tmp_path: Path) -> None:
     expected = torch.nn.functional.cross_entropy(logits[targets != IGNORE], targets[targets != IGNORE])
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
     assert cross_entropy(logits, torch.full_like(targets, IGNORE)).item() == 0.0  # a shard of prompt only
+
+
+def _uneven_data(folder: Path, n: int = 64) -> Path:
+    """Answers of 1 to 30 words after prompts of 1 to 12: micro-batches of very unequal trained targets."""
+    rng = random.Random(1)
+    folder.mkdir(parents=True)
+    with (folder / "uneven.jsonl").open("w") as f:
+        for _ in range(n):
+            prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12)))
+            answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))
+            f.write(json.dumps({"messages": [{"role": "user", "content": prompt},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    return folder
+
+
+def _losses(tmp_path: Path, name: str, *extra: str) -> dict[int, float]:
+    data = tmp_path / "data"
+    if not data.exists():
+        _uneven_data(data)
+    cfg = run_config(tmp_path / name, f"--data.path={data}", "--data.chat_template=chatml", "--training.steps=4",
+                     "--training.seq_len=256", "--model.max_seq_len=256", "--training.global_batch_size=8",
+                     "--logging.measure_memory=false",
+                     *extra)
+    trainer = Trainer(cfg)
+    result = trainer.train()
+    return {**result.losses, **{f"w.{k}": float(v.double().norm()) for k, v in trainer.model.state_dict().items()}}
+
+
+def test_accumulated_micro_batches_train_like_one_on_samples_of_uneven_length(tmp_path: Path) -> None:
+    """The step's loss is the mean over the trained targets of its global batch: 4 micro-batches of 2 rows
+    give the losses and weights of one of 8 (fp32), where a mean of the micro-batches' means would not."""
+    whole = _losses(tmp_path, "whole", "--training.micro_batch_size=8")
+    parts = _losses(tmp_path, "parts", "--training.micro_batch_size=2")
+    assert parts.keys() == whole.keys()
+    for key, value in whole.items():
+        assert parts[key] == pytest.approx(value, rel=1e-5), key

@@ -27,10 +27,12 @@ from trainfit.perf.flops import mfu
 from trainfit.precision import PrecisionPolicy
 from trainfit.train.data import eval_batches
 from trainfit.train.distributed import World
+from trainfit.train.loss import IGNORE
 from trainfit.train.metrics import MetricsWriter, ThroughputWindow
 from trainfit.train.profile import StepProfiler
 from trainfit.train.progress import TrainProgress
 from trainfit.train.run_device import RunDevice
+from trainfit.train.samples import SampleSplit
 from trainfit.train.signals import StopOnSignal
 from trainfit.train.step import StepStats, TrainStep
 
@@ -273,7 +275,8 @@ def evaluate(step: TrainStep, val: Any) -> float:
     num_batches = t.eval_steps * step.layout.global_batch_size // t.micro_batch_size
     batches = list(eval_batches(val, t.seq_len, t.micro_batch_size, num_batches))
     rank, size = world.dp_rank, world.dp_size
-    totals = torch.zeros(2, device=device, dtype=torch.float64)  # (loss sum, batches)
+    totals = torch.zeros(2, device=device, dtype=torch.float64)  # (loss sum, batches; samples: trained targets)
+    weighted = isinstance(val, SampleSplit)  # fine-tuning samples: the mean over the trained targets
     step.model.eval()
     for first in range(0, len(batches), size):
         index = first + rank
@@ -281,7 +284,9 @@ def evaluate(step: TrainStep, val: Any) -> float:
         with step.loss_context():
             loss = step.loss(inputs.to(device), targets.to(device))[1]
         if index < len(batches):
-            totals += torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=device)])
+            count = (step.model.sequence.shard(targets) != IGNORE).sum().to(device, torch.float64) if weighted else \
+                torch.ones((), dtype=torch.float64, device=device)
+            totals += torch.stack([loss.double() * count, count])
     step.model.train()
     world.sum_(totals)  # over every rank: each batch counted tp times, in both sums
     return (totals[0] / totals[1]).item()
@@ -294,15 +299,21 @@ def _pipeline_evaluate(step: TrainStep, val: Any) -> float:
     t, layout, device, world = step.cfg.training, step.layout, step.device, step.world
     rows = layout.global_batch_size // layout.dp
     batches = list(eval_batches(val, t.seq_len, rows, t.eval_steps * layout.dp))
-    losses = []
+    losses, counts = [], []
+    weighted = isinstance(val, SampleSplit)  # fine-tuning samples: the mean over the trained targets
     step.model.eval()
     for inputs, targets in batches[world.dp_rank::world.dp_size]:
         step.pipeline_losses.clear()
         with step.autocast(), step.loss_context():
             sequence = step.model.sequence
-            step.pipeline.evaluate(sequence.shard(inputs).to(device), sequence.shard(targets).to(device))
+            local = sequence.shard(targets)
+            step.pipeline.evaluate(sequence.shard(inputs).to(device), local.to(device))
         losses += step.pipeline_losses
+        if step.pipeline_losses:  # the schedule's micro-batches, in its order (parallel/pipeline.py)
+            counts += [float((part != IGNORE).sum()) if weighted else 1.0
+                       for part in local.tensor_split(layout.num_microbatches)]
     step.model.train()
-    totals = torch.tensor([sum(loss.item() for loss in losses), len(losses)], dtype=torch.float64, device=device)
+    totals = torch.tensor([sum(loss.item() * n for loss, n in zip(losses, counts, strict=True)), sum(counts)],
+                          dtype=torch.float64, device=device)
     world.sum_(totals)  # the ranks of the last stage hold the losses
     return (totals[0] / totals[1]).item()

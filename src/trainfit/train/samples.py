@@ -179,11 +179,24 @@ class SampleSampler:
         self.split, self.seq_len, self.batch_size, self.seed, self.pad_id = split, seq_len, batch_size, seed, pad_id
         self.rank, self.world_size, self.grad_accum_steps = rank, world_size, grad_accum_steps
         self.position = 0
+        starts = split.offsets[self.usable]
+        ends = np.minimum(split.offsets[self.usable + 1], starts + seq_len + 1)
+        self.row_trained = np.asarray([int(np.count_nonzero(split.trained[a + 1:b])) for a, b in zip(starts, ends,
+                                                                                                      strict=True)])
+        """Each usable sample's trained targets in its row."""
+
+    def _picks(self, step: int) -> np.ndarray:
+        global_rows = self.grad_accum_steps * self.world_size * self.batch_size
+        return np.random.default_rng([self.seed, step]).integers(0, len(self.usable), size=global_rows)
+
+    def step_trained_tokens(self) -> int:
+        """The trained targets of the global batch (every rank, every micro-batch) of the optimizer step the
+        next batch belongs to: what the step's loss is the mean over (train/step.py)."""
+        return int(self.row_trained[self._picks(self.position // self.grad_accum_steps)].sum())
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         step, micro = divmod(self.position, self.grad_accum_steps)
-        global_rows = self.grad_accum_steps * self.world_size * self.batch_size
-        picks = np.random.default_rng([self.seed, step]).integers(0, len(self.usable), size=global_rows)
+        picks = self._picks(step)
         first = (micro * self.world_size + self.rank) * self.batch_size
         self.position += 1
         return _stack(self.split, self.usable[picks[first:first + self.batch_size]], self.seq_len, self.pad_id)

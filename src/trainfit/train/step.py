@@ -31,7 +31,7 @@ from trainfit.parallel.pipeline import PipelineStep, carry_aux_loss, stage_bound
 from trainfit.parallel.tensor_parallel import vocabulary_parallel_loss
 from trainfit.precision import PrecisionPolicy, step_optimizer
 from trainfit.train.distributed import World
-from trainfit.train.loss import loss_function
+from trainfit.train.loss import IGNORE, loss_function
 from trainfit.train.optim import build_scheduler, make_optimizer, param_groups
 from trainfit.train.parallelize import parallelize_optimizer
 
@@ -100,6 +100,8 @@ class TrainStep:
         self.scaler = self.build_grad_scaler()
         self.pipeline_losses: list[torch.Tensor] = []
         """Pipeline parallelism: each micro-batch's language-model loss of the last schedule run (last stage)."""
+        self.step_tokens: int | None = None
+        """The pipeline step's trained targets of its global batch (fine-tuning samples; token_weight)."""
         self.pipeline = self._build_pipeline() if layout.pp > 1 else None
         """Pipeline parallelism: the schedule that runs this rank's stages (parallel/pipeline.py)."""
         self.sampler = batches
@@ -122,6 +124,10 @@ class TrainStep:
 
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             lm_loss = self.lm_loss(logits, targets)
+            if self.step_tokens:  # the mean over the step's trained targets (token_weight)
+                local = (targets != IGNORE).sum() * (self.world.dp_size * self.layout.cp / self.step_tokens)
+                self.pipeline_losses.append(lm_loss.detach() * local * m)  # the report divides by m
+                return self.scaler.scale(lm_loss) * local
             self.pipeline_losses.append(lm_loss.detach())
             return self.scaler.scale(lm_loss) / m
 
@@ -160,23 +166,37 @@ class TrainStep:
         return lm_loss, lm_loss
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, num_microbatches: int,
-                         sync_gradients: bool) -> torch.Tensor:
+                         sync_gradients: bool, step_tokens: int | None = None) -> torch.Tensor:
         """One micro-batch of an optimizer step of `num_microbatches`: forward, loss, scaled
         backward; gradients accumulate. `sync_gradients`: reduce them across data-parallel ranks
-        now (the step's last micro-batch). Returns the language-model loss (detached)."""
+        now (the step's last micro-batch). Returns the language-model loss (detached). `step_tokens`:
+        the trained targets of the step's global batch (fine-tuning samples: `token_weight`)."""
         set_gradient_sync(self.model, sync_gradients)
         self._moment("forward")
         with self.loss_context():
             loss, lm_loss = self.loss(inputs, targets)
             self._moment("backward")
-            self.scaler.scale(loss / num_microbatches).backward()
-        return lm_loss.detach()
+            weight = self.token_weight(targets, step_tokens) if step_tokens else 1 / num_microbatches
+            self.scaler.scale(loss * weight).backward()
+        return lm_loss.detach() * (weight * num_microbatches if step_tokens else 1)
+
+    def token_weight(self, targets: torch.Tensor, step_tokens: int) -> torch.Tensor:
+        """A micro-batch's share of the step's loss when the step's loss is the mean over the trained
+        targets of its whole global batch (`step_tokens`): its own mean times its trained targets (this
+        rank's shard of them under context parallelism) over the step's, times the ranks the gradient
+        reduction averages over (data-parallel and context-parallel), so that their average is the mean
+        over every trained target, whatever the micro-batches, accumulation and ranks. Padded rows and
+        masked prompts make the micro-batches' counts unequal, where a mean of means would weigh a
+        micro-batch of few trained targets as much as one of many."""
+        local = (self.model.sequence.shard(targets) != IGNORE).sum()
+        return local * (self.world.dp_size * self.layout.cp / step_tokens)
 
     def pipeline_forward_backward(self) -> torch.Tensor:
         """The step's micro-batches through the pipeline schedule (forward, loss on the last stage,
         backward, in the schedule's order). Returns the sum of their language-model losses on the
         ranks of the last stage, 0 elsewhere."""
         assert self.pipeline is not None
+        self.step_tokens = self._step_tokens()
         batches = [self.sampler.next_batch() for _ in range(self.layout.grad_accum_steps)]
         sequence = self.model.sequence  # context parallelism: this rank's chunks of each row
         inputs, targets = (sequence.shard(torch.cat(parts)).to(self.device) for parts in zip(*batches, strict=True))
@@ -184,8 +204,15 @@ class TrainStep:
         self.scaler.scale(torch.zeros((), device=self.device))  # fp16: sets the scale where no loss is computed
         with self.autocast(), self.loss_context():
             self.pipeline.run(inputs, targets)
+        self.step_tokens = None  # evaluation's forwards take plain means
         losses = self.pipeline_losses
         return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+
+    def _step_tokens(self) -> int | None:
+        """The trained targets of the coming step's global batch where the sampler counts them (fine-tuning
+        samples, train/samples.py), else None (text: every target trained, the micro-batches alike)."""
+        count = getattr(self.sampler, "step_trained_tokens", None)
+        return count() if count is not None else None
 
     def optimizer_step(self) -> tuple[float, bool, float]:
         """Reduce the gradients (ZeRO-1's reduce-scatter; other engines reduced them in backward),
@@ -219,12 +246,15 @@ class TrainStep:
         if self.pipeline is not None:
             total += self.pipeline_forward_backward()
         else:
+            step_tokens = self._step_tokens()
             for i in range(accum):
                 inputs, targets = (t.to(self.device, non_blocking=True) for t in self.sampler.next_batch())
-                total += self.forward_backward(inputs, targets, num_microbatches=accum, sync_gradients=i == accum - 1)
-        # Every micro-batch holds micro_batch_size x seq_len tokens (no padding), so the mean over
+                total += self.forward_backward(inputs, targets, num_microbatches=accum, sync_gradients=i == accum - 1,
+                                               step_tokens=step_tokens)
+        # A text micro-batch holds micro_batch_size x seq_len trained tokens (no padding), so the mean over
         # all tokens of the global batch is the mean of the micro-batch means over all ranks (under
-        # pipeline parallelism, the ranks of the last stage: the others add 0).
+        # pipeline parallelism, the ranks of the last stage: the others add 0); fine-tuning samples' are
+        # weighted by their trained targets (token_weight), which makes it the same mean.
         loss_value = self.world.sum_(total).item() / (accum * self.world.size // self.layout.pp)
         if not math.isfinite(loss_value) and not self.policy.uses_loss_scaling:  # the same on every rank
             raise TrainingDiverged(
