@@ -13,6 +13,7 @@ import torch
 
 from _runs import run_config
 from trainfit.train.loss import IGNORE, cross_entropy
+from trainfit.train.sample import sample_from_checkpoint
 from trainfit.train.trainer import Trainer
 
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "sigma")
@@ -46,6 +47,12 @@ def test_the_fixed_answer_is_learnt_on_held_out_prompts(tmp_path: Path) -> None:
     trained = targets[targets != IGNORE]
     assert bytes(trained[:12].tolist()).decode() == "OK<|im_end|>"
     assert (targets != IGNORE).sum(dim=1).tolist() == [len("OK<|im_end|>")] * 8
+    trainer.close()
+    # the checkpoint carries the template: a new question is written as the samples were, answered, and the
+    # answer stops at the end-of-turn token
+    answer = sample_from_checkpoint(str(tmp_path / "run" / "ckpt"), "", max_new_tokens=40, temperature=0.0,
+                                    top_k=None, seed=0, chat="omega sigma alpha beta", system=())
+    assert answer == "OK"
 
 
 def test_a_masked_target_changes_nothing(tmp_path: Path) -> None:

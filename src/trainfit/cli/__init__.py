@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     sample = sub.add_parser("sample", help="generate text from a trained checkpoint")
     sample.add_argument("--checkpoint", required=True, help="a checkpoint folder or a checkpoint.dir")
     sample.add_argument("--prompt", default="\n", help="text to continue")
+    sample.add_argument("--chat", metavar="MESSAGE", help="a user message: the assistant's answer, written with the "
+                        "chat template the run trained with and ended at its end-of-turn token")
+    sample.add_argument("--system", action="append", default=[], metavar="MESSAGE",
+                        help="a system message before --chat's (repeatable)")
     sample.add_argument("--max-new-tokens", type=int, default=200)
     sample.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     sample.add_argument("--top-k", type=int, default=50)

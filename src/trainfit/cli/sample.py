@@ -13,8 +13,11 @@ def cmd_sample(args: argparse.Namespace, overrides: list[str]) -> int:
 
     reject_overrides(overrides)
     _check_sampling(args)
+    if args.system and args.chat is None:
+        raise ConfigError("--system: a system message goes with --chat MESSAGE; give the user's message too")
     text = sample_from_checkpoint(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
-                                  temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+                                  temperature=args.temperature, top_k=args.top_k, seed=args.seed, chat=args.chat,
+                                  system=tuple(args.system))
     print(text)
     return 0
 

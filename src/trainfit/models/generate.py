@@ -21,13 +21,14 @@ def generate(
     top_k: int | None = 50,
     generator: torch.Generator | None = None,
     on_token: Callable[[int], None] | None = None,
+    stop: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
     """The prompt followed by `max_new_tokens` sampled tokens.
 
     The context is cropped to the model's max_seq_len; temperature 0 picks the argmax (greedy);
     top_k keeps only the k most likely tokens before sampling (None keeps all). Pass a seeded
     `generator` (on the model's device) for reproducible samples; `on_token(i)` is called after
-    the i-th new token (progress).
+    the i-th new token (progress); `stop(new_tokens)` ends it early once true (a chat's end of turn).
     """
     if not prompt_tokens:
         raise ValueError("prompt_tokens is empty: give at least one token (e.g. a newline or BOS)")
@@ -39,6 +40,8 @@ def generate(
     for i in range(max_new_tokens):
         if on_token is not None and i:
             on_token(i)
+        if stop is not None and i and stop(tokens[len(prompt_tokens):]):
+            return tokens
         context_1T = torch.tensor([tokens[-max_seq_len:]], dtype=torch.long, device=device)
         logits_V = model(context_1T)[0, -1].float()
         if temperature == 0:

@@ -6,8 +6,9 @@ trim_blocks and lstrip_blocks, loop controls, `raise_exception`, `strftime_now`,
 keeps non-ASCII text, the tokenizer's special tokens as variables), so the same conversation gives the
 same string and, tokenized with special tokens recognised, the same ids. The assistant's characters come
 from the template's own `{% generation %}` blocks where it has them, else from rendering each prefix of
-the conversation: the text an assistant turn adds after the prompt that asks for it. A template whose
-prefixes are not prefixes of the whole is refused: its masks would be guesses.
+the conversation: the text an assistant turn adds after the prompt that asks for it; for a template that
+writes earlier turns otherwise than a prefix ends (Qwen3's, Mistral's), each assistant content as the
+whole text writes it, with the end-of-turn token after it. A turn found neither way is refused.
 
 Where the template comes from (`find_chat_template`): `data.chat_template` naming a built-in (chatml,
 llama3) or a file; else the tokenizer's or the model's folder (chat_template.jinja, which transformers 5
@@ -104,13 +105,36 @@ class ChatTemplate:
             asked = self.render(messages[:i], add_generation_prompt=True, where=where)
             answered = self.render(messages[:i + 1], where=where)
             if not (answered.startswith(asked) and full.startswith(answered) and len(asked) >= end):
-                raise ConfigError(f"data.chat_template: {where or 'a conversation'}: {self.origin}'s text of the "
-                                  f"conversation up to turn {i + 1} is not where its text of the whole conversation "
-                                  "starts, so which tokens are the assistant's cannot be told; use a template with "
-                                  "{% generation %} blocks (data.chat_template=FILE) or data.loss_on=all")
+                return Rendered(full, self._found_spans(full, messages, where))
             spans.append((len(asked), len(answered)))
             end = len(answered)
         return Rendered(full, tuple(spans))
+
+    def _found_spans(self, full: str, messages: Sequence[dict[str, Any]], where: str) -> tuple[tuple[int, int], ...]:
+        """The assistant spans of a template that writes earlier turns otherwise than a prefix ends (Qwen3's
+        drops their reasoning; Mistral's moves the system prompt to the last user turn): each message's
+        content found in the whole text after the previous one's (a message the template leaves out moves
+        nothing), an assistant's with the end-of-turn token that follows it."""
+        spans, cursor = [], 0
+        eos = self.special_tokens.get("eos_token", "")
+        for i, message in enumerate(messages):
+            content = str(message.get("content") or "").strip()
+            at = full.find(content, cursor) if content else -1
+            if at < 0:
+                if message.get("role") == "assistant":
+                    raise ConfigError(f"data.chat_template: {where or 'a conversation'}: {self.origin} does not "
+                                      f"write turn {i + 1}'s content as the record has it, so which tokens are the "
+                                      "assistant's cannot be told; use a template with {% generation %} blocks "
+                                      "(data.chat_template=FILE) or data.loss_on=all")
+                continue
+            end = at + len(content)
+            if message.get("role") == "assistant":
+                after = len(full[end:]) - len(full[end:].lstrip())
+                if eos and full.startswith(eos, end + after):
+                    end += after + len(eos)
+                spans.append((at, end))
+            cursor = end
+        return tuple(spans)
 
     def _render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool, where: str) -> str:
         if any(mark in str(message.get("content", "")) for message in messages for mark in (_OPEN, _CLOSE)):
@@ -147,6 +171,27 @@ def find_chat_template(choice: str, folders: Sequence[str], kwargs: dict[str, An
     looked = ", ".join(repr(f) for f in folders) or "no folder (data.tokenizer and model.init_from name none)"
     raise ConfigError(f"data.chat_template='': found no chat template in {looked}; a chat dataset needs one: "
                       f"set data.chat_template to a built-in ({', '.join(BUILT_IN)}) or a Jinja file")
+
+
+SAVED_TOKENS = "chat_template_tokens.json"
+"""Beside a saved template (prepared data, a checkpoint): the special tokens it was rendered with."""
+
+
+def save_chat_template(template: ChatTemplate, directory: Path) -> None:
+    """Write `template` where load_saved_chat_template finds it: a run's checkpoints carry the template
+    their samples were rendered with, so `trainfit sample --chat` writes prompts the same way."""
+    (directory / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
+    (directory / SAVED_TOKENS).write_text(json.dumps({"origin": template.origin, "special_tokens":
+                                                      template.special_tokens, "kwargs": template.kwargs}) + "\n")
+
+
+def load_saved_chat_template(directory: Path) -> ChatTemplate | None:
+    """The template save_chat_template wrote in `directory`, or None."""
+    if not (directory / SAVED_TOKENS).is_file() or not (directory / TEMPLATE_FILE).is_file():
+        return None
+    facts = json.loads((directory / SAVED_TOKENS).read_text())
+    return ChatTemplate((directory / TEMPLATE_FILE).read_text(encoding="utf-8"), facts["origin"],
+                        facts["special_tokens"], facts.get("kwargs", {}))
 
 
 def _folder_template(folder: Path) -> tuple[str, str] | None:

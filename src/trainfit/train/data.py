@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from trainfit.config import ConfigError, DataConfig
-from trainfit.train.chat_template import find_chat_template
+from trainfit.train.chat_template import find_chat_template, load_saved_chat_template, save_chat_template
 from trainfit.train.records import detect_format, read_records, record_files
 from trainfit.train.samples import (
     LAYOUT,
@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     import torch
 
 FORMAT_VERSION = 1
+SAMPLES_VERSION = 2
+"""Of prepared fine-tuning samples (train/samples.py), in their cache key: 2 saves the chat template."""
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 PACKAGED_CORPUS = "shakespeare.txt.xz"
@@ -239,6 +241,8 @@ def _write_samples(tmp: Path, tok: Tokenizer, files: list[Path], dtype: np.dtype
                 yield encode_record(record, tok, template, loss_on)
 
     counts = write_samples(tmp, encoded(), dtype, val_fraction, input_path)
+    if template is not None:
+        save_chat_template(template, tmp)
     return {**counts, "loss_on": loss_on, "chat_template": template.origin if template else None}
 
 
@@ -325,9 +329,20 @@ class TokenData:
     tokenizer: Tokenizer
     manifest: dict[str, Any]
 
+    root: Path | None = None
+    """The prepared folder."""
+
     @property
     def samples(self) -> bool:
         return isinstance(self.train, SampleSplit)
+
+    def save_extras(self, directory: str | os.PathLike[str]) -> None:
+        """What a checkpoint carries beside the weights: the tokenizer, and the chat template the samples
+        were rendered with (train/chat_template.py)."""
+        self.tokenizer.save(directory)
+        template = load_saved_chat_template(self.root) if self.root is not None else None
+        if template is not None:
+            save_chat_template(template, Path(directory))
 
 
 def load_prepared(directory: str | os.PathLike[str], verify: bool | None = None) -> TokenData:
@@ -353,7 +368,7 @@ def load_prepared(directory: str | os.PathLike[str], verify: bool | None = None)
     if manifest.get("layout") == LAYOUT:
         splits = load_samples(root, manifest, dtype)
         tokenizer = load_tokenizer_from_dir(root)
-        return TokenData(splits["train"], splits["val"], tokenizer, manifest)
+        return TokenData(splits["train"], splits["val"], tokenizer, manifest, root)
     paths = {split: root / f"{split}.bin" for split in SPLITS}
     sizes = {split: path.stat().st_size if path.is_file() else -1 for split, path in paths.items()}
     if verify is None:
@@ -367,7 +382,7 @@ def load_prepared(directory: str | os.PathLike[str], verify: bool | None = None)
     if tokenizer.vocab_size != manifest["vocab_size"]:
         raise _damaged(root, "the tokenizer's vocabulary differs from the manifest")
     arrays = {split: np.memmap(path, dtype=dtype, mode="r") for split, path in paths.items()}
-    return TokenData(arrays["train"], arrays["val"], tokenizer, manifest)
+    return TokenData(arrays["train"], arrays["val"], tokenizer, manifest, root)
 
 
 def _damaged(root: Path, problem: str) -> ConfigError:
@@ -412,7 +427,7 @@ def _cache_key(cfg: DataConfig, folders: list[str] | None = None) -> str:
         templates = [_file_stamp(Path(cfg.chat_template).expanduser())] if cfg.chat_template else \
             [_file_stamp(Path(folder) / name) for folder in folders or []
              for name in ("chat_template.jinja", "tokenizer_config.json")]
-        key += [cfg.format, cfg.chat_template, cfg.loss_on, templates]
+        key += [SAMPLES_VERSION, cfg.format, cfg.chat_template, cfg.loss_on, templates]
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     name = Path(cfg.path).expanduser().absolute().stem if cfg.path else "shakespeare"
     return f"{name}-{digest}"

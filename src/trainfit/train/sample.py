@@ -22,6 +22,7 @@ from trainfit.peft.export import merge_adapters, save_adapters
 from trainfit.peft.nf4 import dequantize_base, quantize_base
 from trainfit.peft.spec import adaptation_of
 from trainfit.train import checkpoint as ckpt
+from trainfit.train.chat_template import load_saved_chat_template
 from trainfit.train.preflight import nearest_existing
 from trainfit.train.tokenizer import Tokenizer, load_tokenizer_from_dir
 
@@ -49,19 +50,38 @@ def load_trained_model(path: str | Path, device: torch.device) -> tuple[nn.Modul
 
 
 def sample_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, temperature: float,
-                           top_k: int | None, seed: int) -> str:
+                           top_k: int | None, seed: int, chat: str | None = None, system: tuple[str, ...] = ()
+                           ) -> str:
+    """The prompt continued; with `chat`, the assistant's answer to that user message (after `system`
+    messages), the conversation written by the chat template the run trained with, ended at its
+    end-of-turn token."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, _, tokenizer = load_trained_model(path, device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    prompt_tokens = tokenizer.encode(prompt)
+    stop = None
+    if chat is not None:
+        template = load_saved_chat_template(ckpt.resolve_checkpoint(path))
+        if template is None:
+            raise ConfigError(f"--chat: {path!r} was not trained on chat records (no chat template in its checkpoint); "
+                              "use --prompt to continue text")
+        messages = [*({"role": "system", "content": text} for text in system), {"role": "user", "content": chat}]
+        prompt_tokens = tokenizer.encode_rendered(template.render(messages, add_generation_prompt=True))[0]
+        end = template.special_tokens.get("eos_token")
+        stop = (lambda new: end in tokenizer.decode(new)) if end else None  # noqa: E731
+    else:
+        prompt_tokens = tokenizer.encode(prompt)
     if not prompt_tokens:
         raise ConfigError(f"--prompt {prompt!r}: encodes to no tokens; give some text (the default is a newline)")
     with Progress(TextColumn("sampling"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(),
                   console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("sample", total=max_new_tokens)
         tokens = generate(model, prompt_tokens, max_new_tokens, temperature=temperature, top_k=top_k or None,
-                          generator=generator, on_token=lambda n: progress.update(task, completed=n))
-    return tokenizer.decode(tokens)
+                          generator=generator, on_token=lambda n: progress.update(task, completed=n), stop=stop)
+    if chat is None:
+        return tokenizer.decode(tokens)
+    answer = tokenizer.decode(tokens[len(prompt_tokens):])
+    end = template.special_tokens.get("eos_token")
+    return answer.split(end)[0] if end else answer
 
 
 def export_to_hf(path: str, out_dir: str, *, force: bool = False, merge: bool = False) -> Path:

@@ -286,7 +286,7 @@ class Trainer:
             "world_size": self.world.size,
         }
         return ckpt.save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, state,
-                                    config_to_dict(self.cfg), write_extras=self.data.tokenizer.save,
+                                    config_to_dict(self.cfg), write_extras=self.data.save_extras,
                                     keep_last=self.cfg.checkpoint.keep_last, world=self.world,
                                     fingerprint=self.fingerprint)
 

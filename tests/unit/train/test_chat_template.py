@@ -83,12 +83,38 @@ def test_masks_from_prefixes_equal_the_generation_blocks(tmp_path: Path) -> None
     assert [prefixed.text[s:e] for s, e in prefixed.trained] == ["Blue.<|im_end|>\n", "Green.<|im_end|>\n"]
 
 
-def test_a_template_whose_prefixes_move_is_refused() -> None:
-    """A template that writes something at the end of the conversation only (so a prefix's text is not where
-    the whole one starts) cannot say which tokens are the assistant's."""
-    moving = "{% for m in messages %}{{ m['content'] }}{% if loop.last %}!{% else %};{% endif %}{% endfor %}"
-    with pytest.raises(ConfigError, match="generation"):
-        ChatTemplate(moving, "moving").render_trained(CONVERSATION)
+def test_a_template_that_rewrites_earlier_turns_is_masked_where_it_writes_them() -> None:
+    """A template that writes a turn otherwise once others follow it (so a prefix's text is not where the
+    whole one starts: Qwen3 drops earlier answers' reasoning) is masked by finding each answer in the whole
+    text, with the end-of-turn token after it; one that does not write the answer as the record has it is
+    refused."""
+    moving = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}<eot>{% endif %}"
+              "{% if loop.last %}!{% else %};{% endif %}{% endfor %}")
+    found = ChatTemplate(moving, "moving", {"eos_token": "<eot>"}).render_trained(CONVERSATION)
+    assert [found.text[s:e] for s, e in found.trained] == ["Blue.<eot>", "Green.<eot>"]
+    shouting = "{% for m in messages %}{{ m['content'] | upper }}{% if loop.last %}!{% endif %}{% endfor %}"
+    with pytest.raises(ConfigError, match="turn 3's content"):
+        ChatTemplate(shouting, "shouting").render_trained(CONVERSATION)
+
+
+@pytest.mark.parametrize("path", sorted(TEMPLATES.glob("*.jinja")), ids=lambda p: p.stem)
+def test_real_templates_render_as_transformers_renders_them(path: Path, tmp_path: Path) -> None:
+    facts = json.loads(path.with_suffix(".json").read_text())
+    messages = CONVERSATION if facts.get("system_allowed", True) else CONVERSATION[1:]
+    tokens = {k: facts[k] for k in ("bos_token", "eos_token") if facts.get(k)}
+    specials = sorted({*facts.get("special_tokens", []), *tokens.values()})
+    folder = _model_folder(tmp_path / path.stem, path.read_text(), specials, **tokens)
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    template = find_chat_template("", [str(folder)])
+    for generation_prompt in (False, True):
+        expected = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        assert template.render(messages, add_generation_prompt=generation_prompt) == expected
+    ours = HFTokenizer.from_file(folder / "tokenizer.json")
+    sample = encode_record(Record(path.stem, messages=tuple(messages)), ours, template, "completion")
+    assert sample.ids.tolist() == _ids(tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+    text = tok.decode(sample.ids[sample.trained].tolist())
+    assert "Blue." in text and "Green." in text and "colour" not in text
 
 
 def test_the_template_comes_from_chat_template_jinja_first(tmp_path: Path) -> None:
