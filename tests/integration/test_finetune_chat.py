@@ -13,6 +13,7 @@ import torch
 
 from _runs import run_config
 from trainfit.train.loss import IGNORE, cross_entropy
+from trainfit.train.metrics import read_metrics
 from trainfit.train.sample import sample_from_checkpoint
 from trainfit.train.trainer import Trainer
 
@@ -47,6 +48,10 @@ def test_the_fixed_answer_is_learnt_on_held_out_prompts(tmp_path: Path) -> None:
     trained = targets[targets != IGNORE]
     assert bytes(trained[:12].tolist()).decode() == "OK<|im_end|>"
     assert (targets != IGNORE).sum(dim=1).tolist() == [len("OK<|im_end|>")] * 8
+    records = [r for r in read_metrics(tmp_path / "run" / "logs") if "loss" in r]
+    assert all(r["trained_tokens"] == 8 * len("OK<|im_end|>") for r in records)
+    timed = [r for r in records if r["tokens_per_s"] is not None]
+    assert timed and all(0 < r["trained_tokens_per_s"] < r["tokens_per_s"] / 5 for r in timed)  # 12 of 128 a row
     trainer.close()
     # the checkpoint carries the template: a new question is written as the samples were, answered, and the
     # answer stops at the end-of-turn token
@@ -100,3 +105,12 @@ def test_accumulated_micro_batches_train_like_one_on_samples_of_uneven_length(tm
     assert parts.keys() == whole.keys()
     for key, value in whole.items():
         assert parts[key] == pytest.approx(value, rel=1e-5), key
+
+
+def test_a_resumed_run_sees_the_samples_an_uninterrupted_one_does(tmp_path: Path) -> None:
+    """The samples of a step are a function of the seed and the step: 2 steps, then 2 more resumed from the
+    checkpoint, train as 4 in one go (the same losses, fp32)."""
+    straight = _losses(tmp_path, "straight", "--training.micro_batch_size=4")
+    _losses(tmp_path, "resumed", "--training.micro_batch_size=4", "--training.steps=2")
+    resumed = _losses(tmp_path, "resumed", "--training.micro_batch_size=4")
+    assert [resumed[s] for s in (3, 4)] == pytest.approx([straight[s] for s in (3, 4)], rel=1e-6)

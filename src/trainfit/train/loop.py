@@ -189,7 +189,7 @@ def train(trainer: Trainer) -> TrainResult:
                     bar.announce(note)
                     writer.write({"step": step, "note": note, "compile_seconds": stats.seconds})
                 else:
-                    window.add(stats.seconds, timed=step not in untimed)
+                    window.add(stats.seconds, timed=step not in untimed, trained_tokens=stats.trained_tokens)
                 bar.update(step, stats.loss, window.tokens_per_s() or result.tokens_per_s)
                 if step % cfg.logging.interval == 0 or step == t.steps or stats.memory is not None:
                     tokens_per_s = window.tokens_per_s()
@@ -197,7 +197,11 @@ def train(trainer: Trainer) -> TrainResult:
                         result.tokens_per_s = tokens_per_s
                         result.mfu = (mfu(tokens_per_s, trainer.flops_per_token, trainer.peak_flops)
                                       if trainer.peak_flops else None)
-                    writer.write(_record(trainer, stats, tokens_per_s, result))
+                    record = _record(trainer, stats, tokens_per_s, result)
+                    if stats.trained_tokens is not None:  # fine-tuning samples
+                        record["trained_tokens"] = stats.trained_tokens
+                        record["trained_tokens_per_s"] = window.trained_tokens_per_s()
+                    writer.write(record)
                     window.reset()
                 if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
                     result.val_losses[step] = _log_eval(trainer, writer, bar)

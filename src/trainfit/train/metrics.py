@@ -94,16 +94,21 @@ class ThroughputWindow:
 
     def __init__(self, tokens_per_step: int) -> None:
         self.tokens_per_step = tokens_per_step
-        self.steps, self.seconds = 0, 0.0
+        self.steps, self.seconds, self.trained = 0, 0.0, 0
 
-    def add(self, seconds: float, *, timed: bool) -> None:
+    def add(self, seconds: float, *, timed: bool, trained_tokens: int | None = None) -> None:
         if timed:
             self.steps += 1
             self.seconds += seconds
+            self.trained += trained_tokens or 0
 
     def tokens_per_s(self) -> float | None:
         """None when no timed step ran since the last reset."""
         return self.steps * self.tokens_per_step / self.seconds if self.seconds > 0 else None
 
+    def trained_tokens_per_s(self) -> float | None:
+        """Fine-tuning samples: the trained targets' rate (tokens_per_s counts the prompts and the padding)."""
+        return self.trained / self.seconds if self.seconds > 0 and self.trained else None
+
     def reset(self) -> None:
-        self.steps, self.seconds = 0, 0.0
+        self.steps, self.seconds, self.trained = 0, 0.0, 0

@@ -55,6 +55,8 @@ class StepStats:
     compiled: bool = False
     """torch.compile compiled something during this step (training.compile: the first step, and any
     recompilation): its time is compile time, reported apart and left out of tokens/s."""
+    trained_tokens: int | None = None
+    """Fine-tuning samples: the trained targets of the step's global batch (the rest is prompt and padding)."""
 
     @property
     def peak_memory_bytes(self) -> int | None:
@@ -102,6 +104,8 @@ class TrainStep:
         """Pipeline parallelism: each micro-batch's language-model loss of the last schedule run (last stage)."""
         self.step_tokens: int | None = None
         """The pipeline step's trained targets of its global batch (fine-tuning samples; token_weight)."""
+        self.last_step_tokens: int | None = None
+        """...and the last step's, for its StepStats."""
         self.pipeline = self._build_pipeline() if layout.pp > 1 else None
         """Pipeline parallelism: the schedule that runs this rank's stages (parallel/pipeline.py)."""
         self.sampler = batches
@@ -196,7 +200,7 @@ class TrainStep:
         backward, in the schedule's order). Returns the sum of their language-model losses on the
         ranks of the last stage, 0 elsewhere."""
         assert self.pipeline is not None
-        self.step_tokens = self._step_tokens()
+        self.step_tokens = self.last_step_tokens = self._step_tokens()
         batches = [self.sampler.next_batch() for _ in range(self.layout.grad_accum_steps)]
         sequence = self.model.sequence  # context parallelism: this rank's chunks of each row
         inputs, targets = (sequence.shard(torch.cat(parts)).to(self.device) for parts in zip(*batches, strict=True))
@@ -245,6 +249,7 @@ class TrainStep:
         total = torch.zeros((), device=self.device)
         if self.pipeline is not None:
             total += self.pipeline_forward_backward()
+            step_tokens = self.last_step_tokens
         else:
             step_tokens = self._step_tokens()
             for i in range(accum):
@@ -264,7 +269,7 @@ class TrainStep:
         grad_norm, skipped, lr = self.optimizer_step()
         self.steps_done += 1
         return StepStats(loss_value, grad_norm, skipped, time.perf_counter() - start, lr,
-                         compiled=_compile_events() != compiles)
+                         compiled=_compile_events() != compiles, trained_tokens=step_tokens)
 
 
 def _compile_events() -> int:
