@@ -61,9 +61,9 @@ def test_tokens_per_s_leaves_out_warm_up_measured_and_profiled_steps(tmp_path: P
                        "--logging.profile_steps=4", "--training.eval_interval=0")
     add = ThroughputWindow.add
 
-    def recording_add(window: ThroughputWindow, seconds: float, *, timed: bool) -> None:
+    def recording_add(window: ThroughputWindow, seconds: float, *, timed: bool, trained_tokens: int | None) -> None:
         timed_steps[trainer.step] = timed
-        add(window, seconds, timed=timed)
+        add(window, seconds, timed=timed, trained_tokens=trained_tokens)
 
     monkeypatch.setattr(ThroughputWindow, "add", recording_add)
     result = trainer.train()
