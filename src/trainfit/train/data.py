@@ -26,7 +26,7 @@ import numpy as np
 
 from trainfit.config import ConfigError, DataConfig
 from trainfit.train.chat_template import find_chat_template, load_saved_chat_template, save_chat_template
-from trainfit.train.records import detect_format, read_records, record_files
+from trainfit.train.records import RECORD_SUFFIXES, detect_format, read_records, record_files
 from trainfit.train.samples import (
     LAYOUT,
     SampleSplit,
@@ -74,10 +74,10 @@ def _input_files(input_path: str) -> list[Path]:
     if not path.is_dir():
         raise ConfigError(f"data.path={input_path!r}: no such file or folder; give a text file, a "
                           'folder of .txt/.jsonl files, prepared data, or "" for the packaged Shakespeare')
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".txt", ".jsonl", ".json"))
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".txt", *RECORD_SUFFIXES))
     if not files:
-        raise ConfigError(f"data.path={input_path!r}: the folder holds no .txt, .jsonl or .json files; add some "
-                          "or point data.path to a text file")
+        raise ConfigError(f"data.path={input_path!r}: the folder holds no .txt, .jsonl, .json or .parquet files; "
+                          "add some or point data.path to a text file")
     return files
 
 
@@ -106,7 +106,7 @@ def _documents(files: list[Path]) -> Iterator[Iterator[str]]:
     for path in files:
         if path.suffix == ".jsonl":
             yield from _jsonl_documents(path)
-        elif path.suffix == ".json":
+        elif path.suffix in (".json", ".parquet"):
             yield from (iter([record.text or ""]) for record in read_records(path, "text"))
         else:
             yield _file_pieces(path)

@@ -1,5 +1,6 @@
-"""Fine-tuning records: the formats fine-tuners' data comes in, read from JSON Lines or JSON files and
-brought to one form, a conversation (or, for plain text, the text).
+"""Fine-tuning records: the formats fine-tuners' data comes in, read from JSON Lines, JSON or Parquet files
+(dataset hubs' format: streamed in row groups) and brought to one form, a conversation (or, for plain
+text, the text).
 
 - chat: {"messages": [{"role": "system" | "user" | "assistant" | "tool", "content": "..."}, ...]}
   (OpenAI's format, TRL's conversational one);
@@ -28,7 +29,7 @@ FORMATS = ("text", "chat", "prompt-completion", "alpaca")
 ROLES = ("system", "user", "assistant", "tool")
 _FIELDS = {"chat": ("messages",), "prompt-completion": ("prompt", "completion"), "alpaca": ("instruction", "output"),
            "text": ("text",)}
-RECORD_SUFFIXES = (".jsonl", ".json")
+RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,9 @@ def read_records(path: Path, fmt: str = "auto") -> Iterator[Record]:
 
 
 def _raw_records(path: Path) -> Iterator[tuple[str, Any]]:
+    if path.suffix == ".parquet":
+        yield from _parquet_records(path)
+        return
     if path.suffix == ".json":
         try:
             data = json.loads(path.read_text(encoding="utf-8-sig"))
@@ -93,6 +97,30 @@ def _raw_records(path: Path) -> Iterator[tuple[str, Any]]:
                 raise ConfigError(f"data.path: {where!r} is not a UTF-8 JSON object ({err}); write one "
                                   'record per line, e.g. {"messages": [{"role": "user", "content": "..."}, ...]}'
                                   ) from err
+
+
+PARQUET_BATCH_ROWS = 1024
+"""Rows read from a Parquet file at a time: the file is streamed, never loaded whole."""
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """A Parquet file's rows as records (its columns the fields; a messages column of structs gives the
+    message dicts), read PARQUET_BATCH_ROWS at a time."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as err:
+        raise ConfigError(f"data.path: {str(path)!r} is a Parquet file, which needs pyarrow: pip install "
+                          "'trainfit[parquet]' (or convert the file to JSON Lines)") from err
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as err:  # pyarrow's ArrowInvalid and OSError on a file that is not Parquet
+        raise ConfigError(f"data.path: {str(path)!r} is not a readable Parquet file ({err}); write it with a "
+                          "Parquet writer (pandas, pyarrow, datasets) or convert it to JSON Lines") from err
+    row = 0
+    for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+        for record in batch.to_pylist():
+            yield f"{path}[row {row}]", {key: value for key, value in record.items() if value is not None}
+            row += 1
 
 
 def to_record(raw: Any, fmt: str, where: str) -> Record:

@@ -118,7 +118,7 @@ def _write(path: Path, content: bytes | str) -> str:
 BAD_INPUTS = {
     "missing": ({}, "absent.txt", "no such file"),
     "empty_file": ({"e.txt": b""}, "e.txt", "no text"),
-    "no_txt_in_folder": ({"x.csv": b"a,b"}, "", "no .txt, .jsonl or .json"),
+    "no_txt_in_folder": ({"x.csv": b"a,b"}, "", "no .txt, .jsonl, .json or .parquet"),
     "empty_files_in_folder": ({"e.txt": b"", "f.jsonl": b"\n"}, "", "no text"),
     "nul": ({"b.txt": b"abc\x00def"}, "b.txt", "NUL"),
     "not_utf8": ({"b.txt": b"ok\n\xff\xfe latin-1 \xe9"}, "b.txt", "not UTF-8"),

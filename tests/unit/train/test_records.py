@@ -128,3 +128,37 @@ def test_a_run_prepares_chat_data_through_the_cache_once(tmp_path: Path) -> None
     assert len(list((tmp_path / "cache").iterdir())) == 2
     with pytest.raises(ConfigError, match="found no chat template"):
         resolve_data(DataConfig(path=cfg.path), str(tmp_path / "cache2"))
+
+
+def test_parquet_records_read_as_their_json_lines_do(tmp_path: Path) -> None:
+    """A dataset hub's Parquet file (a messages column of structs, prompt/completion strings) streams in row
+    groups into the same records, and prepares into the same samples, as the same rows in JSON Lines."""
+    import pyarrow as pa  # the dev extra's, as trainfit[parquet]'s
+    import pyarrow.parquet as pq
+
+    from trainfit.train import records as records_module
+
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "yes"}]}
+            for i in range(40)]
+    jsonl, parquet = tmp_path / "j" / "a.jsonl", tmp_path / "p" / "a.parquet"
+    jsonl.parent.mkdir()
+    parquet.parent.mkdir()
+    _write(jsonl, rows)
+    pq.write_table(pa.Table.from_pylist(rows), parquet, row_group_size=16)
+    original = records_module.PARQUET_BATCH_ROWS
+    records_module.PARQUET_BATCH_ROWS = 7  # several reads a row group
+    try:
+        from_parquet = list(read_records(parquet))
+    finally:
+        records_module.PARQUET_BATCH_ROWS = original
+    assert [r.messages for r in from_parquet] == [r.messages for r in read_records(jsonl)]
+    assert from_parquet[17].where.endswith("a.parquet[row 17]")
+    one = prepare_data(str(jsonl.parent), str(tmp_path / "out-j"), chat_template="chatml")
+    two = prepare_data(str(parquet.parent), str(tmp_path / "out-p"), chat_template="chatml")
+    assert one["sha256"] == two["sha256"] and one["num_samples"] == two["num_samples"]
+    pq.write_table(pa.Table.from_pylist([{"question": "?"}]), tmp_path / "bad.parquet")
+    with pytest.raises(ConfigError, match=r"bad.parquet\[row 0\]' has none of the formats' fields"):
+        list(read_records(tmp_path / "bad.parquet"))
+    (tmp_path / "fake.parquet").write_text("not parquet")
+    with pytest.raises(ConfigError, match="not a readable Parquet file"):
+        list(read_records(tmp_path / "fake.parquet"))
