@@ -427,6 +427,9 @@ class DataConfig:
     chat_template: str = ""
     """The chat template of conversations: "" = the tokenizer's or model.init_from's folder's own
     (chat_template.jinja or tokenizer_config.json) | chatml | llama3 (built-ins) | a Jinja file."""
+    chat_template_kwargs: str = ""
+    """Options the chat template takes, as a JSON object (e.g. {"enable_thinking": false} for Qwen3's):
+    passed to it as transformers' apply_chat_template passes its keyword arguments."""
     loss_on: LossOn = "completion"
     """What fine-tuning samples train on: completion (the assistant turns, or the completion: the
     prompt and padding are masked) | all (every token of the sample)."""

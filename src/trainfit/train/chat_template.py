@@ -151,6 +151,21 @@ class ChatTemplate:
                               "(data.chat_template=chatml | llama3 | FILE)") from err
 
 
+def template_kwargs(text: str) -> dict[str, Any]:
+    """data.chat_template_kwargs: a JSON object, or "" for none."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"data.chat_template_kwargs={text!r}: not JSON ({err}); write an object, e.g. "
+                          '\'{"enable_thinking": false}\'') from err
+    if not isinstance(value, dict):
+        raise ConfigError(f"data.chat_template_kwargs={text!r}: a JSON {type(value).__name__}, not an object; write "
+                          '\'{"enable_thinking": false}\'')
+    return value
+
+
 def find_chat_template(choice: str, folders: Sequence[str], kwargs: dict[str, Any] | None = None) -> ChatTemplate:
     """`data.chat_template` (a built-in's name, a .jinja file, or "" for the first of `folders` that has
     one: the tokenizer's, then the model's) as a ChatTemplate with that folder's special tokens."""

@@ -25,7 +25,12 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from trainfit.config import ConfigError, DataConfig
-from trainfit.train.chat_template import find_chat_template, load_saved_chat_template, save_chat_template
+from trainfit.train.chat_template import (
+    find_chat_template,
+    load_saved_chat_template,
+    save_chat_template,
+    template_kwargs,
+)
 from trainfit.train.records import RECORD_SUFFIXES, detect_format, read_records, record_files
 from trainfit.train.samples import (
     LAYOUT,
@@ -177,7 +182,8 @@ def _not_text(label: str, problem: str) -> ConfigError:
 
 def prepare_data(input_path: str, out_dir: str, tokenizer: str = "bytes", bpe_vocab_size: int = 4096,
                  val_fraction: float = 0.05, *, replace: bool = True, fmt: str = "auto", chat_template: str = "",
-                 loss_on: str = "completion", template_folders: list[str] | None = None) -> dict[str, Any]:
+                 loss_on: str = "completion", template_folders: list[str] | None = None,
+                 chat_template_kwargs: str = "") -> dict[str, Any]:
     """Tokenize a corpus once into train.bin/val.bin + tokenizer + manifest.json; returns the manifest.
     Fine-tuning records (data.format, train/samples.py) are prepared as samples, through the chat template
     `chat_template` (or the first of `template_folders` that has one).
@@ -200,7 +206,7 @@ def prepare_data(input_path: str, out_dir: str, tokenizer: str = "bytes", bpe_vo
     try:
         if samples:
             counts = _write_samples(tmp, tok, files, dtype, val_fraction, input_path, fmt, chat_template, loss_on,
-                                    template_folders or [])
+                                    template_folders or [], template_kwargs(chat_template_kwargs))
         else:
             counts = {"num_tokens": _write_splits(tmp, tok, files, dtype, val_fraction, input_path)}
         tok.save(tmp)
@@ -223,7 +229,7 @@ def prepare_data(input_path: str, out_dir: str, tokenizer: str = "bytes", bpe_vo
 
 def _write_samples(tmp: Path, tok: Tokenizer, files: list[Path], dtype: np.dtype, val_fraction: float,
                    input_path: str, fmt: str, chat_template: str, loss_on: str,
-                   template_folders: list[str]) -> dict[str, Any]:
+                   template_folders: list[str], kwargs: dict[str, Any]) -> dict[str, Any]:
     """Every record of `files` encoded (train/samples.py); plain .txt files are refused beside records."""
     text_files = [p.name for p in files if p not in record_files(files)]
     if text_files:
@@ -237,7 +243,7 @@ def _write_samples(tmp: Path, tok: Tokenizer, files: list[Path], dtype: np.dtype
         for path in files:
             for record in read_records(path, fmt):
                 if record.text is None and template is None:
-                    template = find_chat_template(chat_template, template_folders)
+                    template = find_chat_template(chat_template, template_folders, kwargs)
                 yield encode_record(record, tok, template, loss_on)
 
     counts = write_samples(tmp, encoded(), dtype, val_fraction, input_path)
@@ -403,7 +409,7 @@ def resolve_data(cfg: DataConfig, cache_dir: str, model_folder: str = "") -> Tok
     if not (target / MANIFEST).is_file():
         prepare_data(cfg.path, str(target), cfg.tokenizer, cfg.bpe_vocab_size, cfg.val_fraction,
                      replace=False, fmt=cfg.format, chat_template=cfg.chat_template, loss_on=cfg.loss_on,
-                     template_folders=folders)
+                     template_folders=folders, chat_template_kwargs=cfg.chat_template_kwargs)
     return load_prepared(target)
 
 
@@ -427,7 +433,7 @@ def _cache_key(cfg: DataConfig, folders: list[str] | None = None) -> str:
         templates = [_file_stamp(Path(cfg.chat_template).expanduser())] if cfg.chat_template else \
             [_file_stamp(Path(folder) / name) for folder in folders or []
              for name in ("chat_template.jinja", "tokenizer_config.json")]
-        key += [SAMPLES_VERSION, cfg.format, cfg.chat_template, cfg.loss_on, templates]
+        key += [SAMPLES_VERSION, cfg.format, cfg.chat_template, cfg.loss_on, templates, cfg.chat_template_kwargs]
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     name = Path(cfg.path).expanduser().absolute().stem if cfg.path else "shakespeare"
     return f"{name}-{digest}"

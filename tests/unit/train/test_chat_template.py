@@ -13,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from trainfit.config import ConfigError
-from trainfit.train.chat_template import BUILT_IN, ChatTemplate, find_chat_template
+from trainfit.train.chat_template import BUILT_IN, ChatTemplate, find_chat_template, template_kwargs
 from trainfit.train.records import Record
 from trainfit.train.samples import encode_record
 from trainfit.train.tokenizer import HFTokenizer
@@ -143,3 +143,21 @@ def test_a_prompt_completion_trains_on_the_completion_only() -> None:
     assert bytes(sample.ids[sample.trained].astype(np.uint8)).decode() == "4"
     everything = encode_record(Record("r", text="2 + 2 = 4", text_trained_from=8), ByteTokenizer(), None, "all")
     assert everything.trained.all()
+
+
+def test_template_options_reach_the_template_as_transformers_passes_them(tmp_path: Path) -> None:
+    """data.chat_template_kwargs (Qwen3's enable_thinking): the same text as apply_chat_template's keyword."""
+    path = TEMPLATES / "qwen3.jinja"
+    facts = json.loads(path.with_suffix(".json").read_text())
+    folder = _model_folder(tmp_path / "qwen3", path.read_text(), facts["special_tokens"], eos_token=facts["eos_token"])
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    kwargs = template_kwargs('{"enable_thinking": false}')
+    template = find_chat_template("", [str(folder)], kwargs)
+    asked = CONVERSATION[:2]
+    expected = tok.apply_chat_template(asked, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert template.render(asked, add_generation_prompt=True) == expected
+    assert expected != tok.apply_chat_template(asked, tokenize=False, add_generation_prompt=True)
+    for bad, message in (("{enable", "not JSON"), ("[1]", "a JSON list, not an object")):
+        with pytest.raises(ConfigError, match=message):
+            template_kwargs(bad)
