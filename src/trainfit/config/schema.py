@@ -19,6 +19,7 @@ ACPolicy = Literal["none", "selective", "selective-alternate", "full"]
 Fp8Scaling = Literal["tensorwise", "rowwise"]
 DataFormat = Literal["auto", "text", "chat", "prompt-completion", "alpaca"]
 LossOn = Literal["completion", "all"]
+Truncation = Literal["cut", "drop"]
 Device = Literal["auto", "cpu", "cuda"]
 AttentionBackend = Literal["auto", "flash", "efficient", "cudnn", "math"]
 
@@ -430,6 +431,9 @@ class DataConfig:
     chat_template_kwargs: str = ""
     """Options the chat template takes, as a JSON object (e.g. {"enable_thinking": false} for Qwen3's):
     passed to it as transformers' apply_chat_template passes its keyword arguments."""
+    truncation: Truncation = "cut"
+    """Fine-tuning samples longer than training.seq_len + 1 tokens: cut (their first seq_len + 1 tokens
+    train; counted in the log) | drop (left out; counted)."""
     loss_on: LossOn = "completion"
     """What fine-tuning samples train on: completion (the assistant turns, or the completion: the
     prompt and padding are masked) | all (every token of the sample)."""

@@ -131,11 +131,13 @@ class SampleSplit:
         inputs[:len(ids) - 1], out[:len(targets)] = ids[:-1], targets
         return inputs, out
 
-    def usable(self, seq_len: int) -> tuple[np.ndarray, int]:
-        """(the samples with a trained token within seq_len + 1 tokens, how many of them are cut)."""
+    def usable(self, seq_len: int, truncation: str = "cut") -> tuple[np.ndarray, int]:
+        """(the samples with a trained token within seq_len + 1 tokens, how many are longer): data.truncation
+        cut keeps a longer one's first seq_len + 1 tokens, drop leaves it out."""
         starts, lengths = self.offsets[:-1], np.diff(self.offsets)
         keep = [i for i in range(len(self))
-                if self.trained[starts[i] + 1:starts[i] + min(lengths[i], seq_len + 1)].any()]
+                if (truncation == "cut" or lengths[i] <= seq_len + 1)
+                and self.trained[starts[i] + 1:starts[i] + min(lengths[i], seq_len + 1)].any()]
         return np.asarray(keep, dtype=np.int64), int((lengths > seq_len + 1).sum())
 
 
@@ -164,16 +166,20 @@ class SampleSampler:
     optimizer step k is drawn from default_rng([seed, k]), each (micro-batch, rank) its own rows."""
 
     def __init__(self, split: SampleSplit, seq_len: int, batch_size: int, seed: int, pad_id: int,
-                 rank: int = 0, world_size: int = 1, grad_accum_steps: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, grad_accum_steps: int = 1, truncation: str = "cut") -> None:
         if seed < 0:
             raise ConfigError(f"training.seed={seed}: must be >= 0 (it seeds the data order)")
-        self.usable, cut = split.usable(seq_len)
+        self.usable, longer = split.usable(seq_len, truncation)
         if not len(self.usable):
             raise ConfigError(f"training.seq_len={seq_len}: no sample has a token to train on within its first "
-                              f"{seq_len + 1} tokens; use a longer training.seq_len")
+                              f"{seq_len + 1} tokens (data.truncation={truncation}); use a longer training.seq_len")
         dropped = len(split) - len(self.usable)
-        if cut or dropped:
-            warnings.warn(f"data: {cut} of {len(split)} training samples are longer than training.seq_len + 1 = "
+        if longer and truncation == "drop":
+            warnings.warn(f"data: {longer} of {len(split)} training samples are longer than training.seq_len + 1 = "
+                          f"{seq_len + 1} tokens and are left out (data.truncation=drop); {dropped} left out in all",
+                          stacklevel=2)
+        elif longer or dropped:
+            warnings.warn(f"data: {longer} of {len(split)} training samples are longer than training.seq_len + 1 = "
                           f"{seq_len + 1} tokens and are cut there; {dropped} of them keep no token to train on and "
                           "are left out", stacklevel=2)
         self.split, self.seq_len, self.batch_size, self.seed, self.pad_id = split, seq_len, batch_size, seed, pad_id

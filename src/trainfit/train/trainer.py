@@ -89,7 +89,8 @@ class Trainer:
         if isinstance(self.data.train, SampleSplit):  # fine-tuning samples, one a row (train/samples.py)
             sampler: BatchSampler | SampleSampler = SampleSampler(
                 self.data.train, t.seq_len, self.layout.micro_batch_size, t.seed, pad_id=self.pad_id,
-                rank=self.world.dp_rank, world_size=self.world.dp_size, grad_accum_steps=self.layout.grad_accum_steps)
+                rank=self.world.dp_rank, world_size=self.world.dp_size, grad_accum_steps=self.layout.grad_accum_steps,
+                truncation=cfg.data.truncation)
         else:
             sampler = BatchSampler(self.data.train, t.seq_len, self.layout.micro_batch_size, t.seed,
                                    rank=self.world.dp_rank, world_size=self.world.dp_size,

@@ -162,3 +162,17 @@ def test_parquet_records_read_as_their_json_lines_do(tmp_path: Path) -> None:
     (tmp_path / "fake.parquet").write_text("not parquet")
     with pytest.raises(ConfigError, match="not a readable Parquet file"):
         list(read_records(tmp_path / "fake.parquet"))
+
+
+def test_longer_samples_are_dropped_when_asked(tmp_path: Path) -> None:
+    prepare_data(str(_chat_folder(tmp_path)), str(tmp_path / "out"), chat_template="chatml")
+    split = load_prepared(tmp_path / "out").train
+    lengths = np.diff(split.offsets)
+    shortest = int(lengths.min())  # one-digit questions; two-digit ones are a byte longer
+    with pytest.warns(UserWarning, match=r"longer than training.seq_len \+ 1 = .* left out \(data.truncation=drop\)"):
+        dropping = SampleSampler(split, shortest - 1, 1, seed=0, pad_id=0, truncation="drop")
+    assert len(dropping.usable) == int((lengths == shortest).sum()) < len(split)
+    cutting = SampleSampler(split, 80, 1, seed=0, pad_id=0, truncation="drop")  # every sample fits in 81
+    assert len(cutting.usable) == len(split)
+    with pytest.raises(ConfigError, match="data.truncation=drop"):
+        SampleSampler(split, 20, 1, seed=0, pad_id=0, truncation="drop")
