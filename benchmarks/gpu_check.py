@@ -58,6 +58,7 @@ CHECKS = {
     "zero1_nccl": Spec(cuda_s=40, cpu_s=35, limit_s=150),
     "calibrate": Spec(cuda_s=40, cpu_s=15, limit_s=150),
     "fp8": Spec(cuda_s=45, cpu_s=25, limit_s=240),
+    "softcap": Spec(cuda_s=45, cpu_s=15, limit_s=180),
     "compile": Spec(cuda_s=90, cpu_s=70, limit_s=240),
 }
 """In the order they run: the quick ones first, those that compile last, so a short budget still covers

@@ -578,10 +578,45 @@ def check_compile(ctx: Context) -> None:
     assert eager.finite() and compiled.finite(), (eager.result.losses, compiled.result.losses)
 
 
+def check_softcap(ctx: Context) -> None:
+    """Gemma 2's soft-capped, windowed attention (models/softcapped_attention.py): FlexAttention (compiled; on
+    the CPU torch's unfused reference, forward only: no CPU backward in torch 2.13) against the eager form on
+    the same fp32 inputs, outputs and (CUDA) input gradients; then 4 training steps of a Gemma 2 block on the
+    device, which on CUDA run FlexAttention: finite, falling losses."""
+    from trainfit.models.architecture import softcap_kernel
+    from trainfit.models.common import window_mask
+    from trainfit.models.softcapped_attention import eager_softcapped_attention, flex_softcapped_attention
+
+    cuda = ctx.device == "cuda"
+    B, H, G, T, K = (2, 8, 4, 1024, 64) if cuda else (1, 4, 2, 128, 16)
+    window, cap = T // 4, 50.0
+    generator = torch.Generator(device=ctx.device).manual_seed(0)
+    q, k, v = (torch.randn(B, heads, T, K, device=ctx.device, generator=generator, requires_grad=cuda)
+               for heads in (H, G, G))
+    eager = eager_softcapped_attention(q, k, v, window_mask(T, window, q), None, cap)
+    flex = flex_softcapped_attention(q, k, v, None, cap, window, compiled=cuda)
+    ctx.put(kernel=softcap_kernel(ctx.device), output_max_abs_diff=float((flex - eager).abs().max()))
+    assert torch.allclose(flex, eager, rtol=1e-3, atol=1e-4), float((flex - eager).abs().max())
+    if cuda:
+        grads = [torch.autograd.grad(out.square().sum(), (q, k, v)) for out in (eager, flex)]
+        worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(*grads, strict=True))
+        ctx.put(grad_max_rel_diff=worst)
+        assert worst < 1e-3, worst
+    gemma2 = ("--model.norm_placement=sandwich", "--model.norm_offset=true", "--model.mlp_activation=gelu_tanh",
+              "--model.embedding_scale=true", "--model.sliding_window=16", "--model.sliding_window_pattern=2",
+              "--model.attention_softcap=50", "--model.final_softcap=30")
+    run = train(ctx, "softcap", *DEBUG_RUN, *gemma2, "--training.steps=4", "--training.seq_len=64")
+    ctx.put(losses=run.result.losses)
+    ctx.say(f"softcapped attention: {softcap_kernel(ctx.device)} within {float((flex - eager).abs().max()):.1e} of "
+            f"eager; losses {[round(x, 3) for x in run.result.losses.values()]}")
+    assert run.finite() and run.result.losses[4] < run.result.losses[1], run.result.losses
+
+
 CHECKS: dict[str, Callable[[Context], None]] = {
     "sdpa": check_sdpa, "mfu": check_mfu, "memory": check_memory, "offload": check_offload,
     "resume_rng": check_resume_rng, "profile_dump": check_profile_dump, "measure_snapshot": check_measure_snapshot,
     "zero1_nccl": check_zero1_nccl, "calibrate": check_calibrate, "compile": check_compile, "fp8": check_fp8,
+    "softcap": check_softcap,
 }
 
 
