@@ -65,10 +65,10 @@ def test_a_masked_target_changes_nothing(tmp_path: Path) -> None:
     nor its gradient."""
     logits = torch.randn(2, 5, 11, requires_grad=True)
     targets = torch.tensor([[IGNORE, IGNORE, 3, 4, IGNORE], [IGNORE, 1, 2, IGNORE, IGNORE]])
-    loss = cross_entropy(logits, targets)
+    loss = cross_entropy(logits, targets, masked=True)
     expected = torch.nn.functional.cross_entropy(logits[targets != IGNORE], targets[targets != IGNORE])
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
-    assert cross_entropy(logits, torch.full_like(targets, IGNORE)).item() == 0.0  # a shard of prompt only
+    assert cross_entropy(logits, torch.full_like(targets, IGNORE), masked=True).item() == 0.0  # a prompt shard
 
 
 def _uneven_data(folder: Path, n: int = 64) -> Path:

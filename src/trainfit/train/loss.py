@@ -19,6 +19,7 @@ ColwiseParallel does to its input, and each chunk's logits stay sharded into los
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -33,12 +34,15 @@ IGNORE = -100
 """A target the loss leaves out (a fine-tuning prompt's, padding's: train/samples.py); torch's ignore_index."""
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of [B, T, V] logits (or [N, V]) against their targets, in fp32, over the targets
-    that are not IGNORE (0 where every one is: a rank's shard of a prompt)."""
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, masked: bool = False) -> torch.Tensor:
+    """Mean cross-entropy of [B, T, V] logits (or [N, V]) against their targets, in fp32. `masked`
+    (fine-tuning samples): over the targets that are not IGNORE, 0 where every one is (a rank's shard of a
+    prompt); text's targets are all trained, and its plain mean launches fewer kernels."""
     # Not .float() on fp32 logits: on a DTensor (vocabulary-parallel logits) that copies the
     # logits shard instead of returning it.
     logits = logits if logits.dtype == torch.float32 else logits.float()
+    if not masked:
+        return _local(F.cross_entropy(logits.flatten(0, -2), targets.flatten()))
     loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE, reduction="sum")
     return _local(loss) / _trained(targets)
 
@@ -49,7 +53,7 @@ def _trained(targets: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, output: nn.Linear,
-                          chunk_tokens: int, softcap: float = 0.0) -> torch.Tensor:
+                          chunk_tokens: int, softcap: float = 0.0, masked: bool = False) -> torch.Tensor:
     """cross_entropy(output(hidden), targets) without the whole logits: `hidden` [B, T, D] (the final
     norm's output), projected by `output`'s weight `chunk_tokens` tokens at a time. Call it inside
     the forward's autocast region (if any): each chunk projects as the model's own forward would, and
@@ -73,7 +77,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, output
             part = _chunk_loss_sum(rows[chunk], weight, labels[chunk], softcap)
         total = part if total is None else total + part
     assert total is not None, "an empty micro-batch"
-    return _local(total) / _trained(labels)
+    return _local(total) / (_trained(labels) if masked else labels.numel())
 
 
 def _chunk_loss_sum(rows: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, softcap: float) -> torch.Tensor:
@@ -83,18 +87,20 @@ def _chunk_loss_sum(rows: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     return F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
 
 
-def loss_function(chunk_tokens: int, output: Callable[[], nn.Linear | None], softcap: float = 0.0
-                  ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def loss_function(chunk_tokens: int, output: Callable[[], nn.Linear | None], softcap: float = 0.0,
+                  masked: bool = False) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The loss of a model's output and its targets: `cross_entropy` of logits, or with
     `chunk_tokens` > 0 (memory.chunked_loss) `chunked_cross_entropy` of the final hidden states by
-    the weight of `output()` (looked up at each call: it is FSDP's unsharded one during the step)."""
+    the weight of `output()` (looked up at each call: it is FSDP's unsharded one during the step).
+    `masked`: targets may be IGNORE (fine-tuning samples)."""
     if not chunk_tokens:
-        return cross_entropy
+        return functools.partial(cross_entropy, masked=masked) if masked else cross_entropy
 
     def chunked(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         head = output()
         assert head is not None, "the chunked loss runs where the output projection lives"
-        return chunked_cross_entropy(hidden, targets, output=head, chunk_tokens=chunk_tokens, softcap=softcap)
+        return chunked_cross_entropy(hidden, targets, output=head, chunk_tokens=chunk_tokens, softcap=softcap,
+                                     masked=masked)
 
     return chunked
 

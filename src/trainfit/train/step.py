@@ -96,7 +96,8 @@ class TrainStep:
         # Tensor parallelism leaves the logits sharded over the vocabulary (parallel/tensor_parallel.py).
         self.loss_context = functools.partial(vocabulary_parallel_loss, layout.tp > 1)
         self.lm_loss = loss_function(layout.loss_chunk_tokens if layout.chunked_loss else 0, lambda: self.model.output,
-                                     softcap=cfg.model.final_softcap)
+                                     softcap=cfg.model.final_softcap,
+                                     masked=getattr(batches, "step_trained_tokens", None) is not None)
         """(model output, targets) -> the micro-batch's mean cross-entropy (train/loss.py)."""
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.scaler = self.build_grad_scaler()
