@@ -106,7 +106,17 @@ def write_samples(directory: Path, encoded: Iterable[Encoded], dtype: np.dtype, 
     for split, bounds in offsets.items():
         np.asarray(bounds, dtype=np.int64).tofile(directory / f"{split}.idx")
     return {"layout": LAYOUT, "num_samples": counts, "num_tokens": {s: offsets[s][-1] for s in offsets},
-            "trained_tokens": trained, "longest_sample": longest}
+            "trained_tokens": trained, "longest_sample": longest,
+            "lengths": {split: length_statistics(np.diff(np.asarray(bounds, dtype=np.int64)))
+                        for split, bounds in offsets.items()}}
+
+
+def length_statistics(lengths: np.ndarray) -> dict[str, float]:
+    """A split's sample lengths (tokens) as the manifest records them: what attention over packed or padded
+    rows costs depends on (the sum of squares: a row's causal attention is quadratic in its length)."""
+    return {"mean": float(lengths.mean()), "p50": float(np.percentile(lengths, 50)),
+            "p95": float(np.percentile(lengths, 95)), "max": int(lengths.max()),
+            "sum_of_squares": int((lengths.astype(np.float64) ** 2).sum())}
 
 
 @dataclass

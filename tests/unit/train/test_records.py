@@ -88,6 +88,11 @@ def test_prepared_samples_hold_ids_masks_and_whole_held_out_samples(tmp_path: Pa
     assert bytes(trained.astype(np.uint8)).decode() == "yes<|im_end|>"
     assert (inputs[len(first) - 1:] == 0).all() and (targets[len(first) - 1:] == IGNORE).all()
     assert data.manifest["trained_tokens"]["train"] == 36 * len("yes<|im_end|>")
+    lengths = np.diff(data.train.offsets)
+    stats = data.manifest["lengths"]["train"]
+    assert stats["max"] == lengths.max()
+    assert max(s["max"] for s in data.manifest["lengths"].values()) == manifest["longest_sample"]
+    assert stats["sum_of_squares"] == int((lengths ** 2).sum()) and stats["mean"] == pytest.approx(lengths.mean())
 
 
 def test_the_sampler_is_a_function_of_seed_and_step_and_cuts_long_samples(tmp_path: Path) -> None:
