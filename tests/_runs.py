@@ -74,3 +74,27 @@ def assert_export_matches(ckpt_dir: Path, out: Path) -> None:
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(exported.eval()(tokens), ours(tokens), rtol=0, atol=0)
+
+
+def assert_peft_loads_adapters(ckpt_dir: Path, base: Path, vocab_size: int, out: Path
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The adapters of the fine-tuned checkpoint in `ckpt_dir`, exported in PEFT's format into `out`, load with
+    peft.PeftModel.from_pretrained onto transformers' model of `base` and give the checkpoint's own logits
+    (fp32, 1e-5), which differ from the base's (the adapters trained). Returns (the tokens, those logits)."""
+    import peft
+    import transformers
+
+    from trainfit.train.sample import export_to_hf, load_trained_model
+
+    model, _, _ = load_trained_model(ckpt_dir, torch.device("cpu"))
+    tokens = torch.randint(0, vocab_size, (2, 24))
+    with torch.no_grad():
+        ours = model(tokens)
+    export_to_hf(str(ckpt_dir), str(out))
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    with torch.no_grad():
+        untouched = load(base, torch_dtype=torch.float32).eval()(tokens).logits
+        theirs = peft.PeftModel.from_pretrained(load(base, torch_dtype=torch.float32), out).eval()
+        torch.testing.assert_close(theirs(tokens).logits, ours, rtol=1e-5, atol=1e-5)
+    assert (ours - untouched).abs().max() > 1e-3  # the adapter trained: the check compares something
+    return tokens, ours

@@ -31,7 +31,7 @@ from trainfit.train.chat_template import (
     save_chat_template,
     template_kwargs,
 )
-from trainfit.train.records import RECORD_SUFFIXES, detect_format, read_records, record_files
+from trainfit.train.records import RECORD_SUFFIXES, detect_format, first_record, read_records, record_files
 from trainfit.train.samples import (
     LAYOUT,
     SampleSplit,
@@ -41,6 +41,7 @@ from trainfit.train.samples import (
     template_folders,
     write_samples,
 )
+from trainfit.train.step_rows import StepRows
 from trainfit.train.tokenizer import HF_FILE, Tokenizer, load_tokenizer_from_dir, resolve_tokenizer
 
 if TYPE_CHECKING:
@@ -92,16 +93,10 @@ def fine_tuning_files(files: list[Path], fmt: str) -> bool:
     if fmt != "auto":
         return fmt != "text"
     for path in record_files(files):
-        first = next(_first_records(path), None)
+        first = first_record(path)
         if first is not None and detect_format(first[1], first[0]) != "text":
             return True
     return False
-
-
-def _first_records(path: Path) -> Iterator[tuple[str, Any]]:
-    from trainfit.train.records import _raw_records
-
-    yield from islice(_raw_records(path), 1)
 
 
 def _documents(files: list[Path]) -> Iterator[Iterator[str]]:
@@ -455,42 +450,18 @@ def _warn_ignored(cfg: DataConfig, manifest: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- batches
 
 
-class BatchSampler:
-    """Random windows of seq_len + 1 tokens. The global batch of optimizer step k (all ranks, all
-    accumulation micro-batches) is drawn from default_rng([seed, k]), and each (micro-batch, rank)
-    takes its own rows; so the data of a step does not depend on micro_batch_size, accumulation or
-    world size, and {"seed", "position"} is the whole resumable state."""
+class BatchSampler(StepRows):
+    """Random windows of seq_len + 1 tokens, drawn per step as StepRows draws (train/step_rows.py)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
                  rank: int = 0, world_size: int = 1, grad_accum_steps: int = 1) -> None:
         _check_length(tokens, seq_len, "train")
-        if seed < 0:
-            raise ConfigError(f"training.seed={seed}: must be >= 0 (it seeds the data order)")
-        assert 0 <= rank < world_size and batch_size >= 1 and grad_accum_steps >= 1
-        self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
-        self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.grad_accum_steps = grad_accum_steps
-        self.position = 0  # micro-batches drawn so far by this rank
+        super().__init__(batch_size, seed, rank, world_size, grad_accum_steps)
+        self.tokens, self.seq_len = tokens, seq_len
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), both int64 of shape (batch_size, seq_len); targets are inputs shifted by one."""
-        step, micro = divmod(self.position, self.grad_accum_steps)
-        global_rows = self.grad_accum_steps * self.world_size * self.batch_size
-        starts = np.random.default_rng([self.seed, step]).integers(0, len(self.tokens) - self.seq_len,
-                                                                     size=global_rows)
-        first = (micro * self.world_size + self.rank) * self.batch_size
-        self.position += 1
-        return _gather(self.tokens, starts[first:first + self.batch_size], self.seq_len)
-
-    def state_dict(self) -> dict[str, int]:
-        return {"position": self.position, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["seed"] != self.seed:
-            raise ConfigError(f"training.seed={self.seed}: the checkpoint's data stream used seed "
-                              f"{state['seed']}; resume with training.seed={state['seed']} or start a "
-                              "fresh run (checkpoint.resume=never)")
-        self.position = int(state["position"])
+        return _gather(self.tokens, self.next_rows(len(self.tokens) - self.seq_len), self.seq_len)
 
 
 def eval_batches(tokens: np.ndarray | SampleSplit, seq_len: int, batch_size: int, num_batches: int,

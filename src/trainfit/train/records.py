@@ -71,6 +71,11 @@ def read_records(path: Path, fmt: str = "auto") -> Iterator[Record]:
         yield to_record(raw, file_format, where)
 
 
+def first_record(path: Path) -> tuple[str, Any] | None:
+    """(where, the raw record) of a file's first record, or None for an empty file."""
+    return next(_raw_records(path), None)
+
+
 def _raw_records(path: Path) -> Iterator[tuple[str, Any]]:
     if path.suffix == ".parquet":
         yield from _parquet_records(path)

@@ -30,6 +30,7 @@ import numpy as np
 from trainfit.config import ConfigError
 from trainfit.train.chat_template import ChatTemplate
 from trainfit.train.records import Record
+from trainfit.train.step_rows import StepRows
 from trainfit.train.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -171,14 +172,12 @@ def load_samples(root: Path, manifest: dict[str, Any], dtype: np.dtype) -> dict[
     return splits
 
 
-class SampleSampler:
-    """BatchSampler's contract (next_batch, state_dict, load_state_dict) over samples: the global batch of
-    optimizer step k is drawn from default_rng([seed, k]), each (micro-batch, rank) its own rows."""
+class SampleSampler(StepRows):
+    """Samples, one a row, drawn per step as StepRows draws (train/step_rows.py)."""
 
     def __init__(self, split: SampleSplit, seq_len: int, batch_size: int, seed: int, pad_id: int,
                  rank: int = 0, world_size: int = 1, grad_accum_steps: int = 1, truncation: str = "cut") -> None:
-        if seed < 0:
-            raise ConfigError(f"training.seed={seed}: must be >= 0 (it seeds the data order)")
+        super().__init__(batch_size, seed, rank, world_size, grad_accum_steps)
         self.usable, longer = split.usable(seq_len, truncation)
         if not len(self.usable):
             raise ConfigError(f"training.seq_len={seq_len}: no sample has a token to train on within its first "
@@ -192,40 +191,21 @@ class SampleSampler:
             warnings.warn(f"data: {longer} of {len(split)} training samples are longer than training.seq_len + 1 = "
                           f"{seq_len + 1} tokens and are cut there; {dropped} of them keep no token to train on and "
                           "are left out", stacklevel=2)
-        self.split, self.seq_len, self.batch_size, self.seed, self.pad_id = split, seq_len, batch_size, seed, pad_id
-        self.rank, self.world_size, self.grad_accum_steps = rank, world_size, grad_accum_steps
-        self.position = 0
+        self.split, self.seq_len, self.pad_id = split, seq_len, pad_id
         starts = split.offsets[self.usable]
         ends = np.minimum(split.offsets[self.usable + 1], starts + seq_len + 1)
         self.row_trained = np.asarray([int(np.count_nonzero(split.trained[a + 1:b])) for a, b in zip(starts, ends,
                                                                                                       strict=True)])
         """Each usable sample's trained targets in its row."""
 
-    def _picks(self, step: int) -> np.ndarray:
-        global_rows = self.grad_accum_steps * self.world_size * self.batch_size
-        return np.random.default_rng([self.seed, step]).integers(0, len(self.usable), size=global_rows)
-
     def step_trained_tokens(self) -> int:
         """The trained targets of the global batch (every rank, every micro-batch) of the optimizer step the
         next batch belongs to: what the step's loss is the mean over (train/step.py)."""
-        return int(self.row_trained[self._picks(self.position // self.grad_accum_steps)].sum())
+        step = self.position // self.grad_accum_steps
+        return int(self.row_trained[self.step_draw(step, len(self.usable))].sum())
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        step, micro = divmod(self.position, self.grad_accum_steps)
-        picks = self._picks(step)
-        first = (micro * self.world_size + self.rank) * self.batch_size
-        self.position += 1
-        return _stack(self.split, self.usable[picks[first:first + self.batch_size]], self.seq_len, self.pad_id)
-
-    def state_dict(self) -> dict[str, int]:
-        return {"position": self.position, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["seed"] != self.seed:
-            raise ConfigError(f"training.seed={self.seed}: the checkpoint's data stream used seed "
-                              f"{state['seed']}; resume with training.seed={state['seed']} or start a "
-                              "fresh run (checkpoint.resume=never)")
-        self.position = int(state["position"])
+        return _stack(self.split, self.usable[self.next_rows(len(self.usable))], self.seq_len, self.pad_id)
 
 
 def sample_eval_batches(split: SampleSplit, seq_len: int, batch_size: int, num_batches: int,
