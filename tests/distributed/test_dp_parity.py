@@ -165,8 +165,8 @@ class DataParallelParity(GlooTestCase):
         trainer = Trainer(run_config(run_dir, *DP_BATCH, f"--training.steps={STEPS}", "--parallel.zero_stage=3"))
         original = trainer.stepper.loss
 
-        def poisoned(inputs: torch.Tensor, targets: torch.Tensor):
-            loss, lm_loss = original(inputs, targets)
+        def poisoned(inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None):
+            loss, lm_loss = original(inputs, targets, documents)
             if trainer.step == 2 and self.rank == 1:
                 return loss * float("nan"), lm_loss * float("nan")
             return loss, lm_loss

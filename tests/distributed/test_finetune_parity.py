@@ -1,7 +1,8 @@
 """Fine-tuning samples of uneven length (train/samples.py) train on 2 gloo ranks like one process: the
 step's loss is the mean over the trained targets of its whole global batch (train/step.py's token_weight),
-so the ranks' micro-batches, of unequal trained targets, weigh by their targets, under DDP, ZeRO-3,
-context parallelism (which shards each row's targets unevenly) and a pipeline's schedule alike. fp32,
+so the ranks' micro-batches, of unequal trained targets, weigh by their targets, under DDP and ZeRO-3 on
+packed rows, and context parallelism (which shards each row's targets unevenly) and a pipeline's schedule on
+padded ones (neither carries packed rows' sample boundaries: train/samples.check_packing_layout). fp32,
 _dist.FP32's tolerances (1e-5 on the losses, 1e-4 on the update); `pytest -s` prints the measured errors:
 losses 1-2e-7, weights 1.6e-6 to 7e-6 of the update."""
 
@@ -41,5 +42,6 @@ class FineTuningParity(GlooTestCase):
         shape = (f"--data.path={data}", "--data.chat_template=chatml", "--training.seq_len=192",
                  "--model.max_seq_len=192")
         self.run_subtests({"layout": [("--parallel.zero_stage=0",), ("--parallel.zero_stage=3",),
-                                      ("--parallel.cp=2", "--parallel.zero_stage=1"), ("--parallel.pp=2",)]},
+                                      ("--parallel.cp=2", "--parallel.zero_stage=1", "--data.packing=false"),
+                                      ("--parallel.pp=2", "--data.packing=false")]},
                           lambda layout: self.check_parity((*shape, *layout), FP32))

@@ -34,8 +34,8 @@ def _chat_data(folder: Path, n: int = 200) -> Path:
 def _run(tmp_path: Path, *extra: str) -> Trainer:
     data = _chat_data(tmp_path / "data")
     cfg = run_config(tmp_path / "run", f"--data.path={data}", "--data.chat_template=chatml", "--training.steps=100",
-                     "--training.seq_len=128", "--training.micro_batch_size=8", "--training.global_batch_size=8",
-                     "--training.eval_interval=100", "--training.lr=3e-3", *extra)
+                     "--training.seq_len=256", "--model.max_seq_len=256", "--training.micro_batch_size=4",
+                     "--training.global_batch_size=4", "--training.eval_interval=100", "--training.lr=3e-3", *extra)
     return Trainer(cfg)
 
 
@@ -44,14 +44,16 @@ def test_the_fixed_answer_is_learnt_on_held_out_prompts(tmp_path: Path) -> None:
     result = trainer.train()
     # the answer "OK<|im_end|>" after a random prompt: 12 bytes, all predictable from the template
     assert result.val_losses[100] < 0.3 < result.val_losses[0]
-    inputs, targets = trainer.stepper.sampler.next_batch()
+    inputs, targets, documents = trainer.stepper.sampler.next_batch()  # packed: two samples a row of 256
     trained = targets[targets != IGNORE]
     assert bytes(trained[:12].tolist()).decode() == "OK<|im_end|>"
-    assert (targets != IGNORE).sum(dim=1).tolist() == [len("OK<|im_end|>")] * 8
+    samples_per_row = [len(set(row.tolist()) - {-1}) for row in documents]
+    assert samples_per_row == [2] * 4
+    assert (targets != IGNORE).sum(dim=1).tolist() == [2 * len("OK<|im_end|>")] * 4
     records = [r for r in read_metrics(tmp_path / "run" / "logs") if "loss" in r]
     assert all(r["trained_tokens"] == 8 * len("OK<|im_end|>") for r in records)
     timed = [r for r in records if r["tokens_per_s"] is not None]
-    assert timed and all(0 < r["trained_tokens_per_s"] < r["tokens_per_s"] / 5 for r in timed)  # 12 of 128 a row
+    assert timed and all(0 < r["trained_tokens_per_s"] < r["tokens_per_s"] / 5 for r in timed)  # 24 of 256 a row
     trainer.close()
     # the checkpoint carries the template: a new question is written as the samples were, answered, and the
     # answer stops at the end-of-turn token

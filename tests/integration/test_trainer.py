@@ -188,8 +188,8 @@ def test_sigterm_then_resume_is_bitwise_exact(
 def test_nan_loss_stops_without_saving(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     original = TrainStep.loss
 
-    def poisoned(self: TrainStep, inputs: torch.Tensor, targets: torch.Tensor):
-        loss, lm_loss = original(self, inputs, targets)
+    def poisoned(self: TrainStep, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None):
+        loss, lm_loss = original(self, inputs, targets, documents)
         if self.steps_done == 4:  # computing step 5
             loss, lm_loss = loss * float("nan"), lm_loss * float("nan")
         return loss, lm_loss
@@ -204,8 +204,9 @@ def test_nan_loss_stops_without_saving(tmp_path: Path, monkeypatch: pytest.Monke
 def test_fp16_skips_steps_with_inf_gradients(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     original = TrainStep.loss
 
-    def overflowing(self: TrainStep, inputs: torch.Tensor, targets: torch.Tensor):
-        loss, lm_loss = original(self, inputs, targets)
+    def overflowing(self: TrainStep, inputs: torch.Tensor, targets: torch.Tensor,
+                    documents: torch.Tensor | None = None):
+        loss, lm_loss = original(self, inputs, targets, documents)
         if self.steps_done == 2:
             loss = loss * float("inf")
         return loss, lm_loss

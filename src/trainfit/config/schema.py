@@ -424,7 +424,7 @@ class DataConfig:
     format: DataFormat = "auto"
     """Records' format: auto (each file's, from its first record) | text | chat ({"messages": [...]}) |
     prompt-completion | alpaca (instruction, input, output). Text trains as one token stream; the
-    others as samples, one a row, through the chat template."""
+    others as samples, through the chat template (data.packing)."""
     chat_template: str = ""
     """The chat template of conversations: "" = the tokenizer's or model.init_from's folder's own
     (chat_template.jinja or tokenizer_config.json) | chatml | llama3 (built-ins) | a Jinja file."""
@@ -437,6 +437,9 @@ class DataConfig:
     loss_on: LossOn = "completion"
     """What fine-tuning samples train on: completion (the assistant turns, or the completion: the
     prompt and padding are masked) | all (every token of the sample)."""
+    packing: bool = True
+    """Fine-tuning samples: several whole samples a row, each attending to itself only, its positions from 0
+    (true), or one sample a padded row (false). Text trains as one token stream either way."""
 
 
 @dataclass

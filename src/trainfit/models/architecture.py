@@ -355,6 +355,14 @@ def softcap_kernel(device_type: str) -> Literal["flex", "eager"]:
     return "flex" if device_type in FLEX_DEVICES else "eager"
 
 
+def document_mask_kernel(device_type: str) -> Literal["flex", "sdpa"]:
+    """How attention over packed samples (data.packing) keeps to each sample on `device_type`: FlexAttention
+    with a block mask from the rows' document ids on CUDA (blocks no sample spans are skipped), else SDPA with
+    an explicit block-diagonal mask [B, 1, T, T] (torch 2.13's FlexAttention has no backward on CPU). The model
+    runs it; both estimators and the time model price what it keeps and computes."""
+    return "flex" if device_type in FLEX_DEVICES else "sdpa"
+
+
 def head_dim(m: ModelConfig) -> int:
     """Each attention head's width: model.head_dim, or dim / num_heads when it is 0 (unset)."""
     return m.head_dim or m.dim // m.num_heads

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from trainfit.models.document_attention import flex_document_attention, is_block_mask
 from trainfit.models.softcapped_attention import softcapped_attention
 
 
@@ -110,6 +111,8 @@ class WholeSequence:
         `window_TT` (window_mask's of the layer's `window`), over the keys it allows only; `scale`: the dot
         products' factor (None: 1 / sqrt(head_dim)); `softcap`: soft-capped scores
         (models/softcapped_attention.py), else SDPA."""
+        if is_block_mask(window_TT):  # packed samples on CUDA (models/document_attention.py)
+            return flex_document_attention(q_BHTK, k_BGTK, v_BGTK, window_TT, scale, softcap)
         if softcap:
             return softcapped_attention(q_BHTK, k_BGTK, v_BGTK, window_TT, scale, softcap, window)
         with self.kernel():

@@ -17,6 +17,7 @@ from torch import nn
 
 from trainfit.config.schema import ModelConfig
 from trainfit.models.common import LayerStack, WholeSequence, output_head
+from trainfit.models.document_attention import document_masks, document_positions
 from trainfit.models.init import init_parameters
 
 
@@ -33,12 +34,12 @@ class Attention(nn.Module):
         self.sequence = WholeSequence()
         """Causal attention over the whole sequence; context parallelism swaps in its own."""
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         q_BHTK, k_BHTK, v_BHTK = (
             proj(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.wq, self.wk, self.wv)
         )
-        o_BHTK = self.sequence.attention(q_BHTK, k_BHTK, v_BHTK)
+        o_BHTK = self.sequence.attention(q_BHTK, k_BHTK, v_BHTK, mask)
         return self.wo(o_BHTK.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -53,7 +54,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block, callable as block(x_BTD) (positional tensors only, checkpoint-friendly)."""
+    """Pre-norm block, callable as block(x_BTD) or block(x_BTD, mask) (packed samples: their document mask,
+    models/document_attention.py); positional tensors only, checkpoint-friendly."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -62,8 +64,8 @@ class Block(nn.Module):
         self.ffn_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = MLP(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD))
+    def forward(self, x_BTD: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), mask)
         return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
 
 
@@ -91,15 +93,20 @@ class GPT2(nn.Module):
         self.sequence = WholeSequence()
         """Which positions this rank's tokens are (context parallelism: not the first T)."""
 
-    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens_BT: torch.Tensor, documents_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """`documents_BT`: packed rows' document ids, as llama.Transformer's."""
         if self.tok_embeddings is not None:
-            positions = torch.arange(self.cfg.max_seq_len, device=tokens_BT.device)
-            pos_T = positions[self.sequence.rows(tokens_BT.shape[1])]
-            h_BTD = self.tok_embeddings(tokens_BT) + self.pos_embeddings(pos_T)
+            if documents_BT is None:
+                positions = torch.arange(self.cfg.max_seq_len, device=tokens_BT.device)
+                pos = positions[self.sequence.rows(tokens_BT.shape[1])]
+            else:
+                pos = document_positions(documents_BT)
+            h_BTD = self.tok_embeddings(tokens_BT) + self.pos_embeddings(pos)
         else:
             h_BTD = tokens_BT
+        mask = None if documents_BT is None else document_masks(documents_BT, {0}, h_BTD)[0]
         for block in self.layers:
-            h_BTD = block(h_BTD)
+            h_BTD = block(h_BTD) if mask is None else block(h_BTD, mask)
         self.aux_loss = torch.zeros((), device=h_BTD.device)
         return output_head(self, h_BTD)
 

@@ -24,6 +24,7 @@ from trainfit.config.schema import ModelConfig
 from trainfit.models.architecture import Attention as AttentionSpec
 from trainfit.models.architecture import Norm, describe
 from trainfit.models.common import FeedForward, LayerStack, WholeSequence, output_head, window_mask
+from trainfit.models.document_attention import document_masks, document_positions
 from trainfit.models.init import init_parameters
 from trainfit.models.moe import MoE
 
@@ -206,19 +207,29 @@ class Transformer(nn.Module):
         """How many ranks share the positions of the input: tp for a pipeline stage that takes hidden
         states sharded along the sequence (sequence parallelism), else 1."""
 
-    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens_BT: torch.Tensor, documents_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """`documents_BT`: packed rows' document ids (train/packing.py): each sample's positions start at 0
+        and its attention keeps to it (models/document_attention.py); None: each row one sequence."""
         if self.tok_embeddings is not None:
             h_BTD = self.tok_embeddings(tokens_BT)
             if self.embedding_scale is not None:  # rounded to the embeddings' dtype first, as Gemma's
                 h_BTD = h_BTD * torch.tensor(self.embedding_scale, dtype=h_BTD.dtype, device=h_BTD.device)
         else:
             h_BTD = tokens_BT
-        # The input's T, not h_BTD's: under sequence parallelism that holds 1/tp of the positions.
-        rows = self.sequence.rows(tokens_BT.shape[1] * self.input_shards)
-        tables = [(getattr(self, _rope_name("cos", k))[rows], getattr(self, _rope_name("sin", k))[rows])
-                  for k in range(len(self.rope_keys))]
-        seq_len = tables[0][0].shape[0]
-        masks = {w: window_mask(seq_len, w, h_BTD) for w in {w for _, w in self.spans}}  # one per window
+        windows = {w for _, w in self.spans}
+        if documents_BT is None:
+            # The input's T, not h_BTD's: under sequence parallelism that holds 1/tp of the positions.
+            rows = self.sequence.rows(tokens_BT.shape[1] * self.input_shards)
+            tables = [(getattr(self, _rope_name("cos", k))[rows], getattr(self, _rope_name("sin", k))[rows])
+                      for k in range(len(self.rope_keys))]
+            seq_len = tables[0][0].shape[0]
+            masks = {w: window_mask(seq_len, w, h_BTD) for w in windows}  # one per window
+        else:  # [B, 1, T, K] tables (each row's positions), cast once to the queries' dtype as the masks are
+            pos_B1T = document_positions(documents_BT)[:, None]
+            dtype = _queries_dtype(h_BTD)
+            tables = [(getattr(self, _rope_name("cos", k))[pos_B1T].to(dtype),
+                       getattr(self, _rope_name("sin", k))[pos_B1T].to(dtype)) for k in range(len(self.rope_keys))]
+            masks = document_masks(documents_BT, windows, h_BTD)
         for i, block in self.layers.indexed():
             table, window = self.spans[i]
             h_BTD = block(h_BTD, *tables[table], masks[window])
@@ -235,6 +246,12 @@ class Transformer(nn.Module):
             cos_TK, sin_TK = rope_tables(self.cfg, key, device=cos.device)
             cos.copy_(cos_TK)
             getattr(self, _rope_name("sin", k)).copy_(sin_TK)
+
+
+def _queries_dtype(like: torch.Tensor) -> torch.dtype:
+    """The dtype the attention's queries have: autocast's, else `like`'s."""
+    device = like.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else like.dtype
 
 
 def _rope_name(table: str, k: int) -> str:

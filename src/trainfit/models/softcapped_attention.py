@@ -19,6 +19,11 @@ from trainfit.models.architecture import softcap_kernel
 _TRACED_DEVICE: ContextVar[str | None] = ContextVar("traced_device", default=None)
 
 
+def traced_device() -> str | None:
+    """The device a traced estimate stands for (traced_as), None outside one."""
+    return _TRACED_DEVICE.get()
+
+
 @contextlib.contextmanager
 def traced_as(device_type: str) -> Iterator[None]:
     """Within it, the attention is traced (on fake CPU tensors: trainfit.traced) for a run on `device_type`:
@@ -71,21 +76,21 @@ def flex_softcapped_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK
     from torch.nn.attention.flex_attention import flex_attention
 
     T = q_BHTK.shape[2]
-    attend = _compiled_flex_attention() if compiled else flex_attention
-    return attend(q_BHTK, k_BGTK, v_BGTK, score_mod=_score_mod(softcap), scale=scale,
+    attend = compiled_flex_attention() if compiled else flex_attention
+    return attend(q_BHTK, k_BGTK, v_BGTK, score_mod=capped_scores(softcap), scale=scale,
                   block_mask=_block_mask(T, window, str(q_BHTK.device)),
                   enable_gqa=q_BHTK.shape[1] != k_BGTK.shape[1])
 
 
 @functools.cache
-def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
+def compiled_flex_attention() -> Callable[..., torch.Tensor]:
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
 
 
 @functools.lru_cache(maxsize=16)
-def _score_mod(softcap: float) -> Callable[..., torch.Tensor]:
+def capped_scores(softcap: float) -> Callable[..., torch.Tensor]:
     """One function per cap, so that the compiled kernel is reused from layer to layer."""
     def capped(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
                kv_idx: torch.Tensor) -> torch.Tensor:

@@ -465,12 +465,12 @@ class BatchSampler(StepRows):
 
 
 def eval_batches(tokens: np.ndarray | SampleSplit, seq_len: int, batch_size: int, num_batches: int,
-                 pad_id: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Evenly spaced fixed windows over the validation split (fine-tuning samples: the validation samples,
-    train/samples.py): the same batches at every evaluation, so successive validation losses differ only
-    because the model changed."""
+                 pad_id: int = 0, packing: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Evenly spaced fixed windows over the validation split (fine-tuning samples: the validation samples'
+    rows, packed when `packing`, train/samples.py): the same batches at every evaluation, so successive
+    validation losses differ only because the model changed."""
     if isinstance(tokens, SampleSplit):
-        return sample_eval_batches(tokens, seq_len, batch_size, num_batches, pad_id)
+        return sample_eval_batches(tokens, seq_len, batch_size, num_batches, pad_id, packing)
     _check_length(tokens, seq_len, "validation")
     starts = np.linspace(0, len(tokens) - seq_len - 1, num_batches * batch_size).round().astype(np.int64)
     return (_gather(tokens, starts[i:i + batch_size], seq_len) for i in range(0, len(starts), batch_size))

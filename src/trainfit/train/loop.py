@@ -277,16 +277,16 @@ def evaluate(step: TrainStep, val: Any) -> float:
         return _pipeline_evaluate(step, val)
     t, device, world = step.cfg.training, step.device, step.world
     num_batches = t.eval_steps * step.layout.global_batch_size // t.micro_batch_size
-    batches = list(eval_batches(val, t.seq_len, t.micro_batch_size, num_batches))
+    batches = list(eval_batches(val, t.seq_len, t.micro_batch_size, num_batches, packing=step.cfg.data.packing))
     rank, size = world.dp_rank, world.dp_size
     totals = torch.zeros(2, device=device, dtype=torch.float64)  # (loss sum, batches; samples: trained targets)
     weighted = isinstance(val, SampleSplit)  # fine-tuning samples: the mean over the trained targets
     step.model.eval()
     for first in range(0, len(batches), size):
         index = first + rank
-        inputs, targets = batches[min(index, len(batches) - 1)]
+        inputs, targets, *documents = batches[min(index, len(batches) - 1)]
         with step.loss_context():
-            loss = step.loss(inputs.to(device), targets.to(device))[1]
+            loss = step.loss(inputs.to(device), targets.to(device), documents[0].to(device) if documents else None)[1]
         if index < len(batches):
             count = (step.model.sequence.shard(targets) != IGNORE).sum().to(device, torch.float64) if weighted else \
                 torch.ones((), dtype=torch.float64, device=device)

@@ -9,11 +9,13 @@ holds, per split, the ids (`<split>.bin`), one byte a token saying whether the l
 (`<split>.mask`) and the samples' boundaries (`<split>.idx`, int64 offsets). Validation is a held-out
 set of whole samples: every k-th, k = round(1 / data.val_fraction).
 
-Batches: a row is one sample, cut at seq_len + 1 tokens and padded; a target the loss does not train
-on (the prompt, padding) is IGNORE, which the loss leaves out of its mean. The rows of optimizer step k
-are drawn from default_rng([seed, k]) as BatchSampler draws its windows, so resume is exact and the
-data of a step does not depend on the micro-batch size, accumulation or world size. Torch-free but for
-the batches' tensors.
+Batches: a row holds whole samples, each cut at seq_len + 1 tokens, packed several a row or one a row
+(data.packing; train/packing.py plans which), and padded; a target the loss does not train on (the prompt,
+padding) is IGNORE, which the loss leaves out of its mean. Packed rows come with their document ids (which
+sample each position holds, -1 for padding), from which the model restarts positions and masks attention.
+The rows of optimizer step k are drawn from default_rng([seed, k]) as BatchSampler draws its windows, so
+resume is exact and the data of a step does not depend on the micro-batch size, accumulation or world
+size. Torch-free but for the batches' tensors.
 """
 
 from __future__ import annotations
@@ -28,13 +30,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from trainfit.config import ConfigError
+from trainfit.models.architecture import document_mask_kernel
 from trainfit.train.chat_template import ChatTemplate
+from trainfit.train.packing import RowPlan, plan_rows, sample_positions
 from trainfit.train.records import Record
 from trainfit.train.step_rows import StepRows
 from trainfit.train.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import torch
+
+    from trainfit.parallel.layout import Layout
 
 IGNORE = -100
 """The target the loss skips (torch's cross_entropy default ignore_index)."""
@@ -131,16 +137,28 @@ class SampleSplit:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def row(self, index: int, seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-        """(inputs, targets) of sample `index` in a row of seq_len: cut at seq_len + 1 tokens, padded."""
-        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
-        end = min(end, start + seq_len + 1)
-        ids = np.asarray(self.ids[start:end], dtype=np.int64)
-        targets = np.where(np.asarray(self.trained[start + 1:end], dtype=bool), ids[1:], IGNORE)
+    def row(self, indices: np.ndarray, seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(inputs, targets, document ids) of a row of seq_len holding samples `indices` in order, each cut at
+        seq_len + 1 tokens (train/packing.py), then padding (document id -1)."""
         inputs = np.full(seq_len, pad_id, dtype=np.int64)
-        out = np.full(seq_len, IGNORE, dtype=np.int64)
-        inputs[:len(ids) - 1], out[:len(targets)] = ids[:-1], targets
-        return inputs, out
+        targets = np.full(seq_len, IGNORE, dtype=np.int64)
+        documents = np.full(seq_len, -1, dtype=np.int64)
+        at = 0
+        for document, index in enumerate(indices):
+            start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+            end = min(end, start + seq_len + 1)
+            ids = np.asarray(self.ids[start:end], dtype=np.int64)
+            n = len(ids) - 1
+            inputs[at:at + n] = ids[:-1]
+            targets[at:at + n] = np.where(np.asarray(self.trained[start + 1:end], dtype=bool), ids[1:], IGNORE)
+            documents[at:at + n] = document
+            at += n
+        assert at <= seq_len, "a row's samples overflow it (train/packing.plan_rows)"
+        return inputs, targets, documents
+
+    def positions(self, seq_len: int) -> np.ndarray:
+        """Each sample's positions in a row (train/packing.py)."""
+        return sample_positions(np.diff(self.offsets), seq_len)
 
     def usable(self, seq_len: int, truncation: str = "cut") -> tuple[np.ndarray, int]:
         """(the samples with a trained token within seq_len + 1 tokens, how many are longer): data.truncation
@@ -173,10 +191,12 @@ def load_samples(root: Path, manifest: dict[str, Any], dtype: np.dtype) -> dict[
 
 
 class SampleSampler(StepRows):
-    """Samples, one a row, drawn per step as StepRows draws (train/step_rows.py)."""
+    """Rows of samples (packed, or one a row: train/packing.py), drawn per step as StepRows draws
+    (train/step_rows.py). Packed batches are (inputs, targets, document ids), others (inputs, targets)."""
 
     def __init__(self, split: SampleSplit, seq_len: int, batch_size: int, seed: int, pad_id: int,
-                 rank: int = 0, world_size: int = 1, grad_accum_steps: int = 1, truncation: str = "cut") -> None:
+                 rank: int = 0, world_size: int = 1, grad_accum_steps: int = 1, truncation: str = "cut",
+                 packing: bool = False) -> None:
         super().__init__(batch_size, seed, rank, world_size, grad_accum_steps)
         self.usable, longer = split.usable(seq_len, truncation)
         if not len(self.usable):
@@ -191,39 +211,52 @@ class SampleSampler(StepRows):
             warnings.warn(f"data: {longer} of {len(split)} training samples are longer than training.seq_len + 1 = "
                           f"{seq_len + 1} tokens and are cut there; {dropped} of them keep no token to train on and "
                           "are left out", stacklevel=2)
-        self.split, self.seq_len, self.pad_id = split, seq_len, pad_id
-        starts = split.offsets[self.usable]
-        ends = np.minimum(split.offsets[self.usable + 1], starts + seq_len + 1)
-        self.row_trained = np.asarray([int(np.count_nonzero(split.trained[a + 1:b])) for a, b in zip(starts, ends,
-                                                                                                      strict=True)])
-        """Each usable sample's trained targets in its row."""
+        self.split, self.seq_len, self.pad_id, self.packing = split, seq_len, pad_id, packing
+        self.rows = plan_rows(self.usable, split.positions(seq_len), seq_len, packing, seed)
+        starts = split.offsets[:-1]
+        ends = starts + split.positions(seq_len) + 1
+        trained = np.zeros(len(split), dtype=np.int64)
+        trained[self.usable] = [int(np.count_nonzero(split.trained[starts[i] + 1:ends[i]])) for i in self.usable]
+        self.row_trained = self.rows.per_row(trained)
+        """Each row's trained targets."""
 
     def step_trained_tokens(self) -> int:
         """The trained targets of the global batch (every rank, every micro-batch) of the optimizer step the
         next batch belongs to: what the step's loss is the mean over (train/step.py)."""
         step = self.position // self.grad_accum_steps
-        return int(self.row_trained[self.step_draw(step, len(self.usable))].sum())
+        return int(self.row_trained[self.step_draw(step, len(self.rows))].sum())
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return _stack(self.split, self.usable[self.next_rows(len(self.usable))], self.seq_len, self.pad_id)
+    def next_batch(self) -> tuple[torch.Tensor, ...]:
+        return _stack(self.split, self.rows, self.next_rows(len(self.rows)), self.pad_id, self.packing)
+
+    def note(self) -> str:
+        """The log's line on the rows: how many, how full."""
+        kind = "packed" if self.packing else "one sample a row (data.packing=false)"
+        return (f"fine-tuning rows: {len(self.usable)} samples in {len(self.rows)} rows of {self.seq_len} "
+                f"positions, {kind}; {100 * self.rows.fill:.1f}% of positions hold tokens, the rest padding")
 
 
 def sample_eval_batches(split: SampleSplit, seq_len: int, batch_size: int, num_batches: int,
-                        pad_id: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The validation samples in order (repeated when fewer than asked): the same batches at every evaluation."""
+                        pad_id: int, packing: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
+    """The validation samples' rows in order (repeated when fewer than asked): the same batches at every
+    evaluation."""
     usable, _ = split.usable(seq_len)
     if not len(usable):
         raise ConfigError(f"training.seq_len={seq_len}: no validation sample has a token to train on within "
                           f"its first {seq_len + 1} tokens; use a longer training.seq_len")
-    rows = np.resize(usable, num_batches * batch_size)
-    return (_stack(split, rows[i:i + batch_size], seq_len, pad_id) for i in range(0, len(rows), batch_size))
+    plan = plan_rows(usable, split.positions(seq_len), seq_len, packing)
+    rows = np.resize(np.arange(len(plan)), num_batches * batch_size)
+    return (_stack(split, plan, rows[i:i + batch_size], pad_id, packing) for i in range(0, len(rows), batch_size))
 
 
-def _stack(split: SampleSplit, indices: np.ndarray, seq_len: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _stack(split: SampleSplit, plan: RowPlan, rows: np.ndarray, pad_id: int, packing: bool
+           ) -> tuple[torch.Tensor, ...]:
+    """The batch of rows `rows` of `plan`: (inputs, targets), and the document ids when packed."""
     import torch
 
-    rows = [split.row(int(i), seq_len, pad_id) for i in indices]
-    return (torch.from_numpy(np.stack([r[0] for r in rows])), torch.from_numpy(np.stack([r[1] for r in rows])))
+    built = [split.row(plan.row(int(r)), plan.seq_len, pad_id) for r in rows]
+    parts = [torch.from_numpy(np.stack([b[k] for b in built])) for k in range(3)]
+    return tuple(parts) if packing else (parts[0], parts[1])
 
 
 def template_folders(tokenizer: str, init_from: str) -> list[str]:
@@ -235,3 +268,21 @@ def template_folders(tokenizer: str, init_from: str) -> list[str]:
     if init_from:
         folders.append(os.fspath(Path(init_from).expanduser()))
     return folders
+
+
+def check_packing_layout(layout: Layout) -> None:
+    """Packed rows need their document ids in every attention: context parallelism splits a row's positions
+    over ranks, and pipeline stages pass on hidden states only, so neither carries them."""
+    for field, size in (("parallel.cp", layout.cp), ("parallel.pp", layout.pp)):
+        if size > 1:
+            raise ConfigError(f"data.packing=true: {field}={size} does not carry packed rows' sample boundaries "
+                              "to every attention; set data.packing=false (one sample a padded row, which "
+                              f"{field} runs) or {field}=1")
+
+
+def packed_attention_note(device_type: str) -> str:
+    """The log's line on how packed rows' attention keeps to each sample (architecture.document_mask_kernel)."""
+    if document_mask_kernel(device_type) == "flex":
+        return "packed samples: FlexAttention with a block mask of the rows' samples (blocks no sample spans skipped)"
+    return ("packed samples: SDPA with an explicit block-diagonal mask of rows x seq_len x seq_len per window "
+            "(each sample attends to itself only)")

@@ -72,8 +72,9 @@ class TrainStep:
     """The step of `cfg` on `layout` around a model built and parallelized by the caller (on its
     device, or under fake tensors), with the optimizer, LR schedule, loss scaler and pipeline
     schedule it builds for it. `batches`: anything with next_batch() -> (inputs, targets) of one
-    micro-batch. `optimizer_device_type`: the device the optimizer is built for (picks fused/foreach
-    kernels). Calling it runs one optimizer step and returns its StepStats."""
+    micro-batch, or (inputs, targets, document ids) of packed rows. `optimizer_device_type`: the
+    device the optimizer is built for (picks fused/foreach kernels). Calling it runs one optimizer
+    step and returns its StepStats."""
 
     MOMENTS = ("forward", "backward", "optimizer", "update")
     """forward: a micro-batch's forward and loss start; backward: its backward starts; optimizer:
@@ -159,27 +160,32 @@ class TrainStep:
         for listener in self._listeners:
             listener(moment)
 
-    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss to backpropagate, language-model loss to report) of one micro-batch's forward."""
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss to backpropagate, language-model loss to report) of one micro-batch's forward; `documents`:
+        packed rows' document ids (train/packing.py; never under context or pipeline parallelism)."""
         sequence = self.model.sequence  # context parallelism: this rank's chunks of each row
         inputs, targets = sequence.shard(inputs), sequence.shard(targets)
         with self.autocast():  # the chunked loss projects the logits, in the forward's precision
-            lm_loss = self.lm_loss(self.model(inputs), targets)
+            output = self.model(inputs) if documents is None else self.model(inputs, documents)
+            lm_loss = self.lm_loss(output, targets)
         aux = getattr(self.model, "aux_loss", None)
         if aux is not None and self.cfg.model.num_experts:
             return lm_loss + self.cfg.model.router_aux_loss_coef * aux, lm_loss
         return lm_loss, lm_loss
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, num_microbatches: int,
-                         sync_gradients: bool, step_tokens: int | None = None) -> torch.Tensor:
+                         sync_gradients: bool, step_tokens: int | None = None,
+                         documents: torch.Tensor | None = None) -> torch.Tensor:
         """One micro-batch of an optimizer step of `num_microbatches`: forward, loss, scaled
         backward; gradients accumulate. `sync_gradients`: reduce them across data-parallel ranks
         now (the step's last micro-batch). Returns the language-model loss (detached). `step_tokens`:
-        the trained targets of the step's global batch (fine-tuning samples: `token_weight`)."""
+        the trained targets of the step's global batch (fine-tuning samples: `token_weight`); `documents`:
+        packed rows' document ids."""
         set_gradient_sync(self.model, sync_gradients)
         self._moment("forward")
         with self.loss_context():
-            loss, lm_loss = self.loss(inputs, targets)
+            loss, lm_loss = self.loss(inputs, targets, documents)
             self._moment("backward")
             weight = self.token_weight(targets, step_tokens) if step_tokens else 1 / num_microbatches
             self.scaler.scale(loss * weight).backward()
@@ -254,9 +260,9 @@ class TrainStep:
         else:
             step_tokens = self._step_tokens()
             for i in range(accum):
-                inputs, targets = (t.to(self.device, non_blocking=True) for t in self.sampler.next_batch())
+                inputs, targets, *documents = (t.to(self.device, non_blocking=True) for t in self.sampler.next_batch())
                 total += self.forward_backward(inputs, targets, num_microbatches=accum, sync_gradients=i == accum - 1,
-                                               step_tokens=step_tokens)
+                                               step_tokens=step_tokens, documents=documents[0] if documents else None)
         # A text micro-batch holds micro_batch_size x seq_len trained tokens (no padding), so the mean over
         # all tokens of the global batch is the mean of the micro-batch means over all ranks (under
         # pipeline parallelism, the ranks of the last stage: the others add 0); fine-tuning samples' are

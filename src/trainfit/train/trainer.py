@@ -45,7 +45,7 @@ from trainfit.train.distributed import World, init_world, run_layout
 from trainfit.train.loop import TrainResult
 from trainfit.train.optim import lr_at
 from trainfit.train.run_device import this_run_device
-from trainfit.train.samples import SampleSampler, SampleSplit
+from trainfit.train.samples import SampleSampler, SampleSplit, check_packing_layout, packed_attention_note
 from trainfit.train.step import StepListener, StepStats, TrainingDiverged, TrainStep
 
 __all__ = ["StepStats", "TrainResult", "Trainer", "TrainingDiverged", "data_cache_dir", "measure_step",
@@ -78,6 +78,10 @@ class Trainer:
         self.device = self.world.device
         self.policy = run_precision(self.layout, self.device.type)
         self.data = self._load_data()
+        self.packed = isinstance(self.data.train, SampleSplit) and cfg.data.packing
+        """Rows of several fine-tuning samples each (train/packing.py), with their document ids."""
+        if self.packed:
+            check_packing_layout(self.layout)
         if self.data.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
                 f"model.vocab_size={cfg.model.vocab_size}: smaller than the tokenizer's vocabulary "
@@ -90,7 +94,7 @@ class Trainer:
             sampler: BatchSampler | SampleSampler = SampleSampler(
                 self.data.train, t.seq_len, self.layout.micro_batch_size, t.seed, pad_id=self.pad_id,
                 rank=self.world.dp_rank, world_size=self.world.dp_size, grad_accum_steps=self.layout.grad_accum_steps,
-                truncation=cfg.data.truncation)
+                truncation=cfg.data.truncation, packing=cfg.data.packing)
         else:
             sampler = BatchSampler(self.data.train, t.seq_len, self.layout.micro_batch_size, t.seed,
                                    rank=self.world.dp_rank, world_size=self.world.dp_size,
@@ -107,6 +111,10 @@ class Trainer:
         """Messages for the log, printed when training starts (resume, schedule changes)."""
         self.attention_kernel = self._probe_attention_kernel()
         self.notes.append(self.attention_kernel.note())
+        if isinstance(sampler, SampleSampler):
+            self.notes.append(sampler.note())
+        if self.packed:
+            self.notes.append(packed_attention_note(self.device.type))
         layers_note = attention_layers_note(describe(cfg.model), t.seq_len)
         if layers_note:
             self.notes.append(layers_note)
@@ -192,7 +200,8 @@ class Trainer:
         arch = describe(m)
         return probe_attention_kernel(cfg.training.attention_backend, self.device, dtype, m.num_heads // layout.tp,
                                       m.num_kv_heads // layout.tp, arch.attention.head_dim,
-                                      masked=layout.cp > 1 or bool(arch.masked_windows(cfg.training.seq_len)))
+                                      masked=layout.cp > 1 or self.packed
+                                      or bool(arch.masked_windows(cfg.training.seq_len)))
 
     def _load_data(self) -> TokenData:
         """Node-local rank 0 tokenizes into the cache (once); the other ranks wait, then load it."""

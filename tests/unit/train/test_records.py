@@ -83,7 +83,8 @@ def test_prepared_samples_hold_ids_masks_and_whole_held_out_samples(tmp_path: Pa
     assert data.samples and len(data.train) == 36
     first = bytes(np.asarray(data.train.ids[data.train.offsets[0]:data.train.offsets[1]], dtype=np.uint8)).decode()
     assert first == "<|im_start|>user\nquestion 0<|im_end|>\n<|im_start|>assistant\nyes<|im_end|>\n"
-    inputs, targets = data.train.row(0, 128, pad_id=0)
+    inputs, targets, documents = data.train.row(np.asarray([0]), 128, pad_id=0)
+    assert (documents[:len(first) - 1] == 0).all() and (documents[len(first) - 1:] == -1).all()
     trained = targets[targets != IGNORE]
     assert bytes(trained.astype(np.uint8)).decode() == "yes<|im_end|>"
     assert (inputs[len(first) - 1:] == 0).all() and (targets[len(first) - 1:] == IGNORE).all()
