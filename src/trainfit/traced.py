@@ -167,13 +167,14 @@ def _fake_store() -> dist.Store:
 
 
 class _FakeBatches:
-    """The sampler's interface, yielding int64 (inputs, targets) of the configured shape."""
+    """The sampler's interface, yielding int64 (inputs, targets) of the configured shape, and the document
+    ids of packed rows (Layout.rows) when the run packs samples."""
 
-    def __init__(self, micro_batch_size: int, seq_len: int) -> None:
-        self.shape = (micro_batch_size, seq_len)
+    def __init__(self, micro_batch_size: int, seq_len: int, packed: bool = False) -> None:
+        self.shape, self.packed = (micro_batch_size, seq_len), packed
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.zeros(self.shape, dtype=torch.long), torch.zeros(self.shape, dtype=torch.long)
+    def next_batch(self) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.zeros(self.shape, dtype=torch.long) for _ in range(3 if self.packed else 2))
 
 
 class _TakenStepScaler:
@@ -442,7 +443,7 @@ def _trace_rank(cfg: Config, layout: Layout, rank: int) -> _RankTrace:
                 ledger.route(dropless_loads(tokens, cfg.model.experts_per_token, cfg.model.num_experts,
                                             layout.moe_imbalance))
             materialize(model, "cpu")
-            batches = _FakeBatches(rows, seq_len)
+            batches = _FakeBatches(rows, seq_len, layout.rows is not None and layout.rows.packed)
             step = _TracedStep(cfg, layout, world, policy, model, batches,
                                optimizer_device_type=_target_device_type(cfg))
             ledger.watch_model(model, split_backward=layout.splits_backward)

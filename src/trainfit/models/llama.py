@@ -196,6 +196,10 @@ class Transformer(nn.Module):
             self.register_buffer(_rope_name("cos", k), cos_TK, persistent=False)
             self.register_buffer(_rope_name("sin", k), sin_TK, persistent=False)
         self.spans = [(self.rope_keys.index(la.attention.rope_key), la.attention.window) for la in arch.layers]
+        self.rope_after_fp32_norm = any(la.attention.qk_norm is not None and not la.attention.qk_norm.offset
+                                        for la in arch.layers)
+        """QK-norm whose gain multiplies after the cast back (RMSNorm), so queries and keys reach RoPE in the
+        parameters' dtype, not autocast's: packed rows' tables are cast to that (once, not per layer)."""
         """Each layer's (RoPE table index, sliding window: 0 none), read once here rather than in each forward."""
         self.aux_loss = torch.zeros(())
         self.project_logits = True
@@ -227,6 +231,8 @@ class Transformer(nn.Module):
         else:  # [B, 1, T, K] tables (each row's positions), cast once to the queries' dtype as the masks are
             pos_B1T = document_positions(documents_BT)[:, None]
             dtype = _queries_dtype(h_BTD)
+            if self.rope_after_fp32_norm:  # RoPE's inputs: the norm's output, promoted by its gain
+                dtype = torch.promote_types(dtype, h_BTD.dtype)
             tables = [(getattr(self, _rope_name("cos", k))[pos_B1T].to(dtype),
                        getattr(self, _rope_name("sin", k))[pos_B1T].to(dtype)) for k in range(len(self.rope_keys))]
             masks = document_masks(documents_BT, windows, h_BTD)

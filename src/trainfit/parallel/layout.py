@@ -31,6 +31,7 @@ from trainfit.parallel.stage_split import (
     stage_owners,
 )
 from trainfit.peft.spec import Adaptation
+from trainfit.sample_rows import SampleRows
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh axes, outermost first: the one definition of the axis order (mesh.py and perf/comms.py)."""
@@ -95,6 +96,8 @@ class Layout:
     """optimizer.name: some optimizers need whole parameters (untrainable_reason)."""
     tie_embeddings: bool = False
     """model.tie_embeddings: the embedding and the output projection share one weight."""
+    rows: SampleRows | None = None
+    """Fine-tuning samples' rows (packed or padded, their lengths: sample_rows.py); None: a text stream."""
 
     @property
     def dp(self) -> int:

@@ -17,6 +17,7 @@ from trainfit.parallel.layout import Layout, offload_refusal
 from trainfit.parallel.schedules import SCHEDULES, default_virtual_stages, refuses
 from trainfit.parallel.stage_split import balanced_split
 from trainfit.peft.spec import adaptation_of
+from trainfit.sample_rows import SampleRows
 
 
 def _fail(field: str, value: object, why: str, fix: str) -> ConfigError:
@@ -119,7 +120,16 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
                   fp8_all_gather=cfg.precision.fp8_all_gather,
                   grad_accum_dtype=cfg.optimizer.grad_accum_dtype, moe_imbalance=mem.moe_imbalance,
                   loss_chunk_tokens=mem.loss_chunk_tokens, compile=t.compile, optimizer=cfg.optimizer.name,
-                  tie_embeddings=bool(m.tie_embeddings))
+                  tie_embeddings=bool(m.tie_embeddings), rows=_sample_rows(cfg))
+
+
+def _sample_rows(cfg: Config) -> SampleRows | None:
+    """The rows of the run's data (train/data.sample_rows_of); the packaged text has none."""
+    if not cfg.data.path:
+        return None
+    from trainfit.train.data import sample_rows_of  # numpy and the records' readers: only for data of one's own
+
+    return sample_rows_of(cfg.data, cfg.model.init_from)
 
 
 def _check_async_tp(cfg: Config) -> None:

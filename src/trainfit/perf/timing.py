@@ -88,7 +88,7 @@ from trainfit.hardware import (
     peak_flops,
 )
 from trainfit.models import block_cost as B
-from trainfit.models.architecture import describe, kind_of_layers, layer_kinds, softcap_kernel
+from trainfit.models.architecture import describe, document_mask_kernel, kind_of_layers, layer_kinds, softcap_kernel
 from trainfit.models.block_spec import block_linears
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.schedules import bubble_fraction
@@ -108,6 +108,7 @@ from trainfit.perf.comms import (
 )
 from trainfit.perf.fp8_casts import SCALE_PRECOMPUTE_BYTES, gathered_shard_bytes, linear_cast_bytes
 from trainfit.perf.kernels import float8_gemms
+from trainfit.sample_rows import SampleRows
 
 if TYPE_CHECKING:
     from trainfit.hardware_profile import HardwareProfile
@@ -226,10 +227,33 @@ def _rank_flops(m: ModelConfig, layout: Layout, t: TrainingConfig, device: str) 
                      busiest.last_stage)
 
 
+def packed_rows(layout: Layout) -> SampleRows | None:
+    """The layout's rows when they pack fine-tuning samples (sample_rows.py), else None."""
+    return layout.rows if layout.rows is not None and layout.rows.packed else None
+
+
+def attended_length(layout: Layout, t: TrainingConfig) -> int:
+    """The sequence length whose causal attention is a row's useful work: the packed samples' effective
+    length (sample_rows.py), else training.seq_len. What model FLOPs and MFU count."""
+    rows = packed_rows(layout)
+    return rows.attended_length(t.seq_len) if rows is not None else t.seq_len
+
+
+def _attention_kernel_flops(m: ModelConfig, layout: Layout, t: TrainingConfig, device: str, eager: bool) -> int:
+    """What a block's attention kernel computes per token: block_cost's, or over packed rows what their
+    document mask's kernel computes (sample_rows.SampleRows.kernel_length: the whole row under SDPA's
+    explicit mask, FlexAttention's blocks around each sample)."""
+    rows = packed_rows(layout)
+    if rows is None:
+        return B.block_attention_kernel_flops(m, t.seq_len, eager_softcap=eager)
+    length = rows.kernel_length(t.seq_len, document_mask_kernel(device))
+    return B.block_attention_flops(m, t.seq_len, causal=False) if length is None else B.block_attention_flops(m, length)
+
+
 def _rank_of(m: ModelConfig, layout: Layout, t: TrainingConfig, device: str) -> Callable[[int, int, bool], RankFlops]:
     """A rank's FLOPs per token of `m` (its layers alike) by (blocks, of them wrapped, runs the last stage)."""
     eager = softcap_kernel(device) == "eager"
-    mm, at = 2 * B.block_matmul_params(m), B.block_attention_kernel_flops(m, t.seq_len, eager_softcap=eager)
+    mm, at = 2 * B.block_matmul_params(m), _attention_kernel_flops(m, layout, t, device, eager)
     rc_mm, rc_at = F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing, layout.ep)
     rc_at = rc_at * at / B.block_attention_flops(m, t.seq_len)  # the kernel's work, as for the forward
     local = sum(g.k * g.n * g.share for g in K.block_gemms(m, layout))  # one tp rank's share of a block's
@@ -364,7 +388,7 @@ def _weight_conversion_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig
         others = [g for g in [*K.block_gemms(m, layout), K.head_gemm(m, layout)] if g not in fp8_gemms]
         matmul = K.matmul_rate(profile, high, m, layout, tokens, others) * efficiency
         matmul_fp8 = K.matmul_rate(profile, "fp8", m, layout, tokens, fp8_gemms) * efficiency if fp8_gemms else 1.0
-        measured = K.attention_rate(profile, high, m, t.seq_len // layout.cp)
+        measured = K.attention_rate(profile, high, m, attended_length(layout, t) // layout.cp)
         attention = measured * efficiency if measured else matmul
         ew_fwd, ew_bwd = K.elementwise_bytes(m, layout, t)
         compute, memory = K.concurrency_slowdown(profile, rates.hw, layout)
@@ -434,8 +458,11 @@ def _gpu_compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rate
     matmul_fp8 = rate([(g, 1) for g in fp8_gemms], "fp8") * efficiency if fp8_gemms else 1.0
     # soft-capped scores (Gemma 2) run FlexAttention on a GPU (models/architecture.softcap_kernel), a fused
     # kernel that is priced as FlashAttention-2 (FlexAttention's own rate is not measured here)
-    kernel = "flash" if describe(m).attention.softcap else attention_kernel(t.attention_backend, device)
-    att_fwd, att_bwd = GK.attention_rates(kernel, t.seq_len // layout.cp, GK.mamf(device, "bf16", peaks))
+    # and so do packed rows' (document_mask_kernel), at their samples' effective length
+    kernel = "flash" if describe(m).attention.softcap or packed_rows(layout) else \
+        attention_kernel(t.attention_backend, device)
+    att_fwd, att_bwd = GK.attention_rates(kernel, attended_length(layout, t) // layout.cp,
+                                          GK.mamf(device, "bf16", peaks))
     ew_fwd, ew_bwd = K.elementwise_bytes(m, layout, t)
 
     def seconds(total: float, fp8: float, att: float, attention_rate: float, elementwise: float) -> dict[str, float]:
@@ -604,11 +631,12 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
     if len(layer_kinds(m)) > 1:
         return _mixed_perf(m, layout, t, hw, rates)
     tokens_per_step = layout.global_batch_size * t.seq_len
-    model_tok = F.training_flops_per_token(m, t.seq_len, layout.adaptation)
-    hardware_tok = F.hardware_flops_per_token(m, t.seq_len, layout.activation_checkpointing, layout.ac_every_n_layers,
+    context = attended_length(layout, t)  # what attention's FLOPs follow (packed samples: their lengths)
+    model_tok = F.training_flops_per_token(m, context, layout.adaptation)
+    hardware_tok = F.hardware_flops_per_token(m, context, layout.activation_checkpointing, layout.ac_every_n_layers,
                                               adaptation=layout.adaptation,
                                               chunked_loss=layout.chunked_loss, ep=layout.ep)
-    recompute_tok = (F.recompute_flops_per_token(m, t.seq_len, layout.activation_checkpointing,
+    recompute_tok = (F.recompute_flops_per_token(m, context, layout.activation_checkpointing,
                                                  layout.ac_every_n_layers, layout.ep)
                      + F.loss_recompute_flops_per_token(m, layout.chunked_loss))
     rank_flops = _rank_flops(m, layout, t, device_type(hw))

@@ -8,6 +8,8 @@ the tokenizer's files and manifest.json. Validation is the tail of the token str
 from __future__ import annotations
 
 import codecs
+import dataclasses
+import functools
 import hashlib
 import json
 import lzma
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from trainfit.config import ConfigError, DataConfig
+from trainfit.sample_rows import SampleRows, rows_from_manifest
 from trainfit.train.chat_template import (
     find_chat_template,
     load_saved_chat_template,
@@ -389,6 +392,63 @@ def load_prepared(directory: str | os.PathLike[str], verify: bool | None = None)
 def _damaged(root: Path, problem: str) -> ConfigError:
     return ConfigError(f"data.path={str(root)!r}: {problem}; the folder is damaged: delete it and prepare "
                        "the data again (a cache folder is rebuilt on the next run)")
+
+
+def data_cache_dir() -> Path:
+    """Where runs keep the data they tokenized (one entry per _cache_key)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "trainfit" / "data"
+
+
+def sample_rows_of(cfg: DataConfig, model_folder: str = "", cache_dir: str | None = None) -> SampleRows | None:
+    """What the run's rows hold (sample_rows.py) without tokenizing anything: None for a text stream (or a
+    data.path that is not there: the run says so); fine-tuning samples' length statistics from data.path's
+    manifest when it is prepared, else from the cache entry a run already made, else unknown lengths.
+    Looked up once per data setting and file version (the planner asks per candidate)."""
+    if not cfg.path:
+        return None
+    try:
+        stamp = Path(cfg.path).expanduser().stat().st_mtime_ns
+    except OSError:
+        return None
+    cache = str(Path(cache_dir or data_cache_dir()).expanduser())
+    manifest = _samples_manifest(tuple(dataclasses.astuple(cfg)), model_folder, cache, stamp)
+    if manifest is None:
+        return None
+    if not manifest.is_file():  # records a run has not tokenized yet
+        return SampleRows(cfg.packing)
+    try:
+        return _prepared_rows(manifest, manifest.stat().st_mtime_ns, cfg.packing)
+    except (OSError, ValueError):
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def _samples_manifest(fields: tuple[Any, ...], model_folder: str, cache_dir: str, stamp: int) -> Path | None:
+    """The manifest fine-tuning samples of the data setting `fields` are (or will be) prepared under; None for
+    text (or data that is not readable: the run names why)."""
+    del stamp  # the key's part that makes an edited data.path looked up again
+    cfg = DataConfig(*fields)
+    root = Path(cfg.path).expanduser()
+    try:
+        if (root / MANIFEST).is_file():
+            return root / MANIFEST
+        files = _input_files(cfg.path)
+        if not fine_tuning_files(files, cfg.format):
+            return None
+        return Path(cache_dir) / _cache_key(cfg, template_folders(cfg.tokenizer, model_folder)) / MANIFEST
+    except (ConfigError, OSError, ValueError):
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def _prepared_rows(manifest_path: Path, stamp: int, packed: bool) -> SampleRows | None:
+    """The rows of a prepared manifest (read once per version of the file); None for prepared text."""
+    del stamp
+    manifest = json.loads(manifest_path.read_text())
+    if not isinstance(manifest, dict) or manifest.get("layout") != LAYOUT:
+        return None
+    return rows_from_manifest(manifest, packed)
 
 
 def resolve_data(cfg: DataConfig, cache_dir: str, model_folder: str = "") -> TokenData:

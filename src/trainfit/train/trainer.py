@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import os
 import warnings
 from pathlib import Path
 
@@ -37,10 +36,11 @@ from trainfit.parallel.resolve import build_layout
 from trainfit.parallel.tensor_parallel import uneven_vocabulary
 from trainfit.peft.spec import qlora_note
 from trainfit.perf.flops import training_flops_per_token
+from trainfit.sample_rows import rows_from_manifest
 from trainfit.train import checkpoint as ckpt
 from trainfit.train import loop
 from trainfit.train.build import build_parallel_model, run_precision
-from trainfit.train.data import BatchSampler, TokenData, resolve_data
+from trainfit.train.data import BatchSampler, TokenData, data_cache_dir, resolve_data
 from trainfit.train.distributed import World, init_world, run_layout
 from trainfit.train.loop import TrainResult
 from trainfit.train.optim import lr_at
@@ -50,11 +50,6 @@ from trainfit.train.step import StepListener, StepStats, TrainingDiverged, Train
 
 __all__ = ["StepStats", "TrainResult", "Trainer", "TrainingDiverged", "data_cache_dir", "measure_step",
            "measure_trainer_step"]
-
-
-def data_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "trainfit" / "data"
 
 
 class Trainer:
@@ -82,6 +77,8 @@ class Trainer:
         """Rows of several fine-tuning samples each (train/packing.py), with their document ids."""
         if self.packed:
             check_packing_layout(self.layout)
+        if isinstance(self.data.train, SampleSplit):  # the lengths of the samples now tokenized, for the estimates
+            self.layout = dataclasses.replace(self.layout, rows=rows_from_manifest(self.data.manifest, self.packed))
         if self.data.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
                 f"model.vocab_size={cfg.model.vocab_size}: smaller than the tokenizer's vocabulary "

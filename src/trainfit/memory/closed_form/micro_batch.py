@@ -15,7 +15,11 @@ from trainfit.memory.closed_form.block.adapter_activations import (
     final_norm_adapter_terms,
     selective_adapter_terms,
 )
-from trainfit.memory.closed_form.block.attention_activations import context_parallel_positions
+from trainfit.memory.closed_form.block.attention_activations import (
+    context_parallel_positions,
+    packed_mask_bytes,
+    packed_positions,
+)
 from trainfit.memory.closed_form.block.backward_transients import (
     attention_backward_freed,
     backward_transient_terms,
@@ -46,6 +50,11 @@ class MicroBatch(NamedTuple):
     policy: int
     """...and under the checkpointing policy (the blocks it wraps)."""
     positions: int
+    """What the blocks share and save of a micro-batch: the RoPE rows of its positions (context parallelism,
+    packed rows) and packed rows' document masks..."""
+    forward_masks: int
+    """...except under the eager soft-capped attention, which adds a mask to its scores and keeps nothing of it:
+    packed rows' masks then live through the model's forward only (models/llama.Transformer.forward)."""
     final: int
     loss: LossBytes
     rebuild: int
@@ -96,9 +105,12 @@ def _micro_batch(m: ModelConfig, prec: Precision, shape: MicroBatchShape) -> Mic
     only = policy_only_terms(m, act, policy, tp, routing, cp)
     released = size(only.released)
     first = first_linears(m, act)
+    masks = packed_mask_bytes(m, shape.tokens // shape.seq, shape.seq, act.compute, shape.document_mask_kernel) \
+        if shape.document_mask_kernel else 0
     return MicroBatch(
         routing=routing, transient=t, none=none, policy=wrapped,
-        positions=size(context_parallel_positions(m, cp, shape.rope_table_bytes)),
+        positions=size(context_parallel_positions(m, cp, shape.rope_table_bytes) + packed_positions(m, act))
+        + (0 if act.eager_attention else masks), forward_masks=masks if act.eager_attention else 0,
         final=size(final_norm_terms(m, act, projected=not shape.chunked_loss)
                    + (final_norm_adapter_terms(m, act, shape.adaptation, not shape.chunked_loss)
                       if shape.adaptation else Terms())), loss=loss_bytes(m, prec, shape),

@@ -22,7 +22,7 @@ from trainfit.memory.closed_form.run_shape import (
     precision_of,
     rope_table_bytes,
 )
-from trainfit.models.architecture import describe, kind_of_layers, softcap_kernel
+from trainfit.models.architecture import describe, document_mask_kernel, kind_of_layers, softcap_kernel
 from trainfit.models.block_spec import block_linears
 from trainfit.models.params import ParamCounts
 from trainfit.parallel.layout import Layout
@@ -265,11 +265,14 @@ def layout_common(run: Run, shared: SharedSizes) -> LayoutCommon:
         prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, eager_attention=True))
     if run.hardware.gpu == "cpu":
         prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, dropout_noise=True))
+    if layout.rows is not None and layout.rows.packed:
+        prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, packed_rows=True))
     seq = run.training.seq_len // layout.cp
     tokens = layout.micro_batch_size * seq
     shape = MicroBatchShape(tokens, seq, layout.tp, layout.cp, layout.ep, layout.sequence_parallel,
                    layout.activation_checkpointing, layout.moe_imbalance, layout.chunked_loss, layout.loss_chunk_tokens,
-                   rope_table_bytes(run), layout.adaptation)
+                   rope_table_bytes(run), layout.adaptation,
+                   document_mask_kernel(device_type(run.hardware)) if prec.act.packed_rows else "")
     kinds = tuple(KindSizes(kind_run, sizes.counts, _block(kind_run, sizes.counts), sizes.micro_batch(prec, shape))
                   for sizes in shared.kinds for kind_run in [run._replace(model=sizes.model)])
     first = kinds[0]

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from trainfit.config import HardwareConfig, ModelConfig, OptimizerConfig, TrainingConfig
+from trainfit.hardware import device_type
 from trainfit.memory.closed_form.block.activation_terms import FP32, ActDtypes
-from trainfit.models.architecture import describe
+from trainfit.models.architecture import describe, document_mask_kernel
 from trainfit.parallel.layout import Layout
 from trainfit.peft.spec import Adaptation
 
@@ -56,8 +57,12 @@ def assumed_attention_kernel(model: ModelConfig, layout: Layout, training: Train
     every dense float input (sdp_utils_cpp.cpp); on CUDA (cuda/sdp_utils.cpp) flash takes fp16/bf16
     with head dim <= 256 and no explicit mask (context parallelism passes one), the memory-efficient
     kernel fp32 too and masks, with head dim a multiple of 8 in 16 bits, 4 in fp32 (sm80 and later),
-    and only what neither takes falls back to math."""
+    and only what neither takes falls back to math. Packed fine-tuning rows run FlexAttention on CUDA
+    (models/architecture.document_mask_kernel), and elsewhere SDPA with an explicit mask."""
     backend = training.attention_backend
+    packed = layout.rows is not None and layout.rows.packed
+    if packed and document_mask_kernel(device_type(hardware)) == "flex":
+        return "fused"  # FlexAttention under the rows' block mask, whatever the backend (it keeps what flash keeps)
     if backend != "auto":
         return "math" if backend == "math" else "fused"
     if hardware.gpu == "cpu":
@@ -65,7 +70,7 @@ def assumed_attention_kernel(model: ModelConfig, layout: Layout, training: Train
     arch = describe(model)
     head_dim = arch.attention.head_dim
     half = layout.precision != "fp32"
-    if half and layout.cp == 1 and not arch.masked_windows(training.seq_len) and head_dim <= 256:
+    if half and layout.cp == 1 and not packed and not arch.masked_windows(training.seq_len) and head_dim <= 256:
         return "fused"
     return "fused" if head_dim % (8 if half else 4) == 0 else "math"
 
@@ -89,6 +94,9 @@ class MicroBatchShape(NamedTuple):
     rope_table_bytes: int
     adaptation: Adaptation | None = None
     """PEFT's adapters (Layout.adaptation): what a block saves through its frozen base."""
+    document_mask_kernel: str = ""
+    """Packed fine-tuning rows: how attention keeps to each sample (models/architecture.document_mask_kernel);
+    "": rows of one sequence."""
 
 
 def rope_table_bytes(run: Run) -> int:

@@ -419,7 +419,8 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     # the layers of that window: models/common.window_mask), and each RoPE setting's cos/sin tables
     persistent_buffers = context_parallel_mask_bytes(st.seq, run.layout.cp, act.compute)
     arch = describe(run.model)
-    persistent_buffers += len(arch.masked_windows(st.seq)) * st.seq * st.seq * act.compute
+    if not act.packed_rows:  # packed rows' document masks replace the windows' (micro_batch.MicroBatch.positions)
+        persistent_buffers += len(arch.masked_windows(st.seq)) * st.seq * st.seq * act.compute
     persistent_buffers += len(arch.rope_keys) * 2 * run.model.max_seq_len * arch.attention.head_dim * \
         rope_table_bytes(run)
     kind = run.layout.data_parallel
@@ -631,7 +632,8 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
         ahead = g.before + g.pending(st.params)  # every gradient before the backward's first
         moments = [
             # End of the model's forward: autocast's cache still holds checkpointed blocks' casts.
-            Moment("forward", "end of forward", held + all_casts, acts, older_logits + loss.output, ahead, fwd),
+            Moment("forward", "end of forward", held + all_casts, acts + mb.forward_masks,
+                   older_logits + loss.output, ahead, fwd),
             Moment("forward", "loss", held + saved_casts, acts, older_logits + loss.forward, ahead, fwd),
             # (QLoRA: the last block's forward, dequantizing its largest NF4 weight; a bound: the whole block saved)
             *([Moment("forward", "last block's nf4 dequant", held + all_casts, acts - a_final + last.dequant,
@@ -664,12 +666,15 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
             moments += middle_moments(g, older, older_logits + own_logits, bwd)
             # (under a pipeline schedule FSDP keeps every backwarded block gathered: all of them, held;
             # accumulating, autograd adds the block's new weight gradients into the `.grad` there)
+            # (what the blocks share, mb.positions, lives until the first block's RoPE backward: past its
+            # attention, before its query projection's)
             moments += [
                 Moment("backward", f"first block: {b.what}",
                        (held if pp_fsdp else c * (first.params + lay.embedding + lay.head) - first.nf4_gathered
                         if held else 0)
                        + (all_casts if pipelined else first.cast) + b.casts,
-                       older + b.activations, older_logits + own_logits,
+                       older + b.activations + (0 if b.what.startswith("wq") else mb.positions),
+                       older_logits + own_logits,
                        max(g.before, g.later_grads + b.grads) + g.pending(first.params + lay.embedding),
                        bwd + g.first_comms + b.buffers)
                 for b in first_moments]

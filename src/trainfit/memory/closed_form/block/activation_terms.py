@@ -66,6 +66,9 @@ class ActDtypes:
     eager_attention: bool = False
     """Soft-capped scores (Gemma 2) run the eager attention, not FlexAttention (on the CPU:
     models/architecture.softcap_kernel), keeping its [heads, queries, keys] scores and probabilities."""
+    packed_rows: bool = False
+    """Packed fine-tuning samples (Layout.rows): the rows' RoPE tables are gathered per position and cast to
+    the queries' dtype once per forward (models/llama.py), so no block casts (and saves) copies of its own."""
     dropout_noise: bool = False
     """Dropout saves a noise tensor in its input's dtype (torch's CPU dropout multiplies by one), not
     the bool mask of the fused native_dropout kernel (CUDA)."""

@@ -14,6 +14,8 @@ from trainfit.memory.closed_form.block.activation_terms import (
     layer_of,
     qk_norm_saved,
 )
+from trainfit.models.architecture import describe
+from trainfit.sample_rows import FLEX_BLOCK
 
 
 def attention_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
@@ -23,7 +25,8 @@ def attention_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
     # QK-norm q and k are fp32 (the norm's fp32 gain promotes them), the tables' own dtype: no cast, unless
     # the norm casts back after its gain (Gemma's (1 + w)).
     cast_back = a.qk_norm is not None and a.qk_norm.offset
-    per_position = 4 * head_dim * c if (d.autocast and a.rope and (not a.qk_norm or cast_back)) else 0
+    per_position = 4 * head_dim * c if (d.autocast and a.rope and not d.packed_rows and (not a.qk_norm or cast_back)) \
+        else 0
     qk_norm = qk_norm_saved(m, d)
     if d.eager_attention:
         return _softcapped_attention_saved(m, d) + Terms(per_position=per_position) + qk_norm
@@ -95,6 +98,28 @@ def context_parallel_positions(m: ModelConfig, cp: int, table_bytes: int) -> Ter
     if cp == 1 or not layer_of(m).attention.rope:
         return Terms()
     return Terms(per_position=2 * block_shapes(m)[4] * table_bytes)
+
+
+def packed_positions(m: ModelConfig, d: ActDtypes) -> Terms:
+    """Packed rows (ActDtypes.packed_rows): each RoPE setting's cos and sin rows of every token's own position
+    [B, 1, T, head_dim], in the queries' dtype, built once per forward and saved by every block's RoPE."""
+    if not d.packed_rows:
+        return Terms()
+    a = layer_of(m).attention
+    table = max(d.compute, d.stream) if a.qk_norm and not a.qk_norm.offset else d.compute  # models/llama.py
+    return Terms(gathered=len(describe(m).rope_keys) * 2 * block_shapes(m)[4] * table)
+
+
+def packed_mask_bytes(m: ModelConfig, rows: int, seq_len: int, compute: int, kernel: str) -> int:
+    """Packed rows' document masks, one per distinct window of the layers, shared by its layers
+    (models/document_attention.document_masks): SDPA's additive [B, 1, T, T] in the queries' dtype, or
+    FlexAttention's block mask (int32 block counts [B, 1, n] and indices [B, 1, n, n], n = T / FLEX_BLOCK
+    blocks, for the full and the partial blocks, by query and by key: four of each)."""
+    windows = len({la.attention.window for la in describe(m).layers})
+    if kernel == "sdpa":
+        return windows * rows * seq_len * seq_len * compute
+    n = -(-seq_len // FLEX_BLOCK)
+    return windows * 4 * 4 * rows * (n * n + n)
 
 
 def context_parallel_mask_bytes(local_len: int, cp: int, compute: int) -> int:
