@@ -13,7 +13,10 @@ whole the FLEX_BLOCK-square blocks a sample's diagonal crosses: about E + FLEX_B
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 FLEX_BLOCK = 128
@@ -54,6 +57,14 @@ class SampleRows:
             return None
         return min(seq_len, self.attended_length(seq_len) + FLEX_BLOCK) if self.measured else seq_len
 
+    def scored_share(self, seq_len: int) -> float:
+        """Of a row's positions, the share whose target trains (what the chunked loss projects, train/loss.py):
+        the samples' trained fraction, of a padded row only its sample's share of the row; packed rows are
+        taken full (a bound: greedy packing leaves the ends of some rows empty). 1 when not known."""
+        if not self.measured:
+            return 1.0
+        return self.trained_fraction * (1.0 if self.packed else min(1.0, self.mean_length / seq_len))
+
     def note(self, seq_len: int) -> str:
         """The estimate's line on how it priced the rows."""
         if not self.packed:
@@ -65,6 +76,35 @@ class SampleRows:
                 f"{self.attended_length(seq_len)} of {seq_len} positions (mean sample {self.mean_length:.0f} tokens)")
 
 
+SAMPLES_LAYOUT = "samples"
+"""A prepared folder's manifest "layout" for fine-tuning samples (train/samples.py writes it)."""
+MANIFEST = "manifest.json"
+
+
+def prepared_rows(path: str, packed: bool) -> SampleRows | None:
+    """The rows of the fine-tuning samples prepared in folder `path` (`trainfit prepare-data`), from its
+    manifest; None when `path` holds none (text, records not prepared, nothing). Read once per version of the
+    manifest: the planner asks per candidate layout."""
+    manifest = Path(path).expanduser() / MANIFEST
+    try:
+        stamp = manifest.stat().st_mtime_ns
+    except OSError:
+        return None
+    return _manifest_rows(str(manifest), stamp, packed)
+
+
+@functools.lru_cache(maxsize=64)
+def _manifest_rows(manifest_path: str, stamp: int, packed: bool) -> SampleRows | None:
+    del stamp  # the key's part that makes an edited manifest read again
+    try:
+        manifest = json.loads(Path(manifest_path).read_text())
+    except (OSError, ValueError):
+        return None  # a damaged folder: the run names it
+    if not isinstance(manifest, dict) or manifest.get("layout") != SAMPLES_LAYOUT:
+        return None
+    return rows_from_manifest(manifest, packed)
+
+
 def rows_from_manifest(manifest: dict[str, Any], packed: bool) -> SampleRows:
     """The rows of prepared samples, from their manifest's training split (train/samples.write_samples)."""
     stats = manifest.get("lengths", {}).get("train")
@@ -74,3 +114,10 @@ def rows_from_manifest(manifest: dict[str, Any], packed: bool) -> SampleRows:
         return SampleRows(packed, trained_fraction=trained / tokens if tokens else 1.0)
     return SampleRows(packed, effective_length=stats["sum_of_squares"] / tokens, mean_length=stats["mean"],
                       trained_fraction=trained / tokens)
+
+
+def scored_rows(trained: int, total: int, chunk_tokens: int) -> int:
+    """Rows the masked chunked loss projects of `total` with `trained` targets that train: whole chunks of
+    chunk_tokens covering them, at least one row, at most all (train/loss.py; memory/closed_form/logits.py prices
+    it)."""
+    return min(total, max(1, -(-trained // chunk_tokens) * chunk_tokens))

@@ -177,6 +177,14 @@ class _FakeBatches:
         return tuple(torch.zeros(self.shape, dtype=torch.long) for _ in range(3 if self.packed else 2))
 
 
+class _FakeSampleBatches(_FakeBatches):
+    """...of fine-tuning samples (Layout.rows): their targets are masked, so the step's loss is the masked
+    mean (train/step.py), whose trained rows the chunked loss takes at the samples' share (train/loss.py)."""
+
+    def step_trained_tokens(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
 class _TakenStepScaler:
     """The fp16 loss scaler, except that it always steps: fake values cannot say whether gradients
     overflowed, so the trace is of the step that is taken. Everything else is the real scaler."""
@@ -443,7 +451,8 @@ def _trace_rank(cfg: Config, layout: Layout, rank: int) -> _RankTrace:
                 ledger.route(dropless_loads(tokens, cfg.model.experts_per_token, cfg.model.num_experts,
                                             layout.moe_imbalance))
             materialize(model, "cpu")
-            batches = _FakeBatches(rows, seq_len, layout.rows is not None and layout.rows.packed)
+            batches = (_FakeBatches if layout.rows is None else _FakeSampleBatches)(
+                rows, seq_len, layout.rows is not None and layout.rows.packed)
             step = _TracedStep(cfg, layout, world, policy, model, batches,
                                optimizer_device_type=_target_device_type(cfg))
             ledger.watch_model(model, split_backward=layout.splits_backward)

@@ -20,8 +20,10 @@ the calling process, which has no process group (the tracer brings its own fake 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ from trainfit.memory import COMPONENTS, MemoryBreakdown
 from trainfit.memory.measured import Measurement
 from trainfit.parallel.schedules import SCHEDULES
 from trainfit.traced import trace_step
+from trainfit.train.data import prepare_data
 from trainfit.train.trainer import measure_step
 
 MiB = 2**20
@@ -439,9 +442,22 @@ block's; Gemma 2's soft-capped (eager) attention under selective checkpointing i
 soft-capped softmax (its fp32 copy of the masked scores, its fp32 output, the capped and the masked scores
 in bf16, each [heads, queries, keys]), where the estimate takes the recompute's end."""
 
-CHAT_DATA = (f"--data.path={Path(__file__).resolve().parents[1] / 'data' / 'chat'}", "--data.chat_template=chatml")
+CHAT_RECORDS = Path(__file__).resolve().parents[1] / "data" / "chat" / "uneven.jsonl"
+
+
+def prepared_chat_data() -> Path:
+    """CHAT_RECORDS prepared (`trainfit prepare-data`: what the estimates read the samples' lengths from), once
+    per version of the file, shared by processes (a concurrent preparation's folder is kept)."""
+    digest = hashlib.sha256(CHAT_RECORDS.read_bytes()).hexdigest()[:12]
+    out = Path(tempfile.gettempdir()) / f"trainfit-test-chat-{digest}"
+    if not (out / "manifest.json").is_file():
+        prepare_data(str(CHAT_RECORDS), str(out), chat_template="chatml", replace=False)
+    return out
+
+
+CHAT_DATA = (f"--data.path={prepared_chat_data()}",)
 """96 conversations of uneven length (their samples 70 to 330 byte tokens through ChatML: one to three a row of
-256, some cut), trained on the answers only."""
+256, some cut), trained on the answers only, prepared."""
 PADDED = "--data.packing=false"
 PACKED_GRID: list[Row] = [
     _row("packed-llama-fp32", 1, LLAMA, *CHAT_DATA),

@@ -22,7 +22,7 @@ HERE = Path(__file__).parent
 REQUESTS = 1000
 PATHS = 23
 """The first hostile values are paths."""
-PATH_FIELDS = ("model.preset", "model.init_from", "hardware.profile")
+PATH_FIELDS = ("model.preset", "model.init_from", "hardware.profile", "data.path")
 SEED = 20261201
 
 

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from trainfit.configure import read_config
+
+if TYPE_CHECKING:
+    from trainfit.config import Config
+    from trainfit.parallel.layout import Layout
 
 
 def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -23,13 +28,16 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     _, cfg, derived = read_config(args.config, overrides)
     if args.plot:
         check_figure_path("--plot", args.plot)
-    est = estimate(cfg)
+    layout = _layout_of(cfg)
+    est = estimate(cfg, layout)
     for message in est.layout.ineffective_options():  # as `trainfit train` warns of them
         print(f"warning: {message}", file=sys.stderr)
+    if layout.rows is not None:
+        print(f"note: {layout.rows.note(cfg.training.seq_len)}", file=sys.stderr)
     if args.traced:
         from trainfit.traced import trace_step
 
-        est = with_traced_memory(est, trace_step(cfg))
+        est = with_traced_memory(est, trace_step(cfg, layout))
     if args.json:
         out = estimate_answer(cfg, est, derived=derived)
         out.pop("warnings")  # said on stderr above
@@ -52,3 +60,18 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
         path = plot_breakdown(est, args.plot)
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _layout_of(cfg: Config) -> Layout:
+    """The config's layout, its fine-tuning rows looked up in the runs' cache too when data.path names records
+    a run has tokenized (build_layout reads prepared folders only: train/data.sample_rows_of)."""
+    import dataclasses
+
+    from trainfit.parallel.resolve import build_layout
+
+    layout = build_layout(cfg)
+    if layout.rows is None and cfg.data.path:
+        from trainfit.train.data import sample_rows_of
+
+        layout = dataclasses.replace(layout, rows=sample_rows_of(cfg.data, cfg.model.init_from))
+    return layout

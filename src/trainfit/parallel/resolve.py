@@ -17,7 +17,7 @@ from trainfit.parallel.layout import Layout, offload_refusal
 from trainfit.parallel.schedules import SCHEDULES, default_virtual_stages, refuses
 from trainfit.parallel.stage_split import balanced_split
 from trainfit.peft.spec import adaptation_of
-from trainfit.sample_rows import SampleRows
+from trainfit.sample_rows import SampleRows, prepared_rows
 
 
 def _fail(field: str, value: object, why: str, fix: str) -> ConfigError:
@@ -124,12 +124,10 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
 
 
 def _sample_rows(cfg: Config) -> SampleRows | None:
-    """The rows of the run's data (train/data.sample_rows_of); the packaged text has none."""
-    if not cfg.data.path:
-        return None
-    from trainfit.train.data import sample_rows_of  # numpy and the records' readers: only for data of one's own
-
-    return sample_rows_of(cfg.data, cfg.model.init_from)
+    """The rows of fine-tuning samples prepared in data.path (sample_rows.prepared_rows); None for text, and
+    for records not prepared yet (the trainer reads theirs once it tokenized them; the estimate command
+    looks them up in the runs' cache: train/data.sample_rows_of)."""
+    return prepared_rows(cfg.data.path, cfg.data.packing) if cfg.data.path else None
 
 
 def _check_async_tp(cfg: Config) -> None:

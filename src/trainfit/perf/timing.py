@@ -271,11 +271,13 @@ def _rank_of(m: ModelConfig, layout: Layout, t: TrainingConfig, device: str) -> 
     weight_grads = 0 if adaptation else 1
 
     first_skipped = 2 * F.first_block_input_grad_params(m, adaptation) * whole if adaptation else 0
+    scored = layout.rows.scored_share(t.seq_len) if layout.chunked_loss and layout.rows is not None else 1.0
     attention_bwd = F.attention_backward_factor(m, eager)
 
     def rank(layers: int, wrapped: int, last_stage: bool) -> RankFlops:
         wrapped = 0 if layout.activation_checkpointing == "none" else wrapped
         head = 2 * B.head_matmul_params(m) * last_stage  # the last stage's rank holds the output projection
+        head *= scored  # (the chunked loss projects only the rows that train)
         head_weight_grad = head * (weight_grads or bool(adaptation and adaptation.train_output))
         forward = layers * (mm + at + adapters) + head
         backward = (layers * ((1 + weight_grads) * mm + 2 * adapters + attention_bwd * at) + head

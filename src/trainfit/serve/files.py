@@ -56,6 +56,9 @@ PATH_FIELDS = (
               "estimate from its config.json instead (upload it), or start the server with --files on a folder "
               "holding the weights"),
     PathField("hardware.profile", "hardware profile (.toml)", "upload the profile file instead"),
+    PathField("data.path", "fine-tuning data (a prepared folder, or records)",
+              "leave data.path empty (the estimate then prices rows of text), or start the server with --files on "
+              "the data's folder"),
 )
 """The config fields whose value is a path the server would read (estimate and plan read no other)."""
 MAX_FILE = 1 << 20
@@ -224,5 +227,11 @@ def _profile_file(real: str, may_read: Callable[[str], bool]) -> str | None:
     return why
 
 
+def _data_path(real: str, may_read: Callable[[str], bool]) -> str | None:
+    """The estimate reads a data.path's manifest or its first records (train/data.sample_rows_of), no more."""
+    return None if os.path.isfile(real) or os.path.isdir(real) else "not a file or folder"
+
+
 _KIND_CHECKS: dict[str, KindCheck] = {
-    "model.preset": _preset_file, "model.init_from": _init_folder, "hardware.profile": _profile_file}
+    "model.preset": _preset_file, "model.init_from": _init_folder, "hardware.profile": _profile_file,
+    "data.path": _data_path}

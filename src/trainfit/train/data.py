@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from trainfit.config import ConfigError, DataConfig
-from trainfit.sample_rows import SampleRows, rows_from_manifest
+from trainfit.sample_rows import SampleRows, prepared_rows
 from trainfit.train.chat_template import (
     find_chat_template,
     load_saved_chat_template,
@@ -417,10 +417,7 @@ def sample_rows_of(cfg: DataConfig, model_folder: str = "", cache_dir: str | Non
         return None
     if not manifest.is_file():  # records a run has not tokenized yet
         return SampleRows(cfg.packing)
-    try:
-        return _prepared_rows(manifest, manifest.stat().st_mtime_ns, cfg.packing)
-    except (OSError, ValueError):
-        return None
+    return prepared_rows(str(manifest.parent), cfg.packing)
 
 
 @functools.lru_cache(maxsize=64)
@@ -439,16 +436,6 @@ def _samples_manifest(fields: tuple[Any, ...], model_folder: str, cache_dir: str
         return Path(cache_dir) / _cache_key(cfg, template_folders(cfg.tokenizer, model_folder)) / MANIFEST
     except (ConfigError, OSError, ValueError):
         return None
-
-
-@functools.lru_cache(maxsize=64)
-def _prepared_rows(manifest_path: Path, stamp: int, packed: bool) -> SampleRows | None:
-    """The rows of a prepared manifest (read once per version of the file); None for prepared text."""
-    del stamp
-    manifest = json.loads(manifest_path.read_text())
-    if not isinstance(manifest, dict) or manifest.get("layout") != LAYOUT:
-        return None
-    return rows_from_manifest(manifest, packed)
 
 
 def resolve_data(cfg: DataConfig, cache_dir: str, model_folder: str = "") -> TokenData:

@@ -20,15 +20,18 @@ ColwiseParallel does to its input, and each chunk's logits stay sharded into los
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from trainfit.models.common import softcapped
+from trainfit.sample_rows import scored_rows
 
 IGNORE = -100
 """A target the loss leaves out (a fine-tuning prompt's, padding's: train/samples.py); torch's ignore_index."""
@@ -53,12 +56,14 @@ def _trained(targets: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, output: nn.Linear,
-                          chunk_tokens: int, softcap: float = 0.0, masked: bool = False) -> torch.Tensor:
+                          chunk_tokens: int, softcap: float = 0.0, masked: bool = False,
+                          traced_share: float = 1.0) -> torch.Tensor:
     """cross_entropy(output(hidden), targets) without the whole logits: `hidden` [B, T, D] (the final
     norm's output), projected by `output`'s weight `chunk_tokens` tokens at a time. Call it inside
     the forward's autocast region (if any): each chunk projects as the model's own forward would, and
     checkpointing re-enters that autocast state when it recomputes the chunk in backward. `softcap`: the
-    model's soft-capped logits (models/common.softcapped), applied to each chunk's."""
+    model's soft-capped logits (models/common.softcapped), applied to each chunk's. `traced_share`: under
+    fake tensors, the share of rows taken to train (_trained_rows)."""
     if output.bias is not None:
         raise ValueError("chunked_cross_entropy: the output projection has a bias; no model of trainfit's has one")
     weight = output.weight
@@ -68,6 +73,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, output
         else:
             hidden = DTensor.from_local(hidden, weight.device_mesh, [Replicate()], run_check=False)
     rows, labels = hidden.flatten(0, 1), targets.flatten()
+    if masked:
+        rows, labels = _trained_rows(rows, labels, chunk_tokens, traced_share)
     total = None
     for start in range(0, rows.shape[0], chunk_tokens):
         chunk = slice(start, start + chunk_tokens)
@@ -80,6 +87,27 @@ def chunked_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, output
     return _local(total) / (_trained(labels) if masked else labels.numel())
 
 
+def _trained_rows(rows: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, traced_share: float = 1.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows whose target trains, and their targets: a prompt's rows are neither projected nor scored (a
+    long prompt costs no logits). Their count is rounded up to whole chunks (scored_rows; the extra rows
+    score nothing), so that the chunks keep one shape from step to step and the allocator reuses their
+    blocks. Vocabulary-parallel rows arrive replicated (sequence parallelism's gathered). Under fake tensors
+    (the traced estimate) which rows train is data: the first `traced_share` of them stand for them (what
+    the samples' statistics say: sample_rows.SampleRows.scored_share)."""
+    if isinstance(rows, DTensor):  # replicated (chunked_cross_entropy): each rank selects the same rows
+        local, labels = _trained_rows(rows.to_local(), labels, chunk_tokens, traced_share)
+        return DTensor.from_local(local, rows.device_mesh, [Replicate()], run_check=False), labels
+    total = labels.shape[0]
+    if is_fake(labels):
+        kept = scored_rows(math.ceil(total * traced_share), total, chunk_tokens)
+        return rows[:kept].clone(), labels[:kept]
+    trained = labels != IGNORE
+    kept = scored_rows(int(trained.sum()), total, chunk_tokens)
+    keep = torch.argsort((~trained).to(torch.uint8), stable=True)[:kept]  # the trained rows first, in order
+    return rows.index_select(0, keep), labels.index_select(0, keep)
+
+
 def _chunk_loss_sum(rows: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, softcap: float) -> torch.Tensor:
     """Summed fp32 cross-entropy of one chunk of rows."""
     logits = softcapped(F.linear(rows, weight), softcap)
@@ -88,7 +116,8 @@ def _chunk_loss_sum(rows: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
 
 
 def loss_function(chunk_tokens: int, output: Callable[[], nn.Linear | None], softcap: float = 0.0,
-                  masked: bool = False) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+                  masked: bool = False, traced_share: float = 1.0
+                  ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The loss of a model's output and its targets: `cross_entropy` of logits, or with
     `chunk_tokens` > 0 (memory.chunked_loss) `chunked_cross_entropy` of the final hidden states by
     the weight of `output()` (looked up at each call: it is FSDP's unsharded one during the step).
@@ -100,7 +129,7 @@ def loss_function(chunk_tokens: int, output: Callable[[], nn.Linear | None], sof
         head = output()
         assert head is not None, "the chunked loss runs where the output projection lives"
         return chunked_cross_entropy(hidden, targets, output=head, chunk_tokens=chunk_tokens, softcap=softcap,
-                                     masked=masked)
+                                     masked=masked, traced_share=traced_share)
 
     return chunked
 

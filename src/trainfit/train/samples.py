@@ -31,6 +31,7 @@ import numpy as np
 
 from trainfit.config import ConfigError
 from trainfit.models.architecture import document_mask_kernel
+from trainfit.sample_rows import SAMPLES_LAYOUT
 from trainfit.train.chat_template import ChatTemplate
 from trainfit.train.packing import RowPlan, plan_rows, sample_positions
 from trainfit.train.records import Record
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 IGNORE = -100
 """The target the loss skips (torch's cross_entropy default ignore_index)."""
-LAYOUT = "samples"
+LAYOUT = SAMPLES_LAYOUT
 LOSS_ON = ("completion", "all")
 
 

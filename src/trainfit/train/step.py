@@ -98,7 +98,9 @@ class TrainStep:
         self.loss_context = functools.partial(vocabulary_parallel_loss, layout.tp > 1)
         self.lm_loss = loss_function(layout.loss_chunk_tokens if layout.chunked_loss else 0, lambda: self.model.output,
                                      softcap=cfg.model.final_softcap,
-                                     masked=getattr(batches, "step_trained_tokens", None) is not None)
+                                     masked=getattr(batches, "step_trained_tokens", None) is not None,
+                                     traced_share=layout.rows.scored_share(cfg.training.seq_len)
+                                     if layout.rows is not None else 1.0)
         """(model output, targets) -> the micro-batch's mean cross-entropy (train/loss.py)."""
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.scaler = self.build_grad_scaler()

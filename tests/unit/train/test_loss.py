@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from _runs import seeded_model
 from trainfit.configure import load_config
-from trainfit.train.loss import chunked_cross_entropy, cross_entropy, loss_function
+from trainfit.train.loss import IGNORE, chunked_cross_entropy, cross_entropy, loss_function
 
 TOKENS_BT = (3, 40)  # 120 tokens: chunks of 32 leave a last one of 24
 
@@ -63,6 +63,20 @@ class _LargestLogits(TorchDispatchMode):
         return out
 
 
+class _ProjectedRows(TorchDispatchMode):
+    """The rows of every [rows, V] matmul output (the chunks' logits), summed."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.rows = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and out.shape[-1] == self.vocab:
+            self.rows += out.shape[0]
+        return out
+
+
 def test_chunked_loss_never_holds_more_than_a_chunk_of_logits() -> None:
     model, inputs, targets = _model_and_batch("debug")
     vocab, chunk = model.cfg.vocab_size, 32
@@ -85,3 +99,30 @@ def test_chunked_loss_without_gradients_is_the_same_loss() -> None:
         chunked = chunked_cross_entropy(hidden, targets, output=model.output, chunk_tokens=32)
         whole = cross_entropy(model.output(hidden), targets)
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
+
+
+def test_the_masked_chunked_loss_projects_only_the_trained_rows() -> None:
+    """Fine-tuning samples: a prompt's rows are neither projected nor scored, and the loss and gradients are
+    the whole logits' masked mean's; rows with nothing to train still give a loss (0) and a graph."""
+    model, inputs, targets = _model_and_batch("debug")
+    targets[:, :30] = IGNORE  # a 30-token prompt in every row of 40: 30 trained rows of 120
+    model.zero_grad(set_to_none=True)
+    model.project_logits = True
+    whole = loss_function(0, lambda: model.output, masked=True)(model(inputs), targets)
+    whole.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    model.project_logits = False
+    hidden = model(inputs)
+    chunked = loss_function(16, lambda: model.output, masked=True)(hidden, targets)
+    chunked.backward()
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=0)
+    for name, grad in grads.items():
+        assert (model.get_parameter(name).grad - grad).norm() / grad.norm() < 1e-5, name
+    with torch.no_grad(), _ProjectedRows(model.cfg.vocab_size) as projected:
+        chunked_cross_entropy(model(inputs), targets, output=model.output, chunk_tokens=16, masked=True)
+    assert projected.rows == 32  # the 30 trained rows in whole chunks of 16, not the 120 rows
+    prompts = torch.full_like(targets, IGNORE)
+    with torch.no_grad():
+        assert chunked_cross_entropy(model(inputs), prompts, output=model.output, chunk_tokens=32,
+                                     masked=True).item() == 0.0

@@ -5,11 +5,13 @@ the model width. Torch-free."""
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from trainfit.config import ModelConfig
 from trainfit.memory.closed_form.block.activation_terms import FP32, Terms
 from trainfit.memory.closed_form.run_shape import MicroBatchShape, Precision
+from trainfit.sample_rows import scored_rows
 
 LOSS_PARALLEL_FP32_COPIES = (2, 4)
 """Under tp the logits stay sharded over the vocabulary into torch's loss_parallel (a rank holds
@@ -69,10 +71,15 @@ def _chunked_loss(m: ModelConfig, prec: Precision, shape: MicroBatchShape, V: in
     output (`capped` bytes per element) beside them, in forward and in its recompute."""
     D, act, tokens = m.dim, prec.act, shape.tokens
     sequence_parallel = shape.sequence_parallel
-    output = Terms(seq=act.stream * D).bytes(tokens, 0, shape.tp, sequence_parallel)
+    # fine-tuning samples: only the rows whose target trains are kept (a copy, the whole output freed) and
+    # projected (train/loss.py's _trained_rows)
+    scored = tokens if shape.scored_share >= 1 else \
+        scored_rows(math.ceil(tokens * shape.scored_share), tokens, shape.loss_chunk_tokens)
+    output = Terms(seq=act.stream * D).bytes(tokens, 0, shape.tp, sequence_parallel) if scored == tokens else \
+        act.stream * D * scored
     gathered = act.stream * D * tokens if sequence_parallel and shape.tp > 1 else 0
-    chunk = min(tokens, shape.loss_chunk_tokens)
-    sums = V * D * act.compute + tokens * D * act.stream if tokens > chunk else 0
+    chunk = min(scored, shape.loss_chunk_tokens)
+    sums = V * D * act.compute + scored * D * act.stream if scored > chunk else 0
     rows_cast = act.compute * D * chunk if act.autocast else 0
     return LossBytes(saved=gathered, output=output,
                      forward=output + gathered + ((1 + inside) * FP32 + capped) * V * chunk,

@@ -94,6 +94,9 @@ class MicroBatchShape(NamedTuple):
     rope_table_bytes: int
     adaptation: Adaptation | None = None
     """PEFT's adapters (Layout.adaptation): what a block saves through its frozen base."""
+    scored_share: float = 1.0
+    """Fine-tuning samples: of the micro-batch's tokens, the share whose target trains, the rows the chunked
+    loss keeps (sample_rows.SampleRows.scored_share)."""
     document_mask_kernel: str = ""
     """Packed fine-tuning rows: how attention keeps to each sample (models/architecture.document_mask_kernel);
     "": rows of one sequence."""
