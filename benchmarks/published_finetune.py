@@ -81,6 +81,10 @@ SOURCES: dict[str, Source] = {
                   "scripts/benchmarks/refs/a100_80gb.csv at 24bdadb228e2d55bc0c69deec034b86a73da6917 "
                   "(benchmark.py, scenarios.yaml, defaults.yaml, accelerate.yaml there); A100 80GB, torch 2.4.1, "
                   "transformers 4.48.1, peft 0.13.2, bitsandbytes 0.43.3"),
+    "hf-31629": Source("transformers packing PR", "huggingface/transformers pull request #31629 (merged; "
+                       "DataCollatorWithFlattening, FlashAttention-2 over position_ids), description, 'Example "
+                       "Result 1', 2024-06-26; the same runs in foundation-model-stack/fms-acceleration pull "
+                       "request #63 (per-device batch 4, gradient accumulation 2, 8 devices)"),
     "unsloth": Source("Unsloth README", "unslothai/unsloth README.md 'Context length benchmarks' at "
                       "e3162dc5bf88bf4c2b598c74cbcaba0706c4067b"),
     "qlora-paper": Source("QLoRA paper", "Dettmers et al. 2023, arXiv 2305.14314, Sec. 2 and Appendix G"),
@@ -160,6 +164,9 @@ NOTES: dict[str, str] = {
     "frontier": "the longest context that fits (a fit frontier), not a memory figure; Unsloth's own kernels and "
                 "offloaded checkpointing, the HF column's checkpointing not stated",
     "paper": "5,048 MB is the 4-bit 7B base model, a component; the training peaks are in an image only",
+    "lengths": "a packed (or batch-longest padded) fine-tuning run on a 20K-sample subset of OrcaMath: its "
+               "memory and throughput follow the samples' lengths, which the source does not publish (nor does "
+               "any source found; the data cannot be read here), and its memory statistic is not stated",
 }
 
 
@@ -700,7 +707,13 @@ def fms_rows() -> list[Published]:
 
 
 def other_rows() -> list[Published]:
-    return [Published("unsloth Llama3.1-8B / Llama3.3-70B QLoRA context frontier", "unsloth", "README",
+    packed = [Published(f"hf-31629 {model} full FSDP 8xA100 OrcaMath-20K {mode}", "hf-31629", "Example Result 1",
+                        memory, "MB", throughput=tokens, notes=("lengths",))
+              for model, mode, memory, tokens in (("Llama2-7B", "padded", 22305, 1269),
+                                                  ("Llama2-7B", "packed", 20950, 1746),
+                                                  ("Mistral-7B", "padded", 23603, 1216),
+                                                  ("Mistral-7B", "packed", 22409, 1658))]
+    return [*packed,Published("unsloth Llama3.1-8B / Llama3.3-70B QLoRA context frontier", "unsloth", "README",
                       notes=("frontier",)),
             Published("QLoRA paper LLaMA 7B-65B footprints", "qlora-paper", "Sec. 2, App. G", notes=("paper",))]
 
