@@ -1,0 +1,59 @@
+"""The Playbook's measured H100 runs as a gate (benchmarks/playbook.py): a change to the estimators or the
+time model that ranks the given half's layouts worse, or calls their memory or fit worse, fails here unless
+re-recorded on purpose with its reason:
+
+    python benchmarks/playbook.py --record "REASON"
+
+The recomputation estimates all 1,613 runs (a few seconds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from _runs import load_benchmark
+from trainfit.perf import timing
+
+playbook = load_benchmark("playbook")
+
+SPEARMAN_SLACK = 0.01
+"""Of the median rank correlation: float noise, not a change."""
+MEMORY_SLACK = 0.005
+"""Of the memory median |error|."""
+
+
+def _problems(recorded: dict, now: dict) -> list[str]:
+    found = []
+    if now["median_spearman"] < recorded["median_spearman"] - SPEARMAN_SLACK:
+        found.append(f"median Spearman {now['median_spearman']:.3f} < recorded {recorded['median_spearman']:.3f}")
+    for key in ("best_in_top_10", "ran_called_fits", "ooms_called_not_fit"):
+        if now[key] < recorded[key]:
+            found.append(f"{key} {now[key]} < recorded {recorded[key]}")
+    if now["memory_median_abs_error"] > recorded["memory_median_abs_error"] + MEMORY_SLACK:
+        found.append(f"memory median |error| {now['memory_median_abs_error']:.3f} > recorded "
+                     f"{recorded['memory_median_abs_error']:.3f}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict:
+    record = json.loads(playbook.RECORD.read_text())
+    assert record["recorded"] and record["reason"].strip()
+    return record
+
+
+def test_the_estimates_hold_the_playbook_record(recorded: dict) -> None:
+    found = _problems(recorded, playbook.current())
+    assert not found, f"{found}; re-record on purpose: python benchmarks/playbook.py --record 'REASON'"
+
+
+def test_a_perturbed_time_model_fails_the_gate(recorded: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Collectives priced 20x slower scramble the ranking: the gate must see it."""
+    original = timing.timed_collectives
+
+    def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        return [(c, seconds * 20) for c, seconds in original(*args, **kwargs)]
+
+    monkeypatch.setattr(timing, "timed_collectives", slow)
+    assert _problems(recorded, playbook.current())
