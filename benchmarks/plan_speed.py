@@ -18,6 +18,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from trainfit.tables import print_table
+
 CASES = {
     "llama3-8b, 8 x H100": (["--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
                              "--training.seq_len=8192", "--training.global_batch_size=64"], 0.5),
@@ -55,7 +57,7 @@ def main(repeats: int = 3) -> None:
                       f"< {target} s" if target else "", f"{s['layouts']:,}", f"{s['visited']:,}",
                       f"{s['memory_estimates']:,}", f"{s['time_estimates']:,}",
                       f"{out['candidates'][0]['tokens_per_second']:,.0f}")
-    Console().print(table)
+    print_table(table, Console())
 
 
 if __name__ == "__main__":

@@ -142,3 +142,19 @@ def test_every_nccl_device_of_the_catalog_has_a_channel_count() -> None:
     missing = {name: spec.default_link for name, spec in GPUS.items()
                if spec.default_link != "infinity-fabric" and spec.default_link not in INTRA_NODE_CHANNELS}
     assert not missing
+
+
+@pytest.mark.parametrize("extra", [
+    ("--training.micro_batch_size=4", "--memory.activation_checkpointing=full"),
+    ("--memory.chunked_loss=true", "--memory.activation_checkpointing=selective", "--training.micro_batch_size=2"),
+    ("--parallel.pp=2", "--training.micro_batch_size=2", "--parallel.num_microbatches=4"),
+])
+def test_the_groups_looked_up_once_per_degrees_are_the_layouts_own(extra: tuple[str, ...]) -> None:
+    """communicating_groups caches by the degrees alone (the planner's cost): the groups of a layout with its
+    own batch shape and memory knobs, computed afresh, are the cached ones."""
+    cfg = load_config(None, ["--model.preset=debug", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
+                             "--parallel.tp=2", "--parallel.zero_stage=3", "--training.global_batch_size=16",
+                             *extra])
+    layout = build_layout(cfg)
+    fresh = comm_buffers._communicating_groups.__wrapped__(comm_buffers.config_key(cfg.model), layout)
+    assert comm_buffers.communicating_groups(cfg.model, layout) == list(fresh)

@@ -45,8 +45,12 @@ memory here), and RCCL (MI300X's infinity-fabric link: not NCCL; 0 here).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 from trainfit.config import HardwareConfig, ModelConfig
 from trainfit.hardware import intra_node_link_name
+from trainfit.models.architecture import config_key
 from trainfit.parallel.collectives import collective_calls
 from trainfit.parallel.groups import Group, group_of, process_groups
 from trainfit.parallel.layout import Layout
@@ -111,11 +115,26 @@ RING_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 def communicating_groups(model: ModelConfig, layout: Layout) -> list[Group]:
     """The process groups of a rank that run a ring or tree collective on NCCL (module docstring),
-    in process_groups' order."""
+    in process_groups' order. Which do depends on the degrees, not on the batch's shape or the memory
+    knobs: looked up once per model and degrees (the planner asks for thousands of layouts)."""
+    return list(_communicating_groups(config_key(model), _degrees_only(layout)))
+
+
+def _degrees_only(layout: Layout) -> Layout:
+    """`layout` with what cannot change which groups communicate set to one value: the batch's shape, the
+    checkpointing, the chunked loss, the fine-tuning rows."""
+    return dataclasses.replace(layout, micro_batch_size=1, grad_accum_steps=1, num_microbatches=1,
+                               global_batch_size=layout.dp, activation_checkpointing="none", ac_every_n_layers=1,
+                               chunked_loss=False, loss_chunk_tokens=1024, rows=None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _communicating_groups(model_key: tuple, layout: Layout) -> tuple[Group, ...]:
+    model = ModelConfig(*model_key)
     on_gloo = {"grad_norm"} if layout.offload != "none" else set()
     axes = {c.axes for c in collective_calls(model, layout) if c.kind in RING_KINDS and c.tensor not in on_gloo}
-    used = {group_of(layout, a).name for a in axes}  # a few distinct axes among many calls (the planner's cost)
-    return [g for g in process_groups(layout) if g.name in used]
+    used = {group_of(layout, a).name for a in axes}  # a few distinct axes among many calls
+    return tuple(g for g in process_groups(layout) if g.name in used)
 
 
 def comm_buffer_bytes(model: ModelConfig, layout: Layout, hardware: HardwareConfig) -> int:
