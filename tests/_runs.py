@@ -98,3 +98,20 @@ def assert_peft_loads_adapters(ckpt_dir: Path, base: Path, vocab_size: int, out:
         torch.testing.assert_close(theirs(tokens).logits, ours, rtol=1e-5, atol=1e-5)
     assert (ours - untouched).abs().max() > 1e-3  # the adapter trained: the check compares something
     return tokens, ours
+
+
+def write_chats(path: Path, n: int, seed: int, longest_prompt: int, longest_answer: int,
+                words: tuple[str, ...]) -> Path:
+    """`n` conversations of one user turn of 1 to `longest_prompt` words and an answer of 1 to `longest_answer`,
+    drawn from `words` with `seed`: samples of uneven length, written as JSON Lines at `path`."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(n):
+            prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, longest_prompt)))
+            answer = " ".join(rng.choice(words) for _ in range(rng.randint(1, longest_answer)))
+            f.write(json.dumps({"messages": [{"role": "user", "content": prompt},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    return path

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _runs import assert_peft_loads_adapters, run_config
+from _runs import assert_peft_loads_adapters, run_config, write_chats
 from trainfit.train.loss import IGNORE, cross_entropy
 from trainfit.train.metrics import read_metrics
 from trainfit.train.sample import sample_from_checkpoint
@@ -75,14 +75,8 @@ def test_a_masked_target_changes_nothing(tmp_path: Path) -> None:
 
 def _uneven_data(folder: Path, n: int = 64) -> Path:
     """Answers of 1 to 30 words after prompts of 1 to 12: micro-batches of very unequal trained targets."""
-    rng = random.Random(1)
     folder.mkdir(parents=True)
-    with (folder / "uneven.jsonl").open("w") as f:
-        for _ in range(n):
-            prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12)))
-            answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))
-            f.write(json.dumps({"messages": [{"role": "user", "content": prompt},
-                                             {"role": "assistant", "content": answer}]}) + "\n")
+    write_chats(folder / "uneven.jsonl", n, 1, 12, 30, WORDS)
     return folder
 
 

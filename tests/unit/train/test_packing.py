@@ -4,15 +4,13 @@ layouts that cannot carry the rows' sample boundaries are refused by name."""
 
 from __future__ import annotations
 
-import json
-import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from _runs import run_config, seeded_model
+from _runs import run_config, seeded_model, write_chats
 from trainfit.config import ConfigError, ModelConfig
 from trainfit.parallel.resolve import build_layout
 from trainfit.train.data import eval_batches, load_prepared, prepare_data
@@ -24,15 +22,9 @@ WORDS = ("alpha", "beta", "gamma", "delta")
 
 
 def _split(tmp_path: Path, n: int = 30):
-    rng = random.Random(2)
     folder = tmp_path / "data"
     folder.mkdir()
-    with (folder / "a.jsonl").open("w") as f:
-        for _ in range(n):
-            prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6)))
-            answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12)))
-            f.write(json.dumps({"messages": [{"role": "user", "content": prompt},
-                                             {"role": "assistant", "content": answer}]}) + "\n")
+    write_chats(folder / "a.jsonl", n, 2, 6, 12, WORDS)
     prepare_data(str(folder), str(tmp_path / "out"), val_fraction=0.1, chat_template="chatml")
     return load_prepared(tmp_path / "out")
 
