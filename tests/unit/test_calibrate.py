@@ -200,10 +200,12 @@ def first_call_slow(calls: list[None]) -> Any:
 
 def test_a_slow_first_call_does_not_size_the_batches() -> None:
     """Timed, the first call would make each batch one call long; sized on a warm call, a batch holds
-    as many fast calls as fill batch_s."""
+    as many fast calls as fill batch_s. Sized on the slow call, the two batches would hold one call
+    each (about six calls in all); sized on a warm one, thousands (a busy machine's preemptions cost
+    a fast call at most a few hundred microseconds, so more than 20 holds under load)."""
     calls: list[None] = []
     seconds = median_seconds(first_call_slow(calls), lambda: None, batch_s=0.01, repeats=2)
-    assert len(calls) > 100 and seconds < 1e-3
+    assert len(calls) > 20 and seconds < 1e-3
 
 
 def test_ranks_in_step_size_their_batches_on_a_warm_call_too() -> None:
@@ -213,7 +215,7 @@ def test_ranks_in_step_size_their_batches_on_a_warm_call_too() -> None:
         seconds = synchronized_median_seconds(first_call_slow(calls), torch.device("cpu"), batch_s=0.01, repeats=2)
     finally:
         dist.destroy_process_group()
-    assert len(calls) > 100 and seconds < 1e-3
+    assert len(calls) > 20 and seconds < 1e-3
 
 
 def test_work_a_gpu_cannot_hold_is_skipped_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:

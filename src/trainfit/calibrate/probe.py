@@ -18,23 +18,36 @@ PROBE_GEMM = (2048, 256, 1024)
 """(m, k, n) of the probe's matmul: a mid-sized transformer GEMM (tokens x dim by dim x 4 dim)."""
 
 
-def warm_seconds(call: Callable[[], object], sync: Callable[[], None]) -> float:
-    """Seconds of one call after an untimed one. A kernel's first call pays once for what later calls
-    reuse (cuBLAS's handle, autotuning, lazily loaded kernels, the allocator's growth, a collective's
-    connections): timed, it would size the batches at a fraction of the calls they should hold."""
+WARM_CALLS = 3
+"""Timed calls warm_seconds takes the fastest of: one call preempted by another process would
+otherwise size every batch of the measurement at a fraction of its calls."""
+
+
+def warm_seconds(call: Callable[[], object], sync: Callable[[], None], *, batch_s: float | None) -> float:
+    """Seconds of one call after an untimed one (the fastest of WARM_CALLS; one only where a call
+    already fills `batch_s`, so a batch is one call whatever the others take; always WARM_CALLS where
+    `batch_s` is None, as ranks making a collective together need the same count). A kernel's first call
+    pays once for what later calls reuse (cuBLAS's handle, autotuning, lazily loaded kernels, the
+    allocator's growth, a collective's connections): timed, it would size the batches at a fraction
+    of the calls they should hold."""
     call()
     sync()
-    start = time.perf_counter()
-    call()
-    sync()
-    return time.perf_counter() - start
+    fastest = float("inf")
+    for _ in range(WARM_CALLS):
+        start = time.perf_counter()
+        call()
+        sync()
+        fastest = min(fastest, time.perf_counter() - start)
+        if batch_s is not None and fastest >= batch_s:
+            break
+    return fastest
 
 
 def median_seconds(call: Callable[[], object], sync: Callable[[], None], *, batch_s: float, repeats: int) -> float:
     """Median over `repeats` batches of back-to-back calls of the mean seconds per call, the batches
     sized by a warm call (warm_seconds). The median, not the best: the time model predicts a step's
     median time, which runs under the machine's usual disturbances, not its quietest moment."""
-    calls = max(1, round(batch_s / warm_seconds(call, sync)))
+    calls = max(1, round(batch_s / warm_seconds(call, sync, batch_s=batch_s)))
     batches = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -78,7 +91,7 @@ def synchronized_median_seconds(call: Callable[[], object], device: torch.device
     a tensor-parallel step): each batch's time is the slowest rank's, and every rank runs the same
     number of calls."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    warm = _slowest(warm_seconds(call, sync), device)
+    warm = _slowest(warm_seconds(call, sync, batch_s=None), device)
     calls = max(1, min(MAX_CALLS, round(batch_s / warm)))
     batches = []
     for _ in range(repeats):
