@@ -93,13 +93,35 @@ def test_each_axis_gets_the_link_of_its_span() -> None:
     rates = Rates.of(hw)
     assert rates.link(dims, ("tp",)) == intra_node_link(hw)
     assert rates.link(dims, ("dp_shard",)) == inter_node_link(hw)
-    assert rates.link(dims, ("cp", "dp_shard")) == inter_node_link(hw)  # the slowest hop
+    # across nodes, a group drives the NICs of its members on a node: cp's 2 ranks of each node (dp_shard's one)
+    assert comms.members_per_node(dims, ("dp_shard",), hw.gpus_per_node) == 1
+    assert comms.members_per_node(dims, ("cp", "dp_shard"), hw.gpus_per_node) == 2
+    assert rates.link(dims, ("cp", "dp_shard")) == dataclasses.replace(
+        inter_node_link(hw), bytes_per_s=2 * inter_node_link(hw).bytes_per_s)
     # groups that straddle nodes: 3 ranks per group with 8 GPUs per node
     assert not comms.span_is_intra_node(3, 1, num_gpus=24, gpus_per_node=8)
     assert comms.span_is_intra_node(3, 1, num_gpus=6, gpus_per_node=8)  # the whole job is one node
     # one node: every axis intra-node
     cfg, dims = _dims("--hardware.num_gpus=8", "--parallel.tp=2", "--parallel.zero_stage=3")
     assert comms.axes_are_intra_node(dims, ("dp_shard", "tp"), cfg.hardware.gpus_per_node)
+
+
+def test_a_group_spanning_whole_nodes_drives_all_their_nics() -> None:
+    """tp 16 over two 8-GPU nodes runs its channels through each node's 8 NICs: 8 GPUs' shares of the
+    network (NVIDIA/nccl#1168: bus bandwidth scales with the GPUs per node on the same NICs), capped by
+    what NVLink carries; with 4 NICs per node, half that; a data-parallel group with one rank per node
+    keeps one GPU's share."""
+    cfg, dims = _dims("--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=32", "--parallel.tp=16",
+                      "--model.num_heads=16", "--model.num_kv_heads=16", "--training.seq_len=128",
+                      "--training.global_batch_size=8", "--training.micro_batch_size=1")
+    hw, rates = cfg.hardware, Rates.of(cfg.hardware)
+    assert comms.members_per_node(dims, ("tp",), hw.gpus_per_node) == 8
+    share = inter_node_link(hw).bytes_per_s
+    assert rates.link(dims, ("tp",)).bytes_per_s == pytest.approx(min(8 * share, intra_node_link(hw).bytes_per_s))
+    assert rates.link(dims, ("dp_shard",)) == inter_node_link(hw)
+    hw4 = dataclasses.replace(hw, nics_per_node=4)
+    assert Rates.of(hw4).link(dims, ("tp",)).bytes_per_s == pytest.approx(8 * inter_node_link(hw4).bytes_per_s)
+    assert inter_node_link(hw4).bytes_per_s == pytest.approx(share / 2)
 
 
 def test_the_network_is_slower_than_nvlink() -> None:

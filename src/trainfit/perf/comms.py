@@ -26,10 +26,20 @@ and stride s (the product of the sizes inside it) keeps every group inside one n
 job fits in a node or when s x n divides hardware.gpus_per_node; such an axis uses the intra-node
 link, any other the inter-node one. A group spanning several axes is intra-node only if each of
 them is: a ring is as slow as its slowest hop.
+
+A group that leaves the node gets, of the node's NICs, the share of its own members there
+(`members_per_node`): NCCL runs a collective over several channels, each a ring (or tree) whose
+node-to-node hop goes through a different NIC, so a group with g members on each node of G GPUs
+drives g / G of the node's NICs, g times one GPU's share (hardware.inter_node_link), at most what
+each member's own intra-node link carries. A data-parallel group with one rank per node keeps one
+GPU's share; a tensor-parallel group of 16 over two 8-GPU nodes drives all 8 NICs of each. nccl-tests
+shows the proportionality: all-reduce bus bandwidth over 4 nodes is about twice as high with 8 GPUs
+per node as with 4 on the same NICs (NVIDIA/nccl#1168: ~90 against ~45 GB/s at 256 MB).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -131,6 +141,28 @@ def axes_are_intra_node(layout: Layout, axes: tuple[str, ...], gpus_per_node: in
             return False
         stride *= size
     return True
+
+
+def members_per_node(layout: Layout, axes: tuple[str, ...], gpus_per_node: int) -> int:
+    """Ranks of one group over these mesh axes that share a node (rank 0's group; every group is alike
+    where the axes' sizes divide the node): the group's rank offsets below gpus_per_node. Expert
+    groups as group_is_intra_node lays them out."""
+    if axes == ("ep",):
+        spans = ((layout.ep, layout.tp),)
+    elif axes == ("edp",):
+        spans = ((layout.dp_shard * layout.cp // layout.ep, layout.tp * layout.ep),)
+    else:
+        spans = tuple((getattr(layout, a), axis_stride(layout, a)) for a in AXES if a in axes)
+    return _offsets_below(tuple(sorted(spans, key=lambda span: span[1])), gpus_per_node)
+
+
+@functools.lru_cache(maxsize=4096)
+def _offsets_below(spans: tuple[tuple[int, int], ...], limit: int) -> int:
+    """How many sums of i x stride (0 <= i < size, one term per (size, stride), innermost first) are below `limit`."""
+    offsets = [0]
+    for size, stride in spans:
+        offsets = [o + i * stride for o in offsets for i in range(size) if o + i * stride < limit]
+    return max(1, len(offsets))
 
 
 def group_is_intra_node(layout: Layout, axes: tuple[str, ...], gpus_per_node: int) -> bool:

@@ -68,6 +68,7 @@ on two cores: its stage waiting for the first micro-batch leaves both cores to t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -102,6 +103,7 @@ from trainfit.perf.comms import (
     Collective,
     collective_time,
     group_is_intra_node,
+    members_per_node,
     precision_bytes,
     stage_params,
     step_collectives,
@@ -173,8 +175,16 @@ class Rates:
         return self.peaks[precision]
 
     def link(self, layout: Layout, axes: tuple[str, ...]) -> Link:
-        """The link a group over these mesh axes runs on (perf/comms.py: its slowest hop)."""
-        return self.intra if group_is_intra_node(layout, axes, self.hw.gpus_per_node) else self.inter
+        """The link a group over these mesh axes runs on (perf/comms.py: its slowest hop; across nodes,
+        the NICs its members on a node drive, no more than the intra-node link carries)."""
+        gpus_per_node = self.hw.gpus_per_node
+        if group_is_intra_node(layout, axes, gpus_per_node):
+            return self.intra
+        members = members_per_node(layout, axes, gpus_per_node)
+        if members == 1:
+            return self.inter
+        bandwidth = min(self.inter.bytes_per_s * members, self.intra.bytes_per_s)
+        return dataclasses.replace(self.inter, bytes_per_s=bandwidth)
 
 
 class RankFlops(NamedTuple):
