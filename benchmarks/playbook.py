@@ -29,6 +29,7 @@ import argparse
 import csv
 import datetime
 import json
+import math
 import statistics
 import sys
 import time
@@ -42,6 +43,7 @@ from rich.table import Table
 from trainfit.config import ConfigError
 from trainfit.configure import load_config
 from trainfit.estimate import Estimate, estimate
+from trainfit.perf.host_costs import NO_ENGINE_HOST, HostCosts
 from trainfit.tables import print_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -137,11 +139,82 @@ class Predicted:
         return self.est is not None and self.est.fits
 
 
-def predict(run: Run) -> Predicted:
+NANOTRON_TP = (1, 2, 4, 8, 16, 32)
+"""The tp degrees the sweep ran, each with its own fitted host figures."""
+NANOTRON_HOST_S = {1: 0.007, 2: 0.0055, 4: 0.0055, 8: 0.0047, 16: 0.0093, 32: 0.017}
+"""nanotron's host seconds per block and micro-batch (forward and backward) by tp degree, fitted on the given
+half's runs without pipeline parallelism by `python benchmarks/playbook.py --fit-host` (benchmarks/README.md
+has the fit): an engine profile of nanotron used here only; trainfit's own estimates use trainfit's measured
+host time (perf/host_costs.TRAINFIT)."""
+NANOTRON_BOUNDARY_S = {1: 0.0, 2: 0.012, 4: 0.076, 8: 0.21, 16: 0.49, 32: 1.0}
+"""... and per micro-batch at a pipeline rank's stage boundaries, fitted on the runs with pipeline parallelism
+once the block figures are set."""
+FORWARD_SHARE = 0.3
+"""Of a block's host time, the forward's (trainfit's measured split, perf/host_costs.TRAINFIT: about 0.3)."""
+
+
+def nanotron_engine(block_s: dict[int, float] = NANOTRON_HOST_S,
+                    boundary_s: dict[int, float] = NANOTRON_BOUNDARY_S) -> HostCosts:
+    """nanotron's host side as perf/host_costs.py prices an engine: every tp degree's block figure, split
+    forward/backward as trainfit's is, and its stage-boundary figure; the rest of the model left to the launches."""
+    kind = {1: "eager"}
+    return HostCosts("nanotron", {(kind.get(tp, "sequence_parallel"), tp): (FORWARD_SHARE * h, (1 - FORWARD_SHARE) * h)
+                                  for tp, h in block_s.items()}, boundary_s=dict(boundary_s),
+                     source="fitted: benchmarks/playbook.py --fit-host")
+
+
+def predict(run: Run, engine: HostCosts | None = None) -> Predicted:
     try:
-        return Predicted(run, estimate(load_config(None, overrides(run))))
+        return Predicted(run, estimate(load_config(None, overrides(run)), engine=engine or nanotron_engine()))
     except ConfigError as err:
         return Predicted(run, None, str(err))
+
+
+GRID = [1e-4 * 1.05**i for i in range(round(math.log(1e4) / math.log(1.05)) + 1)]
+"""The figures fit_host tries: 0.1 ms to 1 s, a factor 1.05 apart (and 0)."""
+
+
+def fit_host(runs: list[Run], console: Console) -> tuple[dict[int, float], dict[int, float]]:
+    """nanotron's host figures at each tp degree: the figure of GRID whose predicted step times have the
+    smallest median |log error| against the measured ones, over the 1-32-node runs that ran at that degree:
+    per block and micro-batch from the runs without pipeline parallelism, then per micro-batch at the stage
+    boundaries from those with it. Each run is estimated once without a host side; host seconds H add
+    max(0, H - compute - exposed communication) to its step, as perf/timing.py does (the refit estimates
+    reproduce the errors printed)."""
+    unit_block = HostCosts("unit", {(k, tp): (FORWARD_SHARE, 1 - FORWARD_SHARE) for tp in NANOTRON_TP
+                                    for k in ("eager", "sequence_parallel")})
+    unit_boundary = HostCosts("unit", boundary_s=dict.fromkeys(NANOTRON_TP, 1.0))
+    pieces: dict[tuple[int, bool], list[tuple[float, float, float, float, float]]] = defaultdict(list)
+    for run in runs:
+        if run.memory_gib is None or run.tok_s_gpu <= 0 or run.nodes == 64:
+            continue
+        p = predict(run, NO_ENGINE_HOST)
+        if p.est is None:
+            continue
+        t, layout = p.est.perf.time, p.est.layout
+        measured = GLOBAL_BATCH * SEQ / (run.tok_s_gpu * run.nodes * GPUS_PER_NODE)
+        pieces[run.tp, run.pp > 1].append((t["step_time_s"], t["compute_s"] + t["exposed_comm_s"],
+                                           unit_block.step_seconds(layout), unit_boundary.step_seconds(layout),
+                                           measured))
+
+    def error(rows: list[tuple[float, float, float, float, float]], block: float, boundary: float) -> float:
+        return statistics.median(abs(math.log((step + max(0.0, block * b + boundary * c - device)) / measured))
+                                 for step, device, b, c, measured in rows)
+
+    blocks, boundaries = {}, {}
+    for tp in NANOTRON_TP:
+        flat, staged = pieces[tp, False], pieces[tp, True]
+        block = min([0.0, *GRID], key=lambda h: error(flat, h, 0.0)) if flat else 0.0
+        blocks[tp] = float(f"{block:.2g}")
+        boundary = min([0.0, *GRID], key=lambda h: error(staged, blocks[tp], h)) if staged else 0.0
+        boundaries[tp] = float(f"{boundary:.2g}")
+        console.print(f"tp {tp}: {len(flat)} runs without pp, {1e3 * blocks[tp]:.2g} ms per block and micro-batch, "
+                      f"median |log error| {error(flat, 0, 0) if flat else 0:.3f} -> "
+                      f"{error(flat, blocks[tp], 0) if flat else 0:.3f}; {len(staged)} with pp, "
+                      f"{1e3 * boundaries[tp]:.3g} ms per micro-batch at the boundaries, "
+                      f"{error(staged, 0, 0) if staged else 0:.3f} -> "
+                      f"{error(staged, blocks[tp], boundaries[tp]) if staged else 0:.3f}")
+    return blocks, boundaries
 
 
 def not_oom(run: Run, runs: list[Run]) -> bool:
@@ -224,9 +297,14 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=[], help="groups (MODEL-NODES, e.g. 8B-1) to estimate")
     parser.add_argument("--json", metavar="OUT", help="write every group's figures there")
     parser.add_argument("--record", metavar="REASON", help=f"write the whole data's figures to {RECORD.name}")
+    parser.add_argument("--fit-host", action="store_true", help="fit nanotron's host figures (NANOTRON_HOST_S)")
     args = parser.parse_args()
     console = Console()
     runs = read_runs(args.data)
+    if args.fit_host:
+        blocks, boundaries = fit_host(runs, console)
+        console.print(f"NANOTRON_HOST_S = {blocks}\nNANOTRON_BOUNDARY_S = {boundaries}")
+        return
     groups: dict[str, list[Run]] = defaultdict(list)
     for run in runs:
         if not args.only or run.group in args.only:

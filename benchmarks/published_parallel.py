@@ -50,6 +50,7 @@ from trainfit.hardware import device_spec
 from trainfit.memory import ALLOCATOR_FRAGMENTATION
 from trainfit.parallel.schedules import bubble_fraction
 from trainfit.perf import flops as F
+from trainfit.perf.host_costs import NO_ENGINE_HOST, TRAINFIT, HostCosts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import published_record as record  # noqa: E402 (beside this script)
@@ -65,16 +66,20 @@ class Source:
     short: str
     citation: str
     """Repository, file, table and commit, or paper and section, as published_parallel_sources.md gives them."""
+    engine: HostCosts = NO_ENGINE_HOST
+    """Whose host side the runs waited on (perf/host_costs.py): torchtitan's DTensor and FSDP2 eager ops are
+    trainfit's own engine; Megatron-Core and Transformer Engine dispatch no per-op framework code."""
 
 
 SOURCES: dict[str, Source] = {
     "tt-2412": Source("torchtitan bench 2024-12", "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md "
                       "(added in 820504e20d1149fbf0b98c567af24c4b0433b22d, 2025-06-13; same content in "
                       "docs/performance.md at d4c86e3758a84cf23e2e879ab3c995cba9d5e410); torch 1963fc8, torchao "
-                      "eab345c, torchtitan 9dec370; H100 96GB HBM2e, 500 W, Grand Teton, 400 Gb/s RDMA per GPU"),
+                      "eab345c, torchtitan 9dec370; H100 96GB HBM2e, 500 W, Grand Teton, 400 Gb/s RDMA per GPU",
+                      engine=TRAINFIT),
     "tt-paper": Source("TorchTitan paper", "TorchTitan, arXiv 2410.06511 (ICLR 2025 text, arXiv version uncertain), "
                        "Sec. 3.2, Tables 3-6; read as a full-text conversion (code-index file id 66536731633); "
-                       "H100 with 95 GiB"),
+                       "H100 with 95 GiB", engine=TRAINFIT),
     "hf-ulysses": Source("HF Ulysses blog", "https://huggingface.co/blog/ulysses-sp, Benchmarks section (published "
                          "2026-03-09; code-index file id 69464313388); 4 x H100 80GB"),
     "alst": Source("ALST", "Arctic Long Sequence Training, arXiv 2506.13996 abstract and the Snowflake engineering "
@@ -94,10 +99,11 @@ SOURCES: dict[str, Source] = {
     "tt-async": Source("torchtitan AsyncTP 2025-06", "pytorch/torchtitan "
                        "benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (tables from "
                        "8b6770a14abddec23a7ea1b2dc61a2a532874a34; file added by PR #1299, "
-                       "2887250bbd9103d0bc997ea2efb3a525b5e5dbc0); torch 38410cf9; H100 96GB HBM2e, 500 W"),
+                       "2887250bbd9103d0bc997ea2efb3a525b5e5dbc0); torch 38410cf9; H100 96GB HBM2e, 500 W",
+                       engine=TRAINFIT),
     "tt-2408": Source("torchtitan docs 2024-08", "pytorch/torchtitan docs/performance.md at "
                       "4d88a8a44fe439f73f564b83d60b29a906ef3507 (PR #554, fixed by #556); 128 x H100 94GB "
-                      "(HBM2e, lower-TDP SXM)"),
+                      "(HBM2e, lower-TDP SXM)", engine=TRAINFIT),
     "nemo-2407": Source("NeMo 24.07 perf", "NVIDIA/NeMo docs/source/performance/performance_summary.md at "
                         "070a0bb168d405d653b9734c0017cf5078e77c0d; DGX-H100, FP8"),
     "nemo-2412": Source("NeMo 24.12 docs", "docs.nvidia.com NeMo user-guide/24.12 copy of the performance summary "
@@ -110,12 +116,12 @@ SOURCES: dict[str, Source] = {
                      "0a25f911b2ed6c6905a539504fdb8e5b40e3438b; recipe "
                      "scripts/performance/configs/llama/llama31_workload_base_configs.py"),
     "automodel": Source("NeMo AutoModel", "NVIDIA-NeMo/Automodel docs/performance-summary.md at "
-                        "01926a5c443b7979463c73341bf64adf79de638e"),
+                        "01926a5c443b7979463c73341bf64adf79de638e", engine=TRAINFIT),
     "mlm-1059": Source("Megatron-LM #1059", "NVIDIA/Megatron-LM issue #1059 (user report, A800, 32 x 8 GPUs)"),
     "trainy": Source("Trainy H200", "pytorch/torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md "
                      "(invocation: torchtitan/models/llama3/train_configs/llama3_8b.toml at torchtitan e7c0cae, "
                      "--training.local_batch_size=2, compile, float8 with FSDP float8 all-gather); 8 x H200 per host, "
-                     "400 Gb/s per GPU"),
+                     "400 Gb/s per GPU", engine=TRAINFIT),
 }
 
 NOTES: dict[str, str] = {
@@ -622,7 +628,7 @@ class Result:
 
 
 def predict(row: Published) -> Result:
-    est = estimate(build_config(row))
+    est = estimate(build_config(row), engine=SOURCES[row.source].engine)
     memory = memory_value(row, est) if row.memory is not None and row.memory_stat else None
     throughput = metric_value(row, est) if row.throughput is not None else None
     return Result(row, est, memory, throughput)

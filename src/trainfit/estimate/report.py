@@ -93,7 +93,7 @@ def _perf_table(est: Estimate) -> Table:
     table.add_row("exposed communication", fmt_seconds(t["exposed_comm_s"]))
     table.add_row("pipeline bubble", fmt_seconds(t["bubble_s"]))
     if t["exposed_host_s"]:
-        table.add_row("framework host work (DTensor, FSDP2)", fmt_seconds(t["exposed_host_s"]))
+        table.add_row("host work beyond the device (dispatch, DTensor, FSDP2)", fmt_seconds(t["exposed_host_s"]))
     table.add_row("step time", fmt_seconds(t["step_time_s"]), style="bold")
     table.add_row("tokens / s (whole job)", f"{t['tokens_per_second']:,.0f}")
     table.add_row("MFU", f"{t['mfu']:.1%}")

@@ -109,6 +109,7 @@ from trainfit.perf.comms import (
     step_collectives,
 )
 from trainfit.perf.fp8_casts import SCALE_PRECOMPUTE_BYTES, gathered_shard_bytes, linear_cast_bytes
+from trainfit.perf.host_costs import TRAINFIT, HostCosts
 from trainfit.perf.kernels import float8_gemms
 from trainfit.sample_rows import SampleRows
 
@@ -158,15 +159,18 @@ class Rates:
     measured at its group size runs at its fit (unless a hardware.* override of the link says otherwise)."""
     peaks: dict[str, float] = field(default_factory=dict, compare=False)
     """peak_flops per precision mode, as asked."""
+    engine: HostCosts = TRAINFIT
+    """The engine whose host side a GPU waits on (perf/host_costs.py): trainfit's own, unless a caller
+    prices another engine's runs (benchmarks/playbook.py: nanotron's)."""
 
     @classmethod
-    def of(cls, hw: HardwareConfig) -> Rates:
+    def of(cls, hw: HardwareConfig, engine: HostCosts = TRAINFIT) -> Rates:
         profile = measured_profile(hw)
         overridden = hw.intra_node_gbps or hw.intra_node_latency_us or hw.comm_efficiency
         fits = {(f.kind, f.world_size): Link("measured", f.bytes_per_s, f.latency_s)
                 for f in (profile.collectives if profile and not overridden else ())}
         return cls(hw, device_spec(hw), profile, compute_efficiency(hw), intra_node_link(hw), inter_node_link(hw),
-                   host_link(hw), fits)
+                   host_link(hw), fits, engine=engine)
 
     def peak(self, precision: str) -> float:
         """peak_flops(hw, precision), with its named error for a dtype the device has no rate for."""
@@ -502,14 +506,18 @@ def _device_optimizer_seconds(m: ModelConfig, layout: Layout, rates: Rates) -> f
     return params * ADAMW_BYTES_PER_PARAM / rates.device.hbm_bytes_per_s
 
 
-def _exposed_host_seconds(layout: Layout, rates: Rates, compute_s: float, share: float) -> float:
-    """The parallel frameworks' host work (trainfit.perf.kernels) on the critical path: on a CPU all
-    of it, time-shared like the compute; a GPU's host runs ahead of its kernels, so only what exceeds
-    them."""
+def _exposed_host_seconds(layout: Layout, rates: Rates, compute_s: float, exposed_s: float, share: float) -> float:
+    """Host work on the critical path. On a CPU (measured profile: the parallel frameworks' part,
+    trainfit.perf.kernels) all of it, time-shared like the compute. A GPU's host runs ahead of its
+    kernels and of the collectives they wait on, so only what exceeds the device's compute and exposed
+    communication: the profile's frameworks' part where `trainfit calibrate` measured one, else the
+    engine's whole host side (perf/host_costs.py: rates.engine)."""
     if rates.profile is None:
-        return 0.0
+        if rates.hw.gpu == "cpu":
+            return 0.0
+        return max(0.0, rates.engine.step_seconds(layout) - compute_s - exposed_s)
     host = K.host_overhead_seconds(rates.profile, layout)
-    return host * share if rates.hw.gpu == "cpu" else max(0.0, host - compute_s)
+    return host * share if rates.hw.gpu == "cpu" else max(0.0, host - compute_s - exposed_s)
 
 
 def compute_time_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig,
@@ -675,7 +683,7 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
     share = K.time_share(rates.profile, hw, layout) if rates.profile is not None else 1.0
     alone = compute_s / share
     bubble_s = max(0.0, frac * (alone + per_microbatch) - (compute_s - alone))
-    host_s = _exposed_host_seconds(layout, rates, compute_s, share)
+    host_s = _exposed_host_seconds(layout, rates, compute_s, exposed_s, share)
     step_s = compute_s + host_s + exposed_s + offload_exposed_s + bubble_s + optimizer_s
 
     peak = rates.peak(layout.precision)

@@ -63,7 +63,7 @@ ESTIMATE = _keys(
         "elementwise and the kernel launches ({} elsewhere)", comm_s="each collective kind's time",
         exposed_comm_s="communication not hidden behind compute", exposed_comm_by_kind_s="the same per kind",
         offload_s="CPU offload's host copies and host optimizer step", exposed_offload_s="offload not hidden",
-        bubble_s="the pipeline bubble", exposed_host_s="framework host work (DTensor, FSDP2) not hidden",
+        bubble_s="the pipeline bubble", exposed_host_s="host work (dispatch, DTensor, FSDP2) not hidden",
         bubble_fraction="the bubble's share of the step", optimizer_s="the optimizer step",
         num_microbatches="micro-batches per step", tokens_per_second="the whole job's",
         mfu="model FLOPs utilisation", hfu="hardware FLOPs utilisation (recomputation counted)")),
@@ -86,8 +86,9 @@ CANDIDATE = _keys(
     "reserved margin", device_memory="the device's memory", peak_bytes="the tensors' peak",
     step_time_s="one optimizer step", tokens_per_second="the whole job's", mfu="model FLOPs utilisation",
     compute_s="compute", fp8_cast_s="fp8-mixed's casts", exposed_comm_s="communication not hidden",
-    bubble_s="the pipeline bubble", exposed_offload_s="offload not hidden", exposed_host_s="framework host work "
-    "not hidden", grad_accum_steps="micro-batches per optimizer step", num_microbatches="pipeline micro-batches")
+    bubble_s="the pipeline bubble", exposed_offload_s="offload not hidden",
+    exposed_host_s="host work (dispatch, DTensor, FSDP2) not hidden",
+    grad_accum_steps="micro-batches per optimizer step", num_microbatches="pipeline micro-batches")
 
 GLOBAL_BATCH = ESTIMATE["fixes_global_batch"].keys
 

@@ -50,7 +50,7 @@ def _time_parts(c: Candidate) -> dict[str, float]:
     t = c.perf.time
     parts = {"compute": t["compute_s"] - t["fp8_cast_s"] - t["nf4_dequant_s"], "fp8 casts": t["fp8_cast_s"],
              "NF4 dequantization": t["nf4_dequant_s"], "bubble": t["bubble_s"],
-             "host offload": t["exposed_offload_s"], "framework host work": t["exposed_host_s"]}
+             "host offload": t["exposed_offload_s"], "host work": t["exposed_host_s"]}
     parts.update({f"exposed {kind.replace('_', '-')}": s for kind, s in t["exposed_comm_by_kind_s"].items()})
     return parts
 
