@@ -111,7 +111,8 @@ def overrides(run: Run) -> list[str]:
             f"--training.global_batch_size={GLOBAL_BATCH}", "--hardware.gpu=H100-SXM-80GB",
             f"--hardware.num_gpus={run.nodes * GPUS_PER_NODE}", f"--hardware.gpus_per_node={GPUS_PER_NODE}",
             f"--parallel.tp={run.tp}", f"--parallel.pp={run.pp}", f"--parallel.zero_stage={run.zero}",
-            f"--parallel.sequence_parallel={str(run.tp > 1).lower()}", "--parallel.pp_schedule=1f1b",
+            f"--parallel.sequence_parallel={str(run.tp > 1).lower()}", "--parallel.sp_recompute_gather=true",
+            "--parallel.pp_schedule=1f1b",
             "--precision.mode=bf16-mixed", "--optimizer.grad_accum_dtype=fp32",
             "--memory.activation_checkpointing=none"]
 

@@ -262,8 +262,8 @@ def test_zero1_collectives_match_the_zero_optimizer(precision: str, grad_accum_d
     assert expected(cfg, dims) == log.calls
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tensor_parallel_collectives_match_parallelize_module(sequence_parallel: bool) -> None:
+@pytest.mark.parametrize("sequence_parallel, regather", [(False, False), (True, False), (True, True)])
+def test_tensor_parallel_collectives_match_parallelize_module(sequence_parallel: bool, regather: bool) -> None:
     """The whole model as parallel/tensor_parallel.py plans it: blocks, the vocabulary-parallel
     embedding and output projection, and loss_parallel's cross-entropy (the block alone was checked
     before; tests/distributed/test_comm_counts.py checks a real step). Selective recomputation
@@ -271,17 +271,21 @@ def test_tensor_parallel_collectives_match_parallelize_module(sequence_parallel:
     (the expectation of one dated from before all_reduce joined its _SAVE_OPS)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainfit.parallel.tensor_parallel import apply_tensor_parallel, vocabulary_parallel_loss
+    from trainfit.parallel.tensor_parallel import apply_tensor_parallel, recompute_gathers, vocabulary_parallel_loss
     from trainfit.recompute import apply_activation_checkpointing
 
     for policy in ("none", "full", "selective"):
         cfg, dims = _dims("--model.preset=debug", "--model.num_layers=1", "--hardware.num_gpus=2", "--parallel.tp=2",
                           f"--parallel.sequence_parallel={sequence_parallel}", "--precision.mode=fp32",
                           f"--memory.activation_checkpointing={policy}", "--training.seq_len=16",
-                          "--training.micro_batch_size=2", "--training.global_batch_size=2")
+                          "--training.micro_batch_size=2", "--training.global_batch_size=2",
+                          f"--parallel.sp_recompute_gather={regather}")
         with fake_world(2):
             model = build_model(cfg.model)
-            apply_tensor_parallel(model, init_device_mesh("cpu", (2,)), sequence_parallel=sequence_parallel)
+            mesh = init_device_mesh("cpu", (2,))
+            apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
+            if regather:  # a checkpointed block re-gathers (selective) or keeps its input (full) already
+                assert recompute_gathers(model, mesh, lambda i: policy != "none") == (2 if policy == "none" else 0)
             apply_activation_checkpointing(model, policy)
             materialize(model, "cpu")
             tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))

@@ -86,6 +86,10 @@ GRID: dict[str, tuple[str, ...]] = {
     # is where the components are compared)
     "qk-norm-head-dim-tp2-sp": (*QWEN3, "--hardware.num_gpus=2", "--parallel.tp=2", "--parallel.sequence_parallel=true",
                                 "--training.micro_batch_size=4", "--training.global_batch_size=4"),
+    # parallel.sp_recompute_gather: the column groups keep their input shards, backward gathers them again
+    "tp2-sp-regather": (*DENSE, "--hardware.num_gpus=2", "--parallel.tp=2", "--parallel.sequence_parallel=true",
+                        "--parallel.sp_recompute_gather=true", "--training.micro_batch_size=4",
+                        "--training.global_batch_size=4"),
     "qk-norm-head-dim-tp2-zero3": (*QWEN3, "--hardware.num_gpus=4", "--parallel.tp=2", "--parallel.zero_stage=3",
                                    "--training.global_batch_size=2"),
     # Gemma 3's windowed and global layers (their own RoPE bases) and Gemma 2's eager soft-capped attention

@@ -303,6 +303,12 @@ class ParallelConfig:
     """Tensor-parallel degree."""
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence under tensor parallelism."""
+    sp_recompute_gather: bool = False
+    """Under sequence parallelism, a column-parallel group (q/k/v, the MLP's up and gate projections) keeps
+    its input's sequence shard for backward and all-gathers it again there (Megatron-LM's behaviour, which
+    Korthikanti et al.'s sequence-parallel memory formula assumes), instead of the gathered whole sequence
+    torch's plan keeps: 1/tp of those activations for one more all-gather per group in backward. Blocks
+    under activation checkpointing already re-gather (selective) or keep only their input (full)."""
     async_tp: bool = False
     """Overlap tensor parallelism's all-gathers and reduce-scatters with the GEMMs beside them: each is
     split into tp chunks, one moving while another multiplies (torch's micro-pipeline TP, an inductor

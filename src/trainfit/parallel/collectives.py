@@ -103,6 +103,8 @@ TENSORS: dict[str, str] = {
     "routed_tokens": "the hidden state of each (token, choice) pair a rank sends (capacity: every slot)",
     "expert_counts": "the per-expert row counts (int64)",
     "boundary": "the stage boundary's hidden states (1/tp of them under sequence parallelism)",
+    "regathered": "a column group's input all-gathered again in backward (parallel.sp_recompute_gather), in "
+                  "the dtype its projections saved it in: the activations'",
     "loss": "the step's summed loss (one fp32 number)",
     "grad_norm": "a gradient norm, or its square (one fp32 number)",
 }
@@ -235,6 +237,9 @@ def _tp(model: ModelConfig, layout: Layout, layers: int, wrapped: int) -> list[C
         *[(kind, "backward", tensor, f"{site} (recomputed)", wrapped, gemms) for kind, tensor, site, gemms in rerun
           if kind != "all_gather"],
         *ends("backward", "pos_embeddings output"),
+        # parallel.sp_recompute_gather: each column group's input again, in the unwrapped blocks' backward
+        *[("all_gather", "backward", "regathered", f"{site.path} input (regathered)", layers - wrapped, ())
+          for site in block if site.style == "branch_input" and layout.regathers],
     ]
     out = [CollectiveCall("tp", kind, ("tp",), tensor, site, phase, count, overlaps=gemms)
            for kind, phase, tensor, site, count, gemms in calls]

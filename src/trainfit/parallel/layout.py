@@ -98,6 +98,14 @@ class Layout:
     """model.tie_embeddings: the embedding and the output projection share one weight."""
     rows: SampleRows | None = None
     """Fine-tuning samples' rows (packed or padded, their lengths: sample_rows.py); None: a text stream."""
+    sp_recompute_gather: bool = False
+    """parallel.sp_recompute_gather: a column group keeps its input's sequence shard and all-gathers it
+    again in backward (in blocks not checkpointed); only under sequence parallelism (`regathers`)."""
+
+    @property
+    def regathers(self) -> bool:
+        """Whether unwrapped blocks re-gather their column groups' inputs in backward."""
+        return self.sp_recompute_gather and self.sequence_parallel and self.tp > 1
 
     @property
     def dp(self) -> int:
@@ -220,6 +228,9 @@ class Layout:
         if self.async_tp and self.tp == 1:
             found.append("parallel.async_tp=true has no effect: it overlaps tensor parallelism's collectives, and "
                          "parallel.tp=1")
+        if self.sp_recompute_gather and not self.regathers:
+            found.append("parallel.sp_recompute_gather=true has no effect: it re-gathers sequence parallelism's "
+                         "shards, and " + ("parallel.tp=1" if self.tp == 1 else "parallel.sequence_parallel=false"))
         if self.sequence_parallel and self.tp == 1:
             found.append("parallel.sequence_parallel=true has no effect: it shards along the sequence what tensor "
                          "parallelism leaves whole, and parallel.tp=1")

@@ -120,7 +120,8 @@ def build_layout(cfg: Config, world_size: int | None = None) -> Layout:
                   fp8_all_gather=cfg.precision.fp8_all_gather,
                   grad_accum_dtype=cfg.optimizer.grad_accum_dtype, moe_imbalance=mem.moe_imbalance,
                   loss_chunk_tokens=mem.loss_chunk_tokens, compile=t.compile, optimizer=cfg.optimizer.name,
-                  tie_embeddings=bool(m.tie_embeddings), rows=_sample_rows(cfg))
+                  tie_embeddings=bool(m.tie_embeddings), rows=_sample_rows(cfg),
+                  sp_recompute_gather=p.sp_recompute_gather)
 
 
 def _sample_rows(cfg: Config) -> SampleRows | None:

@@ -30,11 +30,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
+import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -114,6 +118,89 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     if tied:
         model.output.weight = model.tok_embeddings.weight
     return model
+
+
+def recompute_gathers(model: nn.Module, tp_mesh: DeviceMesh, skip: Callable[[int], bool]) -> int:
+    """parallel.sp_recompute_gather: every column group of the blocks `skip` does not name (the ones
+    activation checkpointing leaves unwrapped) keeps its input's sequence shard for backward and
+    all-gathers it there again (`_RegatherInBackward`). Returns how many groups do."""
+    kinds, of = layer_kinds(model.cfg), kind_of_layers(model.cfg)
+    groups = 0
+    for i, block in model.layers.indexed():
+        if skip(i):
+            continue
+        for site in block_sites(kinds[of[i]], True):
+            if site.style == "branch_input":
+                _RegatherInBackward(block.get_submodule(site.path), tp_mesh)
+                groups += 1
+    return groups
+
+
+class _RegatherInBackward:
+    """Around one column group (a branch whose input PrepareModuleInput all-gathers from the sequence
+    shards): while the branch runs forward, every tensor autograd saves that is the gathered input, or a
+    view or cast of it (each projection's matmul saves its 2-D view; torch.amp saves each projection's
+    own cast), is packed as the input's shard, its shape and its dtype; backward's first unpack all-gathers
+    the shard again (cast first: the same values, fewer bytes) and the group's other unpacks share that
+    tensor until the last of them. The gathered values are bit-identical to the forward's, so the
+    gradients are too (Megatron-LM's re-gather of the sequence-parallel input)."""
+
+    def __init__(self, branch: nn.Module, tp_mesh: DeviceMesh) -> None:
+        self.mesh, self.shard, self.gathered_shape, self.hooks = tp_mesh, None, None, None
+        branch.register_forward_pre_hook(self._shard_in, prepend=True)  # before PrepareModuleInput
+        branch.register_forward_pre_hook(self._gathered_in)  # after it
+        branch.register_forward_hook(self._out, always_call=True)
+
+    def _shard_in(self, module: nn.Module, args: tuple) -> None:
+        shard = args[0]  # a sequence-sharded DTensor (a norm's output) or its local tensor
+        self.shard = (shard.to_local() if isinstance(shard, DTensor) else shard).detach()
+
+    def _gathered_in(self, module: nn.Module, args: tuple) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self.gathered_shape = args[0].shape
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self.hooks.__enter__()
+        self.pending: dict[torch.dtype, list] = {}  # dtype -> [packs not yet unpacked, the gathered tensor]
+
+    def _out(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self.hooks is not None:
+            self.hooks.__exit__(None, None, None)
+        self.hooks, self.shard = None, None
+
+    def _pack(self, t: torch.Tensor) -> object:
+        if not (isinstance(t, DTensor) and t.device_mesh == self.mesh and t.placements == (Replicate(),)
+                and t.numel() == math.prod(self.gathered_shape) and t.shape[-1] == self.gathered_shape[-1]):
+            return t
+        group = self.pending.setdefault(t.dtype, [0, None])
+        group[0] += 1
+        return _Regather(self.shard, self.gathered_shape, t.shape, t.dtype, group, self.mesh)
+
+    @staticmethod
+    def _unpack(saved: object) -> torch.Tensor:
+        if not isinstance(saved, _Regather):
+            return saved
+        group = saved.group
+        if group[1] is None:
+            local = funcol.all_gather_tensor(saved.shard.to(saved.dtype), gather_dim=1, group=saved.mesh)
+            group[1] = DTensor.from_local(funcol.wait_tensor(local), saved.mesh, [Replicate()], run_check=False)
+        out = group[1].reshape(saved.shape)
+        group[0] -= 1
+        if group[0] == 0:
+            group[1] = None  # the last of the group's unpacks: the gathered tensor goes with it
+        return out
+
+
+@dataclass
+class _Regather:
+    """A saved tensor of a column group, packed as its input's shard (`_RegatherInBackward`)."""
+
+    shard: torch.Tensor
+    gathered_shape: torch.Size
+    shape: torch.Size
+    dtype: torch.dtype
+    group: list
+    mesh: DeviceMesh
 
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> bool:

@@ -303,7 +303,7 @@ def tensor_bytes(model: ModelConfig, layout: Layout, training: TrainingConfig) -
                positions=t.seq_len / layout.cp * m.dim * stream_b, norm_gain=m.dim * param_b,
                qk_norm_gain=describe(m).attention.head_dim * param_b,
                kv=int(seqs * t.seq_len * describe(m).attention.kv_dim / layout.tp * act_b),
-               boundary=act / layout.tp if layout.sequence_parallel else act)
+               boundary=act / layout.tp if layout.sequence_parallel else act, regathered=act)
     if m.num_experts:
         out.update(routed_tokens=expert_rows(m, int(tokens)) * m.dim * act_b,
                    expert_counts=m.num_experts * COUNT_BYTES)

@@ -18,7 +18,8 @@ from trainfit.parallel.expert import apply_expert_parallel
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.mesh import ddp_mesh, expert_mesh, fsdp_mesh, shard_mesh
 from trainfit.parallel.pipeline import StageParts, split_stages
-from trainfit.parallel.tensor_parallel import apply_tensor_parallel, enable_async_tp
+from trainfit.parallel.stage_split import checkpointed
+from trainfit.parallel.tensor_parallel import apply_tensor_parallel, enable_async_tp, recompute_gathers
 from trainfit.precision import PrecisionPolicy
 from trainfit.recompute import apply_activation_checkpointing
 
@@ -71,6 +72,9 @@ def _parallelize_part(model: nn.Module, layout: Layout, mesh: DeviceMesh | None,
     if layout.tp > 1:
         assert mesh is not None
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=layout.sequence_parallel)
+        if layout.regathers:  # blocks activation checkpointing wraps re-gather (selective) or keep only their input
+            wraps = layout.activation_checkpointing != "none"
+            recompute_gathers(model, mesh["tp"], lambda i: wraps and checkpointed(i, layout.ac_every_n_layers))
         if layout.async_tp:
             enable_async_tp(mesh["tp"])
         if layout.sequence_parallel and model.tok_embeddings is None:  # a later pipeline stage

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from trainfit.config import ModelConfig
 from trainfit.memory.closed_form.block.activation_terms import Terms, Transient, scores_kept
-from trainfit.memory.closed_form.block.activations import block_terms, policy_only_terms
+from trainfit.memory.closed_form.block.activations import block_terms, policy_only_terms, regathered_terms
 from trainfit.memory.closed_form.block.adapter_activations import (
     adapter_terms,
     final_norm_adapter_terms,
@@ -96,7 +96,8 @@ def _micro_batch(m: ModelConfig, prec: Precision, shape: MicroBatchShape) -> Mic
 
     routing = moe_routing(m, shape.tokens, shape.moe_imbalance, shape.ep)
     none = size(block_terms(m, act, "none", routing, cp, tp)
-                + (adapter_terms(m, act, shape.adaptation, routing) if shape.adaptation else Terms()))
+                + (adapter_terms(m, act, shape.adaptation, routing) if shape.adaptation else Terms())
+                + (regathered_terms(m, act) if shape.regathers else Terms()))
     wrapped = size(block_terms(m, act, policy, routing, cp, tp)
                    + (selective_adapter_terms(m, act, shape.adaptation, routing)
                       if shape.adaptation and policy.startswith("selective") else Terms())) \

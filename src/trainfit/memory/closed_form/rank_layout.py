@@ -273,7 +273,8 @@ def layout_common(run: Run, shared: SharedSizes) -> LayoutCommon:
                    layout.activation_checkpointing, layout.moe_imbalance, layout.chunked_loss, layout.loss_chunk_tokens,
                    rope_table_bytes(run), layout.adaptation,
                    layout.rows.scored_share(run.training.seq_len) if layout.rows is not None else 1.0,
-                   document_mask_kernel(device_type(run.hardware)) if prec.act.packed_rows else "")
+                   document_mask_kernel(device_type(run.hardware)) if prec.act.packed_rows else "",
+                   layout.regathers)
     kinds = tuple(KindSizes(kind_run, sizes.counts, _block(kind_run, sizes.counts), sizes.micro_batch(prec, shape))
                   for sizes in shared.kinds for kind_run in [run._replace(model=sizes.model)])
     first = kinds[0]

@@ -100,6 +100,9 @@ class MicroBatchShape(NamedTuple):
     document_mask_kernel: str = ""
     """Packed fine-tuning rows: how attention keeps to each sample (models/architecture.document_mask_kernel);
     "": rows of one sequence."""
+    regathers: bool = False
+    """parallel.sp_recompute_gather under sequence parallelism (Layout.regathers): unwrapped blocks keep their
+    column groups' input shards, not the gathered inputs (block/activations.regathered_terms)."""
 
 
 def rope_table_bytes(run: Run) -> int:

@@ -75,6 +75,18 @@ class PolicyOnly:
     block's shared experts' w2 output (their sum with the routed output)."""
 
 
+def regathered_terms(m: ModelConfig, d: ActDtypes) -> Terms:
+    """What parallel.sp_recompute_gather changes in an unwrapped block (parallel/tensor_parallel.py's
+    _RegatherInBackward): its column groups' consumers no longer save the gathered input (the attention's
+    q, k, v; a dense MLP's up and gate projections: each its own cast under autocast, else one shared
+    tensor); each group keeps its input's sequence shard instead, in the stream's dtype. An MoE
+    feed-forward is replicated on the tp ranks, no column group: it keeps what it saves."""
+    D = m.dim
+    groups = [3] if m.num_experts else [3, ffn_consumers(m)]
+    return Terms(gathered=-sum(norm_saved(m, d, consumers).gathered for consumers in groups),
+                 seq=len(groups) * d.stream * D)
+
+
 def _row_parallel_reductions(m: ModelConfig, d: ActDtypes, tp: int) -> Terms:
     """Tensor parallelism under the selective policies (models/checkpoint_policy.py): the reduced outputs of
     the row-parallel projections (wo; w2 / fc2 unless the feed-forward is an MoE, whole on the tp
