@@ -100,6 +100,23 @@ def read_runs(path: Path) -> list[Run]:
     return runs
 
 
+def nanotron_split(run: Run) -> list[int]:
+    """Blocks per pipeline stage as nanotron assigns them (src/nanotron/models/base.py, build_model, and
+    models/llama.py, get_block_compute_costs): each decoder layer costs 4 h^2 + 3 ffn h, the head V h, the
+    embedding nothing; blocks go in order to the current stage, which moves on once the cumulative cost
+    exceeds its share (k / pp of the total), so a stage keeps the block that crosses its threshold."""
+    layers, dim, _, ffn, _ = MODELS[run.model]
+    costs = [4 * dim * dim + 3 * ffn * dim] * layers + [VOCAB * dim]
+    total, stage, cumulative = sum(costs), 0, 0
+    split = [0] * run.pp
+    for cost in costs[:-1]:
+        cumulative += cost
+        split[stage] += 1
+        if cumulative > total * (stage + 1) / run.pp:
+            stage += 1
+    return split
+
+
 def overrides(run: Run) -> list[str]:
     """The run as a trainfit config: the model's shape, the layout, nanotron's bf16 with fp32 gradient
     accumulation, no recomputation, sequence parallelism with tensor parallelism."""
@@ -114,7 +131,9 @@ def overrides(run: Run) -> list[str]:
             f"--parallel.sequence_parallel={str(run.tp > 1).lower()}", "--parallel.sp_recompute_gather=true",
             "--parallel.pp_schedule=1f1b",
             "--precision.mode=bf16-mixed", "--optimizer.grad_accum_dtype=fp32",
-            "--memory.activation_checkpointing=none"]
+            "--memory.activation_checkpointing=none",
+            *([f"--parallel.pp_layers_per_stage={','.join(map(str, nanotron_split(run)))}"]
+              if run.pp > 1 and min(nanotron_split(run)) > 0 else [])]
 
 
 @dataclass(frozen=True)
@@ -142,12 +161,12 @@ class Predicted:
 
 NANOTRON_TP = (1, 2, 4, 8, 16, 32)
 """The tp degrees the sweep ran, each with its own fitted host figures."""
-NANOTRON_HOST_S = {1: 0.007, 2: 0.0055, 4: 0.0055, 8: 0.0047, 16: 0.0093, 32: 0.017}
+NANOTRON_HOST_S = {1: 0.007, 2: 0.0052, 4: 0.0047, 8: 0.0047, 16: 0.0093, 32: 0.017}
 """nanotron's host seconds per block and micro-batch (forward and backward) by tp degree, fitted on the given
 half's runs without pipeline parallelism by `python benchmarks/playbook.py --fit-host` (benchmarks/README.md
 has the fit): an engine profile of nanotron used here only; trainfit's own estimates use trainfit's measured
 host time (perf/host_costs.TRAINFIT)."""
-NANOTRON_BOUNDARY_S = {1: 0.0, 2: 0.012, 4: 0.076, 8: 0.21, 16: 0.49, 32: 1.0}
+NANOTRON_BOUNDARY_S = {1: 0.0039, 2: 0.013, 4: 0.08, 8: 0.2, 16: 0.49, 32: 1.0}
 """... and per micro-batch at a pipeline rank's stage boundaries, fitted on the runs with pipeline parallelism
 once the block figures are set."""
 FORWARD_SHARE = 0.3

@@ -88,13 +88,16 @@ def test_a_brute_force_over_every_field_finds_the_same_fastest_layout() -> None:
     does a config: the fastest one that fits and trains is the plan's first."""
     base, result = plan(*LLAMA8B_4090, top=3)
     best = None
-    for tp, zero, micro, (ac, every), offload, chunked, replicate in itertools.product(
-            (1, 2, 4), (0, 1, 2, 3), (1, 2, 4), (("none", 1), ("selective", 1), ("selective-alternate", 1),
-                                                 ("full", 1), ("full", 2), ("full", 4)),
+    for tp, zero, micro, (ac, every, regather), offload, chunked, replicate in itertools.product(
+            (1, 2, 4), (0, 1, 2, 3), (1, 2, 4), (("none", 1, False), ("none", 1, True), ("selective", 1, False),
+                                                 ("selective-alternate", 1, False), ("full", 1, False),
+                                                 ("full", 2, False), ("full", 4, False)),
             ("none", "optimizer", "optimizer+params"), (False, True), (1, 2)):
+        if regather and tp == 1:
+            continue
         cfg = dataclasses.replace(
             base, parallel=dataclasses.replace(base.parallel, tp=tp, zero_stage=zero, dp_replicate=replicate,
-                                               sequence_parallel=tp > 1),
+                                               sequence_parallel=tp > 1, sp_recompute_gather=regather),
             training=dataclasses.replace(base.training, micro_batch_size=micro),
             memory=dataclasses.replace(base.memory, activation_checkpointing=ac, ac_every_n_layers=every,
                                        offload=offload, chunked_loss=chunked),
@@ -195,3 +198,19 @@ def test_more_than_two_changes_come_from_the_planner() -> None:
     fixes = fewest_changes(cfg, limit=3)
     assert fixes and all(len(f.changes) > 2 and estimate(f.candidate.cfg).fits for f in fixes)
     assert fixes[0].candidate.step_time_s <= fixes[-1].candidate.step_time_s
+
+
+def test_the_planner_chooses_to_re_gather_where_that_is_the_fastest_fit() -> None:
+    """llama3-8b at tp 8 on 16,384-token sequences with 40 GiB per GPU: without checkpointing only the
+    layout that re-gathers its column groups' inputs in backward (parallel.sp_recompute_gather) fits, and
+    it is faster than checkpointing blocks; with the field set off by the user, the planner keeps it off."""
+    args = ("--model.preset=llama3-8b", "--hardware.gpu=H100-SXM-80GB", "--hardware.memory_gib=40",
+            "--hardware.num_gpus=8", "--model.max_seq_len=16384", "--training.seq_len=16384",
+            "--training.global_batch_size=8", "--parallel.tp=8", "--parallel.pp=1", "--parallel.cp=1")
+    _, result = plan(*args, top=3)
+    best = result.candidates[0]
+    assert best.layout.sp_recompute_gather and best.layout.activation_checkpointing == "none"
+    assert best.cfg.parallel.sp_recompute_gather and estimate(best.cfg).fits
+    _, kept = plan(*args, "--parallel.sp_recompute_gather=false", top=3)
+    assert not any(c.layout.sp_recompute_gather for c in kept.candidates)
+    assert kept.candidates[0].step_time_s > best.step_time_s

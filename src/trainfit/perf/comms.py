@@ -247,10 +247,11 @@ def expert_params(model: ModelConfig, layout: Layout) -> int:
     return sum(linear.local_params(layout.tp, layout.ep) for linear in block_linears(model) if linear.routed)
 
 
-def collectives_key(layout: Layout) -> tuple[str, int, str]:
-    """What step_collectives reads of a layout's memory knobs (memory.*): the checkpointing, and
-    offload only through data_parallel. The planner times a group's collectives once per key."""
-    return layout.activation_checkpointing, layout.ac_every_n_layers, layout.data_parallel
+def collectives_key(layout: Layout) -> tuple[str, int, str, bool]:
+    """What step_collectives reads of a layout's memory knobs (memory.*, parallel.sp_recompute_gather): the
+    checkpointing, offload only through data_parallel, the re-gathers. The planner times a group's
+    collectives once per key."""
+    return layout.activation_checkpointing, layout.ac_every_n_layers, layout.data_parallel, layout.regathers
 
 
 _PURPOSES = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp"}

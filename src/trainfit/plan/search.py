@@ -282,30 +282,38 @@ class _Knobs:
     search learned of the group: its leanest memory, whether it is done."""
 
     def __init__(self, group: _Group, space: Space, ac: list[tuple[str, int]]) -> None:
-        """`ac`: the checkpointing options, cheapest first (the same for every group)."""
+        """`ac`: the checkpointing options, cheapest first (the same for every group). Under sequence
+        parallelism no checkpointing comes twice, the second re-gathering the column groups' inputs in
+        backward (parallel.sp_recompute_gather: leaner, one all-gather more per group and block; where some
+        blocks are checkpointed the option saves less and is left to the user), unless the user set it."""
         self.group = group
-        self.ac = ac
+        layout = group.layout
+        if layout.sequence_parallel and layout.tp > 1 and "parallel.sp_recompute_gather" not in space.fixed:
+            self.ac = [(p, n, regather) for p, n in ac for regather in (False, True) if not regather or p == "none"]
+        else:
+            self.ac = [(p, n, layout.sp_recompute_gather) for p, n in ac]
         self.offload = [o for o in space.offload if offload_refusal(o, group.layout.zero_stage) is None]
         # Where one chunk holds a micro-batch's whole logits the chunked loss only adds its recomputation
         # (Layout.loss_chunks): not an option, unless the user set it.
         self.chunked = [c for c in space.chunked if not c or group.layout.loss_chunks > 1] or list(space.chunked)
         self.seen: set[Setting] = {(0, 0, 0)}
-        self.timed: dict[tuple[str, int, str], list[tuple[Collective, float]]] = {}
+        self.timed: dict[tuple[str, int, str, bool], list[tuple[Collective, float]]] = {}
         """Timed collectives by collectives_key (_Evaluator.perf)."""
         self.leanest: int | None = None
         """Memory per GPU under the leanest setting (a lower bound for every setting), once asked."""
         self.done = False
 
     def _values(self, index: Setting) -> dict[str, Any]:
-        (policy, every), offload, chunked = self.ac[index[0]], self.offload[index[1]], self.chunked[index[2]]
+        (policy, every, _), offload, chunked = self.ac[index[0]], self.offload[index[1]], self.chunked[index[2]]
         return {"activation_checkpointing": policy, "ac_every_n_layers": every, "offload": offload,
                 "chunked_loss": chunked}
 
     def layout(self, index: Setting) -> Layout:
-        return replaced(self.group.layout, **self._values(index))
+        return replaced(self.group.layout, **self._values(index), sp_recompute_gather=self.ac[index[0]][2])
 
     def config(self, index: Setting) -> Config:
-        return replace_sections(self.group.cfg, memory=self._values(index))
+        return replace_sections(self.group.cfg, memory=self._values(index),
+                                parallel={"sp_recompute_gather": self.ac[index[0]][2]})
 
     def leanest_index(self) -> Setting:
         return len(self.ac) - 1, len(self.offload) - 1, len(self.chunked) - 1

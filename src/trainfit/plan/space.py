@@ -20,6 +20,8 @@ user set have one). Torch-free.
 |                             | derives from the config as given (with_global_batch)                  |
 | memory.activation_checkpointing, ac_every_n_layers | none, selective, full every 4, selective- |
 |                             | alternate, full every 2, full                                         |
+| parallel.sp_recompute_gather | under sequence parallelism, with each checkpointing option that      |
+|                             | leaves blocks unwrapped: off, on (plan/search.py's _Knobs)            |
 | memory.offload              | none, optimizer (ZeRO-2/3), optimizer+params (ZeRO-3)                 |
 | memory.chunked_loss         | off, on (where a micro-batch has more than memory.loss_chunk_tokens   |
 |                             | tokens on a rank: plan/search.py's _Knobs)                            |
@@ -58,6 +60,7 @@ SEARCHED = (
     "parallel.pp_virtual_stages", "parallel.ep", "parallel.dp_replicate", "parallel.dp_shard",
     "parallel.zero_stage", "training.micro_batch_size", "memory.activation_checkpointing",
     "memory.ac_every_n_layers", "memory.offload", "memory.chunked_loss", "precision.mode",
+    "parallel.sp_recompute_gather",
 )
 """The fields a plan chooses (the rest of the config is the user's)."""
 
