@@ -132,8 +132,7 @@ def overrides(run: Run) -> list[str]:
             "--parallel.pp_schedule=1f1b",
             "--precision.mode=bf16-mixed", "--optimizer.grad_accum_dtype=fp32",
             "--memory.activation_checkpointing=none",
-            *([f"--parallel.pp_layers_per_stage={','.join(map(str, nanotron_split(run)))}"]
-              if run.pp > 1 and min(nanotron_split(run)) > 0 else [])]
+            *([f"--parallel.pp_layers_per_stage={','.join(map(str, nanotron_split(run)))}"] if run.pp > 1 else [])]
 
 
 @dataclass(frozen=True)
@@ -166,7 +165,7 @@ NANOTRON_HOST_S = {1: 0.007, 2: 0.0052, 4: 0.0047, 8: 0.0047, 16: 0.0093, 32: 0.
 half's runs without pipeline parallelism by `python benchmarks/playbook.py --fit-host` (benchmarks/README.md
 has the fit): an engine profile of nanotron used here only; trainfit's own estimates use trainfit's measured
 host time (perf/host_costs.TRAINFIT)."""
-NANOTRON_BOUNDARY_S = {1: 0.0039, 2: 0.013, 4: 0.08, 8: 0.2, 16: 0.49, 32: 1.0}
+NANOTRON_BOUNDARY_S = {1: 0.029, 2: 0.029, 4: 0.054, 8: 0.21, 16: 0.46, 32: 1.0}
 """... and per micro-batch at a pipeline rank's stage boundaries, fitted on the runs with pipeline parallelism
 once the block figures are set."""
 FORWARD_SHARE = 0.3

@@ -72,7 +72,8 @@ def test_the_same_config_lays_out_on_any_world() -> None:
      "data-parallel degree = 16 x 1 = 16; try 16 or 32, or training.micro_batch_size=20"),
     (["--parallel.tp=3"], "parallel.tp=3: must divide model.num_heads=8 (each rank holds whole heads); try 2 or 4"),
     (["--hardware.num_gpus=8", "--parallel.pp=8"], "parallel.pp=8: pp x pp_virtual_stages = 8 x 1 = 8 stages for "
-     "model.num_layers=4 blocks (each stage runs at least one); try pp=3 or 4"),
+     "model.num_layers=4 blocks (each stage runs at least one, but the last, which may hold the head alone); "
+     "try pp=4 or 5"),
     (["--hardware.num_gpus=2", "--parallel.pp=2", "--parallel.pp_layers_per_stage=1,2"], "parallel.pp_layers_per_stage="
      "[1, 2]: give 2 entries (pp x pp_virtual_stages = 2 x 1) summing to model.num_layers=4"),
     (["--hardware.num_gpus=2", "--parallel.pp=2", "--parallel.pp_schedule=zbv-zero-bubble",
@@ -321,3 +322,15 @@ def test_a_pipeline_schedule_without_pipeline_parallelism_places_the_one_stage(s
     layout = build_layout(cfg, 1)
     assert layout.rank_blocks(0) == tuple(range(cfg.model.num_layers)) and layout.stage_owners() == (0,)
     assert estimate(cfg, layout).memory.per_stage[0].peak > 0
+
+
+def test_the_last_stage_may_hold_the_head_alone() -> None:
+    """One stage more than blocks: the derived split leaves the head alone on the last (as nanotron's does); a
+    stage before the last without blocks is refused, naming the field."""
+    base = ["--model.preset=debug", "--training.seq_len=32", "--hardware.num_gpus=3", "--parallel.pp=3",
+            "--training.global_batch_size=8", "--training.micro_batch_size=1"]
+    layout = build_layout(load_config(None, base))
+    assert layout.pp_layers == (1, 1, 0)
+    assert {(blocks, last) for blocks, _, last in layout.rank_shapes()} == {(1, False), (0, True)}
+    with pytest.raises(ConfigError, match=r"parallel.pp_layers_per_stage=\[1, 0, 1\]: every stage but the last"):
+        load_config(None, [*base, "--parallel.pp_layers_per_stage=1,0,1"])

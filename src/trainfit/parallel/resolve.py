@@ -267,10 +267,11 @@ def _stage_layers(cfg: Config, virtual: int) -> tuple[int, ...]:
                         f"{p.pp} x {virtual}) summing to model.num_layers={m.num_layers}",
                         "or leave it empty to derive a balanced split")
         return tuple(given)
-    if stages > m.num_layers:
+    if stages > m.num_layers + 1:
+        fits = [d for d in range(1, m.num_layers + 2) if d * virtual <= m.num_layers + 1]
         raise _fail("parallel.pp", p.pp, f"pp x pp_virtual_stages = {p.pp} x {virtual} = {stages} stages for "
-                    f"model.num_layers={m.num_layers} blocks (each stage runs at least one)",
-                    f"try pp={nearest(p.pp, [d for d in range(1, m.num_layers + 1) if d * virtual <= m.num_layers])}")
+                    f"model.num_layers={m.num_layers} blocks (each stage runs at least one, but the last, which may "
+                    "hold the head alone)", f"try pp={nearest(p.pp, fits)}")
     return balanced_split(m, cfg.training.seq_len, stages)
 
 

@@ -9,7 +9,9 @@ FLOPs) and its share of the parameters (the embedding and output weights count w
 Compute sets the pipeline's pace (every stage waits for the slowest), parameters set the model
 states each stage keeps. So with a large vocabulary the first and last stages get fewer blocks
 (Llama 3.1 405B on 16 stages: 7 blocks on the first and last, 8 on the others: the 2.1B-parameter
-embedding and head each weigh about 0.65 of a 3.2B block). The in-flight activations, which
+embedding and head each weigh about 0.65 of a 3.2B block); where the head weighs more than a block (a
+small model with a large vocabulary) the last stage may hold it alone, as nanotron's split does (a first
+stage of the embedding alone is refused: its in-flight moments are not modelled). The in-flight activations, which
 depend on the schedule (1F1B's first stage keeps pp micro-batches, its last one), are not
 balanced: `parallel.pp_layers_per_stage` sets any split by hand.
 """
@@ -149,13 +151,14 @@ def _split_solver(blocks: tuple[tuple[int, int], ...], first: tuple[int, int], l
 
     @cache
     def best(start: int, stages: int) -> tuple[float, tuple[int, ...]]:
-        if stages == 1:
+        if stages == 1:  # the last stage: its blocks and the head (the head alone where none are left)
             return share(start, num_layers), (num_layers - start,)
         # The first stage's share grows with its end and the rest's best never does (fewer blocks
         # over as many stages), so once the first is the larger, every later end costs at least as
-        # much. Ties: the split with fewer blocks early (the smallest end).
+        # much. Ties: the split with fewer blocks early (the smallest end). The last stage may hold the
+        # head alone (stages == 1 at start == num_layers): every other stage keeps a block.
         cost, end = float("inf"), start
-        for stop in range(start + 1, num_layers - stages + 2):
+        for stop in range(start + 1, num_layers - stages + 3):
             own, rest = share(start, stop), best(stop, stages - 1)[0]
             if max(own, rest) < cost:
                 cost, end = max(own, rest), stop

@@ -662,7 +662,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
                        older_logits + own_logits,
                        max(g.before, output_grads + b.grads) + g.pending(st.params - lay.head),
                        bwd + last_comms + b.buffers)
-                for b in last_moments]
+                for b in last_moments if lay.blocks]  # a stage of the head alone has no block to backward
             moments += middle_moments(g, older, older_logits + own_logits, bwd)
             # (under a pipeline schedule FSDP keeps every backwarded block gathered: all of them, held;
             # accumulating, autograd adds the block's new weight gradients into the `.grad` there)
@@ -677,7 +677,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
                        older_logits + own_logits,
                        max(g.before, g.later_grads + b.grads) + g.pending(first.params + lay.embedding),
                        bwd + g.first_comms + b.buffers)
-                for b in first_moments]
+                for b in first_moments if lay.blocks]
             if tied_embedding_grad:
                 # The embedding's backward, the step's last: a tied weight's gradient already holds the
                 # output projection's, every other gradient is made, and the embedding's own [V, D]
