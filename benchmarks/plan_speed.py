@@ -5,15 +5,24 @@
 Targets (issue 15): llama3.1-405b on 16,384 H100s under 2 s; llama3-8b on 8 H100s under 0.5 s. An MoE model
 with dense layers among its MoE ones is timed beside the same model whose layers are all MoE.
 The in-process search time and the search's counts come from `--json`.
+
+    python benchmarks/plan_speed.py --record "REASON"   # ...and keep the counts (plan_speed_record.json)
+
+The counts (layouts, settings visited, memory and time estimates) are deterministic, unlike the seconds: the
+record is a gate (tests/unit/test_plan_counts.py) that fails when a change makes the search estimate more for
+GATED's cases, unless re-recorded with a reason.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -36,6 +45,18 @@ CASES = {
 }
 
 
+RECORD = Path(__file__).with_name("plan_speed_record.json")
+GATED = ("llama3-70b, 64 x H100", "llama3.1-405b, 16,384 x H100")
+"""The cases whose search counts the suite holds (the issue's speed targets)."""
+COUNTS = ("layouts", "visited", "memory_estimates", "time_estimates")
+
+
+def counts(name: str) -> dict[str, int]:
+    """The search's counts of a case, from one `trainfit plan --json`."""
+    search = run(CASES[name][0])[1]["search"]
+    return {key: search[key] for key in COUNTS}
+
+
 def run(args: list[str]) -> tuple[float, dict]:
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "trainfit", "plan", *args, "--top", "5", "--json"],
@@ -44,6 +65,14 @@ def run(args: list[str]) -> tuple[float, dict]:
 
 
 def main(repeats: int = 3) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--record", metavar="REASON", help=f"write GATED's counts to {RECORD.name}")
+    args = parser.parse_args()
+    if args.record:
+        RECORD.write_text(json.dumps({"recorded": datetime.date.today().isoformat(), "reason": args.record,
+                                      "cases": {name: counts(name) for name in GATED}}, indent=1) + "\n")
+        Console().print(f"wrote {RECORD}")
+        return
     table = Table(title="trainfit plan speed (whole process, median of 3)")
     for column in ("case", "process s", "search s", "target", "layouts", "tried", "memory est.", "time est.",
                    "fastest tokens/s"):
