@@ -7,7 +7,9 @@ not run, a compiled fp8 variant that fails) is recorded and, for fp8, fails the 
 
 Shapes: on CUDA a ~124M-parameter Llama at 8 x 1024 tokens (GPU-sized work, milliseconds a step on
 an H100) and the debug model where only a code path matters; on the CPU the debug model throughout,
-so that the same code runs here in seconds.
+so that the same code runs here in seconds. Three checks have shapes of their own: host_time trains
+benchmarks/host_time.py's tiny Llama on either device, collective_latency moves 4 KiB to 1 MiB, and
+fsdp_peak trains Llama 3 8B's shape (the debug model on the CPU) as rank 0 of 8 on the fake backend.
 
 Also `--torchrun-train RESULT -- ARGS` (what torchrun launches: `trainfit train ARGS`, recording the
 process group it trained in). The machine's description is trainfit.validate.machine's.
@@ -29,7 +31,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,33 @@ EXIT_S = 5
 """The check's time kept for the process to exit before its limit."""
 OLD_CUDA_DEVICES = 8
 """The older checkpoints' CUDA RNG state: torch.cuda.get_rng_state_all() on an 8-GPU machine."""
+HOST_ROUNDS = {"cuda": 7, "cpu": 5}
+"""Rounds of host_time's timing (each times every call once, in turn); the lower quartile is kept."""
+HOST_STEPS = 5
+"""Steps per timed batch: the device is synchronized before and after them only."""
+HOST_CPU_REPEATS = 11
+"""benchmarks/host_time.py's repeats for its own measurement on the host's CPU (its default is 21)."""
+COLLECTIVE_BYTES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20)
+"""Messages of collective_latency (the all-gather's output, the reduce-scatter's input, in fp32):
+latency-bound sizes, a norm gain's gradient up to a small block's parameters."""
+COLLECTIVE_CALLS = {"cuda": 200, "cpu": 30}
+"""Timed calls per size and kind, after COLLECTIVE_WARMUP."""
+COLLECTIVE_WARMUP = 10
+COLLECTIVE_CHUNK = 10
+"""Calls timed back to back between two synchronizations (the issue rate; the median of such chunks is kept)."""
+CPU_COLLECTIVE_WORLD = 2
+"""gloo processes on the CPU (on CUDA: one per visible GPU)."""
+FSDP_WORLD = 8
+"""fsdp_peak's ranks: trainfit shards nothing at one rank (zero_stage=3 has no effect there), so the step
+runs as rank 0 of an 8-rank FSDP2 job on the `fake` backend: every tensor an 8-GPU node's rank 0 holds,
+allocated for real on this one device."""
+FSDP_SHAPE = {"cuda": ("--model.preset=llama3-8b", "--training.seq_len=2048", "--training.warmup_steps=2"),
+              "cpu": DEBUG_RUN}
+FSDP_MICRO_BATCHES = {"cuda": (1, 2), "cpu": (2, 8)}
+FSDP_LAYERS = {"cuda": (32, 16, 8), "cpu": (4, 2)}
+"""Blocks to try, most first (Llama 3 8B's 32 on CUDA): the first whose estimate fits FSDP_MEMORY_SHARE of the
+device runs."""
+FSDP_MEMORY_SHARE = 0.8
 
 
 @dataclasses.dataclass
@@ -183,6 +212,13 @@ def sync(device: str) -> Callable[[], None]:
     return torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
 
+def config_here(cfg: Config, device: torch.device) -> Config:
+    """`cfg` with hardware.gpu matched to this process's device (as a run's pre-flight estimate takes it)."""
+    from trainfit.train.run_device import this_run_device
+
+    return dataclasses.replace(cfg, hardware=this_run_device(cfg.hardware, cfg.precision.mode, device).hardware)
+
+
 # ---------------------------------------------------------------- the checks
 
 
@@ -286,13 +322,10 @@ def check_memory(ctx: Context) -> None:
     """The measured step's peak and every memory_/device_ figure its metrics record holds, the CUDA
     allocator's own counters, and the analytic estimate of the same config on this device."""
     from trainfit.estimate import estimate
-    from trainfit.train.run_device import this_run_device
     from trainfit.units import fmt_bytes
 
     def inspect(trainer: Trainer, result: TrainResult) -> dict[str, Any]:
-        cfg = trainer.cfg
-        here = dataclasses.replace(cfg, hardware=this_run_device(cfg.hardware, cfg.precision.mode,
-                                                                 trainer.device).hardware)
+        here = config_here(trainer.cfg, trainer.device)
         stage = estimate(here, trainer.layout).memory.per_stage[0]
         seen = {"estimated_gpu": here.hardware.gpu, "estimated_peak_bytes": stage.peak,
                 "estimated_reserved_margin_bytes": stage.reserved_margin,
@@ -323,6 +356,307 @@ def check_memory(ctx: Context) -> None:
     ctx.say(f"peak {fmt_bytes(m.peak)} (+{fmt_bytes(m.non_tensor)} non-tensor), estimate "
             f"{fmt_bytes(run.seen['estimated_peak_bytes'])}"
             + (f", max reserved {fmt_bytes(reserved)}" if reserved else ""))
+
+
+# ---------------------------------------------------------------- host time, collective latency, FSDP2 peak
+
+
+def host_calls(ctx: Context, layers: int) -> tuple[Trainer, list[Callable[[], None]]]:
+    """A trainer of benchmarks/host_time.py's tiny Llama at `layers` blocks on the device, and three calls of its
+    own step code: a forward (no grad); a micro-batch (TrainStep.forward_backward: autocast, the loss, the scaled
+    backward, as training runs it: what perf/host_costs.py prices); a whole training step (Trainer.train_step:
+    the sampler's batch, the loss read back and the gradient norm, two host syncs, and the optimizer step)."""
+    import host_time
+
+    trainer = NoFinalSave(config(ctx, f"host{layers}", *host_time.TINY, f"--model.num_layers={layers}",
+                                 "--training.global_batch_size=1", "--training.warmup_steps=2"))
+    stepper = trainer.stepper
+    tokens = torch.zeros(1, trainer.cfg.training.seq_len, dtype=torch.long, device=trainer.device)
+
+    def forward() -> None:
+        with torch.no_grad():
+            stepper.loss(tokens, tokens)
+
+    def micro_batch() -> None:
+        stepper.forward_backward(tokens, tokens, num_microbatches=1, sync_gradients=True)
+
+    return trainer, [forward, micro_batch, trainer.train_step]
+
+
+def batch_quartiles(calls: list[Callable[[], None]], device: str, rounds: int, steps: int) -> list[float]:
+    """Each call's wall seconds per step, the lower quartile over `rounds`. A round times `steps` calls in a row
+    between two device synchronizations (the host queues ahead of kernels this small, so the wall time is the
+    host's), each call in turn, so that a slow spell of the machine lands on all; after a warm-up, with Python's
+    collector off (a collection in one call's times and not another's would skew their difference)."""
+    wait = sync(device)
+    for call in calls:
+        for _ in range(3):
+            call()
+    wait()
+    times: list[list[float]] = [[] for _ in calls]
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            for call, out in zip(calls, times, strict=True):
+                wait()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    call()
+                wait()
+                out.append((time.perf_counter() - start) / steps)
+    finally:
+        gc.enable()
+    return [statistics.quantiles(t, n=4)[0] for t in times]
+
+
+def check_host_time(ctx: Context) -> None:
+    """trainfit's host seconds per block and micro-batch on this device: benchmarks/host_time.py's tiny Llama (kernels
+    so small that the device never sets the pace) at its two depths, wall time per step; per block from the slope,
+    the fixed part (embedding, final norm, head, loss) from the shallower depth; beside perf/host_costs.py's eager
+    figures, and beside host_time.py's own measurement on this machine's CPU (CPU kernels, no autocast), which
+    tells the host core's speed apart from the CUDA launches'."""
+    import host_time
+    from trainfit.perf.host_costs import TRAINFIT
+
+    torch.set_num_threads(1)  # one host thread drives a GPU; host_time.py measures with one
+    shallow, deep = host_time.DEPTHS
+    built = [host_calls(ctx, layers) for layers in (shallow, deep)]
+    try:
+        f0, m0, s0, f1, m1, s1 = batch_quartiles([*built[0][1], *built[1][1]], ctx.device, HOST_ROUNDS[ctx.device],
+                                                 HOST_STEPS)
+    finally:
+        for trainer, _ in built:
+            trainer.close()
+        free_memory()
+    per = deep - shallow
+    block_f, block_m, block_s = (f1 - f0) / per, (m1 - m0) / per, (s1 - s0) / per
+    model_f, model_b = TRAINFIT.block_s["eager", 1]
+    model_rest = sum(TRAINFIT.rest_s)
+    ctx.put(depths=f"{shallow},{deep}", steps_per_batch=HOST_STEPS, rounds=HOST_ROUNDS[ctx.device],
+            block_forward_s=block_f, block_backward_s=block_m - block_f, block_s=block_m,
+            fixed_micro_batch_s=m0 - shallow * block_m, step_block_s=block_s, step_fixed_s=s0 - shallow * block_s,
+            optimizer_block_s=block_s - block_m, micro_batch_s_at_depths=f"{m0:.3e},{m1:.3e}",
+            model_block_forward_s=model_f, model_block_backward_s=model_b, model_block_s=model_f + model_b,
+            model_rest_s=model_rest, model_source=TRAINFIT.source, block_over_model=block_m / (model_f + model_b),
+            fixed_over_model_rest=(m0 - shallow * block_m) / model_rest)
+    cpu_f, cpu_b, rest_f, rest_b = host_time.measure("eager", 1, [], repeats=HOST_CPU_REPEATS)
+    ctx.put(cpu_kernels_block_forward_s=cpu_f, cpu_kernels_block_backward_s=cpu_b,
+            cpu_kernels_block_s=cpu_f + cpu_b, cpu_kernels_rest_s=rest_f + rest_b)
+    ctx.say(f"{block_m * 1e3:.2f} ms/block (fwd {block_f * 1e3:.2f}), fixed "
+            f"{ctx.figures['fixed_micro_batch_s'] * 1e3:.2f} ms per micro-batch; host_costs "
+            f"{(model_f + model_b) * 1e3:.2f} + {model_rest * 1e3:.2f} ms; host_time.py here "
+            f"{(cpu_f + cpu_b) * 1e3:.2f} ms/block; whole step {block_s * 1e3:.2f} ms/block")
+    assert block_f > 0 and block_m > block_f and block_s > 0, ctx.figures
+
+
+def size_label(nbytes: int) -> str:
+    return f"{nbytes >> 20}MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10}KiB"
+
+
+def collective_seconds(kind: str, nbytes: int, world: int, device: torch.device, calls: int) -> tuple[float, float]:
+    """(median seconds of one call alone, the device synchronized after it; median seconds per call of
+    COLLECTIVE_CHUNK back to back) of an fp32 all-gather whose output, or reduce-scatter whose input, is `nbytes`
+    (perf/comms.py's B)."""
+    full = torch.zeros(nbytes // 4, device=device)
+    shard = torch.zeros(nbytes // 4 // world, device=device)
+
+    def call() -> None:
+        if kind == "all_gather":
+            dist.all_gather_single(full, shard)
+        else:
+            dist.reduce_scatter_single(shard, full)
+
+    wait = sync(device.type)
+    for _ in range(COLLECTIVE_WARMUP):
+        call()
+    wait()
+    alone = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        wait()
+        alone.append(time.perf_counter() - start)
+    chunks = []
+    for _ in range(calls // COLLECTIVE_CHUNK):
+        start = time.perf_counter()
+        for _ in range(COLLECTIVE_CHUNK):
+            call()
+        wait()
+        chunks.append((time.perf_counter() - start) / COLLECTIVE_CHUNK)
+    return statistics.median(alone), statistics.median(chunks)
+
+
+def collective_worker(index: int, first_rank: int, world: int, device: str, store: str, out: str, calls: int) -> None:
+    """Rank first_rank + index of collective_latency (rank 0 in the check's process, the others spawned): every
+    kind and size of COLLECTIVE_BYTES; rank 0 writes the microseconds to `out`."""
+    rank, cuda = first_rank + index, device == "cuda"
+    here = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(here)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            device_id=here if cuda else None)
+    try:
+        seen = {}
+        for kind in ("all_gather", "reduce_scatter"):
+            for nbytes in COLLECTIVE_BYTES:
+                alone, streamed = collective_seconds(kind, nbytes, world, here, calls)
+                seen[f"{kind}_{size_label(nbytes)}_us"] = alone * 1e6
+                seen[f"{kind}_{size_label(nbytes)}_streamed_us"] = streamed * 1e6
+        if rank == 0:
+            Path(out).write_text(json.dumps(seen))
+    finally:
+        dist.destroy_process_group()
+
+
+def check_collective_latency(ctx: Context) -> None:
+    """Small all-gathers and reduce-scatters on this machine's devices (one NCCL process per visible GPU; on the
+    CPU 2 gloo processes), alone and back to back, beside what perf/comms.py prices: its fixed cost per
+    collective (COLLECTIVE_BASE_LATENCY_S, Simple; the fastest of NCCL's protocols on the link) and the same call
+    on the device's intra-node link. One GPU crosses no link: its figures are NCCL's call and launch floor only,
+    and the model prices a 1-rank collective at 0 s, so the priced figures are for 2 ranks."""
+    from trainfit.hardware import intra_node_link
+    from trainfit.perf import comms
+
+    world = torch.cuda.device_count() if ctx.cuda else CPU_COLLECTIVE_WORLD
+    out, store = ctx.work / "latency.json", ctx.work / "store"
+    store.unlink(missing_ok=True)  # a FileStore left by an earlier run (--keep-work) would hold its keys
+    args = (world, ctx.device, str(store), str(out), COLLECTIVE_CALLS[ctx.device])
+    spawn = torch.multiprocessing.spawn
+    others = spawn(collective_worker, (1, *args), nprocs=world - 1, join=False) if world > 1 else None
+    collective_worker(0, 0, *args)  # rank 0 here: one process fewer to start (and none at one GPU)
+    while others is not None and not others.join():  # True once every rank has exited (raises if one failed)
+        pass
+    measured = json.loads(out.read_text())
+    link = intra_node_link(config_here(config(ctx, "comms", *ctx.small()), torch.device(ctx.device)).hardware)
+    ranks, base = max(world, 2), comms.COLLECTIVE_BASE_LATENCY_S
+    fastest = min([base, *(p.base_s for p in link.protocols)])
+    ctx.put(world_size=world, backend="nccl" if ctx.cuda else "gloo", calls=COLLECTIVE_CALLS[ctx.device],
+            priced_ranks=ranks, link=link.name, model_base_us=base * 1e6, model_fastest_base_us=fastest * 1e6,
+            model_hop_us=link.latency_s * 1e6, **measured,
+            note="1 rank: the call and launch floor only, no link crossed; priced at 2 ranks" if world == 1
+            else f"{world} ranks over {'NVLink/PCIe' if ctx.cuda else 'host memory'}")
+    for kind in ("all_gather", "reduce_scatter"):
+        for nbytes in COLLECTIVE_BYTES:
+            ctx.put(**{f"{kind}_{size_label(nbytes)}_model_us": comms.collective_time(kind, nbytes, ranks, link) * 1e6})
+    floor = min(v for k, v in measured.items() if not k.endswith("_streamed_us"))
+    ctx.put(floor_us=floor, floor_over_model_base=floor / (base * 1e6))
+    small = size_label(COLLECTIVE_BYTES[0])
+    ctx.say(f"{ctx.figures['backend']} x{world}: {small} all-gather {measured[f'all_gather_{small}_us']:.1f} us "
+            f"({measured[f'all_gather_{small}_streamed_us']:.1f} back to back), reduce-scatter "
+            f"{measured[f'reduce_scatter_{small}_us']:.1f} us; model a0 {base * 1e6:.1f} us, {ranks}-rank "
+            f"{ctx.figures[f'all_gather_{small}_model_us']:.1f} us on {link.name}")
+    assert all(v > 0 and math.isfinite(v) for v in measured.values()), measured
+
+
+@contextlib.contextmanager
+def finite_fake_collectives() -> Iterator[None]:
+    """FSDP2's all-gathers and reduce-scatters on the fake backend with finite outputs: a fake collective leaves
+    its output as allocated (any bits; a NaN loss stops training: TrainStep raises), so each first fills it as if
+    every rank held this rank's shard. Nothing is allocated: the memory stays the real step's."""
+    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+    def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        rows = output_tensor.view(-1, input_tensor.numel())
+        rows[1:].copy_(input_tensor.reshape(1, -1))  # this is rank 0: an in-place all-gather's input is row 0
+        if rows[0].data_ptr() != input_tensor.data_ptr():
+            rows[0].copy_(input_tensor.reshape(-1))
+        return gather(output_tensor, input_tensor, *args, **kwargs)
+
+    def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # noqa: A002
+        if output.data_ptr() != input.data_ptr():  # rank 0's part of an in-place reduce-scatter holds it already
+            output.copy_(input.reshape(-1)[:output.numel()].view_as(output))
+        return scatter(output, input, *args, **kwargs)
+
+    dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+    try:
+        yield
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
+
+
+def fsdp_shape(ctx: Context, layers: int, micro_batch: int) -> tuple[str, ...]:
+    return (*FSDP_SHAPE[ctx.device], f"--model.num_layers={layers}", "--precision.mode=bf16-mixed",
+            f"--hardware.num_gpus={FSDP_WORLD}", "--parallel.zero_stage=3", "--training.steps=2",
+            f"--training.micro_batch_size={micro_batch}", f"--training.global_batch_size={micro_batch * FSDP_WORLD}")
+
+
+def device_memory_bytes(device: str) -> int:
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def fitting_layers(ctx: Context, micro_batch: int) -> int:
+    """The most blocks of FSDP_LAYERS whose estimate (peak and reserved margin) fits FSDP_MEMORY_SHARE of the device."""
+    from trainfit.estimate import estimate
+
+    room = FSDP_MEMORY_SHARE * device_memory_bytes(ctx.device)
+    for layers in FSDP_LAYERS[ctx.device]:
+        cfg = config_here(config(ctx, "fit", *fsdp_shape(ctx, layers, micro_batch)), torch.device(ctx.device))
+        stage = estimate(cfg).memory.per_stage[0]
+        ctx.put(**{f"estimated_total_bytes_{layers}_layers": stage.peak + stage.reserved_margin})
+        if stage.peak + stage.reserved_margin <= room:
+            return layers
+    raise AssertionError(f"no depth of {FSDP_LAYERS[ctx.device]} fits {room / 2**30:.1f} GiB")
+
+
+def fsdp_figures(run: Run) -> dict[str, Any]:
+    """One fsdp_peak run's figures: trainfit's measured step, the estimate, CUDA's allocator peaks, their ratios."""
+    m, seen = run.result.memory, run.seen
+    assert m is not None, "no measured step"
+    assert seen["data_parallel"] == "fsdp", seen
+    fig = {"num_params": run.result.num_params, "shards": seen["shards"], "measured_peak_bytes": m.peak,
+           "non_tensor_bytes": m.non_tensor, "peak_phase": m.peak_phase, "seconds": run.seconds,
+           "losses_finite": run.finite(), **{k: v for k, v in seen.items() if k.startswith("estimated_")},
+           "estimated_over_measured_peak": seen["estimated_peak_bytes"] / m.peak}
+    if "max_memory_reserved" in seen:
+        fig.update(max_memory_allocated=seen["max_memory_allocated"], max_memory_reserved=seen["max_memory_reserved"],
+                   device_used_bytes=m.device_used,
+                   estimated_over_max_allocated=seen["estimated_peak_bytes"] / seen["max_memory_allocated"],
+                   estimated_over_max_reserved=seen["estimated_reserved_bytes"] / seen["max_memory_reserved"])
+    return fig
+
+
+def check_fsdp_peak(ctx: Context) -> None:
+    """A Llama-3-8B-shaped FSDP2 step (the debug model on the CPU) as rank 0 of FSDP_WORLD on the fake backend, at
+    two micro-batch sizes, 2 steps each (the second measured): the peak the device held (CUDA: max_memory_allocated
+    and max_memory_reserved over the measured step) beside the analytic estimate of the same config on this device
+    (its peak; for the reserved figure, its peak plus its allocator-fragmentation term). On the CPU, which has no
+    reserved figure, the measured tensors' peak against the estimate's."""
+    from trainfit.estimate import estimate
+    from trainfit.units import fmt_bytes
+
+    def inspect(trainer: Trainer, result: TrainResult) -> dict[str, Any]:
+        stage = estimate(config_here(trainer.cfg, trainer.device), trainer.layout).memory.per_stage[0]
+        seen = {"data_parallel": trainer.layout.data_parallel, "shards": trainer.layout.zero_shards,
+                "estimated_peak_bytes": stage.peak, "estimated_reserved_margin_bytes": stage.reserved_margin}
+        if trainer.device.type == "cuda":
+            seen.update(estimated_reserved_bytes=stage.peak + stage.margin_terms.get("allocator_fragmentation", 0),
+                        max_memory_allocated=torch.cuda.max_memory_allocated(trainer.device),
+                        max_memory_reserved=torch.cuda.max_memory_reserved(trainer.device))
+        return seen
+
+    micro_batches = FSDP_MICRO_BATCHES[ctx.device]
+    dist.init_process_group("fake", rank=0, world_size=FSDP_WORLD, store=dist.HashStore())
+    try:
+        layers = fitting_layers(ctx, max(micro_batches))
+        ctx.put(world_size=FSDP_WORLD, process_group="fake: collectives move no data, rank 0's memory is real",
+                num_layers=layers, full_depth=layers == FSDP_LAYERS[ctx.device][0],
+                device_memory_bytes=device_memory_bytes(ctx.device))
+        rows = []
+        for mb in micro_batches:
+            with finite_fake_collectives():
+                run = train(ctx, f"mb{mb}", *fsdp_shape(ctx, layers, mb), inspect=inspect)
+            fig = fsdp_figures(run)
+            ctx.put(**{f"mb{mb}_{key}": value for key, value in fig.items()})
+            held, estimated = ((fig["max_memory_reserved"], fig["estimated_reserved_bytes"]) if ctx.cuda
+                               else (fig["measured_peak_bytes"], fig["estimated_peak_bytes"]))
+            rows.append(f"mb {mb}: {'reserved' if ctx.cuda else 'peak'} {fmt_bytes(held)}, "
+                        f"estimate {fmt_bytes(estimated)}")
+    finally:
+        dist.destroy_process_group()
+    ctx.say(f"{layers} blocks, rank 0 of {FSDP_WORLD} (fake): " + "; ".join(rows))
 
 
 def check_fp8(ctx: Context) -> None:
@@ -616,7 +950,8 @@ CHECKS: dict[str, Callable[[Context], None]] = {
     "sdpa": check_sdpa, "mfu": check_mfu, "memory": check_memory, "offload": check_offload,
     "resume_rng": check_resume_rng, "profile_dump": check_profile_dump, "measure_snapshot": check_measure_snapshot,
     "zero1_nccl": check_zero1_nccl, "calibrate": check_calibrate, "compile": check_compile, "fp8": check_fp8,
-    "softcap": check_softcap,
+    "softcap": check_softcap, "host_time": check_host_time, "collective_latency": check_collective_latency,
+    "fsdp_peak": check_fsdp_peak,
 }
 
 

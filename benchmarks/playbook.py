@@ -43,6 +43,7 @@ from rich.table import Table
 from trainfit.config import ConfigError
 from trainfit.configure import load_config
 from trainfit.estimate import Estimate, estimate
+from trainfit.perf.engines import Engine
 from trainfit.perf.host_costs import NO_ENGINE_HOST, HostCosts
 from trainfit.tables import print_table
 
@@ -182,9 +183,12 @@ def nanotron_engine(block_s: dict[int, float] = NANOTRON_HOST_S,
                      source="fitted: benchmarks/playbook.py --fit-host")
 
 
-def predict(run: Run, engine: HostCosts | None = None) -> Predicted:
+def predict(run: Run, host: HostCosts | None = None) -> Predicted:
+    """A run estimated as nanotron ran it, its host side `host` (default: nanotron's fitted one); elsewhere
+    nanotron is priced as trainfit's engine (perf/engines.py)."""
+    engine = Engine("nanotron", host or nanotron_engine(), source="huggingface/nanotron, as the Playbook ran it")
     try:
-        return Predicted(run, estimate(load_config(None, overrides(run)), engine=engine or nanotron_engine()))
+        return Predicted(run, estimate(load_config(None, overrides(run)), engine=engine))
     except ConfigError as err:
         return Predicted(run, None, str(err))
 
@@ -310,6 +314,31 @@ def report(summaries: dict[str, Summary], console: Console) -> dict:
     return out
 
 
+def _layout_name(run: Run) -> str:
+    return f"dp{run.dp} tp{run.tp} pp{run.pp} zero{run.zero} mbs{run.mbs}"
+
+
+def choices(predicted: dict[str, list[Predicted]], console: Console) -> None:
+    """Each group's choice (the run the estimates rank fastest, what the planner would pick among the layouts
+    measured) beside the measured best: its measured throughput, its rank among the group's timed runs."""
+    table = Table(title="the estimates' choice against the measured best, per group")
+    for header in ("group", "chosen (predicted fastest)", "its tok/s/GPU measured", "its measured rank",
+                   "measured best", "best tok/s/GPU", "chosen / best"):
+        table.add_column(header, justify="left" if header in ("group", "chosen (predicted fastest)", "measured best")
+                         else "right")
+    for name, preds in predicted.items():
+        timed = [p for p in preds if p.run.memory_gib is not None and p.run.tok_s_gpu > 0 and p.tok_s_gpu is not None]
+        if len(timed) < 3:
+            continue
+        chosen = max(timed, key=lambda p: p.tok_s_gpu).run
+        ordered = sorted(timed, key=lambda p: p.run.tok_s_gpu, reverse=True)
+        best = ordered[0].run
+        rank = 1 + [p.run for p in ordered].index(chosen)
+        table.add_row(name, _layout_name(chosen), f"{chosen.tok_s_gpu:,.0f}", f"{rank} of {len(ordered)}",
+                      _layout_name(best), f"{best.tok_s_gpu:,.0f}", f"{chosen.tok_s_gpu / best.tok_s_gpu:.0%}")
+    print_table(table, console)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=DATA, help="the runs' CSV (default: the given half)")
@@ -339,6 +368,7 @@ def main() -> None:
     if far:
         summaries["64 nodes, all"] = summarize([p for n in far for p in predicted[n]], runs, rank=False)
     out = report(summaries, console)
+    choices(predicted, console)
     headline = headline_of(summaries)
     if headline["groups"]:
         console.print(f"1-32-node groups: median Spearman {headline['median_spearman']:.2f} over "

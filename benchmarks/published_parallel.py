@@ -50,7 +50,8 @@ from trainfit.hardware import device_spec
 from trainfit.memory import ALLOCATOR_FRAGMENTATION
 from trainfit.parallel.schedules import bubble_fraction
 from trainfit.perf import flops as F
-from trainfit.perf.host_costs import NO_ENGINE_HOST, TRAINFIT, HostCosts
+from trainfit.perf.engines import MEGATRON_CORE, TRAINFIT_ENGINE, Engine
+from trainfit.perf.host_costs import NO_ENGINE_HOST
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import published_record as record  # noqa: E402 (beside this script)
@@ -61,14 +62,19 @@ GAP = 0.10
 """Rows with an error above this get their predicted breakdown printed."""
 
 
+UNMEASURED = Engine("unmeasured", NO_ENGINE_HOST, source="trainfit's engine, its kernels' launches alone")
+"""A source whose engine trainfit does not describe: priced as trainfit's engine, host side its launches."""
+
+
 @dataclass(frozen=True)
 class Source:
     short: str
     citation: str
     """Repository, file, table and commit, or paper and section, as published_parallel_sources.md gives them."""
-    engine: HostCosts = NO_ENGINE_HOST
-    """Whose host side the runs waited on (perf/host_costs.py): torchtitan's DTensor and FSDP2 eager ops are
-    trainfit's own engine; Megatron-Core and Transformer Engine dispatch no per-op framework code."""
+    engine: Engine = UNMEASURED
+    """Whose engine ran them (perf/engines.py): torchtitan's DTensor, FSDP2 and torch.distributed.pipelining
+    are trainfit's own; Megatron-LM, NeMo and Megatron-Bridge run Megatron-Core (Transformer Engine's modules
+    dispatch no per-op framework code); the rest priced as trainfit's engine without its host side."""
 
 
 SOURCES: dict[str, Source] = {
@@ -76,10 +82,10 @@ SOURCES: dict[str, Source] = {
                       "(added in 820504e20d1149fbf0b98c567af24c4b0433b22d, 2025-06-13; same content in "
                       "docs/performance.md at d4c86e3758a84cf23e2e879ab3c995cba9d5e410); torch 1963fc8, torchao "
                       "eab345c, torchtitan 9dec370; H100 96GB HBM2e, 500 W, Grand Teton, 400 Gb/s RDMA per GPU",
-                      engine=TRAINFIT),
+                      engine=TRAINFIT_ENGINE),
     "tt-paper": Source("TorchTitan paper", "TorchTitan, arXiv 2410.06511 (ICLR 2025 text, arXiv version uncertain), "
                        "Sec. 3.2, Tables 3-6; read as a full-text conversion (code-index file id 66536731633); "
-                       "H100 with 95 GiB", engine=TRAINFIT),
+                       "H100 with 95 GiB", engine=TRAINFIT_ENGINE),
     "hf-ulysses": Source("HF Ulysses blog", "https://huggingface.co/blog/ulysses-sp, Benchmarks section (published "
                          "2026-03-09; code-index file id 69464313388); 4 x H100 80GB"),
     "alst": Source("ALST", "Arctic Long Sequence Training, arXiv 2506.13996 abstract and the Snowflake engineering "
@@ -89,39 +95,42 @@ SOURCES: dict[str, Source] = {
                      "700 W, RoCE 400 Gbps"),
     "korthikanti": Source("Korthikanti 2022", "Reducing Activation Recomputation in Large Transformer Models, arXiv "
                           "2205.05198, Tables 3, 4, 5 and Sec. 6.1-6.3 (code-index id 69442322288); Selene DGX "
-                          "A100 80GB, 8 x 200 Gb/s HDR InfiniBand per node"),
+                          "A100 80GB, 8 x 200 Gb/s HDR InfiniBand per node", engine=MEGATRON_CORE),
     "megatron": Source("Megatron-LM README", "NVIDIA/Megatron-LM README.md and images/model_table.png (added in "
                        "f2e5db402c44ae309aa6448bcb4ae87e8ae0f5f4, unchanged at "
-                       "d98e8a64ddf34856e74b24714e3bedb2f5a39553), weak-scaling table, Megatron-Core r0.8.0, H100"),
+                       "d98e8a64ddf34856e74b24714e3bedb2f5a39553), weak-scaling table, Megatron-Core r0.8.0, H100",
+                       engine=MEGATRON_CORE),
     "megascale": Source("MegaScale", "MegaScale, arXiv 2402.15627 / NSDI'24, Tables 1-3 and Figure 9 data labels "
                         "(code-index id 61225413316); NVIDIA Ampere GPUs, 8 x 200G NICs per server; baseline "
-                        "Megatron-LM commit 285068c8"),
+                        "Megatron-LM commit 285068c8", engine=MEGATRON_CORE),
     "tt-async": Source("torchtitan AsyncTP 2025-06", "pytorch/torchtitan "
                        "benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (tables from "
                        "8b6770a14abddec23a7ea1b2dc61a2a532874a34; file added by PR #1299, "
                        "2887250bbd9103d0bc997ea2efb3a525b5e5dbc0); torch 38410cf9; H100 96GB HBM2e, 500 W",
-                       engine=TRAINFIT),
+                       engine=TRAINFIT_ENGINE),
     "tt-2408": Source("torchtitan docs 2024-08", "pytorch/torchtitan docs/performance.md at "
                       "4d88a8a44fe439f73f564b83d60b29a906ef3507 (PR #554, fixed by #556); 128 x H100 94GB "
-                      "(HBM2e, lower-TDP SXM)", engine=TRAINFIT),
+                      "(HBM2e, lower-TDP SXM)", engine=TRAINFIT_ENGINE),
     "nemo-2407": Source("NeMo 24.07 perf", "NVIDIA/NeMo docs/source/performance/performance_summary.md at "
-                        "070a0bb168d405d653b9734c0017cf5078e77c0d; DGX-H100, FP8"),
+                        "070a0bb168d405d653b9734c0017cf5078e77c0d; DGX-H100, FP8", engine=MEGATRON_CORE),
     "nemo-2412": Source("NeMo 24.12 docs", "docs.nvidia.com NeMo user-guide/24.12 copy of the performance summary "
-                        "(container version not visible); DGX-H100, FP8"),
+                        "(container version not visible); DGX-H100, FP8", engine=MEGATRON_CORE),
     "nemo-long": Source("NeMo long-seq perf", "NVIDIA/NeMo docs/source/performance/performance_long_sequence.md at "
                         "9421f21af3bc554cd5656caac4dff863b20e8c65 (H100 table also at "
-                        "0aa267117ae5f1ff9f8d8308ed3d1ba1ce939f82); FP8"),
+                        "0aa267117ae5f1ff9f8d8308ed3d1ba1ce939f82); FP8", engine=MEGATRON_CORE),
     "bridge": Source("Megatron-Bridge perf", "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md at "
                      "00b7660be0254ac6f95f44164ddd0c3e9cc798ed and docs/performance-summary-archive.md at "
                      "0a25f911b2ed6c6905a539504fdb8e5b40e3438b; recipe "
-                     "scripts/performance/configs/llama/llama31_workload_base_configs.py"),
+                     "scripts/performance/configs/llama/llama31_workload_base_configs.py",
+                     engine=MEGATRON_CORE),
     "automodel": Source("NeMo AutoModel", "NVIDIA-NeMo/Automodel docs/performance-summary.md at "
-                        "01926a5c443b7979463c73341bf64adf79de638e", engine=TRAINFIT),
-    "mlm-1059": Source("Megatron-LM #1059", "NVIDIA/Megatron-LM issue #1059 (user report, A800, 32 x 8 GPUs)"),
+                        "01926a5c443b7979463c73341bf64adf79de638e", engine=TRAINFIT_ENGINE),
+    "mlm-1059": Source("Megatron-LM #1059", "NVIDIA/Megatron-LM issue #1059 (user report, A800, 32 x 8 GPUs)",
+                       engine=MEGATRON_CORE),
     "trainy": Source("Trainy H200", "pytorch/torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md "
                      "(invocation: torchtitan/models/llama3/train_configs/llama3_8b.toml at torchtitan e7c0cae, "
                      "--training.local_batch_size=2, compile, float8 with FSDP float8 all-gather); 8 x H200 per host, "
-                     "400 Gb/s per GPU", engine=TRAINFIT),
+                     "400 Gb/s per GPU", engine=TRAINFIT_ENGINE),
 }
 
 NOTES: dict[str, str] = {
@@ -306,10 +315,14 @@ def when(condition: bool, *keys: str) -> tuple[str, ...]:
 
 
 def build_config(row: Published) -> Config:
-    """The validated trainfit config of an expressible row."""
+    """The validated trainfit config of an expressible row. Megatron-Core's sequence parallelism saves the
+    sequence shard and all-gathers it again in backward (parallel.sp_recompute_gather; Korthikanti et al.
+    Sec. 4.2.2): its rows re-gather wherever they are sequence-parallel."""
     if not row.overrides:
         raise ValueError(f"{row.name}: not estimated ({', '.join(row.notes)})")
-    return load_config(None, list(row.overrides))
+    regather = ["--parallel.sp_recompute_gather=true"] if SOURCES[row.source].engine is MEGATRON_CORE and \
+        "--parallel.sequence_parallel=true" in row.overrides else []
+    return load_config(None, [*row.overrides, *regather])
 
 
 # ---------------------------------------------------------------- the published configurations
@@ -635,9 +648,11 @@ def predict(row: Published) -> Result:
 
 
 def errors_of(results: list[Result]) -> record.Errors:
-    """Each row's signed errors in percentage points, by metric, where compared (the record's form)."""
-    return {r.row.name: {metric: 100 * e for metric, e in (("memory", r.memory_error()),
-                                                             ("throughput", r.throughput_error())) if e is not None}
+    """Each row's signed errors in percentage points, by metric, where compared, and its fit call (the
+    record's form)."""
+    return {r.row.name: {**{metric: 100 * e for metric, e in (("memory", r.memory_error()),
+                                                                ("throughput", r.throughput_error())) if e is not None},
+                         record.FITS: float(r.est.fits)}
             for r in results}
 
 

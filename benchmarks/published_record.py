@@ -4,12 +4,13 @@ tests/estimator/test_published_record.py holds every change of the estimators to
 
 An error is the estimate over the published figure, less 1, in percentage points (signed). The record
 keeps every estimated row's memory and throughput errors (where the row compares them), the median
-|error| and the counts of each, and the date and the reason of its last re-record. A change fails the
-gate when:
+|error| and the counts of each, whether the estimate calls the row's run one that fits its device (`fits`:
+each ran), and the date and the reason of its last re-record. A change fails the gate when:
 - the memory or the throughput median |error| grows by more than MEDIAN_SLACK points;
 - any row's error leaves its band: its recorded error +- ROW_BAND points (either way: a row that moves
   more, better or worse, is a change of the model to say and record);
-- a row, or a row's memory or throughput figure, appears or disappears.
+- a row, or a row's memory or throughput figure, appears or disappears;
+- a row's fit call changes (either way, as a band).
 
 A deliberate change is re-recorded with its reason (RECORD_COMMAND), which prints what moved first.
 """
@@ -32,8 +33,11 @@ WITHIN = 10.0
 DIGITS = 2
 """Errors are recorded to 0.01 points."""
 
+FITS = "fits"
+"""A row's fit call: whether the estimate says its run fits the device (each published run ran)."""
 Errors = dict[str, dict[str, float]]
-"""Row name -> metric -> signed error in points, for the metrics the row compares."""
+"""Row name -> metric -> signed error in points, for the metrics the row compares; FITS -> 1.0 when the
+estimate calls the run one that fits, 0.0 when not."""
 
 
 def summary(errors: Errors, metric: str) -> dict[str, float]:
@@ -43,14 +47,20 @@ def summary(errors: Errors, metric: str) -> dict[str, float]:
             "within_10": sum(v <= WITHIN for v in values)}
 
 
+def fit_summary(errors: Errors) -> dict[str, int]:
+    """The rows with a fit call and how many of them are called "fits"."""
+    calls = [e[FITS] for e in errors.values() if FITS in e]
+    return {"rows": len(calls), "called_fits": int(sum(calls))}
+
+
 def make_record(errors: Errors, reason: str, day: str) -> dict:
     """The record of `errors` (rows in their order), re-recorded on `day` for `reason`."""
     if not reason.strip():
         raise ValueError("a re-record needs its reason: --record \"what changed and why\"")
-    rows = {name: {m: round(e[m], DIGITS) for m in METRICS if m in e} for name, e in errors.items()}
+    rows = {name: {m: round(e[m], DIGITS) for m in (*METRICS, FITS) if m in e} for name, e in errors.items()}
     # The medians of the rows as recorded (rounded), so that the record agrees with itself.
     return {"recorded": day, "reason": reason, "command": RECORD_COMMAND,
-            **{metric: summary(rows, metric) for metric in METRICS}, "rows": rows}
+            **{metric: summary(rows, metric) for metric in METRICS}, FITS: fit_summary(rows), "rows": rows}
 
 
 def read(path: Path = RECORD) -> dict:
@@ -81,6 +91,9 @@ def problems(record: dict, errors: Errors) -> list[str]:
             elif metric in now and abs(now[metric] - was[metric]) > ROW_BAND:
                 found.append(f"{name}: {metric} error {now[metric]:+.2f}%, recorded {was[metric]:+.2f}% "
                              f"(band +-{ROW_BAND:g} points)")
+        if FITS in now and FITS in was and now[FITS] != was[FITS]:
+            said = {1.0: "fits", 0.0: "does not fit"}
+            found.append(f"{name}: called {said[now[FITS]]!r}, recorded {said[was[FITS]]!r} (the run ran)")
     for metric in METRICS:
         now, was = summary(errors, metric)["median_abs_error"], record[metric]["median_abs_error"]
         if now > was + MEDIAN_SLACK:
@@ -101,7 +114,9 @@ def markdown(record: dict) -> str:
     for metric in METRICS:
         s = record[metric]
         lines.append(f"| {metric} | {s['rows']} | {s['median_abs_error']:.2f}% | {s['within_10']} |")
-    return "\n".join(lines) + f"\n\nRecorded {record['recorded']}: {record['reason']}.\n"
+    fits = record.get(FITS)
+    called = f"\n\nRuns called \"fits\" (each ran): {fits['called_fits']} of {fits['rows']}." if fits else ""
+    return "\n".join(lines) + called + f"\n\nRecorded {record['recorded']}: {record['reason']}.\n"
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import pytest
 from trainfit.configure import load_config
 from trainfit.estimate import estimate
 from trainfit.parallel.resolve import build_layout
+from trainfit.perf.engines import Engine
 from trainfit.perf.host_costs import NO_ENGINE_HOST, TRAINFIT, HostCosts
 
 ENGINE = HostCosts("test", {("eager", 1): (1e-3, 2e-3), ("sequence_parallel", 2): (3e-3, 5e-3),
@@ -65,7 +66,7 @@ def test_a_gpu_waits_on_the_host_only_where_it_exceeds_the_device() -> None:
     args = ("--hardware.num_gpus=8", "--parallel.tp=8", "--parallel.sequence_parallel=true",
             "--training.global_batch_size=64")
     cfg, _ = _layout(*args, "--training.micro_batch_size=1")
-    small, bare = estimate(cfg).perf.time, estimate(cfg, engine=NO_ENGINE_HOST).perf.time
+    small, bare = estimate(cfg).perf.time, estimate(cfg, engine=Engine("bare", NO_ENGINE_HOST)).perf.time
     host = TRAINFIT.step_seconds(estimate(cfg).layout)
     assert bare["exposed_host_s"] == 0.0
     assert small["exposed_host_s"] == pytest.approx(host - small["compute_s"] - small["exposed_comm_s"])

@@ -31,6 +31,7 @@ def test_the_record_says_when_and_why_and_its_medians_are_its_rows() -> None:
     assert recorded["recorded"] and recorded["reason"].strip() and recorded["command"] == gate.RECORD_COMMAND
     for metric in gate.METRICS:
         assert recorded[metric] == gate.summary(recorded["rows"], metric)
+    assert recorded[gate.FITS] == gate.fit_summary(recorded["rows"])
 
 
 def _failure(found: list[str]) -> str:
@@ -73,3 +74,14 @@ def test_the_gate_rules() -> None:
                                               "record", "row 1: throughput recorded, no longer compared"]
     with pytest.raises(ValueError, match="needs its reason"):
         gate.make_record(rows, " ", "2026-11-27")
+
+
+def test_a_fit_call_that_changes_fails_the_gate() -> None:
+    """Either way: a run called "does not fit" that was called "fits", and the reverse, are changes to record."""
+    rows = {"row 0": {"memory": 1.0, gate.FITS: 1.0}, "row 1": {"throughput": 2.0, gate.FITS: 0.0}}
+    recorded = gate.make_record(rows, "the rules' test", "2026-12-04")
+    assert recorded[gate.FITS] == {"rows": 2, "called_fits": 1}
+    assert gate.problems(recorded, rows) == []
+    flipped = {"row 0": {"memory": 1.0, gate.FITS: 0.0}, "row 1": {"throughput": 2.0, gate.FITS: 1.0}}
+    assert gate.problems(recorded, flipped) == ["row 0: called 'does not fit', recorded 'fits' (the run ran)",
+                                                "row 1: called 'fits', recorded 'does not fit' (the run ran)"]

@@ -301,14 +301,14 @@ def test_async_tp_hides_each_tp_collective_behind_its_gemms() -> None:
     assert tp_split and all(c.purpose == "tp" and c.kind in ("all_gather", "reduce_scatter") for c, _ in tp_split)
     # the GEMMs named exist, and the time one call leaves exposed follows the rule
     from trainfit.perf import kernels as K
-    from trainfit.perf.timing import Rates, _async_tp_exposed, _compute_seconds, _rank_flops
+    from trainfit.perf.timing import Rates, _compute_seconds, _overlapped, _rank_flops
     rates = Rates.of(cfg.hardware)
     flops = _rank_flops(cfg.model, async_layout, cfg.training, device_type(cfg.hardware))
     rate = _compute_seconds(cfg.model, async_layout, cfg.training, rates, flops).matmul_flops_per_s
     names = {g.name for g in K.block_gemms(cfg.model, async_layout)} | {"output"}
     exposed = dict(zip([id(c) for c, _ in overlapped.collectives],
-                       [one for _, one in _async_tp_exposed(list(overlapped.collectives), cfg.model, async_layout,
-                                                            cfg.training, rate)], strict=True))
+                       [one for _, one in _overlapped(list(overlapped.collectives), cfg.model, async_layout,
+                                                      cfg.training, rates, rate)], strict=True))
     tokens = 2 * 8192
     gemms = {g.name: g for g in [*K.block_gemms(cfg.model, async_layout), K.head_gemm(cfg.model, async_layout)]}
     for c, one in tp_split:

@@ -21,7 +21,7 @@ from trainfit.models.architecture import describe, softcap_kernel
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.resolve import build_layout
-from trainfit.perf.host_costs import TRAINFIT, HostCosts
+from trainfit.perf.engines import TRAINFIT_ENGINE, Engine
 from trainfit.perf.timing import PerfEstimate, Rates, compute_time_s, estimate_perf
 
 GIB = 1024**3
@@ -104,12 +104,12 @@ class Estimate:
         return self.device_memory == 0 or self.memory_bytes <= self.device_memory
 
 
-def estimate(cfg: Config, layout: Layout | None = None, engine: HostCosts = TRAINFIT) -> Estimate:
+def estimate(cfg: Config, layout: Layout | None = None, engine: Engine = TRAINFIT_ENGINE) -> Estimate:
     """The full analytic estimate of a validated config (see trainfit.configure.load_config) on
-    `layout` (default: its own, on hardware.num_gpus ranks); `engine`: whose host side a GPU step
-    waits on (perf/host_costs.py; trainfit's own unless another engine's runs are priced)."""
+    `layout` (default: its own, on hardware.num_gpus ranks); `engine`: whose engine runs the step
+    (perf/engines.py; trainfit's own unless another engine's runs are priced)."""
     layout = layout or build_layout(cfg)
-    memory = estimate_memory(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer)
+    memory = estimate_memory(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer, engine)
     return Estimate(cfg=cfg, layout=layout, memory=memory,
                     perf=estimate_perf(cfg.model, layout, cfg.training, cfg.hardware, Rates.of(cfg.hardware, engine)),
                     device_memory=device_spec(cfg.hardware).memory_bytes)

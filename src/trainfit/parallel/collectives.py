@@ -238,7 +238,10 @@ def _tp(model: ModelConfig, layout: Layout, layers: int, wrapped: int) -> list[C
           if kind != "all_gather"],
         *ends("backward", "pos_embeddings output"),
         # parallel.sp_recompute_gather: each column group's input again, in the unwrapped blocks' backward
-        *[("all_gather", "backward", "regathered", f"{site.path} input (regathered)", layers - wrapped, ())
+        # (beside the group's input-gradient GEMMs, as its forward gather is beside their forward ones:
+        # where the engine overlaps them, perf/engines.Engine.regather_overlaps_dgrad)
+        *[("all_gather", "backward", "regathered", f"{site.path} input (regathered)", layers - wrapped,
+           next(m.overlaps for m in site.moves if m.phase == "forward" and m.kind == "all_gather"))
           for site in block if site.style == "branch_input" and layout.regathers],
     ]
     out = [CollectiveCall("tp", kind, ("tp",), tensor, site, phase, count, overlaps=gemms)

@@ -205,7 +205,11 @@ class Collective(NamedTuple):
     per_microbatch: bool = False
     """The calls repeat in every micro-batch (count includes the micro-batches), else once per step."""
     overlaps: tuple[str, ...] = ()
-    """Under parallel.async_tp, the GEMMs the call hides behind (parallel/collectives.CollectiveCall)."""
+    """Under parallel.async_tp, the GEMMs the call hides behind (parallel/collectives.CollectiveCall); a
+    re-gather's (tensor "regathered"), the GEMMs whose input gradients it may run beside, whatever async_tp
+    says (perf/engines.Engine.regather_overlaps_dgrad decides)."""
+    tensor: str = ""
+    """What moves: a key of parallel/collectives.TENSORS."""
 
 
 def expert_rows(model: ModelConfig, num_tokens: int) -> int:
@@ -330,7 +334,7 @@ def step_collectives(model: ModelConfig, layout: Layout, training: TrainingConfi
     else:  # each kind's blocks with their own sizes (parallel/collectives.kind_parts)
         for kind, blocks, wrapped, sign in kind_parts(model, layout):
             _price(kind, layout, training, rank_calls(kind, layout, blocks, wrapped), merged, sign)
-    return [Collective(*key[:5], count, *key[5:9]) for key, count in merged.items() if count > 0]
+    return [Collective(*key[:5], count, *key[5:]) for key, count in merged.items() if count > 0]
 
 
 def _price(model: ModelConfig, layout: Layout, training: TrainingConfig, calls: tuple[CollectiveCall, ...],
@@ -347,5 +351,6 @@ def _price(model: ModelConfig, layout: Layout, training: TrainingConfig, calls: 
         count = call.count * (n_mb if call.per_microbatch else 1) * (sizes["buckets"] if call.per_bucket else 1)
         if nbytes > 0:
             key = (call.kind, _purpose(call), call.axes, ranks[call.axes], int(nbytes), call.phase,
-                   call.unit, call.per_microbatch, call.overlaps if layout.async_tp else (), call.tensor)
+                   call.unit, call.per_microbatch,
+                   call.overlaps if layout.async_tp or call.tensor == "regathered" else (), call.tensor)
             merged[key] = merged.get(key, 0) + sign * int(count)

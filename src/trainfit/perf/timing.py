@@ -108,8 +108,8 @@ from trainfit.perf.comms import (
     stage_params,
     step_collectives,
 )
+from trainfit.perf.engines import TRAINFIT_ENGINE, Engine
 from trainfit.perf.fp8_casts import SCALE_PRECOMPUTE_BYTES, gathered_shard_bytes, linear_cast_bytes
-from trainfit.perf.host_costs import TRAINFIT, HostCosts
 from trainfit.perf.kernels import float8_gemms
 from trainfit.sample_rows import SampleRows
 
@@ -159,12 +159,12 @@ class Rates:
     measured at its group size runs at its fit (unless a hardware.* override of the link says otherwise)."""
     peaks: dict[str, float] = field(default_factory=dict, compare=False)
     """peak_flops per precision mode, as asked."""
-    engine: HostCosts = TRAINFIT
-    """The engine whose host side a GPU waits on (perf/host_costs.py): trainfit's own, unless a caller
-    prices another engine's runs (benchmarks/playbook.py: nanotron's)."""
+    engine: Engine = TRAINFIT_ENGINE
+    """The engine the step runs on (perf/engines.py: its host side, what it overlaps): trainfit's own,
+    unless a caller prices another engine's runs (benchmarks/playbook.py: nanotron's)."""
 
     @classmethod
-    def of(cls, hw: HardwareConfig, engine: HostCosts = TRAINFIT) -> Rates:
+    def of(cls, hw: HardwareConfig, engine: Engine = TRAINFIT_ENGINE) -> Rates:
         profile = measured_profile(hw)
         overridden = hw.intra_node_gbps or hw.intra_node_latency_us or hw.comm_efficiency
         fits = {(f.kind, f.world_size): Link("measured", f.bytes_per_s, f.latency_s)
@@ -367,7 +367,7 @@ class ComputeTime(NamedTuple):
     kernels; None elsewhere."""
     matmul_flops_per_s: float = 0.0
     """The rate the rank's GEMMs run at, all of them together: what a GEMM that hides an async-TP
-    collective takes (_async_tp_exposed)."""
+    collective takes (_overlapped)."""
     nf4_dequant: float = 0.0
     """Of forward + backward: QLoRA's dequantizations' memory traffic (else 0)."""
 
@@ -511,11 +511,11 @@ def _exposed_host_seconds(layout: Layout, rates: Rates, compute_s: float, expose
     trainfit.perf.kernels) all of it, time-shared like the compute. A GPU's host runs ahead of its
     kernels and of the collectives they wait on, so only what exceeds the device's compute and exposed
     communication: the profile's frameworks' part where `trainfit calibrate` measured one, else the
-    engine's whole host side (perf/host_costs.py: rates.engine)."""
+    engine's whole host side (perf/host_costs.py: rates.engine.host)."""
     if rates.profile is None:
         if rates.hw.gpu == "cpu":
             return 0.0
-        return max(0.0, rates.engine.step_seconds(layout) - compute_s - exposed_s)
+        return max(0.0, rates.engine.host.step_seconds(layout) - compute_s - exposed_s)
     host = K.host_overhead_seconds(rates.profile, layout)
     return host * share if rates.hw.gpu == "cpu" else max(0.0, host - compute_s - exposed_s)
 
@@ -555,25 +555,37 @@ def model_parallel_comm_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw:
     docstring's table) but what async TP may hide behind GEMMs (counted as none): the other part of
     those bounds."""
     timed = timed_collectives(m, layout, t, rates or Rates.of(hw))
-    return sum(one * c.count for c, one in timed if c.purpose in ("tp", "cp", "pp") and not c.overlaps)
+    return sum(one * c.count for c, one in timed
+               if c.purpose in ("tp", "cp", "pp") and not _hides_behind(c, layout, rates or Rates.of(hw)))
 
 
-def _async_tp_exposed(timed: list[tuple[Collective, float]], m: ModelConfig, layout: Layout, t: TrainingConfig,
-                      matmul_flops_per_s: float) -> list[tuple[Collective, float]]:
-    """`timed` with each call async TP splits (Collective.overlaps) at what it leaves exposed. The
-    collective of C seconds and its GEMMs of G are cut into tp chunks, one chunk moving while another
+def _hides_behind(c: Collective, layout: Layout, rates: Rates) -> tuple[str, ...]:
+    """The GEMMs a call runs beside in this engine: async TP's (Collective.overlaps, kept only under
+    parallel.async_tp), and a re-gather's input-gradient GEMMs where the engine overlaps them
+    (perf/engines.Engine.regather_overlaps_dgrad; trainfit's re-gathers are exposed)."""
+    if c.tensor == "regathered":
+        return c.overlaps if rates.engine.regather_overlaps_dgrad else ()
+    return c.overlaps
+
+
+def _overlapped(timed: list[tuple[Collective, float]], m: ModelConfig, layout: Layout, t: TrainingConfig,
+                rates: Rates, matmul_flops_per_s: float) -> list[tuple[Collective, float]]:
+    """`timed` with each call that runs beside GEMMs (_hides_behind) at what it leaves exposed. Async TP
+    cuts the collective of C seconds and its GEMMs of G into tp chunks, one chunk moving while another
     multiplies: max(C, G) + min(C, G) / tp together (the chunk that fills or drains the pipeline runs
-    alone), so C - G of the call shows where it is longer, and one chunk of the shorter always."""
-    if not layout.async_tp:
+    alone), so C - G of the call shows where it is longer, and one chunk of the shorter always. A
+    re-gather is launched before its group's input-gradient GEMMs (as many FLOPs as their forward) and
+    waited on after them: C - G shows."""
+    if not layout.async_tp and not (layout.regathers and rates.engine.regather_overlaps_dgrad):
         return timed
     tokens = layout.micro_batch_size * t.seq_len / layout.cp
     gemms = {g.name: g for g in [*K.block_gemms(m, layout), K.head_gemm(m, layout)]}
     out = []
     for c, one in timed:
-        if c.overlaps:
-            flops = sum(2 * max(1, round(tokens * gemms[n].share)) * gemms[n].k * gemms[n].n for n in c.overlaps)
+        if hidden := _hides_behind(c, layout, rates):
+            flops = sum(2 * max(1, round(tokens * gemms[n].share)) * gemms[n].k * gemms[n].n for n in hidden)
             g = flops / matmul_flops_per_s
-            one = max(0.0, one - g) + min(one, g) / layout.tp
+            one = max(0.0, one - g) if c.tensor == "regathered" else max(0.0, one - g) + min(one, g) / layout.tp
         out.append((c, one))
     return out
 
@@ -673,7 +685,7 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
         comm[c.kind] += one * c.count
     # On a CPU, gloo's collectives run on the cores that compute: nothing hides behind compute.
     cover_fwd, cover_bwd = (0.0, 0.0) if hw.gpu == "cpu" else (fwd_s, bwd_s)
-    exposed, per_microbatch = _exposed(_async_tp_exposed(timed, m, layout, t, compute.matmul_flops_per_s),
+    exposed, per_microbatch = _exposed(_overlapped(timed, m, layout, t, rates, compute.matmul_flops_per_s),
                                        cover_fwd, cover_bwd, n_mb)
     exposed_s = sum(exposed.values())
     offload, offload_exposed_s = _offload(m, layout, rates, fwd_s, bwd_s)

@@ -76,6 +76,7 @@ from trainfit.memory.closed_form.run_shape import Run
 from trainfit.memory.closed_form.step_peak import rank_breakdown
 from trainfit.memory.closed_form.zero_states import StageStates, stage_states
 from trainfit.parallel.layout import Layout
+from trainfit.perf.engines import TRAINFIT_ENGINE, Engine
 
 
 @dataclass(frozen=True)
@@ -98,10 +99,11 @@ class StageMemory:
     stops at the first that does not fit (plan/search.py)."""
 
     def __init__(self, model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
-                 optimizer: OptimizerConfig, shared: SharedSizes | None = None) -> None:
+                 optimizer: OptimizerConfig, shared: SharedSizes | None = None, engine: Engine = TRAINFIT_ENGINE
+                 ) -> None:
         if shared is not None and shared.model is not model:
             raise ValueError("StageMemory: `shared` holds another model's sizes")
-        self._run = Run(model, layout, training, hardware, optimizer)
+        self._run = Run(model, layout, training, hardware, optimizer, engine)
         self._common = layout_common(self._run, shared or SharedSizes(model))
         self._layouts: dict[RankLayout, Callable[[PipelineHeld], MemoryBreakdown]] = {}
         self._shapes: dict[tuple[RankLayout, PipelineHeld], MemoryBreakdown] = {}
@@ -121,10 +123,11 @@ class StageMemory:
 
 
 def estimate_memory(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,
-                    optimizer: OptimizerConfig) -> MemoryEstimate:
-    """Per-rank memory of one training step, one breakdown per pipeline stage. Pure: the planner
-    calls it for thousands of layouts of one config without copying anything."""
-    memory = StageMemory(model, layout, training, hardware, optimizer)
+                    optimizer: OptimizerConfig, engine: Engine = TRAINFIT_ENGINE) -> MemoryEstimate:
+    """Per-rank memory of one training step, one breakdown per pipeline stage (`engine`: whose engine runs
+    it, perf/engines.py). Pure: the planner calls it for thousands of layouts of one config without
+    copying anything."""
+    memory = StageMemory(model, layout, training, hardware, optimizer, engine=engine)
     stages = [memory(s) for s in range(layout.pp)]
     worst = max(range(len(stages)), key=lambda i: stages[i].peak)
     return MemoryEstimate(per_stage=stages, worst_stage=worst)

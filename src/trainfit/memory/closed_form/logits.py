@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 from trainfit.config import ModelConfig
 from trainfit.memory.closed_form.block.activation_terms import FP32, Terms
+from trainfit.memory.closed_form.block.te_layer import megatron_loss_saved
 from trainfit.memory.closed_form.run_shape import MicroBatchShape, Precision
 from trainfit.sample_rows import scored_rows
 
@@ -54,6 +55,17 @@ def loss_bytes(m: ModelConfig, prec: Precision, shape: MicroBatchShape) -> LossB
         return _chunked_loss(m, prec, shape, V, inside, backward, c if m.final_softcap else 0)
     return LossBytes(saved=FP32 * V * tokens, output=c * V * tokens, forward=V * tokens * (c + copy + inside * FP32),
                      backward=backward * FP32 * V * tokens)
+
+
+def megatron_loss_bytes(m: ModelConfig, prec: Precision, shape: MicroBatchShape) -> LossBytes:
+    """Megatron-Core's vocabulary-parallel cross entropy (block/te_layer.py): an fp32 copy of the logits,
+    the softmax in place, a mask and a target per token, saved; the logits in the compute dtype live to the
+    forward's end; its backward makes the fp32 gradient in the saved softmax's place and casts it for the
+    head (the compute dtype's copy beside it)."""
+    tokens, c = shape.tokens, prec.act.compute
+    V = -(-m.vocab_size // shape.tp)
+    return LossBytes(saved=megatron_loss_saved(V) * tokens, output=c * V * tokens,
+                     forward=(c + FP32) * V * tokens, backward=(FP32 + c) * V * tokens)
 
 
 def _chunked_loss(m: ModelConfig, prec: Precision, shape: MicroBatchShape, V: int, inside: int,

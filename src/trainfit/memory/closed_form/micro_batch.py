@@ -26,7 +26,8 @@ from trainfit.memory.closed_form.block.backward_transients import (
     first_linears,
 )
 from trainfit.memory.closed_form.block.moe_activations import Routing, moe_routing
-from trainfit.memory.closed_form.logits import LossBytes, loss_bytes
+from trainfit.memory.closed_form.block.te_layer import te_layer_terms
+from trainfit.memory.closed_form.logits import LossBytes, loss_bytes, megatron_loss_bytes
 from trainfit.memory.closed_form.run_shape import MicroBatchShape, Precision
 from trainfit.memory.closed_form.stage_activations import (
     final_norm_terms,
@@ -95,9 +96,13 @@ def _micro_batch(m: ModelConfig, prec: Precision, shape: MicroBatchShape) -> Mic
         return terms.bytes(shape.tokens, shape.seq, tp, shape.sequence_parallel)
 
     routing = moe_routing(m, shape.tokens, shape.moe_imbalance, shape.ep)
-    none = size(block_terms(m, act, "none", routing, cp, tp)
-                + (adapter_terms(m, act, shape.adaptation, routing) if shape.adaptation else Terms())
-                + (regathered_terms(m, act) if shape.regathers else Terms()))
+    # another engine's layers (block/te_layer.py) where they describe this one, without adapters
+    other = te_layer_terms(m, shape.fp8_linears) if shape.layers == "transformer_engine" and \
+        not shape.adaptation else None
+    none = size(other) if other is not None else \
+        size(block_terms(m, act, "none", routing, cp, tp)
+             + (adapter_terms(m, act, shape.adaptation, routing) if shape.adaptation else Terms())
+             + (regathered_terms(m, act) if shape.regathers else Terms()))
     wrapped = size(block_terms(m, act, policy, routing, cp, tp)
                    + (selective_adapter_terms(m, act, shape.adaptation, routing)
                       if shape.adaptation and policy.startswith("selective") else Terms())) \
@@ -114,7 +119,9 @@ def _micro_batch(m: ModelConfig, prec: Precision, shape: MicroBatchShape) -> Mic
         + (0 if act.eager_attention else masks), forward_masks=masks if act.eager_attention else 0,
         final=size(final_norm_terms(m, act, projected=not shape.chunked_loss)
                    + (final_norm_adapter_terms(m, act, shape.adaptation, not shape.chunked_loss)
-                      if shape.adaptation else Terms())), loss=loss_bytes(m, prec, shape),
+                      if shape.adaptation else Terms())),
+        loss=megatron_loss_bytes(m, prec, shape) if other is not None and not shape.chunked_loss
+        else loss_bytes(m, prec, shape),
         rebuild=none - wrapped + released + size(only.kept), released=released,
         released_last=size(only.released_last), grad_stream=size(t.grad_stream), grad_cast=size(t.grad_cast),
         branch_grad=size(t.branch_grad), attention=size(t.attention), mlp_new=size(t.mlp_new),

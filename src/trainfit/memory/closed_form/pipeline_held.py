@@ -1,7 +1,8 @@
 """What a pipeline schedule holds on one rank beyond its micro-batches' activations in flight (those are
 parallel/schedules.py's): what torch.distributed.pipelining keeps (`PipelineHeld`: receive slots, sent tensors,
 the zero-bubble weight pass's pending gradients, the last stage's logits). tests/estimator/test_pipeline_memory.py
-walks torch's own orders against it. Torch-free."""
+walks torch's own orders against it. Another engine's buffers (perf/engines.Engine.pipeline_buffers):
+Megatron-Core's, allocated per op. Torch-free."""
 
 from __future__ import annotations
 
@@ -83,4 +84,15 @@ def pipeline_held(run: Run, lay: RankLayout, place: RankPlacement, mb: MicroBatc
         if later == n - 1:
             per_chunk += mb.head_weight_pending + head_saved
         pending = pending_chunks * per_chunk
+    if run.engine.pipeline_buffers == "per_op":
+        slots, sent = 0, _per_op_in_transit(place, boundary)
     return PipelineHeld(int(slots), int(sent), int(pending), logits if lay.last else 0)
+
+
+def _per_op_in_transit(place: RankPlacement, boundary: int) -> int:
+    """Megatron-Core's p2p (perf/engines.Engine.pipeline_buffers "per_op"): no slots, no kept outputs. At the
+    backward's peak a rank that receives output gradients holds the one its backward consumes, and a rank
+    that sends input gradients holds the one it sends and (1F1B's steady state pairs them) the next
+    micro-batch's input arriving: one tensor per direction in transit, whatever the number of local stages
+    (the schedule moves one per direction at a time)."""
+    return boundary * (min(1, place.sends_next) + 2 * min(1, place.sends_prev))

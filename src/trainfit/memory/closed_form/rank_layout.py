@@ -274,7 +274,7 @@ def layout_common(run: Run, shared: SharedSizes) -> LayoutCommon:
                    rope_table_bytes(run), layout.adaptation,
                    layout.rows.scored_share(run.training.seq_len) if layout.rows is not None else 1.0,
                    document_mask_kernel(device_type(run.hardware)) if prec.act.packed_rows else "",
-                   layout.regathers)
+                   layout.regathers, run.engine.layers, layout.precision == "fp8-mixed")
     kinds = tuple(KindSizes(kind_run, sizes.counts, _block(kind_run, sizes.counts), sizes.micro_batch(prec, shape))
                   for sizes in shared.kinds for kind_run in [run._replace(model=sizes.model)])
     first = kinds[0]

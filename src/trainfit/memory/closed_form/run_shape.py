@@ -14,6 +14,7 @@ from trainfit.memory.closed_form.block.activation_terms import FP32, ActDtypes
 from trainfit.models.architecture import describe, document_mask_kernel
 from trainfit.parallel.layout import Layout
 from trainfit.peft.spec import Adaptation
+from trainfit.perf.engines import TRAINFIT_ENGINE, Engine
 
 
 class Run(NamedTuple):
@@ -24,6 +25,8 @@ class Run(NamedTuple):
     training: TrainingConfig
     hardware: HardwareConfig
     optimizer: OptimizerConfig
+    engine: Engine = TRAINFIT_ENGINE
+    """Whose engine runs the step (perf/engines.py): where engines differ, the estimate follows it."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,11 @@ class MicroBatchShape(NamedTuple):
     regathers: bool = False
     """parallel.sp_recompute_gather under sequence parallelism (Layout.regathers): unwrapped blocks keep their
     column groups' input shards, not the gathered inputs (block/activations.regathered_terms)."""
+    layers: str = "trainfit"
+    """Whose layers and loss save the activations (perf/engines.Engine.layers): trainfit's, or Transformer
+    Engine's and Megatron-Core's (block/te_layer.py)."""
+    fp8_linears: bool = False
+    """fp8-mixed: the linears run in fp8 (what Transformer Engine's keep for backward depends on it)."""
 
 
 def rope_table_bytes(run: Run) -> int:
