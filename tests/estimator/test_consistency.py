@@ -21,7 +21,8 @@ stage; no real processes), and three models checked against it:
     accuracy_grid.component_gaps' tolerance: 10% of the traced component or 1% of the traced peak,
     whichever is larger (2% of the peak for pipeline stages: accuracy_grid.PIPELINE_COMPONENT_FLOOR).
 
-Gradient accumulation: the traced step runs two micro-batches at most, so no grid point has more.
+Gradient accumulation: the traced step runs two micro-batches at most, so no grid point has more (a pipeline's
+step runs all of its micro-batches: at least pp).
 """
 
 from __future__ import annotations
@@ -74,6 +75,13 @@ GRID: dict[str, tuple[str, ...]] = {
     # a last stage of the head alone (nanotron's compute-balanced split)
     "pp2-head-alone": (*DENSE, "--hardware.num_gpus=2", "--parallel.pp=2", "--parallel.pp_layers_per_stage=2,0",
                        "--training.global_batch_size=2"),
+    # a rank of a stage without blocks between the ends (nanotron's split leaves such ranks): it holds its pipeline
+    # buffers and the step's token ids; three micro-batches, the fewest three pipeline ranks run
+    "pp3-empty-inner-gpipe": (*DENSE, "--hardware.num_gpus=3", "--parallel.pp=3",
+                              "--parallel.pp_layers_per_stage=1,0,1", "--parallel.pp_schedule=gpipe",
+                              "--training.global_batch_size=3"),
+    "pp3-empty-inner-1f1b": (*DENSE, "--hardware.num_gpus=3", "--parallel.pp=3",
+                             "--parallel.pp_layers_per_stage=1,0,1", "--training.global_batch_size=3"),
     "fp8-zero3-float8-all-gather": (
         *DENSE, "--hardware.num_gpus=2", "--parallel.zero_stage=3", "--precision.mode=fp8-mixed",
         "--precision.fp8_all_gather=true", "--training.global_batch_size=2"),
@@ -251,11 +259,22 @@ KNOWN: dict[tuple[str, str], str] = {
         "a moment of the soft-capped logits' or the eager attention's backward that the analytic estimate does "
         "not model yet (at 256 positions, the accuracy grid's Gemma 2 rows agree per component)",
     ("memory", "pp2-head-alone"):
-        "the head-alone stage's peaks agree (analytic 459,912 B, traced 461,988: -0.45%), at different moments: "
+        "the head-alone stage's peaks agree (analytic 461,960 B, traced 461,988: -0.01%), at different moments: "
         "the analytic one at the loss's backward with 131 KB of logits (the in-flight micro-batches' and the "
-        "current one's), the traced one with 65.5 KB fewer logits and 67.6 KB more activations: a moment of the "
+        "current one's), the traced one with 65.5 KB fewer logits and 65.5 KB more activations: a moment of the "
         "final norm's or the head's backward that the analytic estimate does not model on a stage without blocks "
         "(the stage with both blocks agrees per component)",
+    ("collectives", "pp3-empty-inner-gpipe"):
+        "the traced busiest rank is the middle one: it receives and sends both ways, 4 p2p calls of 8,192 B a "
+        "micro-batch (12), where parallel/collectives.py counts a rank of one neighbour's 2 (6, every pp2 point's): "
+        "so on any pipeline of 3 ranks or more, whether its middle stages hold blocks or not",
+    ("collectives", "pp3-empty-inner-1f1b"):
+        "as pp3-empty-inner-gpipe: the middle rank's 12 p2p calls against a one-neighbour rank's 6",
+    ("memory", "pp3-empty-inner-1f1b"):
+        "the stage without blocks agrees per component (analytic 84,992 B, traced 85,000); the last stage's peaks "
+        "agree (analytic 1,203,116 B, traced 1,203,152) with one micro-batch's logits (65.5 KB) counted as logits "
+        "by the analytic estimate and as activations by the trace: the same on pp2 (split 1,1) with three "
+        "micro-batches, so a 1F1B last stage's with more micro-batches than two, not the empty stage's",
     ("memory", "mixed-moe-tp2-sp"):
         "the analytic peak is the loss's backward, 38 KB (0.8%) below the traced one, which comes in the last "
         "(MoE) block's backward, at its shared experts' w3, with 218 KB more activations and the shared experts' "

@@ -72,8 +72,8 @@ def test_the_same_config_lays_out_on_any_world() -> None:
      "data-parallel degree = 16 x 1 = 16; try 16 or 32, or training.micro_batch_size=20"),
     (["--parallel.tp=3"], "parallel.tp=3: must divide model.num_heads=8 (each rank holds whole heads); try 2 or 4"),
     (["--hardware.num_gpus=8", "--parallel.pp=8"], "parallel.pp=8: pp x pp_virtual_stages = 8 x 1 = 8 stages for "
-     "model.num_layers=4 blocks (each stage runs at least one, but the last, which may hold the head alone); "
-     "try pp=4 or 5"),
+     "model.num_layers=4 blocks (the derived split gives each stage one, but the last, which may hold the head "
+     "alone); try pp=4 or 5, or set parallel.pp_layers_per_stage (stages after the first may hold no block)"),
     (["--hardware.num_gpus=2", "--parallel.pp=2", "--parallel.pp_layers_per_stage=1,2"], "parallel.pp_layers_per_stage="
      "[1, 2]: give 2 entries (pp x pp_virtual_stages = 2 x 1) summing to model.num_layers=4"),
     (["--hardware.num_gpus=2", "--parallel.pp=2", "--parallel.pp_schedule=zbv-zero-bubble",
@@ -325,12 +325,33 @@ def test_a_pipeline_schedule_without_pipeline_parallelism_places_the_one_stage(s
 
 
 def test_the_last_stage_may_hold_the_head_alone() -> None:
-    """One stage more than blocks: the derived split leaves the head alone on the last (as nanotron's does); a
-    stage before the last without blocks is refused, naming the field."""
+    """One stage more than blocks: the derived split leaves the head alone on the last (as nanotron's does),
+    and never a stage without blocks between the ends (only parallel.pp_layers_per_stage gives those)."""
     base = ["--model.preset=debug", "--training.seq_len=32", "--hardware.num_gpus=3", "--parallel.pp=3",
             "--training.global_batch_size=8", "--training.micro_batch_size=1"]
     layout = build_layout(load_config(None, base))
     assert layout.pp_layers == (1, 1, 0)
     assert {(blocks, last) for blocks, _, last in layout.rank_shapes()} == {(1, False), (0, True)}
-    with pytest.raises(ConfigError, match=r"parallel.pp_layers_per_stage=\[1, 0, 1\]: every stage but the last"):
-        load_config(None, [*base, "--parallel.pp_layers_per_stage=1,0,1"])
+
+
+def test_stages_after_the_first_may_hold_no_block() -> None:
+    """nanotron's compute-balanced split of 16 layers over pp8 leaves rank 6 nothing and rank 7 the head
+    alone: given as parallel.pp_layers_per_stage, it lays out so. The first stage keeps a block (its
+    embedding alone is refused, naming the field)."""
+    split = "3,3,2,3,2,3,0,0"
+    layout = layout_of("--model.preset=debug", "--model.num_layers=16", "--hardware.num_gpus=8", "--parallel.pp=8",
+                       f"--parallel.pp_layers_per_stage={split}", "--training.global_batch_size=8",
+                       "--training.micro_batch_size=1")
+    assert layout.pp_layers == (3, 3, 2, 3, 2, 3, 0, 0)
+    passing, head = layout.rank_placement(6), layout.rank_placement(7)
+    assert (passing.blocks, passing.first, passing.last, passing.sends_next, passing.sends_prev) == ((), False, False,
+                                                                                                   1, 1)
+    assert (head.blocks, head.last) == ((), True)
+    with pytest.raises(ConfigError, match=re.escape(
+            "parallel.pp_layers_per_stage=[0, 1, 1]: the first stage (the embedding's) needs at least one block, "
+            "the others at least 0")):
+        load_config(None, ["--model.preset=debug", "--hardware.num_gpus=3", "--parallel.pp=3",
+                           "--parallel.pp_layers_per_stage=0,1,1"])
+    with pytest.raises(ConfigError, match=re.escape("parallel.pp_layers_per_stage=[1, -1, 2]")):
+        load_config(None, ["--model.preset=debug", "--hardware.num_gpus=3", "--parallel.pp=3",
+                           "--parallel.pp_layers_per_stage=1,-1,2"])

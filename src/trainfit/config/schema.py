@@ -324,8 +324,9 @@ class ParallelConfig:
     """Stages per pipeline rank; 0 derives it: 1 for gpipe and 1f1b, 2 for the others (the V schedules
     take exactly 2)."""
     pp_layers_per_stage: tuple[int, ...] = ()
-    """Blocks of each stage, first to last (pp x virtual stages entries summing to model.num_layers);
-    empty derives a split that balances compute and parameters, the embedding on the first stage and
+    """Blocks of each stage, first to last (pp x virtual stages entries summing to model.num_layers; the
+    first stage holds at least one, a later one may hold none: it passes its input on, the last through the
+    head); empty derives a split that balances compute and parameters, the embedding on the first stage and
     the output head and loss on the last (parallel/stage_split.py)."""
     num_microbatches: int = 0
     """Pipeline micro-batches per step and data-parallel rank (>= pp); 0 derives it: the gradient

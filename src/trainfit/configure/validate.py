@@ -213,9 +213,10 @@ def _validate_rest(cfg: Config) -> None:
             raise field_error(f"parallel.{name}", getattr(p, name), "must be >= 1")
     if p.pp_virtual_stages < 0:
         raise field_error("parallel.pp_virtual_stages", p.pp_virtual_stages, "must be >= 1, or 0 to derive it")
-    if any(n < 1 for n in p.pp_layers_per_stage[:-1]) or any(n < 0 for n in p.pp_layers_per_stage[-1:]):
+    if any(n < 1 for n in p.pp_layers_per_stage[:1]) or any(n < 0 for n in p.pp_layers_per_stage[1:]):
         raise field_error("parallel.pp_layers_per_stage", list(p.pp_layers_per_stage),
-                          "every stage but the last (which may hold the head alone) needs at least one block")
+                          "the first stage (the embedding's) needs at least one block, the others at least 0 (a stage "
+                          "without blocks passes its input on, the last one through the head)")
     if p.dp_shard < 1 and p.dp_shard != -1:
         raise field_error("parallel.dp_shard", p.dp_shard, "must be >= 1, or -1 to derive it from hardware.num_gpus")
     if p.num_microbatches < 0:

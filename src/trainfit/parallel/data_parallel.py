@@ -294,9 +294,14 @@ def init_optimizer_states(model: nn.Module, optimizer: torch.optim.Optimizer) ->
 def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model, optimizer) state dicts in the one checkpoint form of every layout: keyed by parameter
     name, the optimizer flattened (STATE_DICT_OPTIONS), sharded tensors as DTensors; ZeRO-1 gives
-    its master weights under the parameters' names. dcp.load fills them in place."""
+    its master weights under the parameters' names. dcp.load fills them in place. A rank that holds no
+    parameter (a pipeline rank whose stages have no blocks, nor the embedding or the head) gives two empty
+    ones: DCP's get_state_dict refuses an empty model, yet dcp.save and dcp.load are collective, so that
+    rank still enters them, with nothing of its own."""
     if isinstance(optimizer, ZeroOptimizer):
         return optimizer.model_state_dict(), optimizer.optimizer_state_dict(flatten=True)
+    if next(model.parameters(), None) is None:
+        return {}, {}
     return get_state_dict(model, optimizer, options=state_dict_options(model))
 
 

@@ -4,9 +4,11 @@ rank runs, and torch's schedule over them.
 - `split_stages` cuts the meta-device model into this rank's stages (Layout.pp_layers blocks each;
   parallel/stage_split.py decides the split): each stage is a copy of the model that keeps its own
   blocks under their global names (models/common.LayerStack), the embedding only on stage 0, the
-  final norm and output only on the last stage. `StageParts` holds the rank's stages' modules under
-  the whole model's names: what the optimizer, gradient clipping, checkpoints and the memory meter
-  see, so a pipeline checkpoint has the keys of every other layout's.
+  final norm and output only on the last stage; a stage between them may hold no block (it passes
+  its input on, `_pass_on`), and a pipeline rank of such stages holds no parameter. `StageParts`
+  holds the rank's stages' modules under the whole model's names: what the optimizer, gradient
+  clipping, checkpoints and the memory meter see, so a pipeline checkpoint has the keys of every
+  other layout's.
 - `PipelineStep` builds torch's PipelineStage per stage and the schedule that runs them, and steps
   it: micro-batch loss on the last stage, gradients accumulated over the step's micro-batches in
   each stage and reduced by FSDP once, after the last one (the stage's own
@@ -60,8 +62,31 @@ def split_stages(model: nn.Module, layout: Layout, pp_rank: int) -> list[nn.Modu
             if hasattr(stage, name):
                 setattr(stage, name, None)
         stage.stage_id = stage_id
+        if not ranges[stage_id] and 0 < stage_id < layout.num_stages - 1:
+            stage.register_forward_hook(_pass_on)
         stages.append(stage)
     return stages
+
+
+def _pass_on(stage: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+    """A stage without blocks between others (nanotron's split leaves such stages) returns its input,
+    which is torch's receive buffer, a leaf: return `_PassOn`'s alias of it instead."""
+    return _PassOn.apply(output) if output is args[0] else output
+
+
+class _PassOn(torch.autograd.Function):
+    """Identity: a new tensor on the input's storage (no copy), whose backward passes the gradient on
+    to the input. Not the input itself: hooks registered on a stage's output (_announce_moments's)
+    would pile up on the buffer step after step; not a view: the zero-bubble schedules detach a
+    stage's output in place after its input's backward (torch refuses that on a view)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return hidden.detach()
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
 
 
 class StageParts(nn.Module):

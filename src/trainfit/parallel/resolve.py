@@ -270,8 +270,9 @@ def _stage_layers(cfg: Config, virtual: int) -> tuple[int, ...]:
     if stages > m.num_layers + 1:
         fits = [d for d in range(1, m.num_layers + 2) if d * virtual <= m.num_layers + 1]
         raise _fail("parallel.pp", p.pp, f"pp x pp_virtual_stages = {p.pp} x {virtual} = {stages} stages for "
-                    f"model.num_layers={m.num_layers} blocks (each stage runs at least one, but the last, which may "
-                    "hold the head alone)", f"try pp={nearest(p.pp, fits)}")
+                    f"model.num_layers={m.num_layers} blocks (the derived split gives each stage one, but the last, "
+                    "which may hold the head alone)", f"try pp={nearest(p.pp, fits)}, or set "
+                    "parallel.pp_layers_per_stage (stages after the first may hold no block)")
     return balanced_split(m, cfg.training.seq_len, stages)
 
 

@@ -13,7 +13,9 @@ embedding and head each weigh about 0.65 of a 3.2B block); where the head weighs
 small model with a large vocabulary) the last stage may hold it alone, as nanotron's split does (a first
 stage of the embedding alone is refused: its in-flight moments are not modelled). The in-flight activations, which
 depend on the schedule (1F1B's first stage keeps pp micro-batches, its last one), are not
-balanced: `parallel.pp_layers_per_stage` sets any split by hand.
+balanced: `parallel.pp_layers_per_stage` sets any split by hand, where every stage after the first may
+hold no block (nanotron's split leaves such stages before the head's; parallel/pipeline.py passes their
+input on).
 """
 
 from __future__ import annotations

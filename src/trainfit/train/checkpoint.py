@@ -278,7 +278,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=world.size == 1)
     if optimizer is None:
         model.load_state_dict(state["model"], strict=len(state["model"]) == len(model.state_dict()))
-    else:
+    elif state["model"]:  # a rank without parameters (data_parallel.state_dicts) has nothing to set
         load_state_dicts(model, optimizer, state["model"], state["optimizer"])
     return load_trainer_state(path)
 

@@ -54,7 +54,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     groups = [{"params": params, "weight_decay": rate}
               for kind, rate in ((decay, weight_decay), (no_decay, 0.0))
               for params in (group_by_layout(kind) or [[]])]
-    # an empty group (LoRA trains no 1-D parameter) breaks torch's flattened optimizer state dict
+    # an empty group (LoRA trains no 1-D parameter) breaks torch's flattened optimizer state dict; a model
+    # of no parameter (a pipeline rank of stages without blocks) keeps one: torch refuses an optimizer of no
+    # group, and the step (its learning rate, clipping, the schedule) reads the groups on every rank
     return [g for g in groups if g["params"]] or groups[:1]
 
 

@@ -1,11 +1,12 @@
 """Activations at a pipeline stage's ends: the final norm's (and what the output projection saves of it),
-the residual stream crossing a stage boundary, and what a zero-bubble schedule's input pass keeps per block
-and head for the weight pass. Torch-free."""
+the residual stream crossing a stage boundary, what a zero-bubble schedule's input pass keeps per block
+and head for the weight pass, and the step's token ids every pipeline rank holds. Torch-free."""
 
 from __future__ import annotations
 
 from trainfit.config import ModelConfig
 from trainfit.memory.closed_form.block.activation_terms import (
+    INDEX,
     ActDtypes,
     Terms,
     block_shapes,
@@ -60,3 +61,13 @@ def head_weight_pass_pending_terms(m: ModelConfig, d: ActDtypes) -> Terms:
     """weight_pass_pending_terms of the last stage's head: the final norm's output gradient and the
     output projection's (the logits' gradient: a rank's vocabulary shard under tp)."""
     return Terms(seq=d.stream * m.dim, tp=d.compute * m.vocab_size)
+
+
+def pipeline_batch_bytes(rows: int, seq_len: int, cp: int) -> int:
+    """The step's token ids and targets (int64), which a pipeline step holds on every rank, the ranks
+    between the ends too, from its first forward to its last backward (train/step.py's
+    pipeline_forward_backward): each micro-batch's pair as the sampler gave it, [mb, T], and the pair of
+    all `rows` concatenated, [rows, T] (context parallelism: the rank's [rows, T / cp] shard of it, the
+    concatenation freed). Negligible beside a block's activations; most of what a rank of stages without
+    blocks holds beside its pipeline buffers."""
+    return 2 * INDEX * rows * (seq_len + seq_len // cp)

@@ -20,6 +20,7 @@ from trainfit.memory.closed_form.block.adapter_activations import nf4_dequant_by
 from trainfit.memory.closed_form.block.attention_activations import context_parallel_mask_bytes
 from trainfit.memory.closed_form.block.moe_activations import RoutedMoment, routed_backward_moments
 from trainfit.memory.closed_form.logits import LossBytes
+from trainfit.memory.closed_form.micro_batch import MicroBatch
 from trainfit.memory.closed_form.optimizer_memory import on_zero_shard
 from trainfit.memory.closed_form.pipeline_held import PipelineHeld
 from trainfit.memory.closed_form.rank_layout import (
@@ -29,11 +30,13 @@ from trainfit.memory.closed_form.rank_layout import (
     first_block_saving,
 )
 from trainfit.memory.closed_form.run_shape import Run, rope_table_bytes
+from trainfit.memory.closed_form.stage_activations import pipeline_batch_bytes
 from trainfit.memory.closed_form.zero_states import StageStates, stage_states
 from trainfit.memory.margin import reserved_margin_terms
 from trainfit.models.architecture import describe
 from trainfit.models.block_spec import block_linears
 from trainfit.parallel.engine import DDP_GRADIENT_AS_BUCKET_VIEW, FSDP_PREFETCH_BLOCKS, FSDP_REDUCE_BYTES_MIXED
+from trainfit.parallel.schedules import SCHEDULES
 from trainfit.peft.spec import adapter_params, adapter_params_of, routed_adapter_params
 from trainfit.perf.kernels import float8_gemms
 
@@ -384,6 +387,22 @@ def _middle_blocks(order: tuple[tuple[int, bool], ...]) -> tuple[tuple[int, tupl
     return tuple((i, tuple(collections.Counter(order[i + 1:]).items())) for i in chosen)
 
 
+def passed_on_sent(run: Run, lay: RankLayout, mb: MicroBatch, sent: int) -> int:
+    """PipelineHeld.sent (`sent`) on a pipeline rank whose stage holds no block, nor the embedding or the
+    head (nanotron's split leaves such ranks): its output is its input slot's storage
+    (parallel/pipeline._PassOn), so only the input gradients it sends are its own, one per backward
+    (autograd's AccumulateGrad copies the received output gradient into the input's `.grad`: the slot
+    keeps a reference). torch holds them as it holds a sent tensor: Schedule1F1B its last (`bwd_sends`)
+    beside the one just made, ScheduleGPipe all of them until the step's end (`bwd_sends_to_wait`).
+    Several stages a rank, or another engine's buffers: `sent` as it is (it counts the outputs: a bound)."""
+    layout = run.layout
+    if lay.blocks or lay.first or lay.last or not SCHEDULES[layout.pp_schedule].single_stage \
+            or run.engine.pipeline_buffers != "preallocated":
+        return sent
+    m = layout.num_microbatches
+    return mb.boundary * (min(m, 2) if layout.pp_schedule == "1f1b" else m)
+
+
 def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[[PipelineHeld], MemoryBreakdown]:
     """A rank's breakdown, a pure function of what the ranks share and of its own (lay, pipe), as a
     function of what its pipeline schedule holds (pipe): ranks of one RankLayout share all the rest."""
@@ -393,7 +412,8 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     # ---- activations of one micro-batch
     # each block's saved activations, of its own kind of layer (dense or MoE)
     a_blocks = int(common.per_kind(lay, lambda _, k: k.micro_batch.none, wrapped=False)
-                   + common.per_kind(lay, lambda _, k: k.micro_batch.policy, wrapped=True)) + mb.positions
+                   + common.per_kind(lay, lambda _, k: k.micro_batch.policy, wrapped=True)) \
+        + (mb.positions if lay.blocks else 0)
     a_blocks -= first_block_saving(run, lay, prec.act)  # PEFT: nothing before the first block trains
     chunked = run.layout.chunked_loss
     a_final = mb.final if lay.last else 0
@@ -542,6 +562,9 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
 
     n_if, h_if = lay.in_flight, lay.head_in_flight
     older_own = (n_if - 1) * a_blocks + (h_if - 1) * a_final  # other micro-batches in flight
+    if run.layout.pp > 1:  # and the step's token ids, all of them, on every pipeline rank
+        older_own += pipeline_batch_bytes(run.layout.grad_accum_steps * run.layout.micro_batch_size,
+                                          run.training.seq_len, run.layout.cp)
     # Autocast caches one cast per parameter for its whole block, and a pipeline step runs every
     # micro-batch in one (TrainStep.pipeline_forward_backward): the other micro-batches add none.
     # Its backward runs inside the block too, where one process's runs after it: every cast stays.
@@ -627,7 +650,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
         older = older_own + pipe.pending
         older_logits = (h_if - 1) * (pipe.logits + loss.saved)
         acts = older + a_blocks + a_final
-        sends = pipe.slots + pipe.sent
+        sends = pipe.slots + passed_on_sent(run, lay, mb, pipe.sent)
         fwd = fwd_buffers + g.staged + sends
         ahead = g.before + g.pending(st.params)  # every gradient before the backward's first
         moments = [
