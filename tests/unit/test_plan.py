@@ -11,10 +11,14 @@ import sys
 
 import pytest
 
+from _profiles import profile
 from trainfit.config import ConfigError
 from trainfit.configure import load_config, resolve_and_validate
 from trainfit.estimate import estimate
+from trainfit.hardware_profile import write_profile
 from trainfit.parallel.resolve import GlobalBatch, build_layout
+from trainfit.perf.timing import estimate_perf
+from trainfit.plan import search as search_module
 from trainfit.plan.explain import versus, winner_toml
 from trainfit.plan.fixes import fewest_changes
 from trainfit.plan.search import SLOWEST_LISTED, frontier, search
@@ -81,6 +85,32 @@ def test_the_bounds_lose_nothing(case: tuple[str, ...]) -> None:
     _, everything = plan(*case, top=5, exhaustive=True)
     assert [c.settings() for c in pruned.candidates] == [c.settings() for c in frontier(everything.fitting)[:5]]
     assert pruned.stats.memory_estimates < everything.stats.memory_estimates
+
+
+MIXED_MOE = ("--model.preset=debug-moe", "--model.num_layers=4", "--model.moe_dense_layers=1",
+             "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8", "--training.seq_len=128",
+             "--training.global_batch_size=32")
+
+
+def test_a_group_waits_in_the_heap_below_its_time(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A group's first setting is estimated only when its lower bound leaves the heap (_first_bound): the
+    estimated settings leave in the order they would if each were estimated at once, so the plan is the
+    same, only while that bound never exceeds the step time it stands for (GPU meshes with pipelines, a
+    CPU with and without a measured profile, a model whose layers differ)."""
+    keys: list[tuple[float, float]] = []
+    first_bound = search_module._first_bound
+
+    def recorded(knobs, layout, rates, mesh, traffic):  # type: ignore[no-untyped-def]
+        key = first_bound(knobs, layout, rates, mesh, traffic)
+        c = knobs.group.cfg
+        keys.append((key, estimate_perf(c.model, layout, c.training, c.hardware, rates).time["step_time_s"]))
+        return key
+
+    monkeypatch.setattr(search_module, "_first_bound", recorded)
+    measured = f"--hardware.profile={write_profile(profile(), tmp_path / 'cpu.toml')}"
+    for case in (LLAMA8B_8, CPU_BUDGET, (*CPU_BUDGET, measured, "--hardware.num_gpus=4"), MIXED_MOE):
+        plan(*case, top=5)
+    assert len(keys) > 100 and all(key <= time for key, time in keys)
 
 
 def test_a_brute_force_over_every_field_finds_the_same_fastest_layout() -> None:

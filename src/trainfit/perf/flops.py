@@ -31,10 +31,11 @@ models (tests/estimator/test_flops.py).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from trainfit.config import ModelConfig
-from trainfit.models.architecture import describe, kind_of_layers, layer_kinds
+from trainfit.models.architecture import config_key, describe, kind_of_layers, layer_kinds
 from trainfit.models.block_cost import block_attention_flops, block_matmul_params, head_matmul_params
 from trainfit.models.block_spec import block_linears
 from trainfit.models.checkpoint_policy import odd_expert_share, shared_experts_first_matmul
@@ -79,6 +80,13 @@ def training_flops_per_token(m: ModelConfig, seq_len: int, adaptation: Adaptatio
     PEFT (`adaptation`): the frozen base's matmuls compute no weight gradients (2N forward, 2N backward
     for the inputs' gradients; the output projection's too unless peft.train_output), the adapters'
     A and B all three passes."""
+    return _training_flops_per_token(config_key(m), seq_len, adaptation)
+
+
+@functools.lru_cache(maxsize=1024)
+def _training_flops_per_token(key: tuple, seq_len: int, adaptation: Adaptation | None) -> int:
+    """training_flops_per_token, once per config (the planner asks for each of thousands of layouts)."""
+    m = ModelConfig(*key)
     forward = 2 * matmul_params_per_token(m) + attention_flops_per_token(m, seq_len)
     if adaptation is None:
         return FWD_BWD_FACTOR * forward
@@ -140,6 +148,13 @@ def alternate_recompute_params(m: ModelConfig, even_share: float | None = None, 
 def block_recompute_flops(m: ModelConfig, seq_len: int, policy: str, ep: int = 1) -> tuple[int, int]:
     """(matmul, attention) FLOPs per token that one wrapped block reruns in backward (`ep`: the
     expert-parallel degree, which decides selective-alternate's parity of a rank's experts)."""
+    return _block_recompute_flops(config_key(m), seq_len, policy, ep)
+
+
+@functools.lru_cache(maxsize=1024)
+def _block_recompute_flops(key: tuple, seq_len: int, policy: str, ep: int) -> tuple[int, int]:
+    """block_recompute_flops, once per config and option (the time model asks for each layout)."""
+    m = ModelConfig(*key)
     if policy == "selective-alternate":
         return int(2 * alternate_recompute_params(m, ep=ep)), 0
     if policy != "full":
@@ -150,6 +165,13 @@ def block_recompute_flops(m: ModelConfig, seq_len: int, policy: str, ep: int = 1
 def recompute_flops_per_token(m: ModelConfig, seq_len: int, policy: str, every_n_layers: int = 1,
                               ep: int = 1) -> int:
     """Extra forward FLOPs per token that activation checkpointing reruns during backward."""
+    return _recompute_flops_per_token(config_key(m), seq_len, policy, every_n_layers, ep)
+
+
+@functools.lru_cache(maxsize=1024)
+def _recompute_flops_per_token(key: tuple, seq_len: int, policy: str, every_n_layers: int, ep: int) -> int:
+    """recompute_flops_per_token, once per config and option (a loop over the layers, asked per layout)."""
+    m = ModelConfig(*key)
     kinds, of = layer_kinds(m), kind_of_layers(m)
     wrapped = [of[i] for i in range(m.num_layers) if checkpointed(i, every_n_layers)]  # their kinds
     return sum(wrapped.count(k) * sum(block_recompute_flops(kind, seq_len, policy, ep)) for k, kind in enumerate(kinds))
@@ -176,6 +198,14 @@ def hardware_flops_per_token(m: ModelConfig, seq_len: int, policy: str = "none",
                              chunked_loss: bool = False, ep: int = 1, adaptation: Adaptation | None = None) -> int:
     """FLOPs the devices execute per token: model FLOPs + fused-attention backward + recomputation
     (activation checkpointing's, and the chunked loss's output projection)."""
+    return _hardware_flops_per_token(config_key(m), seq_len, policy, every_n_layers, chunked_loss, ep, adaptation)
+
+
+@functools.lru_cache(maxsize=1024)
+def _hardware_flops_per_token(key: tuple, seq_len: int, policy: str, every_n_layers: int, chunked_loss: bool,
+                              ep: int, adaptation: Adaptation | None) -> int:
+    """hardware_flops_per_token, once per config and option (asked per layout)."""
+    m = ModelConfig(*key)
     return (training_flops_per_token(m, seq_len, adaptation) + flash_backward_extra_flops_per_token(m, seq_len)
             + recompute_flops_per_token(m, seq_len, policy, every_n_layers, ep)
             + loss_recompute_flops_per_token(m, chunked_loss))

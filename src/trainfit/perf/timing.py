@@ -69,6 +69,7 @@ on two cores: its stage waiting for the first micro-batch leaves both cores to t
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -89,7 +90,14 @@ from trainfit.hardware import (
     peak_flops,
 )
 from trainfit.models import block_cost as B
-from trainfit.models.architecture import describe, document_mask_kernel, kind_of_layers, layer_kinds, softcap_kernel
+from trainfit.models.architecture import (
+    config_key,
+    describe,
+    document_mask_kernel,
+    kind_of_layers,
+    layer_kinds,
+    softcap_kernel,
+)
 from trainfit.models.block_spec import block_linears
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.schedules import bubble_fraction
@@ -162,6 +170,9 @@ class Rates:
     engine: Engine = TRAINFIT_ENGINE
     """The engine the step runs on (perf/engines.py: its host side, what it overlaps): trainfit's own,
     unless a caller prices another engine's runs (benchmarks/playbook.py: nanotron's)."""
+    memo: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
+    """A layout's busiest-rank compute and timed collectives on this hardware, by their exact inputs
+    (_memo): the planner's lower bounds and its estimates ask for the same layouts' (plan/search.py)."""
 
     @classmethod
     def of(cls, hw: HardwareConfig, engine: Engine = TRAINFIT_ENGINE) -> Rates:
@@ -529,14 +540,45 @@ def compute_time_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwa
     kinds, of = layer_kinds(m), kind_of_layers(m)
     if len(kinds) > 1:
         return sum(of.count(k) / len(of) * compute_time_s(kind, layout, t, hw, rates) for k, kind in enumerate(kinds))
-    compute = _compute_seconds(m, layout, t, rates, _rank_flops(m, layout, t, device_type(hw)))
+    compute = _busiest_rank(m, layout, t, hw, rates)[1]
     return compute.forward + compute.backward
+
+
+_TRAINING_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(TrainingConfig)))
+"""A TrainingConfig's field values (scalars), in order: with architecture.config_key, the memo's keys."""
+
+
+def _memo(rates: Rates, key: tuple, compute: Callable[[], Any]) -> Any:
+    """compute() once per key on `rates` (rates.memo)."""
+    found = rates.memo.get(key)
+    if found is None:
+        found = rates.memo[key] = compute()
+    return found
+
+
+def _busiest_rank(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig, rates: Rates
+                  ) -> tuple[RankFlops, ComputeTime]:
+    """The busiest rank's FLOPs and compute time (a model whose layers are alike), once per layout on `rates`."""
+    device = device_type(hw)
+
+    def compute() -> tuple[RankFlops, ComputeTime]:
+        flops = _rank_flops(m, layout, t, device)
+        return flops, _compute_seconds(m, layout, t, rates, flops)
+
+    return _memo(rates, ("compute", config_key(m), _TRAINING_FIELDS(t), layout, device), compute)
 
 
 def timed_collectives(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: Rates
                       ) -> list[tuple[Collective, float]]:
     """Every collective a rank issues per step, with the time of one call (one link per group of mesh
-    axes; on a measured link, the profile's fit for the collective when it has one: Rates.fits)."""
+    axes; on a measured link, the profile's fit for the collective when it has one: Rates.fits). Once
+    per layout on `rates`: the list is shared, not to be changed."""
+    return _memo(rates, ("collectives", config_key(m), _TRAINING_FIELDS(t), layout),
+                 lambda: _timed_collectives(m, layout, t, rates))
+
+
+def _timed_collectives(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: Rates
+                       ) -> list[tuple[Collective, float]]:
     links: dict[tuple[str, ...], Link] = {}
     timed = []
     for c in step_collectives(m, layout, t):
@@ -671,9 +713,8 @@ def estimate_perf(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: Hardwar
     recompute_tok = (F.recompute_flops_per_token(m, context, layout.activation_checkpointing,
                                                  layout.ac_every_n_layers, layout.ep)
                      + F.loss_recompute_flops_per_token(m, layout.chunked_loss))
-    rank_flops = _rank_flops(m, layout, t, device_type(hw))
+    rank_flops, compute = _busiest_rank(m, layout, t, hw, rates)
     fwd, bwd = rank_flops.forward, rank_flops.backward
-    compute = _compute_seconds(m, layout, t, rates, rank_flops)
     fwd_s, bwd_s, fp8_cast_s, nf4_dequant_s = compute.forward, compute.backward, compute.fp8_casts, compute.nf4_dequant
     compute_s = fwd_s + bwd_s
     optimizer_s = _device_optimizer_seconds(m, layout, rates) if layout.offload == "none" else 0.0  # else _offload's

@@ -19,7 +19,9 @@ Search: best-first over one heap of lower bounds of the step time, exact for the
 A *mesh* (precision, tp, cp, pp and schedule) is keyed by its groups' compute, least bubble and
 tensor/context/pipeline traffic, which every group of it pays. Popped, it yields its *groups*
 (everything but the three memory knobs: HSDP split, expert degree, ZeRO stage, micro-batch),
-each keyed by its step time with the cheapest memory settings. A group's *settings* form a
+each keyed by its step time with the cheapest memory settings, which is estimated only when its
+lower bound (its own compute and bubble, its mesh's traffic) comes out of the heap: the groups
+of a mesh that the search stops before are never timed. A group's *settings* form a
 lattice (each knob's options from cheapest to leanest); a setting's step time bounds every leaner
 one, since checkpointing, offload and the chunked loss only add work (recomputation, host copies,
 the host optimizer step) and added compute never shortens a step (it can only hide communication
@@ -42,12 +44,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 from trainfit.config import Config, ConfigError
 from trainfit.estimate import Estimate
 from trainfit.memory import MemoryBreakdown
 from trainfit.memory.closed_form import MemoryEstimate, SharedSizes, StageMemory
+from trainfit.models.architecture import layer_kinds
 from trainfit.models.params import param_counts
 from trainfit.parallel.layout import Layout, offload_refusal
 from trainfit.parallel.resolve import GlobalBatch, build_layout
@@ -252,20 +255,57 @@ class _Evaluator:
         return estimate_perf(cfg.model, layout, cfg.training, cfg.hardware, self.rates, timed)
 
 
-def _mesh_bound(mesh: _Mesh, groups: list[_Group], rates: Rates) -> float:
+class _MeshGroups(NamedTuple):
+    """A mesh's groups as the heap holds them until the mesh is popped (keyed by _mesh_bound)."""
+
+    groups: list[_Group]
+    traffic: float
+    """The model-parallel traffic _mesh_bound counts: every group's is at least that."""
+
+
+def _mesh_bound(mesh: _Mesh, groups: list[_Group], rates: Rates) -> tuple[float, float]:
     """A lower bound of the step time of every group of a mesh (`groups`, not empty): the least of
     their compute (each data-parallel split runs the same FLOPs per rank, but not the same bytes:
     fp8-mixed casts its weights every micro-batch, and a measured profile prices autocast's casts
     and stream) with the bubble of the most micro-batches any of them runs, plus the tensor, context
     and pipeline traffic of the one with the fewest calls (the largest micro-batch: the same bytes,
     the fewest latencies). Every group runs at least that much; its data-parallel traffic and memory
-    knobs only add."""
-    first, fewest_calls = groups[0], max(groups, key=lambda g: (g.layout.micro_batch_size, g.layout.zero_stage))
-    c = first.cfg
-    compute = min(compute_time_s(c.model, g.layout, c.training, c.hardware, rates) for g in groups)
-    rows = c.training.global_batch_size // mesh.dp
+    knobs only add. Also that traffic (_first_bound adds it)."""
+    first, fewest = groups[0], max(groups, key=lambda g: (g.layout.micro_batch_size, g.layout.zero_stage))
+    # each group with its own config, as its estimates read it: rates.memo keeps what they share
+    compute = min(compute_time_s(g.cfg.model, g.layout, g.cfg.training, g.cfg.hardware, rates) for g in groups)
+    rows = first.cfg.training.global_batch_size // mesh.dp
     bubble = bubble_fraction(mesh.schedule, mesh.pp, rows, first.layout.pp_virtual_stages)
-    return compute * (1 + bubble) + model_parallel_comm_s(c.model, fewest_calls.layout, c.training, c.hardware, rates)
+    c = fewest.cfg
+    traffic = model_parallel_comm_s(c.model, fewest.layout, c.training, c.hardware, rates)
+    return compute * (1 + bubble) + traffic, traffic
+
+
+BOUND_SLACK = 1e-9
+"""Relative room _first_bound leaves below the time it bounds: it adds a step's parts in another order
+than estimate_perf, which may round the other way."""
+
+
+def _first_bound(knobs: _Knobs, layout: Layout, rates: Rates, mesh: float, traffic: float) -> float:
+    """A lower bound of the step time of a group's first setting (`layout`), at least its mesh's (`mesh`):
+    its own compute; where no measured profile time-shares cores, the bubble of its own micro-batches over
+    that compute; where the model's layers are alike (estimate_perf's own collectives, not its kinds' mix),
+    its mesh's model-parallel `traffic`, all of it exposed (perf/timing.py's table). estimate_perf adds
+    only parts >= 0 to these."""
+    cfg = knobs.group.cfg
+    compute = compute_time_s(cfg.model, layout, cfg.training, cfg.hardware, rates)
+    bubble = 0.0 if rates.profile is not None else bubble_fraction(
+        layout.pp_schedule, layout.pp, layout.num_microbatches, layout.pp_virtual_stages)
+    traffic = traffic if len(layer_kinds(cfg.model)) == 1 else 0.0
+    return max(mesh, (compute * (1 + bubble) + traffic) * (1 - BOUND_SLACK))
+
+
+class _Deferred(NamedTuple):
+    """A group's first setting in the heap before its time is estimated (search's push_first)."""
+
+    layout: Layout
+    place: int
+    """Its place among settings of equal time, taken when its mesh was popped."""
 
 
 def _knob_cost(cfg: Config, ac: tuple[str, int]) -> float:
@@ -368,34 +408,54 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
     ev = _Evaluator(cfg, stats)
     # Best-first over one heap of lower bounds of the step time: a mesh's (its groups' compute, least
     # bubble and model-parallel traffic) until it is popped; then each of its groups' settings of
-    # the memory knobs, each keyed by its own step time. A setting's step time bounds every leaner
-    # setting of its group (each knob only adds work), so settings come out fastest first and memory
-    # is estimated only for those that could still be listed.
+    # the memory knobs, each keyed by its own step time (a group's first, until it is popped, by
+    # _first_bound). A setting's step time bounds every leaner setting of its group (each knob only
+    # adds work), so settings come out fastest first and memory is estimated only for those that
+    # could still be listed.
     heap: list[tuple[float, int, Any]] = []
     order = itertools.count()
+    before = itertools.count(-1, -1)  # ties: a deferred first setting leaves before any other setting
     for mesh in _meshes(space):
         groups = list(_mesh_groups(space, stats, mesh))
         if groups:
-            heapq.heappush(heap, (_mesh_bound(mesh, groups, ev.rates), next(order), groups))
+            bound, traffic = _mesh_bound(mesh, groups, ev.rates)
+            heapq.heappush(heap, (bound, next(order), _MeshGroups(groups, traffic)))
 
     def push(knobs: _Knobs, index: Setting, bound: float) -> None:
         """A setting keyed lazily by `bound` (its leaner-than parent's time: a lower bound), its own
         estimated once it is popped."""
         heapq.heappush(heap, (bound, next(order), (knobs, index, None)))
 
-    def push_estimated(knobs: _Knobs, index: Setting, bound: float) -> None:
+    def push_estimated(knobs: _Knobs, index: Setting, bound: float, layout: Layout | None = None) -> None:
         """A setting keyed by its own step time; one Layout.untrainable_reason refuses is neither
         estimated nor listed, and its leaner settings, which may train, go on at `bound` (its own
         lower bound: its parent's time, or for a group's first setting its mesh's bound)."""
-        layout = knobs.layout(index)
+        layout = layout or knobs.layout(index)
         reason = layout.untrainable_reason()
         if reason is not None:
             stats.rejected["not trainable: " + _kind(reason)] += 1
             for step in knobs.successors(index):
                 push(knobs, step, bound)
             return
+        estimate_at(knobs, index, layout, next(order))
+
+    def estimate_at(knobs: _Knobs, index: Setting, layout: Layout, place: int) -> None:
+        """A setting keyed by its own step time, `place` breaking ties."""
         perf = ev.perf(knobs, layout)
-        heapq.heappush(heap, (perf.time["step_time_s"], next(order), (knobs, index, (layout, perf))))
+        heapq.heappush(heap, (perf.time["step_time_s"], place, (knobs, index, (layout, perf))))
+
+    def push_first(knobs: _Knobs, mesh: _MeshGroups, bound: float) -> None:
+        """A group's first setting as push_estimated would push it, but estimated only once popped: until
+        then keyed by _first_bound, a lower bound of its time, holding the place among equal times that
+        push_estimated would take now. So the estimated settings leave the heap in the same order as if
+        each were estimated here, and the first settings the search stops before are never estimated."""
+        index: Setting = (0, 0, 0)
+        layout = knobs.layout(index)
+        if layout.untrainable_reason() is not None:
+            push_estimated(knobs, index, bound, layout)
+            return
+        key = _first_bound(knobs, layout, ev.rates, bound, mesh.traffic)
+        heapq.heappush(heap, (key, next(before), (knobs, index, _Deferred(layout, next(order)))))
 
     fitting: list[Candidate] = []
     listed: list[Candidate] = []  # frontier(fitting), kept as it grows
@@ -405,15 +465,18 @@ def search(cfg: Config, fixed: frozenset[str] = frozenset(), *, top: int = 10, p
         bound, _, item = heapq.heappop(heap)
         if not exhaustive and bound > _kth_time(listed, top):
             break
-        if isinstance(item, list):  # a mesh's groups
-            for group in item:
-                push_estimated(_Knobs(group, space, ac), (0, 0, 0), bound)
+        if isinstance(item, _MeshGroups):
+            for group in item.groups:
+                push_first(_Knobs(group, space, ac), item, bound)
             continue
         knobs, index, estimated = item
         if knobs.done:
             continue
         if estimated is None:
             push_estimated(knobs, index, bound)
+            continue
+        if isinstance(estimated, _Deferred):
+            estimate_at(knobs, index, *estimated)
             continue
         if not _worth_trying(knobs, ev, stats, bound, [] if exhaustive else listed):
             continue
