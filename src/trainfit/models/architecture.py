@@ -239,10 +239,19 @@ class Architecture:
         return self.layers[0].norm
 
     def masked_windows(self, seq_len: int) -> tuple[int, ...]:
-        """The distinct windows shorter than seq_len among the layers: one explicit mask each per forward."""
-        return tuple(sorted({la.attention.window for la in self.layers if la.attention.masked(seq_len)}))
+        """The distinct windows shorter than seq_len among the layers: one explicit mask each per forward
+        (once per length: the planner's estimates ask for each layout)."""
+        found = self._masked_windows.get(seq_len)
+        if found is None:
+            found = self._masked_windows[seq_len] = tuple(sorted(
+                {la.attention.window for la in self.layers if la.attention.masked(seq_len)}))
+        return found
 
-    @property
+    @functools.cached_property
+    def _masked_windows(self) -> dict[int, tuple[int, ...]]:
+        return {}
+
+    @functools.cached_property
     def rope_keys(self) -> tuple[tuple[float, bool], ...]:
         """The distinct RoPE settings among the layers: one pair of cos/sin tables each."""
         return tuple(dict.fromkeys(la.attention.rope_key for la in self.layers if la.attention.rope))
