@@ -384,30 +384,11 @@ def host_calls(ctx: Context, layers: int) -> tuple[Trainer, list[Callable[[], No
 
 
 def batch_quartiles(calls: list[Callable[[], None]], device: str, rounds: int, steps: int) -> list[float]:
-    """Each call's wall seconds per step, the lower quartile over `rounds`. A round times `steps` calls in a row
-    between two device synchronizations (the host queues ahead of kernels this small, so the wall time is the
-    host's), each call in turn, so that a slow spell of the machine lands on all; after a warm-up, with Python's
-    collector off (a collection in one call's times and not another's would skew their difference)."""
-    wait = sync(device)
-    for call in calls:
-        for _ in range(3):
-            call()
-    wait()
-    times: list[list[float]] = [[] for _ in calls]
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(rounds):
-            for call, out in zip(calls, times, strict=True):
-                wait()
-                start = time.perf_counter()
-                for _ in range(steps):
-                    call()
-                wait()
-                out.append((time.perf_counter() - start) / steps)
-    finally:
-        gc.enable()
-    return [statistics.quantiles(t, n=4)[0] for t in times]
+    """Each call's wall seconds per step, the lower quartile over `rounds` of `steps` calls between two device
+    synchronizations (host_time.quartiles)."""
+    import host_time
+
+    return host_time.quartiles(calls, rounds, steps, sync(device))
 
 
 def check_host_time(ctx: Context) -> None:

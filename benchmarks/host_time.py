@@ -79,22 +79,29 @@ def _calls(layers: int, ranks: int, settings: list[str]) -> tuple[Callable[[], N
     return forward, step
 
 
-def _quartiles(calls: list[Callable[[], None]], repeats: int) -> list[float]:
+def quartiles(calls: list[Callable[[], None]], repeats: int, steps: int = 1,
+              wait: Callable[[], None] = lambda: None) -> list[float]:
     """The lower quartile of each call's seconds, the calls timed in turn (so a slow spell of the
     machine lands on all of them), after warm-up, with Python's collector off (a collection landing
-    in one call's times and not another's would skew their difference)."""
+    in one call's times and not another's would skew their difference). A round times `steps` calls in
+    a row between two `wait`s (a GPU's synchronization: the host queues ahead of kernels this small, so
+    the wall time is the host's)."""
     for call in calls:
         for _ in range(3):
             call()
+    wait()
     times: list[list[float]] = [[] for _ in calls]
     gc.collect()
     gc.disable()
     try:
         for _ in range(repeats):
             for call, out in zip(calls, times, strict=True):
+                wait()
                 start = time.perf_counter()
-                call()
-                out.append(time.perf_counter() - start)
+                for _ in range(steps):
+                    call()
+                wait()
+                out.append((time.perf_counter() - start) / steps)
     finally:
         gc.enable()
     return [statistics.quantiles(t, n=4)[0] for t in times]
@@ -106,7 +113,7 @@ def measure(kind: str, ranks: int, settings: list[str], repeats: int) -> tuple[f
         dist.init_process_group("fake", rank=0, world_size=ranks, store=FakeStore())
     try:
         (shallow_f, shallow_s), (deep_f, deep_s) = (_calls(layers, ranks, settings) for layers in DEPTHS)
-        f0, s0, f1, s1 = _quartiles([shallow_f, shallow_s, deep_f, deep_s], repeats)
+        f0, s0, f1, s1 = quartiles([shallow_f, shallow_s, deep_f, deep_s], repeats)
     finally:
         if ranks > 1:
             dist.destroy_process_group()
