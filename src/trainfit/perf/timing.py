@@ -596,12 +596,12 @@ def model_parallel_comm_s(m: ModelConfig, layout: Layout, t: TrainingConfig, hw:
     """Tensor, context and pipeline parallelism's traffic per step, all of it exposed (the module
     docstring's table) but what async TP may hide behind GEMMs (counted as none): the other part of
     those bounds."""
-    timed = timed_collectives(m, layout, t, rates or Rates.of(hw))
-    return sum(one * c.count for c, one in timed
-               if c.purpose in ("tp", "cp", "pp") and not _hides_behind(c, layout, rates or Rates.of(hw)))
+    rates = rates or Rates.of(hw)
+    timed = timed_collectives(m, layout, t, rates)
+    return sum(one * c.count for c, one in timed if c.purpose in ("tp", "cp", "pp") and not _hides_behind(c, rates))
 
 
-def _hides_behind(c: Collective, layout: Layout, rates: Rates) -> tuple[str, ...]:
+def _hides_behind(c: Collective, rates: Rates) -> tuple[str, ...]:
     """The GEMMs a call runs beside in this engine: async TP's (Collective.overlaps, kept only under
     parallel.async_tp), and a re-gather's input-gradient GEMMs where the engine overlaps them
     (perf/engines.Engine.regather_overlaps_dgrad; trainfit's re-gathers are exposed)."""
@@ -624,7 +624,7 @@ def _overlapped(timed: list[tuple[Collective, float]], m: ModelConfig, layout: L
     gemms = {g.name: g for g in [*K.block_gemms(m, layout), K.head_gemm(m, layout)]}
     out = []
     for c, one in timed:
-        if hidden := _hides_behind(c, layout, rates):
+        if hidden := _hides_behind(c, rates):
             flops = sum(2 * max(1, round(tokens * gemms[n].share)) * gemms[n].k * gemms[n].n for n in hidden)
             g = flops / matmul_flops_per_s
             one = max(0.0, one - g) if c.tensor == "regathered" else max(0.0, one - g) + min(one, g) / layout.tp
