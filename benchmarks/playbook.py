@@ -186,7 +186,8 @@ def nanotron_engine(block_s: dict[int, float] = NANOTRON_HOST_S,
 def predict(run: Run, host: HostCosts | None = None) -> Predicted:
     """A run estimated as nanotron ran it, its host side `host` (default: nanotron's fitted one); elsewhere
     nanotron is priced as trainfit's engine (perf/engines.py)."""
-    engine = Engine("nanotron", host or nanotron_engine(), source="huggingface/nanotron, as the Playbook ran it")
+    engine = Engine("nanotron", host or nanotron_engine(), ddp_master_weights=True,
+                    source="huggingface/nanotron, as the Playbook ran it")
     try:
         return Predicted(run, estimate(load_config(None, overrides(run)), engine=engine))
     except ConfigError as err:
@@ -247,6 +248,14 @@ def not_oom(run: Run, runs: list[Run]) -> bool:
         for o in runs)
 
 
+def nanotron_refuses(run: Run) -> bool:
+    """A layout nanotron's 1F1B engine refuses before its first step: fewer micro-batches than pp - 1
+    (OneForwardOneBackwardPipelineEngine.train_batch_iter asserts nb_microbatches >= pp - 1,
+    src/nanotron/parallel/pipeline_parallel/engine.py). None of the given half's such runs ran (106 crashed):
+    their crashes are the assertion's, not out of memory, and count apart."""
+    return run.pp > 1 and run.grad_acc < run.pp - 1
+
+
 @dataclass
 class Summary:
     ran: int = 0
@@ -255,6 +264,10 @@ class Summary:
     ooms: int = 0
     ooms_called: int = 0
     other_crashes: int = 0
+    engine_refused: int = 0
+    """Crashes nanotron's schedule explains (nanotron_refuses)."""
+    engine_refused_called: int = 0
+    """... of them called "does not fit" (the fit call the issue's rule, which counts them as OOMs, adds)."""
     refused: int = 0
     rho: float | None = None
     best_in_top: bool | None = None
@@ -265,6 +278,7 @@ class Summary:
                 "memory_within_10": sum(abs(e) <= 0.10 for e in errors), "memory_within_20":
                 sum(abs(e) <= 0.20 for e in errors), "ran_called_fits": self.fits_called, "ooms": self.ooms,
                 "ooms_called_not_fit": self.ooms_called, "other_crashes": self.other_crashes,
+                "nanotron_refuses": self.engine_refused, "nanotron_refuses_called_not_fit": self.engine_refused_called,
                 "refused": self.refused, "spearman": self.rho, "best_in_top_10": self.best_in_top}
 
 
@@ -282,6 +296,9 @@ def summarize(preds: list[Predicted], runs: list[Run], rank: bool = True) -> Sum
         if p.run.memory_gib is None:
             if not_oom(p.run, runs):
                 s.other_crashes += 1
+            elif nanotron_refuses(p.run):
+                s.engine_refused += 1
+                s.engine_refused_called += p.est is not None and not p.est.fits
             else:
                 s.ooms += 1
                 s.ooms_called += p.est is not None and not p.est.fits
@@ -301,14 +318,15 @@ def _pct(x: float | None) -> str:
 def report(summaries: dict[str, Summary], console: Console) -> dict:
     table = Table(title="trainfit against the Playbook's measured H100 runs (given half)")
     for header in ("group", "ran", "memory median |error|", "within 10%", "within 20%", "ran, called fits",
-                   "OOM, called not fit", "other crashes", "refused", "Spearman", "best in top 10%"):
+                   "OOM, called not fit", "other crashes", "nanotron refuses", "refused", "Spearman",
+                   "best in top 10%"):
         table.add_column(header, justify="left" if header == "group" else "right")
     out = {}
     for name, s in summaries.items():
         d = out[name] = s.as_dict()
         table.add_row(name, str(s.ran), _pct(d["memory_median_abs_error"]), str(d["memory_within_10"]),
                       str(d["memory_within_20"]), f"{s.fits_called} of {s.ran}", f"{s.ooms_called} of {s.ooms}",
-                      str(s.other_crashes), str(s.refused), "-" if s.rho is None else f"{s.rho:.2f}",
+                      str(s.other_crashes), str(s.engine_refused), str(s.refused), "-" if s.rho is None else f"{s.rho:.2f}",
                       "-" if s.best_in_top is None else "yes" if s.best_in_top else "no")
     print_table(table, console)
     return out
@@ -374,6 +392,11 @@ def main() -> None:
         console.print(f"1-32-node groups: median Spearman {headline['median_spearman']:.2f} over "
                       f"{headline['groups']} groups; predicted best in the measured top 10% in "
                       f"{headline['best_in_top_10']} of {headline['groups']}")
+        console.print(f"runs called fits {headline['ran_called_fits']} of {headline['ran']}; OOMs called not fit "
+                      f"{headline['ooms_called_not_fit']} of {headline['ooms']} "
+                      f"({headline['ooms_called_not_fit'] / max(1, headline['ooms']):.1%}); counting nanotron's "
+                      f"refusals as OOMs too: {headline['ooms_called_not_fit'] + headline['nanotron_refuses_called_not_fit']}"
+                      f" of {headline['ooms'] + headline['nanotron_refuses']}")
     console.print(f"{sum(len(p) for p in predicted.values())} runs estimated in {seconds:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
@@ -394,7 +417,9 @@ def headline_of(summaries: dict[str, Summary]) -> dict:
     return {"groups": len(regular), "median_spearman": statistics.median(s.rho for s in regular) if regular else None,
             "best_in_top_10": sum(bool(s.best_in_top) for s in regular),
             "memory_median_abs_error": every["memory_median_abs_error"],
-            "ran_called_fits": every["ran_called_fits"], "ooms_called_not_fit": every["ooms_called_not_fit"]}
+            "ran": every["ran"], "ran_called_fits": every["ran_called_fits"], "ooms": every["ooms"],
+            "ooms_called_not_fit": every["ooms_called_not_fit"], "nanotron_refuses": every["nanotron_refuses"],
+            "nanotron_refuses_called_not_fit": every["nanotron_refuses_called_not_fit"]}
 
 
 def current() -> dict:

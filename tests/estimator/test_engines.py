@@ -14,6 +14,7 @@ from trainfit.memory.closed_form import SharedSizes
 from trainfit.memory.closed_form.pipeline_held import pipeline_held
 from trainfit.memory.closed_form.rank_layout import layout_common, rank_layout
 from trainfit.memory.closed_form.run_shape import Run
+from trainfit.models.params import param_counts
 from trainfit.parallel.resolve import build_layout
 from trainfit.perf import kernels as K
 from trainfit.perf.engines import MEGATRON_CORE, TRAINFIT_ENGINE
@@ -136,3 +137,41 @@ def test_megatron_estimates_keep_less_than_trainfits_blocks_on_the_same_layout()
     ours, megatron = estimate(cfg).memory.worst, estimate(cfg, engine=MEGATRON_CORE).memory.worst
     assert megatron.activations < ours.activations and megatron.logits < ours.logits
     assert (megatron.params, megatron.grads, megatron.optimizer) == (ours.params, ours.grads, ours.optimizer)
+
+
+MASTER_WEIGHTS = dataclasses.replace(TRAINFIT_ENGINE, name="trainfit with master weights", ddp_master_weights=True)
+"""An engine whose ZeRO-0 keeps fp32 master weights and gradient buffers beside a 16-bit module, alone."""
+
+DDP_8B = ("--hardware.gpu=H100-SXM-80GB", "--precision.mode=bf16-mixed", "--model.preset=llama3-8b",
+          "--hardware.num_gpus=4", "--parallel.zero_stage=0", "--optimizer.grad_accum_dtype=fp32",
+          "--training.seq_len=2048", "--training.micro_batch_size=1", "--training.global_batch_size=8")
+
+
+@pytest.mark.parametrize("gpus", [1, 4])
+def test_master_weights_ddp_holds_zero1_states_on_one_shard(gpus: int) -> None:
+    """nanotron's and Megatron-Core's ZeRO-0 under bf16: bf16 parameters (2), fp32 masters (4), fp32 gradient
+    buffers (4) and AdamW's moments (8) per parameter, ZeRO-1's states sharded over one rank, where trainfit's
+    autocast keeps fp32 parameters. Its module runs in bf16: no autocast, a 16-bit residual stream, fewer
+    activation bytes; DDP's all-reduce stays the only data-parallel collective."""
+    cfg = load_config(None, [*DDP_8B, f"--hardware.num_gpus={gpus}"])
+    ours, theirs = estimate(cfg), estimate(cfg, engine=MASTER_WEIGHTS)
+    assert not ours.layout.ddp_master_weights and theirs.layout.ddp_master_weights
+    assert ours.layout.autocast and not theirs.layout.autocast and theirs.layout.stream_bytes == 2
+    counts = param_counts(cfg.model)
+    n = counts.embedding + counts.blocks + counts.final_norm + counts.output
+    b = theirs.memory.per_stage[0]
+    assert (b.params, b.master_params, b.grads) == (2 * n, 4 * n, 4 * n)
+    assert 0 <= b.optimizer - 8 * n < 4096  # AdamW's moments, and a step counter per tensor
+    assert b.activations < ours.memory.per_stage[0].activations
+    # the same collectives: DDP's all-reduce of the gradients (none on one rank), no parameter all-gather
+    kinds = {(c.kind, c.tensor) for c, _ in theirs.perf.collectives if c.tensor.startswith("bucket")}
+    assert kinds == ({("all_reduce", "bucket_grads")} if gpus > 1 else set())
+    assert kinds == {(c.kind, c.tensor) for c, _ in ours.perf.collectives if c.tensor.startswith("bucket")}
+
+
+def test_master_weights_leave_other_data_parallel_engines_alone() -> None:
+    """ZeRO-1 and FSDP runs are estimated the same whether or not the engine keeps master weights under ZeRO-0."""
+    for stage in (1, 3):
+        cfg = load_config(None, [*DDP_8B, f"--parallel.zero_stage={stage}"])
+        assert estimate(cfg).memory.per_stage[0] == estimate(cfg, engine=MASTER_WEIGHTS).memory.per_stage[0]
+        assert estimate(cfg).perf.time["step_time_s"] == estimate(cfg, engine=MASTER_WEIGHTS).perf.time["step_time_s"]

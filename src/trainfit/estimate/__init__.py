@@ -109,6 +109,9 @@ def estimate(cfg: Config, layout: Layout | None = None, engine: Engine = TRAINFI
     `layout` (default: its own, on hardware.num_gpus ranks); `engine`: whose engine runs the step
     (perf/engines.py; trainfit's own unless another engine's runs are priced)."""
     layout = layout or build_layout(cfg)
+    if engine.ddp_master_weights and layout.zero_stage == 0 and layout.offload == "none" \
+            and layout.precision.endswith("-mixed"):
+        layout = dataclasses.replace(layout, ddp_master_weights=True)
     memory = estimate_memory(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer, engine)
     return Estimate(cfg=cfg, layout=layout, memory=memory,
                     perf=estimate_perf(cfg.model, layout, cfg.training, cfg.hardware, Rates.of(cfg.hardware, engine)),

@@ -101,6 +101,10 @@ class Layout:
     sp_recompute_gather: bool = False
     """parallel.sp_recompute_gather: a column group keeps its input's sequence shard and all-gathers it
     again in backward (in blocks not checkpointed); only under sequence parallelism (`regathers`)."""
+    ddp_master_weights: bool = False
+    """Set by estimate() for an engine whose ZeRO-0 keeps ZeRO-1's states unsharded (perf/engines.py,
+    Engine.ddp_master_weights): the module in the 16-bit dtype, fp32 master weights and gradient buffers in
+    the optimizer. trainfit's own DDP and one-process runs autocast fp32 parameters instead (False)."""
 
     @property
     def regathers(self) -> bool:
@@ -177,6 +181,8 @@ class Layout:
         """How the data-parallel ranks share the model states (parallel/data_parallel.py's table)."""
         if self.offload != "none":
             return "fsdp"  # CPU offload is FSDP2's, on one rank too
+        if self.zero_stage == 0 and self.ddp_master_weights:
+            return "zero1"  # ZeRO-1's states over one shard: zero_shards is 1, DDP's all-reduce stays
         if self.dp * self.cp == 1:  # cp ranks average their gradients like data-parallel ones
             return "none"
         return {0: "ddp", 1: "zero1"}.get(self.zero_stage, "fsdp")

@@ -19,6 +19,12 @@ runs it. Torch-free.
   all-gather of a column group's input runs while the group's input-gradient GEMMs do (Megatron-Core's
   LinearWithGradAccumulationAndAsyncCommunication and Transformer Engine's Linear launch it async, then
   compute dgrad, then wait). trainfit's saved-tensor hook gathers before the backward node runs: exposed.
+- `ddp_master_weights` (Layout.ddp_master_weights, read by both memory and time): under ZeRO-0 (DDP, or one
+  data-parallel rank) with a *-mixed precision, the module runs in the 16-bit dtype and the optimizer keeps
+  fp32 master weights and fp32 gradient buffers beside it, unsharded: ZeRO-1's states on one shard, the
+  activations a 16-bit model's. nanotron's FP32GradientAccumulator (optim/gradient_accumulator.py, built for
+  every zero_stage when accumulate_grad_in_fp32) and Megatron-Core's Float16Module with main_grad buffers and
+  Float16OptimizerWithFloat16Params do this; trainfit's DDP autocasts fp32 parameters (False).
 """
 
 from __future__ import annotations
@@ -41,13 +47,14 @@ class Engine:
     pipeline_buffers: PipelineBuffers = "preallocated"
     layers: Layers = "trainfit"
     regather_overlaps_dgrad: bool = False
+    ddp_master_weights: bool = False
     source: str = ""
 
 
 TRAINFIT_ENGINE = Engine("trainfit", TRAINFIT, source="this repository's train/ (torch.distributed.pipelining)")
 MEGATRON_CORE = Engine(
     "megatron-core", NO_ENGINE_HOST, pipeline_buffers="per_op", layers="transformer_engine",
-    regather_overlaps_dgrad=True,
+    regather_overlaps_dgrad=True, ddp_master_weights=True,
     source="Megatron-LM core/pipeline_parallel/{schedules,p2p_communication}.py (deallocate_output_tensor), "
            "core/tensor_parallel/layers.py (LinearWithGradAccumulationAndAsyncCommunication.backward); its host "
            "side is not measured: launches only")
