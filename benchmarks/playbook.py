@@ -326,7 +326,8 @@ def report(summaries: dict[str, Summary], console: Console) -> dict:
         d = out[name] = s.as_dict()
         table.add_row(name, str(s.ran), _pct(d["memory_median_abs_error"]), str(d["memory_within_10"]),
                       str(d["memory_within_20"]), f"{s.fits_called} of {s.ran}", f"{s.ooms_called} of {s.ooms}",
-                      str(s.other_crashes), str(s.engine_refused), str(s.refused), "-" if s.rho is None else f"{s.rho:.2f}",
+                      str(s.other_crashes), str(s.engine_refused), str(s.refused),
+                      "-" if s.rho is None else f"{s.rho:.2f}",
                       "-" if s.best_in_top is None else "yes" if s.best_in_top else "no")
     print_table(table, console)
     return out
@@ -392,11 +393,11 @@ def main() -> None:
         console.print(f"1-32-node groups: median Spearman {headline['median_spearman']:.2f} over "
                       f"{headline['groups']} groups; predicted best in the measured top 10% in "
                       f"{headline['best_in_top_10']} of {headline['groups']}")
+        both = headline['ooms_called_not_fit'] + headline['nanotron_refuses_called_not_fit']
         console.print(f"runs called fits {headline['ran_called_fits']} of {headline['ran']}; OOMs called not fit "
                       f"{headline['ooms_called_not_fit']} of {headline['ooms']} "
                       f"({headline['ooms_called_not_fit'] / max(1, headline['ooms']):.1%}); counting nanotron's "
-                      f"refusals as OOMs too: {headline['ooms_called_not_fit'] + headline['nanotron_refuses_called_not_fit']}"
-                      f" of {headline['ooms'] + headline['nanotron_refuses']}")
+                      f"refusals as OOMs too: {both} of {headline['ooms'] + headline['nanotron_refuses']}")
     console.print(f"{sum(len(p) for p in predicted.values())} runs estimated in {seconds:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
