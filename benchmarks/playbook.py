@@ -120,7 +120,8 @@ def nanotron_split(run: Run) -> list[int]:
 
 def overrides(run: Run) -> list[str]:
     """The run as a trainfit config: the model's shape, the layout, nanotron's bf16 with fp32 gradient
-    accumulation, no recomputation, sequence parallelism with tensor parallelism."""
+    accumulation, no recomputation, sequence parallelism with tensor parallelism, FlashAttention-2's kernel
+    (models/llama.py's CoreAttention calls flash_attn_varlen_func of the flash-attn package)."""
     layers, dim, heads, ffn, tied = MODELS[run.model]
     return ["--model.preset=", "--model.family=llama", f"--model.num_layers={layers}", f"--model.dim={dim}",
             f"--model.num_heads={heads}", f"--model.num_kv_heads={heads}", f"--model.ffn_dim={ffn}",
@@ -132,7 +133,7 @@ def overrides(run: Run) -> list[str]:
             f"--parallel.sequence_parallel={str(run.tp > 1).lower()}", "--parallel.sp_recompute_gather=true",
             "--parallel.pp_schedule=1f1b",
             "--precision.mode=bf16-mixed", "--optimizer.grad_accum_dtype=fp32",
-            "--memory.activation_checkpointing=none",
+            "--memory.activation_checkpointing=none", "--training.attention_backend=flash",
             *([f"--parallel.pp_layers_per_stage={','.join(map(str, nanotron_split(run)))}"] if run.pp > 1 else [])]
 
 
@@ -161,12 +162,12 @@ class Predicted:
 
 NANOTRON_TP = (1, 2, 4, 8, 16, 32)
 """The tp degrees the sweep ran, each with its own fitted host figures."""
-NANOTRON_HOST_S = {1: 0.007, 2: 0.0052, 4: 0.0047, 8: 0.0047, 16: 0.0093, 32: 0.017}
+NANOTRON_HOST_S = {1: 0.0066, 2: 0.0055, 4: 0.0052, 8: 0.005, 16: 0.0093, 32: 0.016}
 """nanotron's host seconds per block and micro-batch (forward and backward) by tp degree, fitted on the given
 half's runs without pipeline parallelism by `python benchmarks/playbook.py --fit-host` (benchmarks/README.md
 has the fit): an engine profile of nanotron used here only; trainfit's own estimates use trainfit's measured
 host time (perf/host_costs.TRAINFIT)."""
-NANOTRON_BOUNDARY_S = {1: 0.029, 2: 0.029, 4: 0.054, 8: 0.21, 16: 0.46, 32: 1.0}
+NANOTRON_BOUNDARY_S = {1: 0.016, 2: 0.016, 4: 0.038, 8: 0.2, 16: 0.49, 32: 1.0}
 """... and per micro-batch at a pipeline rank's stage boundaries, fitted on the runs with pipeline parallelism
 once the block figures are set."""
 FORWARD_SHARE = 0.3
