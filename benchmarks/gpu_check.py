@@ -31,8 +31,8 @@ from trainfit.validate.limited import run_with_limit  # noqa: E402
 from trainfit.validate.machine import nvidia_smi, probe, trainfit_source  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "gpu_checks.py"
-BUDGET_S = 480
-"""The whole run's default time limit: a GPU session's eight minutes, inside one command of nine."""
+BUDGET_S = 510
+"""The whole run's default time limit: eight and a half of a GPU session's minutes, inside one command of ten."""
 ERROR_TAIL = 3000
 """Characters of a failed check's output kept in the JSON (its whole output is in DIR/logs)."""
 
@@ -56,6 +56,7 @@ CHECKS = {
     "mfu": Spec(cuda_s=35, cpu_s=15, limit_s=120),
     "memory": Spec(cuda_s=25, cpu_s=10, limit_s=120),
     "fsdp_peak": Spec(cuda_s=20, cpu_s=12, limit_s=120),
+    "allocator_pressure": Spec(cuda_s=25, cpu_s=0, limit_s=120, cuda_only=True),
     "offload": Spec(cuda_s=20, cpu_s=10, limit_s=90),
     "resume_rng": Spec(cuda_s=20, cpu_s=10, limit_s=90),
     "profile_dump": Spec(cuda_s=30, cpu_s=15, limit_s=120),

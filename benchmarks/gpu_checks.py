@@ -927,12 +927,83 @@ def check_softcap(ctx: Context) -> None:
     assert run.finite() and run.result.losses[4] < run.result.losses[1], run.result.losses
 
 
+# ---------------------------------------------------------------- the caching allocator near the device's limit
+
+PRESSURE_HEADROOM = (0.30, 0.10, 0.05, 0.02)
+"""Caps on the caching allocator, as shares above the step's allocated peak: from roomy to where it must free
+its cache and retry (num_alloc_retries) to serve the step, or run out."""
+PRESSURE_STEPS = 5
+"""Timed training steps per cap (after one that settles the allocator at it)."""
+
+
+def _allocator_counts(device: torch.device) -> tuple[int, int, int]:
+    stats = torch.cuda.memory_stats(device)
+    return stats.get("num_alloc_retries", 0), stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)
+
+
+def _timed_steps(trainer: Trainer, steps: int) -> tuple[float, tuple[int, int, int]]:
+    """Seconds per training step over `steps`, and the allocator's retries, cudaMalloc and cudaFree calls in them."""
+    device = trainer.device
+    trainer.train_step()
+    torch.cuda.synchronize(device)
+    before = _allocator_counts(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    torch.cuda.synchronize(device)
+    seconds = (time.perf_counter() - start) / steps
+    after = _allocator_counts(device)
+    return seconds, tuple(a - b for a, b in zip(after, before, strict=True))  # type: ignore[return-value]
+
+
+def check_allocator_pressure(ctx: Context) -> None:
+    """What the caching allocator's cache flushes cost near the device's limit: the GPU model's training step,
+    its allocator capped (torch.cuda.set_per_process_memory_fraction) at shares above the step's allocated
+    peak; per cap, seconds per step against the uncapped step, and the retries (each a device synchronization
+    and cudaFree of every cached block), cudaMalloc and cudaFree calls per step. The time model does not price
+    layouts within a few percent of the device (benchmarks/README.md, the Playbook's ranking): these are the
+    figures it needs."""
+    assert ctx.cuda, "needs CUDA: the caching allocator is CUDA's"
+    trainer = NoFinalSave(config(ctx, "pressure", *ctx.model()))
+    device = trainer.device
+    try:
+        free_s, counts = _timed_steps(trainer, PRESSURE_STEPS)
+        allocated = torch.cuda.max_memory_allocated(device)
+        reserved = torch.cuda.max_memory_reserved(device)
+        total = torch.cuda.mem_get_info(device)[1]
+        ctx.put(peak_allocated_bytes=allocated, peak_reserved_bytes=reserved, device_bytes=total,
+                uncapped_step_s=free_s, uncapped_retries_per_step=counts[0] / PRESSURE_STEPS)
+        shown = []
+        for headroom in PRESSURE_HEADROOM:
+            label = f"headroom_{round(headroom * 100)}pct"
+            trainer.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction(min(1.0, allocated * (1 + headroom) / total), device)
+            try:
+                seconds, (retries, mallocs, frees) = _timed_steps(trainer, PRESSURE_STEPS)
+            except torch.cuda.OutOfMemoryError:
+                ctx.put(**{f"{label}_status": "out of memory"})
+                shown.append(f"{headroom:.0%}: OOM")
+                break
+            ctx.put(**{f"{label}_step_s": seconds, f"{label}_slowdown": seconds / free_s,
+                       f"{label}_retries_per_step": retries / PRESSURE_STEPS,
+                       f"{label}_cuda_malloc_per_step": mallocs / PRESSURE_STEPS,
+                       f"{label}_cuda_free_per_step": frees / PRESSURE_STEPS})
+            shown.append(f"{headroom:.0%}: {seconds / free_s:.2f}x, {retries / PRESSURE_STEPS:.1f} retries")
+        ctx.say(f"step {free_s * 1e3:.1f} ms uncapped (reserved/allocated {reserved / allocated:.2f}); capped "
+                + ", ".join(shown))
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        trainer.close()
+        free_memory()
+
+
 CHECKS: dict[str, Callable[[Context], None]] = {
     "sdpa": check_sdpa, "mfu": check_mfu, "memory": check_memory, "offload": check_offload,
     "resume_rng": check_resume_rng, "profile_dump": check_profile_dump, "measure_snapshot": check_measure_snapshot,
     "zero1_nccl": check_zero1_nccl, "calibrate": check_calibrate, "compile": check_compile, "fp8": check_fp8,
     "softcap": check_softcap, "host_time": check_host_time, "collective_latency": check_collective_latency,
-    "fsdp_peak": check_fsdp_peak,
+    "fsdp_peak": check_fsdp_peak, "allocator_pressure": check_allocator_pressure,
 }
 
 
