@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainfit.config.schema import ModelConfig
-from trainfit.models.architecture import Layer, describe
+from trainfit.models.architecture import Layer, config_key, describe
 
 TpStyle = Literal["column", "row", "replicated"]
 
@@ -68,6 +68,14 @@ class BlockLinear:
 
 def block_linears(m: ModelConfig) -> tuple[BlockLinear, ...]:
     """Every linear layer of one block of `m` (its layers all alike), in forward order."""
+    return _block_linears(config_key(m))
+
+
+@functools.lru_cache(maxsize=256)
+def _block_linears(key: tuple) -> tuple[BlockLinear, ...]:
+    """block_linears, once per config: looked up by the config's fields, not by its Layer (a nested frozen
+    dataclass, whose hash the planner's estimates would pay on every call)."""
+    m = ModelConfig(*key)
     return layer_linears(m.dim, describe(m).block)
 
 

@@ -66,12 +66,14 @@ the default group (stop signals, barriers, broadcasts), padding.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 from dataclasses import dataclass
 from typing import Literal
 
 from trainfit.config.schema import ModelConfig
-from trainfit.models.architecture import kind_of_layers, layer_kinds
+from trainfit.models.architecture import config_key, kind_of_layers, layer_kinds
 from trainfit.models.block_spec import block_linears
 from trainfit.models.checkpoint_policy import POLICIES
 from trainfit.parallel.layout import AXES, Layout
@@ -281,7 +283,27 @@ def collective_calls(model: ModelConfig, layout: Layout) -> tuple[CollectiveCall
     """Every collective one rank of the busiest pipeline stage issues per step (module docstring),
     in the order perf/comms.py lists them; none over a group of one rank, none of count 0. A model whose
     layers differ in their tensors (architecture.layer_kinds): each kind's calls over its blocks on that
-    rank, and the model's own (its ends, the step's) once."""
+    rank, and the model's own (its ends, the step's) once. The calls do not depend on the batch's shape
+    (perf/comms.py sizes them): looked up once per model and the rest of the layout (the planner times
+    every micro-batch size of a layout)."""
+    return _calls_of(config_key(model), _BATCH_FREE(layout))
+
+
+_BATCH_SHAPE = {"micro_batch_size": 1, "grad_accum_steps": 1, "num_microbatches": 1, "global_batch_size": 1,
+                "seq_len": 1, "rows": None}
+"""The fields collective_calls does not read, each with a value that stands for any."""
+_BATCH_FREE_NAMES = tuple(f.name for f in dataclasses.fields(Layout) if f.name not in _BATCH_SHAPE)
+_BATCH_FREE = operator.attrgetter(*_BATCH_FREE_NAMES)
+"""A Layout's fields but _BATCH_SHAPE's, in order (scalars and frozen values): the key of _calls_of."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _calls_of(model_key: tuple, batch_free: tuple) -> tuple[CollectiveCall, ...]:
+    layout = Layout(**dict(zip(_BATCH_FREE_NAMES, batch_free, strict=True)), **_BATCH_SHAPE)
+    return _collective_calls(ModelConfig(*model_key), layout)
+
+
+def _collective_calls(model: ModelConfig, layout: Layout) -> tuple[CollectiveCall, ...]:
     # The rank with the most blocks, and how many of them are checkpointed (global indices: a stage
     # that starts at an odd block wraps other ones than its count alone says).
     layers, wrapped = max((blocks, wrapped) for blocks, wrapped, _ in layout.rank_shapes())

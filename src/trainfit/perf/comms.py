@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 from trainfit.config import ModelConfig, TrainingConfig
 from trainfit.hardware import COLLECTIVE_BASE_LATENCY_S, Link
-from trainfit.models.architecture import describe, layer_kinds
+from trainfit.models.architecture import config_key, describe, layer_kinds
 from trainfit.models.block_spec import block_linears
 from trainfit.models.params import param_counts
 from trainfit.models.routing import expert_capacity
@@ -236,14 +236,21 @@ def stage_params(model: ModelConfig, layout: Layout) -> tuple[int, int]:
     feed-forward whole on the tp ranks, its routed experts / ep), norms whole. Root (embeddings,
     final norm, output; the vocabulary's rows split over tp): all of it without pipeline parallelism,
     else the larger of the first and last stage's part.
+    Once per model and degrees (the planner asks for every layout's, several times).
     """
+    return _stage_params(config_key(model), layout.tp, layout.ep, layout.pp > 1)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_params(model_key: tuple, tp: int, ep: int, pipelined: bool) -> tuple[int, int]:
+    model = ModelConfig(*model_key)
     c, arch = param_counts(model), describe(model)
-    block = sum(linear.local_params(layout.tp, layout.ep) for linear in block_linears(model)) + c.norms
+    block = sum(linear.local_params(tp, ep) for linear in block_linears(model)) + c.norms
     # the vocabulary's rows split over tp; the final norm and GPT-2's positions whole on every tp rank
-    vocab = arch.vocab_size * arch.dim // layout.tp
+    vocab = arch.vocab_size * arch.dim // tp
     first = vocab + c.embedding - arch.vocab_size * arch.dim
-    last = c.final_norm + (c.output // layout.tp)
-    return block, first + last if layout.pp == 1 else max(first, last)
+    last = c.final_norm + (c.output // tp)
+    return block, first + last if not pipelined else max(first, last)
 
 
 def expert_params(model: ModelConfig, layout: Layout) -> int:

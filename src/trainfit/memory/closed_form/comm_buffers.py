@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 from trainfit.config import HardwareConfig, ModelConfig
 from trainfit.hardware import intra_node_link_name
@@ -94,14 +95,22 @@ TREE_CONNECTIONS = NCCL_MAX_TREE_ARITY
 
 def group_channels(group: Group, layout: Layout, hardware: HardwareConfig) -> int:
     """The channels assumed for `group` (0 where NCCL's are unknown: RCCL, the CPU)."""
-    if not span_is_intra_node(group.size, group.stride, layout.world_size, hardware.gpus_per_node):
+    return _channels(group, layout.world_size, hardware.gpus_per_node, intra_node_link_name(hardware))
+
+
+def _channels(group: Group, world_size: int, gpus_per_node: int, link: str) -> int:
+    if not span_is_intra_node(group.size, group.stride, world_size, gpus_per_node):
         return INTER_NODE_CHANNELS
-    return INTRA_NODE_CHANNELS.get(intra_node_link_name(hardware), 0)
+    return INTRA_NODE_CHANNELS.get(link, 0)
 
 
 def group_connections(group: Group, layout: Layout, hardware: HardwareConfig) -> int:
     """Peers one channel of `group` receives from: the ring's, plus the tree's across nodes."""
-    across = not span_is_intra_node(group.size, group.stride, layout.world_size, hardware.gpus_per_node)
+    return _connections(group, layout.world_size, hardware.gpus_per_node)
+
+
+def _connections(group: Group, world_size: int, gpus_per_node: int) -> int:
+    across = not span_is_intra_node(group.size, group.stride, world_size, gpus_per_node)
     return min(RING_CONNECTIONS + (TREE_CONNECTIONS if across else 0), group.size - 1)
 
 
@@ -117,15 +126,23 @@ def communicating_groups(model: ModelConfig, layout: Layout) -> list[Group]:
     """The process groups of a rank that run a ring or tree collective on NCCL (module docstring),
     in process_groups' order. Which do depends on the degrees, not on the batch's shape or the memory
     knobs: looked up once per model and degrees (the planner asks for thousands of layouts)."""
-    return list(_communicating_groups(config_key(model), _degrees_only(layout)))
+    return list(_communicating_groups(config_key(model), _degrees_only(_DEGREES(layout))))
 
 
-def _degrees_only(layout: Layout) -> Layout:
-    """`layout` with what cannot change which groups communicate set to one value: the batch's shape, the
-    checkpointing, the chunked loss, the fine-tuning rows."""
-    return dataclasses.replace(layout, micro_batch_size=1, grad_accum_steps=1, num_microbatches=1,
-                               global_batch_size=layout.dp, activation_checkpointing="none", ac_every_n_layers=1,
-                               chunked_loss=False, loss_chunk_tokens=1024, rows=None)
+_UNREAD = {"micro_batch_size": 1, "grad_accum_steps": 1, "num_microbatches": 1, "activation_checkpointing": "none",
+           "ac_every_n_layers": 1, "chunked_loss": False, "loss_chunk_tokens": 1024, "rows": None}
+"""What cannot change which groups communicate, each set to one value: the batch's shape, the checkpointing,
+the chunked loss, the fine-tuning rows (and global_batch_size, set to dp)."""
+_DEGREE_NAMES = tuple(f.name for f in dataclasses.fields(Layout) if f.name not in {*_UNREAD, "global_batch_size"})
+_DEGREES = operator.attrgetter(*_DEGREE_NAMES)
+"""A Layout's fields but _UNREAD's, in order: the caches' key, made without building a Layout (the planner's
+cost: a key per memory estimate, a Layout per distinct key)."""
+
+
+def _degrees_only(degrees: tuple) -> Layout:
+    """The Layout of `degrees` (_DEGREES) with _UNREAD's values."""
+    fields = dict(zip(_DEGREE_NAMES, degrees, strict=True))
+    return Layout(**fields, **_UNREAD, global_batch_size=fields["dp_replicate"] * fields["dp_shard"])
 
 
 @functools.lru_cache(maxsize=4096)
@@ -141,4 +158,12 @@ def comm_buffer_bytes(model: ModelConfig, layout: Layout, hardware: HardwareConf
     """NCCL's buffers on one rank of `layout` (0 on the CPU, where gloo runs)."""
     if hardware.gpu == "cpu":
         return 0
-    return sum(group_buffer_bytes(g, layout, hardware) for g in communicating_groups(model, layout))
+    return _buffer_bytes(config_key(model), _DEGREES(layout), hardware.gpus_per_node, intra_node_link_name(hardware))
+
+
+@functools.lru_cache(maxsize=4096)
+def _buffer_bytes(model_key: tuple, degrees: tuple, gpus_per_node: int, link: str) -> int:
+    """comm_buffer_bytes, once per model, degrees and what it reads of the hardware (a node's GPUs, their link)."""
+    layout = _degrees_only(degrees)
+    return sum(_channels(g, layout.world_size, gpus_per_node, link) * _connections(g, layout.world_size, gpus_per_node)
+               * CONNECTION_BYTES for g in _communicating_groups(model_key, layout))

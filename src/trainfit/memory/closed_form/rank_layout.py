@@ -6,9 +6,11 @@ a micro-batch's sizes), computed once per estimate. The inputs of every per-rank
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
+from trainfit.config import ModelConfig
 from trainfit.hardware import device_type
 from trainfit.memory.closed_form.block.activation_terms import ActDtypes
 from trainfit.memory.closed_form.block.adapter_activations import first_block_terms, first_block_unsaved_casts
@@ -22,9 +24,9 @@ from trainfit.memory.closed_form.run_shape import (
     precision_of,
     rope_table_bytes,
 )
-from trainfit.models.architecture import describe, document_mask_kernel, kind_of_layers, softcap_kernel
+from trainfit.models.architecture import config_key, describe, document_mask_kernel, kind_of_layers, softcap_kernel
 from trainfit.models.block_spec import block_linears
-from trainfit.models.params import ParamCounts
+from trainfit.models.params import ParamCounts, param_counts
 from trainfit.parallel.layout import Layout
 from trainfit.parallel.stage_split import RankPlacement, checkpointed
 from trainfit.peft.spec import Adaptation, adapter_magnitudes, adapter_params, nf4_bytes, routed_adapter_params
@@ -126,8 +128,17 @@ def _block_fields(b: BlockParams) -> dict[str, int]:
                 block_nf4_bytes=b.nf4_bytes)
 
 
-def _block(run: Run, counts: ParamCounts) -> BlockParams:
-    m, tp, ep = run.model, run.layout.tp, run.layout.ep
+def _block(run: Run) -> BlockParams:
+    """A block's BlockParams on a rank of `run`'s layout: once per model and what it reads of the layout (the
+    planner estimates thousands of layouts of a few tp and ep degrees)."""
+    layout = run.layout
+    return _block_of(config_key(run.model), layout.tp, layout.ep, layout.precision == "fp8-mixed", layout.adaptation)
+
+
+@functools.lru_cache(maxsize=1024)
+def _block_of(model_key: tuple, tp: int, ep: int, fp8: bool, adaptation: Adaptation | None) -> BlockParams:
+    m = ModelConfig(*model_key)
+    counts = param_counts(m)
     # Each linear as tensor and expert parallelism split it (models/block_spec.py: an MoE
     # feed-forward whole on the tp ranks, its routed experts / ep; a row-parallel bias whole); norm
     # gains stay whole.
@@ -143,7 +154,6 @@ def _block(run: Run, counts: ParamCounts) -> BlockParams:
     w2 = {linear.name: linear for linear in linears}.get("w2")
     mlp_out = w2.in_features * w2.out_features // tp if w2 and not layer.mlp.gated else mlp // 3
     experts_local = max(1, m.num_experts // ep) * (m.expert_ffn_dim or 0) * m.dim
-    adaptation = run.layout.adaptation
     adapters = adapter_params(m, adaptation, ep) if adaptation else 0
     routed_adapters = routed_adapter_params(m, adaptation, ep) if adaptation else 0
     magnitudes = adapter_magnitudes(m, adaptation) if adaptation else 0
@@ -152,8 +162,7 @@ def _block(run: Run, counts: ParamCounts) -> BlockParams:
     return BlockParams(
         nf4=sum(in_nf4), nf4_bytes=sum(nf4_bytes(n) for n in in_nf4),
         params=matmul + adapters + counts.norms, matmul=matmul + adapters - magnitudes, adapters=adapters,
-        float8=sum(k * n + b for k, n, b in float8_linears(m).values()) // tp
-        if run.layout.precision == "fp8-mixed" else 0,
+        float8=sum(k * n + b for k, n, b in float8_linears(m).values()) // tp if fp8 else 0,
         experts=counts.routed_experts // ep + routed_adapters, routed_adapters=routed_adapters,
         no_decay=counts.norms + biases // tp + magnitudes, mlp_out=mlp_out,
         tensors=tensors + (2 + bool(magnitudes)) * len(adaptation.targets) if adaptation else tensors,
@@ -161,24 +170,42 @@ def _block(run: Run, counts: ParamCounts) -> BlockParams:
         largest=max(m.dim * layer.attention.q_dim // tp, m.ffn_dim * m.dim // tp, experts_local))
 
 
-def _added(blocks: list[tuple[int, BlockParams]]) -> BlockParams:
-    """Count x BlockParams, added up field by field."""
+@functools.lru_cache(maxsize=1024)
+def _added(blocks: tuple[tuple[int, BlockParams], ...]) -> BlockParams:
+    """Count x BlockParams, added up field by field (once per rank shape: the planner's layouts repeat them)."""
     return BlockParams(*(sum(n * getattr(b, f) for n, b in blocks) for f in BlockParams._fields))
+
+
+class _BlockOrder(NamedTuple):
+    """A rank's blocks by kind and checkpointing (RankLayout's block_order and what it counts)."""
+
+    order: tuple[tuple[int, bool], ...]
+    policy_blocks: int
+    kind_blocks: tuple[int, ...]
+    kind_policy: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_order(kind_of: tuple[int, ...], kinds: int, blocks: tuple[int, ...], wraps: bool, every: int
+                 ) -> _BlockOrder:
+    """The blocks' (kind, wrapped) in model order, and their counts, once per rank (the planner estimates the
+    same ranks under many layouts: a walk over up to every block of the model each time)."""
+    order = tuple((kind_of[i], wraps and checkpointed(i, every)) for i in blocks)
+    return _BlockOrder(order, sum(wrapped for _, wrapped in order),
+                       tuple(sum(kind == k for kind, _ in order) for k in range(kinds)),
+                       tuple(sum(kind == k and wrapped for kind, wrapped in order) for k in range(kinds)))
 
 
 def rank_layout(run: Run, common: LayoutCommon, place: RankPlacement) -> RankLayout:
     m, mem = run.model, run.layout
     first, last, blocks = place.first, place.last, place.blocks  # blocks: global indices, model order
     n = mem.ac_every_n_layers
-    wraps = mem.activation_checkpointing != "none"
-    order = tuple((common.kind_of[i], wraps and checkpointed(i, n)) for i in blocks)
-    policy_blocks = sum(wrapped for _, wrapped in order)
     kinds = range(len(common.kinds))
-    kind_blocks = tuple(sum(kind == k for kind, _ in order) for k in kinds)
-    kind_policy = tuple(sum(kind == k and wrapped for kind, wrapped in order) for k in kinds)
+    order, policy_blocks, kind_blocks, kind_policy = _block_order(
+        common.kind_of, len(kinds), blocks, mem.activation_checkpointing != "none", n)
     moment = common.kind_of[blocks[-1]] if blocks else 0
     b = common.kinds[moment].block
-    summed = _added([(kind_blocks[k], common.kinds[k].block) for k in kinds])
+    summed = _added(tuple((kind_blocks[k], common.kinds[k].block) for k in kinds))
     tied_here = first and last and bool(m.tie_embeddings)
     head = common.counts.final_norm + (0 if tied_here else b.vocab) if last else 0
     tensors = summed.tensors + b.norm_tensors * first  # + pos embedding (gpt2)
@@ -275,7 +302,7 @@ def layout_common(run: Run, shared: SharedSizes) -> LayoutCommon:
                    layout.rows.scored_share(run.training.seq_len) if layout.rows is not None else 1.0,
                    document_mask_kernel(device_type(run.hardware)) if prec.act.packed_rows else "",
                    layout.regathers, run.engine.layers, layout.precision == "fp8-mixed")
-    kinds = tuple(KindSizes(kind_run, sizes.counts, _block(kind_run, sizes.counts), sizes.micro_batch(prec, shape))
+    kinds = tuple(KindSizes(kind_run, sizes.counts, _block(kind_run), sizes.micro_batch(prec, shape))
                   for sizes in shared.kinds for kind_run in [run._replace(model=sizes.model)])
     first = kinds[0]
     return LayoutCommon(first.counts, prec, fsdp, tokens, seq, first.block, first.micro_batch,
