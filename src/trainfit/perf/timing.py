@@ -171,8 +171,9 @@ class Rates:
     """The engine the step runs on (perf/engines.py: its host side, what it overlaps): trainfit's own,
     unless a caller prices another engine's runs (benchmarks/playbook.py: nanotron's)."""
     memo: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
-    """A layout's busiest-rank compute and timed collectives on this hardware, by their exact inputs
-    (_memo): the planner's lower bounds and its estimates ask for the same layouts' (plan/search.py)."""
+    """A layout's busiest-rank compute and timed collectives on this hardware, its GEMMs' rates and its groups'
+    links, by their exact inputs (_memo): the planner's lower bounds and its estimates ask for the same
+    layouts' (plan/search.py), and the settings of a layout's memory knobs share most of them."""
 
     @classmethod
     def of(cls, hw: HardwareConfig, engine: Engine = TRAINFIT_ENGINE) -> Rates:
@@ -191,7 +192,13 @@ class Rates:
 
     def link(self, layout: Layout, axes: tuple[str, ...]) -> Link:
         """The link a group over these mesh axes runs on (perf/comms.py: its slowest hop; across nodes,
-        the NICs its members on a node drive, no more than the intra-node link carries)."""
+        the NICs its members on a node drive, no more than the intra-node link carries). Once per axes and
+        degrees (what it reads of the layout)."""
+        key = ("link", axes, layout.world_size, layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp,
+               layout.tp, layout.ep)
+        return _memo(self, key, lambda: self._link(layout, axes))
+
+    def _link(self, layout: Layout, axes: tuple[str, ...]) -> Link:
         gpus_per_node = self.hw.gpus_per_node
         if group_is_intra_node(layout, axes, gpus_per_node):
             return self.intra
@@ -468,11 +475,6 @@ def _gpu_compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rate
     rates.peak(layout.precision)  # a named error when the device has no rate for the dtype
     high = "bf16" if dtype == "fp8" else dtype
     tokens = layout.micro_batch_size * t.seq_len / layout.cp
-    fp8_gemms = float8_gemms(m, layout)
-    head = K.head_gemm(m, layout)
-    # each GEMM as often as the rank runs it: a block's per block, the output projection's on the last stage
-    weighted = [(g, 0 if g in fp8_gemms else flops.blocks) for g in K.block_gemms(m, layout)]
-    others = [*weighted, (head, int(flops.last_stage))]
 
     def rate(gemms: list[tuple[K.Gemm, int]], dt: str) -> float:
         """FLOPs over seconds of these GEMMs' three passes at micro-batches of `tokens`, each `weight` times."""
@@ -480,9 +482,18 @@ def _gpu_compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rate
         return GK.gemms_rate(shapes, GK.mamf(device, dt, peaks), sms, {"fp8": 1, "bf16": 2, "fp16": 2}.get(dt, 4),
                              bandwidth)
 
+    def matmul_rates() -> tuple[float, float]:
+        fp8_gemms = float8_gemms(m, layout)
+        # each GEMM as often as the rank runs it: a block's per block, the output projection's on the last stage
+        weighted = [(g, 0 if g in fp8_gemms else flops.blocks) for g in K.block_gemms(m, layout)]
+        others = [*weighted, (K.head_gemm(m, layout), int(flops.last_stage))]
+        return (rate(others, high) * rates.efficiency,
+                rate([(g, 1) for g in fp8_gemms], "fp8") * rates.efficiency if fp8_gemms else 1.0)
+
+    # once per GEMM shapes and counts on `rates` (what the settings of a layout's memory knobs share)
+    matmul, matmul_fp8 = _memo(rates, ("matmul rates", config_key(m), layout.tp, layout.precision, tokens,
+                                       flops.blocks, flops.last_stage), matmul_rates)
     efficiency = rates.efficiency
-    matmul = rate(others, high) * efficiency
-    matmul_fp8 = rate([(g, 1) for g in fp8_gemms], "fp8") * efficiency if fp8_gemms else 1.0
     # soft-capped scores (Gemma 2) run FlexAttention on a GPU (models/architecture.softcap_kernel), a fused
     # kernel that is priced as FlashAttention-2 (FlexAttention's own rate is not measured here)
     # and so do packed rows' (document_mask_kernel), at their samples' effective length
@@ -556,16 +567,22 @@ def _memo(rates: Rates, key: tuple, compute: Callable[[], Any]) -> Any:
     return found
 
 
+_BUT_OFFLOAD = operator.attrgetter(*(f.name for f in dataclasses.fields(Layout) if f.name != "offload"))
+"""A Layout's fields but memory.offload's: the compute reads offload only through data_parallel (FSDP2's)."""
+
+
 def _busiest_rank(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig, rates: Rates
                   ) -> tuple[RankFlops, ComputeTime]:
-    """The busiest rank's FLOPs and compute time (a model whose layers are alike), once per layout on `rates`."""
+    """The busiest rank's FLOPs and compute time (a model whose layers are alike), once per layout on `rates`,
+    whatever it offloads (the planner times every offload setting of a layout: they compute alike)."""
     device = device_type(hw)
 
     def compute() -> tuple[RankFlops, ComputeTime]:
         flops = _rank_flops(m, layout, t, device)
         return flops, _compute_seconds(m, layout, t, rates, flops)
 
-    return _memo(rates, ("compute", config_key(m), _TRAINING_FIELDS(t), layout, device), compute)
+    key = ("compute", config_key(m), _TRAINING_FIELDS(t), _BUT_OFFLOAD(layout), layout.data_parallel, device)
+    return _memo(rates, key, compute)
 
 
 def timed_collectives(m: ModelConfig, layout: Layout, t: TrainingConfig, rates: Rates
