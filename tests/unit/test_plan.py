@@ -113,6 +113,32 @@ def test_a_group_waits_in_the_heap_below_its_time(monkeypatch: pytest.MonkeyPatc
     assert len(keys) > 100 and all(key <= time for key, time in keys)
 
 
+LORA_8B = ("--model.preset=llama3-8b", "--hardware.gpu=RTX-4090", "--hardware.num_gpus=4",
+           "--hardware.gpus_per_node=4", "--training.seq_len=2048", "--training.global_batch_size=16",
+           "--peft.method=lora")
+
+
+@pytest.mark.parametrize(("case", "precisions"), [
+    (LLAMA8B_8, ("fp8-mixed",)), (LLAMA8B_4090, ("bf16-mixed", "fp32")), (CPU_BUDGET, ()), (MIXED_MOE, ()),
+    (LORA_8B, ())], ids=["8b-8xh100", "8b-4x4090", "cpu-budget", "mixed-moe", "lora"])
+def test_the_memory_floor_is_never_above_the_peak(case: tuple[str, ...], precisions: tuple[str, ...],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """StageMemory.floor, which the search asks before each rank's breakdown and which ends the estimate
+    where it exceeds the device's memory, is at most the rank's peak on every rank of every layout an
+    exhaustive search estimates: no layout that fits is left out by it."""
+    floors: list[tuple[int, int]] = []
+
+    class Checked(search_module.StageMemory):
+        def floor(self, stage: int) -> int:
+            found = super().floor(stage)
+            floors.append((found, self(stage).peak))
+            return found
+
+    monkeypatch.setattr(search_module, "StageMemory", Checked)
+    plan(*case, top=5, precisions=precisions, exhaustive=True)
+    assert len(floors) > 50 and all(floor <= peak for floor, peak in floors)
+
+
 def test_a_brute_force_over_every_field_finds_the_same_fastest_layout() -> None:
     """Every combination of the searched fields, each validated and estimated as `trainfit estimate`
     does a config: the fastest one that fits and trains is the plan's first."""

@@ -231,12 +231,15 @@ class _Evaluator:
 
     def memory(self, cfg: Config, layout: Layout) -> MemoryEstimate | None:
         """The estimate if every pipeline rank fits, else None: the first and last ranks (the most
-        micro-batches in flight, the logits) are asked first, and the first that does not fit ends it."""
+        micro-batches in flight, the logits) are asked first, and the first that does not fit ends it,
+        each rank's floor (StageMemory.floor: at most its peak) before its whole breakdown."""
         self.stats.memory_estimates += 1
         order = dict.fromkeys([0, layout.pp - 1, *range(layout.pp)])
         stages: dict[int, MemoryBreakdown] = {}
         memory = StageMemory(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer, self.shared)
         for stage in order:
+            if self.device_memory and memory.floor(stage) > self.device_memory:
+                return None
             breakdown = memory(stage)
             if self.device_memory and breakdown.peak + breakdown.reserved_margin > self.device_memory:
                 return None

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from trainfit.config import HardwareConfig, ModelConfig, OptimizerConfig, TrainingConfig
 from trainfit.memory.breakdown import MemoryBreakdown
 from trainfit.memory.closed_form.micro_batch import SharedSizes
+from trainfit.memory.closed_form.peak_floor import peak_floor
 from trainfit.memory.closed_form.pipeline_held import PipelineHeld, pipeline_held
 from trainfit.memory.closed_form.rank_layout import (
     LayoutCommon,
@@ -107,19 +108,32 @@ class StageMemory:
         self._common = layout_common(self._run, shared or SharedSizes(model))
         self._layouts: dict[RankLayout, Callable[[PipelineHeld], MemoryBreakdown]] = {}
         self._shapes: dict[tuple[RankLayout, PipelineHeld], MemoryBreakdown] = {}
+        self._ranks: dict[int, tuple[RankLayout, PipelineHeld]] = {}
+
+    def _shape(self, stage: int) -> tuple[RankLayout, PipelineHeld]:
+        """A rank's own shape (what __call__ and floor read), once per stage."""
+        if stage not in self._ranks:
+            run, common, mb = self._run, self._common, self._common.micro_batch
+            place = run.layout.rank_placement(stage)
+            lay = rank_layout(run, common, place)
+            self._ranks[stage] = lay, pipeline_held(run, lay, place, mb, mb.final + mb.loss.saved, mb.loss.output)
+        return self._ranks[stage]
 
     def __call__(self, stage: int) -> MemoryBreakdown:
         """The breakdown of a rank of pipeline stage (pp rank) `stage`."""
-        run, common, mb = self._run, self._common, self._common.micro_batch
-        place = run.layout.rank_placement(stage)
-        lay = rank_layout(run, common, place)
-        pipe = pipeline_held(run, lay, place, mb, mb.final + mb.loss.saved, mb.loss.output)
-        shape = (lay, pipe)
+        shape = self._shape(stage)
         if shape not in self._shapes:
+            lay, pipe = shape
             if lay not in self._layouts:
-                self._layouts[lay] = rank_breakdown(*common.at_moment(lay), lay)
+                self._layouts[lay] = rank_breakdown(*self._common.at_moment(lay), lay)
             self._shapes[shape] = self._layouts[lay](pipe)
         return self._shapes[shape]
+
+    def floor(self, stage: int) -> int:
+        """At most the peak of a rank of `stage` (memory/closed_form/peak_floor.py), at a fraction of its cost:
+        where it exceeds the device's memory the rank does not fit (the planner asks it first)."""
+        lay, pipe = self._shape(stage)
+        return peak_floor(*self._common.at_moment(lay), lay, pipe)
 
 
 def estimate_memory(model: ModelConfig, layout: Layout, training: TrainingConfig, hardware: HardwareConfig,

@@ -22,15 +22,10 @@ from trainfit.memory.closed_form.block.moe_activations import RoutedMoment, rout
 from trainfit.memory.closed_form.logits import LossBytes
 from trainfit.memory.closed_form.micro_batch import MicroBatch
 from trainfit.memory.closed_form.optimizer_memory import on_zero_shard
+from trainfit.memory.closed_form.peak_floor import held_activations, resident_states
 from trainfit.memory.closed_form.pipeline_held import PipelineHeld
-from trainfit.memory.closed_form.rank_layout import (
-    LayoutCommon,
-    RankLayout,
-    first_block_casts_unsaved,
-    first_block_saving,
-)
+from trainfit.memory.closed_form.rank_layout import LayoutCommon, RankLayout, first_block_casts_unsaved
 from trainfit.memory.closed_form.run_shape import Run, rope_table_bytes
-from trainfit.memory.closed_form.stage_activations import pipeline_batch_bytes
 from trainfit.memory.closed_form.zero_states import StageStates, stage_states
 from trainfit.memory.margin import reserved_margin_terms
 from trainfit.models.architecture import describe
@@ -409,14 +404,10 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     st = stage_states(run, common, lay)
     mb, prec, act = common.micro_batch, st.prec, st.prec.act
 
-    # ---- activations of one micro-batch
-    # each block's saved activations, of its own kind of layer (dense or MoE)
-    a_blocks = int(common.per_kind(lay, lambda _, k: k.micro_batch.none, wrapped=False)
-                   + common.per_kind(lay, lambda _, k: k.micro_batch.policy, wrapped=True)) \
-        + (mb.positions if lay.blocks else 0)
-    a_blocks -= first_block_saving(run, lay, prec.act)  # PEFT: nothing before the first block trains
+    # ---- activations of one micro-batch (each block's of its own kind of layer), and of those in flight
+    held_acts = held_activations(run, common, lay, st)
+    a_blocks, a_final = held_acts.blocks, held_acts.final
     chunked = run.layout.chunked_loss
-    a_final = mb.final if lay.last else 0
     loss = mb.loss if lay.last else LossBytes(0, 0, 0, 0)
 
     # ---- compute copies, communication and module buffers
@@ -560,11 +551,8 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     tied_embedding_grad = 2 * lay.embedding * prec.param if lay.first and lay.tied_here and not st.fsdp \
         and not run.layout.adaptation else 0
 
-    n_if, h_if = lay.in_flight, lay.head_in_flight
-    older_own = (n_if - 1) * a_blocks + (h_if - 1) * a_final  # other micro-batches in flight
-    if run.layout.pp > 1:  # and the step's token ids, all of them, on every pipeline rank
-        older_own += pipeline_batch_bytes(run.layout.grad_accum_steps * run.layout.micro_batch_size,
-                                          run.training.seq_len, run.layout.cp)
+    h_if = lay.head_in_flight
+    older_own = held_acts.older  # other micro-batches in flight
     # Autocast caches one cast per parameter for its whole block, and a pipeline step runs every
     # micro-batch in one (TrainStep.pipeline_forward_backward): the other micro-batches add none.
     # Its backward runs inside the block too, where one process's runs after it: every cast stays.
@@ -575,7 +563,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
 
     saved_casts = casts(False) + cast_head - uncast
     all_casts, pipelined = casts(None) + cast_head - uncast, run.layout.pp > 1
-    states = st.persistent + st.optimizer + st.compute_params
+    states = resident_states(st)
 
     # A block between the stage's first and last, at its backward: the blocks before it still hold what
     # they saved (and the casts autocast made for them), those after it have made their gradients and
