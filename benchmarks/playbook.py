@@ -162,12 +162,12 @@ class Predicted:
 
 NANOTRON_TP = (1, 2, 4, 8, 16, 32)
 """The tp degrees the sweep ran, each with its own fitted host figures."""
-NANOTRON_HOST_S = {1: 0.0066, 2: 0.0055, 4: 0.0052, 8: 0.005, 16: 0.0093, 32: 0.016}
+NANOTRON_HOST_S = {1: 0.0063, 2: 0.0055, 4: 0.0047, 8: 0.005, 16: 0.0093, 32: 0.016}
 """nanotron's host seconds per block and micro-batch (forward and backward) by tp degree, fitted on the given
 half's runs without pipeline parallelism by `python benchmarks/playbook.py --fit-host` (benchmarks/README.md
 has the fit): an engine profile of nanotron used here only; trainfit's own estimates use trainfit's measured
 host time (perf/host_costs.TRAINFIT)."""
-NANOTRON_BOUNDARY_S = {1: 0.016, 2: 0.016, 4: 0.038, 8: 0.2, 16: 0.49, 32: 1.0}
+NANOTRON_BOUNDARY_S = {1: 0.016, 2: 0.016, 4: 0.04, 8: 0.2, 16: 0.49, 32: 1.0}
 """... and per micro-batch at a pipeline rank's stage boundaries, fitted on the runs with pipeline parallelism
 once the block figures are set."""
 FORWARD_SHARE = 0.3
@@ -187,7 +187,7 @@ def nanotron_engine(block_s: dict[int, float] = NANOTRON_HOST_S,
 def predict(run: Run, host: HostCosts | None = None) -> Predicted:
     """A run estimated as nanotron ran it, its host side `host` (default: nanotron's fitted one); elsewhere
     nanotron is priced as trainfit's engine (perf/engines.py)."""
-    engine = Engine("nanotron", host or nanotron_engine(), ddp_master_weights=True,
+    engine = Engine("nanotron", host or nanotron_engine(), ddp_master_weights=True, zero1_grad_reduce="all_reduce",
                     source="huggingface/nanotron, as the Playbook ran it")
     try:
         return Predicted(run, estimate(load_config(None, overrides(run)), engine=engine))

@@ -175,3 +175,23 @@ def test_master_weights_leave_other_data_parallel_engines_alone() -> None:
         cfg = load_config(None, [*DDP_8B, f"--parallel.zero_stage={stage}"])
         assert estimate(cfg).memory.per_stage[0] == estimate(cfg, engine=MASTER_WEIGHTS).memory.per_stage[0]
         assert estimate(cfg).perf.time["step_time_s"] == estimate(cfg, engine=MASTER_WEIGHTS).perf.time["step_time_s"]
+
+
+def test_zero1_all_reducing_its_gradients_moves_twice_the_reduce_scatters_bytes() -> None:
+    """nanotron's ZeRO-1 all-reduces the whole gradient buffers after the backward (Engine.zero1_grad_reduce):
+    the same buckets as trainfit's reduce-scatter, a ring all-reduce's two passes over them; the parameters'
+    all-gather and the memory stay as they are."""
+    engine = dataclasses.replace(TRAINFIT_ENGINE, name="trainfit with an all-reducing ZeRO-1",
+                                 zero1_grad_reduce="all_reduce")
+    cfg = load_config(None, [*DDP_8B, "--hardware.num_gpus=8", "--parallel.zero_stage=1"])
+    ours, theirs = estimate(cfg), estimate(cfg, engine=engine)
+    grads = {e: {c.kind: (c, s) for c, s in est.perf.collectives if c.tensor == "bucket_grads"}
+             for e, est in (("ours", ours), ("theirs", theirs))}
+    assert set(grads["ours"]) == {"reduce_scatter"} and set(grads["theirs"]) == {"all_reduce"}
+    (rs, rs_s), (ar, ar_s) = grads["ours"]["reduce_scatter"], grads["theirs"]["all_reduce"]
+    assert rs.nbytes == ar.nbytes and rs.count == ar.count
+    assert 1.5 * rs_s < ar_s <= 2.05 * rs_s  # two passes over the bytes; the per-call latency is not doubled
+    assert ours.memory.per_stage[0] == theirs.memory.per_stage[0]
+    params = [[(c.kind, c.nbytes) for c, _ in est.perf.collectives if c.tensor == "bucket_params"]
+              for est in (ours, theirs)]
+    assert params[0] == params[1] and params[0]

@@ -112,6 +112,8 @@ def estimate(cfg: Config, layout: Layout | None = None, engine: Engine = TRAINFI
     if engine.ddp_master_weights and layout.zero_stage == 0 and layout.offload == "none" \
             and layout.precision.endswith("-mixed"):
         layout = dataclasses.replace(layout, ddp_master_weights=True)
+    if engine.zero1_grad_reduce == "all_reduce" and layout.data_parallel == "zero1" and layout.zero_stage == 1:
+        layout = dataclasses.replace(layout, zero1_grad_all_reduce=True)
     memory = estimate_memory(cfg.model, layout, cfg.training, cfg.hardware, cfg.optimizer, engine)
     return Estimate(cfg=cfg, layout=layout, memory=memory,
                     perf=estimate_perf(cfg.model, layout, cfg.training, cfg.hardware, Rates.of(cfg.hardware, engine)),

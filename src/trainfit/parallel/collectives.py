@@ -165,8 +165,8 @@ def _data_parallel(layout: Layout, layers: int, routed: bool = True) -> list[Col
         return [CollectiveCall("ddp", "all_reduce", ("dp_replicate", "dp_shard", "cp"), "bucket_grads",
                                "every gradient, in DDP buckets", "backward", 1, False, "buckets", True)]
     if layout.zero_stage == 1:
-        return [CollectiveCall("zero1", "reduce_scatter", SHARD, "bucket_grads", "the accumulated gradients",
-                               "step", 1, False, "buckets", True),
+        return [CollectiveCall("zero1", "all_reduce" if layout.zero1_grad_all_reduce else "reduce_scatter", SHARD,
+                               "bucket_grads", "the accumulated gradients", "step", 1, False, "buckets", True),
                 CollectiveCall("zero1", "all_reduce", REPLICAS, "bucket_grad_shard", "the gradient shard (HSDP)",
                                "step", 1, False, "buckets", True),
                 CollectiveCall("zero1", "all_gather", SHARD, "bucket_params", "the updated parameters",

@@ -105,6 +105,9 @@ class Layout:
     """Set by estimate() for an engine whose ZeRO-0 keeps ZeRO-1's states unsharded (perf/engines.py,
     Engine.ddp_master_weights): the module in the 16-bit dtype, fp32 master weights and gradient buffers in
     the optimizer. trainfit's own DDP and one-process runs autocast fp32 parameters instead (False)."""
+    zero1_grad_all_reduce: bool = False
+    """Set by estimate() for an engine whose ZeRO-1 all-reduces the whole gradient buffers after the backward
+    (Engine.zero1_grad_reduce), where trainfit's ZeRO-1 reduce-scatters them to their shards."""
 
     @property
     def regathers(self) -> bool:

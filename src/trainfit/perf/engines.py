@@ -25,6 +25,10 @@ runs it. Torch-free.
   activations a 16-bit model's. nanotron's FP32GradientAccumulator (optim/gradient_accumulator.py, built for
   every zero_stage when accumulate_grad_in_fp32) and Megatron-Core's Float16Module with main_grad buffers and
   Float16OptimizerWithFloat16Params do this; trainfit's DDP autocasts fp32 parameters (False).
+- `zero1_grad_reduce` (Layout.zero1_grad_all_reduce, read by parallel/collectives.py): how ZeRO-1 reduces the
+  accumulated gradient buffers at the step: "reduce_scatter" to each rank's shard (trainfit's parallel/zero.py,
+  DeepSpeed's, Megatron-Core's distributed optimizer), or "all_reduce" of the whole buffers, after the backward
+  (nanotron's trainer: sync_gradients_across_dp with reduce_scatter=False, "too memory hungry" otherwise).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from trainfit.perf.host_costs import NO_ENGINE_HOST, TRAINFIT, HostCosts
 
 PipelineBuffers = Literal["preallocated", "per_op"]
 Layers = Literal["trainfit", "transformer_engine"]
+GradReduce = Literal["reduce_scatter", "all_reduce"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class Engine:
     layers: Layers = "trainfit"
     regather_overlaps_dgrad: bool = False
     ddp_master_weights: bool = False
+    zero1_grad_reduce: GradReduce = "reduce_scatter"
     source: str = ""
 
 
