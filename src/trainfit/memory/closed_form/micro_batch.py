@@ -154,6 +154,7 @@ class SharedSizes:
         return self._kinds or (self,)
 
     def micro_batch(self, prec: Precision, shape: MicroBatchShape) -> MicroBatch:
-        if (prec, shape) not in self._micro_batches:
-            self._micro_batches[prec, shape] = _micro_batch(self.model, prec, shape)
-        return self._micro_batches[prec, shape]
+        found = self._micro_batches.get((prec, shape))  # one lookup: the key's dataclasses hash in Python
+        if found is None:
+            found = self._micro_batches[prec, shape] = _micro_batch(self.model, prec, shape)
+        return found
