@@ -569,19 +569,36 @@ def _memo(rates: Rates, key: tuple, compute: Callable[[], Any]) -> Any:
 
 _BUT_OFFLOAD = operator.attrgetter(*(f.name for f in dataclasses.fields(Layout) if f.name != "offload"))
 """A Layout's fields but memory.offload's: the compute reads offload only through data_parallel (FSDP2's)."""
+_BUT_DATA_PARALLEL = operator.attrgetter(*(f.name for f in dataclasses.fields(Layout)
+                                          if f.name not in ("offload", "dp_replicate", "dp_shard", "zero_stage")))
+"""...and but the data-parallel split and ZeRO stage, which a catalog GPU's compute reads only as the
+data-parallel degree, data_parallel and whether the stage is 0, and under fp8-mixed whether it is 3
+(weights gathered again in backward, in fp8) and its shards (fp8 all-gathers): _compute_key."""
+
+
+def _compute_key(layout: Layout, rates: Rates) -> tuple:
+    """What the busiest rank's compute reads of a layout: on a catalog GPU or the CPU (no profile) the
+    settings of one mesh's data-parallel split and ZeRO stage that compute alike share it (the planner's
+    lower bounds ask for every group of a mesh); a measured profile reads the layout more widely."""
+    if rates.profile is not None:
+        return _BUT_OFFLOAD(layout), layout.data_parallel
+    fp8 = layout.precision == "fp8-mixed"  # (only fp8's casts read the stage and the shards beyond data_parallel)
+    return (_BUT_DATA_PARALLEL(layout), layout.dp, layout.data_parallel, layout.zero_stage == 0,
+            fp8 and layout.zero_stage == 3, fp8 and layout.zero_shards)
 
 
 def _busiest_rank(m: ModelConfig, layout: Layout, t: TrainingConfig, hw: HardwareConfig, rates: Rates
                   ) -> tuple[RankFlops, ComputeTime]:
-    """The busiest rank's FLOPs and compute time (a model whose layers are alike), once per layout on `rates`,
-    whatever it offloads (the planner times every offload setting of a layout: they compute alike)."""
+    """The busiest rank's FLOPs and compute time (a model whose layers are alike), once per _compute_key on
+    `rates`: whatever a layout offloads (the planner times every offload setting of a layout: they compute
+    alike), and on the catalog however it splits its data parallelism."""
     device = device_type(hw)
 
     def compute() -> tuple[RankFlops, ComputeTime]:
         flops = _rank_flops(m, layout, t, device)
         return flops, _compute_seconds(m, layout, t, rates, flops)
 
-    key = ("compute", config_key(m), _TRAINING_FIELDS(t), _BUT_OFFLOAD(layout), layout.data_parallel, device)
+    key = ("compute", config_key(m), _TRAINING_FIELDS(t), _compute_key(layout, rates), device)
     return _memo(rates, key, compute)
 
 
