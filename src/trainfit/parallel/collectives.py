@@ -204,14 +204,23 @@ def _moves(sites: tuple[TpSite, ...], phase: str) -> list[TpCall]:
 
 def _tp(model: ModelConfig, layout: Layout, layers: int, wrapped: int) -> list[CollectiveCall]:
     """Tensor parallelism's calls, from parallel/tp_sites.py's sites: a block's on each of the rank's blocks,
-    a checkpointed block's forward ones again in its recomputation, the ends' on their stage."""
-    sp = layout.sequence_parallel
+    a checkpointed block's forward ones again in its recomputation, the ends' on their stage. Once per model
+    and what it reads of the layout (the planner's layouts share a few)."""
+    return list(_tp_calls(config_key(model), layout.sequence_parallel, layout.pp == 1,
+                          layout.activation_checkpointing, layout.regathers, layout.data_parallel == "fsdp",
+                          layers, wrapped))
+
+
+@functools.lru_cache(maxsize=4096)
+def _tp_calls(model_key: tuple, sp: bool, one_stage: bool, policy_name: str, regathers: bool, fsdp: bool,
+              layers: int, wrapped: int) -> tuple[CollectiveCall, ...]:
+    model = ModelConfig(*model_key)
     output = 1  # the busiest stage is the last: the output projection and the loss ...
-    embedding = int(layout.pp == 1)  # ... and the embedding when there is one stage
+    embedding = int(one_stage)  # ... and the embedding when there is one stage
     block, root = block_sites(model, sp), root_sites(model, sp)
     fwd, bwd = _moves(block, "forward"), _moves(block, "backward")
     rerun = fwd[:-1] if block_linears(model)[-1].tp == "row" else fwd  # a trailing reduction ends the block
-    if POLICIES[layout.activation_checkpointing].keeps("tp_reduction"):
+    if POLICIES[policy_name].keeps("tp_reduction"):
         rerun = [call for call in rerun if call[0] == "all_gather"]
     on_stage = {"first": embedding, "last": output}
 
@@ -244,14 +253,14 @@ def _tp(model: ModelConfig, layout: Layout, layers: int, wrapped: int) -> list[C
         # where the engine overlaps them, perf/engines.Engine.regather_overlaps_dgrad)
         *[("all_gather", "backward", "regathered", f"{site.path} input (regathered)", layers - wrapped,
            next(m.overlaps for m in site.moves if m.phase == "forward" and m.kind == "all_gather"))
-          for site in block if site.style == "branch_input" and layout.regathers],
+          for site in block if site.style == "branch_input" and regathers],
     ]
     out = [CollectiveCall("tp", kind, ("tp",), tensor, site, phase, count, overlaps=gemms)
            for kind, phase, tensor, site, count, gemms in calls]
-    return out + _partial_gains(layout, block, root, layers, on_stage)
+    return tuple(out + _partial_gains(fsdp, block, root, layers, on_stage))
 
 
-def _partial_gains(layout: Layout, block: tuple[TpSite, ...], root: tuple[TpSite, ...], layers: int,
+def _partial_gains(fsdp: bool, block: tuple[TpSite, ...], root: tuple[TpSite, ...], layers: int,
                    on_stage: dict[str, int]) -> list[CollectiveCall]:
     """The gains whose gradient each tp rank holds a partial sum of (tp_sites.TpSite.partial_gains), one
     all-reduce per tensor. FSDP2 reduces them in every backward, before its reduce-scatter; otherwise they
@@ -261,7 +270,6 @@ def _partial_gains(layout: Layout, block: tuple[TpSite, ...], root: tuple[TpSite
         return sum(s.partial_gains for s in block if s.gain_tensor == gain) * layers + \
             sum(s.partial_gains * on_stage[s.stage] for s in root if s.gain_tensor == gain)
 
-    fsdp = layout.data_parallel == "fsdp"
     phase: Phase = "backward" if fsdp else "step"
     return [CollectiveCall("tp", "all_reduce", ("tp",), tensor, site, phase, count, per_microbatch=fsdp)
             for tensor, site in (("norm_gain", "norm gains"), ("qk_norm_gain", "QK-norm gains"))
