@@ -22,11 +22,15 @@ the same code on gloo and NCCL.
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainfit.models.common import WholeSequence
+
+_all_gather_with_grad = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+"""The differentiable all-gather: all_gather_single_autograd in newer torch; torch 2.11 and earlier name it
+all_gather_tensor_autograd (the same call, deprecated where the new name exists)."""
 
 
 class ContextParallel(WholeSequence):
@@ -97,7 +101,7 @@ class ContextParallel(WholeSequence):
         all-gather concatenates along dim 0 in rank order (rank r: chunks r and 2·cp−1−r), so the
         sequence goes first and the chunks are put back in order (a copy, the one attention keeps)."""
         x_TBGK = x_BGTK.permute(2, 0, 1, 3).contiguous()
-        gathered = all_gather_single_autograd(x_TBGK, 0, self.mesh)
+        gathered = _all_gather_with_grad(x_TBGK, 0, self.mesh)
         pieces = gathered.chunk(2 * self.size, dim=0)  # rank r's two chunks are pieces 2r and 2r + 1
         last = 2 * self.size - 1
         ordered = [pieces[2 * c] if c < self.size else pieces[2 * (last - c) + 1] for c in range(2 * self.size)]
