@@ -442,11 +442,14 @@ def collective_seconds(kind: str, nbytes: int, world: int, device: torch.device,
     full = torch.zeros(nbytes // 4, device=device)
     shard = torch.zeros(nbytes // 4 // world, device=device)
 
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.11: the old names
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
     def call() -> None:
         if kind == "all_gather":
-            dist.all_gather_single(full, shard)
+            gather(full, shard)
         else:
-            dist.reduce_scatter_single(shard, full)
+            scatter(shard, full)
 
     wait = sync(device.type)
     for _ in range(COLLECTIVE_WARMUP):
@@ -535,25 +538,37 @@ def finite_fake_collectives() -> Iterator[None]:
     """FSDP2's all-gathers and reduce-scatters on the fake backend with finite outputs: a fake collective leaves
     its output as allocated (any bits; a NaN loss stops training: TrainStep raises), so each first fills it as if
     every rank held this rank's shard. Nothing is allocated: the memory stays the real step's."""
-    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+    gathers = [name for name in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, name)]
+    scatters = [name for name in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, name)]
+    originals = {name: getattr(dist, name) for name in gathers + scatters}
+    """FSDP2 calls the *_single names where torch has them (2.13), the older ones before (2.11): both are
+    wrapped, and a fill done twice (an old name that calls the new) writes the same values."""
 
-    def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        rows = output_tensor.view(-1, input_tensor.numel())
-        rows[1:].copy_(input_tensor.reshape(1, -1))  # this is rank 0: an in-place all-gather's input is row 0
-        if rows[0].data_ptr() != input_tensor.data_ptr():
-            rows[0].copy_(input_tensor.reshape(-1))
-        return gather(output_tensor, input_tensor, *args, **kwargs)
+    def filled_gather(gather: Callable[..., Any]) -> Callable[..., Any]:
+        def all_gather(output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            rows = output_tensor.view(-1, input_tensor.numel())
+            rows[1:].copy_(input_tensor.reshape(1, -1))  # this is rank 0: an in-place all-gather's input is row 0
+            if rows[0].data_ptr() != input_tensor.data_ptr():
+                rows[0].copy_(input_tensor.reshape(-1))
+            return gather(output_tensor, input_tensor, *args, **kwargs)
+        return all_gather
 
-    def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # noqa: A002
-        if output.data_ptr() != input.data_ptr():  # rank 0's part of an in-place reduce-scatter holds it already
-            output.copy_(input.reshape(-1)[:output.numel()].view_as(output))
-        return scatter(output, input, *args, **kwargs)
+    def filled_scatter(scatter: Callable[..., Any]) -> Callable[..., Any]:
+        def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # noqa: A002
+            if output.data_ptr() != input.data_ptr():  # rank 0's part of an in-place reduce-scatter holds it already
+                output.copy_(input.reshape(-1)[:output.numel()].view_as(output))
+            return scatter(output, input, *args, **kwargs)
+        return reduce_scatter
 
-    dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+    for name in gathers:
+        setattr(dist, name, filled_gather(originals[name]))
+    for name in scatters:
+        setattr(dist, name, filled_scatter(originals[name]))
     try:
         yield
     finally:
-        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 def fsdp_shape(ctx: Context, layers: int, micro_batch: int) -> tuple[str, ...]:

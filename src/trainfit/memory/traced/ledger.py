@@ -82,13 +82,34 @@ class _StageSafeModTracker(ModTracker):
 
     backward_hooks = True
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._forward_depth = 0
+        """Modules whose forward has begun and not ended, outside backward."""
+
     def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
         args, _ = tree_flatten(input)
         kept = [a for a in args if not (isinstance(a, torch.Tensor) and a.is_leaf)] if self.backward_hooks else []
+        self._forward_depth += not self.is_bw
         super()._fw_pre_hook(mod, kept)
 
     def _fw_post_hook(self, mod: nn.Module, input: Any, output: Any) -> None:
+        self._forward_depth -= not self.is_bw and self._forward_depth > 0
         super()._fw_post_hook(mod, input, output if self.backward_hooks else ())
+
+    def _maybe_set_engine_callback(self) -> None:
+        """A backward that runs inside a forward (a kernel that traces its own backward graph when first
+        called, or torch.autograd.grad in a model's code) ends with torch's callback that empties the parent
+        stack, and the forward's modules then fail ModTracker's nesting check as they return. Such a
+        backward's end puts the forward's stack back instead."""
+        if self._has_callback:
+            return
+        forward = (set(self.parents), dict(self._active_module_cnt)) if self._forward_depth else None
+        super()._maybe_set_engine_callback()
+        if forward is not None:
+            def restore() -> None:
+                self.parents, self._active_module_cnt = forward
+            torch.autograd.Variable._execution_engine.queue_callback(restore)
 
 TimelinePoint = tuple[int, int, str, str]
 """(operator index within the step, bytes in use after it, phase, module)."""
