@@ -152,6 +152,21 @@ class ModelConfig:
     the pairs over capacity are dropped and pass through the residual only. Kept first: every
     token's first choice before any second choice, then by position in the micro-batch. Experts then
     run on fixed [num_experts, capacity] buffers, so memory no longer depends on the routing."""
+    attention_out_bias: bool | None = None
+    """Bias on the attention's output projection (gpt-oss: q, k, v and o all biased, with qkv_bias)."""
+    attention_sinks: bool | None = None
+    """A learned logit per query head joins each query's softmax as one more key with no value (gpt-oss):
+    it takes probability mass from the real keys. No SDPA kernel takes it: the layers run an eager
+    attention that keeps its [heads, queries, keys + 1] probabilities."""
+    router_bias: bool | None = None
+    """Bias on the MoE router's logits (gpt-oss)."""
+    expert_bias: bool | None = None
+    """Biases on each routed expert's three projections (gpt-oss)."""
+    swiglu_limit: float | None = None
+    """0 = the experts' plain SwiGLU, silu(w1 x) * w3 x. L > 0: gpt-oss's clamped form: gate w1 x clamped
+    to at most L, up w3 x to [-L, L], then (up + 1) * gate * sigmoid(swiglu_alpha * gate) (gpt-oss: 7)."""
+    swiglu_alpha: float | None = None
+    """The clamped SwiGLU's sigmoid slope (gpt-oss: 1.702); read only with swiglu_limit > 0."""
     hf_model_type: str | None = None
     """The Hugging Face model_type whose weight names and config.json `trainfit export` writes (set from
     the config.json read); "" = the simplest type with the model's features (llama, qwen2 with

@@ -82,6 +82,7 @@ def _validate_model(m: ModelConfig) -> None:
                                  ("attention_softcap", m.attention_softcap, 0.0),
                                  ("final_softcap", m.final_softcap, 0.0),
                                  ("num_experts", m.num_experts, 0),  # its MLP is dense
+                                 ("attention_sinks", m.attention_sinks, False),
                                  ("rope_scaling_factor", m.rope_scaling_factor, 0.0)):  # learned positions
             if value != fix:
                 raise field_error(f"model.{name}", value, f"model.family=gpt2 does not have it: set it to {fix}")
@@ -98,8 +99,17 @@ def _validate_model(m: ModelConfig) -> None:
         if not 1 <= m.moe_layer_step <= m.num_layers:
             raise field_error("model.moe_layer_step", m.moe_layer_step,
                               f"must be between 1 (every layer MoE) and model.num_layers = {m.num_layers}")
+        if not m.swiglu_limit >= 0:  # NaN too
+            raise field_error("model.swiglu_limit", m.swiglu_limit,
+                              "must be 0 (plain SwiGLU) or gpt-oss's positive clamp of the experts' gate and up (7)")
+        if m.swiglu_limit and not m.swiglu_alpha > 0:
+            raise field_error("model.swiglu_alpha", m.swiglu_alpha, "must be > 0 (gpt-oss: 1.702)")
         if (m.moe_dense_layers or m.moe_layer_step > 1) and m.ffn_dim < 1:
             raise field_error("model.ffn_dim", m.ffn_dim, "the dense layers of an MoE model need their width: set it")
+    elif m.router_bias or m.expert_bias or m.swiglu_limit:
+        name, value = next((f, getattr(m, f)) for f in ("router_bias", "expert_bias", "swiglu_limit") if getattr(m, f))
+        raise field_error(f"model.{name}", value, "only the routed experts of an MoE model (model.num_experts > 0) "
+                                                  "have it: unset it")
     elif (m.moe_dense_layers, m.moe_layer_step) != (0, 1):
         name, value, fix = (("model.moe_dense_layers", m.moe_dense_layers, 0) if m.moe_dense_layers
                             else ("model.moe_layer_step", m.moe_layer_step, 1))

@@ -74,6 +74,9 @@ class Attention:
     """The RoPE base (None in `Architecture.block` when the layers' differ)."""
     rope_scaled: bool | None = False
     """Whether model.rope_scaling_factor applies to this layer's RoPE (None as rope_theta)."""
+    sinks: bool = False
+    """gpt-oss's attention sinks: a learned logit per query head in each query's softmax (model.attention_sinks);
+    an eager attention on every device (eager_attention)."""
 
     def _span(self) -> int:
         if self.window is None:
@@ -110,7 +113,8 @@ class Attention:
     def params(self, dim: int) -> int:
         """The projections' weights and biases (QK-norm's gains are norm_params)."""
         weights = dim * self.q_dim + 2 * dim * self.kv_dim + self.q_dim * dim
-        return weights + (self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0) + (dim if self.out_bias else 0)
+        biases = (self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0) + (dim if self.out_bias else 0)
+        return weights + biases + (self.num_heads if self.sinks else 0)
 
     @property
     def norm_params(self) -> int:
@@ -153,15 +157,31 @@ class Moe:
     """Shared experts every token passes through: one SwiGLU of shared x hidden."""
     normalize_topk: bool = True
     """Each token's top-k routing weights renormalised to sum to 1 (False: the softmax's, OLMoE)."""
+    router_bias: bool = False
+    bias: bool = False
+    """Biases on each routed expert's gate, up and down projections (gpt-oss; shared experts have none)."""
+    swiglu_limit: float = 0.0
+    """0: silu(w1 x) * w3 x; L > 0: gpt-oss's clamped form (model.swiglu_limit), with swiglu_alpha."""
+    swiglu_alpha: float = 1.702
 
     def expert_params(self, dim: int) -> int:
+        """One shared expert's (a SwiGLU without biases)."""
         return 3 * dim * self.hidden
 
+    def routed_expert_params(self, dim: int) -> int:
+        """One routed expert's: its three matrices, and their biases when it has them."""
+        return self.expert_params(dim) + (2 * self.hidden + dim if self.bias else 0)
+
+    def router_params(self, dim: int) -> int:
+        return dim * self.experts + (self.experts if self.router_bias else 0)
+
     def params(self, dim: int) -> int:
-        return dim * self.experts + (self.experts + self.shared) * self.expert_params(dim)
+        return self.router_params(dim) + self.experts * self.routed_expert_params(dim) + \
+            self.shared * self.expert_params(dim)
 
     def active_params(self, dim: int) -> int:
-        return dim * self.experts + (self.top_k + self.shared) * self.expert_params(dim)
+        return self.router_params(dim) + self.top_k * self.routed_expert_params(dim) + \
+            self.shared * self.expert_params(dim)
 
 
 NormPlacement = Literal["pre", "post", "sandwich"]
@@ -256,6 +276,11 @@ class Architecture:
         """The distinct RoPE settings among the layers: one pair of cos/sin tables each."""
         return tuple(dict.fromkeys(la.attention.rope_key for la in self.layers if la.attention.rope))
 
+    @functools.cached_property
+    def sinks(self) -> bool:
+        """Whether some layer's attention has sinks (models/eager_attention.py)."""
+        return any(la.attention.sinks for la in self.layers)
+
     @property
     def embedding_params(self) -> int:
         return (self.vocab_size + (self.max_seq_len if self.learned_positions else 0)) * self.dim
@@ -291,10 +316,10 @@ def _describe(fields: tuple) -> Architecture:
     width = head_dim(m)
     shapes = dict(
         num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=width,
-        qkv_bias=gpt2 or bool(m.qkv_bias), out_bias=gpt2, rope=not gpt2,
+        qkv_bias=gpt2 or bool(m.qkv_bias), out_bias=gpt2 or bool(m.attention_out_bias), rope=not gpt2,
         scale=(m.query_pre_attn_scalar or width) ** -0.5,
         qk_norm=norm if m.qk_norm != "none" else None, qk_norm_whole=m.qk_norm == "whole",
-        softcap=m.attention_softcap)
+        softcap=m.attention_softcap, sinks=bool(m.attention_sinks))
     scaled = bool(m.rope_scaling_factor)
     spans = [dict(window=m.sliding_window or 0, rope_theta=m.rope_theta, rope_scaled=scaled)
              for _ in range(m.num_layers)]
@@ -308,7 +333,8 @@ def _describe(fields: tuple) -> Architecture:
                 span["window"] = 0
     dense = DenseMlp(m.ffn_dim, gated=not gpt2, activation="gelu_tanh" if gpt2 else m.mlp_activation, bias=gpt2)
     moe = Moe(m.num_experts, m.experts_per_token, m.expert_ffn_dim, m.num_shared_experts,
-              normalize_topk=bool(m.router_normalize_topk)) if m.num_experts else None
+              normalize_topk=bool(m.router_normalize_topk), router_bias=bool(m.router_bias), bias=bool(m.expert_bias),
+              swiglu_limit=m.swiglu_limit, swiglu_alpha=m.swiglu_alpha) if m.num_experts else None
     kinds: dict[tuple, Layer] = {}  # one Layer object per kind, shared by the layers of that kind
     routed = [moe_layer(m, i) for i in range(m.num_layers)]
     layers = tuple(kinds.setdefault((*span.values(), r), Layer(Attention(**shapes, **span), moe if r else dense, norm,
@@ -364,12 +390,21 @@ def softcap_kernel(device_type: str) -> Literal["flex", "eager"]:
     return "flex" if device_type in FLEX_DEVICES else "eager"
 
 
-def document_mask_kernel(device_type: str) -> Literal["flex", "sdpa"]:
+def eager_attention(attention: Attention, device_type: str) -> bool:
+    """Whether a layer's attention runs the eager form (models/eager_attention.py) on `device_type`, keeping
+    its [heads, queries, keys] probabilities: attention sinks on every device (no fused kernel here takes
+    them), soft-capped scores where FlexAttention has no backward (softcap_kernel). The model runs it; both
+    estimators and the time model price it."""
+    return attention.sinks or bool(attention.softcap) and softcap_kernel(device_type) == "eager"
+
+
+def document_mask_kernel(device_type: str, sinks: bool = False) -> Literal["flex", "sdpa"]:
     """How attention over packed samples (data.packing) keeps to each sample on `device_type`: FlexAttention
     with a block mask from the rows' document ids on CUDA (blocks no sample spans are skipped), else SDPA with
     an explicit block-diagonal mask [B, 1, T, T] (torch 2.13's FlexAttention has no backward on CPU). The model
-    runs it; both estimators and the time model price what it keeps and computes."""
-    return "flex" if device_type in FLEX_DEVICES else "sdpa"
+    runs it; both estimators and the time model price what it keeps and computes. With attention `sinks` (their
+    eager attention takes an additive mask only) the explicit mask on every device."""
+    return "flex" if device_type in FLEX_DEVICES and not sinks else "sdpa"
 
 
 def head_dim(m: ModelConfig) -> int:

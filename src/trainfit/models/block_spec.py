@@ -96,10 +96,11 @@ def layer_linears(dim: int, layer: Layer) -> tuple[BlockLinear, ...]:
         return (*attention, *up, BlockLinear("w2", "feed_forward.w2", mlp.hidden, dim, mlp.bias, "row"))
     moe = layer.moe
     E, hidden, share = moe.experts, moe.hidden, moe.top_k / moe.experts
-    routed = [BlockLinear("router", "feed_forward.router", dim, E, False, "replicated"),
-              BlockLinear("experts_w1", "feed_forward.experts.w1", dim, hidden, False, "replicated", E, share),
-              BlockLinear("experts_w3", "feed_forward.experts.w3", dim, hidden, False, "replicated", E, share),
-              BlockLinear("experts_w2", "feed_forward.experts.w2", hidden, dim, False, "replicated", E, share)]
+    b = moe.bias
+    routed = [BlockLinear("router", "feed_forward.router", dim, E, moe.router_bias, "replicated"),
+              BlockLinear("experts_w1", "feed_forward.experts.w1", dim, hidden, b, "replicated", E, share),
+              BlockLinear("experts_w3", "feed_forward.experts.w3", dim, hidden, b, "replicated", E, share),
+              BlockLinear("experts_w2", "feed_forward.experts.w2", hidden, dim, b, "replicated", E, share)]
     shared = moe.shared * hidden  # one SwiGLU of the shared experts' summed width
     if shared:
         routed += [BlockLinear("shared_w1", "feed_forward.shared_experts.w1", dim, shared, False, "replicated"),

@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from trainfit.models.document_attention import flex_document_attention, is_block_mask
+from trainfit.models.eager_attention import eager_attention
 from trainfit.models.softcapped_attention import softcapped_attention
 
 
@@ -106,11 +107,13 @@ class WholeSequence:
 
     def attention(self, q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,
                   window_TT: torch.Tensor | None = None, scale: float | None = None, softcap: float = 0.0,
-                  window: int = 0) -> torch.Tensor:
+                  window: int = 0, sinks_H: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of the queries over the keys and values (grouped-query when G < H); with
         `window_TT` (window_mask's of the layer's `window`), over the keys it allows only; `scale`: the dot
         products' factor (None: 1 / sqrt(head_dim)); `softcap`: soft-capped scores
-        (models/softcapped_attention.py), else SDPA."""
+        (models/softcapped_attention.py); `sinks_H`: attention sinks (models/eager_attention.py); else SDPA."""
+        if sinks_H is not None:
+            return eager_attention(q_BHTK, k_BGTK, v_BGTK, window_TT, scale, softcap, sinks_H)
         if is_block_mask(window_TT):  # packed samples on CUDA (models/document_attention.py)
             return flex_document_attention(q_BHTK, k_BGTK, v_BGTK, window_TT, scale, softcap)
         if softcap:

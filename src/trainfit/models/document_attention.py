@@ -15,12 +15,14 @@ from trainfit.models.architecture import document_mask_kernel
 from trainfit.models.softcapped_attention import capped_scores, compiled_flex_attention, traced_device
 
 
-def document_masks(documents_BT: torch.Tensor, windows: set[int], like: torch.Tensor) -> dict[int, Any]:
+def document_masks(documents_BT: torch.Tensor, windows: set[int], like: torch.Tensor, eager: bool = False
+                   ) -> dict[int, Any]:
     """Each window's mask of the rows (0: causal within the sample): a FlexAttention BlockMask where the
     kernel is flex; under a traced estimate of such a run None, so that SDPA's causal kernel stands in for
-    FlexAttention's fused one (what it keeps); else the additive [B, 1, T, T] tensor."""
+    FlexAttention's fused one (what it keeps); else (and for the eager attention of sinks, `eager`) the
+    additive [B, 1, T, T] tensor."""
     device_type = traced_device() or documents_BT.device.type
-    if document_mask_kernel(device_type) == "flex":
+    if document_mask_kernel(device_type, sinks=eager) == "flex":
         if traced_device() is not None:
             return dict.fromkeys(windows)
         return {w: document_block_mask(documents_BT, w) for w in windows}

@@ -54,6 +54,10 @@ class HfType:
     softcaps: bool = False
     """Gemma 2: soft-capped attention scores (attn_logit_softcapping; both Gemmas read
     final_logit_softcapping, the logits')."""
+    gpt_oss: bool = False
+    """gpt-oss's features: o_proj biased with q, k, v; attention sinks; a biased router; biased experts with
+    the clamped SwiGLU, stored as one interleaved gate_up_proj [E, dim, 2 x width] and a down_proj
+    [E, width, dim]; windowed and full layers alternating (layer_types)."""
 
 
 GEMMA3_TEXT_DEFAULTS = (
@@ -86,6 +90,8 @@ LLAMA_LIKE_TYPES = {
                      softcaps=True, window=True),
     "gemma3_text": HfType("Gemma3ForCausalLM", theta=1e6, qk_norm="head", norm_placement="sandwich", gemma=True,
                           defaults=GEMMA3_TEXT_DEFAULTS, local_rope=True, window=True),
+    "gpt_oss": HfType("GptOssForCausalLM", eps=1e-5, theta=150000.0, head_dim=64, qkv_bias=True, experts="gpt_oss",
+                      window=True, gpt_oss=True),
 }
 """The llama-family model types, each a mapping from its config.json (_llama_fields) and its weight
 names (_llama_groups); a new one is an entry here when its features are the architecture's."""
@@ -126,6 +132,7 @@ _KINDS: dict[str, type | tuple[type, ...]] = {
     "rope_theta": (int, float), "partial_rotary_factor": (int, float), "norm_topk_prob": bool,
     "hidden_activation": str, "rope_local_base_freq": (int, float), "query_pre_attn_scalar": (int, float),
     "final_logit_softcapping": (int, float), "attn_logit_softcapping": (int, float),
+    "swiglu_limit": (int, float), "swiglu_alpha": (int, float),
 }
 """The JSON type of each key read; every other key is an integer."""
 
@@ -191,7 +198,7 @@ def _llama_fields(hf: dict[str, Any], file: Path, model_type: str) -> dict[str, 
     if activation not in ACTIVATIONS:
         raise _unsupported(file, act_key, activation, f"supported: {', '.join(ACTIVATIONS)} (a gated MLP)")
     for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
+        if hf.get(key) and not (kind.gpt_oss and key == "attention_bias"):
             raise _unsupported(file, key, hf[key], "biases on o_proj/MLP are not supported (Qwen2-style "
                                "q/k/v biases are: model_type qwen2)")
     if _get(hf, "partial_rotary_factor", file, 1.0) != 1.0:
@@ -219,6 +226,8 @@ def _llama_fields(hf: dict[str, Any], file: Path, model_type: str) -> dict[str, 
                       router_aux_loss_coef=float(_get(hf, "router_aux_loss_coef", file, 0.001)))
     if kind.experts == "qwen3_moe":
         fields.update(_qwen3_moe_fields(hf, file))
+    if kind.gpt_oss:
+        fields.update(_gpt_oss_fields(hf, file, fields))
     if kind.experts == "olmoe":  # intermediate_size is each expert's width
         if hf.get("clip_qkv") is not None:
             raise _unsupported(file, "clip_qkv", hf["clip_qkv"], "not supported; only null (no clamping) is")
@@ -243,6 +252,23 @@ def _qwen3_moe_fields(hf: dict[str, Any], file: Path) -> dict[str, Any]:
     return dict(num_experts=experts, experts_per_token=_get(hf, "num_experts_per_tok", file),
                 expert_ffn_dim=_get(hf, "moe_intermediate_size", file), moe_dense_layers=len(dense),
                 moe_layer_step=step, router_normalize_topk=bool(_get(hf, "norm_topk_prob", file, False)),
+                router_aux_loss_coef=float(_get(hf, "router_aux_loss_coef", file, 0.001)))
+
+
+def _gpt_oss_fields(hf: dict[str, Any], file: Path, fields: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's features (HfType.gpt_oss); intermediate_size is each expert's width. Its config.json's
+    attention_bias says q, k, v and o alike: both or none."""
+    biased = bool(hf.get("attention_bias", True))
+    if not biased:
+        raise _unsupported(file, "attention_bias", hf.get("attention_bias"), "gpt-oss is supported with its "
+                           "biased attention projections (true)")
+    experts = _get(hf, "num_local_experts", file)
+    top_k = _get(hf, "num_experts_per_tok", file, None) or _get(hf, "experts_per_token", file)
+    return dict(attention_out_bias=True, attention_sinks=True, router_bias=True, expert_bias=True,
+                num_experts=experts, experts_per_token=top_k, expert_ffn_dim=fields["ffn_dim"],
+                swiglu_limit=float(_get(hf, "swiglu_limit", file, 7.0)),
+                swiglu_alpha=float(_get(hf, "swiglu_alpha", file, 1.702)),
+                sliding_window_pattern=_layer_pattern(hf, file) if fields["sliding_window"] else 0,
                 router_aux_loss_coef=float(_get(hf, "router_aux_loss_coef", file, 0.001)))
 
 
@@ -433,7 +459,18 @@ def _llama_config_dict(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                    intermediate_size=cfg.expert_ffn_dim, norm_topk_prob=bool(cfg.router_normalize_topk),
                    router_aux_loss_coef=cfg.router_aux_loss_coef, clip_qkv=None)
-    if kind.window and not kind.gemma:  # Gemma's is written with its layer kinds above
+    if kind.gpt_oss:
+        windowed = [la.attention.window != 0 for la in describe(cfg).layers]
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                   intermediate_size=cfg.expert_ffn_dim, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha,
+                   attention_bias=True, router_aux_loss_coef=cfg.router_aux_loss_coef,
+                   layer_types=["sliding_attention" if w else "full_attention" for w in windowed],
+                   sliding_window=cfg.sliding_window or None, pad_token_id=None, eos_token_id=None)
+        # transformers 5 reads RoPE from rope_parameters, where GptOssConfig's default is YaRN: written out
+        del out["rope_theta"], out["rope_scaling"]
+        rope = _hf_rope_scaling(cfg) or {"rope_type": "default"}
+        out.update(rope_parameters={**rope, "rope_theta": cfg.rope_theta})
+    if kind.window and not kind.gemma and not kind.gpt_oss:  # Gemma's and gpt-oss's with their layer kinds above
         out.update(sliding_window=cfg.sliding_window or None)
     if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         out.update(use_sliding_window=False)
@@ -452,7 +489,9 @@ def _hf_rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
 
 def _llama_model_type(cfg: ModelConfig) -> str:
     """The llama-family model_type `cfg` is written as (hf_config_dict), checked against its features."""
-    experts = "" if not cfg.num_experts else {"head": "qwen3_moe", "whole": "olmoe"}.get(cfg.qk_norm, "mixtral")
+    gpt_oss = bool(cfg.attention_sinks or cfg.expert_bias or cfg.swiglu_limit)
+    experts = "" if not cfg.num_experts else "gpt_oss" if gpt_oss else \
+        {"head": "qwen3_moe", "whole": "olmoe"}.get(cfg.qk_norm, "mixtral")
     gemma = cfg.norm_placement == "sandwich" or bool(cfg.norm_offset or cfg.embedding_scale)
     model_type = cfg.hf_model_type or (experts if experts else
                                        ("gemma2" if cfg.qk_norm == "none" else "gemma3_text") if gemma else
@@ -464,10 +503,19 @@ def _llama_model_type(cfg: ModelConfig) -> str:
         raise ConfigError(f"model.hf_model_type={model_type!r}: not a llama-family type; choose one of "
                           f"{', '.join(LLAMA_TYPES)} or '' (chosen from the model's features)")
     features = dict(qkv_bias=bool(cfg.qkv_bias), qk_norm=cfg.qk_norm, norm_placement=cfg.norm_placement,
-                    experts=experts, gemma=gemma)
-    held = {"query_pre_attn_scalar": (0.0, kind.gemma), "sliding_window_pattern": (0, kind.gemma),
+                    experts=experts, gemma=gemma, gpt_oss=gpt_oss)
+    if gpt_oss and not all((cfg.attention_sinks, cfg.attention_out_bias, cfg.router_bias, cfg.expert_bias,
+                            cfg.swiglu_limit)):
+        off = [n for n in ("attention_sinks", "attention_out_bias", "router_bias", "expert_bias", "swiglu_limit")
+               if not getattr(cfg, n)]
+        raise ConfigError(f"model.{off[0]}={getattr(cfg, off[0])!r}: a gpt_oss checkpoint has attention sinks, "
+                          "biased o_proj, router and experts and the clamped SwiGLU together; set all of them, or "
+                          "none")
+    held = {"query_pre_attn_scalar": (0.0, kind.gemma),
+            "sliding_window_pattern": (0, kind.gemma or kind.gpt_oss),
             "rope_local_theta": (0.0, kind.local_rope), "rope_scaling_type": ("llama3", kind.local_rope),
-            "attention_softcap": (0.0, kind.softcaps), "final_softcap": (0.0, kind.gemma)}
+            "attention_softcap": (0.0, kind.softcaps), "final_softcap": (0.0, kind.gemma),
+            "attention_out_bias": (False, kind.gpt_oss)}
     for name, (plain, holds) in held.items():  # what only some types' config.json can say
         if not holds and getattr(cfg, name) != plain and (name != "rope_scaling_type" or cfg.rope_scaling_factor):
             raise ConfigError(f"model.{name}={getattr(cfg, name)!r}: model.hf_model_type={model_type!r} cannot "
@@ -567,7 +615,12 @@ def _llama_groups(cfg: ModelConfig) -> list[_Group]:
         if cfg.qk_norm != "none":
             layer.update({"attention.q_norm.weight": "self_attn.q_norm.weight",
                           "attention.k_norm.weight": "self_attn.k_norm.weight"})
-        if kind.experts and moe_layer(cfg, i):
+        if kind.gpt_oss:
+            layer.update({"attention.wo.bias": "self_attn.o_proj.bias", "attention.sinks": "self_attn.sinks",
+                          "feed_forward.router.weight": "mlp.router.weight",
+                          "feed_forward.router.bias": "mlp.router.bias"})
+            groups += _gpt_oss_experts(f"{ours}feed_forward.experts.", f"{theirs}mlp.experts.")
+        elif kind.experts and moe_layer(cfg, i):
             moe, names = (("block_sparse_moe", ("w1", "w2", "w3")) if kind.experts == "mixtral" else
                           ("mlp", ("gate_proj", "down_proj", "up_proj")))
             layer["feed_forward.router.weight"] = f"{moe}.gate.weight"
@@ -583,6 +636,30 @@ def _llama_groups(cfg: ModelConfig) -> list[_Group]:
                           "mlp.down_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight"})
         groups += _pairs(ours, theirs, layer)
     return groups
+
+
+def _gpt_oss_experts(ours: str, theirs: str) -> list[_Group]:
+    """gpt-oss's stacked experts: gate_up_proj [E, dim, 2F] (gate and up interleaved along its last dim: gate at
+    even columns) and its bias [E, 2F] -> w1, w3 [E, F, dim] and their biases; down_proj [E, F, dim] -> w2 [E,
+    dim, F]; down_proj_bias is w2's."""
+    import torch
+
+    def split(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+        gate_up, bias = ts
+        return [gate_up[..., ::2].transpose(1, 2).contiguous(), gate_up[..., 1::2].transpose(1, 2).contiguous(),
+                bias[..., ::2].contiguous(), bias[..., 1::2].contiguous()]
+
+    def interleave(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+        w1, w3, b1, b3 = ts
+        gate_up = torch.stack([w1.transpose(1, 2), w3.transpose(1, 2)], dim=-1).flatten(-2)
+        return [gate_up.contiguous(), torch.stack([b1, b3], dim=-1).flatten(-2).contiguous()]
+
+    def transposed(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [ts[0].transpose(1, 2).contiguous()]
+    return [_Group([f"{ours}w1", f"{ours}w3", f"{ours}w1_bias", f"{ours}w3_bias"],
+                   [f"{theirs}gate_up_proj", f"{theirs}gate_up_proj_bias"], split, interleave),
+            _Group([f"{ours}w2"], [f"{theirs}down_proj"], transposed, transposed),
+            _Group([f"{ours}w2_bias"], [f"{theirs}down_proj_bias"])]
 
 
 def _fused(ours: str, linears: tuple[tuple[str, int], ...], theirs: str) -> _Group:

@@ -108,6 +108,8 @@ class Attention(nn.Module):
             self.k_norm: RMSNorm | None = rms_norm(kv_width, spec.qk_norm)
         else:
             self.q_norm = self.k_norm = None
+        self.sinks = nn.Parameter(torch.empty(spec.num_heads)) if spec.sinks else None
+        """gpt-oss's attention sinks: one logit per query head in each query's softmax (models/eager_attention.py)."""
         self.sequence = WholeSequence()
         """Causal attention over the whole sequence; context parallelism swaps in its own."""
 
@@ -123,7 +125,8 @@ class Attention(nn.Module):
         q_BHTK, k_BGTK = q_BTHK.transpose(1, 2), k_BTGK.transpose(1, 2)
         v_BGTK = self.wv(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
         q_BHTK, k_BGTK = apply_rope(q_BHTK, cos_TK, sin_TK), apply_rope(k_BGTK, cos_TK, sin_TK)
-        o_BHTK = self.sequence.attention(q_BHTK, k_BGTK, v_BGTK, window_TT, self.scale, self.softcap, self.window)
+        o_BHTK = self.sequence.attention(q_BHTK, k_BGTK, v_BGTK, window_TT, self.scale, self.softcap, self.window,
+                                         self.sinks)
         return self.wo(o_BHTK.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -196,6 +199,8 @@ class Transformer(nn.Module):
             self.register_buffer(_rope_name("cos", k), cos_TK, persistent=False)
             self.register_buffer(_rope_name("sin", k), sin_TK, persistent=False)
         self.spans = [(self.rope_keys.index(la.attention.rope_key), la.attention.window) for la in arch.layers]
+        self.sinks = arch.sinks
+        """Attention sinks in some layer: packed rows' masks are then tensors the eager attention adds."""
         self.rope_after_fp32_norm = any(la.attention.qk_norm is not None and not la.attention.qk_norm.offset
                                         for la in arch.layers)
         """QK-norm whose gain multiplies after the cast back (RMSNorm), so queries and keys reach RoPE in the
@@ -235,7 +240,7 @@ class Transformer(nn.Module):
                 dtype = torch.promote_types(dtype, h_BTD.dtype)
             tables = [(getattr(self, _rope_name("cos", k))[pos_B1T].to(dtype),
                        getattr(self, _rope_name("sin", k))[pos_B1T].to(dtype)) for k in range(len(self.rope_keys))]
-            masks = document_masks(documents_BT, windows, h_BTD)
+            masks = document_masks(documents_BT, windows, h_BTD, eager=self.sinks)
         for i, block in self.layers.indexed():
             table, window = self.spans[i]
             h_BTD = block(h_BTD, *tables[table], masks[window])

@@ -1,9 +1,10 @@
 """Routed-experts feed-forward (Mixtral style) with optional shared experts.
 
-Names: `router` (Linear dim -> num_experts, no bias), `experts.{w1,w2,w3}` stacked [E, F, D] /
+Names: `router` (Linear dim -> num_experts; biased in gpt-oss), `experts.{w1,w2,w3}` stacked [E, F, D] /
 [E, D, F] / [E, F, D] (w1 gate, w3 up, w2 down, as in torchtitan's GroupedExperts, so expert
 parallelism can shard dim 0), `shared_experts.{w1,w2,w3}` (one SwiGLU of width
 num_shared_experts * expert_ffn_dim, which equals the sum of that many experts of width expert_ffn_dim).
+gpt-oss's experts add `experts.{w1,w2,w3}_bias` [E, out] and compute a clamped SwiGLU (Glu).
 
 Routing matches transformers' Mixtral: softmax over all experts in fp32, top-k, renormalize the k
 weights (the same as a softmax over the top-k logits); with model.router_normalize_topk false the k
@@ -31,6 +32,7 @@ F expert hidden, M tokens routed to one expert, C expert capacity, S expert slot
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
 import torch
@@ -62,42 +64,83 @@ class ExpertAdapter(Protocol):
         ...
 
 
+class Glu(NamedTuple):
+    """How an expert's hidden is made of its gate (w1 x) and up (w3 x) projections: SwiGLU, silu(gate) * up,
+    or with `limit` > 0 gpt-oss's clamped form (model.swiglu_limit): gate clamped to at most the limit, up
+    to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    limit: float = 0.0
+    alpha: float = 1.702
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if not self.limit:
+            return F.silu(gate) * up
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+SWIGLU = Glu()
+_NONE: Mapping[str, torch.Tensor] = MappingProxyType({})
+
+
 class ExpertWeights(NamedTuple):
-    """The stacked weights a computation of the experts reads, and any low-rank updates of them."""
+    """The stacked weights a computation of the experts reads, their biases if any, and any low-rank
+    updates of them."""
 
     w1: torch.Tensor
     w2: torch.Tensor
     w3: torch.Tensor
     updates: Mapping[str, LowRank]
     """By weight name (w1, w2, w3): the adapted ones."""
+    biases: Mapping[str, torch.Tensor] = _NONE
+    """By weight name: [E, out] (gpt-oss's experts); empty: none."""
+    glu: Glu = SWIGLU
 
     def linear(self, name: str, x_MD: torch.Tensor, e: int) -> torch.Tensor:
-        """Expert e's weight `name` on its rows x."""
-        y = F.linear(x_MD, getattr(self, name)[e])
+        """Expert e's weight `name` (and bias) on its rows x."""
+        bias = self.biases.get(name)
+        y = F.linear(x_MD, getattr(self, name)[e], None if bias is None else bias[e])
         update = self.updates.get(name)
         if update is None:
             return y
         return y + F.linear(F.linear(update.dropout(x_MD), update.a[e]), update.b[e]) * update.scale
 
     def batched(self, name: str, x_ECD: torch.Tensor) -> torch.Tensor:
-        """Every expert's weight `name` on its rows x[e], in batched matmuls."""
+        """Every expert's weight `name` (and bias) on its rows x[e], in batched matmuls."""
+        bias = self.biases.get(name)
         y = torch.bmm(x_ECD, getattr(self, name).transpose(1, 2))
+        if bias is not None:
+            y = y + bias[:, None, :]
         update = self.updates.get(name)
         if update is None:
             return y
         low = torch.bmm(update.dropout(x_ECD), update.a.transpose(1, 2))
         return y + torch.bmm(low, update.b.transpose(1, 2)) * update.scale
 
+    def hidden(self, x_MD: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e's hidden [M, F] on its rows."""
+        return self.glu(self.linear("w1", x_MD, e), self.linear("w3", x_MD, e))
+
+    def hidden_batched(self, x_ECD: torch.Tensor) -> torch.Tensor:
+        """Every expert's hidden [E, C, F] on its rows x[e]."""
+        return self.glu(self.batched("w1", x_ECD), self.batched("w3", x_ECD))
+
 
 class GroupedExperts(nn.Module):
     """num_experts SwiGLU MLPs stored as stacked weights; `adapters` (empty unless peft/ adds some)
     update some of them by low-rank terms computed beside each matmul, never merged in."""
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, bias: bool = False, glu: Glu | None = None
+                 ) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        if bias:  # gpt-oss's: [E, out] beside each stacked weight
+            self.w1_bias = nn.Parameter(torch.empty(num_experts, hidden_dim))
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, dim))
+            self.w3_bias = nn.Parameter(torch.empty(num_experts, hidden_dim))
+        self.bias, self.glu = bias, glu or SWIGLU
         self.adapters = nn.ModuleDict()
         """ExpertAdapter modules by weight name (w1, w2, w3)."""
         self.dispatch: ExpertDispatch | None = None
@@ -106,7 +149,11 @@ class GroupedExperts(nn.Module):
     def weights(self, local: bool = False) -> ExpertWeights:
         """The weights and updates to compute with (`local`: expert parallelism's own slices)."""
         w1, w2, w3 = (w.to_local() if local else w for w in (self.w1, self.w2, self.w3))
-        return ExpertWeights(w1, w2, w3, {name: adapter.low_rank(local) for name, adapter in self.adapters.items()})
+        biases = {name: getattr(self, f"{name}_bias") for name in ("w1", "w2", "w3")} if self.bias else {}
+        if local:
+            biases = {name: b.to_local() for name, b in biases.items()}
+        return ExpertWeights(w1, w2, w3, {name: adapter.low_rank(local) for name, adapter in self.adapters.items()},
+                             biases, self.glu)
 
     def forward(self, x_ND: torch.Tensor, expert_NK: torch.Tensor, weight_NK: torch.Tensor,
                 capacity: int = 0) -> torch.Tensor:
@@ -122,7 +169,7 @@ class GroupedExperts(nn.Module):
         for e in range(self.w1.shape[0]):
             token_M, slot_M = torch.nonzero(expert_NK == e, as_tuple=True)
             x_MD = x_ND.index_select(0, token_M)
-            h_MF = F.silu(w.linear("w1", x_MD, e)) * w.linear("w3", x_MD, e)
+            h_MF = w.hidden(x_MD, e)
             y_MD = w.linear("w2", h_MF, e) * weight_NK[token_M, slot_M, None].to(x_ND.dtype)
             out_ND.index_add_(0, token_M, y_MD)
         return out_ND
@@ -154,13 +201,12 @@ class ExpertDispatch(Protocol):
 def swiglu_experts(x_MD: torch.Tensor, rows: list[int], w: ExpertWeights) -> torch.Tensor:
     """Experts i of `w` each on its block of `rows[i]` consecutive rows of x, one after the other (a
     loop: torch._grouped_mm has no CPU backward in torch 2.13)."""
-    return torch.cat([w.linear("w2", F.silu(w.linear("w1", x, i)) * w.linear("w3", x, i), i)
-                      for i, x in enumerate(x_MD.split(rows))])
+    return torch.cat([w.linear("w2", w.hidden(x, i), i) for i, x in enumerate(x_MD.split(rows))])
 
 
 def swiglu_hidden(x_ECD: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
-    """SwiGLU hidden [E, C, F] of every expert e on its rows x[e], in batched matmuls."""
-    return F.silu(w.batched("w1", x_ECD)) * w.batched("w3", x_ECD)
+    """The hidden [E, C, F] of every expert e on its rows x[e], in batched matmuls."""
+    return w.hidden_batched(x_ECD)
 
 
 @torch.no_grad()
@@ -201,8 +247,9 @@ class MoE(nn.Module):
         self.top_k = cfg.experts_per_token
         self.capacity_factor = cfg.capacity_factor or 0.0
         self.normalize_topk = bool(cfg.router_normalize_topk)
-        self.router = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
-        self.experts = GroupedExperts(cfg.num_experts, cfg.dim, cfg.expert_ffn_dim)
+        self.router = nn.Linear(cfg.dim, cfg.num_experts, bias=bool(cfg.router_bias))
+        self.experts = GroupedExperts(cfg.num_experts, cfg.dim, cfg.expert_ffn_dim, bias=bool(cfg.expert_bias),
+                                      glu=Glu(cfg.swiglu_limit or 0.0, cfg.swiglu_alpha or 1.702))
         shared_dim = cfg.num_shared_experts * cfg.expert_ffn_dim
         self.shared_experts = FeedForward(cfg.dim, shared_dim) if shared_dim else None
         self.aux_loss: torch.Tensor | None = None

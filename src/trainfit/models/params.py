@@ -71,7 +71,7 @@ def _param_counts(key: tuple) -> ParamCounts:
         attention=layer.attention.params(d),
         mlp=mlp,
         mlp_active=moe.active_params(d) if moe else mlp,
-        routed_experts=moe.experts * moe.expert_params(d) if moe else 0,
+        routed_experts=moe.experts * moe.routed_expert_params(d) if moe else 0,
         norms=layer.norm_params(d),
         final_norm=arch.final_norm.params(d),
         output=0 if arch.tie_embeddings else arch.vocab_size * d,

@@ -42,6 +42,12 @@ DEFAULTS: dict[str, Any] = {
     "router_normalize_topk": True,
     "moe_dense_layers": 0,
     "moe_layer_step": 1,
+    "attention_out_bias": False,
+    "attention_sinks": False,
+    "router_bias": False,
+    "expert_bias": False,
+    "swiglu_limit": 0.0,
+    "swiglu_alpha": 1.702,
 }
 
 

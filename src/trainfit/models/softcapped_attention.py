@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from trainfit.models.architecture import softcap_kernel
+from trainfit.models.eager_attention import eager_attention
 
 _TRACED_DEVICE: ContextVar[str | None] = ContextVar("traced_device", default=None)
 
@@ -53,18 +54,8 @@ def softcapped_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: tor
 
 def eager_softcapped_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,
                                window_TT: torch.Tensor | None, scale: float | None, softcap: float) -> torch.Tensor:
-    """The eager form: it keeps q, the keys and values expanded to the query heads, the tanh's output
-    [heads, queries, keys] and the fp32 probabilities (and their cast to the queries' dtype)."""
-    H, G, T = q_BHTK.shape[1], k_BGTK.shape[1], q_BHTK.shape[2]
-    if G != H:
-        k_BGTK, v_BGTK = k_BGTK.repeat_interleave(H // G, dim=1), v_BGTK.repeat_interleave(H // G, dim=1)
-    scores_BHTS = torch.matmul(q_BHTK, k_BGTK.transpose(2, 3)) * (scale or q_BHTK.shape[-1] ** -0.5)
-    scores_BHTS = torch.tanh(scores_BHTS / softcap) * softcap
-    if window_TT is None:  # causal: an additive mask of this call's (nothing keeps it)
-        window_TT = torch.zeros(T, T, dtype=scores_BHTS.dtype, device=scores_BHTS.device).masked_fill_(
-            torch.ones(T, T, dtype=torch.bool, device=scores_BHTS.device).triu_(1), float("-inf"))
-    probs_BHTS = torch.softmax(scores_BHTS + window_TT, dim=-1, dtype=torch.float32).to(q_BHTK.dtype)
-    return torch.matmul(probs_BHTS, v_BGTK)
+    """The eager form (models/eager_attention.py)."""
+    return eager_attention(q_BHTK, k_BGTK, v_BGTK, window_TT, scale, softcap)
 
 
 def flex_softcapped_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,

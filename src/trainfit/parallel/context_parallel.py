@@ -61,14 +61,14 @@ class ContextParallel(WholeSequence):
 
     def attention(self, q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,
                   window_TT: torch.Tensor | None = None, scale: float | None = None, softcap: float = 0.0,
-                  window: int = 0) -> torch.Tensor:
+                  window: int = 0, sinks_H: torch.Tensor | None = None) -> torch.Tensor:
         """Each of this rank's two query chunks attends the keys from position 0 to its own chunk's
         end, causally within its chunk (a lower-right-aligned causal mask of [chunk, end]), its dot products
         multiplied by `scale` (None: 1 / sqrt(head_dim)). No sliding
         window: the layout refuses one shorter than the sequence (parallel/resolve.py)."""
-        if window_TT is not None or softcap:
-            raise ValueError("context parallelism runs neither a sliding window nor soft-capped scores; the layout "
-                             "refuses both")
+        if window_TT is not None or softcap or sinks_H is not None:
+            raise ValueError("context parallelism runs neither a sliding window, soft-capped scores nor attention "
+                             "sinks; the layout refuses them")
         chunk = q_BHTK.shape[2] // 2
         k_BGSK, v_BGSK = self._gather_in_order(k_BGTK), self._gather_in_order(v_BGTK)
         gqa = q_BHTK.shape[1] != k_BGTK.shape[1]

@@ -239,6 +239,13 @@ def _check_model_split(cfg: Config) -> None:
     if p.cp > 1 and m.attention_softcap:
         raise _fail("parallel.cp", p.cp, f"context parallelism does not run soft-capped attention scores yet "
                     f"(model.attention_softcap={m.attention_softcap}, Gemma 2)", "set parallel.cp=1")
+    if p.tp > 1 and m.attention_sinks:
+        raise _fail("parallel.tp", p.tp, "tensor parallelism does not shard attention sinks yet "
+                    "(model.attention_sinks=true, gpt-oss)", "set parallel.tp=1 (FSDP, pipeline and expert "
+                    "parallelism shard gpt-oss)")
+    if p.cp > 1 and m.attention_sinks:
+        raise _fail("parallel.cp", p.cp, "context parallelism does not run attention sinks yet "
+                    "(model.attention_sinks=true, gpt-oss)", "set parallel.cp=1")
     if p.ep > 1:
         if not m.num_experts:
             raise _fail("parallel.ep", p.ep, "expert parallelism needs an MoE model (model.num_experts > 0)",

@@ -64,6 +64,12 @@ HF_CONFIGS = {
     "olmoe": ("OlmoeConfig", dict(_LLAMA_DIMS, num_experts=4, num_experts_per_tok=2, pad_token_id=0)),
     "qwen3-moe-unnormalized": ("Qwen3MoeConfig", dict(_LLAMA_DIMS, head_dim=24, num_experts=4, num_experts_per_tok=2,
                                                       moe_intermediate_size=40, norm_topk_prob=False)),
+    # gpt-oss: sinks, biases everywhere, a 5-token window on every other layer (the test's sequence is 12), the
+    # clamped SwiGLU with a limit (2) its randomized weights reach; plain RoPE (YaRN has its own entry).
+    "gpt-oss": ("GptOssConfig", dict(_LLAMA_DIMS, head_dim=24, num_local_experts=4, num_experts_per_tok=2,
+                                     sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+                                     swiglu_limit=2.0, rope_parameters=dict(rope_type="default", rope_theta=150000.0),
+                                     pad_token_id=0, eos_token_id=0)),
     "gpt2": ("GPT2Config", _GPT2_DIMS),
     "gpt2-untied": ("GPT2Config", dict(_GPT2_DIMS, n_inner=96, tie_word_embeddings=False)),
 }
