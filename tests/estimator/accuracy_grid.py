@@ -390,6 +390,11 @@ GEMMA2 = [*LLAMA, "--model.num_layers=3", "--model.norm_placement=sandwich", "--
           WINDOW, "--model.sliding_window_pattern=2", "--model.attention_softcap=50", "--model.final_softcap=30"]
 """Gemma 2's block: Gemma 3's without QK-norm, windowed and global layers alternating, soft-capped scores
 (an eager attention) and logits."""
+GPT_OSS = [*moe(4, 2), "--model.attention_sinks=true", "--model.qkv_bias=true", "--model.attention_out_bias=true",
+           "--model.router_bias=true", "--model.expert_bias=true", "--model.swiglu_limit=7", WINDOW,
+           "--model.sliding_window_pattern=2"]
+"""gpt-oss's block: attention sinks (an eager attention on every device), biases on q, k, v, o, the router and
+the experts, the clamped SwiGLU, windowed and global layers alternating."""
 ARCHITECTURE_GRID: list[Row] = [
     _row("qwen3-fp32", 1, QWEN3),
     _row("qwen3-bf16-mixed", 1, QWEN3, BF16_MIXED),
@@ -423,6 +428,14 @@ ARCHITECTURE_GRID: list[Row] = [
     _row("olmo2-lora-all-linear-bf16-mixed", 1, OLMO2, LORA, ALL_LINEAR, BF16_MIXED),
     _row("olmo2-z3-bf16-mixed", 2, OLMO2, Z3, BF16_MIXED),
     _row("post-norm-tp2-sp-fp32", 2, QWEN3, POST_NORM, TP2, SP, micro=8),
+    _row("gpt-oss-fp32", 1, GPT_OSS),
+    _row("gpt-oss-bf16-mixed", 1, GPT_OSS, BF16_MIXED),
+    _row("gpt-oss-bf16-mixed-full", 1, GPT_OSS, BF16_MIXED, FULL),
+    _row("gpt-oss-fp32-selective", 1, GPT_OSS, SELECTIVE),
+    _row("gpt-oss-lora-all-linear-bf16-mixed", 1, GPT_OSS, LORA, ALL_LINEAR, BF16_MIXED),
+    _row("gpt-oss-z3-bf16-mixed", 2, GPT_OSS, Z3, BF16_MIXED),
+    # capacity buffers under expert parallelism (fixed; dropless, each rank's rows are the step's routing)
+    _row("gpt-oss-cf1-ep2-z3-fp32", 2, GPT_OSS, "--model.capacity_factor=1.0", EP2, Z3),
     # Gemma 3's and Gemma 2's blocks (the selective policies' rows: the window and QK-norm rows' above)
     *(row for name, shape in (("gemma3", GEMMA3), ("gemma2", GEMMA2)) for row in (
         _row(f"{name}-fp32", 1, shape),

@@ -56,6 +56,9 @@ class Estimate:
     def attention_note(self) -> str:
         """Which attention kernel the estimate assumes, and why, in one line."""
         backend = self.cfg.training.attention_backend
+        if describe(self.cfg.model).attention.sinks:
+            return ("attention: attention sinks (model.attention_sinks) run an eager attention on every device, not "
+                    "SDPA: heads x seq x (seq + 1) fp32 probabilities saved per block")
         if describe(self.cfg.model).attention.softcap:
             if softcap_kernel(device_type(self.cfg.hardware)) == "flex":
                 return ("attention: soft-capped scores (model.attention_softcap) run FlexAttention, compiled: no seq "

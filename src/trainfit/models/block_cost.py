@@ -52,7 +52,8 @@ def block_attention_kernel_flops(m: ModelConfig, seq_len: int, *, eager_softcap:
     """What the attention kernel computes per token in one block (the mean over the layers): the causal
     half without a mask; with a sliding window's explicit mask, SDPA's kernels that take one (CPU flash,
     CUDA memory-efficient) compute every query-key block and mask afterwards, the whole sequence, as
-    the eager soft-capped attention does (Gemma 2, `eager_softcap`: on the CPU); FlexAttention's block mask
+    the eager attention does (`eager_softcap`: architecture.eager_attention; Gemma 2 on the CPU, gpt-oss's sinks
+    everywhere); FlexAttention's block mask
     (its CUDA form) skips the blocks outside the causal window: the useful work."""
     return _attention_kernel_flops(config_key(m), seq_len, eager_softcap)
 
@@ -61,7 +62,7 @@ def block_attention_kernel_flops(m: ModelConfig, seq_len: int, *, eager_softcap:
 def _attention_kernel_flops(key: tuple, seq_len: int, eager_softcap: bool) -> int:
     m = ModelConfig(*key)
     layers = describe(m).layers
-    if describe(m).attention.softcap:
+    if describe(m).attention.softcap or describe(m).attention.sinks:
         return block_attention_flops(m, seq_len, causal=not eager_softcap) if eager_softcap else \
             block_attention_flops(m, seq_len)
     whole = [la.attention.masked(seq_len) for la in layers]

@@ -186,7 +186,8 @@ def attention_backward_factor(m: ModelConfig, eager_softcap: bool) -> float:
     """The attention backward's FLOPs over its forward's: a fused kernel's 2.5 (module docstring; so is
     FlexAttention's, on CUDA); the eager soft-capped attention's (Gemma 2, `eager_softcap`: on the CPU) 2,
     the gradients of its two products from what it saved."""
-    return 2.0 if eager_softcap and describe(m).attention.softcap else FLASH_ATTENTION_BWD_FACTOR
+    a = describe(m).attention
+    return 2.0 if eager_softcap and (a.softcap or a.sinks) else FLASH_ATTENTION_BWD_FACTOR
 
 
 def flash_backward_extra_flops_per_token(m: ModelConfig, seq_len: int) -> int:

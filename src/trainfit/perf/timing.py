@@ -94,9 +94,9 @@ from trainfit.models.architecture import (
     config_key,
     describe,
     document_mask_kernel,
+    eager_attention,
     kind_of_layers,
     layer_kinds,
-    softcap_kernel,
 )
 from trainfit.models.block_spec import block_linears
 from trainfit.parallel.layout import Layout
@@ -278,13 +278,13 @@ def _attention_kernel_flops(m: ModelConfig, layout: Layout, t: TrainingConfig, d
     rows = packed_rows(layout)
     if rows is None:
         return B.block_attention_kernel_flops(m, t.seq_len, eager_softcap=eager)
-    length = rows.kernel_length(t.seq_len, document_mask_kernel(device))
+    length = rows.kernel_length(t.seq_len, document_mask_kernel(device, describe(m).sinks))
     return B.block_attention_flops(m, t.seq_len, causal=False) if length is None else B.block_attention_flops(m, length)
 
 
 def _rank_of(m: ModelConfig, layout: Layout, t: TrainingConfig, device: str) -> Callable[[int, int, bool], RankFlops]:
     """A rank's FLOPs per token of `m` (its layers alike) by (blocks, of them wrapped, runs the last stage)."""
-    eager = softcap_kernel(device) == "eager"
+    eager = eager_attention(describe(m).attention, device)
     mm, at = 2 * B.block_matmul_params(m), _attention_kernel_flops(m, layout, t, device, eager)
     rc_mm, rc_at = F.block_recompute_flops(m, t.seq_len, layout.activation_checkpointing, layout.ep)
     rc_at = rc_at * at / B.block_attention_flops(m, t.seq_len)  # the kernel's work, as for the forward
@@ -497,7 +497,9 @@ def _gpu_compute_seconds(m: ModelConfig, layout: Layout, t: TrainingConfig, rate
     # soft-capped scores (Gemma 2) run FlexAttention on a GPU (models/architecture.softcap_kernel), a fused
     # kernel that is priced as FlashAttention-2 (FlexAttention's own rate is not measured here)
     # and so do packed rows' (document_mask_kernel), at their samples' effective length
-    kernel = "flash" if describe(m).attention.softcap or packed_rows(layout) else \
+    # Attention sinks run the eager attention on every device: its matmuls priced as the math kernel's
+    a = describe(m).attention
+    kernel = "math" if a.sinks else "flash" if a.softcap or packed_rows(layout) else \
         attention_kernel(t.attention_backend, device)
     att_fwd, att_bwd = GK.attention_rates(kernel, attended_length(layout, t) // layout.cp,
                                           GK.mamf(device, "bf16", peaks))

@@ -372,6 +372,9 @@ def measure_step(cfg: Config, steps: int = 2, *, cuda_snapshot: str | Path | Non
 def attention_layers_note(arch: Architecture, seq_len: int) -> str | None:
     """Which attention each kind of layer runs, where the layers differ from plain causal SDPA: the eager
     soft-capped attention (Gemma 2), or windowed layers (an explicit mask) beside global ones."""
+    if arch.attention.sinks:
+        return ("attention: attention sinks (model.attention_sinks) in every layer: the eager attention (its fp32 "
+                "probabilities over the keys and the sink kept for backward), not SDPA")
     if arch.attention.softcap:
         return (f"attention: soft-capped scores (model.attention_softcap={arch.attention.softcap:g}) in every "
                 "layer: the eager attention (its scores and fp32 probabilities kept for backward), not SDPA")

@@ -126,7 +126,7 @@ def _micro_batch(m: ModelConfig, prec: Precision, shape: MicroBatchShape) -> Mic
         released_last=size(only.released_last), grad_stream=size(t.grad_stream), grad_cast=size(t.grad_cast),
         branch_grad=size(t.branch_grad), attention=size(t.attention), mlp_new=size(t.mlp_new),
         mlp_freed=size(t.mlp_freed), recompute_tail=size(t.recompute_tail),
-        attention_freed=size(attention_backward_freed(m, act)) if scores_kept(m, act) else 0,
+        attention_freed=size(attention_backward_freed(m, act, routing)) if scores_kept(m, act) else 0,
         first_kept=size(first.kept), first_input=size(first.block_input),
         first_rebuilt=size(first.rebuilt), first_attention_new=size(first.attention_new),
         first_mlp_freed=size(first.freed), first_mlp_new=size(first.mlp_new),

@@ -24,7 +24,7 @@ from trainfit.memory.closed_form.run_shape import (
     precision_of,
     rope_table_bytes,
 )
-from trainfit.models.architecture import config_key, describe, document_mask_kernel, kind_of_layers, softcap_kernel
+from trainfit.models.architecture import config_key, describe, document_mask_kernel, eager_attention, kind_of_layers
 from trainfit.models.block_spec import block_linears
 from trainfit.models.params import ParamCounts, param_counts
 from trainfit.parallel.layout import Layout
@@ -288,7 +288,7 @@ def layout_common(run: Run, shared: SharedSizes) -> LayoutCommon:
     prec = precision_of(layout.precision, not layout.autocast)
     if assumed_attention_kernel(run.model, layout, run.training, run.hardware) == "math":
         prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, math_attention=True))
-    if describe(run.model).attention.softcap and softcap_kernel(device_type(run.hardware)) == "eager":
+    if eager_attention(describe(run.model).attention, device_type(run.hardware)):
         prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, eager_attention=True))
     if run.hardware.gpu == "cpu":
         prec = dataclasses.replace(prec, act=dataclasses.replace(prec.act, dropout_noise=True))
@@ -300,7 +300,8 @@ def layout_common(run: Run, shared: SharedSizes) -> LayoutCommon:
                    layout.activation_checkpointing, layout.moe_imbalance, layout.chunked_loss, layout.loss_chunk_tokens,
                    rope_table_bytes(run), layout.adaptation,
                    layout.rows.scored_share(run.training.seq_len) if layout.rows is not None else 1.0,
-                   document_mask_kernel(device_type(run.hardware)) if prec.act.packed_rows else "",
+                   document_mask_kernel(device_type(run.hardware), describe(run.model).sinks)
+                   if prec.act.packed_rows else "",
                    layout.regathers, run.engine.layers, layout.precision == "fp8-mixed")
     kinds = tuple(KindSizes(kind_run, sizes.counts, _block(kind_run), sizes.micro_batch(prec, shape))
                   for sizes in shared.kinds for kind_run in [run._replace(model=sizes.model)])

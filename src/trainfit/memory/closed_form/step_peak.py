@@ -430,8 +430,11 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
     # the layers of that window: models/common.window_mask), and each RoPE setting's cos/sin tables
     persistent_buffers = context_parallel_mask_bytes(st.seq, run.layout.cp, act.compute)
     arch = describe(run.model)
-    if not act.packed_rows:  # packed rows' document masks replace the windows' (micro_batch.MicroBatch.positions)
-        persistent_buffers += len(arch.masked_windows(st.seq)) * st.seq * st.seq * act.compute
+    window_masks = 0 if act.packed_rows else len(arch.masked_windows(st.seq)) * st.seq * st.seq * act.compute
+    # (packed rows' document masks replace the windows': micro_batch.MicroBatch.positions); SDPA saves the window's
+    # mask for its backward, the eager attention does not: its masks die with the model's forward
+    persistent_buffers += 0 if act.eager_attention else window_masks
+    forward_masks = mb.forward_masks + (window_masks if act.eager_attention else 0)
     persistent_buffers += len(arch.rope_keys) * 2 * run.model.max_seq_len * arch.attention.head_dim * \
         rope_table_bytes(run)
     kind = run.layout.data_parallel
@@ -643,7 +646,7 @@ def rank_breakdown(run: Run, common: LayoutCommon, lay: RankLayout) -> Callable[
         ahead = g.before + g.pending(st.params)  # every gradient before the backward's first
         moments = [
             # End of the model's forward: autocast's cache still holds checkpointed blocks' casts.
-            Moment("forward", "end of forward", held + all_casts, acts + mb.forward_masks,
+            Moment("forward", "end of forward", held + all_casts, acts + forward_masks,
                    older_logits + loss.output, ahead, fwd),
             Moment("forward", "loss", held + saved_casts, acts, older_logits + loss.forward, ahead, fwd),
             # (QLoRA: the last block's forward, dequantizing its largest NF4 weight; a bound: the whole block saved)

@@ -132,6 +132,13 @@ def swiglu_saved(c: int, hidden: float) -> float:
     return 4 * c * hidden  # w1 out (silu input), w3 out, silu out, their product (w2 input)
 
 
+def expert_glu_saved(m: ModelConfig, c: int) -> float:
+    """What one routed expert row's hidden saves (models/moe.Glu): SwiGLU's four, or gpt-oss's clamped form's
+    seven: the gate and up before their clamps (the clamps' inputs), the clamped gate and the sigmoid's output
+    (their product's), up + 1 and that product (the next product's), and the hidden (w2's input)."""
+    return (7 if m.swiglu_limit else 4) * c * m.expert_ffn_dim
+
+
 def ffn_consumers(m: ModelConfig) -> int:
     mlp = layer_of(m).mlp
     if mlp and not mlp.gated:

@@ -29,7 +29,7 @@ def attention_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
         else 0
     qk_norm = qk_norm_saved(m, d)
     if d.eager_attention:
-        return _softcapped_attention_saved(m, d) + Terms(per_position=per_position) + qk_norm
+        return _eager_attention_saved(m, d) + Terms(per_position=per_position) + qk_norm
     if d.math_attention:
         return _math_attention_saved(m, d, cp) + Terms(per_position=per_position) + qk_norm
     # SDPA saves q (after RoPE), k (after RoPE), v, out, and an fp32 logsumexp per head.
@@ -68,17 +68,19 @@ def _math_attention_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
     return Terms(tp=d.compute * q_dim + FP32 * (q_dim + q_dim * per_call) + v, per_key=FP32 * H * per_query)
 
 
-def _softcapped_attention_saved(m: ModelConfig, d: ActDtypes) -> Terms:
-    """models/softcapped_attention.py's eager form (Gemma 2's soft-capped scores; FlexAttention, on CUDA,
-    keeps what the fused kernel keeps): the first matmul saves q
-    and the keys expanded to the query heads (a copy under GQA), tanh its output ([heads, queries, keys]
-    in the compute dtype), the fp32 softmax its output, the second matmul the probabilities cast back
-    (unless fp32: the softmax's own) and the expanded values. No output nor logsumexp: the output
-    projection saves its own copy of the output, as under the fused kernel."""
+def _eager_attention_saved(m: ModelConfig, d: ActDtypes) -> Terms:
+    """models/eager_attention.py's form (Gemma 2's soft-capped scores where FlexAttention, which keeps what the
+    fused kernel keeps, has no backward; gpt-oss's sinks on every device): the first matmul saves q and the keys
+    expanded to the query heads (a copy under GQA), with a cap tanh its output ([heads, queries, keys] in the
+    compute dtype), the fp32 softmax its output (with sinks over keys + 1: the sink's column too, the slice
+    without it a view), the second matmul the probabilities cast back (unless fp32: the softmax's own) and the
+    expanded values. No output nor logsumexp: the output projection saves its own copy of the output, as under
+    the fused kernel."""
     D, q_dim, kv_dim, H, _ = block_shapes(m)
-    c = d.compute
+    c, a = d.compute, layer_of(m).attention
     expanded = q_dim if m.num_kv_heads != m.num_heads else kv_dim
-    return Terms(tp=c * (2 * q_dim + 2 * expanded), per_key=H * (c + FP32 + (c if c != FP32 else 0)))
+    tanh, cast, sink = c if a.softcap else 0, c if c != FP32 else 0, FP32 * H if a.sinks else 0
+    return Terms(tp=c * (2 * q_dim + 2 * expanded) + sink, per_key=H * (tanh + FP32 + cast))
 
 
 def _context_parallel_saved(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
@@ -139,8 +141,9 @@ def attention_backward(m: ModelConfig, d: ActDtypes, cp: int) -> Terms:
     the engine runs them later)."""
     _, q_dim, kv_dim, H, _ = block_shapes(m)
     v = q_dim if m.num_kv_heads != m.num_heads else kv_dim
-    if d.eager_attention:  # the fp32 softmax's backward, the expanded v's gradient waiting
-        return Terms(tp=d.compute * v, per_key=2 * FP32 * H)
+    if d.eager_attention:  # the fp32 softmax's backward (and the sink's column), the expanded v's gradient waiting
+        sink = 2 * FP32 * H if layer_of(m).attention.sinks else 0
+        return Terms(tp=d.compute * v + sink, per_key=2 * FP32 * H)
     if not d.math_attention:
         return Terms(tp=d.compute * (2 * q_dim + 2 * kv_dim))
     per_query, per_call = keys_per_query(cp)

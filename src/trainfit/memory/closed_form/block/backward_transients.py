@@ -24,7 +24,7 @@ from trainfit.memory.closed_form.block.activation_terms import (
 )
 from trainfit.memory.closed_form.block.activations import policy_keeps_shared_output
 from trainfit.memory.closed_form.block.attention_activations import attention_backward
-from trainfit.memory.closed_form.block.moe_activations import Routing, balanced_routing
+from trainfit.memory.closed_form.block.moe_activations import Routing, balanced_routing, moe_saved
 
 
 @dataclass(frozen=True)
@@ -79,19 +79,20 @@ def first_linears(m: ModelConfig, d: ActDtypes) -> FirstLinears:
                         mlp_new=Terms(tp=c * m.ffn_dim, gathered=d.stream * D) + input_grad)
 
 
-def attention_backward_freed(m: ModelConfig, d: ActDtypes) -> Terms:
-    """What a dense block has freed of what it saved (or its recompute rebuilt) when its attention's
-    backward runs, after its MLP's and output projection's: the MLP's tensors, its norm's, the
-    mid-block residual the norm saved, and the output projection's input. MoE blocks: none counted
-    (their experts' tensors are freed expert by expert, routed_backward_moments)."""
-    if m.num_experts:
-        return Terms()
+def attention_backward_freed(m: ModelConfig, d: ActDtypes, routing: Routing | None = None) -> Terms:
+    """What a block has freed of what it saved (or its recompute rebuilt) when its attention's backward
+    runs, after its feed-forward's and output projection's: the MLP's tensors (an MoE block's: the router's
+    and every expert's, `routing`'s rows), its norm's, the mid-block residual the norm saved, and the output
+    projection's input."""
     _, q_dim, _, _, _ = block_shapes(m)
     c = d.compute
     residual = norm_input_bytes(m, d) * m.dim
-    mlp = 2 * c * m.ffn_dim if ungated_mlp(m) else swiglu_saved(c, m.ffn_dim)
+    if m.num_experts:
+        ffn = moe_saved(m, d, routing or balanced_routing(m))
+    else:
+        ffn = Terms(tp=2 * c * m.ffn_dim if ungated_mlp(m) else swiglu_saved(c, m.ffn_dim))
     after = sandwich_post_norms_saved(m, d) if layer_of(m).norm_placement == "sandwich" else Terms()
-    return Terms(seq=residual, tp=mlp + c * q_dim) + norm_saved(m, d, ffn_consumers(m)) + after
+    return Terms(seq=residual, tp=c * q_dim) + ffn + norm_saved(m, d, ffn_consumers(m)) + after
 
 
 def backward_transient_terms(m: ModelConfig, d: ActDtypes, routing: Routing | None = None,

@@ -15,6 +15,7 @@ from trainfit.memory.closed_form.block.activation_terms import (
     ActDtypes,
     Terms,
     Transient,
+    expert_glu_saved,
     swiglu_saved,
 )
 from trainfit.models.checkpoint_policy import kept_linear_shares
@@ -123,7 +124,7 @@ def routed_row_saved(m: ModelConfig, d: ActDtypes) -> float:
 def _expert_row_saved(m: ModelConfig, d: ActDtypes) -> float:
     """The expert's side of a row: its input (or autocast's two casts of it) and the SwiGLU's four."""
     x_in = 2 * d.compute * m.dim if d.autocast else d.stream * m.dim
-    return x_in + swiglu_saved(d.compute, m.expert_ffn_dim)
+    return x_in + expert_glu_saved(m, d.compute)
 
 
 def _combine_row_saved(m: ModelConfig, d: ActDtypes) -> float:
@@ -209,7 +210,7 @@ def _capacity_freed(m: ModelConfig, d: ActDtypes, routing: Routing, size: Callab
     returned rows (an all-to-all's output) or, on one rank, the kept w2 output; and w1's and w3's
     outputs by their kept shares."""
     D, F, c, rows = m.dim, m.expert_ffn_dim, d.compute, routing.busiest
-    freed = rows * (_combine_row_saved(m, d) + (swiglu_saved(c, F) if swiglu else 0))
+    freed = rows * (_combine_row_saved(m, d) + (expert_glu_saved(m, c) if swiglu else 0))
     kept = 0.0
     if policy in ("selective", "selective-alternate"):
         share = kept_linear_shares(m, policy, routing.local_experts(m.num_experts), capacity=True)
