@@ -37,6 +37,7 @@ from _dist import (
     FP32,
     GEMMA2,
     GEMMA3,
+    GPT_OSS,
     LONG_STEPS,
     LOW,
     MOE,
@@ -115,6 +116,7 @@ class DataParallelParity(GlooTestCase):
               "--model.router_normalize_topk=false", "--model.num_shared_experts=0"), MOE),
             (("--parallel.zero_stage=3", "--model.preset=debug-moe", "--model.qk_norm=head", "--model.head_dim=24",
               "--model.num_shared_experts=0"), MOE),
+            (("--parallel.zero_stage=3", "--model.preset=debug-moe", *GPT_OSS), MOE),  # gpt-oss's
         ])
 
     @with_comms

@@ -26,7 +26,16 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
-from _dist import DP_BATCH, LAYOUT_FIELDS, LONG_STEPS, MIXED_MOE, FourRankGlooTestCase, GlooTestCase, with_comms
+from _dist import (
+    DP_BATCH,
+    GPT_OSS,
+    LAYOUT_FIELDS,
+    LONG_STEPS,
+    MIXED_MOE,
+    FourRankGlooTestCase,
+    GlooTestCase,
+    with_comms,
+)
 from _runs import assert_export_matches, run_config
 from trainfit.models.init import canonical_name
 from trainfit.train.distributed import World
@@ -87,8 +96,10 @@ class TwoRanks(ExpertParallelParity):
             # dense, MoE (expert parallelism on the MoE ones only)
             ((*EP2, "--model.qk_norm=head", "--model.head_dim=24", "--model.num_shared_experts=0", *MIXED_MOE),
              COMPOSITION_STEPS),
+            # gpt-oss's block: sinks, biased router and experts (their biases split with them), clamped SwiGLU
+            ((*EP2, *GPT_OSS), COMPOSITION_STEPS),
         ]}, self.check_case)
-        self.run_subtests({"overrides": [EP2, (*EP2, CAPACITY)]}, self.check_gradients)
+        self.run_subtests({"overrides": [EP2, (*EP2, CAPACITY), (*EP2, *GPT_OSS)]}, self.check_gradients)
 
     @with_comms
     def test_checkpoint_resumes_on_one_process_and_exports(self) -> None:

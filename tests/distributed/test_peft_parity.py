@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from _dist import LONG_STEPS, GlooTestCase, with_comms
+from _dist import GPT_OSS, LONG_STEPS, STEPS, GlooTestCase, with_comms
 
 PEFT_FP32 = {"loss_rtol": 1e-4, "update_rtol": 1e-4}
 LORA = ("--peft.method=lora", "--peft.targets=all-linear", "--peft.rank=4", "--training.lr=3e-3")
@@ -42,4 +42,6 @@ class TwoRanks(GlooTestCase):
             ((*MOE_LORA, "--parallel.ep=2", "--parallel.zero_stage=3"), PEFT_FP32, LONG_STEPS),
             ((*MOE_LORA, "--parallel.ep=2", "--parallel.zero_stage=2", "--model.capacity_factor=1.0"),
              PEFT_FP32, LONG_STEPS),
+            # gpt-oss's block: LoRA on its biased attention, router and experts, under expert parallelism
+            ((*MOE_LORA, *GPT_OSS, "--parallel.ep=2", "--parallel.zero_stage=3"), PEFT_FP32, STEPS),
         ])

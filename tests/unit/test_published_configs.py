@@ -27,7 +27,11 @@ CARD_BILLIONS = {  # the model card's "Number of Parameters" (SOURCES.md names e
     "microsoft--Phi-3-mini-4k-instruct.json": 3.8, "mistralai--Mistral-Small-24B-Instruct-2501.json": 24.0,
     "google--gemma-3-1b-it.json": 1.0, "google--gemma-3-4b-it.json": 4.0, "google--gemma-3-27b-it.json": 27.0,
     "google--gemma-3-12b-it.json": 12.0, "allenai--OLMo-2-1124-7B.json": 7.0, "allenai--OLMo-2-1124-13B.json": 13.0,
+    "openai--gpt-oss-20b.json": 20.9, "openai--gpt-oss-120b.json": 116.8,
 }
+CARD_ACTIVE_BILLIONS = {"openai--gpt-oss-20b.json": 3.61, "openai--gpt-oss-120b.json": 5.13}
+"""The gpt-oss model card's (arXiv 2508.10925, Table 1) active parameters per token: all but the input embedding
+of the routed experts a token passes through (top-4)."""
 SIZE_CLASS = {"allenai--OLMo-2-1124-7B.json", "allenai--OLMo-2-1124-13B.json"}
 """Files whose card names a size class only ("7B and 13B models"): the count lies between it and the next."""
 NON_EMBEDDING = {  # the Gemma 2 report's (arXiv 2408.00118) non-embedding parameters (SOURCES.md)
@@ -47,6 +51,7 @@ PRESET_OF = {
     "google--gemma-2-2b-it.json": "gemma-2-2b", "google--gemma-2-9b-it.json": "gemma-2-9b",
     "google--gemma-2-27b-it.json": "gemma-2-27b", "google--gemma-3-12b-it.json": "gemma-3-12b",
     "allenai--OLMo-2-1124-7B.json": "olmo-2-7b", "allenai--OLMo-2-1124-13B.json": "olmo-2-13b",
+    "openai--gpt-oss-20b.json": "gpt-oss-20b", "openai--gpt-oss-120b.json": "gpt-oss-120b",
 }
 FILES = sorted(p.name for p in DATA.glob("*.json"))
 
@@ -98,7 +103,7 @@ def test_each_file_is_its_cards_model_and_loads_with_transformers_count(name: st
 @pytest.mark.filterwarnings("ignore:.*vision tower")
 @pytest.mark.parametrize("name", ["Qwen--Qwen3-8B.json", "Qwen--Qwen3-30B-A3B.json", "microsoft--phi-4.json",
                                   "google--gemma-3-27b-it.json", "mistralai--Mistral-Small-24B-Instruct-2501.json",
-                                  "google--gemma-2-9b-it.json"])
+                                  "google--gemma-2-9b-it.json", "openai--gpt-oss-20b.json"])
 def test_a_flagship_estimates_from_its_file(name: str) -> None:
     cfg = load_config(None, [f"--model.preset={DATA / name}", "--hardware.gpu=H100-SXM-80GB", "--hardware.num_gpus=8",
                              "--parallel.zero_stage=3", "--precision.mode=bf16-mixed",
@@ -110,6 +115,13 @@ def test_a_flagship_estimates_from_its_file(name: str) -> None:
     assert result.worst.peak > result.worst.master_params and 0 < result.perf.time["mfu"] < 1
 
 
+@pytest.mark.parametrize("name", sorted(CARD_ACTIVE_BILLIONS))
+def test_an_moe_files_active_parameters_are_its_cards(name: str) -> None:
+    cfg = _ours(str(DATA / name))
+    without_input_embedding = param_counts(cfg).active - cfg.vocab_size * cfg.dim
+    assert round(without_input_embedding / 1e9, 2) == CARD_ACTIVE_BILLIONS[name]
+
+
 def test_the_sliding_windows_are_read_where_they_are_shorter_than_the_context() -> None:
     assert model_fields_from_hf_config(DATA / "microsoft--Phi-3-mini-4k-instruct.json")["sliding_window"] == 2047
     assert model_fields_from_hf_config(DATA / "microsoft--phi-4.json")["sliding_window"] == 0  # its context
@@ -117,7 +129,7 @@ def test_the_sliding_windows_are_read_where_they_are_shorter_than_the_context() 
     assert (gemma["sliding_window"], gemma["sliding_window_pattern"], gemma["rope_local_theta"]) == (512, 6, 1e4)
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "llama4"])
 def test_a_type_not_read_yet_is_refused_naming_what_is(model_type: str) -> None:
     assert model_type not in SUPPORTED_TYPES
     with pytest.raises(ConfigError) as err:

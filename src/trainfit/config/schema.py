@@ -43,7 +43,7 @@ def field_error(name: str, value: object, fix: str) -> ConfigError:
 QkNorm = Literal["none", "head", "whole"]
 NormPlacement = Literal["pre", "post", "sandwich"]
 MlpActivation = Literal["silu", "gelu_tanh"]
-RopeScalingType = Literal["llama3", "linear"]
+RopeScalingType = Literal["llama3", "linear", "yarn"]
 
 
 @dataclass
@@ -117,7 +117,25 @@ class ModelConfig:
     """Llama 3.1 RoPE scaling: the context the model was pre-trained at before scaling (8192)."""
     rope_scaling_type: RopeScalingType | None = None
     """How rope_scaling_factor scales: llama3 (Llama 3.1's, above) | linear (every frequency divided by the
-    factor, positions interpolated: Gemma 3 4B and larger, 8)."""
+    factor, positions interpolated: Gemma 3 4B and larger, 8) | yarn (YaRN, models/rope_scaling.py: the
+    pairs turning fewer than rope_yarn_beta_slow times over rope_original_max_seq_len divided by the factor,
+    those turning more than rope_yarn_beta_fast times kept, a ramp between; cos and sin sharpened by the
+    attention factor: gpt-oss, 32 over 4096, DeepSeek-V3, 40 over 4096)."""
+    rope_yarn_beta_fast: float | None = None
+    """YaRN: the turns over the original context above which a pair keeps its frequency (32)."""
+    rope_yarn_beta_slow: float | None = None
+    """YaRN: the turns below which a pair is divided by the factor (1)."""
+    rope_yarn_truncate: bool | None = None
+    """YaRN: the ramp's ends rounded to whole pairs (the released YaRN code's and transformers' default, true;
+    gpt-oss: false)."""
+    rope_yarn_mscale: float | None = None
+    """YaRN: DeepSeek's mscale; with rope_yarn_mscale_all_dim (both non-zero) the attention factor is their
+    ratio of 0.1 m ln(factor) + 1; 0 = unset (the factor is 0.1 ln(factor) + 1)."""
+    rope_yarn_mscale_all_dim: float | None = None
+    """YaRN: DeepSeek's mscale_all_dim (see rope_yarn_mscale); 0 = unset."""
+    rope_attention_factor: float | None = None
+    """YaRN: what cos and sin are multiplied by, given outright (HF's attention_factor); 0 = derived from the
+    factor as rope_yarn_mscale says."""
     rope_local_theta: float | None = None
     """The RoPE base of the sliding-window layers where it differs from rope_theta (Gemma 3: 10000, its
     global layers 1e6); 0 = rope_theta. Set, RoPE scaling applies to the global layers only."""

@@ -128,8 +128,17 @@ def _validate_rope_scaling(m: ModelConfig) -> None:
         return
     if not m.rope_scaling_factor >= 1:
         raise field_error("model.rope_scaling_factor", m.rope_scaling_factor,
-                          "must be 0 (plain RoPE) or >= 1 (Llama 3.1 scaling; its factor is 8)")
+                          "must be 0 (plain RoPE) or >= 1 (Llama 3.1 scaling's factor is 8, gpt-oss's YaRN 32)")
     if m.rope_scaling_type == "linear":
+        return
+    if m.rope_scaling_type == "yarn":
+        if not 0 < m.rope_yarn_beta_slow <= m.rope_yarn_beta_fast:
+            raise field_error("model.rope_yarn_beta_fast", m.rope_yarn_beta_fast,
+                              f"must be at least model.rope_yarn_beta_slow={m.rope_yarn_beta_slow} > 0 "
+                              "(YaRN: 32 and 1)")
+        if m.rope_original_max_seq_len < 1:
+            raise field_error("model.rope_original_max_seq_len", m.rope_original_max_seq_len,
+                              "must be a positive integer: the context YaRN stretches (gpt-oss: 4096)")
         return
     if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
         raise field_error("model.rope_high_freq_factor", m.rope_high_freq_factor,

@@ -360,9 +360,11 @@ def _rope_scaling(hf: dict[str, Any], file: Path) -> dict[str, Any]:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return {"rope_scaling_factor": 0.0}
+    if kind == "yarn":
+        return _yarn_fields(hf, scaling, where, file)
     if kind != "llama3":
-        raise _unsupported(file, f"{where}.rope_type", kind, "only plain RoPE and Llama 3.1's scaling (llama3) are "
-                           "supported")
+        raise _unsupported(file, f"{where}.rope_type", kind, "only plain RoPE, Llama 3.1's scaling (llama3) and "
+                           "YaRN (yarn) are supported")
     fields = {}
     for key, name in LLAMA3_ROPE_KEYS.items():
         value = scaling.get(key)
@@ -370,6 +372,30 @@ def _rope_scaling(hf: dict[str, Any], file: Path) -> dict[str, Any]:
             raise _unsupported(file, f"{where}.{key}", value, "rope_type llama3 is supported with a number here")
         fields[name] = int(value) if name == "rope_original_max_seq_len" else float(value)
     return fields
+
+
+def _yarn_fields(hf: dict[str, Any], scaling: dict[str, Any], where: str, file: Path) -> dict[str, Any]:
+    """YaRN's settings (models/rope_scaling.py), read as transformers reads them: beta_fast and beta_slow
+    default (32, 1) when absent or 0, the original context to max_position_embeddings, truncate to true."""
+    def number(key: str, default: float | None) -> float | None:
+        value = scaling.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _unsupported(file, f"{where}.{key}", value, "rope_type yarn is supported with a number here")
+        return float(value)
+    factor = number("factor", None)
+    if factor is None:
+        raise _unsupported(file, f"{where}.factor", None, "rope_type yarn is supported with its factor given")
+    truncate = scaling.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise _unsupported(file, f"{where}.truncate", truncate, "rope_type yarn is supported with true or false here")
+    original = number("original_max_position_embeddings", float(_get(hf, "max_position_embeddings", file)))
+    return {"rope_scaling_factor": factor, "rope_scaling_type": "yarn", "rope_original_max_seq_len": int(original),
+            "rope_yarn_beta_fast": number("beta_fast", None) or 32.0,
+            "rope_yarn_beta_slow": number("beta_slow", None) or 1.0, "rope_yarn_truncate": truncate,
+            "rope_yarn_mscale": number("mscale", 0.0), "rope_yarn_mscale_all_dim": number("mscale_all_dim", 0.0),
+            "rope_attention_factor": number("attention_factor", 0.0)}
 
 
 def _sliding_window(hf: dict[str, Any], file: Path, model_type: str) -> int:
@@ -484,6 +510,13 @@ def _hf_rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
         return None
     if cfg.rope_scaling_type == "linear":
         return {"rope_type": "linear", "factor": cfg.rope_scaling_factor}
+    if cfg.rope_scaling_type == "yarn":
+        optional = {"mscale": cfg.rope_yarn_mscale, "mscale_all_dim": cfg.rope_yarn_mscale_all_dim,
+                    "attention_factor": cfg.rope_attention_factor}
+        return {"rope_type": "yarn", "factor": cfg.rope_scaling_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_seq_len,
+                "beta_fast": cfg.rope_yarn_beta_fast, "beta_slow": cfg.rope_yarn_beta_slow,
+                "truncate": bool(cfg.rope_yarn_truncate), **{k: v for k, v in optional.items() if v}}
     return {"rope_type": "llama3", **{key: getattr(cfg, name) for key, name in LLAMA3_ROPE_KEYS.items()}}
 
 
@@ -517,10 +550,14 @@ def _llama_model_type(cfg: ModelConfig) -> str:
             "attention_softcap": (0.0, kind.softcaps), "final_softcap": (0.0, kind.gemma),
             "attention_out_bias": (False, kind.gpt_oss)}
     for name, (plain, holds) in held.items():  # what only some types' config.json can say
-        if not holds and getattr(cfg, name) != plain and (name != "rope_scaling_type" or cfg.rope_scaling_factor):
+        scaling = name != "rope_scaling_type" or cfg.rope_scaling_factor and cfg.rope_scaling_type == "linear"
+        if not holds and getattr(cfg, name) != plain and scaling:
             raise ConfigError(f"model.{name}={getattr(cfg, name)!r}: model.hf_model_type={model_type!r} cannot "
                               f"hold it; set it to {plain!r}, or model.hf_model_type to a type that has it "
                               "(gemma2: soft-capping; gemma3_text: a RoPE base of the windowed layers)")
+    if cfg.rope_scaling_factor and cfg.rope_scaling_type == "yarn" and kind.gemma:
+        raise ConfigError(f"model.rope_scaling_type='yarn': model.hf_model_type={model_type!r} cannot hold it; set "
+                          "model.hf_model_type to a llama-family type without Gemma's features, or another scaling")
     if cfg.sliding_window:
         features["window"] = True  # a type whose config.json says its layers' window
     for name, value in features.items():
@@ -740,6 +777,7 @@ def load_hf_weights(model: nn.Module, cfg: ModelConfig, path: str | Path) -> Non
     prefix = _schema(cfg).prefix  # hub files omit it, save_pretrained writes it
     theirs = {name.removeprefix(prefix): t for name, t in theirs.items()}
     theirs = _text_model_tensors(theirs, path)
+    theirs = _mxfp4_dequantized(theirs, path)
     groups = _groups(cfg)
     tied_output = {"output.weight"} if cfg.tie_embeddings else set()
     assert {n for g in groups for n in g.ours} | tied_output == set(params)
@@ -774,6 +812,20 @@ _TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model
                          "language_model.lm_head.": "lm_head."}
 """A multimodal checkpoint's text model (Gemma 3: the hub's names, then transformers 5's) -> a causal LM's."""
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _mxfp4_dequantized(theirs: dict[str, torch.Tensor], path: str | Path) -> dict[str, torch.Tensor]:
+    """gpt-oss's published experts in MXFP4 (models/mxfp4.py): each NAME_blocks with its NAME_scales becomes
+    NAME in bf16, as transformers builds it (exact: every FP4 value times its power of two is a bf16 value)."""
+    from trainfit.models.mxfp4 import hf_expert_weight
+
+    for name in [n for n in theirs if n.endswith("_blocks")]:
+        base = name.removesuffix("_blocks")
+        scales = theirs.pop(f"{base}_scales", None)
+        if scales is None:
+            raise ValueError(f"{path}: {name} has no {base}_scales beside it; an MXFP4 tensor needs both")
+        theirs[base] = hf_expert_weight(theirs.pop(name), scales)
+    return theirs
 
 
 def _text_model_tensors(theirs: dict[str, torch.Tensor], path: str | Path) -> dict[str, torch.Tensor]:

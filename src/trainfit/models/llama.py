@@ -27,6 +27,7 @@ from trainfit.models.common import FeedForward, LayerStack, WholeSequence, outpu
 from trainfit.models.document_attention import document_masks, document_positions
 from trainfit.models.init import init_parameters
 from trainfit.models.moe import MoE
+from trainfit.models.rope_scaling import yarn_attention_factor, yarn_frequencies
 
 
 class RMSNorm(nn.Module):
@@ -54,17 +55,29 @@ def rope_tables(cfg: ModelConfig, key: tuple[float, bool], device: torch.device 
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [max_seq_len, head_dim] in fp32 for the layers of RoPE `key` (Attention.rope_key:
     base, scaled), frequencies repeated twice (rotate_half layout), scaled as model.rope_scaling_type
-    says when the key is: Llama 3.1's, or linear."""
+    says when the key is: Llama 3.1's, linear, or YaRN (models/rope_scaling.py; its tables times its attention
+    factor)."""
     head_dim = describe(cfg).attention.head_dim
     theta, scaled = key
     inv_freq_K2 = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    sharpen = 1.0
     if scaled and cfg.rope_scaling_type == "linear":
         inv_freq_K2 = inv_freq_K2 / cfg.rope_scaling_factor
+    elif scaled and cfg.rope_scaling_type == "yarn":
+        inv_freq_K2 = yarn_frequencies(inv_freq_K2, head_dim=head_dim, base=theta, factor=cfg.rope_scaling_factor,
+                                       original_max_seq_len=cfg.rope_original_max_seq_len,
+                                       beta_fast=cfg.rope_yarn_beta_fast, beta_slow=cfg.rope_yarn_beta_slow,
+                                       truncate=bool(cfg.rope_yarn_truncate))
+        sharpen = yarn_attention_factor(cfg.rope_scaling_factor, mscale=cfg.rope_yarn_mscale or None,
+                                        mscale_all_dim=cfg.rope_yarn_mscale_all_dim or None,
+                                        attention_factor=cfg.rope_attention_factor or None)
     elif scaled:
         inv_freq_K2 = llama31_scaled_frequencies(inv_freq_K2, cfg)
     pos_T = torch.arange(cfg.max_seq_len, dtype=torch.float32, device=device)
     angles_TK = torch.outer(pos_T, inv_freq_K2).repeat(1, 2)
-    return angles_TK.cos(), angles_TK.sin()
+    if sharpen == 1.0:
+        return angles_TK.cos(), angles_TK.sin()
+    return angles_TK.cos() * sharpen, angles_TK.sin() * sharpen
 
 
 def llama31_scaled_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:

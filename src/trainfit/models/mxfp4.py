@@ -99,7 +99,7 @@ def _dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, 
     scale_table = _scale_table(compute, blocks.device)
     codes, exps = blocks.reshape(-1, BLOCK_SIZE // 2), scales.reshape(-1)
     out = torch.empty(codes.shape[0], BLOCK_SIZE, dtype=dtype, device=blocks.device)
-    for r0 in range(0, codes.shape[0] - 1, rows_per_chunk):
+    for r0 in range(0, codes.shape[0], rows_per_chunk):
         chunk = pairs[codes[r0:r0 + rows_per_chunk].int()].flatten(1)  # [rows, 16, 2] -> [rows, 32]
         exp = exps[r0:r0 + rows_per_chunk]
         chunk *= scale_table[exp.clamp(max=254).int()].unsqueeze(1)

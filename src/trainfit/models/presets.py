@@ -48,6 +48,12 @@ DEFAULTS: dict[str, Any] = {
     "expert_bias": False,
     "swiglu_limit": 0.0,
     "swiglu_alpha": 1.702,
+    "rope_yarn_beta_fast": 32.0,
+    "rope_yarn_beta_slow": 1.0,
+    "rope_yarn_truncate": True,
+    "rope_yarn_mscale": 0.0,
+    "rope_yarn_mscale_all_dim": 0.0,
+    "rope_attention_factor": 0.0,
 }
 
 
@@ -59,6 +65,11 @@ def _gpt2(dim: int, num_layers: int, num_heads: int) -> dict[str, Any]:
 _QWEN3 = dict(vocab_size=151936, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm="head",
               hf_model_type="qwen3")
 
+_GPT_OSS = dict(dim=2880, num_heads=64, num_kv_heads=8, head_dim=64, ffn_dim=2880, expert_ffn_dim=2880,
+                vocab_size=201088, max_seq_len=131072, rope_theta=150000.0, rope_scaling_factor=32.0, rope_scaling_type="yarn",
+                rope_original_max_seq_len=4096, rope_yarn_truncate=False, qkv_bias=True, attention_out_bias=True,
+                attention_sinks=True, router_bias=True, expert_bias=True, swiglu_limit=7.0, experts_per_token=4,
+                sliding_window=128, sliding_window_pattern=2, router_aux_loss_coef=0.9, hf_model_type="gpt_oss")
 _OLMO2 = dict(vocab_size=100352, max_seq_len=4096, norm_eps=1e-6, rope_theta=5e5, qk_norm="whole",
               norm_placement="post", hf_model_type="olmo2")
 _GEMMA2 = dict(vocab_size=256000, max_seq_len=8192, norm_eps=1e-6, tie_embeddings=True, norm_placement="sandwich",
@@ -166,6 +177,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     # allenai/OLMo-2-1124-{7B,13B}: a norm after each branch (none before), QK-norm over all heads.
     "olmo-2-7b": dict(_OLMO2, dim=4096, num_layers=32, num_heads=32, num_kv_heads=32, ffn_dim=11008),
     "olmo-2-13b": dict(_OLMO2, dim=5120, num_layers=40, num_heads=40, num_kv_heads=40, ffn_dim=13824),
+    # openai/gpt-oss-{20b,120b} (their config.json files; the gpt-oss model card, arXiv 2508.10925): attention
+    # sinks, biases on q, k, v, o, the router and the experts, top-4 of 32 or 128 experts with the clamped
+    # SwiGLU, 128-token windowed layers alternating with full ones, YaRN (32 over 4096, not truncated).
+    "gpt-oss-20b": dict(_GPT_OSS, num_layers=24, num_experts=32),
+    "gpt-oss-120b": dict(_GPT_OSS, num_layers=36, num_experts=128),
     # google/gemma-3-{1b,4b,12b,27b}-it (the text model of 4B and 27B): sandwich (1 + w) norms, GeGLU, QK-norm,
     # five windowed layers to one global, the windowed ones with RoPE base 10,000, the global ones 1e6
     # (scaled linearly by 8 from 4B up).
@@ -226,6 +242,9 @@ PUBLISHED_NUM_PARAMS: dict[str, int] = {
     # OLMo 2's files, which the cards call 7B and 13B
     "olmo-2-7b": 7_298_617_344,
     "olmo-2-13b": 13_716_198_400,
+    # gpt-oss's files, the model card's 20.91B and 116.83B (arXiv 2508.10925, Table 1)
+    "gpt-oss-20b": 20_914_757_184,
+    "gpt-oss-120b": 116_829_156_672,
 }
 
 

@@ -19,6 +19,8 @@ _LLAMA_DIMS = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hid
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 _GPT2_DIMS = dict(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                   bos_token_id=0, eos_token_id=0)
+HF_GPT_OSS = dict(_LLAMA_DIMS, head_dim=24, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+                  layer_types=["sliding_attention", "full_attention"], swiglu_limit=2.0, pad_token_id=0, eos_token_id=0)
 # One small random config per supported model_type (plus tied/untied variants).
 HF_CONFIGS = {
     "llama": ("LlamaConfig", dict(_LLAMA_DIMS, rope_theta=500000.0, rms_norm_eps=1e-5)),
@@ -66,10 +68,16 @@ HF_CONFIGS = {
                                                       moe_intermediate_size=40, norm_topk_prob=False)),
     # gpt-oss: sinks, biases everywhere, a 5-token window on every other layer (the test's sequence is 12), the
     # clamped SwiGLU with a limit (2) its randomized weights reach; plain RoPE (YaRN has its own entry).
-    "gpt-oss": ("GptOssConfig", dict(_LLAMA_DIMS, head_dim=24, num_local_experts=4, num_experts_per_tok=2,
-                                     sliding_window=5, layer_types=["sliding_attention", "full_attention"],
-                                     swiglu_limit=2.0, rope_parameters=dict(rope_type="default", rope_theta=150000.0),
-                                     pad_token_id=0, eos_token_id=0)),
+    "gpt-oss": ("GptOssConfig", dict(HF_GPT_OSS, rope_parameters=dict(rope_type="default", rope_theta=150000.0))),
+    # YaRN (models/rope_scaling.py) over an original context of 16, so that the test's 12 positions turn the
+    # stretched pairs: gpt-oss's (not truncated, the attention factor from the factor) and a Llama's (truncated,
+    # DeepSeek's mscale ratio)
+    "gpt-oss-yarn": ("GptOssConfig", dict(HF_GPT_OSS, rope_parameters=dict(
+        rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+        original_max_position_embeddings=16, rope_theta=150000.0))),
+    "llama-yarn": ("LlamaConfig", dict(_LLAMA_DIMS, rope_parameters=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=0.707, mscale_all_dim=1.0,
+        rope_theta=10000.0))),
     "gpt2": ("GPT2Config", _GPT2_DIMS),
     "gpt2-untied": ("GPT2Config", dict(_GPT2_DIMS, n_inner=96, tie_word_embeddings=False)),
 }
@@ -162,7 +170,8 @@ def write_config(tmp_path: Path, **changes: object) -> Path:
         (dict(model_type="bert"), "model_type='bert': not supported"),
         (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling.low_freq_factor=None"),
         (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_scaling.rope_type='dynamic'"),
-        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_parameters.rope_type='yarn'"),
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_parameters.factor=None"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "truncate": "no"}), "rope_parameters.truncate="),
         (dict(hidden_size="<drop>"), "key 'hidden_size' is missing"),
         (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
         (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
@@ -234,3 +243,33 @@ def test_a_multimodal_gemma3_checkpoint_loads_its_text_model_naming_the_vision_t
     x = tokens() % 290  # text tokens only
     with torch.no_grad():
         torch.testing.assert_close(ours(x), theirs(input_ids=x).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path: Path) -> None:
+    """The published gpt-oss checkpoints hold each layer's experts as MXFP4 blocks and scales
+    (models/mxfp4.py): a tiny gpt-oss whose experts are exactly representable in MXFP4, saved that way, loads
+    into trainfit with transformers' logits (its model holding the same values in full precision)."""
+    from safetensors.torch import load_file, save_file
+
+    from trainfit.models.mxfp4 import hf_expert_weight, quantize_mxfp4
+
+    theirs = hf_model("gpt-oss")
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # onto MXFP4's grid, [E, in, out]
+                blocks, scales = quantize_mxfp4(p.transpose(1, 2).contiguous())
+                p.copy_(hf_expert_weight(blocks, scales, torch.float32))
+    theirs.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(tensors.pop(name).transpose(1, 2).contiguous())
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, tmp_path / "model.safetensors")
+    ours, cfg = our_model(tmp_path)
+    load_hf_weights(ours, cfg, tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens()), theirs(tokens()).logits, atol=1e-4, rtol=1e-4)
+    del tensors[next(n for n in tensors if n.endswith("_scales"))]  # blocks without their scales: refused
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="_scales beside it"):
+        load_hf_weights(ours, cfg, tmp_path)
