@@ -69,9 +69,10 @@ GEMMA2 = (*(a for a in GEMMA3 if not a.startswith(("--model.qk_norm", "--model.h
           "--model.attention_softcap=5", "--model.final_softcap=3")
 """Gemma 2's block on the debug model: Gemma 3's without QK-norm, soft-capped scores (the eager attention) and
 logits, capped low enough to bend them."""
-GPT_OSS = ("--model.num_shared_experts=0", "--model.attention_sinks=true", "--model.qkv_bias=true",
-           "--model.attention_out_bias=true", "--model.router_bias=true", "--model.expert_bias=true",
-           "--model.swiglu_limit=2", "--model.sliding_window=8", "--model.sliding_window_pattern=2")
+GPT_OSS = ("--model.num_shared_experts=0", "--model.norm_fp32_gain=true", "--model.attention_sinks=true",
+           "--model.qkv_bias=true", "--model.attention_out_bias=true", "--model.router_bias=true",
+           "--model.expert_bias=true", "--model.swiglu_limit=2", "--model.sliding_window=8",
+           "--model.sliding_window_pattern=2")
 """gpt-oss's block on the debug MoE model: attention sinks (the eager attention), biases on q, k, v, o, the router
 and the experts, the clamped SwiGLU at a limit the debug model's values reach, a windowed layer (8 of the tests'
 32 positions) before a global one."""

@@ -390,11 +390,11 @@ GEMMA2 = [*LLAMA, "--model.num_layers=3", "--model.norm_placement=sandwich", "--
           WINDOW, "--model.sliding_window_pattern=2", "--model.attention_softcap=50", "--model.final_softcap=30"]
 """Gemma 2's block: Gemma 3's without QK-norm, windowed and global layers alternating, soft-capped scores
 (an eager attention) and logits."""
-GPT_OSS = [*moe(4, 2), "--model.attention_sinks=true", "--model.qkv_bias=true", "--model.attention_out_bias=true",
-           "--model.router_bias=true", "--model.expert_bias=true", "--model.swiglu_limit=7", WINDOW,
-           "--model.sliding_window_pattern=2"]
-"""gpt-oss's block: attention sinks (an eager attention on every device), biases on q, k, v, o, the router and
-the experts, the clamped SwiGLU, windowed and global layers alternating."""
+GPT_OSS = [*moe(4, 2), "--model.norm_fp32_gain=true", "--model.attention_sinks=true", "--model.qkv_bias=true",
+           "--model.attention_out_bias=true", "--model.router_bias=true", "--model.expert_bias=true",
+           "--model.swiglu_limit=7", WINDOW, "--model.sliding_window_pattern=2"]
+"""gpt-oss's block: RMSNorm's gain in fp32, attention sinks (an eager attention on every device), biases on q, k,
+v, o, the router and the experts, the clamped SwiGLU, windowed and global layers alternating."""
 ARCHITECTURE_GRID: list[Row] = [
     _row("qwen3-fp32", 1, QWEN3),
     _row("qwen3-bf16-mixed", 1, QWEN3, BF16_MIXED),
@@ -431,6 +431,7 @@ ARCHITECTURE_GRID: list[Row] = [
     _row("gpt-oss-fp32", 1, GPT_OSS),
     _row("gpt-oss-bf16-mixed", 1, GPT_OSS, BF16_MIXED),
     _row("gpt-oss-bf16-mixed-full", 1, GPT_OSS, BF16_MIXED, FULL),
+    _row("gpt-oss-bf16-pure", 1, GPT_OSS, BF16_PURE),
     _row("gpt-oss-fp32-selective", 1, GPT_OSS, SELECTIVE),
     _row("gpt-oss-lora-all-linear-bf16-mixed", 1, GPT_OSS, LORA, ALL_LINEAR, BF16_MIXED),
     _row("gpt-oss-z3-bf16-mixed", 2, GPT_OSS, Z3, BF16_MIXED),

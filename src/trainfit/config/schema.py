@@ -170,6 +170,10 @@ class ModelConfig:
     the pairs over capacity are dropped and pass through the residual only. Kept first: every
     token's first choice before any second choice, then by position in the micro-batch. Experts then
     run on fixed [num_experts, capacity] buffers, so memory no longer depends on the routing."""
+    norm_fp32_gain: bool | None = None
+    """RMSNorm's gain multiplied in fp32 before the cast back to the input's dtype (gpt-oss; Llama casts first,
+    Gemma's (1 + w) gain, model.norm_offset, is multiplied in fp32 too): differs only where the stream is 16-bit
+    (precision.mode=bf16-pure)."""
     attention_out_bias: bool | None = None
     """Bias on the attention's output projection (gpt-oss: q, k, v and o all biased, with qkv_bias)."""
     attention_sinks: bool | None = None

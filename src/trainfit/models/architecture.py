@@ -40,6 +40,13 @@ class Norm:
     offset: bool = False
     """Gemma's RMSNorm: the gain is (1 + w) (w stored, initialised at 0), multiplied in fp32 before the
     cast back to the input's dtype."""
+    fp32_gain: bool = False
+    """gpt-oss's RMSNorm: the gain w multiplied in fp32 before the cast back (Llama's casts first)."""
+
+    @property
+    def gain_in_fp32(self) -> bool:
+        """Whether the gain multiplies the fp32 normed values (saving them in fp32), not their cast back."""
+        return self.offset or self.fp32_gain
 
     def params(self, width: int) -> int:
         """Parameters of one norm over `width` features (gain, and LayerNorm's bias)."""
@@ -312,7 +319,7 @@ def _describe(fields: tuple) -> Architecture:
     """describe, once per config (the planner asks for each candidate's many times)."""
     m = ModelConfig(*fields)
     gpt2 = m.family == "gpt2"  # the feature bundle a family name stands for (module docstring)
-    norm = Norm("layer" if gpt2 else "rms", m.norm_eps, offset=bool(m.norm_offset))
+    norm = Norm("layer" if gpt2 else "rms", m.norm_eps, offset=bool(m.norm_offset), fp32_gain=bool(m.norm_fp32_gain))
     width = head_dim(m)
     shapes = dict(
         num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=width,

@@ -264,7 +264,7 @@ def _gpt_oss_fields(hf: dict[str, Any], file: Path, fields: dict[str, Any]) -> d
                            "biased attention projections (true)")
     experts = _get(hf, "num_local_experts", file)
     top_k = _get(hf, "num_experts_per_tok", file, None) or _get(hf, "experts_per_token", file)
-    return dict(attention_out_bias=True, attention_sinks=True, router_bias=True, expert_bias=True,
+    return dict(norm_fp32_gain=True, attention_out_bias=True, attention_sinks=True, router_bias=True, expert_bias=True,
                 num_experts=experts, experts_per_token=top_k, expert_ffn_dim=fields["ffn_dim"],
                 swiglu_limit=float(_get(hf, "swiglu_limit", file, 7.0)),
                 swiglu_alpha=float(_get(hf, "swiglu_alpha", file, 1.702)),
@@ -548,7 +548,7 @@ def _llama_model_type(cfg: ModelConfig) -> str:
             "sliding_window_pattern": (0, kind.gemma or kind.gpt_oss),
             "rope_local_theta": (0.0, kind.local_rope), "rope_scaling_type": ("llama3", kind.local_rope),
             "attention_softcap": (0.0, kind.softcaps), "final_softcap": (0.0, kind.gemma),
-            "attention_out_bias": (False, kind.gpt_oss)}
+            "attention_out_bias": (False, kind.gpt_oss), "norm_fp32_gain": (False, kind.gpt_oss)}
     for name, (plain, holds) in held.items():  # what only some types' config.json can say
         scaling = name != "rope_scaling_type" or cfg.rope_scaling_factor and cfg.rope_scaling_type == "linear"
         if not holds and getattr(cfg, name) != plain and scaling:

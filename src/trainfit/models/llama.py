@@ -32,11 +32,11 @@ from trainfit.models.rope_scaling import yarn_attention_factor, yarn_frequencies
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in fp32: cast back before the gain, as HF Llama does, or (offset:
-    Gemma's) multiplied by (1 + gain) in fp32 and cast back after."""
+    Gemma's) multiplied by (1 + gain) in fp32 and cast back after (fp32_gain: gpt-oss's, by the gain)."""
 
-    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, offset: bool = False, fp32_gain: bool = False) -> None:
         super().__init__()
-        self.eps, self.offset = eps, offset
+        self.eps, self.offset, self.fp32_gain = eps, offset, fp32_gain
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
@@ -44,11 +44,13 @@ class RMSNorm(nn.Module):
         normed = x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
             return (normed * (1.0 + self.weight.float())).to(x_BTD.dtype)
+        if self.fp32_gain:  # gpt-oss's order: the gain on the fp32 values, then the cast
+            return (self.weight * normed).to(x_BTD.dtype)
         return self.weight * normed.to(x_BTD.dtype)
 
 
 def rms_norm(dim: int, norm: Norm) -> RMSNorm:
-    return RMSNorm(dim, norm.eps, norm.offset)
+    return RMSNorm(dim, norm.eps, norm.offset, norm.fp32_gain)
 
 
 def rope_tables(cfg: ModelConfig, key: tuple[float, bool], device: torch.device | None = None

@@ -42,6 +42,7 @@ DEFAULTS: dict[str, Any] = {
     "router_normalize_topk": True,
     "moe_dense_layers": 0,
     "moe_layer_step": 1,
+    "norm_fp32_gain": False,
     "attention_out_bias": False,
     "attention_sinks": False,
     "router_bias": False,
@@ -68,9 +69,9 @@ _QWEN3 = dict(vocab_size=151936, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-
 _GPT_OSS = dict(dim=2880, num_heads=64, num_kv_heads=8, head_dim=64, ffn_dim=2880, expert_ffn_dim=2880,
                 vocab_size=201088, max_seq_len=131072, rope_theta=150000.0, rope_scaling_factor=32.0,
                 rope_scaling_type="yarn", rope_original_max_seq_len=4096, rope_yarn_truncate=False, qkv_bias=True,
-                attention_out_bias=True, attention_sinks=True, router_bias=True, expert_bias=True, swiglu_limit=7.0,
-                experts_per_token=4, sliding_window=128, sliding_window_pattern=2, router_aux_loss_coef=0.9,
-                hf_model_type="gpt_oss")
+                norm_fp32_gain=True, attention_out_bias=True, attention_sinks=True, router_bias=True, expert_bias=True,
+                swiglu_limit=7.0, experts_per_token=4, sliding_window=128, sliding_window_pattern=2,
+                router_aux_loss_coef=0.9, hf_model_type="gpt_oss")
 _OLMO2 = dict(vocab_size=100352, max_seq_len=4096, norm_eps=1e-6, rope_theta=5e5, qk_norm="whole",
               norm_placement="post", hf_model_type="olmo2")
 _GEMMA2 = dict(vocab_size=256000, max_seq_len=8192, norm_eps=1e-6, tie_embeddings=True, norm_placement="sandwich",

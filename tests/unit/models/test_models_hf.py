@@ -273,3 +273,22 @@ def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path: P
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="_scales beside it"):
         load_hf_weights(ours, cfg, tmp_path)
+
+
+def test_gpt_oss_norm_multiplies_its_gain_in_fp32_as_transformers_does() -> None:
+    """In 16-bit (bf16-pure) gpt-oss's RMSNorm (model.norm_fp32_gain) takes the gain on the fp32 normed values
+    before the cast, Llama's after it: trainfit's matches transformers' GptOssRMSNorm bit for bit, and the
+    Llama order would not."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    from trainfit.models.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 7, 64, generator=gen).to(torch.bfloat16)
+    weight = (1 + 0.3 * torch.randn(64, generator=gen)).to(torch.bfloat16)
+    theirs, ours, llama = GptOssRMSNorm(64, eps=1e-5), RMSNorm(64, 1e-5, fp32_gain=True), RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        for norm in (theirs, ours, llama):
+            norm.to(torch.bfloat16).weight.copy_(weight)
+        assert torch.equal(ours(x), theirs(x))
+        assert not torch.equal(llama(x), theirs(x))

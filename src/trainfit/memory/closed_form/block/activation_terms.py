@@ -175,7 +175,7 @@ def scores_kept(m: ModelConfig, d: ActDtypes) -> bool:
 def normed_bytes(m: ModelConfig, cast: int) -> int:
     """Bytes per element an RMSNorm's gain multiply saves of the normed values: cast back to `cast` (its
     input's dtype) first, as Llama's, or fp32 (Gemma's (1 + w), multiplied before the cast)."""
-    return FP32 if layer_of(m).norm.offset else cast
+    return FP32 if layer_of(m).norm.gain_in_fp32 else cast
 
 
 def sandwich_post_norms_saved(m: ModelConfig, d: ActDtypes) -> Terms:
