@@ -214,9 +214,17 @@ class GlooTestCase(DTensorTestBase):
 
 
 
+PARITY_NAME_CHARS = 120
+"""A parity run's folder name at most (with room under the file system's 255 for what its runs add): a longer
+one keeps its start and a hash of the whole, the same on every rank."""
+
+
 def parity_name(overrides: tuple[str, ...], steps: int) -> str:
     """The folder (under GlooTestCase.shared_dir) of check_parity's run of `overrides`."""
-    return "_".join(o.split(".")[-1] for o in overrides).replace("=", "-").replace("+", "-") + f"-{steps}"
+    name = "_".join(o.split(".")[-1] for o in overrides).replace("=", "-").replace("+", "-") + f"-{steps}"
+    if len(name) <= PARITY_NAME_CHARS:
+        return name
+    return f"{name[:PARITY_NAME_CHARS - 17]}-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
 
 
 class FourRankGlooTestCase(GlooTestCase):

@@ -19,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from trainfit.config import ModelConfig
 from trainfit.models import block_cost, build_model, materialize
+from trainfit.models.architecture import describe
 from trainfit.models.params import param_counts
 from trainfit.models.presets import PRESETS, resolve_model_config
 from trainfit.perf import flops
@@ -54,8 +55,13 @@ def test_gpt2_matches_nanogpt_estimate() -> None:
 def test_matmul_params_are_the_active_weights_but_embeddings_and_norms(preset: str) -> None:
     m = model_config(preset)
     c = param_counts(m)
-    head_dim = m.dim // m.num_heads
-    biases = m.num_layers * (m.num_heads + 2 * m.num_kv_heads) * head_dim if m.qkv_bias else 0
+    arch = describe(m)
+    a, moe = arch.attention, arch.layers[-1].moe  # (every MoE preset here has MoE in every layer)
+    per_layer = (a.q_dim + 2 * a.kv_dim if a.qkv_bias else 0) + (m.dim if a.out_bias else 0) + \
+        (a.num_heads if a.sinks else 0)  # gpt-oss: o_proj biased, the sinks
+    if moe is not None:  # gpt-oss: the router's bias, the active experts' biases
+        per_layer += (moe.experts if moe.router_bias else 0) + (moe.top_k * (2 * moe.hidden + m.dim) if moe.bias else 0)
+    biases = m.num_layers * per_layer
     tied_output = m.dim * m.vocab_size if m.tie_embeddings else 0
     expected = c.active - c.embedding - m.num_layers * c.norms - c.final_norm - biases + tied_output
     assert flops.matmul_params_per_token(m) == expected
