@@ -318,28 +318,31 @@ def check_mfu(ctx: Context) -> None:
             f"({matched}); peaks agree: {ctx.figures.get('mfu_peaks_agree')}")
 
 
+def memory_seen(trainer: Trainer, result: TrainResult) -> dict[str, Any]:
+    """After a run: the analytic estimate of its config on this device, and the CUDA allocator's counters."""
+    from trainfit.estimate import estimate
+
+    here = config_here(trainer.cfg, trainer.device)
+    stage = estimate(here, trainer.layout).memory.per_stage[0]
+    seen = {"estimated_gpu": here.hardware.gpu, "estimated_peak_bytes": stage.peak,
+            "estimated_reserved_margin_bytes": stage.reserved_margin,
+            "estimated_total_bytes": stage.peak + stage.reserved_margin}
+    if trainer.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(trainer.device)
+        seen.update(cuda_max_memory_allocated=torch.cuda.max_memory_allocated(trainer.device),
+                    cuda_max_memory_reserved=torch.cuda.max_memory_reserved(trainer.device),
+                    cuda_memory_reserved=torch.cuda.memory_reserved(trainer.device),
+                    cuda_mem_get_info_free=free, cuda_mem_get_info_total=total,
+                    cuda_device_used_bytes=total - free)
+    return seen
+
+
 def check_memory(ctx: Context) -> None:
     """The measured step's peak and every memory_/device_ figure its metrics record holds, the CUDA
     allocator's own counters, and the analytic estimate of the same config on this device."""
-    from trainfit.estimate import estimate
     from trainfit.units import fmt_bytes
 
-    def inspect(trainer: Trainer, result: TrainResult) -> dict[str, Any]:
-        here = config_here(trainer.cfg, trainer.device)
-        stage = estimate(here, trainer.layout).memory.per_stage[0]
-        seen = {"estimated_gpu": here.hardware.gpu, "estimated_peak_bytes": stage.peak,
-                "estimated_reserved_margin_bytes": stage.reserved_margin,
-                "estimated_total_bytes": stage.peak + stage.reserved_margin}
-        if trainer.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(trainer.device)
-            seen.update(cuda_max_memory_allocated=torch.cuda.max_memory_allocated(trainer.device),
-                        cuda_max_memory_reserved=torch.cuda.max_memory_reserved(trainer.device),
-                        cuda_memory_reserved=torch.cuda.memory_reserved(trainer.device),
-                        cuda_mem_get_info_free=free, cuda_mem_get_info_total=total,
-                        cuda_device_used_bytes=total - free)
-        return seen
-
-    run = train(ctx, "memory", *ctx.model(), "--training.steps=3", inspect=inspect)
+    run = train(ctx, "memory", *ctx.model(), "--training.steps=3", inspect=memory_seen)
     m = run.result.memory
     assert m is not None, "no measured step"
     measured = [r for r in run.steps if any(k.startswith("memory_") for k in r)]
@@ -1013,8 +1016,61 @@ def check_allocator_pressure(ctx: Context) -> None:
         free_memory()
 
 
+def check_imports(ctx: Context) -> None:
+    """Every trainfit module imports under this machine's torch (pyproject allows torch 2.6 and later; the
+    first GPU run's torch 2.11 lacked a name one module imported): the failures, named."""
+    import importlib
+    import pkgutil
+
+    import trainfit
+
+    names = [m.name for m in pkgutil.walk_packages(trainfit.__path__, "trainfit.") if m.name != "trainfit.__main__"]
+    failed = {}
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # each module's error recorded; the check fails at the end
+            failed[name] = first_line(err)
+    ctx.put(modules=len(names), failed=len(failed), torch=torch.__version__,
+            **{f"failed_{name}": error for name, error in failed.items()})
+    ctx.say(f"{len(names) - len(failed)} of {len(names)} modules import under torch {torch.__version__}"
+            + (f"; failed: {', '.join(failed)}" if failed else ""))
+    assert not failed, failed
+
+
+GPT_OSS_BLOCK = ("--model.preset=debug-moe", "--model.num_shared_experts=0", "--model.max_seq_len=256",
+                 "--model.norm_fp32_gain=true", "--model.attention_sinks=true", "--model.qkv_bias=true",
+                 "--model.attention_out_bias=true", "--model.router_bias=true", "--model.expert_bias=true",
+                 "--model.swiglu_limit=7", "--model.sliding_window=64", "--model.sliding_window_pattern=2",
+                 "--model.rope_scaling_type=yarn", "--model.rope_scaling_factor=4",
+                 "--model.rope_original_max_seq_len=64", "--model.rope_yarn_truncate=false")
+"""gpt-oss's block on the debug MoE model: sinks, biases, the clamped SwiGLU, alternating windows, YaRN."""
+
+
+def check_gpt_oss(ctx: Context) -> None:
+    """gpt-oss's block (models/eager_attention.py's sinks on every device, biased experts with the clamped
+    SwiGLU, YaRN) in bf16-mixed on the device: 4 steps, finite falling losses, the measured step's peak beside
+    the analytic estimate of the same config on this device."""
+    from trainfit.units import fmt_bytes
+
+    run = train(ctx, "gpt_oss", *GPT_OSS_BLOCK, "--precision.mode=bf16-mixed", "--training.seq_len=256",
+                "--training.micro_batch_size=4", "--training.global_batch_size=4", "--training.steps=4",
+                inspect=memory_seen)
+    m = run.result.memory
+    losses = list(run.result.losses.values())
+    measured = {"peak_bytes": m.peak, "non_tensor_bytes": m.non_tensor,
+                "estimated_over_measured_peak": run.seen["estimated_peak_bytes"] / m.peak} if m else {}
+    ctx.put(loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None, **run.seen,
+            **measured)
+    ctx.say(f"losses {[round(x, 3) for x in run.result.losses.values()]}"
+            + (f"; peak {fmt_bytes(m.peak)}, estimate {fmt_bytes(run.seen['estimated_peak_bytes'])}" if m else ""))
+    assert run.finite() and run.result.losses[4] < run.result.losses[1], run.result.losses
+    assert m is not None, "no measured step"
+
+
 CHECKS: dict[str, Callable[[Context], None]] = {
-    "sdpa": check_sdpa, "mfu": check_mfu, "memory": check_memory, "offload": check_offload,
+    "imports": check_imports, "gpt_oss": check_gpt_oss, "sdpa": check_sdpa, "mfu": check_mfu,
+    "memory": check_memory, "offload": check_offload,
     "resume_rng": check_resume_rng, "profile_dump": check_profile_dump, "measure_snapshot": check_measure_snapshot,
     "zero1_nccl": check_zero1_nccl, "calibrate": check_calibrate, "compile": check_compile, "fp8": check_fp8,
     "softcap": check_softcap, "host_time": check_host_time, "collective_latency": check_collective_latency,

@@ -93,3 +93,13 @@ def test_host_time_collective_latency_and_fsdp_peak_measure_on_the_cpu(tmp_path:
     for mb in (2, 8):
         assert fsdp[f"mb{mb}_shards"] == 8 and fsdp[f"mb{mb}_losses_finite"] is True, fsdp
         assert 0.8 < fsdp[f"mb{mb}_estimated_over_measured_peak"] < 1.2, fsdp
+
+
+def test_imports_and_gpt_oss_run_on_the_cpu(tmp_path: Path) -> None:
+    """The checks the first GPU run called for: every module imports (there torch 2.11 lacked a name one
+    imported), and gpt-oss's block trains with falling losses, its measured peak within 25% of the estimate."""
+    proc, report = gpu_check(tmp_path, "--only", "imports,gpt_oss")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    imports, gpt_oss = report["checks"]["imports"]["figures"], report["checks"]["gpt_oss"]["figures"]
+    assert imports["failed"] == 0 and imports["modules"] > 100
+    assert gpt_oss["loss_last"] < gpt_oss["loss_first"] and 0.8 < gpt_oss["estimated_over_measured_peak"] < 1.25
