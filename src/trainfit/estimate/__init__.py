@@ -62,7 +62,7 @@ class Estimate:
         if describe(self.cfg.model).attention.softcap:
             if softcap_kernel(device_type(self.cfg.hardware)) == "flex":
                 return ("attention: soft-capped scores (model.attention_softcap) run FlexAttention, compiled: no seq "
-                        "x seq term (not yet run on a GPU; priced at FlashAttention-2's rates)")
+                        "x seq term (priced at FlashAttention-2's rates, its own not measured)")
             return ("attention: soft-capped scores (model.attention_softcap) run an eager attention, not SDPA: "
                     "heads x seq x seq scores and fp32 probabilities saved per block")
         why = "torch's choice for these inputs" if backend == "auto" else "asked"
