@@ -520,9 +520,14 @@ def _hf_rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
     return {"rope_type": "llama3", **{key: getattr(cfg, name) for key, name in LLAMA3_ROPE_KEYS.items()}}
 
 
+GPT_OSS_FEATURES = ("attention_sinks", "attention_out_bias", "router_bias", "expert_bias", "swiglu_limit")
+"""What only a gpt_oss checkpoint holds, all together: one of them set makes the model that type's or none."""
+
+
 def _llama_model_type(cfg: ModelConfig) -> str:
     """The llama-family model_type `cfg` is written as (hf_config_dict), checked against its features."""
-    gpt_oss = bool(cfg.attention_sinks or cfg.expert_bias or cfg.swiglu_limit)
+    gpt_oss_set = [name for name in GPT_OSS_FEATURES if getattr(cfg, name)]
+    gpt_oss = bool(gpt_oss_set)
     experts = "" if not cfg.num_experts else "gpt_oss" if gpt_oss else \
         {"head": "qwen3_moe", "whole": "olmoe"}.get(cfg.qk_norm, "mixtral")
     gemma = cfg.norm_placement == "sandwich" or bool(cfg.norm_offset or cfg.embedding_scale)
@@ -537,10 +542,8 @@ def _llama_model_type(cfg: ModelConfig) -> str:
                           f"{', '.join(LLAMA_TYPES)} or '' (chosen from the model's features)")
     features = dict(qkv_bias=bool(cfg.qkv_bias), qk_norm=cfg.qk_norm, norm_placement=cfg.norm_placement,
                     experts=experts, gemma=gemma, gpt_oss=gpt_oss)
-    if gpt_oss and not all((cfg.attention_sinks, cfg.attention_out_bias, cfg.router_bias, cfg.expert_bias,
-                            cfg.swiglu_limit)):
-        off = [n for n in ("attention_sinks", "attention_out_bias", "router_bias", "expert_bias", "swiglu_limit")
-               if not getattr(cfg, n)]
+    if gpt_oss and len(gpt_oss_set) < len(GPT_OSS_FEATURES):
+        off = [name for name in GPT_OSS_FEATURES if name not in gpt_oss_set]
         raise ConfigError(f"model.{off[0]}={getattr(cfg, off[0])!r}: a gpt_oss checkpoint has attention sinks, "
                           "biased o_proj, router and experts and the clamped SwiGLU together; set all of them, or "
                           "none")
@@ -548,7 +551,7 @@ def _llama_model_type(cfg: ModelConfig) -> str:
             "sliding_window_pattern": (0, kind.gemma or kind.gpt_oss),
             "rope_local_theta": (0.0, kind.local_rope), "rope_scaling_type": ("llama3", kind.local_rope),
             "attention_softcap": (0.0, kind.softcaps), "final_softcap": (0.0, kind.gemma),
-            "attention_out_bias": (False, kind.gpt_oss), "norm_fp32_gain": (False, kind.gpt_oss)}
+            "norm_fp32_gain": (False, kind.gpt_oss)}
     for name, (plain, holds) in held.items():  # what only some types' config.json can say
         scaling = name != "rope_scaling_type" or cfg.rope_scaling_factor and cfg.rope_scaling_type == "linear"
         if not holds and getattr(cfg, name) != plain and scaling:

@@ -77,8 +77,6 @@ def rope_tables(cfg: ModelConfig, key: tuple[float, bool], device: torch.device 
         inv_freq_K2 = llama31_scaled_frequencies(inv_freq_K2, cfg)
     pos_T = torch.arange(cfg.max_seq_len, dtype=torch.float32, device=device)
     angles_TK = torch.outer(pos_T, inv_freq_K2).repeat(1, 2)
-    if sharpen == 1.0:
-        return angles_TK.cos(), angles_TK.sin()
     return angles_TK.cos() * sharpen, angles_TK.sin() * sharpen
 
 

@@ -292,3 +292,17 @@ def test_gpt_oss_norm_multiplies_its_gain_in_fp32_as_transformers_does() -> None
             norm.to(torch.bfloat16).weight.copy_(weight)
         assert torch.equal(ours(x), theirs(x))
         assert not torch.equal(llama(x), theirs(x))
+
+
+@pytest.mark.parametrize("feature", ["--model.router_bias=true", "--model.attention_out_bias=true",
+                                     "--model.swiglu_limit=7"])
+def test_one_gpt_oss_feature_alone_is_refused_on_export_naming_the_rest(feature: str) -> None:
+    """gpt-oss's features come together in its checkpoints: a Mixtral-shaped model with one of them would be
+    written as a type that drops it, so the export refuses it and names what else a gpt_oss one needs."""
+    from trainfit.configure import load_config
+    from trainfit.models.hf import hf_config_dict
+
+    cfg = load_config(None, ["--model.preset=debug-moe", "--model.num_shared_experts=0", feature]).model
+    with pytest.raises(ConfigError, match="a gpt_oss checkpoint has") as err:
+        hf_config_dict(cfg)
+    assert str(err.value).startswith("model.attention_sinks=False")  # the first of the features it lacks

@@ -90,11 +90,13 @@ class _StageSafeModTracker(ModTracker):
     def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
         args, _ = tree_flatten(input)
         kept = [a for a in args if not (isinstance(a, torch.Tensor) and a.is_leaf)] if self.backward_hooks else []
-        self._forward_depth += not self.is_bw
+        if not self.is_bw:
+            self._forward_depth += 1
         super()._fw_pre_hook(mod, kept)
 
     def _fw_post_hook(self, mod: nn.Module, input: Any, output: Any) -> None:
-        self._forward_depth -= not self.is_bw and self._forward_depth > 0
+        if not self.is_bw and self._forward_depth:
+            self._forward_depth -= 1
         super()._fw_post_hook(mod, input, output if self.backward_hooks else ())
 
     def _maybe_set_engine_callback(self) -> None:
